@@ -1,0 +1,184 @@
+"""PyTorch references for the fused kernels; also the CPU path.
+
+Every function here has the same signature as its Triton counterpart in this package and computes in
+float32 whatever the input dtype, returning the dtype of the queries. They materialise what the kernels
+never do (rebuilt keys, the N×N logits) and are meant for tests, CPU inference and short contexts.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+KEY_MODES = ("pre_rope", "post_rope")
+
+
+class RopeSpec(NamedTuple):
+    """What a kernel needs to rotate a key at its own position.
+
+    ``inv_freq`` ``[d/2]`` float32 are the model's inverse frequencies after any rope-type adjustment
+    (default, linear, llama3, …); ``attention_scaling`` multiplies cos and sin, as transformers does.
+    The rotation follows transformers' ``rotate_half`` convention: for ``x = [x1, x2]`` (halves),
+    ``rot(x) = [x1·cos − x2·sin, x2·cos + x1·sin]``.
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+
+
+def rope_cos_sin(positions: torch.Tensor, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin ``[..., d/2]`` (float32) for integer ``positions`` ``[...]``."""
+    freqs = positions.to(torch.float32)[..., None] * rope.inv_freq.to(positions.device, torch.float32)
+    return freqs.cos() * rope.attention_scaling, freqs.sin() * rope.attention_scaling
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate ``x`` ``[..., d]`` by half-dimension ``cos, sin`` ``[..., d/2]`` (broadcast)."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+
+def rebuild_keys(
+    z_k: torch.Tensor, P_k: torch.Tensor, *, key_mode: str, positions: torch.Tensor | None, rope: RopeSpec | None
+) -> torch.Tensor:
+    """Keys ``[B, G, N, d]`` (float32) from latents ``z_k`` ``[B, G, N, r_k]`` and bases ``P_k`` ``[G, d, r_k]``.
+
+    ``pre_rope`` rotates the rebuilt key at its position ``positions`` ``[B, N]``; ``post_rope`` latents
+    were taken after the rotation, so the rebuilt key is already rotated.
+    """
+    keys = torch.einsum("bgnr,gdr->bgnd", z_k.float(), P_k.float())
+    if key_mode == "post_rope":
+        return keys
+    if positions is None or rope is None:
+        raise ValueError("key_mode='pre_rope' needs the key positions and the rope spec")
+    cos, sin = rope_cos_sin(positions, rope)  # [B, N, d/2]
+    return rotate(keys, cos[:, None], sin[:, None])
+
+
+def key_padding_mask(lengths: torch.Tensor | None, batch: int, n_keys: int, device) -> torch.Tensor:
+    """Boolean ``[B, Nk]``: True where a key is real. ``lengths[b]`` real keys sit at the end (left padding)."""
+    if lengths is None:
+        return torch.ones(batch, n_keys, dtype=torch.bool, device=device)
+    idx = torch.arange(n_keys, device=device)
+    return idx[None, :] >= (n_keys - lengths.to(device).long())[:, None]
+
+
+def lowrank_attention(
+    q: torch.Tensor,
+    z_k: torch.Tensor,
+    z_v: torch.Tensor,
+    P_k: torch.Tensor,
+    P_v: torch.Tensor | None,
+    *,
+    key_mode: str = "pre_rope",
+    positions: torch.Tensor | None = None,
+    rope: RopeSpec | None = None,
+    bias: torch.Tensor | None = None,
+    causal: bool = True,
+    lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Softmax attention over a latent KV cache.
+
+    Parameters
+    ----------
+    q : ``[B, H, Nq, d]`` queries, already rotated at their positions (as the model computes them).
+    z_k : ``[B, G, Nk, r_k]`` key latents, ``z_k = P_kᵀ k`` (``k`` before or after RoPE per ``key_mode``).
+    z_v : ``[B, G, Nk, r_v]`` value latents, ``z_v = P_vᵀ v``.
+    P_k : ``[G, d, r_k]`` and P_v : ``[G, d, r_v]`` orthonormal bases. ``P_v=None`` returns the attention
+        output in latent space ``[B, H, Nq, r_v]`` (for a ``P_v`` folded into ``o_proj``).
+    positions : ``[B, Nk]`` integer key positions (``pre_rope`` only).
+    rope : :class:`RopeSpec` (``pre_rope`` only).
+    bias : ``[B, G, Nk]`` additive logit bias per key (compacted tokens); zero when ``None``.
+    causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
+    lengths : ``[B]`` real keys per row, right-aligned (left padding); all real when ``None``.
+    scale : softmax scale, ``d**-0.5`` by default.
+
+    Returns
+    -------
+    ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``. A query row with no visible key returns 0.
+    """
+    if key_mode not in KEY_MODES:
+        raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    B, H, Nq, d = q.shape
+    G, Nk = z_k.shape[1], z_k.shape[2]
+    if H % G:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({G})")
+    scale = d**-0.5 if scale is None else scale
+    qf = q.float().view(B, G, H // G, Nq, d)
+    if key_mode == "post_rope":
+        # q·(P_k z) = (P_kᵀ q)·z: attention runs in r_k dimensions.
+        logits = torch.einsum("bgsqd,gdr,bgkr->bgsqk", qf, P_k.float(), z_k.float())
+    else:
+        keys = rebuild_keys(z_k, P_k, key_mode=key_mode, positions=positions, rope=rope)
+        logits = torch.einsum("bgsqd,bgkd->bgsqk", qf, keys)
+    logits = logits * scale
+    if bias is not None:
+        logits = logits + bias.float()[:, :, None, None, :]
+    visible = key_padding_mask(lengths, B, Nk, q.device)[:, None, None, None, :]
+    if causal:
+        q_idx = torch.arange(Nq, device=q.device) + (Nk - Nq)
+        visible = visible & (torch.arange(Nk, device=q.device)[None, :] <= q_idx[:, None])
+    logits = logits.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no visible key
+    out = torch.einsum("bgsqk,bgkr->bgsqr", probs, z_v.float())
+    if P_v is not None:
+        out = torch.einsum("bgsqr,gdr->bgsqd", out, P_v.float())
+    return out.reshape(B, H, Nq, -1).to(q.dtype)
+
+
+def _attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
+    """Logits ``[B, H, Nq, Nk]`` (float32) with GQA: ``k`` ``[B, Hkv, Nk, d]`` serves ``H // Hkv`` heads each."""
+    H, Hkv, d = q.shape[1], k.shape[1], q.shape[-1]
+    if H % Hkv:
+        raise ValueError(f"query heads ({H}) must be a multiple of key heads ({Hkv})")
+    k = k.float().repeat_interleave(H // Hkv, dim=1)
+    return torch.einsum("bhqd,bhkd->bhqk", q.float(), k) * (d**-0.5 if scale is None else scale)
+
+
+def attention_kl(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    q_s: torch.Tensor,
+    k_s: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale_t: float | None = None,
+    scale_s: float | None = None,
+    reduction: str = "mean",
+    direction: str = "forward",
+) -> torch.Tensor:
+    """KL divergence between a teacher's and a student's attention distributions, materialised.
+
+    ``P_t = softmax(q_t k_tᵀ · scale_t)``, ``P_s`` likewise; per query row ``KL(P_t ‖ P_s)``
+    (``direction="forward"``) or ``KL(P_s ‖ P_t)`` (``"reverse"``).
+
+    Parameters
+    ----------
+    q_t : ``[B, H, Nq, d_t]``, k_t : ``[B, H_t, Nk, d_t]`` teacher queries and keys.
+    q_s : ``[B, H, Nq, d_s]``, k_s : ``[B, H_s, Nk, d_s]`` student queries and keys; GQA independently.
+    causal : query ``i`` sees keys up to index ``Nk − Nq + i``.
+    scale_t, scale_s : logit scales, ``d**-0.5`` by default.
+    reduction : ``"none"`` ``[B, H, Nq]``, ``"sum"`` or ``"mean"`` over all rows.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if direction not in ("forward", "reverse"):
+        raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
+    a = _attention_logits(q_t, k_t, scale_t)
+    b = _attention_logits(q_s, k_s, scale_s)
+    if causal:
+        Nq, Nk = a.shape[-2], a.shape[-1]
+        q_idx = torch.arange(Nq, device=a.device) + (Nk - Nq)
+        hidden = torch.arange(Nk, device=a.device)[None, :] > q_idx[:, None]
+        # A large finite fill, not -inf: p = 0 there exactly, and no inf − inf reaches the gradient.
+        a = a.masked_fill(hidden, -1e30)
+        b = b.masked_fill(hidden, -1e30)
+    log_p, log_s = torch.log_softmax(a, dim=-1), torch.log_softmax(b, dim=-1)
+    if direction == "reverse":
+        log_p, log_s = log_s, log_p
+    kl = (log_p.exp() * (log_p - log_s)).sum(dim=-1)
+    if reduction == "none":
+        return kl
+    return kl.sum() if reduction == "sum" else kl.mean()
