@@ -1,0 +1,500 @@
+"""Fused softmax attention over a latent (low-rank) KV cache, in Triton.
+
+The cache holds ``z_k = P_kᵀ k`` and ``z_v = P_vᵀ v`` per token and KV head. For a query ``q`` (already
+rotated at its position) and a key ``j``:
+
+- ``post_rope`` (latents of rotated keys): ``s_j = (P_kᵀ q) · z_k,j`` — the query is projected once and
+  attention runs in ``r_k`` dimensions.
+- ``pre_rope`` (latents of keys before RoPE): the key is rebuilt tile by tile and rotated at its own
+  position ``p_j``: with ``P1 = P_k[:d/2]``, ``P2 = P_k[d/2:]``, ``a1 = z_k P1ᵀ``, ``a2 = z_k P2ᵀ`` (two
+  ``tl.dot``) and ``c, s = α·cos(p_j θ), α·sin(p_j θ)`` computed in-kernel (``θ`` the inverse frequencies,
+  ``α`` the rope attention scaling), ``k_j = [a1 c − a2 s, a2 c + a1 s]`` and ``s_j = q · k_j``. A program
+  owns one KV head and all of its ``H/G`` query heads (they are rows of its query tile), so each key tile is
+  rebuilt once for the whole GQA group.
+
+Then ``o = Σ_j softmax_j(scale·s_j + bias_j) z_v,j`` accumulates in ``r_v`` dimensions with an online
+softmax (fp32 statistics, base-2 exponentials) and the epilogue returns ``P_v o`` (``[.., d]``) or ``o``
+itself when ``P_v`` is ``None`` (for a ``P_v`` folded into ``o_proj``).
+
+Rows of a query tile are ``(query i, head-in-group s)`` pairs, row ``m = i·GROUP + s``; query ``i`` sits
+at key index ``Nk − Nq + i`` (causal) and left-padded rows start at key ``Nk − lengths[b]``, so padding
+keys are never loaded. Decode (``Nq·GROUP ≤ 16``) splits each row's keys across ``NUM_SPLITS`` programs
+when ``B·G`` alone cannot fill the GPU (flash-decoding); a second kernel merges the partial softmaxes and
+applies the epilogue. Prefill tiles queries and keys like FlashAttention and writes nothing of size N×N.
+
+Layout of this file: jit helpers → kernels → host launcher → :func:`lowrank_attention`. Inference only:
+there is no backward, and the function refuses inputs that require a gradient.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from .reference import KEY_MODES, RopeSpec
+
+try:  # Triton ships with CUDA builds of torch; the CPU references work without it.
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only on machines without triton
+    triton = None
+
+    class _LanguageStub:  # enough for the definitions below to parse
+        @staticmethod
+        def constexpr(value=None):
+            return value
+
+    tl = _LanguageStub()
+
+
+def _jit(fn):
+    return triton.jit(fn) if triton is not None else fn
+
+
+LOG2E = 1.4426950408889634
+LOG2E_C = tl.constexpr(LOG2E)
+# π/2 split for the Cody–Waite reduction: HI is π/2 rounded to fp32, LO the rest (used through fma).
+PIO2_HI = tl.constexpr(1.5707963705062866)
+PIO2_LO = tl.constexpr(-4.371139000186243e-08)
+TWO_OVER_PI = tl.constexpr(0.6366197723675814)
+DECODE_BLOCK_M = 16  # tl.dot needs ≥ 16 rows; a decode tile holds one query's GQA group (≤ 8 heads)
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+@_jit
+def _sincos(x):
+    """``sin(x), cos(x)`` in fp32 for any ``x``: ``x = jπ/2 + r`` with ``|r| ≤ π/4`` (two-part Cody–Waite
+    through fma), minimax polynomials of ``r`` (Cephes ``sinf``/``cosf``), then the quadrant ``j mod 4``
+    picks ``(±sin r, ±cos r)``. Absolute error ≈ 1e-7 for the angles RoPE produces (``|x| ≲ 1e6``)."""
+    j = tl.floor(x * TWO_OVER_PI + 0.5)
+    r = tl.fma(j, -PIO2_HI, x)
+    r = tl.fma(j, -PIO2_LO, r)
+    z = r * r
+    sin_r = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
+    cos_r = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
+    quadrant = j.to(tl.int32) & 3
+    sin_x = tl.where(quadrant == 0, sin_r, tl.where(quadrant == 1, cos_r, tl.where(quadrant == 2, -sin_r, -cos_r)))
+    cos_x = tl.where(quadrant == 0, cos_r, tl.where(quadrant == 1, -sin_r, tl.where(quadrant == 2, -cos_r, sin_r)))
+    return sin_x, cos_x
+
+
+@_jit
+def _load_rows(ptrs, offs_n, hi, offs_r, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr):
+    """Load a ``[BLOCK_N, R_P2]`` tile of per-key rows; columns ``≥ R`` (rank padding) and, when ``MASK_N``,
+    keys ``≥ hi`` read as 0. Masks are built only where needed so full tiles load unmasked."""
+    if MASK_N:
+        if R == R_P2:
+            tile = tl.load(ptrs, mask=(offs_n < hi)[:, None], other=0.0)
+        else:
+            tile = tl.load(ptrs, mask=(offs_n < hi)[:, None] & (offs_r < R)[None, :], other=0.0)
+    else:
+        if R == R_P2:
+            tile = tl.load(ptrs)
+        else:
+            tile = tl.load(ptrs, mask=(offs_r < R)[None, :], other=0.0)
+    return tile
+
+
+@_jit
+def _query_rows(pid_m, n_q, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Rows ``m = i·GROUP + s`` of query tile ``pid_m``: ``(offs_m, query index i, head-in-group s, valid)``."""
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    return offs_m, offs_m // GROUP, offs_m % GROUP, offs_m < n_q * GROUP
+
+
+@_jit
+def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
+    """One step of the online softmax over a key tile: ``m' = max(m, max_j s_j)``,
+    ``ℓ' = ℓ·2^(m−m') + Σ_j 2^(s_j−m')``, ``acc' = acc·2^(m−m') + 2^(s−m') v`` (logits in base-2 units)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    return acc, l_i, m_new
+
+
+@_jit
+def _attend_range(
+    acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, bias_scale, start, end, q_idx, n_q, n_k,
+    ZK, ZV, POS, BIAS,
+    stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+    R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
+    sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
+    ``ZK``/``ZV``/``POS``/``BIAS`` already point at this (batch row, KV head)."""
+    offs_nt = tl.arange(0, BLOCK_N)
+    offs_rk = tl.arange(0, R_K_P2)
+    offs_rv = tl.arange(0, R_V_P2)
+    for start_n in range(start, end, BLOCK_N):
+        offs_n = start_n + offs_nt
+        zk_ptrs = ZK + offs_n[:, None] * stride_kn + offs_rk[None, :] * stride_kr
+        z = _load_rows(zk_ptrs, offs_n, end, offs_rk, R_K, R_K_P2, MASKED)  # [BLOCK_N, R_K_P2]
+        if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
+            if MASKED:
+                pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
+            else:
+                pos = tl.load(POS + offs_n * stride_posn)
+            sin, cos = _sincos(pos.to(tl.float32)[:, None] * inv_freq[None, :])
+            sin = sin * rope_scaling
+            cos = cos * rope_scaling
+            a1 = tl.dot(z, p1t, input_precision=DOT_PREC)  # [BLOCK_N, d/2]
+            a2 = tl.dot(z, p2t, input_precision=DOT_PREC)
+            k1 = (a1 * cos - a2 * sin).to(z.dtype)
+            k2 = (a2 * cos + a1 * sin).to(z.dtype)
+            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
+            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+        else:  # post_rope: the projected queries meet the latents directly
+            s = tl.dot(q1, tl.trans(z), input_precision=DOT_PREC)
+        if HAS_BIAS:
+            if MASKED:
+                bias = tl.load(BIAS + offs_n * stride_bn, mask=offs_n < end, other=0.0)
+            else:
+                bias = tl.load(BIAS + offs_n * stride_bn)
+            s += bias.to(tl.float32)[None, :] * bias_scale
+        if MASKED:
+            visible = (offs_n < end)[None, :]
+            if CAUSAL:
+                visible = visible & (offs_n[None, :] <= (n_k - n_q + q_idx)[:, None])
+            s = tl.where(visible, s, float("-inf"))
+        zv_ptrs = ZV + offs_n[:, None] * stride_vn + offs_rv[None, :] * stride_vr
+        v = _load_rows(zv_ptrs, offs_n, end, offs_rv, R_V, R_V_P2, MASKED)  # [BLOCK_N, R_V_P2]
+        acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
+    return acc, l_i, m_i
+
+
+@_jit
+def _epilogue_store(
+    acc, l_i, PV, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
+    HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr, HAS_PV: tl.constexpr,
+):
+    """``o = acc / ℓ`` (0 for a row that saw no key), then ``P_v o`` (``[BLOCK_M, d]``) when ``HAS_PV``, else
+    the latent ``o`` (``[BLOCK_M, r_v]``); stored at ``O_rows`` (one pointer per row) in its dtype."""
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    offs_rv = tl.arange(0, R_V_P2)
+    if HAS_PV:
+        offs_d = tl.arange(0, HEAD_DIM)
+        pvt_ptrs = PV + offs_rv[:, None] * stride_pvr + offs_d[None, :] * stride_pvd
+        pvt = tl.load(pvt_ptrs, mask=(offs_rv < R_V)[:, None], other=0.0).to(tl.float32)  # P_vᵀ [R_V_P2, d]
+        o = tl.dot(o, pvt, input_precision="ieee")
+        o_ptrs = O_rows[:, None] + offs_d[None, :] * stride_od
+        tl.store(o_ptrs, o.to(O_rows.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        o_ptrs = O_rows[:, None] + offs_rv[None, :] * stride_od
+        tl.store(o_ptrs, o.to(O_rows.dtype.element_ty), mask=row_ok[:, None] & (offs_rv < R_V)[None, :])
+
+
+# ----------------------------------------------------------------------------------------------- kernels
+@_jit
+def _lowrank_attn_fwd(
+    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, OUT, PART_O, PART_ML,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_kb, stride_kg, stride_kn, stride_kr,
+    stride_vb, stride_vg, stride_vn, stride_vr,
+    stride_pkg, stride_pkd, stride_pkr,
+    stride_pvg, stride_pvd, stride_pvr,
+    stride_posb, stride_posn,
+    stride_bb, stride_bg, stride_bn,
+    stride_ob, stride_oh, stride_on, stride_od,
+    n_q, n_k, n_kv_heads, rows_pad, qk_scale, rope_scaling,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
+    R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
+    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
+    key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
+    unnormalised ``acc``, ``m`` and ``ℓ`` to ``PART_O [B·G, S, rows_pad, R_V_P2]`` and
+    ``PART_ML [2, B·G, S, rows_pad]`` (contiguous, fp32) for :func:`_lowrank_attn_combine`; otherwise the
+    epilogue writes ``OUT``."""
+    tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    pid_m = tl.program_id(0)
+    pid_bg = tl.program_id(1).to(tl.int64)
+    pid_s = tl.program_id(2)
+    n_splits = tl.num_programs(2)
+    b = pid_bg // n_kv_heads
+    g = pid_bg % n_kv_heads
+    offs_m, q_idx, head, row_ok = _query_rows(pid_m, n_q, GROUP, BLOCK_M)
+
+    # Visible keys: [kv_lo, kv_hi) for the tile; [kv_lo, full_hi) is seen by every row of it.
+    kv_lo = 0
+    if HAS_LENS:
+        kv_lo = tl.maximum(n_k - tl.load(LENS + b), 0)
+    kv_hi = n_k
+    full_hi = n_k
+    if CAUSAL:
+        last_q = (tl.minimum((pid_m + 1) * BLOCK_M, n_q * GROUP) - 1) // GROUP
+        kv_hi = tl.minimum(n_k, n_k - n_q + last_q + 1)
+        full_hi = n_k - n_q + (pid_m * BLOCK_M) // GROUP + 1
+    per_split = tl.cdiv(tl.cdiv(tl.maximum(kv_hi - kv_lo, 0), n_splits), BLOCK_N) * BLOCK_N
+    lo = kv_lo + pid_s * per_split
+    hi = tl.minimum(kv_hi, lo + per_split)
+    mid = lo + tl.maximum(tl.minimum(hi, full_hi) - lo, 0) // BLOCK_N * BLOCK_N
+
+    # Queries, scaled by scale·log2(e) once: pre_rope keeps both halves of q; post_rope projects q' = P_kᵀ q.
+    DTYPE = ZK.dtype.element_ty
+    Q_rows = Q + b * stride_qb + (g * GROUP + head).to(tl.int64) * stride_qh + q_idx.to(tl.int64) * stride_qn
+    offs_rk = tl.arange(0, R_K_P2)
+    PK_g = PK + g * stride_pkg
+    inv_freq = tl.zeros([HALF], dtype=tl.float32)
+    if KEY_MODE == 0:
+        offs_h = tl.arange(0, HALF)
+        q1 = tl.load(Q_rows[:, None] + offs_h[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        q2 = tl.load(Q_rows[:, None] + (offs_h + HALF)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        q1 = (q1.to(tl.float32) * qk_scale).to(DTYPE)
+        q2 = (q2.to(tl.float32) * qk_scale).to(DTYPE)
+        # P1ᵀ, P2ᵀ [R_K_P2, d/2]: rows d/2 of P_k each, transposed by the pointer arithmetic.
+        p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
+        p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
+        p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
+        inv_freq = tl.load(INV_FREQ + offs_h)
+    else:
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        pk_ptrs = PK_g + offs_d[:, None] * stride_pkd + offs_rk[None, :] * stride_pkr
+        pk = tl.load(pk_ptrs, mask=(offs_rk < R_K)[None, :], other=0.0).to(tl.float32)  # [d, R_K_P2]
+        q1 = (tl.dot(q.to(tl.float32), pk, input_precision="ieee") * qk_scale).to(DTYPE)
+        q2 = q1
+        p1t = pk
+        p2t = pk
+
+    ZK_bg = ZK + b * stride_kb + g * stride_kg
+    ZV_bg = ZV + b * stride_vb + g * stride_vg
+    POS_b = POS + b * stride_posb
+    BIAS_bg = BIAS + b * stride_bb + g * stride_bg
+    acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, lo, mid, q_idx, n_q, n_k,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        R_K, R_V, R_K_P2, R_V_P2, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, DOT_PREC,
+    )
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, mid, hi, q_idx, n_q, n_k,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        R_K, R_V, R_K_P2, R_V_P2, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, DOT_PREC,
+    )
+
+    if SPLIT:
+        part_row = (pid_bg * n_splits + pid_s) * rows_pad + offs_m  # int64
+        offs_rv = tl.arange(0, R_V_P2)
+        tl.store(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], acc)
+        tl.store(PART_ML + part_row, m_i)
+        tl.store(PART_ML + tl.num_programs(1) * n_splits * rows_pad + part_row, l_i)
+    else:
+        O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
+        _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
+                        HEAD_DIM, R_V, R_V_P2, HAS_PV)
+
+
+@_jit
+def _lowrank_attn_combine(
+    PART_O, PART_ML, PV, OUT,
+    stride_pvg, stride_pvd, stride_pvr,
+    stride_ob, stride_oh, stride_on, stride_od,
+    n_q, n_kv_heads, n_splits, rows_pad,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, HAS_PV: tl.constexpr,
+):
+    """Merge the ``S`` partial softmaxes of one (batch row, KV head, query tile):
+    ``M = max_s m_s``, ``ℓ = Σ_s 2^(m_s−M) ℓ_s``, ``acc = Σ_s 2^(m_s−M) acc_s``, then the epilogue."""
+    pid_m = tl.program_id(0)
+    pid_bg = tl.program_id(1).to(tl.int64)
+    b = pid_bg // n_kv_heads
+    g = pid_bg % n_kv_heads
+    offs_m, q_idx, head, row_ok = _query_rows(pid_m, n_q, GROUP, BLOCK_M)
+    offs_rv = tl.arange(0, R_V_P2)
+    n_l = tl.num_programs(1) * n_splits * rows_pad  # offset of the ℓ block in PART_ML
+    acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    for split in range(0, n_splits):
+        part_row = (pid_bg * n_splits + split) * rows_pad + offs_m
+        m_s = tl.load(PART_ML + part_row)
+        l_s = tl.load(PART_ML + n_l + part_row)
+        acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :])
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_s - m_new)
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        l_i = l_i * alpha + l_s * beta
+        m_i = m_new
+    O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
+    _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
+                    HEAD_DIM, R_V, R_V_P2, HAS_PV)
+
+
+# ----------------------------------------------------------------------------------------- host launcher
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # the interpreter on the CPU: pretend to be an H200 so the heuristics stay the same
+
+
+def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int) -> dict:
+    """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
+    and splits the keys until about four programs per SM are available, at ≥ 256 keys each."""
+    if n_rows <= DECODE_BLOCK_M:
+        splits = 1
+        if programs < 4 * n_sms:
+            splits = max(1, min(triton.cdiv(4 * n_sms, programs), triton.cdiv(n_k, 256)))
+        block_n = 64 if key_mode == "post_rope" else 32
+        return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3)
+    if key_mode == "post_rope":
+        return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
+    return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
+
+
+def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
+    if key_mode not in KEY_MODES:
+        raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    if q.dim() != 4 or z_k.dim() != 4 or z_v.dim() != 4:
+        raise ValueError(f"q, z_k, z_v must be 4-D; got {tuple(q.shape)}, {tuple(z_k.shape)}, {tuple(z_v.shape)}")
+    B, H, _, d = q.shape
+    G, Nk, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
+    r_v = z_v.shape[3]
+    if H % G:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({G})")
+    if H // G > DECODE_BLOCK_M:
+        raise ValueError(f"GQA group of {H // G} query heads per KV head is larger than {DECODE_BLOCK_M}")
+    if z_k.shape[0] != B or tuple(z_v.shape[:3]) != (B, G, Nk):
+        raise ValueError(f"z_k {tuple(z_k.shape)} and z_v {tuple(z_v.shape)} must be [B={B}, G, Nk, r]")
+    if tuple(P_k.shape) != (G, d, r_k):
+        raise ValueError(f"P_k must be [G={G}, d={d}, r_k={r_k}], got {tuple(P_k.shape)}")
+    if P_v is not None and tuple(P_v.shape) != (G, d, r_v):
+        raise ValueError(f"P_v must be [G={G}, d={d}, r_v={r_v}], got {tuple(P_v.shape)}")
+    if d % 32 or d & (d - 1):
+        raise ValueError(f"the kernel needs a power-of-two head dim ≥ 32, got {d}; use the reference")
+    if z_k.dtype not in (torch.bfloat16, torch.float16, torch.float32) or z_v.dtype != z_k.dtype:
+        raise ValueError(f"latents must share one of bf16/fp16/fp32, got {z_k.dtype} and {z_v.dtype}")
+    if key_mode == "pre_rope":
+        if positions is None or rope is None:
+            raise ValueError("key_mode='pre_rope' needs the key positions and the rope spec")
+        if tuple(positions.shape) != (B, Nk):
+            raise ValueError(f"positions must be [B={B}, Nk={Nk}], got {tuple(positions.shape)}")
+        if rope.inv_freq.numel() != d // 2:
+            raise ValueError(f"rope.inv_freq must have d/2={d // 2} entries, got {rope.inv_freq.numel()}")
+    if bias is not None and tuple(bias.shape) != (B, G, Nk):
+        raise ValueError(f"bias must be [B={B}, G={G}, Nk={Nk}], got {tuple(bias.shape)}")
+    if lengths is not None and tuple(lengths.shape) != (B,):
+        raise ValueError(f"lengths must be [B={B}], got {tuple(lengths.shape)}")
+    tensors = [t for t in (q, z_k, z_v, P_k, P_v, bias) if t is not None]
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        raise RuntimeError("the Triton low-rank attention is inference-only (no backward); call it under "
+                           "torch.no_grad() or use stiefkv.kernels.reference.lowrank_attention")
+
+
+def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, scale, cfg):
+    B, H, Nq, d = q.shape
+    G, Nk, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
+    r_v = z_v.shape[3]
+    group = H // G
+    n_rows = Nq * group
+    block_m, block_n, splits = cfg["block_m"], cfg["block_n"], cfg["num_splits"]
+    m_blocks = triton.cdiv(n_rows, block_m)
+    rows_pad = m_blocks * block_m
+    r_k_p2 = max(16, triton.next_power_of_2(r_k))
+    r_v_p2 = max(16, triton.next_power_of_2(r_v))
+    out = torch.empty(B, H, Nq, d if P_v is not None else r_v, device=q.device, dtype=q.dtype)
+    pre = key_mode == "pre_rope"
+    pos = positions if pre else z_k
+    inv_freq = rope.inv_freq.to(q.device, torch.float32).contiguous() if pre else z_k
+    pv = P_v if P_v is not None else P_k  # placeholder pointer when the latent output is returned
+    lens = lengths.to(q.device, torch.int32).contiguous() if lengths is not None else z_k
+    bias_t = bias if bias is not None else z_k
+    if splits > 1:
+        part_o = torch.empty(B * G, splits, rows_pad, r_v_p2, device=q.device, dtype=torch.float32)
+        part_ml = torch.empty(2, B * G, splits, rows_pad, device=q.device, dtype=torch.float32)
+    else:
+        part_o = part_ml = z_k  # unused
+    dot_prec = "ieee" if z_k.dtype == torch.float32 else "tf32"
+    pos_strides = (pos.stride(0), pos.stride(1)) if pre else (0, 0)
+    bias_strides = (bias.stride(0), bias.stride(1), bias.stride(2)) if bias is not None else (0, 0, 0)
+    pv_strides = pv.stride()
+    out_strides = out.stride()
+    _lowrank_attn_fwd[(m_blocks, B * G, splits)](
+        q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, out, part_o, part_ml,
+        *q.stride(), *z_k.stride(), *z_v.stride(), *P_k.stride(), *pv_strides,
+        *pos_strides, *bias_strides, *out_strides,
+        Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
+        GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
+        BLOCK_M=block_m, BLOCK_N=block_n,
+        KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
+        HAS_PV=P_v is not None, SPLIT=splits > 1, DOT_PREC=dot_prec,
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    if splits > 1:
+        _lowrank_attn_combine[(m_blocks, B * G)](
+            part_o, part_ml, pv, out, *pv_strides, *out_strides,
+            Nq, G, splits, rows_pad,
+            GROUP=group, HEAD_DIM=d, R_V=r_v, R_V_P2=r_v_p2, BLOCK_M=block_m, HAS_PV=P_v is not None,
+            num_warps=4,
+        )
+    return out
+
+
+# ------------------------------------------------------------------------------------------------ function
+def lowrank_attention(
+    q: torch.Tensor,
+    z_k: torch.Tensor,
+    z_v: torch.Tensor,
+    P_k: torch.Tensor,
+    P_v: torch.Tensor | None,
+    *,
+    key_mode: str = "pre_rope",
+    positions: torch.Tensor | None = None,
+    rope: RopeSpec | None = None,
+    bias: torch.Tensor | None = None,
+    causal: bool = True,
+    lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+    num_splits: int | None = None,
+    block_n: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int | None = None,
+) -> torch.Tensor:
+    """Softmax attention over a latent KV cache (Triton); same contract as
+    :func:`stiefkv.kernels.reference.lowrank_attention`.
+
+    Parameters
+    ----------
+    q : ``[B, H, Nq, d]`` rotated queries. z_k : ``[B, G, Nk, r_k]``, z_v : ``[B, G, Nk, r_v]`` latents
+        (bf16, fp16 or fp32; any strides). P_k : ``[G, d, r_k]``, P_v : ``[G, d, r_v]`` or ``None`` (latent
+        output ``[B, H, Nq, r_v]``).
+    key_mode, positions ``[B, Nk]``, rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``, scale : as the
+        reference.
+    num_splits, block_n, num_warps, num_stages : tuning overrides (tests, benchmarks); ``None`` picks the
+        defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
+
+    Returns
+    -------
+    ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``; a row with no visible key is 0.
+    """
+    if triton is None:
+        raise RuntimeError("stiefkv.kernels.lowrank_attention needs triton; use the reference on this machine")
+    if not q.is_cuda and not _interpreting():
+        raise RuntimeError("the Triton low-rank attention runs on CUDA tensors (or on the CPU under "
+                           "TRITON_INTERPRET=1); use stiefkv.kernels.reference.lowrank_attention here")
+    _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths)
+    B, H, Nq, d = q.shape
+    G, Nk = z_k.shape[1], z_k.shape[2]
+    n_rows = Nq * (H // G)
+    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device))
+    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    if n_rows > cfg["block_m"]:
+        cfg["num_splits"] = 1
+    scale = d**-0.5 if scale is None else float(scale)
+    return _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, scale, cfg)
