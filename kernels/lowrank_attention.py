@@ -80,6 +80,15 @@ def _sincos(x):
 
 
 @_jit
+def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` with fp32 accumulation. ``UPCAST`` feeds the (already rounded) operands as fp32: the
+    Triton interpreter multiplies bf16 operands wrongly (triton 3.9), so the CPU tests set it for bf16."""
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=DOT_PREC)
+
+
+@_jit
 def _load_rows(ptrs, offs_n, hi, offs_r, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr):
     """Load a ``[BLOCK_N, R_P2]`` tile of per-key rows; columns ``≥ R`` (rank padding) and, when ``MASK_N``,
     keys ``≥ hi`` read as 0. Masks are built only where needed so full tiles load unmasked."""
@@ -104,14 +113,14 @@ def _query_rows(pid_m, n_q, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @_jit
-def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr):
+def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """One step of the online softmax over a key tile: ``m' = max(m, max_j s_j)``,
     ``ℓ' = ℓ·2^(m−m') + Σ_j 2^(s_j−m')``, ``acc' = acc·2^(m−m') + 2^(s−m') v`` (logits in base-2 units)."""
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
     p = tl.exp2(s - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PREC)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
     return acc, l_i, m_new
 
 
@@ -120,13 +129,14 @@ def _attend_range(
     acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS,
     stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-    R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr, BLOCK_N: tl.constexpr,
-    KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, MASKED: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
     ``ZK``/``ZV``/``POS``/``BIAS`` already point at this (batch row, KV head)."""
+    HALF: tl.constexpr = HEAD_DIM // 2
     offs_nt = tl.arange(0, BLOCK_N)
     offs_rk = tl.arange(0, R_K_P2)
     offs_rv = tl.arange(0, R_V_P2)
@@ -142,14 +152,15 @@ def _attend_range(
             sin, cos = _sincos(pos.to(tl.float32)[:, None] * inv_freq[None, :])
             sin = sin * rope_scaling
             cos = cos * rope_scaling
-            a1 = tl.dot(z, p1t, input_precision=DOT_PREC)  # [BLOCK_N, d/2]
-            a2 = tl.dot(z, p2t, input_precision=DOT_PREC)
+            zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+            a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
+            a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
             k1 = (a1 * cos - a2 * sin).to(z.dtype)
             k2 = (a2 * cos + a1 * sin).to(z.dtype)
-            s = tl.dot(q1, tl.trans(k1), input_precision=DOT_PREC)
-            s = tl.dot(q2, tl.trans(k2), s, input_precision=DOT_PREC)
+            s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+            s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
         else:  # post_rope: the projected queries meet the latents directly
-            s = tl.dot(q1, tl.trans(z), input_precision=DOT_PREC)
+            s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
         if HAS_BIAS:
             if MASKED:
                 bias = tl.load(BIAS + offs_n * stride_bn, mask=offs_n < end, other=0.0)
@@ -163,7 +174,7 @@ def _attend_range(
             s = tl.where(visible, s, float("-inf"))
         zv_ptrs = ZV + offs_n[:, None] * stride_vn + offs_rv[None, :] * stride_vr
         v = _load_rows(zv_ptrs, offs_n, end, offs_rv, R_V, R_V_P2, MASKED)  # [BLOCK_N, R_V_P2]
-        acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC)
+        acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     return acc, l_i, m_i
 
 
@@ -205,7 +216,7 @@ def _lowrank_attn_fwd(
     R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -275,12 +286,12 @@ def _lowrank_attn_fwd(
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, lo, mid, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-        R_K, R_V, R_K_P2, R_V_P2, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, DOT_PREC,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, DOT_PREC, UPCAST,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, mid, hi, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-        R_K, R_V, R_K_P2, R_V_P2, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, DOT_PREC,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, DOT_PREC, UPCAST,
     )
 
     if SPLIT:
@@ -433,6 +444,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         BLOCK_M=block_m, BLOCK_N=block_n,
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
         HAS_PV=P_v is not None, SPLIT=splits > 1, DOT_PREC=dot_prec,
+        UPCAST=_interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if splits > 1:

@@ -1,0 +1,204 @@
+"""The Triton low-rank attention (``stiefkv.kernels.lowrank_attention``) against the PyTorch reference.
+
+Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set here before triton is imported)
+at small shapes; with CUDA the same table runs compiled, plus realistic sizes (d = 128, an 8k context).
+Every kernel path is covered: decode (one program per KV head), decode split across programs plus the
+combine kernel, and tiled causal prefill — for both key modes, GQA 1/3/4, ranks 8–56 (padded to powers of
+two), left padding, per-key bias, ``P_v`` given or ``None``, fp32/fp16/bf16.
+"""
+
+import importlib
+import math
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+import triton.language as tl  # noqa: E402
+
+from stiefkv.kernels.reference import RopeSpec  # noqa: E402
+from stiefkv.kernels.reference import lowrank_attention as reference  # noqa: E402
+
+from .utils import assert_close  # noqa: E402
+
+lk = importlib.import_module("stiefkv.kernels.lowrank_attention")
+if os.environ.get("TRITON_INTERPRET") == "1" and not type(lk._lowrank_attn_fwd).__name__.startswith("Interpreted"):
+    lk = importlib.reload(lk)  # imported before TRITON_INTERPRET was set: decorate the kernels again
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+# (atol, rtol): the kernel rounds q', rebuilt keys and probabilities to the latent dtype before each tl.dot
+# (fp32 accumulation); the reference computes everything in fp32 and rounds only its output.
+TOL = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (2e-3, 2e-3),
+    torch.bfloat16: (1.6e-2, 1.6e-2),
+}
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, *, padded=True, bias=True, pv=True, device=DEVICE,
+                pos_offset=300):
+    """Random queries and latents, orthonormal bases, left-padded lengths with one full row and one odd one,
+    key positions counted from each row's first real key (plus a random offset), a llama-like rope spec."""
+    q = torch.randn(B, H, Nq, d).to(device, dtype)
+    z_k = torch.randn(B, G, Nk, r_k).to(device, dtype)
+    z_v = torch.randn(B, G, Nk, r_v).to(device, dtype)
+    P_k = torch.linalg.qr(torch.randn(G, d, r_k))[0].to(device)
+    P_v = torch.linalg.qr(torch.randn(G, d, r_v))[0].to(device) if pv else None
+    lengths = None
+    first = torch.zeros(B, dtype=torch.long)
+    if padded:
+        lengths = torch.randint(1, Nk + 1, (B,))
+        lengths[0] = Nk
+        first = Nk - lengths
+        lengths = lengths.to(device)
+    offset = torch.randint(pos_offset // 2, pos_offset + 1, (B, 1))
+    positions = (torch.arange(Nk)[None, :] - first[:, None]).clamp(min=0) + offset
+    inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    rope = RopeSpec(inv_freq.to(device), attention_scaling=1.15)
+    bias_t = (0.5 * torch.randn(B, G, Nk)).to(device) if bias else None
+    return (q, z_k, z_v, P_k, P_v), dict(positions=positions.to(device), rope=rope, bias=bias_t, lengths=lengths)
+
+
+def check(args, kwargs, *, key_mode, causal=True, what="", **tuning):
+    kwargs = dict(kwargs, key_mode=key_mode, causal=causal)
+    with torch.no_grad():
+        out = lk.lowrank_attention(*args, **kwargs, **tuning)
+        expected = reference(*args, **kwargs)
+    atol, rtol = TOL[args[1].dtype]
+    assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+
+
+# (path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv): every row differs in what it stresses.
+CASES = [
+    ("decode", 2, 4, 4, 1, 37, 32, 8, 24, 1, True, True, True),  # GQA 1, rank 8 padded to 16
+    ("decode", 3, 12, 4, 1, 77, 64, 40, 56, 1, True, False, False),  # GQA 3, latent output
+    ("decode_split", 2, 8, 2, 1, 150, 64, 56, 40, 4, True, True, True),  # GQA 4, empty splits for short rows
+    ("decode_split", 1, 3, 1, 1, 97, 32, 24, 8, 3, False, True, False),  # one KV head, no padding
+    ("decode_multi", 2, 8, 2, 3, 61, 32, 24, 24, 2, True, True, True),  # 3 new tokens × GQA 4 = 12 rows
+    ("prefill", 2, 4, 1, 45, 45, 64, 24, 40, 1, True, True, True),  # one 128-row tile, diagonal masking
+    ("prefill", 1, 6, 2, 50, 50, 32, 16, 8, 1, True, False, False),  # 150 rows: two query tiles
+    ("prefill_chunk", 2, 12, 3, 19, 70, 64, 56, 24, 1, True, True, True),  # Nq < Nk (chunked prefill)
+]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-H{c[2]}G{c[3]}-q{c[4]}k{c[5]}-r{c[7]}_{c[8]}")
+def test_matches_reference(case, key_mode, dtype):
+    path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, padded=padded, bias=bias, pv=pv)
+    check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"{path} {key_mode} {dtype}")
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_not_causal_and_shuffled_positions(key_mode):
+    """Non-causal prefill (every query sees every real key) with positions that are not contiguous, as
+    after compaction: each key is rotated at its own stored position, not at its index."""
+    args, kwargs = make_inputs(2, 6, 2, 21, 40, 32, 24, 16, torch.float32)
+    kwargs["positions"] = torch.randint(0, 5000, (2, 40), device=DEVICE)
+    check(args, kwargs, key_mode=key_mode, causal=False, what="non-causal")
+
+
+@pytest.mark.parametrize("path", ["decode", "prefill"])
+def test_rows_without_visible_keys_return_zero(path):
+    """A batch row of length 0, and prefill queries that sit in the left padding, see no key: output 0."""
+    Nq = 1 if path == "decode" else 12
+    args, kwargs = make_inputs(3, 4, 2, Nq, 12, 32, 16, 16, torch.float32)
+    kwargs["lengths"] = torch.tensor([12, 0, 5], device=DEVICE)
+    with torch.no_grad():
+        out = lk.lowrank_attention(*args, **kwargs, key_mode="pre_rope")
+    assert out[1].abs().max().item() == 0.0
+    if path == "prefill":
+        assert out[2, :, :7].abs().max().item() == 0.0  # queries 0..6 are padding of row 2
+    check(args, kwargs, key_mode="pre_rope", what=f"{path} with empty rows")
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_far_positions(num_splits):
+    """Keys at positions past 120k: the in-kernel rotation must match the reference's fp32 angles there."""
+    args, kwargs = make_inputs(2, 8, 2, 1, 70, 64, 40, 24, torch.float32, pos_offset=131000)
+    check(args, kwargs, key_mode="pre_rope", num_splits=num_splits, what="far positions")
+
+
+def test_more_queries_than_keys():
+    """Causal with Nq > Nk: query i sits at key index Nk − Nq + i, so the first Nq − Nk queries see nothing."""
+    args, kwargs = make_inputs(1, 4, 2, 20, 9, 32, 8, 8, torch.float32, padded=False)
+    check(args, kwargs, key_mode="post_rope", what="Nq > Nk")
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_strided_cache_views(key_mode):
+    """The cache as the first Nk slots of a preallocated buffer and a transposed-layout query: the kernel
+    takes every stride explicitly and must not assume contiguity."""
+    B, H, G, Nk, d, r = 2, 4, 2, 33, 32, 24
+    args, kwargs = make_inputs(B, H, G, 1, Nk, d, r, r, torch.float16)
+    q, z_k, z_v, P_k, P_v = args
+    buf_k = torch.zeros(B, G, Nk + 31, r, device=DEVICE, dtype=z_k.dtype)
+    buf_v = torch.zeros(B, Nk + 31, G, r, device=DEVICE, dtype=z_v.dtype)  # token-major: strides differ
+    buf_k[:, :, :Nk] = z_k
+    buf_v[:, :Nk] = z_v.transpose(1, 2)
+    q_t = q.transpose(1, 2).contiguous().transpose(1, 2)  # [B, H, 1, d] with heads not outermost
+    args = (q_t, buf_k[:, :, :Nk], buf_v[:, :Nk].transpose(1, 2), P_k, P_v)
+    check(args, kwargs, key_mode=key_mode, num_splits=2, what="strided views")
+
+
+@triton.jit
+def _sincos_kernel(X, S, C, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    s, c = lk._sincos(tl.load(X + offs))
+    tl.store(S + offs, s)
+    tl.store(C + offs, c)
+
+
+def test_sincos_large_angles():
+    """The in-kernel sin/cos stays accurate at the angles a 128k context produces (position × θ₀ ≈ 1.3e5)."""
+    x = torch.cat([torch.linspace(-10.0, 10.0, 512), torch.rand(512) * 131072.0]).to(DEVICE)
+    s, c = torch.empty_like(x), torch.empty_like(x)
+    _sincos_kernel[(1,)](x, s, c, N=1024)
+    x64 = x.double()
+    assert_close(s, x64.sin().float(), atol=3e-7, rtol=0.0, what="sin")
+    assert_close(c, x64.cos().float(), atol=3e-7, rtol=0.0, what="cos")
+
+
+def test_refuses_bad_inputs(monkeypatch):
+    args, kwargs = make_inputs(1, 4, 2, 1, 8, 32, 8, 8, torch.float32)
+    q, z_k, z_v, P_k, P_v = args
+    with pytest.raises(ValueError, match="P_k must be"):
+        lk.lowrank_attention(q, z_k, z_v, P_k[:, :, :4], P_v, **kwargs)
+    with pytest.raises(ValueError, match="needs the key positions"):
+        lk.lowrank_attention(*args, **dict(kwargs, positions=None), key_mode="pre_rope")
+    with pytest.raises(ValueError, match="multiple of KV heads"):
+        lk.lowrank_attention(q[:, :3], z_k, z_v, P_k, P_v, **kwargs)
+    with pytest.raises(RuntimeError, match="inference-only"):
+        lk.lowrank_attention(q.requires_grad_(), z_k, z_v, P_k, P_v, **kwargs)
+    if DEVICE == "cpu":
+        monkeypatch.setenv("TRITON_INTERPRET", "0")
+        with pytest.raises(RuntimeError, match="runs on CUDA tensors"):
+            lk.lowrank_attention(q.detach(), z_k, z_v, P_k, P_v, **kwargs)
+
+
+# Realistic sizes on the GPU: Llama-3-8B heads (H = 32, G = 8, d = 128), 50 % and 25 % budgets.
+GPU_CASES = [
+    ("decode_8k", 2, 1, 8195, 64, 64, None),  # default split heuristic, one row padded
+    ("decode_32k_latent", 1, 1, 32768, 32, 32, None),
+    ("decode_odd_rank", 4, 1, 4099, 40, 56, None),
+    ("prefill_8k", 1, 8192, 8192, 64, 64, None),
+    ("prefill_chunk", 2, 512, 3000, 32, 48, None),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", GPU_CASES, ids=lambda c: c[0])
+def test_realistic_sizes_gpu(case, key_mode):
+    name, B, Nq, Nk, r_k, r_v, splits = case
+    args, kwargs = make_inputs(B, 32, 8, Nq, Nk, 128, r_k, r_v, torch.bfloat16, pv="latent" not in name,
+                               pos_offset=0)
+    check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"{name} {key_mode}")
+    assert math.isfinite(float(args[0].float().sum()))
