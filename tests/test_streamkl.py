@@ -1,0 +1,223 @@
+"""StreamKL (``stiefkv.kernels.streamkl.attention_kl``) against the materialised reference.
+
+Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set here before triton is imported)
+at small shapes and blocks of 16; with CUDA the same checks run compiled at realistic sizes, one of 8k
+tokens. Each check draws fresh random inputs and compares the forward and ``torch.autograd.grad``
+gradients: odd lengths, GQA ratios 1/3/4 chosen independently for teacher and student, different teacher
+and student head dims, logits of ±50, causal and full, both directions, all reductions, rows that see no
+key (causal with more queries than keys).
+"""
+
+import importlib
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ["TRITON_INTERPRET"] = "1"
+triton = pytest.importorskip("triton")
+
+from stiefkv.kernels.reference import attention_kl as reference  # noqa: E402
+
+from .utils import assert_close  # noqa: E402
+
+sk = importlib.import_module("stiefkv.kernels.streamkl")
+if os.environ.get("TRITON_INTERPRET") == "1" and not type(sk._streamkl_fwd.fn).__name__.startswith("Interpreted"):
+    sk = importlib.reload(sk)  # imported before TRITON_INTERPRET was set: decorate the kernels again
+
+CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA")
+cpu_only = pytest.mark.skipif(not INTERPRETED, reason="the interpreter checks run where CUDA is absent")
+
+# KL is returned in float32 whatever the inputs: both sides compute logits from the same rounded inputs
+# with fp32 accumulation, so only summation order differs; logits of ±50 cost a few fp32 ulps of 50.
+KL_TOL = (2e-4, 1e-4)
+# Gradients come back in the input dtype; the kernel also rounds ∂L/∂logits to it before each tl.dot.
+# Compared after dividing both sides by the reference's largest |gradient| (so ``mean`` is not trivial).
+GRAD_TOL = {
+    torch.float32: (1e-4, 1e-4),
+    torch.float16: (4e-3, 4e-3),
+    torch.bfloat16: (2e-2, 2e-2),
+}
+
+# (B, H, H_t, H_s, N, d_t, d_s): GQA ratios H/H_t and H/H_s independently, head dims that need padding.
+SHAPES = [
+    (1, 1, 1, 1, 1, 16, 16),
+    (1, 2, 2, 2, 17, 64, 40),
+    (1, 3, 1, 3, 33, 16, 24),
+    (2, 4, 1, 4, 70, 24, 16),
+    (1, 6, 2, 3, 23, 16, 16),  # teacher group 3, student group 2: key programs walk lcm = 6 heads
+]
+
+
+def _inputs(B, H, H_t, H_s, N, d_t, d_s, dtype, device, *, n_keys=None, offset=0.0, grad=(True,) * 4):
+    """Random teacher/student queries and keys; ``offset`` shifts every query coordinate, which makes the
+    logits ``scale·(q + c)·k`` spread with a standard deviation of about ``c``."""
+    n_keys = N if n_keys is None else n_keys
+    shapes = ((B, H, N, d_t), (B, H_t, n_keys, d_t), (B, H, N, d_s), (B, H_s, n_keys, d_s))
+    tensors = [torch.randn(s, device=device) for s in shapes]
+    tensors[0] += offset
+    tensors[2] += offset
+    return [t.to(dtype).requires_grad_(g) for t, g in zip(tensors, grad)]
+
+
+def _compare(inputs, *, causal=True, direction="forward", reduction="none", dtype=torch.float32, **kw):
+    """Forward and gradients of every input that requires them, kernel vs reference."""
+    args = dict(causal=causal, direction=direction, reduction=reduction, **kw)
+    out = sk.attention_kl(*inputs, **args)
+    ref = reference(*inputs, **args)
+    assert out.dtype == ref.dtype == torch.float32
+    assert_close(out, ref, *KL_TOL, what="kl")
+    assert (ref.detach() > -1e-5).all() and (out.detach() > -1e-5).all(), "KL must be non-negative"
+    wrt = [x for x in inputs if x.requires_grad]
+    if not wrt:
+        return out
+    upstream = torch.randn_like(out) if reduction == "none" else None
+    grads = torch.autograd.grad(out, wrt, upstream)
+    ref_grads = torch.autograd.grad(ref, wrt, upstream)
+    for name, g, r in zip(("first", "second", "third", "fourth"), grads, ref_grads):
+        assert g.dtype == r.dtype and g.shape == r.shape
+        norm = r.detach().float().abs().max().clamp_min(1e-30)
+        assert_close(g.float() / norm, r.float() / norm, *GRAD_TOL[dtype], what=f"grad of {name} input")
+    return out
+
+
+@pytest.fixture
+def kernel_only(monkeypatch):
+    """Fail if the public function falls back to the reference: the kernel is what these tests compare."""
+    def _refuse(*a, **k):
+        raise AssertionError("StreamKL fell back to the reference")
+    monkeypatch.setattr(sk, "attention_kl_reference", _refuse)
+
+
+# ------------------------------------------------------------------------------ CPU, Triton interpreter
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Ht{}Hs{}N{}dt{}ds{}".format(*s))
+def test_matches_reference(shape, causal, direction):
+    _compare(_inputs(*shape, torch.float32, "cpu"), causal=causal, direction=direction)
+
+
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("causal", [True, False])
+def test_half_precision_inputs(dtype, causal):
+    _compare(_inputs(1, 4, 1, 4, 37, 40, 16, dtype, "cpu"), causal=causal, dtype=dtype, reduction="mean")
+
+
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+def test_reductions(reduction, direction):
+    _compare(_inputs(2, 3, 3, 1, 21, 16, 32, torch.float32, "cpu"), reduction=reduction, direction=direction,
+             scale_t=0.3, scale_s=0.11)
+
+
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("direction", ["forward", "reverse"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_large_logits(causal, direction):
+    """Logits of about ±50: the running maxima move by tens between tiles and exp would overflow unshifted."""
+    inputs = _inputs(1, 2, 1, 2, 45, 16, 24, torch.float32, "cpu", offset=50.0)
+    out = _compare(inputs, causal=causal, direction=direction)
+    assert out.abs().max() > 1.0  # the distributions really differ at this scale
+
+
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize(("n_q", "n_keys"), [(20, 9), (5, 40)], ids=["more-queries", "fewer-queries"])
+@pytest.mark.parametrize("causal", [True, False])
+def test_unequal_lengths(n_q, n_keys, causal):
+    """Query ``i`` sits at key ``n_keys − n_q + i``; with more queries than keys the first rows see nothing
+    and the reference gives them KL = 0 and zero gradient."""
+    _compare(_inputs(1, 2, 2, 1, n_q, 16, 16, torch.float32, "cpu", n_keys=n_keys), causal=causal)
+
+
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("grad", [(False, False, True, True), (True, False, False, True), (True, True, False, False)])
+def test_partial_requires_grad(grad):
+    """Only the inputs that require grad get one; the teacher is usually frozen."""
+    _compare(_inputs(1, 4, 2, 4, 19, 16, 16, torch.float32, "cpu", grad=grad), direction="reverse")
+
+
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("causal", [True, False])
+def test_identical_is_zero(causal):
+    """The same tensors as teacher and student: identical logits, so every row is exactly 0 and so is the
+    student's gradient ``s − p``; with large offsets too."""
+    q, k = _inputs(1, 3, 3, 3, 29, 24, 24, torch.float32, "cpu", offset=50.0)[:2]
+    kl = sk.attention_kl(q, k, q, k, causal=causal, reduction="none")
+    assert torch.equal(kl, torch.zeros_like(kl))
+    q_s, k_s = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
+    grads = torch.autograd.grad(sk.attention_kl(q.detach(), k.detach(), q_s, k_s, causal=causal), (q_s, k_s))
+    for g in grads:
+        assert_close(g, torch.zeros_like(g), 1e-6, 0.0, what="grad at the minimum")
+
+
+@cpu_only
+def test_dispatch_follows_device_and_interpreter(monkeypatch):
+    """CPU tensors take the reference unless TRITON_INTERPRET=1; the kernel is taken otherwise."""
+    inputs = _inputs(1, 2, 2, 2, 9, 16, 16, torch.float32, "cpu")
+    calls = []
+    monkeypatch.setattr(sk, "attention_kl_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
+    sk.attention_kl(*inputs)
+    assert calls == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    sk.attention_kl(*inputs)
+    assert calls == [1]
+
+
+@cpu_only
+def test_rejects_bad_inputs():
+    ok = _inputs(1, 4, 2, 4, 8, 16, 16, torch.float32, "cpu")
+    with pytest.raises(ValueError, match="multiple"):
+        sk.attention_kl(ok[0], torch.randn(1, 3, 8, 16), ok[2], ok[3])
+    with pytest.raises(ValueError, match="expected"):
+        sk.attention_kl(ok[0], ok[1], ok[2], torch.randn(1, 4, 9, 16))
+    with pytest.raises(ValueError, match="head dim"):
+        big = torch.randn(1, 4, 8, 512)
+        sk.attention_kl(big, big, ok[2], ok[3])
+    with pytest.raises(ValueError, match="dtype"):
+        sk.attention_kl(ok[0].double(), ok[1].double(), ok[2], ok[3])
+    with pytest.raises(ValueError, match="reduction"):
+        sk.attention_kl(*ok, reduction="max")
+    with pytest.raises(ValueError, match="direction"):
+        sk.attention_kl(*ok, direction="both")
+
+
+# --------------------------------------------------------------------------------------- CUDA, compiled
+@gpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize(
+    ("shape", "dtype", "causal", "direction", "grad"),
+    [
+        ((1, 8, 8, 2, 1000, 128, 64), torch.bfloat16, True, "forward", (True,) * 4),
+        ((1, 8, 2, 8, 1537, 64, 128), torch.bfloat16, False, "reverse", (True,) * 4),
+        ((2, 4, 1, 4, 2049, 64, 64), torch.float32, True, "forward", (True,) * 4),
+        ((1, 8, 8, 8, 999, 128, 128), torch.float16, True, "forward", (False, False, True, True)),
+        ((1, 4, 4, 4, 8192, 128, 128), torch.bfloat16, True, "forward", (False, False, True, True)),
+    ],
+    ids=["gqa-s4-bf16", "gqa-t4-full-reverse-bf16", "fp32", "fp16-student-grad", "8k-bf16"],
+)
+def test_cuda_matches_reference(shape, dtype, causal, direction, grad):
+    inputs = _inputs(*shape, dtype, "cuda", grad=grad)
+    _compare(inputs, causal=causal, direction=direction, dtype=dtype)
+
+
+@gpu_only
+@pytest.mark.usefixtures("kernel_only")
+def test_cuda_large_logits_and_identical():
+    inputs = _inputs(1, 4, 4, 4, 4096, 128, 128, torch.bfloat16, "cuda", offset=50.0)
+    _compare(inputs, dtype=torch.bfloat16)
+    q, k = inputs[0].detach(), inputs[1].detach()
+    kl = sk.attention_kl(q, k, q, k, reduction="none")
+    assert torch.equal(kl, torch.zeros_like(kl))
