@@ -1,14 +1,13 @@
 """The Triton low-rank attention (``stiefkv.kernels.lowrank_attention``) against the PyTorch reference.
 
 Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set here before triton is imported)
-at small shapes; with CUDA the same table runs compiled, plus realistic sizes (d = 128, an 8k context).
+at small shapes; with CUDA the same table runs compiled, plus realistic sizes (d = 128, an 8k and a 32k context).
 Every kernel path is covered: decode (one program per KV head), decode split across programs plus the
 combine kernel, and tiled causal prefill — for both key modes, GQA 1/3/4, ranks 8–56 (padded to powers of
 two), left padding, per-key bias, ``P_v`` given or ``None``, fp32/fp16/bf16.
 """
 
 import importlib
-import math
 import os
 
 import pytest
@@ -188,7 +187,7 @@ GPU_CASES = [
     ("decode_8k", 2, 1, 8195, 64, 64, None),  # default split heuristic, one row padded
     ("decode_32k_latent", 1, 1, 32768, 32, 32, None),
     ("decode_odd_rank", 4, 1, 4099, 40, 56, None),
-    ("prefill_8k", 1, 8192, 8192, 64, 64, None),
+    ("prefill_4k", 1, 4096, 4096, 64, 64, None),
     ("prefill_chunk", 2, 512, 3000, 32, 48, None),
 ]
 
@@ -201,4 +200,3 @@ def test_realistic_sizes_gpu(case, key_mode):
     args, kwargs = make_inputs(B, 32, 8, Nq, Nk, 128, r_k, r_v, torch.bfloat16, pv="latent" not in name,
                                pos_offset=0)
     check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"{name} {key_mode}")
-    assert math.isfinite(float(args[0].float().sum()))

@@ -1,0 +1,185 @@
+"""Low-rank attention kernel against full-rank SDPA at Llama-3-8B attention shapes (H=32, G=8, d=128, bf16).
+
+Prints markdown tables:
+
+1. decode (one new token per sequence) at batch × context ∈ {1×32k, 8×8k, 16×16k, 4×128k}, budgets 50 %
+   (r_k = r_v = 64) and 25 % (r = 32), both key modes: kernel time with the default config and with the best
+   of a small config sweep, full-rank ``scaled_dot_product_attention(..., enable_gqa=True)`` time on the same
+   shape in the same run, their ratio, and the bandwidth the kernel reaches on the bytes it must read
+   (latents, plus the key positions for ``pre_rope``) against a device-to-device copy measured here;
+2. prefill at 8k tokens (causal) against full-rank SDPA;
+3. ``P_v`` in the kernel's epilogue versus folded into ``o_proj`` (``P_v=None`` and an ``o_proj`` whose
+   input dimension is ``H·r_v``), each followed by its ``o_proj`` matmul.
+
+Times are medians of ``triton.testing.do_bench`` (warm-up excluded, L2 flushed between runs).
+
+    python benchmarks/bench_attention.py [--quick]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+
+import torch
+import torch.nn.functional as F
+import triton
+from triton.testing import do_bench
+
+from stiefkv.kernels.lowrank_attention import lowrank_attention
+from stiefkv.kernels.reference import RopeSpec
+
+H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
+DECODE_SHAPES = [(1, 32768), (8, 8192), (16, 16384), (4, 131072)]
+BUDGETS = {"50%": 64, "25%": 32}
+TARGETS = {("post_rope", "50%"): 0.55, ("pre_rope", "50%"): 0.65, ("post_rope", "25%"): 0.35}
+SWEEP = [dict(block_n=bn, num_warps=w) for bn, w in itertools.product((32, 64, 128), (4, 8))]
+DTYPE = torch.bfloat16
+
+
+def median_ms(fn, rep=100) -> float:
+    """Median of ``do_bench`` (ms); warm-up runs excluded, the device synchronised around the clock."""
+    return do_bench(fn, warmup=25, rep=rep, return_mode="median")
+
+
+def rope_spec(device) -> RopeSpec:
+    inv_freq = 1.0 / (500000.0 ** (torch.arange(0, D_HEAD, 2, dtype=torch.float32, device=device) / D_HEAD))
+    return RopeSpec(inv_freq, 1.0)
+
+
+def latent_inputs(B, Nq, Nk, r, device):
+    z_k = torch.randn(B, G, Nk, r, device=device, dtype=DTYPE)
+    z_v = torch.randn(B, G, Nk, r, device=device, dtype=DTYPE)
+    P_k = torch.linalg.qr(torch.randn(G, D_HEAD, r, device=device))[0]
+    P_v = torch.linalg.qr(torch.randn(G, D_HEAD, r, device=device))[0]
+    q = torch.randn(B, H, Nq, D_HEAD, device=device, dtype=DTYPE)
+    positions = torch.arange(Nk, device=device)[None].expand(B, Nk).contiguous()
+    return q, z_k, z_v, P_k, P_v, positions
+
+
+def copy_bandwidth(device) -> float:
+    """TB/s of a 2 GiB device-to-device copy, counting bytes read and written."""
+    src = torch.empty(2**30, dtype=torch.int16, device=device).random_()
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+def header(device) -> None:
+    print(f"GPU: {torch.cuda.get_device_name(device)}; date {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
+          f"torch {torch.__version__}; triton {triton.__version__}; "
+          f"shapes H={H}, G={G}, d={D_HEAD}, {str(DTYPE).removeprefix('torch.')}")
+
+
+def decode_table(device, copy_tbs, shapes, sweep) -> None:
+    print("\n## Decode (Nq = 1)\n")
+    print("| B×ctx | budget | mode | SDPA ms | kernel ms (default) | ratio | best ms | best config | best ratio "
+          "| target | kernel TB/s | % copy BW |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for B, N in shapes:
+        q = torch.randn(B, H, 1, D_HEAD, device=device, dtype=DTYPE)
+        k = torch.randn(B, G, N, D_HEAD, device=device, dtype=DTYPE)
+        v = torch.randn(B, G, N, D_HEAD, device=device, dtype=DTYPE)
+        sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        del k, v
+        for budget, r in BUDGETS.items():
+            q, z_k, z_v, P_k, P_v, pos = latent_inputs(B, 1, N, r, device)
+            rope = rope_spec(device)
+            for mode in ("post_rope", "pre_rope"):
+                def run(**cfg):
+                    return lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=mode, positions=pos, rope=rope, **cfg)
+
+                default_ms = median_ms(run)
+                best_ms, best_cfg = default_ms, "default"
+                for cfg in sweep:
+                    ms = median_ms(lambda: run(**cfg))
+                    if ms < best_ms:
+                        best_ms, best_cfg = ms, ",".join(f"{k}={v}" for k, v in cfg.items())
+                nbytes = (z_k.numel() + z_v.numel()) * z_k.element_size()
+                nbytes += pos.numel() * pos.element_size() if mode == "pre_rope" else 0
+                tbs = nbytes / best_ms / 1e9
+                target = TARGETS.get((mode, budget))
+                best_ratio = best_ms / sdpa_ms
+                mark = "—" if target is None else f"≤{target} {'met' if best_ratio <= target else 'MISSED'}"
+                print(f"| {B}×{N // 1024}k | {budget} | {mode} | {sdpa_ms:.4f} | {default_ms:.4f} | "
+                      f"{default_ms / sdpa_ms:.3f} | {best_ms:.4f} | {best_cfg} | {best_ratio:.3f} | {mark} | "
+                      f"{tbs:.2f} | {100 * tbs / copy_tbs:.0f}% |", flush=True)
+            del z_k, z_v
+        torch.cuda.empty_cache()
+
+
+def prefill_table(device, n=8192) -> None:
+    print(f"\n## Prefill (causal, B=1, {n // 1024}k tokens)\n")
+    print("| budget | mode | SDPA ms | kernel ms | ratio | kernel TFLOP/s (attention in latent dims) |")
+    print("|---|---|---|---|---|---|")
+    q = torch.randn(1, H, n, D_HEAD, device=device, dtype=DTYPE)
+    k = torch.randn(1, G, n, D_HEAD, device=device, dtype=DTYPE)
+    v = torch.randn(1, G, n, D_HEAD, device=device, dtype=DTYPE)
+    sdpa_ms = median_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True))
+    for budget, r in BUDGETS.items():
+        _, z_k, z_v, P_k, P_v, pos = latent_inputs(1, n, n, r, device)
+        rope = rope_spec(device)
+        for mode in ("post_rope", "pre_rope"):
+            ms = median_ms(lambda: lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=mode, positions=pos, rope=rope))
+            d_qk = r if mode == "post_rope" else D_HEAD
+            flops = 2 * H * n * n / 2 * (d_qk + r)
+            print(f"| {budget} | {mode} | {sdpa_ms:.3f} | {ms:.3f} | {ms / sdpa_ms:.3f} | {flops / ms / 1e9:.0f} |",
+                  flush=True)
+
+
+def fold_table(device, shapes, prefill_n=8192) -> None:
+    """``P_v`` in the epilogue (+ ``o_proj`` on ``H·d`` inputs) vs folded (``P_v=None`` + ``o_proj`` on ``H·r``)."""
+    print("\n## P_v: kernel epilogue vs folded into o_proj (50 %, r_v = 64)\n")
+    print("| shape | mode | kernel+P_v ms | kernel latent ms | epilogue + o_proj ms | folded + o_proj ms | "
+          "folded / epilogue |")
+    print("|---|---|---|---|---|---|---|")
+    r = BUDGETS["50%"]
+    W_o = torch.randn(D_MODEL, H * D_HEAD, device=device, dtype=DTYPE) * 0.01
+    W_fold = torch.randn(D_MODEL, H * r, device=device, dtype=DTYPE) * 0.01  # W_o · blockdiag(P_v): same shape
+    cases = [(B, 1, N) for B, N in shapes] + [(1, prefill_n, prefill_n)]
+    for B, Nq, N in cases:
+        q, z_k, z_v, P_k, P_v, pos = latent_inputs(B, Nq, N, r, device)
+        rope = rope_spec(device)
+        for mode in ("post_rope", "pre_rope"):
+            kw = dict(key_mode=mode, positions=pos, rope=rope)
+
+            def epilogue():
+                o = lowrank_attention(q, z_k, z_v, P_k, P_v, **kw)
+                return o.transpose(1, 2).reshape(B * Nq, H * D_HEAD) @ W_o.T
+
+            def folded():
+                o = lowrank_attention(q, z_k, z_v, P_k, None, **kw)
+                return o.transpose(1, 2).reshape(B * Nq, H * r) @ W_fold.T
+
+            k_pv = median_ms(lambda: lowrank_attention(q, z_k, z_v, P_k, P_v, **kw))
+            k_lat = median_ms(lambda: lowrank_attention(q, z_k, z_v, P_k, None, **kw))
+            e_ms, f_ms = median_ms(epilogue), median_ms(folded)
+            name = f"{'decode' if Nq == 1 else 'prefill'} {B}×{N // 1024}k"
+            print(f"| {name} | {mode} | {k_pv:.4f} | {k_lat:.4f} | {e_ms:.4f} | {f_ms:.4f} | {f_ms / e_ms:.3f} |",
+                  flush=True)
+        del z_k, z_v
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="two decode shapes, no config sweep")
+    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "fold"])
+    args = parser.parse_args()
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    header(device)
+    copy_tbs = copy_bandwidth(device)
+    print(f"device-to-device copy: {copy_tbs:.2f} TB/s (bytes read + written)")
+    shapes = DECODE_SHAPES[::3] if args.quick else DECODE_SHAPES
+    if "decode" not in args.skip:
+        decode_table(device, copy_tbs, shapes, [] if args.quick else SWEEP)
+    if "prefill" not in args.skip:
+        prefill_table(device)
+    if "fold" not in args.skip:
+        fold_table(device, shapes)
+
+
+if __name__ == "__main__":
+    main()
