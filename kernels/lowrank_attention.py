@@ -356,13 +356,14 @@ def _num_sms(device: torch.device) -> int:
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
-    and splits the keys until about four programs per SM are available, at ≥ 256 keys each."""
+    and splits each row's keys until about two programs per SM are available, at ≥ 256 keys each (on the
+    H200 sweep of ``benchmarks/bench_attention.py``, twice as many splits was slower at every shape: the
+    combine kernel loops over them)."""
     if n_rows <= DECODE_BLOCK_M:
         splits = 1
-        if programs < 4 * n_sms:
-            splits = max(1, min(triton.cdiv(4 * n_sms, programs), triton.cdiv(n_k, 256)))
-        block_n = 64 if key_mode == "post_rope" else 32
-        return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3)
+        if programs < 2 * n_sms:
+            splits = max(1, min(triton.cdiv(2 * n_sms, programs), triton.cdiv(n_k, 256)))
+        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
