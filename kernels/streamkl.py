@@ -61,21 +61,24 @@ def _autotune(configs, key):
     )
 
 
-# Few configs on purpose: every one compiles per (head dims, causal, dtype, gradient flags).
-_FWD_CONFIGS = [
+# Few configs on purpose: every one compiles per (head dims, causal, dtype, gradient flags). Two query tiles
+# (or two fp32 accumulators) of width d live in registers; these compile for sm_90 at d = 128 without
+# spilling (ptxas -v, Triton 3.9), which 4 warps or larger tiles did not.
+_FWD_CONFIGS = [  # BLOCK_M query rows per program, BLOCK_N keys per step
     {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
-    {"BLOCK_M": 128, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
 ]
-_DQ_CONFIGS = [  # BLOCK_M query rows per program, BLOCK_N keys per step
-    {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+_DQ_CONFIGS = [
+    {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 128, "BLOCK_N": 32, "num_warps": 8, "num_stages": 2},
 ]
 _DK_CONFIGS = [  # BLOCK_N keys per program, BLOCK_M query rows per step
-    {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 4, "num_stages": 3},
-    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 3},
+    {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 8, "num_stages": 3},
+    {"BLOCK_M": 32, "BLOCK_N": 128, "num_warps": 8, "num_stages": 3},
 ]
-_TUNE_KEY = ["n_keys", "D_T", "D_S", "CAUSAL", "T_GRAD", "S_GRAD"]
+# Not keyed on the length: tuning happens once per head dims and flags, at the first length seen.
+_TUNE_KEY = ["D_T", "D_S", "CAUSAL", "T_GRAD", "S_GRAD"]
 
 
 # ----------------------------------------------------------------------------------------------- jit helpers
@@ -169,7 +172,7 @@ def _key_range(start_m, n_q, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 
 # ---------------------------------------------------------------------------------------------------- forward
-@_autotune(_FWD_CONFIGS, key=["n_keys", "D_T", "D_S", "CAUSAL"])
+@_autotune(_FWD_CONFIGS, key=["D_T", "D_S", "CAUSAL"])
 @_jit
 def _streamkl_fwd(Qt, Kt, Qs, Ks, KL, LSE_T, LSE_S, E,
                   stride_qtb, stride_qth, stride_qtm, stride_qtd,
@@ -256,34 +259,35 @@ def _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stri
 
 
 @_jit
-def _dk_inner(dk_t, dk_s, k_t, k_s, Qt, Qs, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
+def _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt, Qs, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
               LSE_T, LSE_S, E, G, offs_n, lo, hi, n_q, shift, qk_scale_t, qk_scale_s,
               D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DT: tl.constexpr,
               BLOCK_DS: tl.constexpr, MASKED: tl.constexpr, T_GRAD: tl.constexpr, S_GRAD: tl.constexpr,
               PRECISION: tl.constexpr):
     """Accumulate ``Σ_i g_i·p·(a−b−e_i)·q_t,i`` and ``Σ_i g_i·(s−p)·q_s,i`` over query tiles ``[lo, hi)``.
 
-    Tiles are keys × rows (``k qᵀ``); ``MASKED`` stages apply the causal mask. Query rows past ``n_q``
-    load ``lse = +inf`` and ``g = 0``, so they need no mask.
+    Tiles are rows × keys as in the forward, so the keys (``kT``, loop-invariant) stay in shared memory;
+    ``MASKED`` stages apply the causal mask. Query rows past ``n_q`` load ``lse = +inf`` and ``g = 0``,
+    so they need no mask.
     """
     offs_dt = tl.arange(0, BLOCK_DT)
     offs_ds = tl.arange(0, BLOCK_DS)
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + tl.arange(0, BLOCK_M)
-        qT_t = _load_tile(Qt, offs_m, offs_dt, stride_qtm, stride_qtd, n_q, D_T, True)
-        qT_s = _load_tile(Qs, offs_m, offs_ds, stride_qsm, stride_qsd, n_q, D_S, True)
+        q_t = _load_tile(Qt, offs_m, offs_dt, stride_qtm, stride_qtd, n_q, D_T, False)
+        q_s = _load_tile(Qs, offs_m, offs_ds, stride_qsm, stride_qsd, n_q, D_S, False)
         row_ok = offs_m < n_q
         lse_t = tl.load(LSE_T + offs_m, mask=row_ok, other=float("inf"))
         lse_s = tl.load(LSE_S + offs_m, mask=row_ok, other=float("inf"))
         e = tl.load(E + offs_m, mask=row_ok, other=0.0)
         g = tl.load(G + offs_m, mask=row_ok, other=0.0)
-        visible = offs_n[:, None] <= offs_m[None, :] + shift
-        da, db = _grad_tile(k_t, qT_t, k_s, qT_s, lse_t[None, :], lse_s[None, :], e[None, :], g[None, :],
+        visible = offs_n[None, :] <= offs_m[:, None] + shift
+        da, db = _grad_tile(q_t, kT_t, q_s, kT_s, lse_t[:, None], lse_s[:, None], e[:, None], g[:, None],
                             visible, qk_scale_t, qk_scale_s, MASKED, PRECISION)
         if T_GRAD:
-            dk_t = tl.dot(da.to(qT_t.dtype), tl.trans(qT_t), dk_t, input_precision=PRECISION)
+            dk_t = tl.dot(tl.trans(da.to(q_t.dtype)), q_t, dk_t, input_precision=PRECISION)
         if S_GRAD:
-            dk_s = tl.dot(db.to(qT_s.dtype), tl.trans(qT_s), dk_s, input_precision=PRECISION)
+            dk_s = tl.dot(tl.trans(db.to(q_s.dtype)), q_s, dk_s, input_precision=PRECISION)
     return dk_t, dk_s
 
 
@@ -356,15 +360,16 @@ def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, LSE_T, LSE_S, E, G,
                      stride_ksb, stride_ksh, stride_ksn, stride_ksd,
                      stride_dktb, stride_dkth, stride_dktn, stride_dktd,
                      stride_dksb, stride_dksh, stride_dksn, stride_dksd,
-                     n_heads, n_q, n_keys, GROUP_T, GROUP_S, CHUNK, scale_t, scale_s,
-                     D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DS: tl.constexpr,
+                     n_heads, n_q, n_keys, scale_t, scale_s,
+                     GROUP_T: tl.constexpr, GROUP_S: tl.constexpr, CHUNK: tl.constexpr, D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DS: tl.constexpr,
                      CAUSAL: tl.constexpr, T_GRAD: tl.constexpr, S_GRAD: tl.constexpr,
                      PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key gradients of one key tile, summed over the query heads that share each KV head:
 
     ``dk_t = ln2·scale_t·Σ_h Σ_i g_i·p·(a − b − e_i)·q_t,i``, ``dk_s = scale_s·Σ_h Σ_i g_i·(s − p)·q_s,i``.
     A program walks ``CHUNK = lcm(GROUP_T, GROUP_S)`` consecutive query heads, a union of whole teacher
-    groups and whole student groups, and stores each accumulator when its group ends: no atomics.
+    groups and whole student groups, and stores each accumulator when its group ends: no atomics. The
+    walk is unrolled (constexpr): as a run-time loop it made the compiler spill (ptxas, sm_90).
     """
     start_n = tl.program_id(0) * BLOCK_N
     pid = tl.program_id(1).to(tl.int64)
@@ -387,20 +392,20 @@ def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, LSE_T, LSE_S, E, G,
     dk_t = tl.zeros([BLOCK_N, BLOCK_DT], tl.float32)
     dk_s = tl.zeros([BLOCK_N, BLOCK_DS], tl.float32)
     key_ok = offs_n < n_keys
-    for j in range(0, CHUNK):
+    for j in tl.static_range(CHUNK):
         h = first_head + j
-        k_t = _load_tile(Kt + off_b * stride_ktb + (h // GROUP_T) * stride_kth, offs_n, offs_dt, stride_ktn,
-                         stride_ktd, n_keys, D_T, False)
-        k_s = _load_tile(Ks + off_b * stride_ksb + (h // GROUP_S) * stride_ksh, offs_n, offs_ds, stride_ksn,
-                         stride_ksd, n_keys, D_S, False)
+        kT_t = _load_tile(Kt + off_b * stride_ktb + (h // GROUP_T) * stride_kth, offs_n, offs_dt, stride_ktn,
+                          stride_ktd, n_keys, D_T, True)
+        kT_s = _load_tile(Ks + off_b * stride_ksb + (h // GROUP_S) * stride_ksh, offs_n, offs_ds, stride_ksn,
+                          stride_ksd, n_keys, D_S, True)
         Qt_h = Qt + off_b * stride_qtb + h * stride_qth
         Qs_h = Qs + off_b * stride_qsb + h * stride_qsh
         row0 = (off_b * n_heads + h) * n_q
-        dk_t, dk_s = _dk_inner(dk_t, dk_s, k_t, k_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
+        dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
                                LSE_T + row0, LSE_S + row0, E + row0, G + row0, offs_n, lo, mid, n_q, shift,
                                qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, True, T_GRAD, S_GRAD,
                                PRECISION)
-        dk_t, dk_s = _dk_inner(dk_t, dk_s, k_t, k_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
+        dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
                                LSE_T + row0, LSE_S + row0, E + row0, G + row0, offs_n, mid, n_q, n_q, shift,
                                qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, False, T_GRAD, S_GRAD,
                                PRECISION)
@@ -426,16 +431,16 @@ def _block_d(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
-def _precision(*tensors: torch.Tensor) -> str:
+def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 dots (the reference's arithmetic), not TF32; 16-bit inputs ignore this."""
-    return "ieee" if any(t.dtype == torch.float32 for t in tensors) else "tf32"
+    return "ieee" if dtype == torch.float32 else "tf32"
 
 
 def _dims(q_t, k_t, q_s, k_s) -> dict:
     B, H, n_q, d_t = q_t.shape
     return {"n_heads": H, "n_q": n_q, "n_keys": k_t.shape[2], "GROUP_T": H // k_t.shape[1],
             "GROUP_S": H // k_s.shape[1], "D_T": d_t, "D_S": q_s.shape[-1], "BLOCK_DT": _block_d(d_t),
-            "BLOCK_DS": _block_d(q_s.shape[-1]), "PRECISION": _precision(q_t, k_t, q_s, k_s)}
+            "BLOCK_DS": _block_d(q_s.shape[-1]), "PRECISION": _precision(q_t.dtype)}
 
 
 def _streamkl_forward(q_t, k_t, q_s, k_s, causal: bool, scale_t: float, scale_s: float):
@@ -478,7 +483,8 @@ def _streamkl_backward(grad_kl, q_t, k_t, q_s, k_s, stats, causal: bool, scale_t
         grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), B * (H // chunk))  # noqa: E731
         _streamkl_bwd_dk[grid](q_t, k_t, q_s, k_s, out_t, out_s, stats[0], stats[1], stats[2], g,
                                *q_t.stride(), *k_t.stride(), *q_s.stride(), *k_s.stride(),
-                               *out_t.stride(), *out_s.stride(), *common, chunk, scale_t, scale_s,
+                               *out_t.stride(), *out_s.stride(), *common[:3], scale_t, scale_s,
+                               GROUP_T=d["GROUP_T"], GROUP_S=d["GROUP_S"], CHUNK=chunk,
                                CAUSAL=causal, T_GRAD=needs[1], S_GRAD=needs[3], **consts)
     return dq_t, dk_t, dq_s, dk_s
 
@@ -579,11 +585,11 @@ def attention_kl(
         return attention_kl_reference(q_t, k_t, q_s, k_s, **kwargs)
     scale_t = q_t.shape[-1] ** -0.5 if scale_t is None else float(scale_t)
     scale_s = q_s.shape[-1] ** -0.5 if scale_s is None else float(scale_s)
-    # tl.dot wants one dtype per product; promoting (e.g. bf16 k with fp32 q) is exact.
-    dtype_t, dtype_s = torch.promote_types(q_t.dtype, k_t.dtype), torch.promote_types(q_s.dtype, k_s.dtype)
-    if q_t.device.type == "cpu":  # Triton's interpreter multiplies bf16 bit patterns in tl.dot (3.9); fp32 is exact
-        dtype_t, dtype_s = (torch.float32 if dt == torch.bfloat16 else dt for dt in (dtype_t, dtype_s))
-    q_t, k_t, q_s, k_s = q_t.to(dtype_t), k_t.to(dtype_t), q_s.to(dtype_s), k_s.to(dtype_s)
+    # The kernels take one dtype for all four; promoting mixed inputs (e.g. bf16 with fp32) is exact.
+    dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), torch.promote_types(q_s.dtype, k_s.dtype))
+    if q_t.device.type == "cpu" and dtype == torch.bfloat16:
+        dtype = torch.float32  # Triton's interpreter (3.9) multiplies bf16 bit patterns in tl.dot; fp32 is exact
+    q_t, k_t, q_s, k_s = q_t.to(dtype), k_t.to(dtype), q_s.to(dtype), k_s.to(dtype)
     if direction == "reverse":  # KL(P_s ‖ P_t): the student becomes the weighting distribution
         q_t, k_t, q_s, k_s, scale_t, scale_s = q_s, k_s, q_t, k_t, scale_s, scale_t
     kl = StreamKLFunction.apply(q_t, k_t, q_s, k_s, bool(causal), scale_t, scale_s)
