@@ -82,6 +82,22 @@ def ratio(num, den) -> str:
     return f"{num[0] / den[0]:.1f}×" if ok else "–"
 
 
+def table_row(shape, r) -> str:
+    n, h, d = shape
+    for k in ("kl", "eager", "comp"):  # backward alone = (forward+backward) − forward
+        f, fb = r.get(k + "_f"), r.get(k + "_fb")
+        if isinstance(f, tuple) and isinstance(fb, tuple):
+            r[k + "_b"] = (fb[0] - f[0], None, None, None)
+    flops = 2 * n * n * d * h  # two causal QKᵀ products: 2·(N²/2)·d·2 per head
+    tflops = f"{flops / r['kl_f'][0] / 1e9:.0f}" if isinstance(r["kl_f"], tuple) else "–"
+    return (f"| {n} | {h} | {d} | {cell(r['kl_f'], 'ms')} | {cell(r['kl_fb'], 'ms')} | {tflops} "
+            f"| {cell(r['kl_f'], 'bytes')} | {cell(r['kl_fb'], 'bytes')} "
+            f"| {cell(r.get('eager_f'), 'ms')} | {cell(r.get('eager_fb'), 'ms')} | {cell(r.get('eager_f'), 'mb')} "
+            f"| {cell(r.get('eager_fb'), 'mb')} | {cell(r.get('comp_f'), 'ms')} | {cell(r.get('comp_fb'), 'ms')} "
+            f"| {cell(r['sdpa'], 'ms')} | {ratio(r.get('eager_f'), r['kl_f'])} "
+            f"| {ratio(r.get('eager_b'), r.get('kl_b'))} | {ratio(r['kl_f'], r['sdpa'])} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
@@ -94,44 +110,39 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     args = parser.parse_args()
     compile_shapes = {tuple(int(x) for x in s.split("x")) for s in args.compile_shapes.split(",") if s}
-    compiled = torch.compile(reference, dynamic=False)
     shapes = [(n, h, d) for n in args.lengths for h in args.heads for d in args.dims]
     shapes.sort(key=lambda s: s != TARGET)  # the target first: it also sets the autotuned configs
     start = time.time()
-    rows = []
+    results = {}
     for n, h, d in shapes:
         if time.time() - start > args.budget_s:
             print(f"budget of {args.budget_s:.0f}s spent: skipping N={n} H={h} d={d}", flush=True)
             continue
-        r = {}
+        r = results[(n, h, d)] = {}
         for grad in (False, True):
             inputs = setup(n, h, d, grad=grad)
             key = "fb" if grad else "f"
             r["kl_" + key] = measure(streamkl, inputs, backward=grad)
             if n <= args.eager_max_n:
                 r["eager_" + key] = measure(reference, inputs, backward=grad)
-            if (n, h, d) in compile_shapes:
-                r["comp_" + key] = measure(compiled, inputs, backward=grad)
             del inputs
         q_t, k_t, _, _ = setup(n, h, d, grad=False)
         r["sdpa"] = measure(sdpa, (q_t, k_t, torch.randn_like(k_t)), backward=False)
         del q_t, k_t
-        for k in ("kl", "eager", "comp"):  # backward alone = (forward+backward) − forward
-            f, fb = r.get(k + "_f"), r.get(k + "_fb")
-            if isinstance(f, tuple) and isinstance(fb, tuple):
-                r[k + "_b"] = (fb[0] - f[0], None, None, None)
-        flops = 2 * n * n * d * h  # two causal QKᵀ products: 2·(N²/2)·d·2 per head
-        kl_f = r["kl_f"]
-        tflops = f"{flops / kl_f[0] / 1e9:.0f}" if isinstance(kl_f, tuple) else "–"
-        row = (f"| {n} | {h} | {d} | {cell(r['kl_f'], 'ms')} | {cell(r['kl_fb'], 'ms')} | {tflops} "
-               f"| {cell(r['kl_f'], 'bytes')} | {cell(r['kl_fb'], 'bytes')} "
-               f"| {cell(r.get('eager_f'), 'ms')} | {cell(r.get('eager_fb'), 'ms')} | {cell(r.get('eager_f'), 'mb')} "
-               f"| {cell(r.get('eager_fb'), 'mb')} | {cell(r.get('comp_f'), 'ms')} | {cell(r.get('comp_fb'), 'ms')} "
-               f"| {cell(r['sdpa'], 'ms')} | {ratio(r.get('eager_f'), r['kl_f'])} "
-               f"| {ratio(r.get('eager_b'), r.get('kl_b'))} | {ratio(r['kl_f'], r['sdpa'])} |")
-        rows.append(row)
-        print(row, f"  [p20–p80 fwd {r['kl_f'][1]:.3f}–{r['kl_f'][2]:.3f} ms]" if isinstance(kl_f, tuple) else "",
+        print(n, h, d, {k: v if isinstance(v, str) else round(v[0], 3) for k, v in r.items()},
               f"({time.time() - start:.0f}s)", flush=True)
+    # torch.compile last, with what is left of the budget: it compiles per shape and per pass.
+    compiled = torch.compile(reference, dynamic=False)
+    for shape in sorted(compile_shapes & results.keys()):
+        for grad in (False, True):
+            if time.time() - start > args.budget_s:
+                print(f"budget spent: no compiled {'fb' if grad else 'f'} at {shape}", flush=True)
+                continue
+            results[shape]["comp_" + ("fb" if grad else "f")] = measure(compiled, setup(*shape, grad=grad),
+                                                                       backward=grad)
+            print(shape, "compiled", "fb" if grad else "f", results[shape].get("comp_fb" if grad else "comp_f"),
+                  f"({time.time() - start:.0f}s)", flush=True)
+    rows = [table_row(shape, r) for shape, r in sorted(results.items())]
     header = [
         f"GPU: {torch.cuda.get_device_name()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"torch {torch.__version__}; triton {triton.__version__}",
@@ -145,7 +156,7 @@ def main() -> None:
         "| eager/StreamKL f | eager/StreamKL b | StreamKL f / SDPA f |",
         "|" + "---|" * 18,
     ]
-    table = "\n".join(header + sorted(rows, key=lambda r: [int(x) for x in r.split("|")[1:4]]))
+    table = "\n".join(header + rows)
     print("\n" + table)
     if args.out:
         with open(args.out, "w") as f:
