@@ -98,8 +98,8 @@ def _load_tile(Ptr, offs_row, offs_d, stride_row, stride_d, n_rows, D: tl.conste
 def _logits(x_t, y_t, x_s, y_s, visible, qk_scale_t, qk_scale_s, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Teacher and student logits of one tile in log2 units, ``a = log₂e·scale_t·x_t y_t`` (``b`` likewise).
 
-    Either orientation: ``x`` queries and ``y`` transposed keys (rows × keys), or the reverse. Hidden
-    entries (``MASKED`` and not ``visible``) become ``−inf`` in ``a`` and ``b`` and 0 in ``a − b``.
+    ``x`` are query tiles ``[rows, d]``, ``y`` transposed key tiles ``[d, keys]``. Hidden entries
+    (``MASKED`` and not ``visible``) become ``−inf`` in ``a`` and ``b`` and 0 in ``a − b``.
     """
     a = tl.dot(x_t, y_t, input_precision=PRECISION) * qk_scale_t
     b = tl.dot(x_s, y_s, input_precision=PRECISION) * qk_scale_s
@@ -148,8 +148,8 @@ def _grad_tile(x_t, y_t, x_s, y_s, lse_t, lse_s, e, g, visible, qk_scale_t, qk_s
                MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Recompute a tile from the row statistics; return ``g·p·(a−b−e)`` and ``g·(s−p)`` (log2 units).
 
-    ``p = 2^(a − lse_t)``, ``s = 2^(b − lse_s)``; ``lse_*, e, g`` arrive broadcast along the row axis of
-    the tile's orientation. Rows past the end carry ``lse = +inf, g = 0`` and so contribute nothing.
+    ``p = 2^(a − lse_t)``, ``s = 2^(b − lse_s)``; ``lse_*, e, g`` are per-row ``[rows, 1]``. Rows past the
+    end carry ``lse = +inf, g = 0`` and so contribute nothing.
     """
     a, b, diff = _logits(x_t, y_t, x_s, y_s, visible, qk_scale_t, qk_scale_s, MASKED, PRECISION)
     p = tl.exp2(a - lse_t)
