@@ -10,13 +10,14 @@ import time
 from dataclasses import asdict, dataclass, fields
 
 import torch
+from tqdm.auto import tqdm
 
 from stiefkv.calibrate import allocate
-from stiefkv.calibrate.collect import LayerBatch, stream_layers
+from stiefkv.calibrate.collect import LayerInputs
 from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
 from stiefkv.data import calibration_sequences
-from stiefkv.models import arch_of, decoder_layers, dims_of, fingerprint, rope_spec
+from stiefkv.models import arch_of, dims_of, fingerprint, rope_spec
 from stiefkv.projections import KEY_MODES, Projections
 
 log = logging.getLogger(__name__)
@@ -84,11 +85,7 @@ def calibrate(model, tokenizer, **settings) -> Projections:
     seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
                                  seq_len=cfg.seq_len, seed=cfg.seed)
     ranks = allocate.uniform(dims.L, cfg.budget, dims.d, cfg.rank_step)
-    moments = SecondMoments(model, cfg.key_mode)
-    stream_layers(model, seqs, moments, batch_size=cfg.batch_size, desc="second moments")
-    keys = [top_eigenvectors(moments.keys[i], rk) for i, (rk, _) in enumerate(ranks)]
-    values = [top_eigenvectors(moments.values[i], rv) for i, (_, rv) in enumerate(ranks)]
-    errors = layer_errors(model, seqs, keys, values, key_mode=cfg.key_mode, batch_size=cfg.batch_size)
+    keys, values, errors = pca_layerwise(model, seqs, ranks, key_mode=cfg.key_mode, batch_size=cfg.batch_size)
     elapsed = time.perf_counter() - t0
     log.info("calibrated %d layers in %.1f s; mean layer error %.4f", dims.L, elapsed,
              sum(e["rel_error"] for e in errors) / len(errors))
@@ -99,17 +96,30 @@ def calibrate(model, tokenizer, **settings) -> Projections:
 
 
 @torch.no_grad()
-def layer_errors(model, sequences: torch.Tensor, keys, values, *, key_mode: str, batch_size: int = 8) -> list[dict]:
-    """Each layer's output error with its bases, on the uncompressed model's layer inputs."""
-    layers, rope = decoder_layers(model), rope_spec(model.config)
-    device = next(model.parameters()).device
-    stats = [ErrorStats() for _ in layers]
-    bases = [(k.to(device), v.to(device)) for k, v in zip(keys, values)]
+def pca_layerwise(model, sequences: torch.Tensor, ranks: list[tuple[int, int]], *, key_mode: str,
+                  batch_size: int = 8):
+    """PCA bases at ``ranks`` for every layer, and each layer's output error with them.
 
-    def consume(batch: LayerBatch) -> None:
-        P_k, P_v = bases[batch.layer_idx]
-        y_hat = compressed_layer_output(layers[batch.layer_idx], batch, P_k, P_v, key_mode=key_mode, rope=rope)
-        stats[batch.layer_idx].add(y_hat, batch.output)
-
-    stream_layers(model, sequences, consume, batch_size=batch_size, desc="layer errors")
-    return [{"layer": i} | s.as_dict() for i, s in enumerate(stats)]
+    Layers go one at a time over the held calibration activations; each layer's inputs come from the
+    uncompressed layers before it.
+    """
+    rope = rope_spec(model.config)
+    inputs = LayerInputs(model, sequences, batch_size=batch_size)
+    keys, values, errors = [], [], []
+    for i in tqdm(range(inputs.num_layers), desc="PCA layers", unit="layer"):
+        layer = inputs.layers[i]
+        target = inputs.run()
+        moments = SecondMoments(model, key_mode)
+        for batch in inputs.batches():
+            moments(batch)
+        (rk, rv) = ranks[i]
+        P_k, P_v = top_eigenvectors(moments.keys[i], rk), top_eigenvectors(moments.values[i], rv)
+        stats = ErrorStats()
+        for batch in inputs.batches(target):
+            stats.add(compressed_layer_output(layer, batch, P_k.to(target.device), P_v.to(target.device),
+                                              key_mode=key_mode, rope=rope), batch.output)
+        keys.append(P_k)
+        values.append(P_v)
+        errors.append({"layer": i} | stats.as_dict())
+        inputs.advance(target)
+    return keys, values, errors

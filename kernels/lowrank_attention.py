@@ -354,7 +354,7 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on the CPU: pretend to be an H200 so the heuristics stay the same
 
 
-def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int) -> dict:
+def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
     and splits each row's keys until about two programs per SM are available, at ≥ 256 keys each (on the
     H200 sweep of ``benchmarks/bench_attention.py``, twice as many splits was slower at every shape: the
@@ -364,8 +364,12 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         if programs < 2 * n_sms:
             splits = max(1, min(triton.cdiv(2 * n_sms, programs), triton.cdiv(n_k, 256)))
         return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3)
-    if key_mode == "post_rope":
+    if key_mode == "post_rope" and r_k & (r_k - 1) == 0:
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
+    # pre_rope, and post_rope with a rank padded to a power of two: on the H200 (triton 3.6) post_rope
+    # prefill with r_k = 56, bf16/fp16 and block_n = 64 returned wrong values (num_warps 8, num_stages 2)
+    # or faulted (4 warps, 1 stage); block_n = 32 was exact in all four warps/stages combinations, and the
+    # interpreter with NaN-fenced inputs shows no out-of-bounds access, so block_n = 64 is avoided there.
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
 
 
@@ -504,7 +508,7 @@ def lowrank_attention(
     B, H, Nq, d = q.shape
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
-    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device))
+    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if n_rows > cfg["block_m"]:

@@ -106,25 +106,28 @@ def lowrank_attention(
     if H % G:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({G})")
     scale = d**-0.5 if scale is None else scale
-    qf = q.float().view(B, G, H // G, Nq, d)
     if key_mode == "post_rope":
         # q·(P_k z) = (P_kᵀ q)·z: attention runs in r_k dimensions.
-        logits = torch.einsum("bgsqd,gdr,bgkr->bgsqk", qf, P_k.float(), z_k.float())
+        qf = torch.einsum("bgsqd,gdr->bgsqr", q.float().view(B, G, H // G, Nq, d), P_k.float()).reshape(B, H, Nq, -1)
+        keys = z_k.float()
     else:
+        qf = q.float()
         keys = rebuild_keys(z_k, P_k, key_mode=key_mode, positions=positions, rope=rope)
-        logits = torch.einsum("bgsqd,bgkd->bgsqk", qf, keys)
-    logits = logits * scale
-    if bias is not None:
-        logits = logits + bias.float()[:, :, None, None, :]
-    visible = key_padding_mask(lengths, B, Nk, q.device)[:, None, None, None, :]
+    visible = key_padding_mask(lengths, B, Nk, q.device)[:, None, None, :]
     if causal:
         q_idx = torch.arange(Nq, device=q.device) + (Nk - Nq)
         visible = visible & (torch.arange(Nk, device=q.device)[None, :] <= q_idx[:, None])
-    logits = logits.masked_fill(~visible, float("-inf"))
-    probs = torch.softmax(logits, dim=-1).nan_to_num(0.0)  # rows with no visible key
-    out = torch.einsum("bgsqk,bgkr->bgsqr", probs, z_v.float())
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
+    if bias is not None:
+        mask = mask + bias.float().repeat_interleave(H // G, dim=1)[:, :, None, :]
+    # SDPA's math is the softmax(q kᵀ·scale + mask) v of the docstring; values are the latents.
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qf, keys, z_v.float(), attn_mask=mask.expand(B, H, Nq, Nk) if mask.shape[1] == 1 else mask,
+        scale=scale, enable_gqa=True,
+    )
+    out = out.nan_to_num(0.0)  # rows with no visible key
     if P_v is not None:
-        out = torch.einsum("bgsqr,gdr->bgsqd", out, P_v.float())
+        out = torch.einsum("bgsqr,gdr->bgsqd", out.view(B, G, H // G, Nq, -1), P_v.float())
     return out.reshape(B, H, Nq, -1).to(q.dtype)
 
 

@@ -7,6 +7,7 @@ and attends through :func:`stiefkv.kernels` (Triton on CUDA, the PyTorch referen
 
 from __future__ import annotations
 
+import inspect
 import logging
 from contextlib import contextmanager
 from pathlib import Path
@@ -80,6 +81,11 @@ class LatentCache(_dynamic_cache_class()):
     def reset(self):
         super().reset()
         self.positions = None
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The keyword this transformers version's ``forward`` takes a cache by (renamed in 5.24)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 def cache_positions(cache, layer_idx: int, positions: torch.Tensor) -> torch.Tensor:

@@ -125,6 +125,26 @@ def test_far_positions(num_splits):
     check(args, kwargs, key_mode="pre_rope", num_splits=num_splits, what="far positions")
 
 
+def _fenced(t):
+    """``t`` inside a NaN-filled buffer: any unmasked read past either end of it returns NaN."""
+    buf = torch.full((t.numel() + 4096,), float("nan"), dtype=t.dtype, device=t.device)
+    view = buf[2048:2048 + t.numel()].view(t.shape)
+    view.copy_(t)
+    return view
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("Nq,splits", [(1, 3), (19, 1)], ids=["decode_split", "prefill"])
+def test_no_reads_outside_the_inputs(key_mode, Nq, splits):
+    """Every input sits between NaN fences; a rank-padded tile or a ragged key tile that read past its
+    tensor would turn the output NaN (assert_close fails on NaN)."""
+    args, kwargs = make_inputs(2, 12, 3, Nq, 70, 64, 56, 24, torch.bfloat16)
+    args = tuple(_fenced(t) if t is not None else None for t in args)
+    kwargs = dict(kwargs, bias=_fenced(kwargs["bias"]), positions=_fenced(kwargs["positions"]),
+                  lengths=_fenced(kwargs["lengths"]))
+    check(args, kwargs, key_mode=key_mode, num_splits=splits, what="fenced inputs")
+
+
 def test_more_queries_than_keys():
     """Causal with Nq > Nk: query i sits at key index Nk − Nq + i, so the first Nq − Nk queries see nothing."""
     args, kwargs = make_inputs(1, 4, 2, 20, 9, 32, 8, 8, torch.float32, padded=False)

@@ -1,0 +1,196 @@
+"""The ``stiefkv`` command line: it parses options and calls the public API, nothing more.
+
+Defaults come from :class:`stiefkv.CalibrationConfig`. Every user error ends in one line on stderr and
+exit status 2 (bad input) or 1 (failure), never a traceback; ``--debug`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from dataclasses import fields
+from pathlib import Path
+
+import click
+
+from stiefkv.calibrate.allocate import ALLOCATIONS
+from stiefkv.calibrate.pipeline import METHODS, CalibrationConfig
+from stiefkv.projections import KEY_MODES
+
+DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
+DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
+log = logging.getLogger("stiefkv")
+
+
+class UserError(click.ClickException):
+    exit_code = 2
+
+
+def _run(fn, debug: bool):
+    """Call ``fn``; turn the errors a user can fix into one line."""
+    from stiefkv.data import DataError
+    from stiefkv.models import ModelLoadError
+    from stiefkv.projections import CheckpointError
+
+    try:
+        return fn()
+    except (ModelLoadError, DataError, CheckpointError, ValueError, FileNotFoundError) as exc:
+        if debug:
+            raise
+        raise UserError(str(exc)) from None
+    except KeyboardInterrupt:
+        raise click.ClickException("interrupted") from None
+
+
+def _setup(device: str, dtype: str, seed: int, debug: bool):
+    import torch
+
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(levelname)s %(message)s")
+    for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
+        logging.getLogger(noisy).setLevel(logging.ERROR)
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
+    torch.manual_seed(seed)
+    return getattr(torch, DTYPES[dtype])
+
+
+def common_options(fn):
+    for option in reversed([
+        click.option("--device", default="cpu", show_default=True, help="Where the model runs: cpu, cuda, cuda:1…"),
+        click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True,
+                     help="Precision of the model's weights and activations."),
+        click.option("--seed", type=int, default=DEFAULTS["seed"], show_default=True,
+                     help="Seed for data sampling and every random step."),
+        click.option("--debug", is_flag=True, help="Show full tracebacks and debug logs."),
+    ]):
+        fn = option(fn)
+    return fn
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(package_name="stiefkv")
+def main():
+    """StiefKV: compress a causal LM's KV cache with learned low-rank key and value bases.
+
+    \b
+    stiefkv calibrate smollm2 --budget 0.5 -o smollm2-50.safetensors
+    stiefkv inspect smollm2-50.safetensors
+    stiefkv eval smollm2 --projections smollm2-50.safetensors
+    """
+
+
+@main.command()
+@click.argument("model")
+@click.option("--budget", type=float, default=DEFAULTS["budget"], show_default=True,
+              help="Fraction of the full KV cache to keep, in (0, 1]; 0.5 halves it.")
+@click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
+              help="How bases are found: pca = top eigenvectors of the keys' and values' second moments.")
+@click.option("--key-mode", type=click.Choice(KEY_MODES), default=DEFAULTS["key_mode"], show_default=True,
+              help="Compress keys before RoPE (better quality) or after it (faster kernels).")
+@click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"], show_default=True,
+              help="How ranks are spread over layers: uniform = the same in every layer.")
+@click.option("--data", default=DEFAULTS["data"], show_default=True,
+              help="Calibration text: wikitext2 (validation split), a .txt/.jsonl file or folder, or self "
+                   "(sampled from the model: no data needed).")
+@click.option("--num-sequences", type=int, default=DEFAULTS["num_sequences"], show_default=True,
+              help="Number of calibration sequences.")
+@click.option("--seq-len", type=int, default=DEFAULTS["seq_len"], show_default=True,
+              help="Tokens per calibration sequence.")
+@click.option("--batch-size", type=int, default=DEFAULTS["batch_size"], show_default=True,
+              help="Sequences per forward pass (memory vs speed).")
+@click.option("--rank-step", type=int, default=DEFAULTS["rank_step"], show_default=True,
+              help="Ranks are multiples of this.")
+@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+              help="Where to write the checkpoint (.safetensors).")
+@common_options
+def calibrate(model, output, device, dtype, seed, debug, **settings):
+    """Learn key/value bases for MODEL and write a projection checkpoint.
+
+    MODEL is 'smollm2', a .gguf file, a local model folder or a Hugging Face id.
+    """
+    import stiefkv
+
+    torch_dtype = _setup(device, dtype, seed, debug)
+
+    def work():
+        CalibrationConfig.from_kwargs(seed=seed, **settings)  # fail on bad settings before loading the model
+        m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
+        proj = stiefkv.calibrate(m, tok, seed=seed, **settings)
+        proj.save(output)
+        return proj
+
+    proj = _run(work, debug)
+    click.echo(_inspect_table(proj))
+    click.echo(f"\nwrote {output} ({proj.settings['seconds']} s)")
+
+
+@main.command()
+@click.argument("checkpoint", type=click.Path(path_type=Path))
+@click.option("--json", "as_json", is_flag=True, help="Print the checkpoint's header as JSON.")
+def inspect(checkpoint, as_json):
+    """Show a checkpoint's settings, ranks and per-layer errors."""
+    from stiefkv.projections import Projections
+
+    proj = _run(lambda: Projections.load(checkpoint), False)
+    click.echo(json.dumps(proj.header(), indent=2) if as_json else _inspect_table(proj))
+
+
+def _inspect_table(proj) -> str:
+    s, fp = proj.settings, proj.fingerprint
+    lines = [
+        f"model {s.get('model') or fp['architecture']} ({fp['architecture']}, L={fp['L']} H={fp['H']} G={fp['G']} "
+        f"d={fp['d']}) · method {proj.method} · key mode {proj.key_mode} · budget {proj.budget:g} "
+        f"(achieved {proj.achieved_budget:.4f})",
+        f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation {s.get('allocation')}",
+        "",
+        "| layer | r_k | r_v | rel. error | cosine |",
+        "|---|---|---|---|---|",
+    ]
+    errors = {e.get("layer", i): e for i, e in enumerate(proj.errors)}
+    for i, (rk, rv) in enumerate(proj.ranks):
+        e = errors.get(i, {})
+        lines.append(f"| {i} | {rk} | {rv} | {e.get('rel_error', float('nan')):.4f} | {e.get('cosine', float('nan')):.4f} |")
+    return "\n".join(lines)
+
+
+@main.command(name="eval")
+@click.argument("model")
+@click.option("--projections", type=click.Path(path_type=Path), default=None,
+              help="A checkpoint to evaluate against the uncompressed model; without it, only the original.")
+@click.option("--data", default="wikitext2", show_default=True,
+              help="Test text: wikitext2 (test split) or a .txt/.jsonl file or folder.")
+@click.option("--window", type=int, default=2048, show_default=True, help="Tokens per perplexity window.")
+@click.option("--windows", type=int, default=None, help="Score only the first N windows (default: all).")
+@click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass.")
+@click.option("--backend", type=click.Choice(["auto", "triton", "reference"]), default="auto", show_default=True,
+              help="Attention over latents: Triton kernels (CUDA), the PyTorch reference, or auto.")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Also write the results as JSON to this file ('-' for stdout).")
+@common_options
+def evaluate(model, projections, data, window, windows, batch_size, backend, json_path, device, dtype, seed, debug):
+    """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL."""
+    import stiefkv
+    from stiefkv.evaluate import evaluate as run_eval, format_table
+
+    torch_dtype = _setup(device, dtype, seed, debug)
+    if windows is not None and windows < 1:
+        raise UserError(f"--windows must be ≥ 1, got {windows}")
+
+    def work():
+        proj = stiefkv.Projections.load(projections) if projections else None
+        m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
+        return run_eval(m, tok, proj, data=data, window=window, limit=windows, batch_size=batch_size,
+                        backend=backend, model_name=model)
+
+    result = _run(work, debug)
+    if json_path is not None and str(json_path) == "-":
+        click.echo(json.dumps(result.as_dict(), indent=2))
+        return
+    click.echo(format_table(result))
+    if json_path is not None:
+        json_path.write_text(json.dumps(result.as_dict(), indent=2))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,144 @@
+"""Evaluation: perplexity, layer error, next-token KL and KV bytes per token (DESIGN.md protocol).
+
+Perplexity: the test text joined, tokenized once, cut into non-overlapping windows (2048 tokens), mean
+token NLL over every scored token. With projections, each window runs twice — uncompressed (with hooks
+that also run each compressed layer on the uncompressed layer's input, for the layer errors) and
+compressed — and the next-token KL ``KL(p_orig ‖ p_compressed)`` is averaged over the same tokens.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+
+from stiefkv.attention import LatentCache, cache_keyword, compressed
+from stiefkv.calibrate.collect import LayerBatch, layer_hooks
+from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
+from stiefkv.data import load_texts, token_stream, windows
+from stiefkv.models import decoder_layers, rope_spec
+from stiefkv.projections import Projections
+
+
+@dataclass
+class EvalResult:
+    model: str
+    data: str
+    window: int
+    windows: int
+    tokens_scored: int
+    ppl_original: float
+    kv_bytes_per_token_original: float
+    method: str | None = None
+    budget: float | None = None
+    key_mode: str | None = None
+    ppl: float | None = None
+    layer_rel_error: float | None = None
+    layer_cosine: float | None = None
+    next_token_kl: float | None = None
+    kv_bytes_per_token: float | None = None
+    layer_errors: list | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def load_test_windows(tokenizer, *, data: str = "wikitext2", window: int = 2048, limit: int | None = None) -> torch.Tensor:
+    """``[W, window]`` token ids of the test split (the first ``limit`` windows when given)."""
+    ws = windows(token_stream(tokenizer, load_texts(data, "test")), window)
+    if len(ws) == 0:
+        raise ValueError(f"the test data has fewer than {window} tokens: lower --window")
+    return ws if limit is None else ws[:limit]
+
+
+def _nll_and_logprobs(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = model(ids, use_cache=False).logits[:, :-1].float()
+    logp = torch.log_softmax(logits, dim=-1)
+    nll = -logp.gather(-1, ids[:, 1:, None]).squeeze(-1)
+    return nll, logp
+
+
+@torch.no_grad()
+def kv_bytes_per_token(model, ids: torch.Tensor, *, latent: bool) -> float:
+    """Measured: run ``ids`` ``[1, N]`` with a cache and divide the cache's bytes by ``N``."""
+    from transformers import DynamicCache
+
+    cache = LatentCache() if latent else DynamicCache()
+    model(ids, use_cache=True, **{cache_keyword(model): cache})
+    if latent:
+        return cache.nbytes / ids.shape[1]
+    total = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
+    return total / ids.shape[1]
+
+
+@torch.no_grad()
+def evaluate(model, tokenizer, projections: Projections | None = None, *, data: str = "wikitext2",
+             window: int = 2048, limit: int | None = None, batch_size: int = 1, backend: str = "auto",
+             model_name: str = "") -> EvalResult:
+    """Evaluate ``model`` uncompressed and, with ``projections``, compressed, on the same test windows."""
+    device = next(model.parameters()).device
+    ws = load_test_windows(tokenizer, data=data, window=window, limit=limit)
+    layers = decoder_layers(model)
+    stats = [ErrorStats() for _ in layers]
+    nll_orig = nll_comp = kl_sum = 0.0
+    count = 0
+    if projections is not None:
+        projections.check(model)
+        rope = rope_spec(model.config)
+        bases = [(k.to(device), v.to(device)) for k, v in zip(projections.keys, projections.values)]
+
+    def layer_error(batch: LayerBatch) -> None:
+        P_k, P_v = bases[batch.layer_idx]
+        y_hat = compressed_layer_output(layers[batch.layer_idx], batch, P_k, P_v,
+                                        key_mode=projections.key_mode, rope=rope, backend=backend)
+        stats[batch.layer_idx].add(y_hat, batch.output)
+
+    for start in tqdm(range(0, len(ws), batch_size), desc="evaluating", unit="batch"):
+        ids = ws[start:start + batch_size].to(device)
+        if projections is None:
+            nll, _ = _nll_and_logprobs(model, ids)
+        else:
+            with layer_hooks(model, layer_error):
+                nll, logp = _nll_and_logprobs(model, ids)
+            with compressed(model, projections, backend=backend):
+                nll_c, logp_c = _nll_and_logprobs(model, ids)
+            nll_comp += float(nll_c.double().sum())
+            kl_sum += float((logp.exp() * (logp - logp_c)).sum(-1).double().sum())
+            del logp, logp_c
+        nll_orig += float(nll.double().sum())
+        count += nll.numel()
+
+    probe = ws[:1, : min(window, 256)].to(device)
+    result = EvalResult(model=model_name, data=data, window=window, windows=len(ws), tokens_scored=count,
+                        ppl_original=math.exp(nll_orig / count),
+                        kv_bytes_per_token_original=kv_bytes_per_token(model, probe, latent=False))
+    if projections is not None:
+        with compressed(model, projections, backend=backend):
+            kv = kv_bytes_per_token(model, probe, latent=True)
+        errors = [{"layer": i} | s.as_dict() for i, s in enumerate(stats)]
+        result.method, result.budget, result.key_mode = projections.method, projections.budget, projections.key_mode
+        result.ppl = math.exp(nll_comp / count)
+        result.layer_rel_error = sum(e["rel_error"] for e in errors) / len(errors)
+        result.layer_cosine = sum(e["cosine"] for e in errors) / len(errors)
+        result.next_token_kl = kl_sum / count
+        result.kv_bytes_per_token = kv
+        result.layer_errors = errors
+    return result
+
+
+def format_table(result: EvalResult) -> str:
+    """A markdown table of one evaluation (uncompressed row, then the compressed row)."""
+    head = (f"model {result.model or '?'} · data {result.data} test · window {result.window} · "
+            f"{result.windows} windows · {result.tokens_scored} tokens scored")
+    rows = ["| setting | budget | key mode | PPL | ΔPPL | layer rel. err | layer cos | next-token KL | KV B/token |",
+            "|---|---|---|---|---|---|---|---|---|",
+            f"| uncompressed | 100 % | – | {result.ppl_original:.4f} | – | – | – | – | "
+            f"{result.kv_bytes_per_token_original:.0f} |"]
+    if result.ppl is not None:
+        delta = 100 * (result.ppl / result.ppl_original - 1)
+        rows.append(f"| {result.method} | {100 * result.budget:g} % | {result.key_mode} | {result.ppl:.4f} | "
+                    f"{delta:+.1f} % | {result.layer_rel_error:.4f} | {result.layer_cosine:.4f} | "
+                    f"{result.next_token_kl:.4f} | {result.kv_bytes_per_token:.0f} |")
+    return head + "\n\n" + "\n".join(rows)

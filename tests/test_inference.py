@@ -1,0 +1,166 @@
+"""LowRankAttention and LatentCache on tiny random models of every supported architecture."""
+
+import pytest
+import torch
+
+import stiefkv
+from stiefkv.models import dims_of, rope_spec
+from tests.tiny import ARCHS, random_projections, tiny_model
+from tests.utils import assert_close
+
+KEY_MODES = ["pre_rope", "post_rope"]
+
+
+def ids(batch=2, n=11, vocab=97, seed=0):
+    return torch.randint(0, vocab, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("kv_heads", [6, 2])  # MHA and GQA 3
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+def test_full_rank_reproduces_logits(arch, kv_heads, key_mode):
+    model = tiny_model(arch, kv_heads=kv_heads)
+    x = ids()
+    expected = model(x).logits
+    d = dims_of(model.config).d
+    stiefkv.load(model, random_projections(model, d, d, key_mode))
+    actual = model(x).logits
+    assert (actual - expected).abs().max() <= 1e-4, (actual - expected).abs().max()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+def test_cached_decoding_equals_full_forward(arch, key_mode):
+    model = tiny_model(arch)
+    stiefkv.load(model, random_projections(model, 16, 8, key_mode))
+    x = ids(n=13)
+    full = model(x, use_cache=False).logits
+    cache = stiefkv.LatentCache()
+    steps = [model(x[:, :7], past_key_values=cache).logits]
+    for t in range(7, 13):
+        steps.append(model(x[:, t:t + 1], past_key_values=cache).logits)
+    assert_close(torch.cat(steps, dim=1), full, atol=2e-5, rtol=1e-4, what="cached vs full")
+    assert cache.get_seq_length() == 13
+
+
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+def test_generate_with_and_without_cache_agree(key_mode):
+    model = tiny_model("llama")
+    stiefkv.load(model, random_projections(model, 16, 16, key_mode))
+    x = ids(batch=2, n=5)
+    kw = dict(max_new_tokens=8, do_sample=False, pad_token_id=0)
+    with_cache = model.generate(x, attention_mask=torch.ones_like(x), use_cache=True, **kw)
+    without = model.generate(x, attention_mask=torch.ones_like(x), use_cache=False, **kw)
+    assert torch.equal(with_cache, without)
+
+
+def test_generate_uses_latent_cache():
+    model = tiny_model("llama")
+    stiefkv.load(model, random_projections(model, 8, 16))
+    out = model.generate(ids(n=4), max_new_tokens=3, do_sample=False, pad_token_id=0,
+                         return_dict_in_generate=True)
+    cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
+    assert isinstance(cache, stiefkv.LatentCache)
+    assert cache.layers[0].keys.shape[-1] == 8 and cache.layers[0].values.shape[-1] == 16
+
+
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+def test_left_padding_is_masked(key_mode):
+    model = tiny_model("qwen3")
+    stiefkv.load(model, random_projections(model, 16, 16, key_mode))
+    short = ids(batch=1, n=6, seed=3)
+    alone = model(short).logits
+    pad = 4
+    padded = torch.cat([torch.zeros(1, pad, dtype=torch.long), short], dim=1)
+    batch = torch.cat([padded, ids(batch=1, n=10, seed=4)])
+    mask = torch.ones_like(batch)
+    mask[0, :pad] = 0
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)
+    out = model(batch, attention_mask=mask, position_ids=position_ids).logits
+    assert_close(out[:1, pad:], alone, atol=2e-5, rtol=1e-4, what="left-padded row")
+
+
+def test_left_padded_generate_matches_unpadded():
+    model = tiny_model("llama")
+    stiefkv.load(model, random_projections(model, 16, 16))
+    short = ids(batch=1, n=5, seed=5)
+    kw = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+    alone = model.generate(short, attention_mask=torch.ones_like(short), **kw)[0, 5:]
+    batch = torch.cat([torch.cat([torch.zeros(1, 3, dtype=torch.long), short], 1), ids(batch=1, n=8, seed=6)])
+    mask = torch.ones_like(batch)
+    mask[0, :3] = 0
+    together = model.generate(batch, attention_mask=mask, **kw)[0, 8:]
+    assert torch.equal(alone, together)
+
+
+@pytest.mark.parametrize("rope_parameters", [
+    {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+     "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
+    {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "original_max_position_embeddings": 128},
+])
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+def test_rope_from_config_rope_parameters(rope_parameters, key_mode):
+    model = tiny_model("llama", rope_parameters=rope_parameters)
+    spec = rope_spec(model.config)
+    assert_close(spec.inv_freq, model.model.rotary_emb.inv_freq.float(), atol=0, rtol=1e-6, what="inv_freq")
+    assert spec.attention_scaling == pytest.approx(model.model.rotary_emb.attention_scaling)
+    x = ids(n=40)
+    expected = model(x).logits
+    stiefkv.load(model, random_projections(model, 24, 24, key_mode))
+    assert (model(x).logits - expected).abs().max() <= 1e-4
+
+
+def test_cache_and_past_key_values_keywords():
+    model = tiny_model("llama")
+    stiefkv.load(model, random_projections(model, 8, 8))
+    x = ids(n=9)
+    results = []
+    for keyword in ("past_key_values", "cache"):
+        cache = stiefkv.LatentCache()
+        first = model(x[:, :6], **{keyword: cache}).logits
+        second = model(x[:, 6:], **{keyword: cache}).logits
+        assert cache.get_seq_length() == 9, keyword
+        results.append(torch.cat([first, second], 1))
+    assert_close(results[0], results[1], what="cache= vs past_key_values=")
+    assert_close(results[0], model(x, use_cache=False).logits, atol=2e-5, rtol=1e-4, what="vs full")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cache_holds_only_latents_and_reports_bytes(dtype):
+    model = tiny_model("llama", dtype=dtype)
+    rk, rv = 8, 16
+    stiefkv.load(model, random_projections(model, rk, rv))
+    cache = stiefkv.LatentCache()
+    B, N = 2, 11
+    model(ids(batch=B, n=N), past_key_values=cache)
+    dims = dims_of(model.config)
+    for layer in cache.layers:
+        assert layer.keys.shape == (B, dims.G, N, rk) and layer.values.shape == (B, dims.G, N, rv)
+        assert layer.keys.dtype == dtype
+    size = torch.tensor([], dtype=dtype).element_size()
+    expected = dims.L * B * N * dims.G * (rk + rv) * size + B * N * 4  # latents + int32 positions
+    assert isinstance(cache.nbytes, int) and cache.nbytes == expected
+
+
+def test_unload_restores_the_model():
+    model = tiny_model("mistral")
+    x = ids()
+    expected = model(x).logits
+    stiefkv.load(model, random_projections(model, 8, 8))
+    assert (model(x).logits - expected).abs().max() > 1e-3
+    stiefkv.unload(model)
+    assert torch.equal(model(x).logits, expected)
+    with stiefkv.compressed(model, random_projections(model, 8, 8)):
+        assert stiefkv.attention.is_compressed(model)
+    assert not stiefkv.attention.is_compressed(model)
+
+
+def test_right_padding_is_refused_clearly():
+    model = tiny_model("llama")
+    stiefkv.load(model, random_projections(model, 8, 8))
+    x = ids(batch=2, n=6)
+    mask = torch.ones_like(x)
+    mask[0, -2:] = 0
+    with pytest.raises(ValueError, match="left-padded"):
+        model(x, attention_mask=mask)
