@@ -134,7 +134,7 @@ def decode_table(device, copy_tbs, shapes, sweep) -> None:
                     return lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=mode, positions=pos, rope=rope, **cfg)
 
                 default = _default_config(H // G, N, mode, B * G, torch.cuda.get_device_properties(device)
-                                          .multi_processor_count)
+                                          .multi_processor_count, r)
                 eager_ms = median_ms(run)
                 default_ms = graph_ms(run)
                 best_ms, best_cfg = default_ms, f"default ({default['block_n']},{default['num_warps']},"
