@@ -356,13 +356,15 @@ def _num_sms(device: torch.device) -> int:
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
-    and splits each row's keys until about two programs per SM are available, at ≥ 256 keys each (on the
-    H200 sweep of ``benchmarks/bench_attention.py``, twice as many splits was slower at every shape: the
-    combine kernel loops over them)."""
+    and splits each row's keys so that ``programs × splits`` stays at or just under two programs per SM, at
+    ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
+    4×128k at 50 % took 0.27 ms with 8 splits (256 programs) and 0.42 ms with 9 (288 programs: some SMs
+    run a third program, a second partial wave), and this rule picked the fastest measured split count
+    at all four benchmark shapes at 50 %, for both key modes."""
     if n_rows <= DECODE_BLOCK_M:
         splits = 1
         if programs < 2 * n_sms:
-            splits = max(1, min(triton.cdiv(2 * n_sms, programs), triton.cdiv(n_k, 256)))
+            splits = max(1, min(2 * n_sms // programs, triton.cdiv(n_k, 256)))
         return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3)
     if key_mode == "post_rope" and r_k & (r_k - 1) == 0:
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
@@ -406,6 +408,9 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
         raise ValueError(f"bias must be [B={B}, G={G}, Nk={Nk}], got {tuple(bias.shape)}")
     if lengths is not None and tuple(lengths.shape) != (B,):
         raise ValueError(f"lengths must be [B={B}], got {tuple(lengths.shape)}")
+    # Batch and head offsets are int64 in the kernels; offsets along the keys of one (row, head) are int32.
+    if max(Nk * z_k.stride(2), Nk * z_v.stride(2), q.shape[2] * q.stride(2)) >= 2**31:
+        raise ValueError("one (batch row, head) of the cache spans more than 2**31 elements; split the call")
     tensors = [t for t in (q, z_k, z_v, P_k, P_v, bias) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError("the Triton low-rank attention is inference-only (no backward); call it under "
