@@ -10,15 +10,16 @@ ALLOCATIONS = ("uniform",)
 
 
 def uniform_rank(budget: float, head_dim: int, rank_step: int) -> int:
-    """The same rank for keys and values of every layer: ``budget · d`` rounded to a multiple of ``rank_step``."""
+    """The same rank for keys and values of every layer: ``budget · d`` rounded down to a multiple of
+    ``rank_step`` (never above the budget), at least ``rank_step``."""
     if not 0 < budget <= 1:
         raise ValueError(f"budget must be in (0, 1], got {budget}")
     if rank_step < 1 or head_dim % rank_step:
         raise ValueError(f"rank_step {rank_step} must divide the head dimension {head_dim}")
-    r = max(rank_step, min(head_dim, round(budget * head_dim / rank_step) * rank_step))
+    r = max(rank_step, min(head_dim, int(budget * head_dim / rank_step + 1e-9) * rank_step))
     if abs(r / head_dim - budget) > 1e-9:
-        log.warning("budget %.4g gives rank %.4g·d; using r = %d (%.4g of the cache)", budget,
-                    budget * head_dim, r, r / head_dim)
+        log.warning("budget %.4g asks for rank %.4g of d=%d; ranks are multiples of %d: using r = %d (%.4g of the "
+                    "cache)", budget, budget * head_dim, head_dim, rank_step, r, r / head_dim)
     return r
 
 

@@ -1,0 +1,76 @@
+"""Quality table: WikiText-2 test perplexity of a model, uncompressed and with calibrated bases.
+
+For every key mode and budget it calibrates (``stiefkv.calibrate``), then evaluates on the whole test set
+(or ``--windows N``), and prints one markdown row per setting with the calibration wall time.
+
+    python benchmarks/bench_quality.py smollm2 --budgets 1,0.75,0.5,0.375,0.25 --key-modes pre_rope,post_rope
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import platform
+import time
+
+import torch
+
+import stiefkv
+from stiefkv.evaluate import evaluate
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", default="smollm2")
+    ap.add_argument("--budgets", default="1,0.75,0.5,0.375,0.25")
+    ap.add_argument("--key-modes", default="pre_rope,post_rope")
+    ap.add_argument("--method", default="pca")
+    ap.add_argument("--allocation", default="uniform")
+    ap.add_argument("--num-sequences", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--windows", type=int, default=None)
+    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--backend", default="reference")
+    ap.add_argument("--extra", default="{}", help="JSON of further calibration keywords")
+    ap.add_argument("--json", default=None, help="write all results to this file")
+    args = ap.parse_args()
+
+    model, tok = stiefkv.load_model(args.model, device=args.device)
+    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
+    print(f"# {args.model} · WikiText-2 test · window {args.window} · {device_name} · torch {torch.__version__} · "
+          f"{datetime.date.today()}")
+    print(f"# calibration: {args.method}, allocation {args.allocation}, {args.num_sequences} × {args.seq_len} "
+          f"tokens of WikiText-2 validation, extra {args.extra}")
+    base = evaluate(model, tok, None, window=args.window, limit=args.windows, model_name=args.model)
+    print(f"\n{base.windows} windows, {base.tokens_scored} tokens scored\n")
+    print("| key mode | budget | method | allocation | PPL | ΔPPL | layer rel. err | next-token KL | KV B/token | calib. s |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    print(f"| – | 100 % | uncompressed | – | {base.ppl_original:.4f} | – | – | – | "
+          f"{base.kv_bytes_per_token_original:.0f} | – |", flush=True)
+    rows = [base.as_dict()]
+    for key_mode in args.key_modes.split(","):
+        for budget in (float(b) for b in args.budgets.split(",")):
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            proj = stiefkv.calibrate(model, tok, budget=budget, method=args.method, key_mode=key_mode,
+                                     allocation=args.allocation, num_sequences=args.num_sequences,
+                                     seq_len=args.seq_len, **json.loads(args.extra))
+            if args.device.startswith("cuda"):
+                torch.cuda.synchronize()
+            seconds = time.perf_counter() - t0
+            r = evaluate(model, tok, proj, window=args.window, limit=args.windows, backend=args.backend,
+                         model_name=args.model)
+            print(f"| {key_mode} | {100 * budget:g} % | {args.method} | {args.allocation} | {r.ppl:.4f} | "
+                  f"{100 * (r.ppl / r.ppl_original - 1):+.1f} % | {r.layer_rel_error:.4f} | "
+                  f"{r.next_token_kl:.4f} | {r.kv_bytes_per_token:.0f} | {seconds:.1f} |", flush=True)
+            rows.append(r.as_dict() | {"calibration_seconds": seconds, "ranks": proj.ranks})
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(rows, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,286 @@
+"""Checkpoint format, PCA calibration, data sources, model loading errors and the CLI (tiny models)."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import stiefkv
+from stiefkv.calibrate.allocate import uniform
+from stiefkv.calibrate.pca import top_eigenvectors
+from stiefkv.cli import main
+from stiefkv.data import DataError, calibration_sequences, load_texts
+from stiefkv.models import ModelLoadError, arch_of, fingerprint
+from stiefkv.projections import CheckpointError
+from tests.tiny import ARCHS, random_projections, tiny_config, tiny_model
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one id per character (mod the tiny vocabulary)."""
+
+    eos_token_id = 2
+    bos_token_id = 1
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    text = " ".join(f"sentence {i} about the topic {i % 7}." for i in range(400))
+    path = tmp_path / "calib.txt"
+    path.write_text(text)
+    return path
+
+
+# ---------------------------------------------------------------------------------------- checkpoint
+
+
+def test_save_load_roundtrip(tmp_path):
+    model = tiny_model("qwen3")
+    proj = random_projections(model, 8, 16, "post_rope")
+    proj.errors = [{"layer": i, "rel_error": 0.1 * i, "cosine": 0.9} for i in range(2)]
+    path = proj.save(tmp_path / "p.safetensors")
+    back = stiefkv.Projections.load(path)
+    assert back.ranks == [(8, 16), (8, 16)] and back.key_mode == "post_rope"
+    assert back.fingerprint == proj.fingerprint and back.errors == proj.errors
+    for a, b in zip(proj.keys + proj.values, back.keys + back.values):
+        assert torch.equal(a, b)
+    assert list(tmp_path.iterdir()) == [path]  # no temporary file left behind
+    back.check(model)
+
+
+def test_header_is_json_without_pickle(tmp_path):
+    from safetensors import safe_open
+
+    path = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
+    with safe_open(str(path), "pt") as f:
+        doc = json.loads(f.metadata()["stiefkv"])
+    assert doc["format_version"] == 1 and doc["ranks"] == [[8, 8], [8, 8]]
+    assert set(doc["fingerprint"]) >= {"architecture", "L", "H", "G", "d", "D", "rope", "kv_weights_sha256"}
+
+
+def test_mismatched_model_is_refused_with_the_difference(tmp_path):
+    path = random_projections(tiny_model("llama", kv_heads=2), 8, 8).save(tmp_path / "p.safetensors")
+    with pytest.raises(CheckpointError, match=r"G: checkpoint 2, model 3"):
+        stiefkv.load(tiny_model("llama", kv_heads=3), path)
+    other = tiny_model("llama", kv_heads=2)
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.add_(0.5)
+    with pytest.raises(CheckpointError, match="different k_proj/v_proj weights"):
+        stiefkv.load(other, path)
+
+
+def test_fingerprint_survives_bf16():
+    model = tiny_model("llama")
+    assert fingerprint(model) == fingerprint(tiny_model("llama").to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\x10\x00\x00\x00\x00\x00\x00\x00{}"])
+def test_corrupt_file_is_refused(tmp_path, content):
+    path = tmp_path / "bad.safetensors"
+    path.write_bytes(content)
+    with pytest.raises(CheckpointError):
+        stiefkv.Projections.load(path)
+
+
+def test_foreign_safetensors_is_refused(tmp_path):
+    from safetensors.torch import save_file
+
+    save_file({"x": torch.zeros(2)}, str(tmp_path / "f.safetensors"))
+    with pytest.raises(CheckpointError, match="not a StiefKV checkpoint"):
+        stiefkv.Projections.load(tmp_path / "f.safetensors")
+
+
+# --------------------------------------------------------------------------------------- calibration
+
+
+def test_uniform_allocation():
+    assert uniform(3, 0.5, 64) == [(32, 32)] * 3
+    assert uniform(2, 0.375, 64) == [(24, 24)] * 2
+    assert uniform(2, 1.0, 24) == [(24, 24)] * 2
+    for bad in (0, -0.1, 1.01):
+        with pytest.raises(ValueError, match="budget"):
+            uniform(2, bad, 64)
+
+
+def test_top_eigenvectors_orthonormal_and_optimal():
+    x = torch.randn(500, 24, dtype=torch.float64) * torch.linspace(3, 0.1, 24, dtype=torch.float64)
+    moment = (x.T @ x)[None]
+    P = top_eigenvectors(moment, 8)[0].double()
+    assert torch.allclose(P.T @ P, torch.eye(8, dtype=torch.float64), atol=1e-6)
+    err = (x - x @ P @ P.T).pow(2).sum()
+    Q = torch.linalg.qr(torch.randn(24, 8, dtype=torch.float64))[0]
+    assert err <= (x - x @ Q @ Q.T).pow(2).sum()
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_pca_calibration_end_to_end(arch, key_mode, corpus, tmp_path):
+    model = tiny_model(arch)
+    proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, key_mode=key_mode, data=str(corpus),
+                             num_sequences=6, seq_len=33, batch_size=4, seed=3)
+    assert proj.ranks == [(8, 8)] * 2 and proj.achieved_budget == pytest.approx(1 / 3)
+    for P in proj.keys + proj.values:
+        eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
+        assert torch.allclose(P.transpose(1, 2) @ P, eye, atol=1e-5)
+    assert all(0 < e["rel_error"] < 1 and 0 < e["cosine"] <= 1 for e in proj.errors)
+    assert proj.settings["tokens"] == 6 * 33 and proj.method == "pca"
+    path = proj.save(tmp_path / "p.safetensors")
+    stiefkv.load(model, path)
+    assert torch.isfinite(model(torch.randint(0, 97, (1, 9))).logits).all()
+
+
+def test_pca_at_full_budget_has_zero_error(corpus):
+    proj = stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=1.0, data=str(corpus), num_sequences=2,
+                             seq_len=17)
+    assert all(e["rel_error"] < 1e-5 for e in proj.errors)
+
+
+def test_pca_beats_random_bases(corpus):
+    model = tiny_model()
+    tok = CharTokenizer()
+    seqs = calibration_sequences(model, tok, data=str(corpus), num_sequences=4, seq_len=33)
+    from stiefkv.calibrate.pipeline import pca_layerwise
+    from stiefkv.evaluate import EvalResult  # noqa: F401  (import check)
+
+    _, _, errors = pca_layerwise(model, seqs, [(8, 8)] * 2, key_mode="pre_rope")
+    rnd = random_projections(model, 8, 8)
+    from stiefkv.calibrate.collect import LayerInputs
+    from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
+    from stiefkv.models import rope_spec
+
+    inputs = LayerInputs(model, seqs)
+    target = inputs.run()
+    stats = ErrorStats()
+    with torch.no_grad():
+        for b in inputs.batches(target):
+            stats.add(compressed_layer_output(inputs.layers[0], b, rnd.keys[0], rnd.values[0], key_mode="pre_rope",
+                                              rope=rope_spec(model.config)), b.output)
+    assert errors[0]["rel_error"] < stats.rel_error
+
+
+def test_calibration_is_deterministic(corpus):
+    kw = dict(budget=0.5, data=str(corpus), num_sequences=3, seq_len=17, seed=7)
+    a = stiefkv.calibrate(tiny_model(), CharTokenizer(), **kw)
+    b = stiefkv.calibrate(tiny_model(), CharTokenizer(), **kw)
+    assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+
+
+def test_calibrate_rejects_bad_settings():
+    with pytest.raises(ValueError, match="budget"):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0)
+    with pytest.raises(ValueError, match="method"):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), method="svd")
+    with pytest.raises(TypeError, match="unknown calibration settings"):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), rank=3)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+def test_data_sources(tmp_path):
+    (tmp_path / "a.txt").write_text("alpha")
+    (tmp_path / "b.jsonl").write_text('{"text": "beta"}\n\n{"text": "gamma"}\n')
+    assert load_texts(str(tmp_path / "a.txt")) == ["alpha"]
+    assert load_texts(str(tmp_path)) == ["alpha", "beta", "gamma"]
+    (tmp_path / "c.jsonl").write_text('{"body": 1}\n')
+    with pytest.raises(DataError, match="c.jsonl:1"):
+        load_texts(str(tmp_path / "c.jsonl"))
+    with pytest.raises(DataError, match="not 'wikitext2'"):
+        load_texts(str(tmp_path / "missing.txt"))
+
+
+def test_wikitext_reads_the_right_split(monkeypatch, tmp_path):
+    (tmp_path / "wikitext-2").mkdir()
+    (tmp_path / "wikitext-2" / "wiki.valid.tokens").write_text("VALID")
+    (tmp_path / "wikitext-2" / "wiki.test.raw").write_text("TEST")
+    monkeypatch.setenv("STIEFKV_DATA_DIR", str(tmp_path))
+    assert load_texts("wikitext2", "calibration") == ["VALID"]
+    assert load_texts("wikitext2", "test") == ["TEST"]
+
+
+def test_too_little_data_is_a_clear_error(corpus):
+    with pytest.raises(DataError, match="lower --num-sequences"):
+        calibration_sequences(tiny_model(), CharTokenizer(), data=str(corpus), num_sequences=10_000, seq_len=64)
+
+
+def test_self_data_samples_from_the_model(caplog):
+    seqs = calibration_sequences(tiny_model(), CharTokenizer(), data="self", num_sequences=3, seq_len=9)
+    assert seqs.shape == (3, 9) and "sampled from the model itself" in caplog.text
+
+
+# -------------------------------------------------------------------------------------------- models
+
+
+def test_unsupported_architecture_is_refused():
+    from transformers import GPT2Config
+
+    with pytest.raises(ModelLoadError, match="unsupported architecture 'gpt2'"):
+        arch_of(GPT2Config())
+    with pytest.raises(ModelLoadError, match="sliding"):
+        arch_of(tiny_config("mistral").__class__(sliding_window=64))
+
+
+def test_local_folder_loads(tmp_path):
+    model = tiny_model("qwen2")
+    model.save_pretrained(tmp_path)
+    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, models
+
+    tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, "<unk>")))
+    tok.eos_token = "a"
+    tok.save_pretrained(tmp_path)
+    loaded, tok2 = stiefkv.load_model(str(tmp_path))
+    assert loaded.config.model_type == "qwen2" and tok2.padding_side == "left"
+    assert fingerprint(loaded) == fingerprint(model)
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    with pytest.raises(ModelLoadError, match="cannot load model"):
+        stiefkv.load_model("no-such-org/no-such-model-xyz")
+    with pytest.raises(ModelLoadError, match="holds no config.json"):
+        stiefkv.load_model(str(tmp_path))
+    with pytest.raises(ModelLoadError, match="does not exist"):
+        stiefkv.load_model(str(tmp_path / "m.gguf"))
+
+
+# ----------------------------------------------------------------------------------------------- CLI
+
+
+@pytest.mark.parametrize("args, message", [
+    (["calibrate", "smollm2", "--budget", "1.5", "-o", "x.safetensors"], "budget must be in (0, 1]"),
+    (["calibrate", "smollm2", "--budget", "0", "-o", "x.safetensors"], "budget must be in (0, 1]"),
+    (["calibrate", "no-such-model-xyz", "-o", "x.safetensors"], "cannot load model"),
+    (["inspect", "missing.safetensors"], "does not exist"),
+    (["eval", "smollm2", "--projections", "missing.safetensors"], "does not exist"),
+    (["eval", "smollm2", "--windows", "0"], "--windows must be ≥ 1"),
+])
+def test_cli_bad_input_gives_one_line(args, message):
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 2, result.output
+    assert message in result.output and "Traceback" not in result.output
+    assert len([line for line in result.output.splitlines() if line.strip()]) == 1
+
+
+def test_cli_inspect(tmp_path):
+    path = random_projections(tiny_model(), 8, 16).save(tmp_path / "p.safetensors")
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    assert result.exit_code == 0 and "| 1 | 8 | 16 |" in result.output
+    result = CliRunner().invoke(main, ["inspect", str(path), "--json"])
+    assert json.loads(result.output)["ranks"] == [[8, 16], [8, 16]]
+
+
+def test_cli_help_explains_options():
+    result = CliRunner().invoke(main, ["calibrate", "--help"])
+    for option in ("--budget", "--method", "--key-mode", "--data", "--num-sequences", "--seq-len", "--device",
+                   "--dtype", "--seed"):
+        assert option in result.output
+
+
+def test_public_calibrate_is_the_function():
+    import stiefkv.calibrate.pipeline  # noqa: F401  (importing submodules must not shadow it)
+
+    assert callable(stiefkv.calibrate) and stiefkv.calibrate.__name__ == "calibrate"

