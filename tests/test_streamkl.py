@@ -70,7 +70,9 @@ def _compare(inputs, *, causal=True, direction="forward", reduction="none", dtyp
     ref = reference(*inputs, **args)
     assert out.dtype == ref.dtype == torch.float32
     assert_close(out, ref, *KL_TOL, what="kl")
-    assert (ref.detach() > -1e-5).all() and (out.detach() > -1e-5).all(), "KL must be non-negative"
+    # KL ≥ 0 up to the rounding of its three terms, which grows with the logits (lse ≈ 250 at offset 50).
+    floor = -(KL_TOL[0] + KL_TOL[1] * ref.detach().abs().max())
+    assert (ref.detach() >= floor).all() and (out.detach() >= floor).all(), f"KL below {floor:.2g}"
     wrt = [x for x in inputs if x.requires_grad]
     if not wrt:
         return out
