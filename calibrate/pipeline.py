@@ -8,21 +8,27 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
+from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
 from stiefkv.calibrate import allocate
-from stiefkv.calibrate.collect import LayerInputs
+from stiefkv.calibrate.collect import LayerBatch, LayerInputs
 from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
+from stiefkv.calibrate.profile import WEIGHTINGS, LayerProfile, candidate_ranks, profile_layer
+from stiefkv.calibrate.state import CalibrationState
+from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
 from stiefkv.models import arch_of, dims_of, fingerprint, rope_spec
 from stiefkv.projections import KEY_MODES, Projections
 
 log = logging.getLogger(__name__)
 
-METHODS = ("pca",)
+METHODS = ("stiefel", "pca")
+ORDERS = ("sequential", "independent")
+PROFILES = ("pca", "stiefel")
 
 
 @dataclass
@@ -30,23 +36,35 @@ class CalibrationConfig:
     """Every calibration setting, with its default.
 
     budget : fraction of the full KV cache kept, in (0, 1].
-    method : how bases are found (``pca``).
+    method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
-    allocation : how ranks are spread over layers (``uniform``).
+    allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
+    weighting : a layer's profile error relative to its output ``‖y‖`` or to its update ``‖y − x‖``.
+    profile : bases used for the profiles: ``pca`` (cheap) or ``stiefel`` (refined at every rank).
+    order : ``sequential`` (each layer sees the already-compressed layers before it) or ``independent``.
     data : ``wikitext2``, a .txt/.jsonl file or folder, or ``self``.
     num_sequences, seq_len : size of the calibration set.
+    profile_sequences : how many of the calibration sequences the profiles use.
+    steps, lr, step_sequences : Riemannian Adam steps per layer, learning rate, sequences per step.
     batch_size : sequences per forward pass.
     rank_step : ranks are multiples of this.
     seed : seeds data sampling and every random step.
     """
 
     budget: float = 0.5
-    method: str = "pca"
+    method: str = "stiefel"
     key_mode: str = "pre_rope"
-    allocation: str = "uniform"
+    allocation: str = "dp"
+    weighting: str = "output"
+    profile: str = "pca"
+    order: str = "sequential"
     data: str = "wikitext2"
     num_sequences: int = 64
     seq_len: int = 512
+    profile_sequences: int = 8
+    steps: int = 300
+    lr: float = 5e-3
+    step_sequences: int = 4
     batch_size: int = 8
     rank_step: int = 8
     seed: int = 0
@@ -54,12 +72,15 @@ class CalibrationConfig:
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
-        for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES), ("allocation", allocate.ALLOCATIONS)):
+        for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES), ("allocation", allocate.ALLOCATIONS),
+                              ("weighting", WEIGHTINGS), ("profile", PROFILES), ("order", ORDERS)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        for name in ("num_sequences", "seq_len", "batch_size", "rank_step"):
+        for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences", "step_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.steps < 0 or not self.lr > 0:
+            raise ValueError(f"need steps ≥ 0 and lr > 0, got {self.steps} and {self.lr}")
         return self
 
     @classmethod
@@ -71,55 +92,149 @@ class CalibrationConfig:
         return cls(**kwargs).validate()
 
 
-def calibrate(model, tokenizer, **settings) -> Projections:
+def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: bool = False,
+              **settings) -> Projections:
     """Learn low-rank key and value bases for every layer of ``model``.
 
     Keyword arguments are the fields of :class:`CalibrationConfig` (``budget=``, ``method=``,
-    ``key_mode=``, ``allocation=``, ``data=``, ``num_sequences=``, ``seq_len=``, ``seed=``, …).
-    Returns :class:`~stiefkv.Projections`; save it with ``.save(path)``.
+    ``key_mode=``, ``allocation=``, ``order=``, ``steps=``, ``lr=``, ``seed=``, ``data=``,
+    ``num_sequences=``, ``seq_len=``, …). With ``progress=PATH`` every finished step is written there, and
+    ``resume=True`` continues from it. Returns :class:`~stiefkv.Projections`; save it with ``.save(path)``.
     """
     cfg = CalibrationConfig.from_kwargs(**settings)
     arch_of(model.config)
     dims = dims_of(model.config)
+    progress = Path(progress) if progress is not None else None
     t0 = time.perf_counter()
     seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
                                  seq_len=cfg.seq_len, seed=cfg.seed)
-    ranks = allocate.uniform(dims.L, cfg.budget, dims.d, cfg.rank_step)
-    keys, values, errors = pca_layerwise(model, seqs, ranks, key_mode=cfg.key_mode, batch_size=cfg.batch_size)
+    fp = fingerprint(model)
+    if resume and progress is not None and progress.is_file():
+        state = CalibrationState.load(progress, asdict(cfg), fp)
+    else:
+        state = CalibrationState(settings=asdict(cfg), fingerprint=fp)
+    if not state.eig_k:
+        first_pass(model, seqs, cfg, state)
+        state.save(progress)
+    if not state.ranks:
+        state.ranks = choose_ranks(cfg, state, dims)
+        state.save(progress)
+    second_pass(model, seqs, cfg, state, progress)
     elapsed = time.perf_counter() - t0
     log.info("calibrated %d layers in %.1f s; mean layer error %.4f", dims.L, elapsed,
-             sum(e["rel_error"] for e in errors) / len(errors))
-    settings = asdict(cfg) | {"tokens": int(seqs.numel()), "seconds": round(elapsed, 1),
-                              "model": getattr(model, "stiefkv_spec", None)}
-    return Projections(keys=keys, values=values, key_mode=cfg.key_mode, fingerprint=fingerprint(model),
-                       budget=cfg.budget, method=cfg.method, settings=settings, errors=errors)
+             sum(e["rel_error"] for e in state.errors) / len(state.errors))
+    meta = asdict(cfg) | {"tokens": int(seqs.numel()), "seconds": round(elapsed, 1),
+                          "model": getattr(model, "stiefkv_spec", None), "loss": "output_mse",
+                          "profiles": state.profiles, "refine": state.refine}
+    return Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode, fingerprint=fp,
+                       budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors)
+
+
+def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:
+    if cfg.allocation == "uniform":
+        return allocate.uniform(dims.L, cfg.budget, dims.d, cfg.rank_step)
+    profiles = [LayerProfile(**p) for p in state.profiles]
+    return allocate.dp(profiles, cfg.budget, dims.d, cfg.rank_step, cfg.weighting)
 
 
 @torch.no_grad()
-def pca_layerwise(model, sequences: torch.Tensor, ranks: list[tuple[int, int]], *, key_mode: str,
-                  batch_size: int = 8):
-    """PCA bases at ``ranks`` for every layer, and each layer's output error with them.
-
-    Layers go one at a time over the held calibration activations; each layer's inputs come from the
-    uncompressed layers before it.
-    """
-    rope = rope_spec(model.config)
-    inputs = LayerInputs(model, sequences, batch_size=batch_size)
-    keys, values, errors = [], [], []
-    for i in tqdm(range(inputs.num_layers), desc="PCA layers", unit="layer"):
-        layer = inputs.layers[i]
-        target = inputs.run()
-        moments = SecondMoments(model, key_mode)
+def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState) -> None:
+    """Per layer, on the uncompressed model's activations: PCA eigenvectors, and error–rank profiles for ``dp``."""
+    rope, dims = rope_spec(model.config), dims_of(model.config)
+    inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
+    ranks = candidate_ranks(dims.d, cfg.rank_step)
+    for i in tqdm(range(inputs.num_layers), desc="profiles" if cfg.allocation == "dp" else "PCA", unit="layer"):
+        layer, target = inputs.layers[i], inputs.run()
+        moments = SecondMoments(model, cfg.key_mode)
         for batch in inputs.batches():
             moments(batch)
-        (rk, rv) = ranks[i]
-        P_k, P_v = top_eigenvectors(moments.keys[i], rk), top_eigenvectors(moments.values[i], rv)
-        stats = ErrorStats()
-        for batch in inputs.batches(target):
-            stats.add(compressed_layer_output(layer, batch, P_k.to(target.device), P_v.to(target.device),
-                                              key_mode=key_mode, rope=rope), batch.output)
-        keys.append(P_k)
-        values.append(P_v)
-        errors.append({"layer": i} | stats.as_dict())
+        eig_k, eig_v = top_eigenvectors(moments.keys[i], dims.d), top_eigenvectors(moments.values[i], dims.d)
+        state.eig_k.append(eig_k)
+        state.eig_v.append(eig_v)
+        if cfg.allocation == "dp":
+            state.profiles.append(profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope).as_dict())
         inputs.advance(target)
-    return keys, values, errors
+
+
+def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: CalibrationConfig, rope) -> LayerProfile:
+    n = min(cfg.profile_sequences, target.shape[0])
+    batches = list(inputs.batches(target[:n], hidden=inputs.hidden[:n]))
+    device = target.device
+    if cfg.profile == "pca":
+        return profile_layer(layer, batches, lambda r: eig_k[..., :r].to(device), lambda r: eig_v[..., :r].to(device),
+                             key_mode=cfg.key_mode, rope=rope, ranks=ranks)
+    data = concat_batches(batches)
+    full_v, full_k = eig_v.to(device), eig_k.to(device)
+    refined_k = {r: refine_layer(layer, data, eig_k[..., :r].to(device), full_v, key_mode=cfg.key_mode, rope=rope,
+                                 settings=refine_settings(cfg), seed=cfg.seed).P_k for r in ranks}
+    refined_v = {r: refine_layer(layer, data, full_k, eig_v[..., :r].to(device), key_mode=cfg.key_mode, rope=rope,
+                                 settings=refine_settings(cfg), seed=cfg.seed).P_v for r in ranks}
+    return profile_layer(layer, batches, refined_k.__getitem__, refined_v.__getitem__, key_mode=cfg.key_mode,
+                         rope=rope, ranks=ranks)
+
+
+def refine_settings(cfg: CalibrationConfig) -> RefineSettings:
+    return RefineSettings(steps=cfg.steps, lr=cfg.lr, batch_size=cfg.step_sequences)
+
+
+def concat_batches(batches: list[LayerBatch]) -> LayerBatch:
+    b = batches[0]
+    return LayerBatch(b.layer_idx, torch.cat([x.hidden for x in batches]), torch.cat([x.output for x in batches]),
+                      b.position_embeddings, b.attention_mask, b.position_ids)
+
+
+def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
+                progress: Path | None) -> None:
+    """Bases at the allocated ranks, layer by layer: PCA, refined on the Stiefel manifold for ``stiefel``.
+
+    ``sequential`` feeds each layer the output of the compressed layers before it, with the uncompressed
+    model's output of that layer as the target; ``independent`` feeds every layer the uncompressed inputs.
+    Finished layers (``state.keys``) are reused, not recomputed, so a resumed run gives the same result.
+    """
+    rope = rope_spec(model.config)
+    inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
+    compressed_hidden = inputs.hidden if cfg.order == "sequential" else None
+    for i in tqdm(range(inputs.num_layers), desc=f"{cfg.method} layers", unit="layer"):
+        layer, target = inputs.layers[i], inputs.run()
+        x = compressed_hidden if compressed_hidden is not None else inputs.hidden
+        data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask, inputs.position_ids)
+        if i >= len(state.keys):
+            P_k, P_v = fit_layer(layer, data, state, i, cfg, rope)
+            state.keys.append(P_k.cpu())
+            state.values.append(P_v.cpu())
+            state.errors.append({"layer": i} | layer_error(layer, inputs, data, P_k, P_v, cfg, rope).as_dict())
+            state.save(progress)
+        if compressed_hidden is not None:
+            compressed_hidden = compressed_outputs(layer, inputs, x, state.keys[i], state.values[i], cfg, rope)
+        inputs.advance(target)
+
+
+def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: CalibrationConfig, rope):
+    rk, rv = state.ranks[i]
+    device = data.hidden.device
+    P_k, P_v = state.eig_k[i][..., :rk].to(device), state.eig_v[i][..., :rv].to(device)
+    if cfg.method == "pca" or cfg.steps == 0:
+        return P_k, P_v
+    # Per-layer seed: a resumed run draws the same minibatches for the layers it still has to do.
+    result = refine_layer(layer, data, P_k, P_v, key_mode=cfg.key_mode, rope=rope, settings=refine_settings(cfg),
+                          seed=cfg.seed * 100_003 + i)
+    state.refine.append({"layer": i, "holdout_start": result.holdout_start, "holdout_best": result.holdout_best,
+                         "steps": result.steps_run})
+    return result.P_k, result.P_v
+
+
+@torch.no_grad()
+def layer_error(layer, inputs: LayerInputs, data: LayerBatch, P_k, P_v, cfg, rope) -> ErrorStats:
+    stats = ErrorStats()
+    device = data.hidden.device
+    for b in inputs.batches(data.output, hidden=data.hidden):
+        y_hat = compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode, rope=rope)
+        stats.add(y_hat, b.output)
+    return stats
+
+
+@torch.no_grad()
+def compressed_outputs(layer, inputs: LayerInputs, x, P_k, P_v, cfg, rope) -> torch.Tensor:
+    device = x.device
+    return torch.cat([compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode,
+                                              rope=rope) for b in inputs.batches(hidden=x)])

@@ -15,7 +15,8 @@ from pathlib import Path
 import click
 
 from stiefkv.calibrate.allocate import ALLOCATIONS
-from stiefkv.calibrate.pipeline import METHODS, CalibrationConfig
+from stiefkv.calibrate.pipeline import METHODS, ORDERS, PROFILES, CalibrationConfig
+from stiefkv.calibrate.profile import WEIGHTINGS
 from stiefkv.projections import KEY_MODES
 
 DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
@@ -41,6 +42,13 @@ def _run(fn, debug: bool):
         raise UserError(str(exc)) from None
     except KeyboardInterrupt:
         raise click.ClickException("interrupted") from None
+
+
+def require_matplotlib() -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        raise ValueError("--plot needs matplotlib: pip install matplotlib (or stiefkv[plot])")
 
 
 def _setup(device: str, dtype: str, seed: int, debug: bool):
@@ -85,11 +93,27 @@ def main():
 @click.option("--budget", type=float, default=DEFAULTS["budget"], show_default=True,
               help="Fraction of the full KV cache to keep, in (0, 1]; 0.5 halves it.")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
-              help="How bases are found: pca = top eigenvectors of the keys' and values' second moments.")
+              help="stiefel = PCA start refined on the Stiefel manifold against the decoder-layer output; "
+                   "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")
 @click.option("--key-mode", type=click.Choice(KEY_MODES), default=DEFAULTS["key_mode"], show_default=True,
               help="Compress keys before RoPE (better quality) or after it (faster kernels).")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"], show_default=True,
-              help="How ranks are spread over layers: uniform = the same in every layer.")
+              help="dp = per-layer ranks minimising the summed profiled error under the budget (exact knapsack); "
+                   "uniform = the same ranks in every layer.")
+@click.option("--weighting", type=click.Choice(WEIGHTINGS), default=DEFAULTS["weighting"], show_default=True,
+              help="For dp: a layer's error relative to its output (output) or to its own update (update).")
+@click.option("--profile", type=click.Choice(PROFILES), default=DEFAULTS["profile"], show_default=True,
+              help="For dp: profile errors with PCA bases (cheap) or refined bases at every rank (slow).")
+@click.option("--order", type=click.Choice(ORDERS), default=DEFAULTS["order"], show_default=True,
+              help="sequential = each layer is fitted on the outputs of the already-compressed layers before it; "
+                   "independent = on the uncompressed model's activations.")
+@click.option("--steps", type=int, default=DEFAULTS["steps"], show_default=True,
+              help="Riemannian Adam steps per layer (stiefel); early stopping on a held-out slice may end sooner.")
+@click.option("--lr", type=float, default=DEFAULTS["lr"], show_default=True, help="Learning rate (stiefel).")
+@click.option("--step-sequences", type=int, default=DEFAULTS["step_sequences"], show_default=True,
+              help="Calibration sequences per optimisation step (stiefel).")
+@click.option("--profile-sequences", type=int, default=DEFAULTS["profile_sequences"], show_default=True,
+              help="Calibration sequences the error-rank profiles use (dp).")
 @click.option("--data", default=DEFAULTS["data"], show_default=True,
               help="Calibration text: wikitext2 (validation split), a .txt/.jsonl file or folder, or self "
                    "(sampled from the model: no data needed).")
@@ -102,9 +126,12 @@ def main():
 @click.option("--rank-step", type=int, default=DEFAULTS["rank_step"], show_default=True,
               help="Ranks are multiples of this.")
 @click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
-              help="Where to write the checkpoint (.safetensors).")
+              help="Where to write the checkpoint (.safetensors). Progress is kept in OUTPUT.partial.")
+@click.option("--resume", is_flag=True, help="Continue an interrupted run from OUTPUT.partial.")
+@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+              help="Draw the error-rank profiles with the chosen ranks marked to this .png (needs matplotlib).")
 @common_options
-def calibrate(model, output, device, dtype, seed, debug, **settings):
+def calibrate(model, output, resume, plot, device, dtype, seed, debug, **settings):
     """Learn key/value bases for MODEL and write a projection checkpoint.
 
     MODEL is 'smollm2', a .gguf file, a local model folder or a Hugging Face id.
@@ -115,9 +142,17 @@ def calibrate(model, output, device, dtype, seed, debug, **settings):
 
     def work():
         CalibrationConfig.from_kwargs(seed=seed, **settings)  # fail on bad settings before loading the model
+        if plot is not None:
+            require_matplotlib()
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
-        proj = stiefkv.calibrate(m, tok, seed=seed, **settings)
+        partial = output.with_name(output.name + ".partial")
+        proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
         proj.save(output)
+        partial.unlink(missing_ok=True)
+        if plot is not None:
+            from stiefkv.plot import plot_profiles
+
+            plot_profiles(proj, plot)
         return proj
 
     proj = _run(work, debug)
@@ -142,7 +177,8 @@ def _inspect_table(proj) -> str:
         f"model {s.get('model') or fp['architecture']} ({fp['architecture']}, L={fp['L']} H={fp['H']} G={fp['G']} "
         f"d={fp['d']}) · method {proj.method} · key mode {proj.key_mode} · budget {proj.budget:g} "
         f"(achieved {proj.achieved_budget:.4f})",
-        f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation {s.get('allocation')}",
+        f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation {s.get('allocation')}"
+        f" · order {s.get('order', '–')} · steps {s.get('steps', '–') if proj.method == 'stiefel' else '–'}",
         "",
         "| layer | r_k | r_v | rel. error | cosine |",
         "|---|---|---|---|---|",

@@ -1,0 +1,126 @@
+"""Riemannian refinement of a layer's key and value bases on the Stiefel manifold.
+
+``P_k`` ``[G, d, r_k]`` and ``P_v`` ``[G, d, r_v]`` are ``geoopt.ManifoldParameter``s on
+``geoopt.EuclideanStiefel`` (QR retraction; the canonical ``Stiefel()`` would build ``d×d`` Cayley
+systems), optimised jointly by ``geoopt.optim.RiemannianAdam`` from their PCA start to minimise the
+relative squared error of the decoder-layer output (:mod:`stiefkv.calibrate.objective`). Minibatches are
+drawn from the calibration sequences, a held-out slice decides early stopping, and the best held-out
+bases are returned — never worse on the held-out slice than the start.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import geoopt
+import torch
+from torch import nn
+
+from stiefkv.calibrate.collect import LayerBatch
+from stiefkv.calibrate.objective import compressed_layer_output
+from stiefkv.kernels import RopeSpec
+
+
+@dataclass
+class RefineSettings:
+    steps: int = 300
+    lr: float = 5e-3
+    batch_size: int = 4
+    holdout_fraction: float = 0.125
+    eval_every: int = 25
+    patience: int = 4
+
+
+@dataclass
+class RefineResult:
+    P_k: torch.Tensor
+    P_v: torch.Tensor
+    holdout_start: float
+    holdout_best: float
+    steps_run: int
+
+
+@contextmanager
+def frozen(module: nn.Module):
+    """No gradients for ``module``'s own weights inside the block (they are restored afterwards)."""
+    flags = [(p, p.requires_grad) for p in module.parameters()]
+    for p, _ in flags:
+        p.requires_grad_(False)
+    try:
+        yield
+    finally:
+        for p, flag in flags:
+            p.requires_grad_(flag)
+
+
+def relative_sq_error(layer, batch: LayerBatch, P_k, P_v, key_mode: str, rope: RopeSpec) -> torch.Tensor:
+    """``‖ŷ − y‖² / ‖y‖²`` over the batch (a scalar with grad to the bases)."""
+    y_hat = compressed_layer_output(layer, batch, P_k, P_v, key_mode=key_mode, rope=rope).float()
+    y = batch.output.float()
+    return (y_hat - y).pow(2).sum() / y.pow(2).sum()
+
+
+def holdout_error(layer, batches: list[LayerBatch], P_k, P_v, key_mode, rope) -> float:
+    with torch.no_grad():
+        num = den = 0.0
+        for b in batches:
+            y_hat = compressed_layer_output(layer, b, P_k, P_v, key_mode=key_mode, rope=rope).double()
+            num += float((y_hat - b.output.double()).pow(2).sum())
+            den += float(b.output.double().pow(2).sum())
+    return num / den
+
+
+def split(batch_all: LayerBatch, rows: torch.Tensor) -> LayerBatch:
+    return LayerBatch(batch_all.layer_idx, batch_all.hidden[rows], batch_all.output[rows],
+                      batch_all.position_embeddings, batch_all.attention_mask, batch_all.position_ids)
+
+
+def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: torch.Tensor, *, key_mode: str,
+                 rope: RopeSpec, settings: RefineSettings, seed: int) -> RefineResult:
+    """Refine one layer's bases.
+
+    Parameters
+    ----------
+    layer : the decoder layer (its weights are not trained).
+    data : all calibration sequences at this layer: inputs ``hidden`` ``[S, N, D]`` and targets ``output``.
+    P_k, P_v : starting bases (PCA), float32, orthonormal columns.
+    seed : seeds the minibatch order (use a per-layer seed so that layers are reproducible one by one).
+    """
+    S = data.hidden.shape[0]
+    n_hold = max(1, round(S * settings.holdout_fraction)) if S > 1 else 0
+    g = torch.Generator().manual_seed(seed)
+    order = torch.randperm(S, generator=g)
+    hold_rows, train_rows = order[:n_hold], order[n_hold:] if S > 1 else order
+    hold = [split(data, hold_rows[i:i + settings.batch_size]) for i in range(0, n_hold, settings.batch_size)]
+    hold = hold or [split(data, train_rows)]
+
+    manifold = geoopt.EuclideanStiefel()
+    pk = geoopt.ManifoldParameter(P_k.detach().float().clone(), manifold=manifold)
+    pv = geoopt.ManifoldParameter(P_v.detach().float().clone(), manifold=manifold)
+    opt = geoopt.optim.RiemannianAdam([pk, pv], lr=settings.lr)
+    start = best = holdout_error(layer, hold, pk, pv, key_mode, rope)
+    best_bases = (pk.detach().clone(), pv.detach().clone())
+    stale, step = 0, 0
+    with frozen(layer), torch.enable_grad():
+        for step in range(1, settings.steps + 1):
+            rows = train_rows[torch.randint(len(train_rows), (min(settings.batch_size, len(train_rows)),), generator=g)]
+            opt.zero_grad(set_to_none=True)
+            relative_sq_error(layer, split(data, rows), pk, pv, key_mode, rope).backward()
+            opt.step()
+            if step % settings.eval_every == 0 or step == settings.steps:
+                err = holdout_error(layer, hold, pk, pv, key_mode, rope)
+                if err < best:
+                    best, stale = err, 0
+                    best_bases = (pk.detach().clone(), pv.detach().clone())
+                else:
+                    stale += 1
+                    if stale >= settings.patience:
+                        break
+    return RefineResult(best_bases[0], best_bases[1], holdout_start=start, holdout_best=best, steps_run=step)
+
+
+def orthonormality_error(P: torch.Tensor) -> float:
+    """``max |PᵀP − I|`` over all heads."""
+    eye = torch.eye(P.shape[-1], dtype=P.dtype, device=P.device)
+    return float((P.transpose(-1, -2) @ P - eye).abs().max())

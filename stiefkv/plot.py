@@ -1,0 +1,40 @@
+"""``--plot``: the error–rank profiles of every layer with the chosen ranks marked."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def plot_profiles(proj, path: str | Path, weighting: str | None = None) -> Path:
+    """Draw K-only and V-only profile errors per layer (log scale) and mark each layer's chosen rank."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from stiefkv.calibrate.profile import LayerProfile
+
+    profiles = proj.settings.get("profiles") or []
+    if not profiles:
+        raise ValueError("this checkpoint holds no error-rank profiles (they are made with --allocation dp)")
+    weighting = weighting or proj.settings.get("weighting", "output")
+    fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
+    cmap = plt.get_cmap("viridis")
+    for i, (p, (rk, rv)) in enumerate(zip(profiles, proj.ranks)):
+        prof = LayerProfile(**p)
+        color = cmap(i / max(1, len(profiles) - 1))
+        for ax, which, chosen in ((axes[0], "k", rk), (axes[1], "v", rv)):
+            err = [max(e, 1e-12) for e in prof.relative(which, weighting)]
+            ax.plot(prof.ranks, err, color=color, lw=1)
+            ax.plot([chosen], [err[prof.ranks.index(chosen)]], "o", color=color, ms=4)
+    for ax, name in zip(axes, ("keys only", "values only")):
+        ax.set_yscale("log")
+        ax.set_xlabel("rank")
+        ax.set_title(f"{name}: relative squared layer error ({weighting})")
+    axes[0].set_ylabel("error (dots: chosen rank; colour: layer)")
+    fig.suptitle(f"{proj.method}, {proj.key_mode}, budget {proj.budget:g}")
+    fig.tight_layout()
+    path = Path(path)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,194 @@
+"""Stiefel refinement, error–rank profiles, DP allocation and resumable calibration (tiny models)."""
+
+import itertools
+import random
+
+import geoopt
+import pytest
+import torch
+
+import stiefkv
+from stiefkv.calibrate import allocate
+from stiefkv.calibrate.collect import LayerBatch, LayerInputs
+from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
+from stiefkv.calibrate.profile import LayerProfile, candidate_ranks, profile_layer
+from stiefkv.calibrate.state import CalibrationState
+from stiefkv.calibrate.stiefel import (RefineSettings, holdout_error, orthonormality_error, refine_layer,
+                                       relative_sq_error)
+from stiefkv.models import rope_spec
+from tests.test_core import CharTokenizer, corpus  # noqa: F401  (fixture)
+from tests.tiny import ARCHS, random_bases, tiny_model
+
+
+def layer_data(model, n=6, seq_len=21, seed=0, layer=0):
+    g = torch.Generator().manual_seed(seed)
+    seqs = torch.randint(0, 97, (n, seq_len), generator=g)
+    inputs = LayerInputs(model, seqs, batch_size=3)
+    for _ in range(layer):
+        inputs.advance(inputs.run())
+    target = inputs.run()
+    return inputs, LayerBatch(layer, inputs.hidden, target, inputs.position_embeddings, inputs.attention_mask,
+                              inputs.position_ids)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_objective_is_zero_at_full_rank(arch, key_mode):
+    model = tiny_model(arch)
+    _, data = layer_data(model)
+    full = random_bases(2, 24, 24)
+    with torch.no_grad():
+        err = relative_sq_error(model.model.layers[0], data, full, full, key_mode, rope_spec(model.config))
+    assert 0 <= float(err) < 1e-10
+    low = random_bases(2, 24, 8)
+    with torch.no_grad():
+        assert float(relative_sq_error(model.model.layers[0], data, low, low, key_mode, rope_spec(model.config))) > 1e-4
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("ranks", [(8, 16), (16, 8)])
+def test_refinement_keeps_orthonormality_and_lowers_the_objective(key_mode, ranks):
+    model = tiny_model("qwen3")
+    inputs, data = layer_data(model, n=32, layer=1)
+    moments = SecondMoments(model, key_mode)
+    for b in inputs.batches():
+        moments(b)
+    P_k, P_v = top_eigenvectors(moments.keys[1], ranks[0]), top_eigenvectors(moments.values[1], ranks[1])
+    layer, rope = model.model.layers[1], rope_spec(model.config)
+    settings = RefineSettings(steps=60, lr=1e-2, batch_size=4, eval_every=10, patience=100)
+    before = holdout_error(layer, [data], P_k, P_v, key_mode, rope)
+    result = refine_layer(layer, data, P_k, P_v, key_mode=key_mode, rope=rope, settings=settings, seed=0)
+    after = holdout_error(layer, [data], result.P_k, result.P_v, key_mode, rope)
+    assert after < before
+    assert result.holdout_best <= result.holdout_start
+    assert orthonormality_error(result.P_k) < 1e-5 and orthonormality_error(result.P_v) < 1e-5
+    assert result.P_k.shape == P_k.shape and result.P_v.shape == P_v.shape
+    assert all(not p.requires_grad or p.grad is None for p in layer.parameters())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_riemannian_adam_step_stays_on_the_manifold(dtype):
+    manifold = geoopt.EuclideanStiefel()
+    P = geoopt.ManifoldParameter(random_bases(3, 17, 5).to(dtype), manifold=manifold)
+    opt = geoopt.optim.RiemannianAdam([P], lr=0.1)
+    target = torch.randn(3, 17, 5, dtype=dtype)
+    for _ in range(20):
+        opt.zero_grad()
+        (P - target).pow(2).sum().backward()
+        opt.step()
+        ok, why = manifold.check_point_on_manifold(P, explain=True, atol=1e-5, rtol=1e-5)
+        assert ok, why
+    # batched = per-head: the projection of a gradient acts head by head
+    u = torch.randn(3, 17, 5, dtype=dtype)
+    batched = manifold.proju(P.detach(), u)
+    single = torch.stack([manifold.proju(P.detach()[g], u[g]) for g in range(3)])
+    assert torch.allclose(batched, single, atol=1e-6)
+    assert torch.allclose(manifold.proju(P.detach(), batched), batched, atol=1e-6)  # idempotent
+
+
+def test_profile_is_monotone_enough_and_zero_at_full_rank():
+    model = tiny_model("llama")
+    inputs, data = layer_data(model, n=4)
+    moments = SecondMoments(model, "pre_rope")
+    for b in inputs.batches():
+        moments(b)
+    eig_k, eig_v = top_eigenvectors(moments.keys[0], 24), top_eigenvectors(moments.values[0], 24)
+    prof = profile_layer(model.model.layers[0], list(inputs.batches(data.output)), lambda r: eig_k[..., :r],
+                         lambda r: eig_v[..., :r], key_mode="pre_rope", rope=rope_spec(model.config),
+                         ranks=candidate_ranks(24, 8))
+    assert prof.ranks == [8, 16, 24] and prof.k[-1] == 0 and prof.v[-1] == 0
+    assert prof.k[0] > prof.k[1] > 0 and prof.v[0] > prof.v[1] > 0
+    assert prof.relative("v", "update")[0] > prof.relative("v", "output")[0]  # ‖y − x‖ < ‖y‖ here
+
+
+def brute_force(costs, capacity):
+    best = None
+    for choice in itertools.product(*[range(1, len(c) + 1) for c in costs]):
+        if sum(choice) <= capacity:
+            err = sum(c[u - 1] for c, u in zip(costs, choice))
+            if best is None or err < best[0] - 1e-15:
+                best = (err, choice)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_knapsack_matches_brute_force(seed):
+    rng = random.Random(seed)
+    groups, options = rng.randint(1, 5), rng.randint(1, 4)
+    costs = [sorted((rng.random() for _ in range(options)), reverse=rng.random() < 0.7) for _ in range(groups)]
+    capacity = rng.randint(groups, groups * options + 1)
+    units = allocate.knapsack(costs, capacity)
+    assert len(units) == groups and sum(units) <= capacity and all(1 <= u <= options for u in units)
+    assert sum(c[u - 1] for c, u in zip(costs, units)) == pytest.approx(brute_force(costs, capacity)[0], abs=1e-12)
+
+
+def test_dp_allocation_respects_the_budget_exactly():
+    rng = random.Random(0)
+    d, step, L = 64, 8, 7
+    ranks = candidate_ranks(d, step)
+    profiles = []
+    for _ in range(L):
+        k = sorted((rng.random() for _ in ranks), reverse=True)
+        v = sorted((rng.random() * 3 for _ in ranks), reverse=True)
+        profiles.append(LayerProfile(ranks=ranks, k=k[:-1] + [0.0], v=v[:-1] + [0.0], sq_output=1.0, sq_update=0.5))
+    for budget in (0.25, 0.375, 0.5, 0.75, 1.0):
+        out = allocate.dp(profiles, budget, d, step)
+        used = sum(rk + rv for rk, rv in out)
+        assert used <= budget * L * 2 * d and used > budget * L * 2 * d - step  # all of it, to one rank unit
+        assert all(rk % step == 0 and rv % step == 0 and rk >= step and rv >= step for rk, rv in out)
+    with pytest.raises(ValueError, match="below the minimum"):
+        allocate.dp(profiles, 0.05, d, step)
+
+
+def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch):  # noqa: F811
+    kw = dict(budget=0.5, method="stiefel", allocation="dp", order="sequential", data=str(corpus), num_sequences=6,
+              seq_len=21, steps=12, step_sequences=2, profile_sequences=3, seed=5)
+    whole = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), **kw)
+
+    progress = tmp_path / "p.partial"
+    save = CalibrationState.save
+    calls = {"n": 0}
+
+    def interrupted_save(self, path):
+        save(self, path)
+        calls["n"] += 1
+        if len(self.keys) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(CalibrationState, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, **kw)
+    monkeypatch.setattr(CalibrationState, "save", save)
+    resumed = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True, **kw)
+    assert resumed.ranks == whole.ranks
+    for a, b in zip(whole.keys + whole.values, resumed.keys + resumed.values):
+        assert torch.equal(a, b)
+    assert resumed.errors == whole.errors
+
+    with pytest.raises(ValueError, match="other settings"):
+        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True, **(kw | {"lr": 0.1}))
+
+
+def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):  # noqa: F811
+    common = dict(budget=0.5, data=str(corpus), num_sequences=8, seq_len=33, seed=1)
+    pca = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="pca", allocation="uniform", order="independent",
+                            **common)
+    ours = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="stiefel", allocation="dp", order="independent",
+                             steps=40, step_sequences=2, **common)
+    assert sum(e["rel_error"] for e in ours.errors) < sum(e["rel_error"] for e in pca.errors)
+    assert ours.achieved_budget <= 0.5
+
+
+def test_cli_plot_and_resume_flag(tmp_path, corpus):  # noqa: F811
+    from click.testing import CliRunner
+
+    from stiefkv.cli import main
+    from stiefkv.plot import plot_profiles
+
+    model = tiny_model()
+    proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", data=str(corpus), num_sequences=3,
+                             seq_len=17)
+    png = plot_profiles(proj, tmp_path / "p.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    r = CliRunner().invoke(main, ["calibrate", "smollm2", "--order", "sideways", "-o", str(tmp_path / "x")])
+    assert r.exit_code == 2 and "sideways" in r.output
