@@ -15,5 +15,5 @@ for row in "${@:-1 2 3 4 5 6}"; do
     4) $Q --budgets 0.5 --method stiefel --allocation dp --extra "{${S/sequential/independent}}" ;;
     5) $Q --budgets 0.5 --method stiefel --allocation uniform --extra "{$S}" ;;
     6) $Q --budgets 0.75 --method stiefel --allocation dp --extra "{$S}" ;;
-  esac > "$O/row$row.md" 2> "$O/row$row.log"
+  esac > "$O/row$row.md" 2>> "$O/stderr.log"
 done
