@@ -121,7 +121,7 @@ def test_top_eigenvectors_orthonormal_and_optimal():
 def test_pca_calibration_end_to_end(arch, key_mode, corpus, tmp_path):
     model = tiny_model(arch)
     proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, key_mode=key_mode, data=str(corpus),
-                             num_sequences=6, seq_len=33, batch_size=4, seed=3)
+                             method="pca", allocation="uniform", num_sequences=6, seq_len=33, batch_size=4, seed=3)
     assert proj.ranks == [(8, 8)] * 2 and proj.achieved_budget == pytest.approx(1 / 3)
     for P in proj.keys + proj.values:
         eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
@@ -135,23 +135,20 @@ def test_pca_calibration_end_to_end(arch, key_mode, corpus, tmp_path):
 
 def test_pca_at_full_budget_has_zero_error(corpus):
     proj = stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=1.0, data=str(corpus), num_sequences=2,
-                             seq_len=17)
+                             seq_len=17, method="pca", allocation="uniform")
     assert all(e["rel_error"] < 1e-5 for e in proj.errors)
 
 
 def test_pca_beats_random_bases(corpus):
     model = tiny_model()
-    tok = CharTokenizer()
-    seqs = calibration_sequences(model, tok, data=str(corpus), num_sequences=4, seq_len=33)
-    from stiefkv.calibrate.pipeline import pca_layerwise
-    from stiefkv.evaluate import EvalResult  # noqa: F401  (import check)
-
-    _, _, errors = pca_layerwise(model, seqs, [(8, 8)] * 2, key_mode="pre_rope")
-    rnd = random_projections(model, 8, 8)
+    proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", allocation="uniform",
+                             order="independent", data=str(corpus), num_sequences=4, seq_len=33)
+    seqs = calibration_sequences(model, CharTokenizer(), data=str(corpus), num_sequences=4, seq_len=33)
     from stiefkv.calibrate.collect import LayerInputs
     from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
     from stiefkv.models import rope_spec
 
+    rnd = random_projections(model, 8, 8)
     inputs = LayerInputs(model, seqs)
     target = inputs.run()
     stats = ErrorStats()
@@ -159,11 +156,11 @@ def test_pca_beats_random_bases(corpus):
         for b in inputs.batches(target):
             stats.add(compressed_layer_output(inputs.layers[0], b, rnd.keys[0], rnd.values[0], key_mode="pre_rope",
                                               rope=rope_spec(model.config)), b.output)
-    assert errors[0]["rel_error"] < stats.rel_error
+    assert proj.errors[0]["rel_error"] < stats.rel_error
 
 
 def test_calibration_is_deterministic(corpus):
-    kw = dict(budget=0.5, data=str(corpus), num_sequences=3, seq_len=17, seed=7)
+    kw = dict(budget=0.5, data=str(corpus), num_sequences=3, seq_len=17, seed=7, steps=5, step_sequences=1)
     a = stiefkv.calibrate(tiny_model(), CharTokenizer(), **kw)
     b = stiefkv.calibrate(tiny_model(), CharTokenizer(), **kw)
     assert all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))

@@ -30,12 +30,13 @@ def smollm2():
 @pytest.fixture(scope="module")
 def proj50(smollm2):
     model, tok = smollm2
-    return stiefkv.calibrate(model, tok, budget=0.5, num_sequences=2, seq_len=128, batch_size=2)
+    return stiefkv.calibrate(model, tok, budget=0.5, method="pca", allocation="uniform", num_sequences=2,
+                             seq_len=128, batch_size=2)
 
 
 def test_full_rank_reproduces_real_logits(smollm2):
     model, tok = smollm2
-    proj = stiefkv.calibrate(model, tok, budget=1.0, num_sequences=1, seq_len=64)
+    proj = stiefkv.calibrate(model, tok, budget=1.0, method="pca", allocation="uniform", num_sequences=1, seq_len=64)
     ids = tok("The tower is 324 metres tall, about the same height as an 81-storey building.",
               return_tensors="pt").input_ids
     expected = model(ids).logits
@@ -72,8 +73,8 @@ def test_generate_with_latent_cache_matches_no_cache(smollm2, proj50):
 def test_cli_end_to_end(tmp_path):
     ckpt = tmp_path / "s.safetensors"
     runner = CliRunner()
-    r = runner.invoke(main, ["calibrate", "smollm2", "--budget", "0.25", "--key-mode", "post_rope",
-                             "--num-sequences", "2", "--seq-len", "64", "-o", str(ckpt)])
+    r = runner.invoke(main, ["calibrate", "smollm2", "--method", "pca", "--allocation", "uniform", "--budget", "0.25",
+                             "--key-mode", "post_rope", "--num-sequences", "2", "--seq-len", "64", "-o", str(ckpt)])
     assert r.exit_code == 0, r.output
     assert "| 29 | 16 | 16 |" in r.output
     r = runner.invoke(main, ["inspect", str(ckpt)])
@@ -85,3 +86,17 @@ def test_cli_end_to_end(tmp_path):
     assert "127 tokens scored" in r.output
     doc = json.loads(out.read_text())
     assert doc["ppl"] > doc["ppl_original"] and doc["key_mode"] == "post_rope"
+
+
+def test_stiefel_dp_smoke_on_real_model(smollm2, tmp_path):
+    """The default path (Stiefel, DP, sequential) on a few real tokens: within budget, better than PCA-uniform
+    on its own calibration error, and resumable from its progress file."""
+    model, tok = smollm2
+    kw = dict(budget=0.5, num_sequences=4, seq_len=64, steps=4, step_sequences=2, profile_sequences=2)
+    ours = stiefkv.calibrate(model, tok, progress=tmp_path / "p.partial", **kw)
+    assert ours.achieved_budget <= 0.5 and len({r for r in ours.ranks}) > 1
+    assert (tmp_path / "p.partial").is_file()
+    assert all(0 < e["rel_error"] < 1 for e in ours.errors)
+    for P in ours.keys + ours.values:
+        eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
+        assert (P.transpose(1, 2) @ P - eye).abs().max() < 1e-5
