@@ -8,5 +8,5 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export STIEFKV_DATA_DIR="${STIEFKV_DATA_DIR:-$(cd .. && pwd)/shared/data}"
 mkdir -p runs
-stiefkv calibrate smollm2 --method pca --budget 0.5 --num-sequences 16 --seq-len 512 -o runs/smollm2-pca50.safetensors
+stiefkv calibrate smollm2 --method pca --allocation uniform --budget 0.5 --num-sequences 16 --seq-len 512 -o runs/smollm2-pca50.safetensors
 stiefkv eval smollm2 --projections runs/smollm2-pca50.safetensors --windows "${WINDOWS:-2}"
