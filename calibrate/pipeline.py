@@ -193,19 +193,29 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
     """
     rope = rope_spec(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
-    compressed_hidden = inputs.hidden if cfg.order == "sequential" else None
+    # PCA bases come from the first pass whatever the order: only refinement needs the compressed inputs.
+    sequential = cfg.order == "sequential" and cfg.method == "stiefel"
+    compressed_hidden = inputs.hidden if sequential else None
     for i in tqdm(range(inputs.num_layers), desc=f"{cfg.method} layers", unit="layer"):
         layer, target = inputs.layers[i], inputs.run()
-        x = compressed_hidden if compressed_hidden is not None else inputs.hidden
+        x = compressed_hidden if sequential else inputs.hidden
         data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask, inputs.position_ids)
-        if i >= len(state.keys):
+        done = i < len(state.keys)
+        if not done:
             P_k, P_v = fit_layer(layer, data, state, i, cfg, rope)
             state.keys.append(P_k.cpu())
             state.values.append(P_v.cpu())
-            state.errors.append({"layer": i} | layer_error(layer, inputs, data, P_k, P_v, cfg, rope).as_dict())
+            # Reported errors are on the uncompressed model's inputs, comparable across methods and orders
+            # (and with `stiefkv eval`); the chained error adds the drift of the compressed layers before.
+            error = {"layer": i} | layer_error(layer, inputs, target, inputs.hidden, P_k, P_v, cfg, rope).as_dict()
+        if sequential:
+            compressed_hidden, chained = compressed_outputs(layer, inputs, x, target, state.keys[i], state.values[i],
+                                                            cfg, rope)
+            if not done:
+                error["rel_error_chained"] = round(chained.rel_error, 6)
+        if not done:
+            state.errors.append(error)
             state.save(progress)
-        if compressed_hidden is not None:
-            compressed_hidden = compressed_outputs(layer, inputs, x, state.keys[i], state.values[i], cfg, rope)
         inputs.advance(target)
 
 
@@ -224,17 +234,18 @@ def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: Cal
 
 
 @torch.no_grad()
-def layer_error(layer, inputs: LayerInputs, data: LayerBatch, P_k, P_v, cfg, rope) -> ErrorStats:
-    stats = ErrorStats()
-    device = data.hidden.device
-    for b in inputs.batches(data.output, hidden=data.hidden):
-        y_hat = compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode, rope=rope)
-        stats.add(y_hat, b.output)
-    return stats
+def layer_error(layer, inputs: LayerInputs, target, hidden, P_k, P_v, cfg, rope) -> ErrorStats:
+    """The layer's output error with bases ``P_k, P_v`` on inputs ``hidden`` against ``target``."""
+    return compressed_outputs(layer, inputs, hidden, target, P_k, P_v, cfg, rope)[1]
 
 
 @torch.no_grad()
-def compressed_outputs(layer, inputs: LayerInputs, x, P_k, P_v, cfg, rope) -> torch.Tensor:
+def compressed_outputs(layer, inputs: LayerInputs, x, target, P_k, P_v, cfg, rope) -> tuple[torch.Tensor, ErrorStats]:
+    """The compressed layer's outputs ``[S, N, D]`` on ``x``, and their error against ``target``."""
     device = x.device
-    return torch.cat([compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode,
-                                              rope=rope) for b in inputs.batches(hidden=x)])
+    stats, outs = ErrorStats(), []
+    for b in inputs.batches(target, hidden=x):
+        y_hat = compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode, rope=rope)
+        stats.add(y_hat, b.output)
+        outs.append(y_hat)
+    return torch.cat(outs), stats
