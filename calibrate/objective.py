@@ -13,9 +13,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from stiefkv.attention import attend
+from stiefkv.attention import attend, project_qkv, rotate_with
 from stiefkv.calibrate.collect import LayerBatch
 from stiefkv.kernels import RopeSpec
+from stiefkv.kernels.streamkl import attention_kl
 
 
 def compressed_layer_output(layer: nn.Module, batch: LayerBatch, P_k: torch.Tensor, P_v: torch.Tensor, *,
@@ -27,6 +28,33 @@ def compressed_layer_output(layer: nn.Module, batch: LayerBatch, P_k: torch.Tens
                positions=batch.positions, backend=backend)
     h = x + a
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def attention_queries_keys(attn: nn.Module, normed: torch.Tensor, P_k: torch.Tensor | None, *, key_mode: str,
+                           position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Rotated queries ``[B, H, N, d]``, the original rotated keys and the keys rebuilt through ``P_k``
+    (``[B, G, N, d]`` each): what the original and the compressed attention compare their logits on.
+
+    ``pre_rope`` rebuilds ``P_k P_kᵀ k`` and then rotates it; ``post_rope`` projects the rotated key.
+    """
+    cos, sin = position_embeddings
+    q, k, _ = project_qkv(attn, normed)
+    q, k_rot = rotate_with(q, cos, sin), rotate_with(k, cos, sin)
+    if P_k is None:
+        return q, k_rot, k_rot
+    project = lambda x: torch.einsum("bgnd,gdr,ger->bgne", x.float(), P_k, P_k).to(x.dtype)  # noqa: E731
+    k_low = rotate_with(project(k), cos, sin) if key_mode == "pre_rope" else project(k_rot)
+    return q, k_rot, k_low
+
+
+def layer_attention_kl(layer: nn.Module, batch: LayerBatch, P_k: torch.Tensor, *, key_mode: str,
+                       reduction: str = "mean") -> torch.Tensor:
+    """``KL(P_orig ‖ P_compressed)`` of the layer's attention rows (StreamKL: no N×N on CUDA)."""
+    attn = layer.self_attn
+    q, k_t, k_s = attention_queries_keys(attn, layer.input_layernorm(batch.hidden), P_k, key_mode=key_mode,
+                                         position_embeddings=batch.position_embeddings)
+    return attention_kl(q, k_t, q, k_s, causal=True, scale_t=attn.scaling, scale_s=attn.scaling,
+                        reduction=reduction)
 
 
 @dataclass

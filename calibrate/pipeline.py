@@ -28,6 +28,7 @@ log = logging.getLogger(__name__)
 
 METHODS = ("stiefel", "pca")
 ORDERS = ("sequential", "independent")
+LOSSES = ("output", "output+kl")
 PROFILES = ("pca", "stiefel")
 
 
@@ -46,6 +47,8 @@ class CalibrationConfig:
     num_sequences, seq_len : size of the calibration set.
     profile_sequences : how many of the calibration sequences the profiles use.
     steps, lr, step_sequences : Riemannian Adam steps per layer, learning rate, sequences per step.
+    loss, kl_weight : ``output`` (layer-output error) or ``output+kl`` (plus ``kl_weight`` × the KL between
+        the original and the compressed attention rows, by StreamKL).
     batch_size : sequences per forward pass.
     rank_step : ranks are multiples of this.
     seed : seeds data sampling and every random step.
@@ -65,6 +68,8 @@ class CalibrationConfig:
     steps: int = 300
     lr: float = 5e-3
     step_sequences: int = 4
+    loss: str = "output"
+    kl_weight: float = 0.1
     batch_size: int = 8
     rank_step: int = 8
     seed: int = 0
@@ -73,14 +78,15 @@ class CalibrationConfig:
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
         for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES), ("allocation", allocate.ALLOCATIONS),
-                              ("weighting", WEIGHTINGS), ("profile", PROFILES), ("order", ORDERS)):
+                              ("weighting", WEIGHTINGS), ("profile", PROFILES), ("order", ORDERS),
+                              ("loss", LOSSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences", "step_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.steps < 0 or not self.lr > 0:
-            raise ValueError(f"need steps ≥ 0 and lr > 0, got {self.steps} and {self.lr}")
+        if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:
+            raise ValueError(f"need steps ≥ 0, lr > 0 and kl_weight ≥ 0; got {self.steps}, {self.lr}, {self.kl_weight}")
         return self
 
     @classmethod
@@ -124,7 +130,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     log.info("calibrated %d layers in %.1f s; mean layer error %.4f", dims.L, elapsed,
              sum(e["rel_error"] for e in state.errors) / len(state.errors))
     meta = asdict(cfg) | {"tokens": int(seqs.numel()), "seconds": round(elapsed, 1),
-                          "model": getattr(model, "stiefkv_spec", None), "loss": "output_mse",
+                          "model": getattr(model, "stiefkv_spec", None),
                           "profiles": state.profiles, "refine": state.refine}
     return Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode, fingerprint=fp,
                        budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors)
@@ -174,7 +180,8 @@ def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: Calibr
 
 
 def refine_settings(cfg: CalibrationConfig) -> RefineSettings:
-    return RefineSettings(steps=cfg.steps, lr=cfg.lr, batch_size=cfg.step_sequences)
+    return RefineSettings(steps=cfg.steps, lr=cfg.lr, batch_size=cfg.step_sequences,
+                          kl_weight=cfg.kl_weight if cfg.loss == "output+kl" else 0.0)
 
 
 def concat_batches(batches: list[LayerBatch]) -> LayerBatch:

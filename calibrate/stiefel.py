@@ -4,8 +4,10 @@
 ``geoopt.EuclideanStiefel`` (QR retraction; the canonical ``Stiefel()`` would build ``d×d`` Cayley
 systems), optimised jointly by ``geoopt.optim.RiemannianAdam`` from their PCA start to minimise the
 relative squared error of the decoder-layer output (:mod:`stiefkv.calibrate.objective`). Minibatches are
-drawn from the calibration sequences, a held-out slice decides early stopping, and the best held-out
-bases are returned — never worse on the held-out slice than the start.
+drawn from the calibration sequences, a held-out slice decides early stopping (on the output error), and
+the best held-out bases are returned — never worse on the held-out slice than the start. With
+``kl_weight > 0`` the loss adds the KL divergence between the original and the compressed attention rows
+(``--loss output+kl``), streamed by StreamKL on CUDA.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ import torch
 from torch import nn
 
 from stiefkv.calibrate.collect import LayerBatch
-from stiefkv.calibrate.objective import compressed_layer_output
+from stiefkv.calibrate.objective import compressed_layer_output, layer_attention_kl
 from stiefkv.kernels import RopeSpec
 
 
@@ -30,6 +32,7 @@ class RefineSettings:
     holdout_fraction: float = 0.125
     eval_every: int = 25
     patience: int = 4
+    kl_weight: float = 0.0  # > 0 adds kl_weight · attention KL (StreamKL) to the output error
 
 
 @dataclass
@@ -54,11 +57,16 @@ def frozen(module: nn.Module):
             p.requires_grad_(flag)
 
 
-def relative_sq_error(layer, batch: LayerBatch, P_k, P_v, key_mode: str, rope: RopeSpec) -> torch.Tensor:
-    """``‖ŷ − y‖² / ‖y‖²`` over the batch (a scalar with grad to the bases)."""
+def relative_sq_error(layer, batch: LayerBatch, P_k, P_v, key_mode: str, rope: RopeSpec,
+                      kl_weight: float = 0.0) -> torch.Tensor:
+    """``‖ŷ − y‖² / ‖y‖²`` over the batch, plus ``kl_weight`` × the mean attention-row KL between the original
+    and the compressed attention when positive (a scalar with grad to the bases)."""
     y_hat = compressed_layer_output(layer, batch, P_k, P_v, key_mode=key_mode, rope=rope).float()
     y = batch.output.float()
-    return (y_hat - y).pow(2).sum() / y.pow(2).sum()
+    loss = (y_hat - y).pow(2).sum() / y.pow(2).sum()
+    if kl_weight > 0:
+        loss = loss + kl_weight * layer_attention_kl(layer, batch, P_k, key_mode=key_mode)
+    return loss
 
 
 def holdout_error(layer, batches: list[LayerBatch], P_k, P_v, key_mode, rope) -> float:
@@ -106,7 +114,7 @@ def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: tor
         for step in range(1, settings.steps + 1):
             rows = train_rows[torch.randint(len(train_rows), (min(settings.batch_size, len(train_rows)),), generator=g)]
             opt.zero_grad(set_to_none=True)
-            relative_sq_error(layer, split(data, rows), pk, pv, key_mode, rope).backward()
+            relative_sq_error(layer, split(data, rows), pk, pv, key_mode, rope, settings.kl_weight).backward()
             opt.step()
             if step % settings.eval_every == 0 or step == settings.steps:
                 err = holdout_error(layer, hold, pk, pv, key_mode, rope)

@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from stiefkv.calibrate.allocate import ALLOCATIONS
-from stiefkv.calibrate.pipeline import METHODS, ORDERS, PROFILES, CalibrationConfig
+from stiefkv.calibrate.pipeline import LOSSES, METHODS, ORDERS, PROFILES, CalibrationConfig
 from stiefkv.calibrate.profile import WEIGHTINGS
 from stiefkv.projections import KEY_MODES
 
@@ -110,6 +110,11 @@ def main():
 @click.option("--steps", type=int, default=DEFAULTS["steps"], show_default=True,
               help="Riemannian Adam steps per layer (stiefel); early stopping on a held-out slice may end sooner.")
 @click.option("--lr", type=float, default=DEFAULTS["lr"], show_default=True, help="Learning rate (stiefel).")
+@click.option("--loss", type=click.Choice(LOSSES), default=DEFAULTS["loss"], show_default=True,
+              help="Refinement loss: the layer-output error, or that plus --kl-weight × the KL divergence between "
+                   "the original and the compressed attention rows (StreamKL).")
+@click.option("--kl-weight", type=float, default=DEFAULTS["kl_weight"], show_default=True,
+              help="Weight of the attention KL with --loss output+kl.")
 @click.option("--step-sequences", type=int, default=DEFAULTS["step_sequences"], show_default=True,
               help="Calibration sequences per optimisation step (stiefel).")
 @click.option("--profile-sequences", type=int, default=DEFAULTS["profile_sequences"], show_default=True,
@@ -201,23 +206,34 @@ def _inspect_table(proj) -> str:
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass.")
 @click.option("--backend", type=click.Choice(["auto", "triton", "reference"]), default="auto", show_default=True,
               help="Attention over latents: Triton kernels (CUDA), the PyTorch reference, or auto.")
+@click.option("--attention-kl", is_flag=True,
+              help="Also report each layer's attention KL between the original and compressed attention at a long "
+                   "context (StreamKL on CUDA; memory linear in the context).")
+@click.option("--kl-context", type=int, default=8192, show_default=True, help="Tokens for --attention-kl.")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options
-def evaluate(model, projections, data, window, windows, batch_size, backend, json_path, device, dtype, seed, debug):
+def evaluate(model, projections, data, window, windows, batch_size, backend, attention_kl, kl_context, json_path,
+             device, dtype, seed, debug):
     """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL."""
     import stiefkv
-    from stiefkv.evaluate import evaluate as run_eval, format_table
+    from stiefkv.evaluate import attention_kl_per_layer, evaluate as run_eval, format_table
 
     torch_dtype = _setup(device, dtype, seed, debug)
     if windows is not None and windows < 1:
         raise UserError(f"--windows must be ≥ 1, got {windows}")
+    if attention_kl and projections is None:
+        raise UserError("--attention-kl compares with compressed attention: give --projections")
 
     def work():
         proj = stiefkv.Projections.load(projections) if projections else None
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
-        return run_eval(m, tok, proj, data=data, window=window, limit=windows, batch_size=batch_size,
-                        backend=backend, model_name=model)
+        result = run_eval(m, tok, proj, data=data, window=window, limit=windows, batch_size=batch_size,
+                          backend=backend, model_name=model)
+        if attention_kl:
+            result.attention_kl_context = kl_context
+            result.attention_kl = attention_kl_per_layer(m, tok, proj, data=data, context=kl_context)
+        return result
 
     result = _run(work, debug)
     if json_path is not None and str(json_path) == "-":

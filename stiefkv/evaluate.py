@@ -16,8 +16,9 @@ from tqdm.auto import tqdm
 
 from stiefkv.attention import LatentCache, cache_keyword, compressed
 from stiefkv.calibrate.collect import LayerBatch, layer_hooks
-from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
+from stiefkv.calibrate.objective import ErrorStats, attention_queries_keys, compressed_layer_output
 from stiefkv.data import load_texts, token_stream, windows
+from stiefkv.kernels.streamkl import attention_kl
 from stiefkv.models import decoder_layers, rope_spec
 from stiefkv.projections import Projections
 
@@ -40,6 +41,8 @@ class EvalResult:
     next_token_kl: float | None = None
     kv_bytes_per_token: float | None = None
     layer_errors: list | None = None
+    attention_kl_context: int | None = None
+    attention_kl: list | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -128,6 +131,50 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
     return result
 
 
+def chunked_attention_kl(q, k_t, k_s, *, scale: float, chunk: int | None) -> float:
+    """Summed causal ``KL(P_t ‖ P_s)`` over every row. On CUDA StreamKL streams it in ``O(N)`` memory; the
+    CPU reference materialises logits, so there the query rows go ``chunk`` at a time (rows are independent:
+    a block ``[s, e)`` of queries needs only keys ``[0, e)``)."""
+    N = q.shape[2]
+    if q.is_cuda or chunk is None:
+        return float(attention_kl(q, k_t, q, k_s, causal=True, scale_t=scale, scale_s=scale, reduction="sum"))
+    total = 0.0
+    for s in range(0, N, chunk):
+        e = min(N, s + chunk)
+        total += float(attention_kl(q[:, :, s:e], k_t[:, :, :e], q[:, :, s:e], k_s[:, :, :e], causal=True,
+                                    scale_t=scale, scale_s=scale, reduction="sum"))
+    return total
+
+
+@torch.no_grad()
+def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: str = "wikitext2",
+                           context: int = 8192, chunk: int | None = 1024) -> list[float]:
+    """Per layer, the mean ``KL(P_orig ‖ P_compressed)`` of attention rows over the first ``context`` test tokens.
+
+    Queries and original keys are the uncompressed model's at that layer; compressed keys go through the
+    layer's ``P_k`` as the served model's would. Memory grows linearly with ``context``.
+    """
+    projections.check(model)
+    device = next(model.parameters()).device
+    stream = token_stream(tokenizer, load_texts(data, "test"))
+    if stream.numel() < context:
+        raise ValueError(f"the test data has {stream.numel()} tokens, fewer than --kl-context {context}")
+    layers = decoder_layers(model)
+    kl = [float("nan")] * len(layers)
+
+    def consume(batch: LayerBatch) -> None:
+        i = batch.layer_idx
+        attn = layers[i].self_attn
+        q, k_t, k_s = attention_queries_keys(attn, layers[i].input_layernorm(batch.hidden),
+                                             projections.keys[i].to(device), key_mode=projections.key_mode,
+                                             position_embeddings=batch.position_embeddings)
+        kl[i] = chunked_attention_kl(q, k_t, k_s, scale=attn.scaling, chunk=chunk) / (q.shape[1] * q.shape[2])
+
+    with layer_hooks(model, consume):
+        getattr(model, "model", model)(stream[:context][None].to(device), use_cache=False)  # no LM head needed
+    return kl
+
+
 def format_table(result: EvalResult) -> str:
     """A markdown table of one evaluation (uncompressed row, then the compressed row)."""
     head = (f"model {result.model or '?'} · data {result.data} test · window {result.window} · "
@@ -141,4 +188,9 @@ def format_table(result: EvalResult) -> str:
         rows.append(f"| {result.method} | {100 * result.budget:g} % | {result.key_mode} | {result.ppl:.4f} | "
                     f"{delta:+.1f} % | {result.layer_rel_error:.4f} | {result.layer_cosine:.4f} | "
                     f"{result.next_token_kl:.4f} | {result.kv_bytes_per_token:.0f} |")
-    return head + "\n\n" + "\n".join(rows)
+    text = head + "\n\n" + "\n".join(rows)
+    if result.attention_kl is not None:
+        per_layer = " ".join(f"{v:.3g}" for v in result.attention_kl)
+        text += (f"\n\nattention KL(original ‖ compressed) per row at {result.attention_kl_context} tokens: "
+                 f"mean {sum(result.attention_kl) / len(result.attention_kl):.4g} nats; per layer: {per_layer}")
+    return text
