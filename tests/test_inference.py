@@ -166,3 +166,36 @@ def test_right_padding_is_refused_clearly():
     mask[0, -2:] = 0
     with pytest.raises(ValueError, match="left-padded"):
         model(x, attention_mask=mask)
+
+
+@pytest.mark.parametrize("kv_heads", [6, 2, 1])
+def test_folding_p_v_into_o_proj_is_exact(kv_heads):
+    from stiefkv.attention import attend
+
+    model = tiny_model("qwen2", kv_heads=kv_heads)
+    proj = random_projections(model, 16, 8)
+    layer = model.model.layers[0]
+    x = torch.randn(2, 9, 48)
+    pos = torch.arange(9)[None].expand(2, 9)
+    pe = model.model.rotary_emb(x, pos)
+    kw = dict(key_mode="pre_rope", rope=rope_spec(model.config), position_embeddings=pe, attention_mask=None,
+              positions=pos)
+    fold = stiefkv.attention.fold_values_into_o_proj(layer.self_attn.o_proj.weight, proj.values[0])
+    with torch.no_grad():
+        plain = attend(layer.self_attn, x, proj.keys[0], proj.values[0], **kw)
+        folded = attend(layer.self_attn, x, proj.keys[0], proj.values[0], o_fold=fold, **kw)
+    assert_close(folded, plain, atol=1e-5, rtol=1e-5, what="folded P_v")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+def test_generate_on_gpu_triton_matches_reference(key_mode):
+    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=64, heads=8, kv_heads=2).cuda()
+    proj = random_projections(model, 24, 40, key_mode)
+    x = ids(batch=3, n=37).cuda()
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    outs = {}
+    for backend in ("triton", "reference"):
+        stiefkv.load(model, proj, backend=backend)
+        outs[backend] = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+    assert torch.equal(outs["triton"], outs["reference"])
