@@ -190,7 +190,7 @@ def test_folding_p_v_into_o_proj_is_exact(kv_heads):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
 @pytest.mark.parametrize("key_mode", KEY_MODES)
 def test_generate_on_gpu_triton_matches_reference(key_mode):
-    model = tiny_model("llama", dtype=torch.bfloat16, head_dim=64, heads=8, kv_heads=2).cuda()
+    model = tiny_model("llama", head_dim=64, heads=8, kv_heads=2).cuda()  # fp32: no near-tie token flips
     proj = random_projections(model, 24, 40, key_mode)
     x = ids(batch=3, n=37).cuda()
     kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
