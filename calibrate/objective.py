@@ -15,8 +15,7 @@ from torch import nn
 
 from stiefkv.attention import attend, project_qkv, rotate_with
 from stiefkv.calibrate.collect import LayerBatch
-from stiefkv.kernels import RopeSpec
-from stiefkv.kernels.streamkl import attention_kl
+from stiefkv.kernels import RopeSpec, reference
 
 
 def compressed_layer_output(layer: nn.Module, batch: LayerBatch, P_k: torch.Tensor, P_v: torch.Tensor, *,
@@ -45,6 +44,19 @@ def attention_queries_keys(attn: nn.Module, normed: torch.Tensor, P_k: torch.Ten
     project = lambda x: torch.einsum("bgnd,gdr,ger->bgne", x.float(), P_k, P_k).to(x.dtype)  # noqa: E731
     k_low = rotate_with(project(k), cos, sin) if key_mode == "pre_rope" else project(k_rot)
     return q, k_rot, k_low
+
+
+def attention_kl(q_t, k_t, q_s, k_s, **kwargs) -> torch.Tensor:
+    """StreamKL on CUDA tensors, the PyTorch reference elsewhere.
+
+    Decided by device alone — not by ``TRITON_INTERPRET``, which is for the kernel tests — so calibration
+    and evaluation on the CPU never reach Triton's interpreter.
+    """
+    if not q_t.is_cuda:
+        return reference.attention_kl(q_t, k_t, q_s, k_s, **kwargs)
+    from stiefkv.kernels.streamkl import attention_kl as streamed  # imports Triton: only where it runs
+
+    return streamed(q_t, k_t, q_s, k_s, **kwargs)
 
 
 def layer_attention_kl(layer: nn.Module, batch: LayerBatch, P_k: torch.Tensor, *, key_mode: str,

@@ -9,6 +9,11 @@ os.environ.setdefault("STIEFKV_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+if not torch.cuda.is_available():
+    # Triton reads this when it decorates kernels: set it before any test module imports one, so that every
+    # kernel module is built for the interpreter whatever the collection order. StiefKV's own CPU paths
+    # choose the PyTorch references by device and never reach the interpreter.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(autouse=True)

@@ -96,7 +96,7 @@ def test_stiefel_dp_smoke_on_real_model(smollm2, tmp_path):
     ours = stiefkv.calibrate(model, tok, progress=tmp_path / "p.partial", **kw)
     assert ours.achieved_budget <= 0.5 and len({r for r in ours.ranks}) > 1
     assert (tmp_path / "p.partial").is_file()
-    assert all(0 < e["rel_error"] < 1 for e in ours.errors)
+    assert all(0 <= e["rel_error"] < 1 for e in ours.errors)  # 0 where DP keeps a layer at full rank
     for P in ours.keys + ours.values:
         eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
         assert (P.transpose(1, 2) @ P - eye).abs().max() < 1e-5
