@@ -65,8 +65,8 @@ class CalibrationConfig:
     num_sequences: int = 64
     seq_len: int = 512
     profile_sequences: int = 8
-    steps: int = 300
-    lr: float = 5e-3
+    steps: int = 100
+    lr: float = 1e-2
     step_sequences: int = 4
     loss: str = "output"
     kl_weight: float = 0.1

@@ -16,9 +16,8 @@ from tqdm.auto import tqdm
 
 from stiefkv.attention import LatentCache, cache_keyword, compressed
 from stiefkv.calibrate.collect import LayerBatch, layer_hooks
-from stiefkv.calibrate.objective import ErrorStats, attention_queries_keys, compressed_layer_output
+from stiefkv.calibrate.objective import ErrorStats, attention_kl, attention_queries_keys, compressed_layer_output
 from stiefkv.data import load_texts, token_stream, windows
-from stiefkv.kernels.streamkl import attention_kl
 from stiefkv.models import decoder_layers, rope_spec
 from stiefkv.projections import Projections
 
