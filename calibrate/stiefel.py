@@ -26,8 +26,10 @@ from stiefkv.kernels import RopeSpec
 
 @dataclass
 class RefineSettings:
-    steps: int = 300
-    lr: float = 5e-3
+    """How one layer is refined; the pipeline fills it from :class:`CalibrationConfig` (defaults live there)."""
+
+    steps: int
+    lr: float
     batch_size: int = 4
     holdout_fraction: float = 0.125
     eval_every: int = 25
