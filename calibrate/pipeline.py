@@ -99,21 +99,27 @@ class CalibrationConfig:
 
 
 def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: bool = False,
-              **settings) -> Projections:
+              sequences: torch.Tensor | None = None, **settings) -> Projections:
     """Learn low-rank key and value bases for every layer of ``model``.
 
     Keyword arguments are the fields of :class:`CalibrationConfig` (``budget=``, ``method=``,
     ``key_mode=``, ``allocation=``, ``order=``, ``steps=``, ``lr=``, ``seed=``, ``data=``,
     ``num_sequences=``, ``seq_len=``, …). With ``progress=PATH`` every finished step is written there, and
-    ``resume=True`` continues from it. Returns :class:`~stiefkv.Projections`; save it with ``.save(path)``.
+    ``resume=True`` continues from it. ``sequences`` ``[S, N]`` token ids replace ``data`` (pre-tokenized
+    calibration text; ``tokenizer`` may then be None). Returns :class:`~stiefkv.Projections`; save it with
+    ``.save(path)``.
     """
     cfg = CalibrationConfig.from_kwargs(**settings)
     arch_of(model.config)
     dims = dims_of(model.config)
     progress = Path(progress) if progress is not None else None
     t0 = time.perf_counter()
-    seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
-                                 seq_len=cfg.seq_len, seed=cfg.seed)
+    if sequences is not None:
+        seqs = sequences.long().cpu()
+        cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
+    else:
+        seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
+                                     seq_len=cfg.seq_len, seed=cfg.seed)
     fp = fingerprint(model)
     if resume and progress is not None and progress.is_file():
         state = CalibrationState.load(progress, asdict(cfg), fp)

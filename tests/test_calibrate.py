@@ -192,3 +192,9 @@ def test_cli_plot_and_resume_flag(tmp_path, corpus):  # noqa: F811
     assert png.read_bytes()[:4] == b"\x89PNG"
     r = CliRunner().invoke(main, ["calibrate", "smollm2", "--order", "sideways", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "sideways" in r.output
+
+
+def test_pretokenized_sequences_replace_data():
+    seqs = torch.randint(0, 97, (5, 19), generator=torch.Generator().manual_seed(2))
+    proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca", allocation="uniform")
+    assert proj.settings["data"] == "tensor" and proj.settings["tokens"] == 5 * 19

@@ -1,0 +1,59 @@
+"""Wall time of `stiefkv.calibrate` with its defaults on a model of given shapes with random weights.
+
+Default shapes are Llama-3-8B's (32 layers, hidden 4096, 32 query heads, 8 KV heads, d = 128, MLP 14336)
+with 128 random sequences × 2048 tokens (issue: calibration speed). Random weights say nothing about
+quality; only the time is reported, with the GPU, date and versions.
+
+    python benchmarks/bench_calibrate_speed.py --device cuda --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import time
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import stiefkv
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--sequences", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=2048)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,method=pca")
+    args = ap.parse_args()
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=8192)
+    with torch.device(args.device):
+        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
+    seqs = torch.randint(0, config.vocab_size, (args.sequences, args.seq_len))
+    extra = dict(kv.split("=") for kv in args.extra.split(",") if kv)
+    extra = {k: (float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in extra.items()}
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    proj = stiefkv.calibrate(model, None, sequences=seqs, **extra)
+    if args.device.startswith("cuda"):
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+    print(f"| shapes L={args.layers} D={args.hidden} H={args.heads} G={args.kv_heads} d={args.hidden // args.heads} | "
+          f"{args.sequences} × {args.seq_len} tokens | {proj.method}, {proj.settings['allocation']}, "
+          f"{proj.settings['order']}, steps {proj.settings['steps']} {extra} | {seconds:.1f} s | {name} | "
+          f"torch {torch.__version__} | {datetime.date.today()} |")
+
+
+if __name__ == "__main__":
+    main()
