@@ -17,7 +17,8 @@ from stiefkv.calibrate import allocate
 from stiefkv.calibrate.collect import LayerBatch, LayerInputs
 from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
-from stiefkv.calibrate.profile import WEIGHTINGS, LayerProfile, candidate_ranks, profile_layer
+from stiefkv.calibrate.profile import (KL_SEQUENCES, WEIGHTINGS, LayerProfile, OutputKL, candidate_ranks,
+                                      profile_layer, profile_layer_kl)
 from stiefkv.calibrate.state import CalibrationState
 from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
@@ -40,7 +41,8 @@ class CalibrationConfig:
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
-    weighting : a layer's profile error relative to its output ``‖y‖`` or to its update ``‖y − x‖``.
+    weighting : a layer's profile error relative to its output ``‖y‖`` (``output``) or to its update ``‖y − x‖``
+        (``update``), or ``kl``: the whole model's next-token KL with only that layer compressed.
     profile : bases used for the profiles: ``pca`` (cheap) or ``stiefel`` (refined at every rank).
     order : ``sequential`` (each layer sees the already-compressed layers before it) or ``independent``.
     data : ``wikitext2``, a .txt/.jsonl file or folder, or ``self``.
@@ -85,6 +87,8 @@ class CalibrationConfig:
         for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences", "step_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.weighting == "kl" and self.profile != "pca":
+            raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
         if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:
             raise ValueError(f"need steps ≥ 0, lr > 0 and kl_weight ≥ 0; got {self.steps}, {self.lr}, {self.kl_weight}")
         return self
@@ -155,6 +159,10 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
     rope, dims = rope_spec(model.config), dims_of(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
     ranks = candidate_ranks(dims.d, cfg.rank_step)
+    output_kl = None
+    if cfg.allocation == "dp" and cfg.weighting == "kl":
+        n = min(KL_SEQUENCES, cfg.profile_sequences, len(seqs))
+        output_kl = OutputKL(model, inputs.hidden[:n], next(inputs.batches()))
     for i in tqdm(range(inputs.num_layers), desc="profiles" if cfg.allocation == "dp" else "PCA", unit="layer"):
         layer, target = inputs.layers[i], inputs.run()
         moments = SecondMoments(model, cfg.key_mode)
@@ -163,7 +171,13 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
         eig_k, eig_v = top_eigenvectors(moments.keys[i], dims.d), top_eigenvectors(moments.values[i], dims.d)
         state.eig_k.append(eig_k)
         state.eig_v.append(eig_v)
-        if cfg.allocation == "dp":
+        if output_kl is not None:
+            n = output_kl.base.shape[0]
+            device = target.device
+            state.profiles.append(profile_layer_kl(
+                layer, output_kl, i, inputs.hidden[:n], lambda r: eig_k[..., :r].to(device),
+                lambda r: eig_v[..., :r].to(device), key_mode=cfg.key_mode, rope=rope, ranks=ranks).as_dict())
+        elif cfg.allocation == "dp":
             state.profiles.append(profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope).as_dict())
         inputs.advance(target)
 

@@ -198,3 +198,28 @@ def test_pretokenized_sequences_replace_data():
     seqs = torch.randint(0, 97, (5, 19), generator=torch.Generator().manual_seed(2))
     proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca", allocation="uniform")
     assert proj.settings["data"] == "tensor" and proj.settings["tokens"] == 5 * 19
+
+
+def test_kl_profile_measures_the_whole_model():
+    from stiefkv.calibrate.profile import OutputKL, profile_layer_kl
+
+    model = tiny_model("llama", layers=3)
+    inputs, data = layer_data(model, n=3)
+    kl = OutputKL(model, inputs.hidden, next(inputs.batches()))
+    # the tail from layer 0 with nothing replaced is the model itself: zero KL
+    assert abs(kl(0, inputs.hidden, None)) < 1e-6
+    moments = SecondMoments(model, "pre_rope")
+    for b in inputs.batches():
+        moments(b)
+    eig_k, eig_v = top_eigenvectors(moments.keys[0], 24), top_eigenvectors(moments.values[0], 24)
+    prof = profile_layer_kl(model.model.layers[0], kl, 0, inputs.hidden, lambda r: eig_k[..., :r],
+                            lambda r: eig_v[..., :r], key_mode="pre_rope", rope=rope_spec(model.config),
+                            ranks=[8, 16, 24])
+    assert prof.metric == "kl" and prof.k[-1] == 0 and prof.v[-1] == 0
+    assert prof.k[0] > 0 and prof.v[0] > prof.v[1] > 0
+    with pytest.raises(ValueError, match="cannot be weighted"):
+        prof.relative("k", "output")
+    seqs = torch.randint(0, 97, (4, 21), generator=torch.Generator().manual_seed(3))
+    proj = stiefkv.calibrate(tiny_model(layers=3), None, sequences=seqs, budget=0.5, method="pca", allocation="dp",
+                             weighting="kl", profile_sequences=2)
+    assert sum(rk + rv for rk, rv in proj.ranks) <= 0.5 * 3 * 48
