@@ -60,7 +60,7 @@ class CalibrationConfig:
     method: str = "stiefel"
     key_mode: str = "pre_rope"
     allocation: str = "dp"
-    weighting: str = "output"
+    weighting: str = "update"
     profile: str = "pca"
     order: str = "sequential"
     data: str = "wikitext2"
