@@ -39,4 +39,6 @@ def top_eigenvectors(moment: torch.Tensor, rank: int) -> torch.Tensor:
     _, vecs = torch.linalg.eigh(moment.double())  # ascending eigenvalues
     basis = vecs.flip(-1)[..., :rank]
     q, r = torch.linalg.qr(basis)  # re-orthonormalise after the float64 → float32 cast's rounding
-    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]).float()
+    # Row-major like a basis read back from a checkpoint: CPU matmuls round differently per memory layout,
+    # and a resumed calibration must reproduce an uninterrupted one bit for bit.
+    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]).float().contiguous()

@@ -110,7 +110,7 @@ def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: tor
     pv = geoopt.ManifoldParameter(P_v.detach().float().clone(), manifold=manifold)
     opt = geoopt.optim.RiemannianAdam([pk, pv], lr=settings.lr)
     start = best = holdout_error(layer, hold, pk, pv, key_mode, rope)
-    best_bases = (pk.detach().clone(), pv.detach().clone())
+    best_bases = (plain(pk), plain(pv))
     stale, step = 0, 0
     with frozen(layer), torch.enable_grad():
         for step in range(1, settings.steps + 1):
@@ -122,12 +122,17 @@ def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: tor
                 err = holdout_error(layer, hold, pk, pv, key_mode, rope)
                 if err < best:
                     best, stale = err, 0
-                    best_bases = (pk.detach().clone(), pv.detach().clone())
+                    best_bases = (plain(pk), plain(pv))
                 else:
                     stale += 1
                     if stale >= settings.patience:
                         break
     return RefineResult(best_bases[0], best_bases[1], holdout_start=start, holdout_best=best, steps_run=step)
+
+
+def plain(p: torch.Tensor) -> torch.Tensor:
+    """A detached copy as an ordinary tensor (not a geoopt ManifoldTensor, whose ops dispatch differently)."""
+    return p.detach().as_subclass(torch.Tensor).clone()
 
 
 def orthonormality_error(P: torch.Tensor) -> float:
