@@ -151,7 +151,11 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             require_matplotlib()
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
         partial = output.with_name(output.name + ".partial")
-        proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
+        try:
+            proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
+        except KeyboardInterrupt:
+            hint = f"; finished layers are kept in {partial}: add --resume to continue" if partial.exists() else ""
+            raise click.ClickException(f"interrupted{hint}") from None
         proj.save(output)
         partial.unlink(missing_ok=True)
         if plot is not None:
