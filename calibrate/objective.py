@@ -20,10 +20,12 @@ from stiefkv.kernels import RopeSpec, reference
 
 def compressed_layer_output(layer: nn.Module, batch: LayerBatch, P_k: torch.Tensor, P_v: torch.Tensor, *,
                             key_mode: str, rope: RopeSpec, backend: str = "reference") -> torch.Tensor:
-    """The decoder layer's output ``[B, N, D]`` with keys and values through ``P_k``, ``P_v``."""
+    """The decoder layer's output ``[B, N, D]`` with keys and values through ``P_k``, ``P_v`` (unpadded ``batch``)."""
     x = batch.hidden
+    # Calibration and evaluation batches are unpadded: attention is causal with no key mask, and passing none
+    # spares the mask inspection (a device sync per call on the GPU).
     a = attend(layer.self_attn, layer.input_layernorm(x), P_k, P_v, key_mode=key_mode, rope=rope,
-               position_embeddings=batch.position_embeddings, attention_mask=batch.attention_mask,
+               position_embeddings=batch.position_embeddings, attention_mask=None,
                positions=batch.positions, backend=backend)
     h = x + a
     return h + layer.mlp(layer.post_attention_layernorm(h))
