@@ -236,10 +236,15 @@ def attend(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Tensor, P_v:
     if cache is not None:
         z_k, z_v = cache.update(z_k, z_v, attn.layer_idx)
         positions = cache_positions(cache, attn.layer_idx, positions)
+    if cache is not None and attn.layer_idx > 0 and hasattr(cache, "_stiefkv_lengths"):
+        lengths = cache._stiefkv_lengths  # one mask per forward: inspected (and synced) once, at layer 0
+    else:
+        lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
+        if cache is not None:
+            cache._stiefkv_lengths = lengths
     out = dispatch_attention(
         backend, q, z_k, z_v, P_k.to(z_k.dtype), None if o_fold is not None else P_v.to(z_v.dtype),
-        key_mode=key_mode, positions=positions, rope=rope, causal=True,
-        lengths=lengths_from_mask(attention_mask, B, z_k.shape[2]), scale=attn.scaling,
+        key_mode=key_mode, positions=positions, rope=rope, causal=True, lengths=lengths, scale=attn.scaling,
     )
     out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
     if o_fold is not None:
