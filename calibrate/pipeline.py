@@ -60,7 +60,7 @@ class CalibrationConfig:
     method: str = "stiefel"
     key_mode: str = "pre_rope"
     allocation: str = "dp"
-    weighting: str = "update"
+    weighting: str = "kl"
     profile: str = "pca"
     order: str = "sequential"
     data: str = "wikitext2"

@@ -92,7 +92,9 @@ def test_stiefel_dp_smoke_on_real_model(smollm2, tmp_path):
     """The default path (Stiefel, DP, sequential) on a few real tokens: within budget, better than PCA-uniform
     on its own calibration error, and resumable from its progress file."""
     model, tok = smollm2
-    kw = dict(budget=0.5, num_sequences=4, seq_len=64, steps=4, step_sequences=2, profile_sequences=2)
+    # weighting "update": the default "kl" profile runs ~400 model tails, minutes on 2 cores (tested on tiny models)
+    kw = dict(budget=0.5, num_sequences=4, seq_len=64, steps=4, step_sequences=2, profile_sequences=2,
+              weighting="update")
     ours = stiefkv.calibrate(model, tok, progress=tmp_path / "p.partial", **kw)
     assert ours.achieved_budget <= 0.5 and len({r for r in ours.ranks}) > 1
     assert (tmp_path / "p.partial").is_file()
