@@ -1,7 +1,8 @@
 """PyTorch references for the fused kernels; also the CPU path.
 
 Every function here has the same signature as its Triton counterpart in this package and computes in
-float32 whatever the input dtype, returning the dtype of the queries. They materialise what the kernels
+float32 whatever the input dtype; ``lowrank_attention`` returns the dtype of the queries, ``attention_kl``
+float32. They materialise what the kernels
 never do (rebuilt keys, the N×N logits) and are meant for tests, CPU inference and short contexts.
 """
 
