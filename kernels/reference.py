@@ -114,22 +114,35 @@ def lowrank_attention(
     else:
         qf = q.float()
         keys = rebuild_keys(z_k, P_k, key_mode=key_mode, positions=positions, rope=rope)
-    visible = key_padding_mask(lengths, B, Nk, q.device)[:, None, None, :]
-    if causal:
-        q_idx = torch.arange(Nq, device=q.device) + (Nk - Nq)
-        visible = visible & (torch.arange(Nk, device=q.device)[None, :] <= q_idx[:, None])
-    mask = torch.zeros(visible.shape, dtype=torch.float32, device=q.device).masked_fill(~visible, float("-inf"))
-    if bias is not None:
-        mask = mask + bias.float().repeat_interleave(H // G, dim=1)[:, :, None, :]
-    # SDPA's math is the softmax(q kᵀ·scale + mask) v of the docstring; values are the latents.
-    out = torch.nn.functional.scaled_dot_product_attention(
-        qf, keys, z_v.float(), attn_mask=mask.expand(B, H, Nq, Nk) if mask.shape[1] == 1 else mask,
-        scale=scale, enable_gqa=True,
-    )
+    if causal and Nq == Nk and bias is None and lengths is None:
+        # The plain causal square (prefill, evaluation): no dense mask, so SDPA may take a fused kernel;
+        # heads expanded here because not every fused kernel takes enable_gqa.
+        out = torch.nn.functional.scaled_dot_product_attention(
+            qf, keys.repeat_interleave(H // G, dim=1), z_v.float().repeat_interleave(H // G, dim=1),
+            is_causal=True, scale=scale)
+    else:
+        out = _masked_attention(qf, keys, z_v.float(), lengths=lengths, bias=bias, causal=causal, scale=scale)
     out = out.nan_to_num(0.0)  # rows with no visible key
     if P_v is not None:
         out = torch.einsum("bgsqr,gdr->bgsqd", out.view(B, G, H // G, Nq, -1), P_v.float())
     return out.reshape(B, H, Nq, -1).to(q.dtype)
+
+
+def _masked_attention(qf, keys, values, *, lengths, bias, causal: bool, scale: float) -> torch.Tensor:
+    B, H, Nq, _ = qf.shape
+    G, Nk = keys.shape[1], keys.shape[2]
+    visible = key_padding_mask(lengths, B, Nk, qf.device)[:, None, None, :]
+    if causal:
+        q_idx = torch.arange(Nq, device=qf.device) + (Nk - Nq)
+        visible = visible & (torch.arange(Nk, device=qf.device)[None, :] <= q_idx[:, None])
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=qf.device).masked_fill(~visible, float("-inf"))
+    if bias is not None:
+        mask = mask + bias.float().repeat_interleave(H // G, dim=1)[:, :, None, :]
+    # SDPA's math is the softmax(q kᵀ·scale + mask) v of the docstring; values are the latents.
+    return torch.nn.functional.scaled_dot_product_attention(
+        qf, keys, values, attn_mask=mask.expand(B, H, Nq, Nk) if mask.shape[1] == 1 else mask,
+        scale=scale, enable_gqa=True,
+    )
 
 
 def _attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:

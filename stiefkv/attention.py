@@ -305,6 +305,27 @@ def compressed(model: nn.Module, proj: Projections, *, backend: str = "auto"):
         unload(model)
 
 
+class Switch:
+    """The low-rank attention of every layer built once; ``with switch:`` swaps it in for the block.
+
+    For code that alternates between the original and the compressed model many times (evaluation runs
+    every window both ways): :func:`compressed` would check the checkpoint and rebuild the modules each time.
+    """
+
+    def __init__(self, model: nn.Module, proj: Projections, *, backend: str = "auto"):
+        self.layers = decoder_layers(model)
+        with compressed(model, proj, backend=backend):
+            self.modules = [layer.self_attn for layer in self.layers]
+
+    def __enter__(self):
+        for layer, module in zip(self.layers, self.modules):
+            layer.self_attn = module
+
+    def __exit__(self, *exc):
+        for layer, module in zip(self.layers, self.modules):
+            layer.self_attn = module.inner
+
+
 def _patch_generate_cache(model: nn.Module) -> None:
     """Make ``generate`` create a :class:`LatentCache` where it would create a ``DynamicCache``.
 

@@ -116,7 +116,8 @@ def weights_hash(model: nn.Module) -> str:
     """
     h = hashlib.sha256()
     for layer in decoder_layers(model):
-        for proj in (layer.self_attn.k_proj, layer.self_attn.v_proj):
+        attn = getattr(layer.self_attn, "inner", layer.self_attn)  # the original under a loaded LowRankAttention
+        for proj in (attn.k_proj, attn.v_proj):
             w = proj.weight.detach().to("cpu", torch.bfloat16).contiguous()
             h.update(w.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]

@@ -158,6 +158,32 @@ def test_unload_restores_the_model():
     assert not stiefkv.attention.is_compressed(model)
 
 
+def test_loading_again_replaces_the_bases():
+    model = tiny_model("llama")
+    x = ids()
+    first, second = random_projections(model, 8, 8, seed=1), random_projections(model, 16, 24, seed=2)
+    stiefkv.load(model, second)
+    expected = model(x).logits
+    stiefkv.load(model, first)
+    stiefkv.load(model, second)  # on a loaded model: the original attention underneath is reused
+    assert torch.equal(model(x).logits, expected)
+    stiefkv.unload(model)
+    assert not stiefkv.attention.is_compressed(model)
+
+
+def test_switch_equals_compressed():
+    model = tiny_model("qwen3", kv_heads=2)
+    x, proj = ids(), random_projections(model, 16, 8)
+    with stiefkv.compressed(model, proj):
+        expected = model(x).logits
+    switch = stiefkv.attention.Switch(model, proj)
+    original = model(x).logits
+    for _ in range(2):
+        with switch:
+            assert torch.equal(model(x).logits, expected)
+        assert torch.equal(model(x).logits, original)
+
+
 def test_right_padding_is_refused_clearly():
     model = tiny_model("llama")
     stiefkv.load(model, random_projections(model, 8, 8))

@@ -1,0 +1,146 @@
+"""The calibration-quality table of one key mode: every method × allocation × order at every budget.
+
+Rows share what does not depend on them: the model is loaded once, the first pass (PCA eigenvectors and
+the ``kl`` error–rank profiles, which do not depend on the budget) runs once and is saved to
+``OUTDIR/first_pass_{key_mode}.safetensors``; each row then allocates ranks and runs its own second pass
+(PCA at the ranks, or Stiefel refinement in its order) exactly as ``stiefkv.calibrate`` does, and is
+evaluated on the WikiText-2 test windows. Rows go to ``OUTDIR/{key_mode}.jsonl`` and ``.md`` as they
+finish; a row already in the jsonl is skipped, so a run stopped by a time limit continues where it was.
+
+    python benchmarks/quality_table.py smollm2 OUTDIR --key-mode pre_rope --budgets 0.5,0.75,0.375,0.25
+
+Calibration seconds of a row = the shared first pass (for ``dp`` rows; ``uniform`` rows need only its
+PCA part, reported separately) + the row's own second pass. Layer error is the mean relative error of the
+decoder-layer outputs on the calibration sequences, every layer fed the uncompressed inputs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+import stiefkv
+from stiefkv.calibrate.pipeline import CalibrationConfig, choose_ranks, first_pass, second_pass
+from stiefkv.calibrate.state import CalibrationState
+from stiefkv.data import calibration_sequences
+from stiefkv.evaluate import evaluate
+from stiefkv.models import dims_of, fingerprint
+from stiefkv.projections import Projections
+
+# name → (method, allocation, order)
+ROWS = {
+    "pca-uniform": ("pca", "uniform", "sequential"),
+    "pca-dp": ("pca", "dp", "sequential"),
+    "stiefel-dp-seq": ("stiefel", "dp", "sequential"),
+    "stiefel-dp-indep": ("stiefel", "dp", "independent"),
+    "stiefel-uniform-seq": ("stiefel", "uniform", "sequential"),
+    "stiefel-uniform-indep": ("stiefel", "uniform", "independent"),
+}
+
+
+def synced_time(device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def load_or_run_first_pass(model, seqs, cfg: CalibrationConfig, path: Path, device: str) -> tuple[CalibrationState, float]:
+    fp = fingerprint(model)
+    settings = {"key_mode": cfg.key_mode, "weighting": cfg.weighting, "seed": cfg.seed,
+                "tokens": list(seqs.shape), "profile_sequences": cfg.profile_sequences}
+    if path.is_file():
+        state = CalibrationState.load(path, settings, fp)
+        return state, state.refine[0]["first_pass_seconds"]
+    state = CalibrationState(settings=settings, fingerprint=fp)
+    t0 = synced_time(device)
+    first_pass(model, seqs, cfg, state)
+    seconds = synced_time(device) - t0
+    state.refine = [{"first_pass_seconds": seconds}]
+    state.save(path)
+    return state, seconds
+
+
+def run_row(model, tok, seqs, first: CalibrationState, cfg: CalibrationConfig, device: str, windows: int | None):
+    dims = dims_of(model.config)
+    state = CalibrationState(settings=asdict(cfg), fingerprint=first.fingerprint, eig_k=first.eig_k,
+                             eig_v=first.eig_v, profiles=first.profiles)
+    state.ranks = choose_ranks(cfg, state, dims)
+    t0 = synced_time(device)
+    second_pass(model, seqs, cfg, state, None)
+    seconds = synced_time(device) - t0
+    proj = Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode, fingerprint=first.fingerprint,
+                       budget=cfg.budget, method=cfg.method, settings=asdict(cfg), errors=state.errors)
+    result = evaluate(model, tok, proj, window=2048, limit=windows, backend="reference", layer_errors=False)
+    return proj, result, seconds, state
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("outdir", type=Path)
+    ap.add_argument("--key-mode", default="pre_rope")
+    ap.add_argument("--budgets", default="0.5,0.75,0.375,0.25")
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--windows", type=int, default=None, help="first N test windows (default: all)")
+    ap.add_argument("--extra", default="{}", help="JSON of calibration settings for every row (steps, lr, …)")
+    ap.add_argument("--tag", default="", help="label of the row variant in the table (with --extra)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = ap.parse_args()
+    unknown = set(args.rows.split(",")) - set(ROWS)
+    if unknown:
+        ap.error(f"unknown rows {sorted(unknown)}; known: {', '.join(ROWS)}")
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    jsonl, md = args.outdir / f"{args.key_mode}.jsonl", args.outdir / f"{args.key_mode}.md"
+    done = set()
+    if jsonl.is_file():
+        done = {(r["row"], r["budget"], r.get("tag", "")) for r in map(json.loads, jsonl.read_text().splitlines())}
+
+    model, tok = stiefkv.load_model(args.model, device=args.device)
+    extra = json.loads(args.extra)
+    base_cfg = CalibrationConfig.from_kwargs(key_mode=args.key_mode, **extra)
+    seqs = calibration_sequences(model, tok, data=base_cfg.data, num_sequences=base_cfg.num_sequences,
+                                 seq_len=base_cfg.seq_len, seed=base_cfg.seed)
+    first, first_seconds = load_or_run_first_pass(model, seqs, base_cfg, args.outdir / f"first_pass_{args.key_mode}.safetensors",
+                                                  args.device)
+    if not md.is_file():
+        name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
+        md.write_text(f"# {args.model} · {args.key_mode} · {name} · torch {torch.__version__} · {datetime.date.today()}\n"
+                      f"# calibration {base_cfg.num_sequences} × {base_cfg.seq_len}, first pass (PCA + kl profiles) "
+                      f"{first_seconds:.1f} s\n\n"
+                      "| key mode | budget | method | allocation | order | variant | PPL | ΔPPL | layer rel. err (calib.) | "
+                      "next-token KL | achieved budget | 2nd pass s | ranks |\n"
+                      "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n")
+    for budget in (float(b) for b in args.budgets.split(",")):
+        for row in args.rows.split(","):
+            if (row, budget, args.tag) in done:
+                continue
+            method, allocation, order = ROWS[row]
+            cfg = CalibrationConfig.from_kwargs(**(asdict(base_cfg) | extra | {
+                "budget": budget, "method": method, "allocation": allocation, "order": order}))
+            proj, r, seconds, state = run_row(model, tok, seqs, first, cfg, args.device, args.windows)
+            layer_err = sum(e["rel_error"] for e in state.errors) / len(state.errors)
+            record = {"row": row, "budget": budget, "tag": args.tag, "key_mode": args.key_mode, "ppl": r.ppl,
+                      "ppl_original": r.ppl_original, "windows": r.windows, "tokens": r.tokens_scored,
+                      "next_token_kl": r.next_token_kl, "layer_rel_error_calib": layer_err,
+                      "achieved_budget": proj.achieved_budget, "second_pass_seconds": seconds,
+                      "first_pass_seconds": first_seconds, "ranks": proj.ranks, "settings": asdict(cfg),
+                      "refine": state.refine, "errors": state.errors}
+            with jsonl.open("a") as f:
+                f.write(json.dumps(record) + "\n")
+            ranks = " ".join(f"{k}/{v}" for k, v in proj.ranks)
+            with md.open("a") as f:
+                f.write(f"| {args.key_mode} | {100 * budget:g} % | {method} | {allocation} | "
+                        f"{order if method == 'stiefel' else '–'} | {args.tag or 'default'} | {r.ppl:.4f} | "
+                        f"{100 * (r.ppl / r.ppl_original - 1):+.1f} % | {layer_err:.4f} | {r.next_token_kl:.4f} | "
+                        f"{100 * proj.achieved_budget:.2f} % | {seconds:.1f} | {ranks} |\n")
+            print(f"{args.key_mode} {budget} {row} {args.tag}: PPL {r.ppl:.4f} ({seconds:.1f} s)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

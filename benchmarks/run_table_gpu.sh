@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The issue-3 quality table and the GPU checks of issues 4 and 5 on a two-GPU machine (device tool, kind
+# nvidia-h200-x2), after ../shared/tools/gpu-model-parts.sh brought the GGUF over.
+#   usage: run_table_gpu.sh MODEL RESULTS_DIR [SECONDS]
+# GPU 0 runs the pre_rope table, then a cheaper-refinement variant; GPU 1 the CUDA generate test, the
+# Llama-3-8B-shape calibration timing, the post_rope table, the generate benchmark and the kernel tests.
+# Results of an earlier machine in ./.res (ignored by git) are copied in first. Every step is
+# resumable: table rows already in RESULTS_DIR are skipped and a finished step leaves a done.NAME marker,
+# so the same command on a still-warm machine continues. After SECONDS (default 560) everything still
+# running is stopped and RESULTS_DIR is packed into $OUT/results.tgz.
+set -u
+M=$1; R=$2; LIMIT=${3:-560}
+mkdir -p "$R"
+T="python3 -u benchmarks/quality_table.py $M $R"
+step() {  # step NAME CMD...: run CMD once, to its own log; a marker when it succeeds
+  local name=$1; shift
+  [ -e "$R/done.$name" ] && return 0
+  echo "$(date +%T) start $name" >> "$R/steps.log"
+  "$@" > "$R/$name.log" 2>&1 && touch "$R/done.$name"
+  echo "$(date +%T) end $name rc=$?" >> "$R/steps.log"
+}
+gpu0() {
+  export CUDA_VISIBLE_DEVICES=0
+  step table_pre $T --key-mode pre_rope
+  step variant_pre $T --key-mode pre_rope --budgets 0.5 --rows stiefel-dp-seq \
+    --extra '{"steps": 30, "step_sequences": 2}' --tag "steps 30, 2 seq/step"
+}
+gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  step pytest_generate python3 -m pytest -q -p no:cacheprovider \
+    "tests/test_inference.py::test_generate_on_gpu_triton_matches_reference"
+  step speed_8b timeout 300 python3 -u benchmarks/bench_calibrate_speed.py --device cuda --dtype bfloat16
+  step table_post $T --key-mode post_rope
+  step generate python3 -u benchmarks/bench_generate.py
+  step pytest timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_lowrank_kernel.py tests/test_streamkl.py
+}
+[ -d .res ] && cp -rn .res/. "$R/"  # rows of an earlier machine, to continue from
+gpu0 & gpu1 &
+start=$SECONDS
+while [ -n "$(jobs -r)" ] && [ $((SECONDS - start)) -lt "$LIMIT" ]; do sleep 3; done
+pkill -f "benchmarks/quality_table.py|benchmarks/bench_|pytest" ; sleep 1
+tar czf "$OUT/results.tgz" -C "$R" .
