@@ -103,7 +103,7 @@ def main() -> None:
 
     model, tok = stiefkv.load_model(args.model, device=args.device)
     extra = json.loads(args.extra)
-    base_cfg = CalibrationConfig.from_kwargs(key_mode=args.key_mode, **extra)
+    base_cfg = CalibrationConfig.from_kwargs(device=args.device, key_mode=args.key_mode, **extra)
     seqs = calibration_sequences(model, tok, data=base_cfg.data, num_sequences=base_cfg.num_sequences,
                                  seq_len=base_cfg.seq_len, seed=base_cfg.seed)
     first, first_seconds = load_or_run_first_pass(model, seqs, base_cfg, args.outdir / f"first_pass_{args.key_mode}.safetensors",

@@ -49,6 +49,10 @@ class CalibrationConfig:
     num_sequences, seq_len : size of the calibration set.
     profile_sequences : how many of the calibration sequences the profiles use.
     steps, lr, step_sequences : Riemannian Adam steps per layer, learning rate, sequences per step.
+
+    On a CPU, ``num_sequences``, ``profile_sequences`` and ``step_sequences`` default to the smaller
+    :data:`CPU_SIZES` (a 2-core machine calibrates SmolLM2 in about 10 minutes; BENCHMARKS.md §1d),
+    wherever they are not given.
     loss, kl_weight : ``output`` (layer-output error) or ``output+kl`` (plus ``kl_weight`` × the KL between
         the original and the compressed attention rows, by StreamKL).
     batch_size : sequences per forward pass.
@@ -94,12 +98,19 @@ class CalibrationConfig:
         return self
 
     @classmethod
-    def from_kwargs(cls, **kwargs) -> "CalibrationConfig":
+    def from_kwargs(cls, device: str | torch.device | None = None, **kwargs) -> "CalibrationConfig":
+        """The settings ``kwargs``, the rest defaults; the CPU's smaller data sizes where ``device`` is a CPU."""
         known = {f.name for f in fields(cls)}
         unknown = set(kwargs) - known
         if unknown:
             raise TypeError(f"unknown calibration settings {sorted(unknown)}; known: {sorted(known)}")
-        return cls(**kwargs).validate()
+        sizes = CPU_SIZES if device is not None and torch.device(device).type == "cpu" else {}
+        return cls(**(sizes | kwargs)).validate()
+
+
+# Where the model runs on a CPU: a quarter of the tokens per refinement step, one sequence for the kl
+# profiles, half the calibration set (BENCHMARKS.md §1d measures the time and the quality).
+CPU_SIZES = {"num_sequences": 32, "profile_sequences": 1, "step_sequences": 2}
 
 
 def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: bool = False,
@@ -113,7 +124,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     calibration text; ``tokenizer`` may then be None). Returns :class:`~stiefkv.Projections`; save it with
     ``.save(path)``.
     """
-    cfg = CalibrationConfig.from_kwargs(**settings)
+    cfg = CalibrationConfig.from_kwargs(device=next(model.parameters()).device, **settings)
     arch_of(model.config)
     dims = dims_of(model.config)
     progress = Path(progress) if progress is not None else None

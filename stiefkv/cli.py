@@ -15,7 +15,7 @@ from pathlib import Path
 import click
 
 from stiefkv.calibrate.allocate import ALLOCATIONS
-from stiefkv.calibrate.pipeline import LOSSES, METHODS, ORDERS, PROFILES, CalibrationConfig
+from stiefkv.calibrate.pipeline import CPU_SIZES, LOSSES, METHODS, ORDERS, PROFILES, CalibrationConfig
 from stiefkv.calibrate.profile import WEIGHTINGS
 from stiefkv.projections import KEY_MODES
 
@@ -115,15 +115,15 @@ def main():
                    "the original and the compressed attention rows (StreamKL).")
 @click.option("--kl-weight", type=float, default=DEFAULTS["kl_weight"], show_default=True,
               help="Weight of the attention KL with --loss output+kl.")
-@click.option("--step-sequences", type=int, default=DEFAULTS["step_sequences"], show_default=True,
-              help="Calibration sequences per optimisation step (stiefel).")
-@click.option("--profile-sequences", type=int, default=DEFAULTS["profile_sequences"], show_default=True,
-              help="Calibration sequences the error-rank profiles use (dp).")
+@click.option("--step-sequences", type=int, default=None,
+              help=f"Calibration sequences per optimisation step (stiefel) [default: {DEFAULTS['step_sequences']}; on a CPU {CPU_SIZES['step_sequences']}]")
+@click.option("--profile-sequences", type=int, default=None,
+              help=f"Calibration sequences the error-rank profiles use (dp; the kl profile at most 4) [default: {DEFAULTS['profile_sequences']}; on a CPU {CPU_SIZES['profile_sequences']}]")
 @click.option("--data", default=DEFAULTS["data"], show_default=True,
               help="Calibration text: wikitext2 (validation split), a .txt/.jsonl file or folder, or self "
                    "(sampled from the model: no data needed).")
-@click.option("--num-sequences", type=int, default=DEFAULTS["num_sequences"], show_default=True,
-              help="Number of calibration sequences.")
+@click.option("--num-sequences", type=int, default=None,
+              help=f"Number of calibration sequences [default: {DEFAULTS['num_sequences']}; on a CPU {CPU_SIZES['num_sequences']}]")
 @click.option("--seq-len", type=int, default=DEFAULTS["seq_len"], show_default=True,
               help="Tokens per calibration sequence.")
 @click.option("--batch-size", type=int, default=DEFAULTS["batch_size"], show_default=True,
@@ -144,6 +144,8 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     import stiefkv
 
     torch_dtype = _setup(device, dtype, seed, debug)
+
+    settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
 
     def work():
         CalibrationConfig.from_kwargs(seed=seed, **settings)  # fail on bad settings before loading the model

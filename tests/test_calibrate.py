@@ -10,6 +10,7 @@ import torch
 import stiefkv
 from stiefkv.calibrate import allocate
 from stiefkv.calibrate.collect import LayerBatch, LayerInputs
+from stiefkv.calibrate.pipeline import CPU_SIZES, CalibrationConfig
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
 from stiefkv.calibrate.profile import LayerProfile, candidate_ranks, profile_layer
 from stiefkv.calibrate.state import CalibrationState
@@ -223,3 +224,14 @@ def test_kl_profile_measures_the_whole_model():
     proj = stiefkv.calibrate(tiny_model(layers=3), None, sequences=seqs, budget=0.5, method="pca", allocation="dp",
                              weighting="kl", profile_sequences=2)
     assert sum(rk + rv for rk, rv in proj.ranks) <= 0.5 * 3 * 48
+
+
+def test_cpu_defaults_are_smaller_unless_given():
+    gpu, cpu = CalibrationConfig.from_kwargs(device="cuda"), CalibrationConfig.from_kwargs(device="cpu")
+    assert (gpu.num_sequences, gpu.profile_sequences, gpu.step_sequences) == (64, 8, 4)
+    assert {k: getattr(cpu, k) for k in CPU_SIZES} == CPU_SIZES
+    assert (cpu.steps, cpu.lr, cpu.budget) == (gpu.steps, gpu.lr, gpu.budget)  # only the data sizes change
+    assert CalibrationConfig.from_kwargs(device="cpu", num_sequences=64).num_sequences == 64
+    proj = stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.5, method="pca", allocation="uniform",
+                             data="self", seq_len=9)
+    assert proj.settings["num_sequences"] == CPU_SIZES["num_sequences"] and proj.settings["tokens"] == 32 * 9
