@@ -2,8 +2,9 @@
 # The issue-3 quality table and the GPU checks of issues 4 and 5 on a two-GPU machine (device tool, kind
 # nvidia-h200-x2), after ../shared/tools/gpu-model-parts.sh brought the GGUF over.
 #   usage: run_table_gpu.sh MODEL RESULTS_DIR [SECONDS]
-# GPU 0 runs the pre_rope table, then a cheaper-refinement variant; GPU 1 the CUDA generate test, the
-# Llama-3-8B-shape calibration timing, the post_rope table, the generate benchmark and the kernel tests.
+# GPU 0 runs the rest of the pre_rope table, the low budgets of the post_rope table and a cheaper-refinement
+# variant; GPU 1 the Llama-3-8B-shape calibration timing, the high post_rope budgets, a --loss output+kl
+# calibration evaluated with --attention-kl (issue 5), the generate benchmark and the CUDA generate test.
 # Results of an earlier machine in ./.res (ignored by git), else the committed rows in benchmarks/results,
 # are copied in first. Every step is
 # resumable: table rows already in RESULTS_DIR are skipped and a finished step leaves a done.NAME marker,
@@ -20,20 +21,24 @@ step() {  # step NAME CMD...: run CMD once, to its own log; a marker when it suc
   "$@" > "$R/$name.log" 2>&1 && touch "$R/done.$name"
   echo "$(date +%T) end $name rc=$?" >> "$R/steps.log"
 }
-gpu0() {
+gpu0() {  # two processes never share a key mode's budgets (each reads the finished rows once, at its start)
   export CUDA_VISIBLE_DEVICES=0
   step table_pre $T --key-mode pre_rope
+  step table_post_low $T --key-mode post_rope --budgets 0.375,0.25
   step variant_pre $T --key-mode pre_rope --budgets 0.5 --rows stiefel-dp-seq \
     --extra '{"steps": 30, "step_sequences": 2}' --tag "steps 30, 2 seq/step"
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
+  step speed_8b python3 -u benchmarks/bench_calibrate_speed.py --device cuda --dtype bfloat16
+  step table_post_high $T --key-mode post_rope --budgets 0.5,0.75
+  step calibrate_kl_loss stiefkv calibrate "$M" --device cuda --loss output+kl -o "$R/kl-loss.safetensors"
+  step eval_kl_loss stiefkv eval "$M" --device cuda --projections "$R/kl-loss.safetensors" --attention-kl \
+    --kl-context 8192 --json "$R/eval-kl-loss.json"
+  step generate python3 -u benchmarks/bench_generate.py
+  step generate_post python3 -u benchmarks/bench_generate.py --key-mode post_rope
   step pytest_generate python3 -m pytest -q -p no:cacheprovider \
     "tests/test_inference.py::test_generate_on_gpu_triton_matches_reference"
-  step speed_8b timeout 300 python3 -u benchmarks/bench_calibrate_speed.py --device cuda --dtype bfloat16
-  step table_post $T --key-mode post_rope
-  step generate python3 -u benchmarks/bench_generate.py
-  step pytest timeout 300 python3 -m pytest -q -p no:cacheprovider tests/test_lowrank_kernel.py tests/test_streamkl.py
 }
 [ -d .res ] && cp -rn .res/. "$R/"  # rows of an earlier machine, to continue from
 for mode in pre_rope post_rope; do  # and the committed rows of earlier sessions
