@@ -3,7 +3,7 @@
 # the defaults (Stiefel refinement, DP ranks over kl profiles, sequential; on a CPU 32 × 512 calibration
 # tokens of WikiText-2 validation, about 10 minutes on 2 cores) and evaluate it on the first 2 windows of
 # 2048 tokens of WikiText-2 test (the whole test set takes ~25 minutes on 2 CPU cores: WINDOWS=all; see
-# BENCHMARKS.md for whole-test-set numbers from the GPU). METHOD=pca is the PCA-uniform baseline instead (2 minutes).
+# BENCHMARKS.md for whole-test-set numbers from the GPU). METHOD=pca is the PCA-uniform baseline instead (about a minute).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
