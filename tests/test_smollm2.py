@@ -57,6 +57,9 @@ def test_half_budget_on_real_text(smollm2, proj50):
     # 30 layers × 3 KV heads × (32 + 32) × 4 bytes of latents + 4 bytes of position, vs 2 × 64 full
     assert result.kv_bytes_per_token == 30 * 3 * 64 * 4 + 4
     assert result.kv_bytes_per_token_original == 30 * 3 * 128 * 4
+    quick = evaluate(model, tok, proj50, window=256, limit=2, layer_errors=False)  # as the quality table runs
+    assert (quick.ppl, quick.next_token_kl) == (result.ppl, result.next_token_kl)
+    assert quick.layer_rel_error is None and quick.layer_errors is None
 
 
 def test_generate_with_latent_cache_matches_no_cache(smollm2, proj50):
