@@ -25,6 +25,7 @@ import triton
 from triton.testing import do_bench
 
 from stiefkv.kernels.reference import attention_kl as reference
+from stiefkv.kernels import streamkl as sk
 from stiefkv.kernels.streamkl import attention_kl as streamkl
 
 TARGET = (16384, 8, 128)
@@ -108,6 +109,9 @@ def main() -> None:
                         help="comma-separated NxHxd where the torch.compile'd reference runs (compiles per shape)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
+    parser.add_argument("--backward", choices=["split", "fused", "both"], default="split",
+                        help="StreamKL's backward plan (kernels.streamkl.BACKWARD); 'both' times the fused plan "
+                             "too and reports fused/split forward+backward")
     args = parser.parse_args()
     compile_shapes = {tuple(int(x) for x in s.split("x")) for s in args.compile_shapes.split(",") if s}
     shapes = [(n, h, d) for n in args.lengths for h in args.heads for d in args.dims]
@@ -122,7 +126,12 @@ def main() -> None:
         for grad in (False, True):
             inputs = setup(n, h, d, grad=grad)
             key = "fb" if grad else "f"
+            sk.BACKWARD = "fused" if args.backward == "fused" else "split"
             r["kl_" + key] = measure(streamkl, inputs, backward=grad)
+            if grad and args.backward == "both":
+                sk.BACKWARD = "fused"
+                r["fused_fb"] = measure(streamkl, inputs, backward=True)
+                sk.BACKWARD = "split"
             if n <= args.eager_max_n:
                 r["eager_" + key] = measure(reference, inputs, backward=grad)
             del inputs
@@ -143,9 +152,12 @@ def main() -> None:
             print(shape, "compiled", "fb" if grad else "f", results[shape].get("comp_fb" if grad else "comp_f"),
                   f"({time.time() - start:.0f}s)", flush=True)
     rows = [table_row(shape, r) for shape, r in sorted(results.items())]
+    fused = [f"| {n} | {h} | {d} | {cell(r['kl_fb'], 'ms')} | {cell(r['fused_fb'], 'ms')} "
+             f"| {ratio(r['fused_fb'], r['kl_fb'])} |" for (n, h, d), r in sorted(results.items()) if "fused_fb" in r]
     header = [
         f"GPU: {torch.cuda.get_device_name()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
-        f"torch {torch.__version__}; triton {triton.__version__}",
+        f"torch {torch.__version__}; triton {triton.__version__}; StreamKL backward plan: "
+        f"{'split' if args.backward == 'both' else args.backward}",
         "",
         "Causal, bf16, B=1, teacher = student shapes; times in ms (do_bench median); memory = peak allocated "
         "beyond the inputs (StreamKL in bytes, eager in MiB); f = forward (no grad), fb = forward+backward "
@@ -157,6 +169,8 @@ def main() -> None:
         "|" + "---|" * 18,
     ]
     table = "\n".join(header + rows)
+    if fused:
+        table += "\n\n| N | H | d | fb split | fb fused | fused / split |\n|---|---|---|---|---|---|\n" + "\n".join(fused)
     print("\n" + table)
     if args.out:
         with open(args.out, "w") as f:

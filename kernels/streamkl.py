@@ -37,6 +37,9 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256  # two query tiles of this width still fit in registers/shared memory
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+# The backward's launch plan (see _streamkl_backward). "split" stays the default until the fused plan is
+# timed against it on the GPU (benchmarks/bench_streamkl.py --backward).
+BACKWARD = "split"
 
 
 def _interpreting() -> bool:
@@ -48,8 +51,9 @@ def _jit(fn):
     return fn if triton is None else triton.jit(fn)
 
 
-def _autotune(configs, key):
-    """``triton.autotune`` over ``configs`` (a single tiny block under the interpreter, which is serial)."""
+def _autotune(configs, key, reset_to_zero=None):
+    """``triton.autotune`` over ``configs`` (a single tiny block under the interpreter, which is serial);
+    ``reset_to_zero`` names accumulating outputs that every tuning trial must start from zero."""
     if triton is None:
         return lambda fn: fn
     if _interpreting():
@@ -58,6 +62,7 @@ def _autotune(configs, key):
         [triton.Config({"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"],
                        num_stages=c["num_stages"]) for c in configs],
         key=key,
+        reset_to_zero=reset_to_zero,
     )
 
 
@@ -260,15 +265,16 @@ def _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stri
 
 @_jit
 def _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt, Qs, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
-              LSE_T, LSE_S, E, G, offs_n, lo, hi, n_q, shift, qk_scale_t, qk_scale_s,
+              LSE_T, LSE_S, E, G, DQt, DQs, offs_n, lo, hi, n_q, shift, qk_scale_t, qk_scale_s,
               D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DT: tl.constexpr,
               BLOCK_DS: tl.constexpr, MASKED: tl.constexpr, T_GRAD: tl.constexpr, S_GRAD: tl.constexpr,
-              PRECISION: tl.constexpr):
+              DQ_T: tl.constexpr, DQ_S: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate ``Σ_i g_i·p·(a−b−e_i)·q_t,i`` and ``Σ_i g_i·(s−p)·q_s,i`` over query tiles ``[lo, hi)``.
 
     Tiles are rows × keys as in the forward, so the keys (``kT``, loop-invariant) stay in shared memory;
     ``MASKED`` stages apply the causal mask. Query rows past ``n_q`` load ``lse = +inf`` and ``g = 0``,
-    so they need no mask.
+    so they need no mask. With ``DQ_T``/``DQ_S`` (the fused backward) the same tile also adds its share of
+    the query gradients, ``da·k_t`` and ``db·k_s``, to the float32 rows ``DQt``/``DQs`` ``[n_q, D]`` by atomics.
     """
     offs_dt = tl.arange(0, BLOCK_DT)
     offs_ds = tl.arange(0, BLOCK_DS)
@@ -288,6 +294,14 @@ def _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt, Qs, stride_qtm, stride_qtd, stride_qsm
             dk_t = tl.dot(tl.trans(da.to(q_t.dtype)), q_t, dk_t, input_precision=PRECISION)
         if S_GRAD:
             dk_s = tl.dot(tl.trans(db.to(q_s.dtype)), q_s, dk_s, input_precision=PRECISION)
+        if DQ_T:
+            dq = tl.dot(da.to(kT_t.dtype), tl.trans(kT_t), input_precision=PRECISION)
+            tl.atomic_add(DQt + offs_m[:, None] * D_T + offs_dt[None, :], dq,
+                          mask=row_ok[:, None] & (offs_dt[None, :] < D_T))
+        if DQ_S:
+            dq = tl.dot(db.to(kT_s.dtype), tl.trans(kT_s), input_precision=PRECISION)
+            tl.atomic_add(DQs + offs_m[:, None] * D_S + offs_ds[None, :], dq,
+                          mask=row_ok[:, None] & (offs_ds[None, :] < D_S))
     return dk_t, dk_s
 
 
@@ -351,9 +365,9 @@ def _streamkl_bwd_dq(Qt, Kt, Qs, Ks, DQt, DQs, LSE_T, LSE_S, E, G,
         tl.store(ptrs, (dq_s * scale_s).to(DQs.dtype.element_ty), mask=row_ok[:, None] & (offs_ds[None, :] < D_S))
 
 
-@_autotune(_DK_CONFIGS, key=_TUNE_KEY)
+@_autotune(_DK_CONFIGS, key=_TUNE_KEY + ["DQ_T", "DQ_S"], reset_to_zero=["DQt", "DQs"])
 @_jit
-def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, LSE_T, LSE_S, E, G,
+def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, DQt, DQs, LSE_T, LSE_S, E, G,
                      stride_qtb, stride_qth, stride_qtm, stride_qtd,
                      stride_ktb, stride_kth, stride_ktn, stride_ktd,
                      stride_qsb, stride_qsh, stride_qsm, stride_qsd,
@@ -362,14 +376,16 @@ def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, LSE_T, LSE_S, E, G,
                      stride_dksb, stride_dksh, stride_dksn, stride_dksd,
                      n_heads, n_q, n_keys, scale_t, scale_s,
                      GROUP_T: tl.constexpr, GROUP_S: tl.constexpr, CHUNK: tl.constexpr, D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DS: tl.constexpr,
-                     CAUSAL: tl.constexpr, T_GRAD: tl.constexpr, S_GRAD: tl.constexpr,
-                     PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     CAUSAL: tl.constexpr, T_GRAD: tl.constexpr, S_GRAD: tl.constexpr, DQ_T: tl.constexpr,
+                     DQ_S: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key gradients of one key tile, summed over the query heads that share each KV head:
 
     ``dk_t = ln2·scale_t·Σ_h Σ_i g_i·p·(a − b − e_i)·q_t,i``, ``dk_s = scale_s·Σ_h Σ_i g_i·(s − p)·q_s,i``.
     A program walks ``CHUNK = lcm(GROUP_T, GROUP_S)`` consecutive query heads, a union of whole teacher
     groups and whole student groups, and stores each accumulator when its group ends: no atomics. The
     walk is unrolled (constexpr): as a run-time loop it made the compiler spill (ptxas, sm_90).
+    The fused backward (``DQ_T``/``DQ_S``) adds the query gradients from the same tiles to float32
+    ``DQt``/``DQs`` ``[B, H, n_q, D]`` (contiguous, zeroed), unscaled: one recomputation instead of two.
     """
     start_n = tl.program_id(0) * BLOCK_N
     pid = tl.program_id(1).to(tl.int64)
@@ -401,14 +417,16 @@ def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, LSE_T, LSE_S, E, G,
         Qt_h = Qt + off_b * stride_qtb + h * stride_qth
         Qs_h = Qs + off_b * stride_qsb + h * stride_qsh
         row0 = (off_b * n_heads + h) * n_q
+        DQt_h = DQt + row0 * D_T
+        DQs_h = DQs + row0 * D_S
         dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
-                               LSE_T + row0, LSE_S + row0, E + row0, G + row0, offs_n, lo, mid, n_q, shift,
-                               qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, True, T_GRAD, S_GRAD,
-                               PRECISION)
+                               LSE_T + row0, LSE_S + row0, E + row0, G + row0, DQt_h, DQs_h, offs_n, lo, mid, n_q,
+                               shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, True, T_GRAD,
+                               S_GRAD, DQ_T, DQ_S, PRECISION)
         dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
-                               LSE_T + row0, LSE_S + row0, E + row0, G + row0, offs_n, mid, n_q, n_q, shift,
-                               qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, False, T_GRAD, S_GRAD,
-                               PRECISION)
+                               LSE_T + row0, LSE_S + row0, E + row0, G + row0, DQt_h, DQs_h, offs_n, mid, n_q, n_q,
+                               shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, False, T_GRAD,
+                               S_GRAD, DQ_T, DQ_S, PRECISION)
         if T_GRAD:
             if (j + 1) % GROUP_T == 0:  # last query head of teacher KV head h // GROUP_T: flush
                 ptrs = DKt + off_b * stride_dktb + (h // GROUP_T) * stride_dkth + offs_n[:, None] * stride_dktn \
@@ -461,7 +479,14 @@ def _streamkl_forward(q_t, k_t, q_s, k_s, causal: bool, scale_t: float, scale_s:
 
 def _streamkl_backward(grad_kl, q_t, k_t, q_s, k_s, stats, causal: bool, scale_t: float, scale_s: float,
                        needs: tuple[bool, bool, bool, bool]):
-    """Gradients ``(dq_t, dk_t, dq_s, dk_s)`` in the inputs' dtypes; ``None`` where ``needs`` is False."""
+    """Gradients ``(dq_t, dk_t, dq_s, dk_s)`` in the inputs' dtypes; ``None`` where ``needs`` is False.
+
+    :data:`BACKWARD` picks the launch plan: ``"split"`` (a query-tile kernel for ``dq`` and a key-tile
+    kernel for ``dk``, each recomputing the logits) or ``"fused"`` (the key-tile kernel also adds ``dq``
+    by float32 atomics: the logits are recomputed once).
+    """
+    if BACKWARD not in ("split", "fused"):
+        raise ValueError(f"streamkl.BACKWARD must be 'split' or 'fused', got {BACKWARD!r}")
     B, H, n_q, _ = q_t.shape
     n_keys = k_t.shape[2]
     g = grad_kl.float().expand(B, H, n_q).contiguous()
@@ -470,22 +495,33 @@ def _streamkl_backward(grad_kl, q_t, k_t, q_s, k_s, stats, causal: bool, scale_t
     consts = {k: d[k] for k in ("D_T", "D_S", "BLOCK_DT", "BLOCK_DS", "PRECISION")}
     dq_t, dk_t, dq_s, dk_s = (torch.empty_like(x) if need else None
                               for x, need in zip((q_t, k_t, q_s, k_s), needs))
-    if needs[0] or needs[2]:
+    fused = BACKWARD == "fused" and (needs[0] or needs[2])
+    if fused:  # float32 accumulators for the atomics, scaled and cast at the end
+        acc_t = torch.zeros(q_t.shape, device=q_t.device, dtype=torch.float32) if needs[0] else None
+        acc_s = torch.zeros(q_s.shape, device=q_s.device, dtype=torch.float32) if needs[2] else None
+    if (needs[0] or needs[2]) and not fused:
         out_t, out_s = (dq_t if dq_t is not None else q_t), (dq_s if dq_s is not None else q_s)  # unused if no grad
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
         _streamkl_bwd_dq[grid](q_t, k_t, q_s, k_s, out_t, out_s, stats[0], stats[1], stats[2], g,
                                *q_t.stride(), *k_t.stride(), *q_s.stride(), *k_s.stride(),
                                *out_t.stride(), *out_s.stride(), *common, scale_t, scale_s,
                                CAUSAL=causal, T_GRAD=needs[0], S_GRAD=needs[2], **consts)
-    if needs[1] or needs[3]:
+    if needs[1] or needs[3] or fused:
         out_t, out_s = (dk_t if dk_t is not None else k_t), (dk_s if dk_s is not None else k_s)
+        dq_bufs = (acc_t if fused and needs[0] else stats, acc_s if fused and needs[2] else stats)  # stats: unused
         chunk = math.lcm(d["GROUP_T"], d["GROUP_S"])
         grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), B * (H // chunk))  # noqa: E731
-        _streamkl_bwd_dk[grid](q_t, k_t, q_s, k_s, out_t, out_s, stats[0], stats[1], stats[2], g,
+        _streamkl_bwd_dk[grid](q_t, k_t, q_s, k_s, out_t, out_s, *dq_bufs, stats[0], stats[1], stats[2], g,
                                *q_t.stride(), *k_t.stride(), *q_s.stride(), *k_s.stride(),
                                *out_t.stride(), *out_s.stride(), *common[:3], scale_t, scale_s,
                                GROUP_T=d["GROUP_T"], GROUP_S=d["GROUP_S"], CHUNK=chunk,
-                               CAUSAL=causal, T_GRAD=needs[1], S_GRAD=needs[3], **consts)
+                               CAUSAL=causal, T_GRAD=needs[1], S_GRAD=needs[3], DQ_T=fused and needs[0],
+                               DQ_S=fused and needs[2], **consts)
+    if fused:
+        if needs[0]:
+            dq_t.copy_(acc_t * (scale_t * LN2))
+        if needs[2]:
+            dq_s.copy_(acc_s * scale_s)
     return dq_t, dk_t, dq_s, dk_s
 
 

@@ -196,6 +196,27 @@ def test_rejects_bad_inputs():
         sk.attention_kl(*ok, direction="both")
 
 
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("grad", [(True,) * 4, (False, False, True, True), (True, False, False, False)],
+                         ids=["all", "student", "q_t only"])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "B{}H{}Ht{}Hs{}N{}dt{}ds{}".format(*s))
+def test_fused_backward_matches_reference(shape, causal, grad, monkeypatch):
+    """The fused plan (dq by atomics from the key-tile kernel) against the reference, and the split plan."""
+    monkeypatch.setattr(sk, "BACKWARD", "fused")
+    inputs = _inputs(*shape, torch.float32, "cpu", grad=grad)
+    _compare(inputs, causal=causal, direction="reverse" if shape[1] % 2 else "forward")
+
+
+@cpu_only
+def test_unknown_backward_plan_is_refused(monkeypatch):
+    monkeypatch.setattr(sk, "BACKWARD", "single")
+    kl = sk.attention_kl(*_inputs(1, 2, 1, 2, 9, 16, 16, torch.float32, "cpu"))
+    with pytest.raises(ValueError, match="split' or 'fused"):
+        kl.backward()
+
+
 # --------------------------------------------------------------------------------------- CUDA, compiled
 @gpu_only
 @pytest.mark.usefixtures("kernel_only")
@@ -210,7 +231,9 @@ def test_rejects_bad_inputs():
     ],
     ids=["gqa-s4-bf16", "gqa-t2-full-reverse-fp16", "fp32", "bf16-d64", "8k-bf16"],
 )
-def test_cuda_matches_reference(shape, dtype, causal, direction, grad):
+@pytest.mark.parametrize("backward", ["split", "fused"])
+def test_cuda_matches_reference(shape, dtype, causal, direction, grad, backward, monkeypatch):
+    monkeypatch.setattr(sk, "BACKWARD", backward)
     inputs = _inputs(*shape, dtype, "cuda", grad=grad)
     _compare(inputs, causal=causal, direction=direction, dtype=dtype)
 
