@@ -2,14 +2,14 @@
 # The issue-3 quality table and the GPU checks of issues 4 and 5 on a two-GPU machine (device tool, kind
 # nvidia-h200-x2), after ../shared/tools/gpu-model-parts.sh brought the GGUF over.
 #   usage: run_table_gpu.sh MODEL RESULTS_DIR [SECONDS]
-# GPU 0 runs the rest of the pre_rope table, the low budgets of the post_rope table, StreamKL's split-vs-fused
-# backward timing and GPU tests, and a cheaper-refinement variant; GPU 1 the Llama-3-8B-shape calibration timing, the high post_rope budgets, a --loss output+kl
-# calibration evaluated with --attention-kl (issue 5), the generate benchmark and the CUDA generate test.
-# Results of an earlier machine in ./.res (ignored by git), else the committed rows in benchmarks/results,
-# are copied in first. Every step is
-# resumable: table rows already in RESULTS_DIR are skipped and a finished step leaves a done.NAME marker,
-# so the same command on a still-warm machine continues. After SECONDS (default 560) everything still
-# running is stopped and RESULTS_DIR is packed into $OUT/results.tgz.
+# GPU 0: the rest of the pre_rope table, the low post_rope budgets, StreamKL's split-vs-fused backward
+#   timing and its GPU tests, a cheaper-refinement variant.
+# GPU 1: the Llama-3-8B-shape calibration timing, the high post_rope budgets, a --loss output+kl calibration
+#   evaluated with --attention-kl (issue 5), the generate benchmark, the CUDA generate test.
+# Rows of an earlier machine in ./.res (ignored by git), else the committed rows in benchmarks/results, are
+# copied in first. Every step is resumable: table rows already in RESULTS_DIR are skipped, and a finished
+# step leaves a done.NAME marker, so the same command on a still-warm machine continues. After SECONDS
+# (default 560) everything still running is stopped and RESULTS_DIR is packed into $OUT/results.tgz.
 set -u
 M=$1; R=$2; LIMIT=${3:-560}
 mkdir -p "$R"
