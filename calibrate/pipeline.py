@@ -49,15 +49,15 @@ class CalibrationConfig:
     num_sequences, seq_len : size of the calibration set.
     profile_sequences : how many of the calibration sequences the profiles use.
     steps, lr, step_sequences : Riemannian Adam steps per layer, learning rate, sequences per step.
-
-    On a CPU, ``num_sequences``, ``profile_sequences`` and ``step_sequences`` default to the smaller
-    :data:`CPU_SIZES` (a 2-core machine calibrates SmolLM2 in about 10 minutes; BENCHMARKS.md §1d),
-    wherever they are not given.
     loss, kl_weight : ``output`` (layer-output error) or ``output+kl`` (plus ``kl_weight`` × the KL between
         the original and the compressed attention rows, by StreamKL).
     batch_size : sequences per forward pass.
     rank_step : ranks are multiples of this.
     seed : seeds data sampling and every random step.
+
+    On a CPU, ``num_sequences``, ``profile_sequences`` and ``step_sequences`` default to the smaller
+    :data:`CPU_SIZES` (a 2-core machine calibrates SmolLM2 in about 10 minutes; BENCHMARKS.md §1d),
+    wherever they are not given.
     """
 
     budget: float = 0.5

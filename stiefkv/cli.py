@@ -116,14 +116,17 @@ def main():
 @click.option("--kl-weight", type=float, default=DEFAULTS["kl_weight"], show_default=True,
               help="Weight of the attention KL with --loss output+kl.")
 @click.option("--step-sequences", type=int, default=None,
-              help=f"Calibration sequences per optimisation step (stiefel) [default: {DEFAULTS['step_sequences']}; on a CPU {CPU_SIZES['step_sequences']}]")
+              help="Calibration sequences per optimisation step (stiefel) "
+                   f"[default: {DEFAULTS['step_sequences']}; on a CPU {CPU_SIZES['step_sequences']}]")
 @click.option("--profile-sequences", type=int, default=None,
-              help=f"Calibration sequences the error-rank profiles use (dp; the kl profile at most 4) [default: {DEFAULTS['profile_sequences']}; on a CPU {CPU_SIZES['profile_sequences']}]")
+              help="Calibration sequences the error-rank profiles use (dp; the kl profile at most 4) "
+                   f"[default: {DEFAULTS['profile_sequences']}; on a CPU {CPU_SIZES['profile_sequences']}]")
 @click.option("--data", default=DEFAULTS["data"], show_default=True,
               help="Calibration text: wikitext2 (validation split), a .txt/.jsonl file or folder, or self "
                    "(sampled from the model: no data needed).")
 @click.option("--num-sequences", type=int, default=None,
-              help=f"Number of calibration sequences [default: {DEFAULTS['num_sequences']}; on a CPU {CPU_SIZES['num_sequences']}]")
+              help="Number of calibration sequences "
+                   f"[default: {DEFAULTS['num_sequences']}; on a CPU {CPU_SIZES['num_sequences']}]")
 @click.option("--seq-len", type=int, default=DEFAULTS["seq_len"], show_default=True,
               help="Tokens per calibration sequence.")
 @click.option("--batch-size", type=int, default=DEFAULTS["batch_size"], show_default=True,
