@@ -18,4 +18,4 @@ else
 fi
 windows=()
 [ "${WINDOWS:-2}" = all ] || windows=(--windows "${WINDOWS:-2}")
-stiefkv eval smollm2 --projections "$ckpt" "${windows[@]}"
+stiefkv eval smollm2 --projections "$ckpt" ${windows[@]+"${windows[@]}"}
