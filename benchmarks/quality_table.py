@@ -9,8 +9,8 @@ finish; a row already in the jsonl is skipped, so a run stopped by a time limit 
 
     python benchmarks/quality_table.py smollm2 OUTDIR --key-mode pre_rope --budgets 0.5,0.75,0.375,0.25
 
-Calibration seconds of a row = the shared first pass (for ``dp`` rows; ``uniform`` rows need only its
-PCA part, reported separately) + the row's own second pass. Layer error is the mean relative error of the
+A row's calibration time is reported as two numbers: the shared first pass (PCA and the ``kl`` profiles;
+a ``uniform`` row run alone would need only the PCA part) and the row's own second pass. Layer error is the mean relative error of the
 decoder-layer outputs on the calibration sequences, every layer fed the uncompressed inputs.
 """
 
@@ -61,7 +61,7 @@ def load_or_run_first_pass(model, seqs, cfg: CalibrationConfig, path: Path, devi
     t0 = synced_time(device)
     first_pass(model, seqs, cfg, state)
     seconds = synced_time(device) - t0
-    state.refine = [{"first_pass_seconds": seconds}]
+    state.refine = [{"first_pass_seconds": seconds}]  # the state file's free-form list, so a rerun can report it
     state.save(path)
     return state, seconds
 

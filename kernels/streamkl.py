@@ -496,9 +496,9 @@ def _streamkl_backward(grad_kl, q_t, k_t, q_s, k_s, stats, causal: bool, scale_t
     dq_t, dk_t, dq_s, dk_s = (torch.empty_like(x) if need else None
                               for x, need in zip((q_t, k_t, q_s, k_s), needs))
     fused = BACKWARD == "fused" and (needs[0] or needs[2])
-    if fused:  # float32 accumulators for the atomics, scaled and cast at the end
-        acc_t = torch.zeros(q_t.shape, device=q_t.device, dtype=torch.float32) if needs[0] else None
-        acc_s = torch.zeros(q_s.shape, device=q_s.device, dtype=torch.float32) if needs[2] else None
+    # The fused plan's float32 accumulators for the atomics, scaled and cast at the end.
+    acc_t = torch.zeros(q_t.shape, device=q_t.device, dtype=torch.float32) if fused and needs[0] else None
+    acc_s = torch.zeros(q_s.shape, device=q_s.device, dtype=torch.float32) if fused and needs[2] else None
     if (needs[0] or needs[2]) and not fused:
         out_t, out_s = (dq_t if dq_t is not None else q_t), (dq_s if dq_s is not None else q_s)  # unused if no grad
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
@@ -508,20 +508,19 @@ def _streamkl_backward(grad_kl, q_t, k_t, q_s, k_s, stats, causal: bool, scale_t
                                CAUSAL=causal, T_GRAD=needs[0], S_GRAD=needs[2], **consts)
     if needs[1] or needs[3] or fused:
         out_t, out_s = (dk_t if dk_t is not None else k_t), (dk_s if dk_s is not None else k_s)
-        dq_bufs = (acc_t if fused and needs[0] else stats, acc_s if fused and needs[2] else stats)  # stats: unused
+        dq_bufs = tuple(stats if acc is None else acc for acc in (acc_t, acc_s))  # stats: a placeholder, unused
         chunk = math.lcm(d["GROUP_T"], d["GROUP_S"])
         grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), B * (H // chunk))  # noqa: E731
         _streamkl_bwd_dk[grid](q_t, k_t, q_s, k_s, out_t, out_s, *dq_bufs, stats[0], stats[1], stats[2], g,
                                *q_t.stride(), *k_t.stride(), *q_s.stride(), *k_s.stride(),
                                *out_t.stride(), *out_s.stride(), *common[:3], scale_t, scale_s,
                                GROUP_T=d["GROUP_T"], GROUP_S=d["GROUP_S"], CHUNK=chunk,
-                               CAUSAL=causal, T_GRAD=needs[1], S_GRAD=needs[3], DQ_T=fused and needs[0],
-                               DQ_S=fused and needs[2], **consts)
-    if fused:
-        if needs[0]:
-            dq_t.copy_(acc_t * (scale_t * LN2))
-        if needs[2]:
-            dq_s.copy_(acc_s * scale_s)
+                               CAUSAL=causal, T_GRAD=needs[1], S_GRAD=needs[3], DQ_T=acc_t is not None,
+                               DQ_S=acc_s is not None, **consts)
+    if acc_t is not None:
+        dq_t.copy_(acc_t * (scale_t * LN2))
+    if acc_s is not None:
+        dq_s.copy_(acc_s * scale_s)
     return dq_t, dk_t, dq_s, dk_s
 
 

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from stiefkv.attention import LatentCache, Switch, cache_keyword, compressed
+from stiefkv.attention import LatentCache, Switch, cache_keyword
 from stiefkv.calibrate.collect import LayerBatch, layer_hooks
 from stiefkv.calibrate.objective import ErrorStats, attention_kl, attention_queries_keys, compressed_layer_output
 from stiefkv.data import load_texts, token_stream, windows
@@ -124,7 +124,7 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
                         ppl_original=math.exp(nll_orig / count),
                         kv_bytes_per_token_original=kv_bytes_per_token(model, probe, latent=False))
     if projections is not None:
-        with compressed(model, projections, backend=backend):
+        with switch:
             kv = kv_bytes_per_token(model, probe, latent=True)
         result.method, result.budget, result.key_mode = projections.method, projections.budget, projections.key_mode
         result.ppl = math.exp(nll_comp / count)
