@@ -508,7 +508,10 @@ def _streamkl_backward(grad_kl, q_t, k_t, q_s, k_s, stats, causal: bool, scale_t
                                CAUSAL=causal, T_GRAD=needs[0], S_GRAD=needs[2], **consts)
     if needs[1] or needs[3] or fused:
         out_t, out_s = (dk_t if dk_t is not None else k_t), (dk_s if dk_s is not None else k_s)
-        dq_bufs = tuple(stats if acc is None else acc for acc in (acc_t, acc_s))  # stats: a placeholder, unused
+        # The autotuner zeroes DQt/DQs before every trial (reset_to_zero), so an unused one must be a buffer
+        # of its own: passing `stats` here once zeroed the row statistics the kernel reads.
+        spare = torch.zeros(1, device=q_t.device, dtype=torch.float32)
+        dq_bufs = tuple(spare if acc is None else acc for acc in (acc_t, acc_s))
         chunk = math.lcm(d["GROUP_T"], d["GROUP_S"])
         grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), B * (H // chunk))  # noqa: E731
         _streamkl_bwd_dk[grid](q_t, k_t, q_s, k_s, out_t, out_s, *dq_bufs, stats[0], stats[1], stats[2], g,

@@ -217,6 +217,35 @@ def test_unknown_backward_plan_is_refused(monkeypatch):
         kl.backward()
 
 
+class _ZeroLikeTheTuner:
+    """Stands in for an autotuned kernel and, before the real launch, zeroes the arguments it names in
+    ``reset_to_zero`` as ``triton.autotune`` does before every tuning trial on a GPU (the interpreter runs a
+    single config and never tunes, so it never zeroes anything)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            for name in self.kernel.reset_to_zero:
+                args[self.kernel.arg_names.index(name)].zero_()
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@cpu_only
+@pytest.mark.usefixtures("kernel_only")
+@pytest.mark.parametrize("grad", [(True,) * 4, (False, False, True, True)], ids=["all", "student"])
+@pytest.mark.parametrize("plan", ["split", "fused"])
+def test_tuning_trials_do_not_clobber_inputs(plan, grad, monkeypatch):
+    """The buffers the tuner zeroes are the backward's own: an unused dq slot once aliased the saved row
+    statistics, and the first backward on a GPU (the one that tunes) came out wrong."""
+    monkeypatch.setattr(sk, "BACKWARD", plan)
+    monkeypatch.setattr(sk, "_streamkl_bwd_dk", _ZeroLikeTheTuner(sk._streamkl_bwd_dk))
+    assert sk._streamkl_bwd_dk.kernel.reset_to_zero == ["DQt", "DQs"]
+    _compare(_inputs(1, 4, 2, 1, 37, 32, 24, torch.float32, "cpu", grad=grad), causal=True)
+
+
 # --------------------------------------------------------------------------------------- CUDA, compiled
 @gpu_only
 @pytest.mark.usefixtures("kernel_only")
