@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The kernels' GPU checks (issues 4 and 5) on a two-GPU machine (device tool, kind nvidia-h200-x2), and a
+# --loss output+kl calibration when MODEL is given (after ../shared/tools/gpu-model-parts.sh).
+#   usage: run_checks_gpu.sh RESULTS_DIR [SECONDS] [MODEL]
+# GPU 0: the compiled CUDA tests of both kernels. GPU 1: bench_attention.py (decode with its config sweep,
+# and prefill), then the calibration and its whole-test-set evaluation. Each step logs to RESULTS_DIR/NAME.log;
+# after SECONDS (default 540) whatever still runs is stopped and RESULTS_DIR is packed into $OUT/results.tgz.
+set -u
+R=$1; LIMIT=${2:-540}; M=${3:-}
+mkdir -p "$R"
+step() {  # step NAME CMD...: run CMD to its own log, and note its start, end and exit status
+  local name=$1; shift
+  echo "$(date +%T) start $name" >> "$R/steps.log"
+  "$@" > "$R/$name.log" 2>&1
+  echo "$(date +%T) end $name rc=$?" >> "$R/steps.log"
+}
+gpu0() {  # compilation dominates these tests: spread them over workers where pytest-xdist is installed
+  export CUDA_VISIBLE_DEVICES=0
+  local workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 6)
+  step pytest_kernels python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_streamkl.py \
+    tests/test_lowrank_kernel.py
+}
+gpu1() {
+  export CUDA_VISIBLE_DEVICES=1
+  step bench_attention python3 -u benchmarks/bench_attention.py --skip fold
+  [ -n "$M" ] || return 0
+  step calibrate_kl_loss stiefkv calibrate "$M" --device cuda --loss output+kl -o "$R/kl-loss.safetensors"
+  step eval_kl_loss stiefkv eval "$M" --device cuda --projections "$R/kl-loss.safetensors" --json "$R/eval-kl-loss.json"
+}
+gpu0 & gpu1 &
+start=$SECONDS
+while [ -n "$(jobs -r)" ] && [ $((SECONDS - start)) -lt "$LIMIT" ]; do sleep 3; done
+pkill -f "benchmarks/bench_|pytest|stiefkv (calibrate|eval)"; sleep 1
+tar czf "$OUT/results.tgz" -C "$R" --exclude='*.safetensors' .
