@@ -7,13 +7,10 @@ rotated at its position) and a key ``j``:
   attention runs in ``r_k`` dimensions.
 - ``pre_rope`` (latents of keys before RoPE): the key is rebuilt tile by tile and rotated at its own
   position ``p_j``: with ``P1 = P_k[:d/2]``, ``P2 = P_k[d/2:]``, ``a1 = z_k P1ᵀ``, ``a2 = z_k P2ᵀ`` (two
-  ``tl.dot``) and ``c, s = cos(p_j θ), sin(p_j θ)`` computed in-kernel (``θ`` the inverse frequencies),
-  ``k_j = [a1 c − a2 s, a2 c + a1 s]`` and ``s_j = α·q · k_j`` (``α`` the rope attention scaling, applied to
-  the query once). A program owns one KV head and all of its ``H/G`` query heads (they are rows of its query
-  tile), so each key tile is rebuilt once for the whole GQA group. In decode, a tile of consecutive
-  positions ``p0 + j`` takes one sin/cos per frequency: the query turns by ``−p0 θ`` and key ``j`` by ``j θ``
-  from a table computed once per program (``R(p0)ᵀq · R(j)k = q · R(p0+j)k``); other tiles (compacted or
-  shuffled positions) rotate every key at its own position.
+  ``tl.dot``) and ``c, s = α·cos(p_j θ), α·sin(p_j θ)`` computed in-kernel (``θ`` the inverse frequencies,
+  ``α`` the rope attention scaling), ``k_j = [a1 c − a2 s, a2 c + a1 s]`` and ``s_j = q · k_j``. A program
+  owns one KV head and all of its ``H/G`` query heads (they are rows of its query tile), so each key tile is
+  rebuilt once for the whole GQA group.
 
 Then ``o = Σ_j softmax_j(scale·s_j + bias_j) z_v,j`` accumulates in ``r_v`` dimensions with an online
 softmax (fp32 statistics, base-2 exponentials) and the epilogue returns ``P_v o`` (``[.., d]``) or ``o``
@@ -129,22 +126,16 @@ def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: 
 
 @_jit
 def _attend_range(
-    acc, l_i, m_i, q1, q2, q1f, q2f, p1t, p2t, inv_freq, sin_j, cos_j, bias_scale, start, end, q_idx, n_q, n_k,
+    acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS,
     stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
     HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, ROPE_STEP: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
-    ``ZK``/``ZV``/``POS``/``BIAS`` already point at this (batch row, KV head).
-
-    ``pre_rope`` with ``ROPE_STEP``: a tile whose positions run ``p0, p0+1, …`` (the usual cache) rotates
-    the query by ``−p0·θ`` (``q1f``/``q2f``, float32) and each key by ``j·θ`` from the per-program table
-    ``sin_j``/``cos_j`` (``j`` = index in the tile), since ``R(p0)ᵀq · R(j)k = q · R(p0 + j)k``: one sin/cos
-    per tile and frequency instead of one per key. Any other tile rotates its keys at their own positions."""
+    ``ZK``/``ZV``/``POS``/``BIAS`` already point at this (batch row, KV head)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_nt = tl.arange(0, BLOCK_N)
     offs_rk = tl.arange(0, R_K_P2)
@@ -158,30 +149,16 @@ def _attend_range(
                 pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
             else:
                 pos = tl.load(POS + offs_n * stride_posn)
-            qa = q1
-            qb = q2
-            if ROPE_STEP:
-                p0 = tl.load(POS + start_n * stride_posn)
-                gap = pos - (p0 + offs_nt)
-                if MASKED:
-                    gap = tl.where(offs_n < end, gap, 0)
-                if (tl.max(gap, 0) == 0) & (tl.min(gap, 0) == 0):
-                    sin0, cos0 = _sincos(p0.to(tl.float32) * inv_freq)
-                    qa = (q1f * cos0[None, :] + q2f * sin0[None, :]).to(q1.dtype)
-                    qb = (q2f * cos0[None, :] - q1f * sin0[None, :]).to(q1.dtype)
-                    sin = sin_j
-                    cos = cos_j
-                else:
-                    sin, cos = _sincos(pos.to(tl.float32)[:, None] * inv_freq[None, :])
-            else:
-                sin, cos = _sincos(pos.to(tl.float32)[:, None] * inv_freq[None, :])
+            sin, cos = _sincos(pos.to(tl.float32)[:, None] * inv_freq[None, :])
+            sin = sin * rope_scaling
+            cos = cos * rope_scaling
             zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
             a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
             a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
             k1 = (a1 * cos - a2 * sin).to(z.dtype)
             k2 = (a2 * cos + a1 * sin).to(z.dtype)
-            s = _dot(qa, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
-            s = _dot(qb, tl.trans(k2), s, DOT_PREC, UPCAST)
+            s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+            s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
         else:  # post_rope: the projected queries meet the latents directly
             s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
         if HAS_BIAS:
@@ -239,8 +216,7 @@ def _lowrank_attn_fwd(
     R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, ROPE_STEP: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -279,24 +255,17 @@ def _lowrank_attn_fwd(
     offs_rk = tl.arange(0, R_K_P2)
     PK_g = PK + g * stride_pkg
     inv_freq = tl.zeros([HALF], dtype=tl.float32)
-    sin_j = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
-    cos_j = sin_j
     if KEY_MODE == 0:
         offs_h = tl.arange(0, HALF)
         q1 = tl.load(Q_rows[:, None] + offs_h[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
         q2 = tl.load(Q_rows[:, None] + (offs_h + HALF)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-        # The rope attention scaling multiplies the rotated key; it goes on the query instead, once.
-        q1f = q1.to(tl.float32) * (qk_scale * rope_scaling)
-        q2f = q2.to(tl.float32) * (qk_scale * rope_scaling)
-        q1 = q1f.to(DTYPE)
-        q2 = q2f.to(DTYPE)
+        q1 = (q1.to(tl.float32) * qk_scale).to(DTYPE)
+        q2 = (q2.to(tl.float32) * qk_scale).to(DTYPE)
         # P1ᵀ, P2ᵀ [R_K_P2, d/2]: rows d/2 of P_k each, transposed by the pointer arithmetic.
         p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
         p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
         p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
         inv_freq = tl.load(INV_FREQ + offs_h)
-        if ROPE_STEP:  # rotations by j·θ for the key j of a tile, shared by every tile of this program
-            sin_j, cos_j = _sincos(tl.arange(0, BLOCK_N).to(tl.float32)[:, None] * inv_freq[None, :])
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
@@ -304,8 +273,6 @@ def _lowrank_attn_fwd(
         pk = tl.load(pk_ptrs, mask=(offs_rk < R_K)[None, :], other=0.0).to(tl.float32)  # [d, R_K_P2]
         q1 = (tl.dot(q.to(tl.float32), pk, input_precision="ieee") * qk_scale).to(DTYPE)
         q2 = q1
-        q1f = q1
-        q2f = q1
         p1t = pk
         p2t = pk
 
@@ -317,16 +284,14 @@ def _lowrank_attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, q1f, q2f, p1t, p2t, inv_freq, sin_j, cos_j, LOG2E_C, lo, mid, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, lo, mid, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, ROPE_STEP,
-        DOT_PREC, UPCAST,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, DOT_PREC, UPCAST,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, q1f, q2f, p1t, p2t, inv_freq, sin_j, cos_j, LOG2E_C, mid, hi, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, mid, hi, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, ROPE_STEP,
-        DOT_PREC, UPCAST,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, DOT_PREC, UPCAST,
     )
 
     if SPLIT:
@@ -400,17 +365,14 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         splits = 1
         if programs < 2 * n_sms:
             splits = max(1, min(2 * n_sms // programs, triton.cdiv(n_k, 256)))
-        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3,
-                    rope_step=True)
+        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3)
     if key_mode == "post_rope" and r_k & (r_k - 1) == 0:
-        return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2, rope_step=False)
+        return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     # pre_rope, and post_rope with a rank padded to a power of two: on the H200 (triton 3.6) post_rope
     # prefill with r_k = 56, bf16/fp16 and block_n = 64 returned wrong values (num_warps 8, num_stages 2)
     # or faulted (4 warps, 1 stage); block_n = 32 was exact in all four warps/stages combinations, and the
     # interpreter with NaN-fenced inputs shows no out-of-bounds access, so block_n = 64 is avoided there.
-    # Prefill keeps the per-key sin/cos (rope_step=False): rotating a 128-row query tile once per key tile
-    # costs about what it saves, and it has not been measured.
-    return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2, rope_step=False)
+    return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
 
 
 def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
@@ -491,7 +453,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
         BLOCK_M=block_m, BLOCK_N=block_n,
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
-        HAS_PV=P_v is not None, SPLIT=splits > 1, ROPE_STEP=pre and bool(cfg["rope_step"]), DOT_PREC=dot_prec,
+        HAS_PV=P_v is not None, SPLIT=splits > 1, DOT_PREC=dot_prec,
         UPCAST=_interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -524,7 +486,6 @@ def lowrank_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
-    rope_step: bool | None = None,
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
@@ -536,10 +497,8 @@ def lowrank_attention(
         output ``[B, H, Nq, r_v]``).
     key_mode, positions ``[B, Nk]``, rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``, scale : as the
         reference.
-    num_splits, block_n, num_warps, num_stages, rope_step : tuning overrides (tests, benchmarks); ``None``
-        picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
-        ``rope_step`` (``pre_rope``): rotate tiles of consecutive positions by one sin/cos per tile (see
-        :func:`_attend_range`) instead of one per key; on by default for decode.
+    num_splits, block_n, num_warps, num_stages : tuning overrides (tests, benchmarks); ``None`` picks the
+        defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
 
     Returns
     -------
@@ -555,8 +514,7 @@ def lowrank_attention(
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
-    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                     rope_step=rope_step)
+    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1
