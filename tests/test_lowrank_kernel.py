@@ -118,6 +118,19 @@ def test_rows_without_visible_keys_return_zero(path):
     check(args, kwargs, key_mode="pre_rope", what=f"{path} with empty rows")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_decode_positions_with_gaps(num_splits, dtype):
+    """Decode over positions that are consecutive only in places (a jump inside a key tile, a shuffled
+    stretch, as compaction leaves them): every key is rotated at its own stored position."""
+    args, kwargs = make_inputs(2, 8, 2, 1, 200, 64, 40, 24, dtype)
+    positions = torch.arange(200) + 7
+    positions[90:] += 1000
+    positions[130:150] = positions[130:150][torch.randperm(20)]
+    kwargs["positions"] = positions.expand(2, 200).contiguous().to(DEVICE)
+    check(args, kwargs, key_mode="pre_rope", num_splits=num_splits, what="gapped positions")
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_far_positions(num_splits):
     """Keys at positions past 120k: the in-kernel rotation must match the reference's fp32 angles there."""
