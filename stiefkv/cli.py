@@ -213,8 +213,9 @@ def _inspect_table(proj) -> str:
 @click.option("--window", type=int, default=2048, show_default=True, help="Tokens per perplexity window.")
 @click.option("--windows", type=int, default=None, help="Score only the first N windows (default: all).")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass.")
-@click.option("--backend", type=click.Choice(["auto", "triton", "reference"]), default="auto", show_default=True,
-              help="Attention over latents: Triton kernels (CUDA), the PyTorch reference, or auto.")
+@click.option("--backend", type=click.Choice(["auto", "triton", "reference"]), default="reference", show_default=True,
+              help="Attention over latents: the PyTorch reference (SDPA's fused causal path; fastest for these "
+                   "whole-window prefills), Triton kernels (CUDA), or auto (Triton on CUDA).")
 @click.option("--attention-kl", is_flag=True,
               help="Also report each layer's attention KL between the original and compressed attention at a long "
                    "context (StreamKL on CUDA; memory linear in the context).")

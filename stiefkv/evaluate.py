@@ -77,11 +77,16 @@ def kv_bytes_per_token(model, ids: torch.Tensor, *, latent: bool) -> float:
 
 @torch.no_grad()
 def evaluate(model, tokenizer, projections: Projections | None = None, *, data: str = "wikitext2",
-             window: int = 2048, limit: int | None = None, batch_size: int = 1, backend: str = "auto",
+             window: int = 2048, limit: int | None = None, batch_size: int = 1, backend: str = "reference",
              model_name: str = "", layer_errors: bool = True) -> EvalResult:
     """Evaluate ``model`` uncompressed and, with ``projections``, compressed, on the same test windows.
 
     ``layer_errors=False`` skips the per-layer output errors on the test windows (a third of the time).
+    ``backend`` defaults to the reference: every window is one causal prefill, which it runs through SDPA's
+    fused causal path and compiles nothing. On the H200 (BENCHMARKS.md §3), with the Triton prefill kernel
+    (``"auto"``), the 147 SmolLM2 test windows took 152 s, 2 minutes of it before the first window was done
+    (most likely one compilation per distinct rank pair of a DP checkpoint); §1c's evaluations of the same
+    windows with the reference took about 13 s (without layer errors). The kernels pay off in decode.
     """
     device = next(model.parameters()).device
     ws = load_test_windows(tokenizer, data=data, window=window, limit=limit)
