@@ -117,9 +117,9 @@ def header(device) -> None:
 
 def decode_table(device, copy_tbs, shapes, sweep) -> None:
     print("\n## Decode (Nq = 1); device times from CUDA-graph replay\n")
-    print("| B×ctx | budget | mode | SDPA ms | kernel ms (default) | eager ms (default) | best ms | best config "
-          "| ratio (best/SDPA) | target | kernel TB/s | % copy BW |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| B×ctx | budget | mode | SDPA ms | kernel ms (default) | fast sin/cos ms | eager ms (default) | "
+          "best ms | best config | ratio (best/SDPA) | target | kernel TB/s | % copy BW |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, N in shapes:
         q = torch.randn(B, H, 1, D_HEAD, device=device, dtype=DTYPE)
         k = torch.randn(B, G, N, D_HEAD, device=device, dtype=DTYPE)
@@ -137,6 +137,8 @@ def decode_table(device, copy_tbs, shapes, sweep) -> None:
                                           .multi_processor_count, r)
                 eager_ms = median_ms(run)
                 default_ms = graph_ms(run)
+                # pre_rope with the hardware sin/cos (fast_sincos), same config: the A/B of that option
+                fast = f"{graph_ms(lambda: run(fast_sincos=True)):.4f}" if mode == "pre_rope" else "–"
                 best_ms, best_cfg = default_ms, f"default ({default['block_n']},{default['num_warps']},"
                 best_cfg += f"{default['num_stages']},S={default['num_splits']})"
                 for cfg in sweep:
@@ -152,7 +154,8 @@ def decode_table(device, copy_tbs, shapes, sweep) -> None:
                 target = TARGETS.get((mode, budget))
                 ratio = best_ms / sdpa_ms
                 mark = "—" if target is None else f"≤{target} {'met' if ratio <= target else 'MISSED'}"
-                print(f"| {B}×{N // 1024}k | {budget} | {mode} | {sdpa_ms:.4f} | {default_ms:.4f} | {eager_ms:.4f} | "
+                print(f"| {B}×{N // 1024}k | {budget} | {mode} | {sdpa_ms:.4f} | {default_ms:.4f} | {fast} | "
+                      f"{eager_ms:.4f} | "
                       f"{best_ms:.4f} | {best_cfg} | {ratio:.3f} | {mark} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f}% |",
                       flush=True)
             del z_k, z_v
@@ -172,11 +175,13 @@ def prefill_table(device, n=8192) -> None:
     for budget, r in BUDGETS.items():
         _, z_k, z_v, P_k, P_v, pos = latent_inputs(1, n, n, r, device)
         rope = rope_spec(device)
-        for mode in ("post_rope", "pre_rope"):
-            ms = median_ms(lambda: lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=mode, positions=pos, rope=rope))
+        for mode, fast in (("post_rope", None), ("pre_rope", None), ("pre_rope", True)):
+            ms = median_ms(lambda: lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=mode, positions=pos, rope=rope,
+                                                     fast_sincos=fast))
             d_qk = r if mode == "post_rope" else D_HEAD
             flops = 2 * H * n * n / 2 * (d_qk + r)
-            print(f"| {budget} | {mode} | {sdpa_ms:.3f} | {ms:.3f} | {ms / sdpa_ms:.3f} | {flops / ms / 1e9:.0f} |",
+            name = mode + (" (fast sin/cos)" if fast else "")
+            print(f"| {budget} | {name} | {sdpa_ms:.3f} | {ms:.3f} | {ms / sdpa_ms:.3f} | {flops / ms / 1e9:.0f} |",
                   flush=True)
 
 

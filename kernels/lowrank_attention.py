@@ -37,6 +37,7 @@ from .reference import KEY_MODES, RopeSpec
 try:  # Triton ships with CUDA builds of torch; the CPU references work without it.
     import triton
     import triton.language as tl
+    from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - exercised only on machines without triton
     triton = None
 
@@ -58,6 +59,10 @@ LOG2E_C = tl.constexpr(LOG2E)
 PIO2_HI = tl.constexpr(1.5707963705062866)
 PIO2_LO = tl.constexpr(-4.371139000186243e-08)
 TWO_OVER_PI = tl.constexpr(0.6366197723675814)
+# 2π split the same way, for the reduction to [−π, π] in front of the hardware sin/cos.
+TWO_PI_HI = tl.constexpr(6.2831854820251465)
+TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
+INV_TWO_PI = tl.constexpr(0.15915494309189535)
 DECODE_BLOCK_M = 16  # tl.dot needs ≥ 16 rows; a decode tile holds one query's GQA group (≤ 8 heads)
 
 
@@ -77,6 +82,17 @@ def _sincos(x):
     sin_x = tl.where(quadrant == 0, sin_r, tl.where(quadrant == 1, cos_r, tl.where(quadrant == 2, -sin_r, -cos_r)))
     cos_x = tl.where(quadrant == 0, cos_r, tl.where(quadrant == 1, -sin_r, tl.where(quadrant == 2, -cos_r, sin_r)))
     return sin_x, cos_x
+
+
+@_jit
+def _sincos_fast(x):
+    """``sin(x), cos(x)`` with about a third of :func:`_sincos`'s instructions: ``x = 2πk + r`` with
+    ``|r| ≤ π`` (two-part Cody–Waite through fma), then the GPU's ``sin.approx``/``cos.approx`` (the MUFU unit,
+    absolute error ≤ 2^-20.9 on ``[−π, π]``). CUDA only: the interpreter has no hardware approximations."""
+    k = tl.floor(x * INV_TWO_PI + 0.5)
+    r = tl.fma(k, -TWO_PI_HI, x)
+    r = tl.fma(k, -TWO_PI_LO, r)
+    return libdevice.fast_sinf(r), libdevice.fast_cosf(r)
 
 
 @_jit
@@ -126,12 +142,13 @@ def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: 
 
 @_jit
 def _attend_range(
-    acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, bias_scale, start, end, q_idx, n_q, n_k,
+    acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS,
     stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
     HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -149,9 +166,11 @@ def _attend_range(
                 pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
             else:
                 pos = tl.load(POS + offs_n * stride_posn)
-            sin, cos = _sincos(pos.to(tl.float32)[:, None] * inv_freq[None, :])
-            sin = sin * rope_scaling
-            cos = cos * rope_scaling
+            angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+            if FAST_SINCOS:
+                sin, cos = _sincos_fast(angle)
+            else:
+                sin, cos = _sincos(angle)
             zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
             a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
             a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
@@ -216,7 +235,8 @@ def _lowrank_attn_fwd(
     R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -259,8 +279,9 @@ def _lowrank_attn_fwd(
         offs_h = tl.arange(0, HALF)
         q1 = tl.load(Q_rows[:, None] + offs_h[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
         q2 = tl.load(Q_rows[:, None] + (offs_h + HALF)[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-        q1 = (q1.to(tl.float32) * qk_scale).to(DTYPE)
-        q2 = (q2.to(tl.float32) * qk_scale).to(DTYPE)
+        # The rope attention scaling multiplies the rotated key; it goes on the query instead, once.
+        q1 = (q1.to(tl.float32) * (qk_scale * rope_scaling)).to(DTYPE)
+        q2 = (q2.to(tl.float32) * (qk_scale * rope_scaling)).to(DTYPE)
         # P1ᵀ, P2ᵀ [R_K_P2, d/2]: rows d/2 of P_k each, transposed by the pointer arithmetic.
         p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
         p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
@@ -284,14 +305,16 @@ def _lowrank_attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, lo, mid, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, lo, mid, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, DOT_PREC, UPCAST,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
+        DOT_PREC, UPCAST,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, rope_scaling, LOG2E_C, mid, hi, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, mid, hi, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, DOT_PREC, UPCAST,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
+        DOT_PREC, UPCAST,
     )
 
     if SPLIT:
@@ -365,14 +388,15 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         splits = 1
         if programs < 2 * n_sms:
             splits = max(1, min(2 * n_sms // programs, triton.cdiv(n_k, 256)))
-        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3)
+        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3,
+                    fast_sincos=False)
     if key_mode == "post_rope" and r_k & (r_k - 1) == 0:
-        return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
+        return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2, fast_sincos=False)
     # pre_rope, and post_rope with a rank padded to a power of two: on the H200 (triton 3.6) post_rope
     # prefill with r_k = 56, bf16/fp16 and block_n = 64 returned wrong values (num_warps 8, num_stages 2)
     # or faulted (4 warps, 1 stage); block_n = 32 was exact in all four warps/stages combinations, and the
     # interpreter with NaN-fenced inputs shows no out-of-bounds access, so block_n = 64 is avoided there.
-    return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
+    return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2, fast_sincos=False)
 
 
 def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
@@ -453,7 +477,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
         BLOCK_M=block_m, BLOCK_N=block_n,
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
-        HAS_PV=P_v is not None, SPLIT=splits > 1, DOT_PREC=dot_prec,
+        HAS_PV=P_v is not None, SPLIT=splits > 1, FAST_SINCOS=pre and bool(cfg["fast_sincos"]), DOT_PREC=dot_prec,
         UPCAST=_interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -486,6 +510,7 @@ def lowrank_attention(
     block_n: int | None = None,
     num_warps: int | None = None,
     num_stages: int | None = None,
+    fast_sincos: bool | None = None,
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
@@ -497,8 +522,10 @@ def lowrank_attention(
         output ``[B, H, Nq, r_v]``).
     key_mode, positions ``[B, Nk]``, rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``, scale : as the
         reference.
-    num_splits, block_n, num_warps, num_stages : tuning overrides (tests, benchmarks); ``None`` picks the
-        defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
+    num_splits, block_n, num_warps, num_stages, fast_sincos : tuning overrides (tests, benchmarks); ``None``
+        picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
+        ``fast_sincos`` (``pre_rope``, CUDA only): the hardware sin/cos (:func:`_sincos_fast`) instead of the
+        polynomial one; off by default until timed against it.
 
     Returns
     -------
@@ -514,7 +541,10 @@ def lowrank_attention(
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
-    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    if fast_sincos and _interpreting():
+        raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware sin/cos")
+    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                     fast_sincos=fast_sincos)
     cfg.update({k: v for k, v in overrides.items() if v is not None})
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1

@@ -197,6 +197,32 @@ def test_sincos_large_angles():
     assert_close(c, x64.cos().float(), atol=3e-7, rtol=0.0, what="cos")
 
 
+@triton.jit
+def _sincos_fast_kernel(X, S, C, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    s, c = lk._sincos_fast(tl.load(X + offs))
+    tl.store(S + offs, s)
+    tl.store(C + offs, c)
+
+
+@gpu_only
+def test_fast_sincos_large_angles_gpu():
+    """The hardware sin/cos after the 2π reduction, at the angles of a 128k context."""
+    x = torch.cat([torch.linspace(-10.0, 10.0, 512), torch.rand(512) * 131072.0]).to(DEVICE)
+    s, c = torch.empty_like(x), torch.empty_like(x)
+    _sincos_fast_kernel[(1,)](x, s, c, N=1024)
+    x64 = x.double()
+    assert_close(s, x64.sin().float(), atol=2e-6, rtol=0.0, what="fast sin")
+    assert_close(c, x64.cos().float(), atol=2e-6, rtol=0.0, what="fast cos")
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's refusal")
+def test_fast_sincos_is_refused_by_the_interpreter():
+    args, kwargs = make_inputs(1, 4, 2, 1, 8, 32, 8, 8, torch.float32)
+    with torch.no_grad(), pytest.raises(ValueError, match="fast_sincos=True needs a CUDA device"):
+        lk.lowrank_attention(*args, **kwargs, key_mode="pre_rope", fast_sincos=True)
+
+
 def test_refuses_bad_inputs(monkeypatch):
     args, kwargs = make_inputs(1, 4, 2, 1, 8, 32, 8, 8, torch.float32)
     q, z_k, z_v, P_k, P_v = args
@@ -232,3 +258,5 @@ def test_realistic_sizes_gpu(case, key_mode):
     args, kwargs = make_inputs(B, 32, 8, Nq, Nk, 128, r_k, r_v, torch.bfloat16, pv="latent" not in name,
                                pos_offset=0)
     check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"{name} {key_mode}")
+    if key_mode == "pre_rope":
+        check(args, kwargs, key_mode=key_mode, num_splits=splits, fast_sincos=True, what=f"{name} fast sin/cos")

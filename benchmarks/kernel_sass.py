@@ -1,0 +1,114 @@
+"""Static cost of the decode kernel, without a GPU: compile ``_lowrank_attn_fwd`` for sm_90 (H100/H200) with
+Triton's bundled ptxas, then report registers, stack (spills) and the SASS instruction mix of each key loop.
+
+    python benchmarks/kernel_sass.py [--r 64] [--block-n 64] [--warps 4] [--stages 3]
+
+Integer strides that are 1 at run time are compiled as the constant 1 and the others as multiples of 16, as
+Triton's JIT specialises them, so loads vectorise as they do on the device. A loop's count is instructions
+per thread for one key tile (both loops are shown: unmasked tiles, then the masked tail). On an SM with two
+programs of 4 warps, one tile per program costs ``count`` issue cycles per scheduler, against
+``tile bytes / (bandwidth per SM)`` cycles of memory: the ratio says whether a variant is issue-bound.
+This is a model, not a timing: benchmarks/bench_attention.py on the GPU decides.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import re
+import subprocess
+import tempfile
+
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; set here only to silence its warning
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.compiler import ASTSource  # noqa: E402
+
+from stiefkv.kernels import lowrank_attention as lk  # noqa: E402
+
+BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+UNIT_STRIDES = ("stride_qd", "stride_kr", "stride_vr", "stride_pkr", "stride_pvr", "stride_posn", "stride_bn",
+                "stride_od")
+POINTERS = {"Q": "bf16", "ZK": "bf16", "ZV": "bf16", "PK": "fp32", "PV": "fp32", "POS": "i64", "INV_FREQ": "fp32",
+            "BIAS": "bf16", "LENS": "i32", "OUT": "bf16", "PART_O": "fp32", "PART_ML": "fp32"}
+
+
+def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int, fast_sincos: bool, d: int = 128,
+                   group: int = 4):
+    """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it."""
+    fn = lk._lowrank_attn_fwd
+    const = dict(GROUP=group, HEAD_DIM=d, R_K=r, R_V=r, R_K_P2=r, R_V_P2=r, BLOCK_M=lk.DECODE_BLOCK_M,
+                 BLOCK_N=block_n, KEY_MODE=0 if key_mode == "pre_rope" else 1, CAUSAL=True, HAS_BIAS=False,
+                 HAS_LENS=False, HAS_PV=False, SPLIT=True, FAST_SINCOS=fast_sincos, DOT_PREC="tf32",
+                 UPCAST=False)
+    const.update({name: 1 for name in UNIT_STRIDES})
+    sig = {}
+    for name in fn.arg_names:
+        if name in const:
+            sig[name] = "constexpr"
+        elif name in POINTERS:
+            sig[name] = "*" + POINTERS[name]
+        else:
+            sig[name] = "fp32" if name in ("qk_scale", "rope_scaling") else "i32"
+    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
+             if sig[name] != "constexpr" and (name in POINTERS or name.startswith("stride") or name == "rows_pad")}
+    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
+                    attrs=attrs)
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+
+
+def _opcode(line: str) -> str | None:
+    m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P[T0-9]+\s+)?([A-Z][A-Z0-9]+)", line)
+    return m.group(1) if m else None
+
+
+def loop_mixes(sass: str) -> list[collections.Counter]:
+    """Instruction mix of the body of every backward branch (a loop), in program order."""
+    lines = sass.splitlines()
+    labels, loops = {}, []
+    for i, line in enumerate(lines):
+        label = re.match(r"^\s*(\.L_x_\d+):", line)
+        if label:
+            labels[label.group(1)] = i
+        branch = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
+        if branch and labels.get(branch.group(1), i) < i:
+            loops.append(collections.Counter(op for op in map(_opcode, lines[labels[branch.group(1)]:i + 1]) if op))
+    return loops
+
+
+def report(kernel) -> str:
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "k.cubin")
+        with open(path, "wb") as f:
+            f.write(kernel.asm["cubin"])
+        usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", path], capture_output=True, text=True,
+                               check=True).stdout
+        sass = subprocess.run([f"{BIN}/nvdisasm", "-c", path], capture_output=True, text=True, check=True).stdout
+    reg, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))
+    loops = [mix for mix in loop_mixes(sass) if sum(mix.values()) > 50]
+    counts = " / ".join(str(sum(mix.values())) for mix in loops)
+    top = ", ".join(f"{op} {n}" for op, n in loops[0].most_common(8)) if loops else ""
+    return f"| {reg} | {stack} | {counts} | {top} |"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--r", type=int, default=64)
+    ap.add_argument("--block-n", type=int, default=64)
+    ap.add_argument("--warps", type=int, default=4)
+    ap.add_argument("--stages", type=int, default=3)
+    args = ap.parse_args()
+    print(f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, block_n {args.block_n}, "
+          f"{args.warps} warps, {args.stages} stages\n")
+    print("| variant | registers | stack bytes | instructions per key tile (unmasked / masked loop) | "
+          "top of the unmasked loop |")
+    print("|---|---|---|---|---|")
+    for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
+        kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)
+        name = key_mode + (" fast_sincos" if fast else "")
+        print(f"| {name} " + report(kernel), flush=True)
+
+
+if __name__ == "__main__":
+    main()
