@@ -180,40 +180,27 @@ def test_strided_cache_views(key_mode):
 
 
 @triton.jit
-def _sincos_kernel(X, S, C, N: tl.constexpr):
+def _sincos_kernel(X, S, C, N: tl.constexpr, FAST: tl.constexpr):
     offs = tl.arange(0, N)
-    s, c = lk._sincos(tl.load(X + offs))
+    if FAST:
+        s, c = lk._sincos_fast(tl.load(X + offs))
+    else:
+        s, c = lk._sincos(tl.load(X + offs))
     tl.store(S + offs, s)
     tl.store(C + offs, c)
 
 
-def test_sincos_large_angles():
-    """The in-kernel sin/cos stays accurate at the angles a 128k context produces (position × θ₀ ≈ 1.3e5)."""
+@pytest.mark.parametrize(("fast", "atol"), [(False, 3e-7), pytest.param(True, 2e-6, marks=gpu_only)],
+                         ids=["polynomial", "hardware"])
+def test_sincos_large_angles(fast, atol):
+    """The in-kernel sin/cos stays accurate at the angles a 128k context produces (position × θ₀ ≈ 1.3e5):
+    the polynomial one everywhere, the hardware one (``fast_sincos``, after its 2π reduction) on CUDA."""
     x = torch.cat([torch.linspace(-10.0, 10.0, 512), torch.rand(512) * 131072.0]).to(DEVICE)
     s, c = torch.empty_like(x), torch.empty_like(x)
-    _sincos_kernel[(1,)](x, s, c, N=1024)
+    _sincos_kernel[(1,)](x, s, c, N=1024, FAST=fast)
     x64 = x.double()
-    assert_close(s, x64.sin().float(), atol=3e-7, rtol=0.0, what="sin")
-    assert_close(c, x64.cos().float(), atol=3e-7, rtol=0.0, what="cos")
-
-
-@triton.jit
-def _sincos_fast_kernel(X, S, C, N: tl.constexpr):
-    offs = tl.arange(0, N)
-    s, c = lk._sincos_fast(tl.load(X + offs))
-    tl.store(S + offs, s)
-    tl.store(C + offs, c)
-
-
-@gpu_only
-def test_fast_sincos_large_angles_gpu():
-    """The hardware sin/cos after the 2π reduction, at the angles of a 128k context."""
-    x = torch.cat([torch.linspace(-10.0, 10.0, 512), torch.rand(512) * 131072.0]).to(DEVICE)
-    s, c = torch.empty_like(x), torch.empty_like(x)
-    _sincos_fast_kernel[(1,)](x, s, c, N=1024)
-    x64 = x.double()
-    assert_close(s, x64.sin().float(), atol=2e-6, rtol=0.0, what="fast sin")
-    assert_close(c, x64.cos().float(), atol=2e-6, rtol=0.0, what="fast cos")
+    assert_close(s, x64.sin().float(), atol=atol, rtol=0.0, what="sin")
+    assert_close(c, x64.cos().float(), atol=atol, rtol=0.0, what="cos")
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's refusal")
