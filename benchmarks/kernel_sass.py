@@ -21,11 +21,10 @@ import subprocess
 import tempfile
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; set here only to silence its warning
-import triton  # noqa: E402
-from triton.backends.compiler import GPUTarget  # noqa: E402
-from triton.compiler import ASTSource  # noqa: E402
-
-from stiefkv.kernels import lowrank_attention as lk  # noqa: E402
+import triton
+from stiefkv.kernels import lowrank_attention as lk
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
 
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
 UNIT_STRIDES = ("stride_qd", "stride_kr", "stride_vr", "stride_pkr", "stride_pvr", "stride_posn", "stride_bn",

@@ -7,8 +7,9 @@ rotated at its position) and a key ``j``:
   attention runs in ``r_k`` dimensions.
 - ``pre_rope`` (latents of keys before RoPE): the key is rebuilt tile by tile and rotated at its own
   position ``p_j``: with ``P1 = P_k[:d/2]``, ``P2 = P_k[d/2:]``, ``a1 = z_k P1ᵀ``, ``a2 = z_k P2ᵀ`` (two
-  ``tl.dot``) and ``c, s = α·cos(p_j θ), α·sin(p_j θ)`` computed in-kernel (``θ`` the inverse frequencies,
-  ``α`` the rope attention scaling), ``k_j = [a1 c − a2 s, a2 c + a1 s]`` and ``s_j = q · k_j``. A program
+  ``tl.dot``) and ``c, s = cos(p_j θ), sin(p_j θ)`` computed in-kernel (``θ`` the inverse frequencies),
+  ``k_j = [a1 c − a2 s, a2 c + a1 s]`` and ``s_j = α·q · k_j`` (``α`` the rope attention scaling, applied to
+  the query once). A program
   owns one KV head and all of its ``H/G`` query heads (they are rows of its query tile), so each key tile is
   rebuilt once for the whole GQA group.
 
@@ -388,15 +389,14 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         splits = 1
         if programs < 2 * n_sms:
             splits = max(1, min(2 * n_sms // programs, triton.cdiv(n_k, 256)))
-        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3,
-                    fast_sincos=False)
+        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3)
     if key_mode == "post_rope" and r_k & (r_k - 1) == 0:
-        return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2, fast_sincos=False)
+        return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     # pre_rope, and post_rope with a rank padded to a power of two: on the H200 (triton 3.6) post_rope
     # prefill with r_k = 56, bf16/fp16 and block_n = 64 returned wrong values (num_warps 8, num_stages 2)
     # or faulted (4 warps, 1 stage); block_n = 32 was exact in all four warps/stages combinations, and the
     # interpreter with NaN-fenced inputs shows no out-of-bounds access, so block_n = 64 is avoided there.
-    return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2, fast_sincos=False)
+    return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
 
 
 def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
@@ -477,7 +477,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
         BLOCK_M=block_m, BLOCK_N=block_n,
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
-        HAS_PV=P_v is not None, SPLIT=splits > 1, FAST_SINCOS=pre and bool(cfg["fast_sincos"]), DOT_PREC=dot_prec,
+        HAS_PV=P_v is not None, SPLIT=splits > 1, FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
         UPCAST=_interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -525,7 +525,7 @@ def lowrank_attention(
     num_splits, block_n, num_warps, num_stages, fast_sincos : tuning overrides (tests, benchmarks); ``None``
         picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
         ``fast_sincos`` (``pre_rope``, CUDA only): the hardware sin/cos (:func:`_sincos_fast`) instead of the
-        polynomial one; off by default until timed against it.
+        polynomial one; off unless given, until timed against it.
 
     Returns
     -------
@@ -543,9 +543,8 @@ def lowrank_attention(
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
     if fast_sincos and _interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware sin/cos")
-    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
-                     fast_sincos=fast_sincos)
-    cfg.update({k: v for k, v in overrides.items() if v is not None})
+    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos))
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1
     scale = d**-0.5 if scale is None else float(scale)
