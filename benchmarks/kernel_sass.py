@@ -85,10 +85,11 @@ def report(kernel) -> str:
                                check=True).stdout
         sass = subprocess.run([f"{BIN}/nvdisasm", "-c", path], capture_output=True, text=True, check=True).stdout
     reg, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))
+    total = sum(1 for line in sass.splitlines() if _opcode(line))
     loops = [mix for mix in loop_mixes(sass) if sum(mix.values()) > 50]
     counts = " / ".join(str(sum(mix.values())) for mix in loops)
     top = ", ".join(f"{op} {n}" for op, n in loops[0].most_common(8)) if loops else ""
-    return f"| {reg} | {stack} | {counts} | {top} |"
+    return f"| {reg} | {stack} | {total} | {counts} | {top} |"
 
 
 def main() -> None:
@@ -100,9 +101,9 @@ def main() -> None:
     args = ap.parse_args()
     print(f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, block_n {args.block_n}, "
           f"{args.warps} warps, {args.stages} stages\n")
-    print("| variant | registers | stack bytes | instructions per key tile (unmasked / masked loop) | "
-          "top of the unmasked loop |")
-    print("|---|---|---|---|---|")
+    print("| variant | registers | stack bytes | instructions in the kernel | instructions per key tile (unmasked "
+          "/ masked loop) | top of the unmasked loop |")
+    print("|---|---|---|---|---|---|")
     for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)
         name = key_mode + (" fast_sincos" if fast else "")

@@ -292,8 +292,11 @@ def _lowrank_attn_fwd(
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
         pk_ptrs = PK_g + offs_d[:, None] * stride_pkd + offs_rk[None, :] * stride_pkr
-        pk = tl.load(pk_ptrs, mask=(offs_rk < R_K)[None, :], other=0.0).to(tl.float32)  # [d, R_K_P2]
-        q1 = (tl.dot(q.to(tl.float32), pk, input_precision="ieee") * qk_scale).to(DTYPE)
+        # q' = P_kᵀ q in the latents' dtype on the tensor cores (exact fp32 for fp32 latents): q' is rounded
+        # to that dtype anyway, and an fp32 [d, r] operand spilled registers (benchmarks/kernel_sass.py).
+        pk = tl.load(pk_ptrs, mask=(offs_rk < R_K)[None, :], other=0.0).to(DTYPE)  # [d, R_K_P2]
+        q1 = _dot(q.to(DTYPE), pk, tl.zeros([BLOCK_M, R_K_P2], dtype=tl.float32), DOT_PREC, UPCAST)
+        q1 = (q1 * qk_scale).to(DTYPE)
         q2 = q1
         p1t = pk
         p2t = pk
