@@ -2,8 +2,9 @@
 # The kernels' GPU checks (issues 4 and 5) on a two-GPU machine (device tool, kind nvidia-h200-x2), and a
 # --loss output+kl calibration when MODEL is given (after ../shared/tools/gpu-model-parts.sh).
 #   usage: run_checks_gpu.sh RESULTS_DIR [SECONDS] [MODEL]
-# GPU 0: the compiled CUDA tests of both kernels. GPU 1: bench_attention.py (decode with its config sweep,
-# and prefill), then the calibration and its whole-test-set evaluation. Each step logs to RESULTS_DIR/NAME.log;
+# GPU 0: the compiled CUDA tests of both kernels and of generate, then bench_generate.py in both key modes.
+# GPU 1: bench_attention.py (decode with its config sweep, and prefill), then the calibration and its
+# whole-test-set evaluation. Each step logs to RESULTS_DIR/NAME.log;
 # after SECONDS (default 540) whatever still runs is stopped and RESULTS_DIR is packed into $OUT/results.tgz.
 set -u
 R=$1; LIMIT=${2:-540}; M=${3:-}
@@ -19,7 +20,9 @@ gpu0() {  # compilation dominates these tests: spread them over workers where py
   # (-p no:benchmark: pytest-benchmark in the device image aborts a session that runs under xdist)
   local workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8 -p no:benchmark)
   step pytest_kernels python3 -m pytest -q -p no:cacheprovider "${workers[@]}" tests/test_streamkl.py \
-    tests/test_lowrank_kernel.py
+    tests/test_lowrank_kernel.py "tests/test_inference.py::test_generate_on_gpu_triton_matches_reference"
+  step generate python3 -u benchmarks/bench_generate.py
+  step generate_post python3 -u benchmarks/bench_generate.py --key-mode post_rope
 }
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
