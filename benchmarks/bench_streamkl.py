@@ -106,14 +106,19 @@ def main() -> None:
     parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
     parser.add_argument("--eager-max-n", type=int, default=32768, help="skip the eager reference above this")
     parser.add_argument("--compile-shapes", default="16384x8x128",
-                        help="comma-separated NxHxd where the torch.compile'd reference runs (compiles per shape)")
+                        help="comma-separated NxHxd where the torch.compile'd reference runs (compiles per shape), "
+                             "or 'eager': every shape where the eager reference ran without running out of memory")
+    parser.add_argument("--compile-dynamic", action="store_true",
+                        help="torch.compile(dynamic=True): one compilation serves every shape (default: per shape)")
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this")
     parser.add_argument("--out", default=None, help="also write the markdown table here")
     parser.add_argument("--backward", choices=["split", "fused", "both"], default="split",
                         help="StreamKL's backward plan (kernels.streamkl.BACKWARD); 'both' times the fused plan "
                              "too and reports fused/split forward+backward")
     args = parser.parse_args()
-    compile_shapes = {tuple(int(x) for x in s.split("x")) for s in args.compile_shapes.split(",") if s}
+    compile_shapes = set()
+    if args.compile_shapes != "eager":
+        compile_shapes = {tuple(int(x) for x in s.split("x")) for s in args.compile_shapes.split(",") if s}
     shapes = [(n, h, d) for n in args.lengths for h in args.heads for d in args.dims]
     shapes.sort(key=lambda s: s != TARGET)  # the target first: it also sets the autotuned configs
     sk.BACKWARD = "fused" if args.backward == "fused" else "split"
@@ -141,8 +146,10 @@ def main() -> None:
         print(n, h, d, {k: v if isinstance(v, str) else round(v[0], 3) for k, v in r.items()},
               f"({time.time() - start:.0f}s)", flush=True)
     # torch.compile last, with what is left of the budget: it compiles per shape and per pass.
-    compiled = torch.compile(reference, dynamic=False)
-    for shape in sorted(compile_shapes & results.keys()):
+    if args.compile_shapes == "eager":  # where it fits: the eager reference's N×N matrices fitted there
+        compile_shapes = {shape for shape, r in results.items() if isinstance(r.get("eager_fb"), tuple)}
+    compiled = torch.compile(reference, dynamic=args.compile_dynamic)
+    for shape in sorted(compile_shapes & results.keys(), key=lambda s: (s != TARGET, s)):  # the target first
         for grad in (False, True):
             if time.time() - start > args.budget_s:
                 print(f"budget spent: no compiled {'fb' if grad else 'f'} at {shape}", flush=True)
@@ -157,7 +164,8 @@ def main() -> None:
     header = [
         f"GPU: {torch.cuda.get_device_name()}; {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC; "
         f"torch {torch.__version__}; triton {triton.__version__}; StreamKL backward plan: "
-        f"{'split' if args.backward == 'both' else args.backward}",
+        f"{'split' if args.backward == 'both' else args.backward}; compiled reference: "
+        f"torch.compile(dynamic={args.compile_dynamic})",
         "",
         "Causal, bf16, B=1, teacher = student shapes; times in ms (do_bench median); memory = peak allocated "
         "beyond the inputs (StreamKL in bytes, eager in MiB); f = forward (no grad), fb = forward+backward "

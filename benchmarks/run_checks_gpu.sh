@@ -3,8 +3,8 @@
 # --loss output+kl calibration when MODEL is given (after ../shared/tools/gpu-model-parts.sh).
 #   usage: run_checks_gpu.sh RESULTS_DIR [SECONDS] [MODEL]
 # GPU 0: the compiled CUDA tests of both kernels and of generate, then bench_generate.py in both key modes.
-# GPU 1: bench_attention.py (decode with its config sweep, and prefill), then the calibration and its
-# whole-test-set evaluation. Each step logs to RESULTS_DIR/NAME.log;
+# GPU 1: bench_attention.py (decode with its config sweep, and prefill), bench_streamkl.py with the compiled
+# reference wherever the eager one fits, then (with MODEL) the calibration and its evaluation. Each step logs to RESULTS_DIR/NAME.log;
 # after SECONDS (default 540) whatever still runs is stopped and RESULTS_DIR is packed into $OUT/results.tgz.
 set -u
 R=$1; LIMIT=${2:-540}; M=${3:-}
@@ -27,6 +27,9 @@ gpu0() {  # compilation dominates these tests: spread them over workers where py
 gpu1() {
   export CUDA_VISIBLE_DEVICES=1
   step bench_attention python3 -u benchmarks/bench_attention.py --skip fold
+  # issue 5's table: the torch.compile'd reference wherever the eager one fits (it ran at one shape before)
+  step streamkl_compiled python3 -u benchmarks/bench_streamkl.py --lengths 1024 4096 8192 16384 \
+    --eager-max-n 16384 --compile-shapes eager --compile-dynamic --budget-s 400 --out "$R/streamkl_compiled.md"
   [ -n "$M" ] || return 0
   step calibrate_kl_loss stiefkv calibrate "$M" --device cuda --loss output+kl -o "$R/kl-loss.safetensors"
   step eval_kl_loss stiefkv eval "$M" --device cuda --projections "$R/kl-loss.safetensors" --json "$R/eval-kl-loss.json"
