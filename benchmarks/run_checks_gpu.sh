@@ -12,8 +12,9 @@ mkdir -p "$R"
 step() {  # step NAME CMD...: run CMD to its own log, and note its start, end and exit status
   local name=$1; shift
   echo "$(date +%T) start $name" >> "$R/steps.log"
-  "$@" > "$R/$name.log" 2>&1
-  echo "$(date +%T) end $name rc=$?" >> "$R/steps.log"
+  local rc=0
+  "$@" > "$R/$name.log" 2>&1 || rc=$?
+  echo "$(date +%T) end $name rc=$rc" >> "$R/steps.log"  # rc read first: $(date) would reset $?
 }
 gpu0() {  # compilation dominates these tests: spread them over workers where pytest-xdist is installed
   export CUDA_VISIBLE_DEVICES=0

@@ -18,8 +18,10 @@ step() {  # step NAME CMD...: run CMD once, to its own log; a marker when it suc
   local name=$1; shift
   [ -e "$R/done.$name" ] && return 0
   echo "$(date +%T) start $name" >> "$R/steps.log"
-  "$@" > "$R/$name.log" 2>&1 && touch "$R/done.$name"
-  echo "$(date +%T) end $name rc=$?" >> "$R/steps.log"
+  local rc=0
+  "$@" > "$R/$name.log" 2>&1 || rc=$?
+  [ "$rc" -eq 0 ] && touch "$R/done.$name"
+  echo "$(date +%T) end $name rc=$rc" >> "$R/steps.log"  # rc read first: $(date) would reset $?
 }
 gpu0() {  # two processes never share a key mode's budgets (each reads the finished rows once, at its start)
   export CUDA_VISIBLE_DEVICES=0
