@@ -141,13 +141,16 @@ def decode_table(device, copy_tbs, shapes, sweep) -> None:
                 fast = f"{graph_ms(lambda: run(fast_sincos=True)):.4f}" if mode == "pre_rope" else "–"
                 best_ms, best_cfg = default_ms, f"default ({default['block_n']},{default['num_warps']},"
                 best_cfg += f"{default['num_stages']},S={default['num_splits']})"
-                for cfg in sweep:
+                # pre_rope sweeps both sin/cos implementations: the fast one may prefer other tiles
+                variants = sweep + ([dict(c, fast_sincos=True) for c in sweep] if mode == "pre_rope" else [])
+                for cfg in variants:
                     cfg = dict(cfg)
                     splits = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                     ms = graph_ms(lambda: run(num_splits=splits, **cfg))
                     if ms < best_ms:
                         best_ms = ms
                         best_cfg = f"({cfg['block_n']},{cfg['num_warps']},{cfg['num_stages']},S={splits})"
+                        best_cfg += " fast" if cfg.get("fast_sincos") else ""
                 nbytes = (z_k.numel() + z_v.numel()) * z_k.element_size()
                 nbytes += pos.numel() * pos.element_size() if mode == "pre_rope" else 0
                 tbs = nbytes / best_ms / 1e9
@@ -160,8 +163,8 @@ def decode_table(device, copy_tbs, shapes, sweep) -> None:
                       flush=True)
             del z_k, z_v
         torch.cuda.empty_cache()
-    print("\nconfig = (block_n, num_warps, num_stages, S = key splits); bytes = latents (+ int64 positions for "
-          "pre_rope)")
+    print("\nconfig = (block_n, num_warps, num_stages, S = key splits), \"fast\" = fast_sincos; bytes = latents "
+          "(+ int64 positions for pre_rope)")
 
 
 def prefill_table(device, n=8192) -> None:
