@@ -30,7 +30,7 @@ gpu1() {
   step bench_attention python3 -u benchmarks/bench_attention.py --skip fold
   # issue 5's table: the torch.compile'd reference wherever the eager one fits (it ran at one shape before)
   step streamkl_compiled python3 -u benchmarks/bench_streamkl.py --lengths 1024 4096 8192 16384 \
-    --eager-max-n 16384 --compile-shapes eager --compile-dynamic --budget-s 400 --out "$R/streamkl_compiled.md"
+    --eager-max-n 16384 --compile-shapes eager --compile-dynamic --budget-s 300 --out "$R/streamkl_compiled.md"
   [ -n "$M" ] || return 0
   step calibrate_kl_loss stiefkv calibrate "$M" --device cuda --loss output+kl -o "$R/kl-loss.safetensors"
   step eval_kl_loss stiefkv eval "$M" --device cuda --projections "$R/kl-loss.safetensors" --json "$R/eval-kl-loss.json"
