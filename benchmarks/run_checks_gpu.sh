@@ -4,8 +4,9 @@
 #   usage: run_checks_gpu.sh RESULTS_DIR [SECONDS] [MODEL]
 # GPU 0: the compiled CUDA tests of both kernels and of generate, then bench_generate.py in both key modes.
 # GPU 1: bench_attention.py (decode with its config sweep, and prefill), bench_streamkl.py with the compiled
-# reference wherever the eager one fits, then (with MODEL) the calibration and its evaluation. Each step logs to RESULTS_DIR/NAME.log;
-# after SECONDS (default 540) whatever still runs is stopped and RESULTS_DIR is packed into $OUT/results.tgz.
+# reference wherever the eager one fits, then (with MODEL) the calibration and its evaluation.
+# Each step logs to RESULTS_DIR/NAME.log; after SECONDS (default 540) whatever still runs is stopped and
+# RESULTS_DIR is packed into $OUT/results.tgz.
 set -u
 R=$1; LIMIT=${2:-540}; M=${3:-}
 mkdir -p "$R"

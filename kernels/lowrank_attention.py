@@ -9,9 +9,8 @@ rotated at its position) and a key ``j``:
   position ``p_j``: with ``P1 = P_k[:d/2]``, ``P2 = P_k[d/2:]``, ``a1 = z_k P1ᵀ``, ``a2 = z_k P2ᵀ`` (two
   ``tl.dot``) and ``c, s = cos(p_j θ), sin(p_j θ)`` computed in-kernel (``θ`` the inverse frequencies),
   ``k_j = [a1 c − a2 s, a2 c + a1 s]`` and ``s_j = α·q · k_j`` (``α`` the rope attention scaling, applied to
-  the query once). A program
-  owns one KV head and all of its ``H/G`` query heads (they are rows of its query tile), so each key tile is
-  rebuilt once for the whole GQA group.
+  the query once). A program owns one KV head and all of its ``H/G`` query heads (they are rows of its query
+  tile), so each key tile is rebuilt once for the whole GQA group.
 
 Then ``o = Σ_j softmax_j(scale·s_j + bias_j) z_v,j`` accumulates in ``r_v`` dimensions with an online
 softmax (fp32 statistics, base-2 exponentials) and the epilogue returns ``P_v o`` (``[.., d]``) or ``o``

@@ -37,8 +37,8 @@ LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256  # two query tiles of this width still fit in registers/shared memory
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The backward's launch plan (see _streamkl_backward). "split" stays the default until the fused plan is
-# timed against it on the GPU (benchmarks/bench_streamkl.py --backward).
+# The backward's launch plan (see _streamkl_backward). "split" is the default: on the H200 the fused plan's
+# forward+backward took 1.4-1.5x as long (BENCHMARKS.md §3, bench_streamkl.py --backward both).
 BACKWARD = "split"
 
 
