@@ -117,7 +117,7 @@ def header(device) -> None:
 
 def decode_table(device, copy_tbs, shapes, sweep) -> None:
     print("\n## Decode (Nq = 1); device times from CUDA-graph replay\n")
-    print("| B×ctx | budget | mode | SDPA ms | kernel ms (default) | fast sin/cos ms | eager ms (default) | "
+    print("| B×ctx | budget | mode | SDPA ms | kernel ms (default) | polynomial sin/cos ms | eager ms (default) | "
           "best ms | best config | ratio (best/SDPA) | target | kernel TB/s | % copy BW |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for B, N in shapes:
@@ -137,33 +137,30 @@ def decode_table(device, copy_tbs, shapes, sweep) -> None:
                                           .multi_processor_count, r)
                 eager_ms = median_ms(run)
                 default_ms = graph_ms(run)
-                # pre_rope with the hardware sin/cos (fast_sincos), same config: the A/B of that option
-                fast = f"{graph_ms(lambda: run(fast_sincos=True)):.4f}" if mode == "pre_rope" else "–"
+                # pre_rope with the polynomial sin/cos instead of the default hardware one: that option's A/B
+                poly = f"{graph_ms(lambda: run(fast_sincos=False)):.4f}" if mode == "pre_rope" else "–"
                 best_ms, best_cfg = default_ms, f"default ({default['block_n']},{default['num_warps']},"
                 best_cfg += f"{default['num_stages']},S={default['num_splits']})"
-                # pre_rope sweeps both sin/cos implementations: the fast one may prefer other tiles
-                variants = sweep + ([dict(c, fast_sincos=True) for c in sweep] if mode == "pre_rope" else [])
-                for cfg in variants:
+                for cfg in sweep:
                     cfg = dict(cfg)
                     splits = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                     ms = graph_ms(lambda: run(num_splits=splits, **cfg))
                     if ms < best_ms:
                         best_ms = ms
                         best_cfg = f"({cfg['block_n']},{cfg['num_warps']},{cfg['num_stages']},S={splits})"
-                        best_cfg += " fast" if cfg.get("fast_sincos") else ""
                 nbytes = (z_k.numel() + z_v.numel()) * z_k.element_size()
                 nbytes += pos.numel() * pos.element_size() if mode == "pre_rope" else 0
                 tbs = nbytes / best_ms / 1e9
                 target = TARGETS.get((mode, budget))
                 ratio = best_ms / sdpa_ms
                 mark = "—" if target is None else f"≤{target} {'met' if ratio <= target else 'MISSED'}"
-                print(f"| {B}×{N // 1024}k | {budget} | {mode} | {sdpa_ms:.4f} | {default_ms:.4f} | {fast} | "
+                print(f"| {B}×{N // 1024}k | {budget} | {mode} | {sdpa_ms:.4f} | {default_ms:.4f} | {poly} | "
                       f"{eager_ms:.4f} | "
                       f"{best_ms:.4f} | {best_cfg} | {ratio:.3f} | {mark} | {tbs:.2f} | {100 * tbs / copy_tbs:.0f}% |",
                       flush=True)
             del z_k, z_v
         torch.cuda.empty_cache()
-    print("\nconfig = (block_n, num_warps, num_stages, S = key splits), \"fast\" = fast_sincos; bytes = latents "
+    print("\nconfig = (block_n, num_warps, num_stages, S = key splits); bytes = latents "
           "(+ int64 positions for pre_rope)")
 
 
@@ -178,12 +175,12 @@ def prefill_table(device, n=8192) -> None:
     for budget, r in BUDGETS.items():
         _, z_k, z_v, P_k, P_v, pos = latent_inputs(1, n, n, r, device)
         rope = rope_spec(device)
-        for mode, fast in (("post_rope", None), ("pre_rope", None), ("pre_rope", True)):
+        for mode, fast in (("post_rope", None), ("pre_rope", None), ("pre_rope", False)):
             ms = median_ms(lambda: lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=mode, positions=pos, rope=rope,
                                                      fast_sincos=fast))
             d_qk = r if mode == "post_rope" else D_HEAD
             flops = 2 * H * n * n / 2 * (d_qk + r)
-            name = mode + (" (fast sin/cos)" if fast else "")
+            name = mode + (" (polynomial sin/cos)" if fast is False else "")
             print(f"| {budget} | {name} | {sdpa_ms:.3f} | {ms:.3f} | {ms / sdpa_ms:.3f} | {flops / ms / 1e9:.0f} |",
                   flush=True)
 

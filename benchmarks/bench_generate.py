@@ -2,8 +2,8 @@
 cache (``stiefkv.load``, Triton kernels) against the same model uncompressed, at a long context.
 
 Decode tokens/s = ``n`` / (time of ``generate`` with ``1 + n`` new tokens − time with 1 new token), so the
-prefill is left out; peak memory is ``torch.cuda.max_memory_allocated`` over the longer ``generate``. Random
-bases at the model's real shapes: speed does not depend on their quality.
+prefill is left out (median of 3 such pairs); peak memory is ``torch.cuda.max_memory_allocated`` over the
+longer ``generate``. Random bases at the model's real shapes: speed does not depend on their quality.
 
     python benchmarks/bench_generate.py [--context 32768] [--new-tokens 64] [--key-mode pre_rope]
 """
@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import statistics
 import time
 
 import torch
@@ -57,12 +58,17 @@ def timed_generate(model, ids, new_tokens: int, device) -> tuple[float, int]:
     return time.perf_counter() - start, peak
 
 
-def decode_speed(model, ids, new_tokens: int, device) -> tuple[float, int]:
-    """Decode tokens/s (prefill subtracted) and peak memory; one warm-up ``generate`` first."""
+def decode_speed(model, ids, new_tokens: int, device, repeats: int = 3) -> tuple[float, int]:
+    """Decode tokens/s (prefill subtracted) and peak memory; one warm-up ``generate`` first. The median of
+    ``repeats`` (prefill, prefill + decode) pairs: decode here is bound by the host's Python and launch
+    overhead, which moved single measurements by up to 25 % between runs on the H200 machine."""
     timed_generate(model, ids, 2, device)
-    t_prefill, _ = timed_generate(model, ids, 1, device)
-    t_total, peak = timed_generate(model, ids, 1 + new_tokens, device)
-    return new_tokens / (t_total - t_prefill), peak
+    speeds, peak = [], 0
+    for _ in range(repeats):
+        t_prefill, _ = timed_generate(model, ids, 1, device)
+        t_total, peak = timed_generate(model, ids, 1 + new_tokens, device)
+        speeds.append(new_tokens / (t_total - t_prefill))
+    return statistics.median(speeds), peak
 
 
 def main() -> None:

@@ -95,6 +95,7 @@ def table_row(shape, r) -> str:
             f"| {cell(r['kl_f'], 'bytes')} | {cell(r['kl_fb'], 'bytes')} "
             f"| {cell(r.get('eager_f'), 'ms')} | {cell(r.get('eager_fb'), 'ms')} | {cell(r.get('eager_f'), 'mb')} "
             f"| {cell(r.get('eager_fb'), 'mb')} | {cell(r.get('comp_f'), 'ms')} | {cell(r.get('comp_fb'), 'ms')} "
+            f"| {cell(r.get('comp_f'), 'mb')} | {cell(r.get('comp_fb'), 'mb')} "
             f"| {cell(r['sdpa'], 'ms')} | {ratio(r.get('eager_f'), r['kl_f'])} "
             f"| {ratio(r.get('eager_b'), r.get('kl_b'))} | {ratio(r['kl_f'], r['sdpa'])} |")
 
@@ -168,13 +169,13 @@ def main() -> None:
         f"torch.compile(dynamic={args.compile_dynamic})",
         "",
         "Causal, bf16, B=1, teacher = student shapes; times in ms (do_bench median); memory = peak allocated "
-        "beyond the inputs (StreamKL in bytes, eager in MiB); f = forward (no grad), fb = forward+backward "
+        "beyond the inputs (StreamKL in bytes, eager and compiled in MiB); f = forward (no grad), fb = forward+backward "
         "(grads to q_s, k_s, included in fb memory); speed-ups use backward = fb − f.",
         "",
         "| N | H | d | StreamKL f | StreamKL fb | StreamKL f TFLOP/s | StreamKL f bytes | StreamKL fb bytes "
-        "| eager f | eager fb | eager f MiB | eager fb MiB | compiled f | compiled fb | SDPA f "
+        "| eager f | eager fb | eager f MiB | eager fb MiB | compiled f | compiled fb | compiled f MiB | compiled fb MiB | SDPA f "
         "| eager/StreamKL f | eager/StreamKL b | StreamKL f / SDPA f |",
-        "|" + "---|" * 18,
+        "|" + "---|" * 20,
     ]
     table = "\n".join(header + rows)
     if fused:

@@ -31,6 +31,7 @@ from __future__ import annotations
 import os
 
 import torch
+import torch.nn.functional as F
 
 from .reference import KEY_MODES, RopeSpec
 
@@ -386,19 +387,33 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
     4×128k at 50 % took 0.27 ms with 8 splits (256 programs) and 0.42 ms with 9 (288 programs: some SMs
     run a third program, a second partial wave), and this rule picked the fastest measured split count
-    at all four benchmark shapes at 50 %, for both key modes."""
+    at all four benchmark shapes at 50 %, for both key modes. Key tiles of 128 at ranks ≤ 32: the fastest
+    tile at all four shapes at 25 % in both key modes in the H200 sweep of 2026-11-30 (10-30 % faster
+    than 64), while 64 stays within 3 % of the best at 50 %."""
     if n_rows <= DECODE_BLOCK_M:
         splits = 1
         if programs < 2 * n_sms:
             splits = max(1, min(2 * n_sms // programs, triton.cdiv(n_k, 256)))
-        return dict(block_m=DECODE_BLOCK_M, block_n=64, num_splits=splits, num_warps=4, num_stages=3)
-    if key_mode == "post_rope" and r_k & (r_k - 1) == 0:
+        block_n = 128 if r_k <= 32 else 64
+        return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3)
+    if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
-    # pre_rope, and post_rope with a rank padded to a power of two: on the H200 (triton 3.6) post_rope
-    # prefill with r_k = 56, bf16/fp16 and block_n = 64 returned wrong values (num_warps 8, num_stages 2)
-    # or faulted (4 warps, 1 stage); block_n = 32 was exact in all four warps/stages combinations, and the
-    # interpreter with NaN-fenced inputs shows no out-of-bounds access, so block_n = 64 is avoided there.
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
+
+
+def _padded_rank(r: int) -> int:
+    return max(16, triton.next_power_of_2(r))
+
+
+def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Zero-pad latents ``[B, G, N, r]`` and their basis ``[G, d, r]`` to the kernel's power-of-two tile
+    width, so that no tile load masks its columns. Prefill only: on the H200 (triton 3.6), 128-row prefill
+    tiles with a column-masked latent load read shared memory out of bounds (compute-sanitizer: "Invalid
+    __shared__ read of size 1024 bytes") or returned wrong values (r_k 24 or 56, or r_v 24, bf16/fp16,
+    ``block_n`` 32 and 64, 2026-11-30), while every power-of-two rank and every 16-row decode tile was
+    exact. Zero columns change no logit and no output; the copy is small beside the prefill's N² work."""
+    pad = _padded_rank(z.shape[-1]) - z.shape[-1]
+    return F.pad(z, (0, pad)), (F.pad(P, (0, pad)) if P is not None else None)
 
 
 def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
@@ -452,8 +467,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     block_m, block_n, splits = cfg["block_m"], cfg["block_n"], cfg["num_splits"]
     m_blocks = triton.cdiv(n_rows, block_m)
     rows_pad = m_blocks * block_m
-    r_k_p2 = max(16, triton.next_power_of_2(r_k))
-    r_v_p2 = max(16, triton.next_power_of_2(r_v))
+    r_k_p2, r_v_p2 = _padded_rank(r_k), _padded_rank(r_v)
     out = torch.empty(B, H, Nq, d if P_v is not None else r_v, device=q.device, dtype=q.dtype)
     pre = key_mode == "pre_rope"
     pos = positions if pre else z_k
@@ -526,8 +540,9 @@ def lowrank_attention(
         reference.
     num_splits, block_n, num_warps, num_stages, fast_sincos : tuning overrides (tests, benchmarks); ``None``
         picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
-        ``fast_sincos`` (``pre_rope``, CUDA only): the hardware sin/cos (:func:`_sincos_fast`) instead of the
-        polynomial one; off unless given, until timed against it.
+        ``fast_sincos`` (``pre_rope``): the hardware sin/cos (:func:`_sincos_fast`) instead of the
+        polynomial one; on by default on CUDA (1.3-1.45× faster decode on the H200, BENCHMARKS.md §2),
+        off under the interpreter, which has no hardware sin/cos.
 
     Returns
     -------
@@ -542,12 +557,23 @@ def lowrank_attention(
     B, H, Nq, d = q.shape
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
+    r_v = z_v.shape[3]
+    if n_rows > DECODE_BLOCK_M:  # prefill: see _pad_rank
+        if z_k.shape[3] != _padded_rank(z_k.shape[3]):
+            z_k, P_k = _pad_rank(z_k, P_k)
+        if r_v != _padded_rank(r_v):
+            z_v, P_v = _pad_rank(z_v, P_v)
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
     if fast_sincos and _interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware sin/cos")
+    if fast_sincos is None:
+        fast_sincos = not _interpreting()
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos))
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1
     scale = d**-0.5 if scale is None else float(scale)
-    return _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, scale, cfg)
+    out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, scale, cfg)
+    if P_v is None and z_v.shape[3] != r_v:  # latent output of a padded value rank
+        out = out[..., :r_v].contiguous()
+    return out
