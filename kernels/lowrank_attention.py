@@ -388,7 +388,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     4×128k at 50 % took 0.27 ms with 8 splits (256 programs) and 0.42 ms with 9 (288 programs: some SMs
     run a third program, a second partial wave), and this rule picked the fastest measured split count
     at all four benchmark shapes at 50 %, for both key modes. Key tiles of 128 at ranks ≤ 32: the fastest
-    tile at all four shapes at 25 % in both key modes in the H200 sweep of 2026-11-30 (10-30 % faster
+    tile at all four shapes at 25 % in both key modes in the H200 sweep of 2026-11-30 (8-24 % faster
     than 64), while 64 stays within 3 % of the best at 50 %."""
     if n_rows <= DECODE_BLOCK_M:
         splits = 1
@@ -541,7 +541,7 @@ def lowrank_attention(
     num_splits, block_n, num_warps, num_stages, fast_sincos : tuning overrides (tests, benchmarks); ``None``
         picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
         ``fast_sincos`` (``pre_rope``): the hardware sin/cos (:func:`_sincos_fast`) instead of the
-        polynomial one; on by default on CUDA (1.3-1.45× faster decode on the H200, BENCHMARKS.md §2),
+        polynomial one; on by default on CUDA (19-29 % less decode time on the H200, BENCHMARKS.md §2 run 5),
         off under the interpreter, which has no hardware sin/cos.
 
     Returns
