@@ -10,6 +10,8 @@ Prints markdown tables:
 2. prefill at 8k tokens (causal) against full-rank SDPA;
 3. ``P_v`` in the kernel's epilogue versus folded into ``o_proj`` (``P_v=None`` and an ``o_proj`` whose
    input dimension is ``H·r_v``), each followed by its ``o_proj`` matmul.
+4. the host time of one decode call at the 1B model's shapes (d = 64, r = 32), against SDPA's: what a
+   host-bound ``generate`` step pays per layer.
 
 Decode times are device times from CUDA-graph replay (``graph_ms``: 20 calls, each after a 256 MB L2
 flush, minus the flushes alone), so the Python launch cost of a call (which at small shapes exceeds the
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import time
 
 import torch
 import torch.nn.functional as F
@@ -219,10 +222,44 @@ def fold_table(device, shapes, prefill_n=8192) -> None:
         torch.cuda.empty_cache()
 
 
+def host_table(device, n=32768, calls=200) -> None:
+    """Host time of one decode call at the 1B model's attention shapes (d = 64, r = 32), where a `generate`
+    step is host-bound: ``calls`` back-to-back calls without a sync, against SDPA's, and the same with the
+    final sync (device time shows only where it exceeds the host's)."""
+    print(f"\n## Host time per decode call (B=1, {n // 1024}k keys, H={H}, G={G}, d=64, r=32)\n")
+    print("| call | host µs per call | host + device µs per call |")
+    print("|---|---|---|")
+    d, r = 64, 32
+    q = torch.randn(1, H, 1, d, device=device, dtype=DTYPE)
+    k = torch.randn(1, G, n, d, device=device, dtype=DTYPE)
+    z = torch.randn(1, G, n, r, device=device, dtype=DTYPE)
+    P = torch.linalg.qr(torch.randn(G, d, r, device=device))[0].to(DTYPE)
+    pos = torch.arange(n, device=device, dtype=torch.int32)[None]
+    rope = RopeSpec(1.0 / (500000.0 ** (torch.arange(0, d, 2, device=device).float() / d)))
+    calls_by_name = {
+        "SDPA (full rank)": lambda: F.scaled_dot_product_attention(q, k, k, enable_gqa=True),
+        "lowrank_attention pre_rope": lambda: lowrank_attention(q, z, z, P, None, key_mode="pre_rope",
+                                                                positions=pos, rope=rope),
+        "lowrank_attention post_rope": lambda: lowrank_attention(q, z, z, P, None, key_mode="post_rope"),
+    }
+    with torch.no_grad():
+        for name, fn in calls_by_name.items():
+            for _ in range(10):
+                fn()
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            for _ in range(calls):
+                fn()
+            host = time.perf_counter() - start
+            torch.cuda.synchronize()
+            total = time.perf_counter() - start
+            print(f"| {name} | {host / calls * 1e6:.0f} | {total / calls * 1e6:.0f} |", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="two decode shapes, no config sweep")
-    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "fold"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["decode", "prefill", "fold", "host"])
     args = parser.parse_args()
     device = torch.device("cuda")
     torch.manual_seed(0)
@@ -236,6 +273,8 @@ def main() -> None:
         prefill_table(device)
     if "fold" not in args.skip:
         fold_table(device, shapes)
+    if "host" not in args.skip:
+        host_table(device)
 
 
 if __name__ == "__main__":

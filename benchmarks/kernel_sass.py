@@ -5,7 +5,8 @@ Triton's bundled ptxas, then report registers, stack (spills) and the SASS instr
 
 Integer strides that are 1 at run time are compiled as the constant 1 and the others as multiples of 16, as
 Triton's JIT specialises them, so loads vectorise as they do on the device. A loop's count is instructions
-per thread for one key tile (both loops are shown: unmasked tiles, then the masked tail). On an SM with two
+per thread for one iteration (the key loops are shown first: unmasked tiles, then the masked tail;
+then the loops of the split merge the last program of a tile runs). On an SM with two
 programs of 4 warps, one tile per program costs ``count`` issue cycles per scheduler, against
 ``tile bytes / (bandwidth per SM)`` cycles of memory: the ratio says whether a variant is issue-bound.
 This is a model, not a timing: benchmarks/bench_attention.py on the GPU decides.
@@ -30,7 +31,8 @@ BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin"
 UNIT_STRIDES = ("stride_qd", "stride_kr", "stride_vr", "stride_pkr", "stride_pvr", "stride_posn", "stride_bn",
                 "stride_od")
 POINTERS = {"Q": "bf16", "ZK": "bf16", "ZV": "bf16", "PK": "fp32", "PV": "fp32", "POS": "i64", "INV_FREQ": "fp32",
-            "BIAS": "bf16", "LENS": "i32", "OUT": "bf16", "PART_O": "fp32", "PART_ML": "fp32"}
+            "BIAS": "bf16", "LENS": "i32", "OUT": "bf16", "PART_O": "fp32", "PART_ML": "fp32",
+            "LOCKS": "i32"}
 
 
 def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int, fast_sincos: bool, d: int = 128,
@@ -101,8 +103,8 @@ def main() -> None:
     args = ap.parse_args()
     print(f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, block_n {args.block_n}, "
           f"{args.warps} warps, {args.stages} stages\n")
-    print("| variant | registers | stack bytes | instructions in the kernel | instructions per key tile (unmasked "
-          "/ masked loop) | top of the unmasked loop |")
+    print("| variant | registers | stack bytes | instructions in the kernel | instructions per loop iteration (key "
+          "tiles unmasked / masked, then the split merge) | top of the unmasked loop |")
     print("|---|---|---|---|---|---|")
     for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)

@@ -19,8 +19,8 @@ itself when ``P_v`` is ``None`` (for a ``P_v`` folded into ``o_proj``).
 Rows of a query tile are ``(query i, head-in-group s)`` pairs, row ``m = i·GROUP + s``; query ``i`` sits
 at key index ``Nk − Nq + i`` (causal) and left-padded rows start at key ``Nk − lengths[b]``, so padding
 keys are never loaded. Decode (``Nq·GROUP ≤ 16``) splits each row's keys across ``NUM_SPLITS`` programs
-when ``B·G`` alone cannot fill the GPU (flash-decoding); a second kernel merges the partial softmaxes and
-applies the epilogue. Prefill tiles queries and keys like FlashAttention and writes nothing of size N×N.
+when ``B·G`` alone cannot fill the GPU (flash-decoding); the last program of each tile to finish merges
+the partial softmaxes and applies the epilogue. Prefill tiles queries and keys like FlashAttention and writes nothing of size N×N.
 
 Layout of this file: jit helpers → kernels → host launcher → :func:`lowrank_attention`. Inference only:
 there is no backward, and the function refuses inputs that require a gradient.
@@ -222,7 +222,7 @@ def _epilogue_store(
 # ----------------------------------------------------------------------------------------------- kernels
 @_jit
 def _lowrank_attn_fwd(
-    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, OUT, PART_O, PART_ML,
+    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, OUT, PART_O, PART_ML, LOCKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kg, stride_kn, stride_kr,
     stride_vb, stride_vg, stride_vn, stride_vr,
@@ -242,8 +242,10 @@ def _lowrank_attn_fwd(
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
     unnormalised ``acc``, ``m`` and ``ℓ`` to ``PART_O [B·G, S, rows_pad, R_V_P2]`` and
-    ``PART_ML [2, B·G, S, rows_pad]`` (contiguous, fp32) for :func:`_lowrank_attn_combine`; otherwise the
-    epilogue writes ``OUT``."""
+    ``PART_ML [2, B·G, S, rows_pad]`` (contiguous, fp32) and takes a ticket from ``LOCKS [B·G, m_blocks]``
+    (int32, zeroed); the last of the ``S`` programs of a tile merges them (:func:`_merge_splits`) and writes
+    ``OUT``, which saves the second launch that a separate merge kernel costs on the host. Without ``SPLIT``
+    the epilogue writes ``OUT`` directly."""
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -321,53 +323,49 @@ def _lowrank_attn_fwd(
         DOT_PREC, UPCAST,
     )
 
+    O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
     if SPLIT:
         part_row = (pid_bg * n_splits + pid_s) * rows_pad + offs_m  # int64
         offs_rv = tl.arange(0, R_V_P2)
+        n_l = tl.num_programs(1) * n_splits * rows_pad  # offset of the ℓ block in PART_ML
         tl.store(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], acc)
         tl.store(PART_ML + part_row, m_i)
-        tl.store(PART_ML + tl.num_programs(1) * n_splits * rows_pad + part_row, l_i)
+        tl.store(PART_ML + n_l + part_row, l_i)
+        # Every thread's stores come before the ticket, whose release makes them visible to the GPU
+        # (the pattern of a grid-wide barrier); the last program's acquire then sees all the splits.
+        tl.debug_barrier()
+        ticket = tl.atomic_add(LOCKS + pid_bg * tl.num_programs(0) + pid_m, 1, sem="acq_rel")
+        if ticket == n_splits - 1:
+            acc, l_i = _merge_splits(PART_O, PART_ML, pid_bg * n_splits * rows_pad + offs_m, n_splits, rows_pad,
+                                     n_l, R_V_P2, BLOCK_M)
+            _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
+                            HEAD_DIM, R_V, R_V_P2, HAS_PV)
     else:
-        O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
         _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
                         HEAD_DIM, R_V, R_V_P2, HAS_PV)
 
 
 @_jit
-def _lowrank_attn_combine(
-    PART_O, PART_ML, PV, OUT,
-    stride_pvg, stride_pvd, stride_pvr,
-    stride_ob, stride_oh, stride_on, stride_od,
-    n_q, n_kv_heads, n_splits, rows_pad,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, HAS_PV: tl.constexpr,
-):
-    """Merge the ``S`` partial softmaxes of one (batch row, KV head, query tile):
-    ``M = max_s m_s``, ``ℓ = Σ_s 2^(m_s−M) ℓ_s``, ``acc = Σ_s 2^(m_s−M) acc_s``, then the epilogue."""
-    pid_m = tl.program_id(0)
-    pid_bg = tl.program_id(1).to(tl.int64)
-    b = pid_bg // n_kv_heads
-    g = pid_bg % n_kv_heads
-    offs_m, q_idx, head, row_ok = _query_rows(pid_m, n_q, GROUP, BLOCK_M)
+def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l, R_V_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the ``S`` partial softmaxes of one (batch row, KV head, query tile) whose split 0 starts at row
+    ``first_row`` (``[BLOCK_M]``): ``M = max_s m_s``, ``ℓ = Σ_s 2^(m_s−M) ℓ_s``, ``acc = Σ_s 2^(m_s−M) acc_s``.
+    The loads bypass L1 (``.cg``): the rows were written by other programs."""
     offs_rv = tl.arange(0, R_V_P2)
-    n_l = tl.num_programs(1) * n_splits * rows_pad  # offset of the ℓ block in PART_ML
     acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     for split in range(0, n_splits):
-        part_row = (pid_bg * n_splits + split) * rows_pad + offs_m
-        m_s = tl.load(PART_ML + part_row)
-        l_s = tl.load(PART_ML + n_l + part_row)
-        acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :])
+        part_row = first_row + split * rows_pad
+        m_s = tl.load(PART_ML + part_row, cache_modifier=".cg")
+        l_s = tl.load(PART_ML + n_l + part_row, cache_modifier=".cg")
+        acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], cache_modifier=".cg")
         m_new = tl.maximum(m_i, m_s)
         alpha = tl.exp2(m_i - m_new)
         beta = tl.exp2(m_s - m_new)
         acc = acc * alpha[:, None] + acc_s * beta[:, None]
         l_i = l_i * alpha + l_s * beta
         m_i = m_new
-    O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
-    _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
-                    HEAD_DIM, R_V, R_V_P2, HAS_PV)
+    return acc, l_i
 
 
 # ----------------------------------------------------------------------------------------- host launcher
@@ -478,15 +476,16 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     if splits > 1:
         part_o = torch.empty(B * G, splits, rows_pad, r_v_p2, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(2, B * G, splits, rows_pad, device=q.device, dtype=torch.float32)
+        locks = torch.zeros(B * G * m_blocks, device=q.device, dtype=torch.int32)
     else:
-        part_o = part_ml = z_k  # unused
+        part_o = part_ml = locks = z_k  # unused
     dot_prec = "ieee" if z_k.dtype == torch.float32 else "tf32"
     pos_strides = (pos.stride(0), pos.stride(1)) if pre else (0, 0)
     bias_strides = (bias.stride(0), bias.stride(1), bias.stride(2)) if bias is not None else (0, 0, 0)
     pv_strides = pv.stride()
     out_strides = out.stride()
     _lowrank_attn_fwd[(m_blocks, B * G, splits)](
-        q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, out, part_o, part_ml,
+        q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, out, part_o, part_ml, locks,
         *q.stride(), *z_k.stride(), *z_v.stride(), *P_k.stride(), *pv_strides,
         *pos_strides, *bias_strides, *out_strides,
         Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
@@ -497,13 +496,6 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         UPCAST=_interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    if splits > 1:
-        _lowrank_attn_combine[(m_blocks, B * G)](
-            part_o, part_ml, pv, out, *pv_strides, *out_strides,
-            Nq, G, splits, rows_pad,
-            GROUP=group, HEAD_DIM=d, R_V=r_v, R_V_P2=r_v_p2, BLOCK_M=block_m, HAS_PV=P_v is not None,
-            num_warps=4,
-        )
     return out
 
 

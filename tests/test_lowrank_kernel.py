@@ -2,9 +2,9 @@
 
 Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set here before triton is imported)
 at small shapes; with CUDA the same table runs compiled, plus realistic sizes (d = 128, an 8k and a 32k context).
-Every kernel path is covered: decode (one program per KV head), decode split across programs plus the
-combine kernel, and tiled causal prefill — for both key modes, GQA 1/3/4, ranks 8–56 (padded to powers of
-two), left padding, per-key bias, ``P_v`` given or ``None``, fp32/fp16/bf16.
+Every kernel path is covered: decode (one program per KV head), decode split across programs (the last
+program of a tile merges the splits), and tiled causal prefill — for both key modes, GQA 1/3/4, ranks
+8–56 (padded to powers of two), left padding, per-key bias, ``P_v`` given or ``None``, fp32/fp16/bf16.
 """
 
 import importlib
