@@ -36,9 +36,10 @@ POINTERS = {"Q": "bf16", "ZK": "bf16", "ZV": "bf16", "PK": "fp32", "PV": "fp32",
 
 
 def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int, fast_sincos: bool, d: int = 128,
-                   group: int = 4):
-    """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it."""
-    fn = lk._lowrank_attn_fwd
+                   group: int = 4, fn=None):
+    """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
+    ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/ablate_decode.py's variants)."""
+    fn = fn or lk._lowrank_attn_fwd
     const = dict(GROUP=group, HEAD_DIM=d, R_K=r, R_V=r, R_K_P2=r, R_V_P2=r, BLOCK_M=lk.DECODE_BLOCK_M,
                  BLOCK_N=block_n, KEY_MODE=0 if key_mode == "pre_rope" else 1, CAUSAL=True, HAS_BIAS=False,
                  HAS_LENS=False, HAS_PV=False, SPLIT=True, FAST_SINCOS=fast_sincos, DOT_PREC="tf32",
