@@ -173,11 +173,12 @@ def main() -> None:
         f"torch.compile(dynamic={args.compile_dynamic})",
         "",
         "Causal, bf16, B=1, teacher = student shapes; times in ms (do_bench median); memory = peak allocated "
-        "beyond the inputs (StreamKL in bytes, eager and compiled in MiB); f = forward (no grad), fb = forward+backward "
-        "(grads to q_s, k_s, included in fb memory); speed-ups use backward = fb − f.",
+        "beyond the inputs (StreamKL in bytes, eager and compiled in MiB); f = forward (no grad), "
+        "fb = forward+backward (grads to q_s, k_s, included in fb memory); speed-ups use backward = fb − f.",
         "",
         "| N | H | d | StreamKL f | StreamKL fb | StreamKL f TFLOP/s | StreamKL f bytes | StreamKL fb bytes "
-        "| eager f | eager fb | eager f MiB | eager fb MiB | compiled f | compiled fb | compiled f MiB | compiled fb MiB | SDPA f "
+        "| eager f | eager fb | eager f MiB | eager fb MiB | compiled f | compiled fb | compiled f MiB "
+        "| compiled fb MiB | SDPA f "
         "| eager/StreamKL f | eager/StreamKL b | StreamKL f / SDPA f |",
         "|" + "---|" * 20,
     ]

@@ -20,7 +20,8 @@ Rows of a query tile are ``(query i, head-in-group s)`` pairs, row ``m = i·GROU
 at key index ``Nk − Nq + i`` (causal) and left-padded rows start at key ``Nk − lengths[b]``, so padding
 keys are never loaded. Decode (``Nq·GROUP ≤ 16``) splits each row's keys across ``NUM_SPLITS`` programs
 when ``B·G`` alone cannot fill the GPU (flash-decoding); the last program of each tile to finish merges
-the partial softmaxes and applies the epilogue. Prefill tiles queries and keys like FlashAttention and writes nothing of size N×N.
+the partial softmaxes and applies the epilogue. Prefill tiles queries and keys like FlashAttention and
+writes nothing of size N×N.
 
 Layout of this file: jit helpers → kernels → host launcher → :func:`lowrank_attention`. Inference only:
 there is no backward, and the function refuses inputs that require a gradient.
@@ -346,7 +347,8 @@ def _lowrank_attn_fwd(
 
 
 @_jit
-def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l, R_V_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
+                  R_V_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Merge the ``S`` partial softmaxes of one (batch row, KV head, query tile) whose split 0 starts at row
     ``first_row`` (``[BLOCK_M]``): ``M = max_s m_s``, ``ℓ = Σ_s 2^(m_s−M) ℓ_s``, ``acc = Σ_s 2^(m_s−M) acc_s``.
     The loads bypass L1 (``.cg``): the rows were written by other programs."""
