@@ -60,8 +60,8 @@ def timed_generate(model, ids, new_tokens: int, device) -> tuple[float, int]:
 
 def decode_speed(model, ids, new_tokens: int, device, repeats: int = 3) -> tuple[float, int]:
     """Decode tokens/s (prefill subtracted) and peak memory; one warm-up ``generate`` first. The median of
-    ``repeats`` (prefill, prefill + decode) pairs: decode here is bound by the host's Python and launch
-    overhead, which moved single measurements by up to 25 % between runs on the H200 machine."""
+    ``repeats`` (prefill, prefill + decode) pairs: on the H200 machine the uncompressed model's first pair
+    after the warm-up decoded ~4× slower than the next ones, and a single pair reported that."""
     timed_generate(model, ids, 2, device)
     speeds, peak = [], 0
     for _ in range(repeats):
