@@ -36,7 +36,7 @@ POINTERS = {"Q": "bf16", "ZK": "bf16", "ZV": "bf16", "PK": "fp32", "PV": "fp32",
 
 
 def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int, fast_sincos: bool, d: int = 128,
-                   group: int = 4, fn=None, heads: int = 1):
+                   group: int = 4, fn=None):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/ablate_decode.py's variants)."""
     fn = fn or lk._lowrank_attn_fwd
@@ -44,8 +44,6 @@ def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int,
                  BLOCK_N=block_n, KEY_MODE=0 if key_mode == "pre_rope" else 1, CAUSAL=True, HAS_BIAS=False,
                  HAS_LENS=False, HAS_PV=False, SPLIT=True, FAST_SINCOS=fast_sincos, DOT_PREC="tf32",
                  UPCAST=False)
-    if "HEADS" in fn.arg_names:  # KV heads per program (older builds of the kernel have one)
-        const["HEADS"] = heads
     const.update({name: 1 for name in UNIT_STRIDES})
     sig = {}
     for name in fn.arg_names:

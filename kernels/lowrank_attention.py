@@ -131,52 +131,39 @@ def _query_rows(pid_m, n_q, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
 
 
 @_jit
-def _head_rows(x, hh, h, HEADS: tl.constexpr):
-    """``x`` ([BLOCK_M, ...]) on the rows of the program's KV head ``h`` and 0 on the others (rows of other KV
-    heads); ``x`` itself when the program has one KV head."""
-    if HEADS == 1:
-        return x
-    return tl.where((hh == h)[:, None], x, tl.zeros_like(x))
-
-
-@_jit
-def _key_basis_halves(PK_g, stride_pkd, stride_pkr, R_K: tl.constexpr, R_K_P2: tl.constexpr,
-                      HALF: tl.constexpr, DTYPE: tl.constexpr):
-    """``P1ᵀ, P2ᵀ`` ``[R_K_P2, d/2]`` of one KV head: the two halves of ``P_k``'s rows, transposed by the pointer
-    arithmetic, padded ranks as 0, in the latents' dtype (the rebuild's ``tl.dot`` operands)."""
-    offs_rk = tl.arange(0, R_K_P2)
-    offs_h = tl.arange(0, HALF)
-    p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
-    p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
-    p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
-    return p1t, p2t
+def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """One step of the online softmax over a key tile: ``m' = max(m, max_j s_j)``,
+    ``ℓ' = ℓ·2^(m−m') + Σ_j 2^(s_j−m')``, ``acc' = acc·2^(m−m') + 2^(s−m') v`` (logits in base-2 units)."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = _dot(p.to(v.dtype), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+    return acc, l_i, m_new
 
 
 @_jit
 def _attend_range(
-    acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, hh, n_q, n_k,
-    ZK, ZV, PK, POS, BIAS,
-    stride_kg, stride_kn, stride_kr, stride_vg, stride_vn, stride_vr, stride_pkg, stride_pkd, stride_pkr,
-    stride_posn, stride_bg, stride_bn,
+    acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
+    ZK, ZV, POS, BIAS,
+    stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
     HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, HEADS: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
-    ``ZK``/``ZV``/``PK``/``POS``/``BIAS`` already point at this batch row and the program's first KV head.
-    With ``HEADS > 1`` (decode) the program owns ``HEADS`` consecutive KV heads, row ``m`` belongs to head
-    ``hh[m]``, and each key tile's sin/cos and softmax step serve all of them; the scores of each head come
-    from its own rows of the query (the others zeroed), the values likewise from its own rows of ``p``."""
+    ``ZK``/``ZV``/``POS``/``BIAS`` already point at this (batch row, KV head)."""
     HALF: tl.constexpr = HEAD_DIM // 2
-    DTYPE: tl.constexpr = ZK.dtype.element_ty
     offs_nt = tl.arange(0, BLOCK_N)
     offs_rk = tl.arange(0, R_K_P2)
     offs_rv = tl.arange(0, R_V_P2)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
-        if KEY_MODE == 0:  # pre_rope: the positions' sin/cos, once for all the program's heads
+        zk_ptrs = ZK + offs_n[:, None] * stride_kn + offs_rk[None, :] * stride_kr
+        z = _load_rows(zk_ptrs, offs_n, end, offs_rk, R_K, R_K_P2, MASKED)  # [BLOCK_N, R_K_P2]
+        if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
             if MASKED:
                 pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
             else:
@@ -186,69 +173,48 @@ def _attend_range(
                 sin, cos = _sincos_fast(angle)
             else:
                 sin, cos = _sincos(angle)
-        s = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for h in tl.static_range(HEADS):
-            zk_ptrs = ZK + h * stride_kg + offs_n[:, None] * stride_kn + offs_rk[None, :] * stride_kr
-            z = _load_rows(zk_ptrs, offs_n, end, offs_rk, R_K, R_K_P2, MASKED)  # [BLOCK_N, R_K_P2]
-            if KEY_MODE == 0:  # rebuild and rotate the keys, once for all the head's query heads
-                if HEADS > 1:
-                    p1t, p2t = _key_basis_halves(PK + h * stride_pkg, stride_pkd, stride_pkr, R_K, R_K_P2, HALF,
-                                                 DTYPE)
-                zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
-                a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
-                a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
-                k1 = (a1 * cos - a2 * sin).to(z.dtype)
-                k2 = (a2 * cos + a1 * sin).to(z.dtype)
-                s = _dot(_head_rows(q1, hh, h, HEADS), tl.trans(k1), s, DOT_PREC, UPCAST)
-                s = _dot(_head_rows(q2, hh, h, HEADS), tl.trans(k2), s, DOT_PREC, UPCAST)
-            else:  # post_rope: the projected queries meet the latents directly
-                s = _dot(_head_rows(q1, hh, h, HEADS), tl.trans(z), s, DOT_PREC, UPCAST)
-            if HAS_BIAS:
-                if MASKED:
-                    bias = tl.load(BIAS + h * stride_bg + offs_n * stride_bn, mask=offs_n < end, other=0.0)
-                else:
-                    bias = tl.load(BIAS + h * stride_bg + offs_n * stride_bn)
-                bias = tl.broadcast_to(bias.to(tl.float32)[None, :] * bias_scale, [BLOCK_M, BLOCK_N])
-                s += _head_rows(bias, hh, h, HEADS)
+            zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+            a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
+            a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
+            k1 = (a1 * cos - a2 * sin).to(z.dtype)
+            k2 = (a2 * cos + a1 * sin).to(z.dtype)
+            s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+            s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
+        else:  # post_rope: the projected queries meet the latents directly
+            s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+        if HAS_BIAS:
+            if MASKED:
+                bias = tl.load(BIAS + offs_n * stride_bn, mask=offs_n < end, other=0.0)
+            else:
+                bias = tl.load(BIAS + offs_n * stride_bn)
+            s += bias.to(tl.float32)[None, :] * bias_scale
         if MASKED:
             visible = (offs_n < end)[None, :]
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= (n_k - n_q + q_idx)[:, None])
             s = tl.where(visible, s, float("-inf"))
-        # Online softmax over the tile, logits in base-2 units: m' = max(m, max_j s_j),
-        # ℓ' = ℓ·2^(m−m') + Σ_j 2^(s_j−m'), acc' = acc·2^(m−m') + Σ_j 2^(s_j−m') v_j.
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        m_i = m_new
-        acc = acc * alpha[:, None]
-        for h in tl.static_range(HEADS):
-            zv_ptrs = ZV + h * stride_vg + offs_n[:, None] * stride_vn + offs_rv[None, :] * stride_vr
-            v = _load_rows(zv_ptrs, offs_n, end, offs_rv, R_V, R_V_P2, MASKED)  # [BLOCK_N, R_V_P2]
-            acc = _dot(_head_rows(p, hh, h, HEADS).to(v.dtype), v, acc, DOT_PREC, UPCAST)
+        zv_ptrs = ZV + offs_n[:, None] * stride_vn + offs_rv[None, :] * stride_vr
+        v = _load_rows(zv_ptrs, offs_n, end, offs_rv, R_V, R_V_P2, MASKED)  # [BLOCK_N, R_V_P2]
+        acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     return acc, l_i, m_i
 
 
 @_jit
 def _epilogue_store(
-    acc, l_i, PV, O_rows, row_ok, hh, stride_pvg, stride_pvd, stride_pvr, stride_od,
-    HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr, HAS_PV: tl.constexpr, HEADS: tl.constexpr,
+    acc, l_i, PV, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
+    HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr, HAS_PV: tl.constexpr,
 ):
-    """``o = acc / ℓ`` (0 for a row that saw no key), then ``P_v o`` (``[BLOCK_M, d]``, each row through its
-    own KV head's ``P_v``) when ``HAS_PV``, else the latent ``o`` (``[BLOCK_M, r_v]``); stored at ``O_rows``
-    (one pointer per row) in its dtype. ``PV`` points at the program's first KV head."""
+    """``o = acc / ℓ`` (0 for a row that saw no key), then ``P_v o`` (``[BLOCK_M, d]``) when ``HAS_PV``, else
+    the latent ``o`` (``[BLOCK_M, r_v]``); stored at ``O_rows`` (one pointer per row) in its dtype."""
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     offs_rv = tl.arange(0, R_V_P2)
     if HAS_PV:
         offs_d = tl.arange(0, HEAD_DIM)
-        out = tl.zeros([o.shape[0], HEAD_DIM], dtype=tl.float32)
-        for h in tl.static_range(HEADS):
-            pvt_ptrs = PV + h * stride_pvg + offs_rv[:, None] * stride_pvr + offs_d[None, :] * stride_pvd
-            pvt = tl.load(pvt_ptrs, mask=(offs_rv < R_V)[:, None], other=0.0).to(tl.float32)  # P_vᵀ [R_V_P2, d]
-            out = tl.dot(_head_rows(o, hh, h, HEADS), pvt, out, input_precision="ieee")
+        pvt_ptrs = PV + offs_rv[:, None] * stride_pvr + offs_d[None, :] * stride_pvd
+        pvt = tl.load(pvt_ptrs, mask=(offs_rv < R_V)[:, None], other=0.0).to(tl.float32)  # P_vᵀ [R_V_P2, d]
+        o = tl.dot(o, pvt, input_precision="ieee")
         o_ptrs = O_rows[:, None] + offs_d[None, :] * stride_od
-        tl.store(o_ptrs, out.to(O_rows.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_ptrs, o.to(O_rows.dtype.element_ty), mask=row_ok[:, None])
     else:
         o_ptrs = O_rows[:, None] + offs_rv[None, :] * stride_od
         tl.store(o_ptrs, o.to(O_rows.dtype.element_ty), mask=row_ok[:, None] & (offs_rv < R_V)[None, :])
@@ -272,13 +238,10 @@ def _lowrank_attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr, HEADS: tl.constexpr,
+    UPCAST: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
-    key split ``pid_s`` of that row's visible keys. With ``HEADS > 1`` (decode of one query) the program owns
-    KV heads ``g … g + HEADS − 1`` instead, row ``m`` being query head ``m % GROUP`` of KV head
-    ``g + m // GROUP``: the sin/cos of the key positions and the softmax arithmetic of a tile are then shared
-    by those heads. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
+    key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
     unnormalised ``acc``, ``m`` and ``ℓ`` to ``PART_O [B·G, S, rows_pad, R_V_P2]`` and
     ``PART_ML [2, B·G, S, rows_pad]`` (contiguous, fp32) and takes a ticket from ``LOCKS [B·G, m_blocks]``
     (int32, zeroed); the last of the ``S`` programs of a tile merges them (:func:`_merge_splits`) and writes
@@ -286,20 +249,14 @@ def _lowrank_attn_fwd(
     the epilogue writes ``OUT`` directly."""
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
-    tl.static_assert(HEADS == 1 or KEY_MODE == 0, "several KV heads per program: pre_rope only")
     HALF: tl.constexpr = HEAD_DIM // 2
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1).to(tl.int64)
     pid_s = tl.program_id(2)
     n_splits = tl.num_programs(2)
-    b = pid_bg // (n_kv_heads // HEADS)
-    g = pid_bg % (n_kv_heads // HEADS) * HEADS  # the program's first KV head
+    b = pid_bg // n_kv_heads
+    g = pid_bg % n_kv_heads
     offs_m, q_idx, head, row_ok = _query_rows(pid_m, n_q, GROUP, BLOCK_M)
-    hh = tl.zeros([BLOCK_M], dtype=tl.int32)  # each row's KV head, counted from g
-    if HEADS > 1:  # one query: the "query index" of a row is its KV head
-        hh = q_idx
-        q_idx = tl.zeros_like(q_idx)
-        row_ok = offs_m < HEADS * GROUP
 
     # Visible keys: [kv_lo, kv_hi) for the tile; [kv_lo, full_hi) is seen by every row of it.
     kv_lo = 0
@@ -318,8 +275,7 @@ def _lowrank_attn_fwd(
 
     # Queries, scaled by scale·log2(e) once: pre_rope keeps both halves of q; post_rope projects q' = P_kᵀ q.
     DTYPE = ZK.dtype.element_ty
-    Q_rows = (Q + b * stride_qb + ((g + hh) * GROUP + head).to(tl.int64) * stride_qh
-              + q_idx.to(tl.int64) * stride_qn)
+    Q_rows = Q + b * stride_qb + (g * GROUP + head).to(tl.int64) * stride_qh + q_idx.to(tl.int64) * stride_qn
     offs_rk = tl.arange(0, R_K_P2)
     PK_g = PK + g * stride_pkg
     inv_freq = tl.zeros([HALF], dtype=tl.float32)
@@ -330,7 +286,10 @@ def _lowrank_attn_fwd(
         # The rope attention scaling multiplies the rotated key; it goes on the query instead, once.
         q1 = (q1.to(tl.float32) * (qk_scale * rope_scaling)).to(DTYPE)
         q2 = (q2.to(tl.float32) * (qk_scale * rope_scaling)).to(DTYPE)
-        p1t, p2t = _key_basis_halves(PK_g, stride_pkd, stride_pkr, R_K, R_K_P2, HALF, DTYPE)  # HEADS > 1: per tile
+        # P1ᵀ, P2ᵀ [R_K_P2, d/2]: rows d/2 of P_k each, transposed by the pointer arithmetic.
+        p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
+        p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
+        p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
         inv_freq = tl.load(INV_FREQ + offs_h)
     else:
         offs_d = tl.arange(0, HEAD_DIM)
@@ -353,22 +312,19 @@ def _lowrank_attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, lo, mid, q_idx, hh, n_q, n_k,
-        ZK_bg, ZV_bg, PK_g, POS_b, BIAS_bg, stride_kg, stride_kn, stride_kr, stride_vg, stride_vn, stride_vr,
-        stride_pkg, stride_pkd, stride_pkr, stride_posn, stride_bg, stride_bn,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, lo, mid, q_idx, n_q, n_k,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
-        DOT_PREC, UPCAST, HEADS,
+        DOT_PREC, UPCAST,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, mid, hi, q_idx, hh, n_q, n_k,
-        ZK_bg, ZV_bg, PK_g, POS_b, BIAS_bg, stride_kg, stride_kn, stride_kr, stride_vg, stride_vn, stride_vr,
-        stride_pkg, stride_pkd, stride_pkr, stride_posn, stride_bg, stride_bn,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, mid, hi, q_idx, n_q, n_k,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
-        DOT_PREC, UPCAST, HEADS,
+        DOT_PREC, UPCAST,
     )
 
-    O_rows = (OUT + b * stride_ob + ((g + hh) * GROUP + head).to(tl.int64) * stride_oh
-              + q_idx.to(tl.int64) * stride_on)
+    O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
     if SPLIT:
         part_row = (pid_bg * n_splits + pid_s) * rows_pad + offs_m  # int64
         offs_rv = tl.arange(0, R_V_P2)
@@ -383,11 +339,11 @@ def _lowrank_attn_fwd(
         if ticket == n_splits - 1:
             acc, l_i = _merge_splits(PART_O, PART_ML, pid_bg * n_splits * rows_pad + offs_m, n_splits, rows_pad,
                                      n_l, R_V_P2, BLOCK_M)
-            _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, hh, stride_pvg, stride_pvd, stride_pvr,
-                            stride_od, HEAD_DIM, R_V, R_V_P2, HAS_PV, HEADS)
+            _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
+                            HEAD_DIM, R_V, R_V_P2, HAS_PV)
     else:
-        _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, hh, stride_pvg, stride_pvd, stride_pvr,
-                        stride_od, HEAD_DIM, R_V, R_V_P2, HAS_PV, HEADS)
+        _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
+                        HEAD_DIM, R_V, R_V_P2, HAS_PV)
 
 
 @_jit
@@ -443,20 +399,6 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
-
-
-def _heads_per_program(key_mode: str, n_q: int, n_kv_heads: int, group: int) -> int:
-    """KV heads per decode program by default: 1 (see :func:`_check_heads_per_program` for what is allowed)."""
-    return 1
-
-
-def _check_heads_per_program(heads: int, key_mode: str, n_q: int, n_kv_heads: int, group: int) -> None:
-    if heads == 1:
-        return
-    if heads < 1 or key_mode != "pre_rope" or n_q != 1 or n_kv_heads % heads or heads * group > DECODE_BLOCK_M:
-        raise ValueError(f"heads_per_program={heads} needs pre_rope decode of one query, a divisor of the "
-                         f"{n_kv_heads} KV heads, and heads × {group} query heads per KV head ≤ {DECODE_BLOCK_M}; "
-                         f"got key_mode={key_mode!r} with {n_q} queries")
 
 
 def _padded_rank(r: int) -> int:
@@ -544,8 +486,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     bias_strides = (bias.stride(0), bias.stride(1), bias.stride(2)) if bias is not None else (0, 0, 0)
     pv_strides = pv.stride()
     out_strides = out.stride()
-    heads = cfg["heads"]
-    _lowrank_attn_fwd[(m_blocks, B * G // heads, splits)](
+    _lowrank_attn_fwd[(m_blocks, B * G, splits)](
         q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, out, part_o, part_ml, locks,
         *q.stride(), *z_k.stride(), *z_v.stride(), *P_k.stride(), *pv_strides,
         *pos_strides, *bias_strides, *out_strides,
@@ -554,7 +495,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         BLOCK_M=block_m, BLOCK_N=block_n,
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
         HAS_PV=P_v is not None, SPLIT=splits > 1, FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
-        UPCAST=_interpreting() and z_k.dtype == torch.bfloat16, HEADS=heads,
+        UPCAST=_interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -580,7 +521,6 @@ def lowrank_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fast_sincos: bool | None = None,
-    heads_per_program: int | None = None,
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
@@ -596,9 +536,7 @@ def lowrank_attention(
         picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
         ``fast_sincos`` (``pre_rope``): the hardware sin/cos (:func:`_sincos_fast`) instead of the
         polynomial one; on by default on CUDA (19-29 % less decode time on the H200, BENCHMARKS.md §2 run 5),
-        off under the interpreter, which has no hardware sin/cos. ``heads_per_program`` (``pre_rope`` decode of
-        one query): KV heads per program, sharing each key tile's sin/cos; ``heads × H/G ≤ 16`` and dividing
-        ``G``.
+        off under the interpreter, which has no hardware sin/cos.
 
     Returns
     -------
@@ -619,10 +557,7 @@ def lowrank_attention(
             z_k, P_k = _pad_rank(z_k, P_k)
         if r_v != _padded_rank(r_v):
             z_v, P_v = _pad_rank(z_v, P_v)
-    heads = _heads_per_program(key_mode, Nq, G, H // G) if heads_per_program is None else int(heads_per_program)
-    _check_heads_per_program(heads, key_mode, Nq, G, H // G)
-    cfg = _default_config(n_rows * heads, Nk, key_mode, B * G // heads, _num_sms(q.device), z_k.shape[3])
-    cfg["heads"] = heads
+    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
     if fast_sincos and _interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware sin/cos")
     if fast_sincos is None:
