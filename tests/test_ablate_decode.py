@@ -1,5 +1,5 @@
-"""benchmarks/ablate_decode.py builds its variants by editing the kernel's source: every edit must still
-find its lines, or the script would time the unedited kernel under a variant's name."""
+"""benchmarks/ablate_decode.py and try_decode_variants.py build their variants by editing the kernel's source:
+every edit must still find its lines, or a script would time the unedited kernel under a variant's name."""
 
 import importlib.util
 import pathlib
@@ -8,15 +8,22 @@ import pytest
 
 pytest.importorskip("triton")
 
-SCRIPT = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "ablate_decode.py"
+BENCHMARKS = pathlib.Path(__file__).resolve().parents[1] / "benchmarks"
 
 
-def test_every_variant_applies_to_the_kernel_in_the_tree(tmp_path):
-    spec = importlib.util.spec_from_file_location("ablate_decode", SCRIPT)
-    ablate = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ablate)
+def _load(name):
+    spec = importlib.util.spec_from_file_location(name, BENCHMARKS / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("script", ["ablate_decode", "try_decode_variants"])
+def test_every_variant_applies_to_the_kernel_in_the_tree(script, tmp_path):
+    ablate = _load("ablate_decode")
+    variants = _load(script).VARIANTS
     source = ablate.SRC.read_text()
-    for name, edits in ablate.VARIANTS.items():
+    for name, edits in variants.items():
         module = ablate.build(name, edits, tmp_path)
         assert callable(module.lowrank_attention), name
         variant_source = pathlib.Path(module.__file__).read_text()

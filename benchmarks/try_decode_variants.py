@@ -1,0 +1,193 @@
+"""Decode-kernel variants tried against the kernel in the tree (BENCHMARKS.md §2, run 7): each is checked
+against the reference on CUDA (twice in a row, so a buffer reused across calls must come back clean), then
+timed by CUDA-graph replay at the issue's shapes, and the host time of one call is measured for two.
+
+    python3 benchmarks/try_decode_variants.py
+
+Like ``ablate_decode.py``, the variants are edits of ``kernels/lowrank_attention.py`` (applied to the kernel
+in the tree, refused when a line they edit is gone):
+- ``merge x4``: the split merge loads four splits per iteration (more loads in flight);
+- ``no merge (wrong)``: the last program merges only split 0 — what the merge costs (output wrong by design);
+- ``persistent locks``: the split tickets live in one buffer allocated once and reset by the last program,
+  instead of a ``torch.zeros`` (allocation and memset) per call;
+- ``transposed scores`` (``pre_rope``): ``sᵀ = k qᵀ``, so the rebuilt keys are the A operand of the score dot
+  (kept in registers) instead of the B operand (through shared memory).
+Beside them, the tree's kernel with ``num_warps=8`` and with ``block_n=32`` (``pre_rope``).
+"""
+
+from __future__ import annotations
+
+import datetime
+import pathlib
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).parent))
+import ablate_decode  # noqa: E402  (after the path insert)
+
+MERGE_OLD = """    for split in range(0, n_splits):
+        part_row = first_row + split * rows_pad
+        m_s = tl.load(PART_ML + part_row, cache_modifier=".cg")
+        l_s = tl.load(PART_ML + n_l + part_row, cache_modifier=".cg")
+        acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], cache_modifier=".cg")
+        m_new = tl.maximum(m_i, m_s)
+        alpha = tl.exp2(m_i - m_new)
+        beta = tl.exp2(m_s - m_new)
+        acc = acc * alpha[:, None] + acc_s * beta[:, None]
+        l_i = l_i * alpha + l_s * beta
+        m_i = m_new
+"""
+MERGE_X4 = """    for split0 in range(0, n_splits, 4):
+        for u in tl.static_range(4):
+            split = split0 + u
+            part_row = first_row + split * rows_pad
+            ok = (part_row - first_row) < n_splits * rows_pad
+            m_s = tl.load(PART_ML + part_row, mask=ok, other=-1.0e30, cache_modifier=".cg")
+            l_s = tl.load(PART_ML + n_l + part_row, mask=ok, other=0.0, cache_modifier=".cg")
+            acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], mask=ok[:, None], other=0.0,
+                            cache_modifier=".cg")
+            m_new = tl.maximum(m_i, m_s)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(m_s - m_new)
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            l_i = l_i * alpha + l_s * beta
+            m_i = m_new
+"""
+SCORE = ("            s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)\n"
+         "            s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)\n")
+SCORE_T = ("            st = _dot(k1, tl.trans(q1), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PREC, UPCAST)\n"
+           "            st = _dot(k2, tl.trans(q2), st, DOT_PREC, UPCAST)\n"
+           "            s = tl.trans(st)\n")
+LOCKS = [
+    ("        locks = torch.zeros(B * G * m_blocks, device=q.device, dtype=torch.int32)\n",
+     "        locks = _lock_buffer(q.device, B * G * m_blocks)\n"),
+    ("        if ticket == n_splits - 1:\n",
+     "        if ticket == n_splits - 1:\n            tl.atomic_xchg(LOCKS + pid_bg * tl.num_programs(0) + pid_m, 0)\n"),
+    ("def _launch(q, z_k",
+     "_LOCKS = {}\n\n\ndef _lock_buffer(device, n):\n    buf = _LOCKS.get(device)\n"
+     "    if buf is None or buf.numel() < n:\n"
+     "        buf = _LOCKS[device] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)\n"
+     "    return buf\n\n\ndef _launch(q, z_k"),
+]
+VARIANTS = {
+    "tree": [],
+    "merge x4": [(MERGE_OLD, MERGE_X4)],
+    "no merge (wrong)": [("    for split in range(0, n_splits):\n", "    for split in range(0, 1):\n")],
+    "persistent locks": LOCKS,
+    "transposed scores": [(SCORE, SCORE_T)],
+}
+SHAPES = [(1, 32768), (8, 8192), (16, 16384), (4, 131072)]
+ROWS = [("post_rope", 64), ("post_rope", 32), ("pre_rope", 64)]
+
+
+def check(module, name: str, device) -> None:
+    from stiefkv.kernels.reference import RopeSpec
+    from stiefkv.kernels.reference import lowrank_attention as reference
+
+    worst = 0.0
+    for key_mode in ("pre_rope", "post_rope"):
+        for B, H, G, Nk, d, r_k, r_v, splits in [(3, 32, 8, 5003, 128, 64, 40, None), (2, 24, 3, 777, 64, 24, 56, 7),
+                                                 (1, 32, 8, 32768, 128, 64, 64, None)]:
+            q = torch.randn(B, H, 1, d, device=device, dtype=torch.bfloat16)
+            z_k = torch.randn(B, G, Nk, r_k, device=device, dtype=torch.bfloat16)
+            z_v = torch.randn(B, G, Nk, r_v, device=device, dtype=torch.bfloat16)
+            P_k = torch.linalg.qr(torch.randn(G, d, r_k, device=device))[0]
+            P_v = torch.linalg.qr(torch.randn(G, d, r_v, device=device))[0]
+            lengths = torch.randint(1, Nk + 1, (B,), device=device)
+            lengths[0] = Nk
+            pos = (torch.arange(Nk, device=device)[None] - (Nk - lengths)[:, None]).clamp(min=0) + 100
+            rope = RopeSpec(1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d)), 1.15)
+            kw = dict(key_mode=key_mode, positions=pos, rope=rope, bias=0.5 * torch.randn(B, G, Nk, device=device),
+                      lengths=lengths)
+            expected = reference(q, z_k, z_v, P_k, P_v, **kw).float()
+            for _ in range(2):
+                out = module.lowrank_attention(q, z_k, z_v, P_k, P_v, num_splits=splits, **kw).float()
+                err = (out - expected).abs().max().item()
+                worst = max(worst, err if err == err else float("inf"))  # NaN never passes
+    print(f"check {name}: max abs err {worst:.4f} {'OK' if worst < 0.05 else 'FAIL'}", flush=True)
+
+
+def timed_table(modules, device) -> None:
+    from bench_attention import D_HEAD, G, H, graph_ms, latent_inputs, rope_spec
+
+    cols = list(modules) + ["tree, 8 warps", "tree, block_n 32"]
+    print("\n| B×ctx | mode | r | SDPA ms | " + " | ".join(f"{c} ms" for c in cols) + " |")
+    print("|---|---|---|---|" + "---|" * len(cols))
+    rope = rope_spec(device)
+    for B, N in SHAPES:
+        q = torch.randn(B, H, 1, D_HEAD, device=device, dtype=torch.bfloat16)
+        k = torch.randn(B, G, N, D_HEAD, device=device, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        sdpa = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        del k, v
+        for mode, r in ROWS:
+            q, z_k, z_v, P_k, _, pos = latent_inputs(B, 1, N, r, device)
+            pre = mode == "pre_rope"
+            kw = dict(key_mode=mode, positions=pos if pre else None, rope=rope if pre else None)
+            cells = []
+            with torch.no_grad():
+                for name, module in modules.items():
+                    if name == "transposed scores" and not pre:
+                        cells.append("–")
+                        continue
+                    cells.append(f"{graph_ms(lambda: module.lowrank_attention(q, z_k, z_v, P_k, None, **kw)):.4f}")
+                for tuning in (dict(num_warps=8), dict(block_n=32)):
+                    tree = modules["tree"]
+                    ms = graph_ms(lambda: tree.lowrank_attention(q, z_k, z_v, P_k, None, **kw, **tuning)) if pre else None
+                    cells.append(f"{ms:.4f}" if pre else "–")
+            print(f"| {B}×{N // 1024}k | {mode} | {r} | {sdpa:.4f} | " + " | ".join(cells) + " |", flush=True)
+            del z_k, z_v
+            torch.cuda.empty_cache()
+
+
+def host_table(modules, device, calls=300) -> None:
+    """Host µs per call at the 1B model's shapes (B = 1, 32k keys, d = 64, r = 32), two rounds."""
+    from bench_attention import G, H
+
+    from stiefkv.kernels.reference import RopeSpec
+
+    n, d, r = 32768, 64, 32
+    q = torch.randn(1, H, 1, d, device=device, dtype=torch.bfloat16)
+    z = torch.randn(1, G, n, r, device=device, dtype=torch.bfloat16)
+    P = torch.linalg.qr(torch.randn(G, d, r, device=device))[0].to(torch.bfloat16)
+    pos = torch.arange(n, device=device, dtype=torch.int32)[None]
+    rope = RopeSpec(1.0 / (500000.0 ** (torch.arange(0, d, 2, device=device).float() / d)))
+    print("\n| variant | mode | host µs per call | host + device µs per call |\n|---|---|---|---|")
+    with torch.no_grad():
+        for round_ in range(2):
+            for name in ("tree", "persistent locks"):
+                module = modules[name]
+                for mode in ("pre_rope", "post_rope"):
+                    kw = dict(key_mode=mode, positions=pos, rope=rope) if mode == "pre_rope" else dict(key_mode=mode)
+                    for _ in range(10):
+                        module.lowrank_attention(q, z, z, P, None, **kw)
+                    torch.cuda.synchronize()
+                    start = time.perf_counter()
+                    for _ in range(calls):
+                        module.lowrank_attention(q, z, z, P, None, **kw)
+                    host = time.perf_counter() - start
+                    torch.cuda.synchronize()
+                    total = time.perf_counter() - start
+                    print(f"| {name} (round {round_}) | {mode} | {host / calls * 1e6:.0f} | {total / calls * 1e6:.0f} |",
+                          flush=True)
+
+
+def main() -> None:
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    print(f"{torch.cuda.get_device_name(device)}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
+          f"torch {torch.__version__}")
+    with tempfile.TemporaryDirectory() as tmp:
+        modules = {name: ablate_decode.build(name, edits, pathlib.Path(tmp)) for name, edits in VARIANTS.items()}
+        for name, module in modules.items():
+            if "wrong" not in name:
+                check(module, name, device)
+        timed_table(modules, device)
+        host_table(modules, device)
+
+
+if __name__ == "__main__":
+    main()
