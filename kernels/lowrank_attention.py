@@ -66,6 +66,7 @@ TWO_PI_HI = tl.constexpr(6.2831854820251465)
 TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
 DECODE_BLOCK_M = 16  # tl.dot needs ≥ 16 rows; a decode tile holds one query's GQA group (≤ 8 heads)
+MERGE_UNROLL = tl.constexpr(4)  # splits merged per iteration of _merge_splits
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -351,22 +352,27 @@ def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
                   R_V_P2: tl.constexpr, BLOCK_M: tl.constexpr):
     """Merge the ``S`` partial softmaxes of one (batch row, KV head, query tile) whose split 0 starts at row
     ``first_row`` (``[BLOCK_M]``): ``M = max_s m_s``, ``ℓ = Σ_s 2^(m_s−M) ℓ_s``, ``acc = Σ_s 2^(m_s−M) acc_s``.
-    The loads bypass L1 (``.cg``): the rows were written by other programs."""
+    The loads bypass L1 (``.cg``): the rows were written by other programs. ``MERGE_UNROLL`` splits per
+    iteration keep that many loads in flight: the merge sits on the critical path of the last program (8 %
+    of ``pre_rope`` decode at 1×32k, 33 splits, on the H200: BENCHMARKS.md §2 run 7)."""
     offs_rv = tl.arange(0, R_V_P2)
     acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    for split in range(0, n_splits):
-        part_row = first_row + split * rows_pad
-        m_s = tl.load(PART_ML + part_row, cache_modifier=".cg")
-        l_s = tl.load(PART_ML + n_l + part_row, cache_modifier=".cg")
-        acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], cache_modifier=".cg")
-        m_new = tl.maximum(m_i, m_s)
-        alpha = tl.exp2(m_i - m_new)
-        beta = tl.exp2(m_s - m_new)
-        acc = acc * alpha[:, None] + acc_s * beta[:, None]
-        l_i = l_i * alpha + l_s * beta
-        m_i = m_new
+    for first_split in range(0, n_splits, MERGE_UNROLL):
+        for u in tl.static_range(MERGE_UNROLL):
+            part_row = first_row + (first_split + u) * rows_pad
+            ok = (part_row - first_row) < n_splits * rows_pad  # past the last split: m = −1e30, ℓ = acc = 0
+            m_s = tl.load(PART_ML + part_row, mask=ok, other=-1.0e30, cache_modifier=".cg")
+            l_s = tl.load(PART_ML + n_l + part_row, mask=ok, other=0.0, cache_modifier=".cg")
+            acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], mask=ok[:, None],
+                            other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_i, m_s)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(m_s - m_new)
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            l_i = l_i * alpha + l_s * beta
+            m_i = m_new
     return acc, l_i
 
 
