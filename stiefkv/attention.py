@@ -11,6 +11,7 @@ import inspect
 import logging
 from contextlib import contextmanager
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -177,6 +178,18 @@ class LowRankAttention(nn.Module):
         # P_v folded into o_proj (exact): attention returns its output in r_v dimensions and one matmul of
         # [D, H·r_v] replaces P_v's epilogue plus o_proj; measured faster on the H200 (BENCHMARKS.md §2).
         self.register_buffer("o_fold", fold_values_into_o_proj(attn.o_proj.weight, self.P_v), persistent=False)
+        fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)
+        for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
+            self.register_buffer(name, tensor, persistent=False)
+        self._cast_key: tuple | None = None  # (P_k's storage, device, dtype) of the cached cast
+        self._cast_P_k: torch.Tensor | None = None
+
+    def key_basis(self, dtype: torch.dtype) -> torch.Tensor:
+        """``P_k`` in the latents' dtype, as the kernels take it: cast once, not on every call."""
+        key = (self.P_k.data_ptr(), self.P_k.device, dtype)
+        if key != self._cast_key:
+            self._cast_P_k, self._cast_key = self.P_k.to(dtype), key
+        return self._cast_P_k
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, position_ids=None, **kwargs):
@@ -187,8 +200,51 @@ class LowRankAttention(nn.Module):
             position_ids = torch.arange(past, past + N, device=hidden_states.device)[None]
         out = attend(self.inner, hidden_states, self.P_k, self.P_v, key_mode=self.key_mode, rope=self.rope,
                      position_embeddings=position_embeddings, attention_mask=attention_mask,
-                     positions=position_ids.expand(B, N), cache=cache, backend=self.backend, o_fold=self.o_fold)
+                     positions=position_ids.expand(B, N), cache=cache, backend=self.backend, o_fold=self.o_fold,
+                     kv_fold=FoldedKV(self.zk_weight, self.zk_bias, self.zv_weight, self.zv_bias),
+                     key_basis=self.key_basis)
         return out, None
+
+
+class FoldedKV(NamedTuple):
+    """``k_proj`` and ``v_proj`` with the bases folded in: ``z = (blockdiag(Pᵀ) W) x + blockdiag(Pᵀ) b``, one
+    linear ``[G·r, D]`` per latent in the model's dtype. ``key_weight`` is None where the keys cannot be folded
+    (``post_rope`` rotates them before projecting, and a key norm sits between ``k_proj`` and the basis)."""
+
+    key_weight: torch.Tensor | None
+    key_bias: torch.Tensor | None
+    value_weight: torch.Tensor
+    value_bias: torch.Tensor | None
+
+
+def fold_basis_into_linear(linear: nn.Linear, P: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``blockdiag(P_gᵀ) · W`` ``[G·r, D]`` and ``blockdiag(P_gᵀ) · b`` for a ``linear`` of weight ``[G·d, D]``
+    and ``P`` ``[G, d, r]``; computed in float32, returned in the linear's dtype."""
+    G, d, r = P.shape
+    W = linear.weight.float().view(G, d, -1)
+    weight = torch.einsum("gdr,gdD->grD", P.float(), W).reshape(G * r, -1).to(linear.weight.dtype)
+    bias = None
+    if linear.bias is not None:
+        bias = torch.einsum("gdr,gd->gr", P.float(), linear.bias.float().view(G, d)).reshape(-1)
+        bias = bias.to(linear.bias.dtype)
+    return weight, bias
+
+
+def fold_bases_into_kv_proj(attn: nn.Module, P_k: torch.Tensor, P_v: torch.Tensor, key_mode: str) -> FoldedKV:
+    """Serving needs the keys and values only as latents, so their bases fold into ``k_proj`` and ``v_proj``:
+    one linear per latent instead of a projection to ``d`` per head, a cast to float32, a matmul with the basis and
+    a cast back (exact in exact arithmetic; in the model's dtype it rounds once instead of twice)."""
+    key_weight = key_bias = None
+    if key_mode == "pre_rope" and getattr(attn, "k_norm", None) is None:
+        key_weight, key_bias = fold_basis_into_linear(attn.k_proj, P_k)
+    value_weight, value_bias = fold_basis_into_linear(attn.v_proj, P_v)
+    return FoldedKV(key_weight, key_bias, value_weight, value_bias)
+
+
+def _folded_latent(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, G: int) -> torch.Tensor:
+    """``[B, N, D]`` → ``[B, G, N, r]`` through a folded projection."""
+    B, N, _ = x.shape
+    return torch.nn.functional.linear(x, weight, bias).view(B, N, G, -1).transpose(1, 2)
 
 
 def fold_values_into_o_proj(o_weight: torch.Tensor, P_v: torch.Tensor) -> torch.Tensor:
@@ -204,36 +260,57 @@ def fold_values_into_o_proj(o_weight: torch.Tensor, P_v: torch.Tensor) -> torch.
     return torch.einsum("ohd,hdr->ohr", per_head, P).reshape(D, H * r).to(o_weight.dtype)
 
 
-def project_qkv(attn: nn.Module, hidden_states: torch.Tensor):
-    """q ``[B, H, N, d]``, k ``[B, G, N, d]`` (before RoPE, after any QK-norm), v ``[B, G, N, d]``."""
+def project_qkv(attn: nn.Module, hidden_states: torch.Tensor, *, keys: bool = True, values: bool = True):
+    """q ``[B, H, N, d]``, k ``[B, G, N, d]`` (before RoPE, after any QK-norm), v ``[B, G, N, d]``; k or v is
+    None when not asked for."""
     shape = (*hidden_states.shape[:-1], -1, attn.head_dim)
     q = attn.q_proj(hidden_states).view(shape)
-    k = attn.k_proj(hidden_states).view(shape)
     if getattr(attn, "q_norm", None) is not None:
-        q, k = attn.q_norm(q), attn.k_norm(k)
-    v = attn.v_proj(hidden_states).view(shape)
-    return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        q = attn.q_norm(q)
+    k = v = None
+    if keys:
+        k = attn.k_proj(hidden_states).view(shape)
+        if getattr(attn, "k_norm", None) is not None:
+            k = attn.k_norm(k)
+        k = k.transpose(1, 2)
+    if values:
+        v = attn.v_proj(hidden_states).view(shape).transpose(1, 2)
+    return q.transpose(1, 2), k, v
 
 
 def attend(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Tensor, P_v: torch.Tensor, *, key_mode: str,
            rope: RopeSpec, position_embeddings, attention_mask, positions: torch.Tensor, cache=None,
-           backend: str = "reference", o_fold: torch.Tensor | None = None) -> torch.Tensor:
+           backend: str = "reference", o_fold: torch.Tensor | None = None, kv_fold: FoldedKV | None = None,
+           key_basis=None) -> torch.Tensor:
     """The attention block of one layer with low-rank keys and values, ``o_proj`` included: ``[B, N, D]``.
 
     ``attn`` is the model's attention module (projections, norms, ``o_proj``); ``P_k, P_v`` float32 bases,
     which may require grad (calibration differentiates through this function); ``positions`` ``[B, N]``
     are the new tokens' positions. With a ``cache`` the new latents are appended and attention runs over
-    everything cached. ``o_fold`` (see :func:`fold_values_into_o_proj`) replaces ``P_v`` and ``o_proj``'s weight.
+    everything cached. ``o_fold`` (see :func:`fold_values_into_o_proj`) replaces ``P_v`` and ``o_proj``'s weight;
+    ``kv_fold`` (see :func:`fold_bases_into_kv_proj`) replaces ``k_proj``/``v_proj`` and the bases where it can;
+    ``key_basis(dtype)`` returns ``P_k`` in the latents' dtype (cached by the caller). The folds serve inference;
+    calibration, which differentiates through ``P_k, P_v``, passes neither.
     """
     B, N, _ = hidden_states.shape
+    G = P_k.shape[0]
     cos, sin = position_embeddings
-    q, k, v = project_qkv(attn, hidden_states)
+    if kv_fold is None:
+        q, k, v = project_qkv(attn, hidden_states)
+    else:
+        q, k, v = project_qkv(attn, hidden_states, keys=kv_fold.key_weight is None, values=False)
     q = rotate_with(q, cos, sin)
-    if key_mode == "post_rope":
-        k = rotate_with(k, cos, sin)
-    # [B, G, N, d] @ [G, d, r], broadcast over B: matmul, as einsum's host time per call is ~2.6× larger
-    z_k = torch.matmul(k.float(), P_k).to(k.dtype)
-    z_v = torch.matmul(v.float(), P_v).to(v.dtype)
+    if k is not None:
+        if key_mode == "post_rope":
+            k = rotate_with(k, cos, sin)
+        # [B, G, N, d] @ [G, d, r], broadcast over B: matmul, as einsum's host time per call is ~2.6× larger
+        z_k = torch.matmul(k.float(), P_k).to(k.dtype)
+    else:
+        z_k = _folded_latent(hidden_states, kv_fold.key_weight, kv_fold.key_bias, G)
+    if v is not None:
+        z_v = torch.matmul(v.float(), P_v).to(v.dtype)
+    else:
+        z_v = _folded_latent(hidden_states, kv_fold.value_weight, kv_fold.value_bias, G)
     if cache is not None:
         z_k, z_v = cache.update(z_k, z_v, attn.layer_idx)
         positions = cache_positions(cache, attn.layer_idx, positions)
@@ -243,8 +320,9 @@ def attend(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Tensor, P_v:
         lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
         if cache is not None:
             cache._stiefkv_lengths = lengths
+    P_k_latent = key_basis(z_k.dtype) if key_basis is not None else P_k.to(z_k.dtype)
     out = dispatch_attention(
-        backend, q, z_k, z_v, P_k.to(z_k.dtype), None if o_fold is not None else P_v.to(z_v.dtype),
+        backend, q, z_k, z_v, P_k_latent, None if o_fold is not None else P_v.to(z_v.dtype),
         key_mode=key_mode, positions=positions, rope=rope, causal=True, lengths=lengths, scale=attn.scaling,
     )
     out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)

@@ -213,6 +213,43 @@ def test_folding_p_v_into_o_proj_is_exact(kv_heads):
     assert_close(folded, plain, atol=1e-5, rtol=1e-5, what="folded P_v")
 
 
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])  # k/v biases; a key norm; neither
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+def test_folding_the_bases_into_k_and_v_proj_is_exact(arch, key_mode):
+    """Serving projects straight to the latents (bases folded into k_proj/v_proj) where it can: the same
+    attention output as projecting to d and then onto the bases, in float32."""
+    from stiefkv.attention import attend, fold_bases_into_kv_proj
+
+    model = tiny_model(arch, kv_heads=2)
+    proj = random_projections(model, 16, 8, key_mode)
+    attn = model.model.layers[1].self_attn
+    fold = fold_bases_into_kv_proj(attn, proj.keys[1], proj.values[1], key_mode)
+    keys_folded = key_mode == "pre_rope" and arch != "qwen3"  # post_rope rotates first; qwen3 has a key norm
+    assert (fold.key_weight is not None) == keys_folded
+    assert (fold.key_bias is not None) == (keys_folded and arch == "qwen2")
+    x = torch.randn(2, 9, 48)
+    pos = torch.arange(3, 12)[None].expand(2, 9)
+    kw = dict(key_mode=key_mode, rope=rope_spec(model.config), position_embeddings=model.model.rotary_emb(x, pos),
+              attention_mask=None, positions=pos)
+    with torch.no_grad():
+        plain = attend(attn, x, proj.keys[1], proj.values[1], **kw)
+        folded = attend(attn, x, proj.keys[1], proj.values[1], kv_fold=fold, **kw)
+    assert_close(folded, plain, atol=1e-5, rtol=1e-5, what=f"bases folded into k/v proj ({arch}, {key_mode})")
+
+
+def test_cast_key_basis_follows_the_module():
+    """The key basis handed to the kernels is cast once per dtype and again after the module moves."""
+    model = tiny_model("llama")
+    stiefkv.load(model, random_projections(model, 16, 8))
+    attn = model.model.layers[0].self_attn
+    half = attn.key_basis(torch.float16)
+    assert half.dtype == torch.float16 and attn.key_basis(torch.float16) is half
+    assert torch.equal(half, attn.P_k.to(torch.float16))
+    model.double()
+    assert attn.key_basis(torch.float16) is not half
+    assert attn.zv_weight.dtype == torch.float64 and attn.P_k.dtype == torch.float64
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
 @pytest.mark.parametrize("key_mode", KEY_MODES)
 def test_generate_on_gpu_triton_matches_reference(key_mode):

@@ -42,7 +42,9 @@ def test_full_rank_reproduces_real_logits(smollm2):
     expected = model(ids).logits
     with stiefkv.compressed(model, proj):
         actual = model(ids).logits
-    assert (actual - expected).abs().max() <= 1e-4
+    # float32: serving folds the bases into k_proj/v_proj, which reassociates those products; through 30
+    # layers that leaves ~1e-4 on logits up to ~32 (3e-6 relative). A wrong basis or fold moves them by O(1).
+    assert (actual - expected).abs().max() <= 1e-5 * expected.abs().max()
 
 
 def test_half_budget_on_real_text(smollm2, proj50):
