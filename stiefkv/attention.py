@@ -181,12 +181,13 @@ class LowRankAttention(nn.Module):
         fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)
         for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
             self.register_buffer(name, tensor, persistent=False)
-        self._cast_key: tuple | None = None  # (P_k's storage, device, dtype) of the cached cast
+        self._cast_key: tuple | None = None  # (P_k's storage, version, device, dtype) of the cached cast
         self._cast_P_k: torch.Tensor | None = None
 
     def key_basis(self, dtype: torch.dtype) -> torch.Tensor:
-        """``P_k`` in the latents' dtype, as the kernels take it: cast once, not on every call."""
-        key = (self.P_k.data_ptr(), self.P_k.device, dtype)
+        """``P_k`` in the latents' dtype, as the kernels take it: cast once, not on every call (again after
+        the module moves or ``P_k`` is written in place)."""
+        key = (self.P_k.data_ptr(), self.P_k._version, self.P_k.device, dtype)
         if key != self._cast_key:
             self._cast_P_k, self._cast_key = self.P_k.to(dtype), key
         return self._cast_P_k

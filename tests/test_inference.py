@@ -245,6 +245,8 @@ def test_cast_key_basis_follows_the_module():
     half = attn.key_basis(torch.float16)
     assert half.dtype == torch.float16 and attn.key_basis(torch.float16) is half
     assert torch.equal(half, attn.P_k.to(torch.float16))
+    attn.P_k.mul_(-1)
+    assert torch.equal(attn.key_basis(torch.float16), -half)
     model.double()
     assert attn.key_basis(torch.float16) is not half
     assert attn.zv_weight.dtype == torch.float64 and attn.P_k.dtype == torch.float64
