@@ -5,6 +5,7 @@ host time per step is the step time, and this resolves host-side changes that ``
 tokens/s does not.
 
     python3 benchmarks/bench_decode_step.py [--key-mode pre_rope] [--context 8192]
+    python3 benchmarks/bench_decode_step.py --tiny --count-ops --backend reference   # no GPU: ops per step
 
 To compare two versions of the package in one call, run it twice, once with the other version's ``stiefkv``
 package first on ``PYTHONPATH`` (the printed path says which one ran), alternating A B A B.
@@ -40,11 +41,14 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test of this script)")
+    parser.add_argument("--backend", default="auto", choices=["auto", "triton", "reference"])
+    parser.add_argument("--count-ops", action="store_true",
+                        help="also count the top-level aten operations of one step (torch.profiler)")
     args = parser.parse_args()
     torch.manual_seed(0)
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)
     model = LlamaForCausalLM(LlamaConfig(**(TINY if args.tiny else LLAMA_1B))).to(device, dtype).eval()
-    stiefkv.load(model, random_projections(model, 0.5, args.key_mode))
+    stiefkv.load(model, random_projections(model, 0.5, args.key_mode), backend=args.backend)
     keyword = cache_keyword(model)
     ids = torch.randint(0, model.config.vocab_size, (1, args.context), device=device)
     results = []
@@ -60,8 +64,22 @@ def main() -> None:
             sync(device)
             total = time.perf_counter() - start
             results.append(f"{host / STEPS * 1e3:.2f}/{total / STEPS * 1e3:.2f}")
+        if args.count_ops:
+            print(f"top-level aten operations per step ({model.config.num_hidden_layers} layers): "
+                  f"{count_ops(lambda: model(token, **{keyword: cache}))}")
     print(f"{stiefkv.__file__} {args.key_mode}, {args.context} tokens: ms per step (host/host+device), "
           f"{args.repeats} repeats of {STEPS} steps: " + " ".join(results), flush=True)
+
+
+def count_ops(fn) -> int:
+    """aten operations ``fn`` calls directly (not those inside another aten operation): on CUDA most of them
+    are a kernel launch each, the host cost of a host-bound decode step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")
+               and (e.cpu_parent is None or not e.cpu_parent.name.startswith("aten::")))
 
 
 if __name__ == "__main__":
