@@ -2,10 +2,13 @@
 cache (``stiefkv.load``, Triton kernels) against the same model uncompressed, at a long context.
 
 Decode tokens/s = ``n`` / (time of ``generate`` with ``1 + n`` new tokens − time with 1 new token), so the
-prefill is left out (median of 3 such pairs); peak memory is ``torch.cuda.max_memory_allocated`` over the
-longer ``generate``. Random bases at the model's real shapes: speed does not depend on their quality.
+prefill is left out; peak memory is ``torch.cuda.max_memory_allocated`` over the longer ``generate``. The two
+models alternate, one such pair each per round, and the speed-up is the median of the rounds' ratios: the
+host's speed drifts within one call (the uncompressed model's tokens/s moved between 51 and 86 in one call on
+the H200, BENCHMARKS.md §2), and measuring one model's repeats after the other's let that drift into the
+ratio. Random bases at the model's real shapes: speed does not depend on their quality.
 
-    python benchmarks/bench_generate.py [--context 32768] [--new-tokens 64] [--key-mode pre_rope]
+    python benchmarks/bench_generate.py [--context 32768] [--new-tokens 64] [--key-mode pre_rope] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -58,17 +61,11 @@ def timed_generate(model, ids, new_tokens: int, device) -> tuple[float, int]:
     return time.perf_counter() - start, peak
 
 
-def decode_speed(model, ids, new_tokens: int, device, repeats: int = 3) -> tuple[float, int]:
-    """Decode tokens/s (prefill subtracted) and peak memory; one warm-up ``generate`` first. The median of
-    ``repeats`` (prefill, prefill + decode) pairs: on the H200 machine the uncompressed model's first pair
-    after the warm-up decoded ~4× slower than the next ones, and a single pair reported that."""
-    timed_generate(model, ids, 2, device)
-    speeds, peak = [], 0
-    for _ in range(repeats):
-        t_prefill, _ = timed_generate(model, ids, 1, device)
-        t_total, peak = timed_generate(model, ids, 1 + new_tokens, device)
-        speeds.append(new_tokens / (t_total - t_prefill))
-    return statistics.median(speeds), peak
+def decode_speed(model, ids, new_tokens: int, device) -> tuple[float, int]:
+    """Decode tokens/s of one (prefill, prefill + decode) pair, and the peak memory of the longer one."""
+    t_prefill, _ = timed_generate(model, ids, 1, device)
+    t_total, peak = timed_generate(model, ids, 1 + new_tokens, device)
+    return new_tokens / (t_total - t_prefill), peak
 
 
 def main() -> None:
@@ -78,6 +75,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (one pair per model each)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test of this script)")
     args = parser.parse_args()
     device = torch.device("cpu" if args.tiny else "cuda")
@@ -90,17 +88,33 @@ def main() -> None:
     print(f"{name}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; torch {torch.__version__}; "
           f"triton {triton.__version__}; Llama-3.2-1B shapes{' (tiny)' if args.tiny else ''}, {dtype}, random weights; "
           f"batch {args.batch}, context {args.context}, {args.new_tokens} new tokens, {args.key_mode}")
+    proj = random_projections(model, args.budget, args.key_mode)
+    backend = "reference" if args.tiny else "auto"
+    full, low = [], []
     with torch.no_grad():
-        full_tps, full_peak = decode_speed(model, ids, args.new_tokens, device)
-        proj = random_projections(model, args.budget, args.key_mode)
-        with stiefkv.compressed(model, proj, backend="reference" if args.tiny else "auto"):
-            low_tps, low_peak = decode_speed(model, ids, args.new_tokens, device)
+        # Warm-up of each (compilation, allocator): on the H200 the uncompressed model's first pair after
+        # its warm-up still decoded ~4× slower than the next ones, so one more pair each is left out.
+        for _ in range(2):
+            decode_speed(model, ids, args.new_tokens, device)
+            with stiefkv.compressed(model, proj, backend=backend):
+                decode_speed(model, ids, args.new_tokens, device)
+        for _ in range(args.rounds):
+            full.append(decode_speed(model, ids, args.new_tokens, device))
+            with stiefkv.compressed(model, proj, backend=backend):
+                low.append(decode_speed(model, ids, args.new_tokens, device))
     gib = 2**30
-    print("\n| cache | budget | decode tokens/s | peak memory GiB |")
-    print("|---|---|---|---|")
-    print(f"| full (DynamicCache, SDPA) | 100% | {full_tps:.1f} | {full_peak / gib:.2f} |")
-    print(f"| StiefKV latents | {proj.achieved_budget:.0%} | {low_tps:.1f} | {low_peak / gib:.2f} |")
-    print(f"\nspeed-up {low_tps / full_tps:.2f}×; peak memory {low_peak / max(full_peak, 1):.2f}× of full")
+    full_tps = statistics.median(tps for tps, _ in full)
+    low_tps = statistics.median(tps for tps, _ in low)
+    full_peak, low_peak = max(p for _, p in full), max(p for _, p in low)
+    ratios = [lo[0] / fu[0] for fu, lo in zip(full, low)]
+    print("\n| cache | budget | decode tokens/s (median) | per round | peak memory GiB |")
+    print("|---|---|---|---|---|")
+    print(f"| full (DynamicCache, SDPA) | 100% | {full_tps:.1f} | {' '.join(f'{t:.1f}' for t, _ in full)} | "
+          f"{full_peak / gib:.2f} |")
+    print(f"| StiefKV latents | {proj.achieved_budget:.0%} | {low_tps:.1f} | {' '.join(f'{t:.1f}' for t, _ in low)} | "
+          f"{low_peak / gib:.2f} |")
+    print(f"\nspeed-up {statistics.median(ratios):.2f}× (median of the rounds' ratios; "
+          f"{min(ratios):.2f}–{max(ratios):.2f}); peak memory {low_peak / max(full_peak, 1):.2f}× of full")
 
 
 if __name__ == "__main__":
