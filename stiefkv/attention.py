@@ -296,10 +296,8 @@ def attend(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Tensor, P_v:
     B, N, _ = hidden_states.shape
     G = P_k.shape[0]
     cos, sin = position_embeddings
-    if kv_fold is None:
-        q, k, v = project_qkv(attn, hidden_states)
-    else:
-        q, k, v = project_qkv(attn, hidden_states, keys=kv_fold.key_weight is None, values=False)
+    q, k, v = project_qkv(attn, hidden_states, keys=kv_fold is None or kv_fold.key_weight is None,
+                          values=kv_fold is None)
     q = rotate_with(q, cos, sin)
     if k is not None:
         if key_mode == "post_rope":
