@@ -32,7 +32,7 @@ import torch.nn.functional as F
 import triton
 from triton.testing import do_bench
 
-from stiefkv.kernels.lowrank_attention import _default_config, lowrank_attention
+from stiefkv.kernels.lowrank import _default_config, lowrank_attention
 from stiefkv.kernels.reference import RopeSpec
 
 H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096

@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from triton.testing import do_bench_cudagraph
 
-from stiefkv.kernels.lowrank_attention import lowrank_attention
+from stiefkv.kernels.lowrank import lowrank_attention
 from stiefkv.kernels.reference import RopeSpec
 
 H, G, D, R = 32, 8, 64, 32

@@ -23,7 +23,7 @@ import tempfile
 
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; set here only to silence its warning
 import triton
-from stiefkv.kernels import lowrank_attention as lk
+from stiefkv.kernels import lowrank as lk
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 

@@ -7,15 +7,16 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
+STIEFKV="${VENV:-.venv}/bin/stiefkv"
 export STIEFKV_DATA_DIR="${STIEFKV_DATA_DIR:-$(cd .. && pwd)/shared/data}"
 mkdir -p runs
 method="${METHOD:-stiefel}"
 ckpt="runs/smollm2-${method}50.safetensors"
 if [ "$method" = pca ]; then
-  stiefkv calibrate smollm2 --method pca --allocation uniform --budget 0.5 -o "$ckpt"
+  "$STIEFKV" calibrate smollm2 --method pca --allocation uniform --budget 0.5 -o "$ckpt"
 else
-  stiefkv calibrate smollm2 --budget 0.5 -o "$ckpt"
+  "$STIEFKV" calibrate smollm2 --budget 0.5 -o "$ckpt"
 fi
 windows=()
 [ "${WINDOWS:-2}" = all ] || windows=(--windows "${WINDOWS:-2}")
-stiefkv eval smollm2 --projections "$ckpt" ${windows[@]+"${windows[@]}"}
+"$STIEFKV" eval smollm2 --projections "$ckpt" ${windows[@]+"${windows[@]}"}

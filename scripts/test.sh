@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
-# Set up, then the whole test suite (CPU; kernels run under TRITON_INTERPRET=1 inside their tests).
+# Set up (the project's .venv), then ruff and the whole test suite (CPU; kernels run under TRITON_INTERPRET=1
+# inside their tests).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export STIEFKV_DATA_DIR="${STIEFKV_DATA_DIR:-$(cd .. && pwd)/shared/data}"
-exec python3 -m pytest -q "$@"
+PY="${VENV:-.venv}/bin/python"
+"$PY" -m ruff check .
+exec "$PY" -m pytest -q "$@"

@@ -136,7 +136,7 @@ def rotate_with(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.
 def dispatch_attention(backend: str, q, z_k, z_v, P_k, P_v, **kw) -> torch.Tensor:
     """The Triton kernel on CUDA tensors (``auto``/``triton``), the PyTorch reference otherwise."""
     if backend == "triton" or (backend == "auto" and q.is_cuda and triton_available()):
-        from stiefkv.kernels.lowrank_attention import lowrank_attention
+        from stiefkv.kernels.lowrank import lowrank_attention
 
         return lowrank_attention(q, z_k, z_v, P_k, P_v, **kw)
     return reference.lowrank_attention(q, z_k, z_v, P_k, P_v, **kw)
@@ -144,7 +144,7 @@ def dispatch_attention(backend: str, q, z_k, z_v, P_k, P_v, **kw) -> torch.Tenso
 
 def triton_available() -> bool:
     try:
-        import stiefkv.kernels.lowrank_attention  # noqa: F401
+        import stiefkv.kernels.lowrank  # noqa: F401
         import triton  # noqa: F401
     except ImportError:
         return False

@@ -1,4 +1,4 @@
-"""The Triton low-rank attention (``stiefkv.kernels.lowrank_attention``) against the PyTorch reference.
+"""The Triton low-rank attention (``stiefkv.kernels.lowrank``) against the PyTorch reference.
 
 Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set here before triton is imported)
 at small shapes; with CUDA the same table runs compiled, plus realistic sizes (d = 128, an 8k and a 32k context).
@@ -23,7 +23,7 @@ from stiefkv.kernels.reference import lowrank_attention as reference  # noqa: E4
 
 from .utils import assert_close  # noqa: E402
 
-lk = importlib.import_module("stiefkv.kernels.lowrank_attention")
+lk = importlib.import_module("stiefkv.kernels.lowrank")
 if os.environ.get("TRITON_INTERPRET") == "1" and not type(lk._lowrank_attn_fwd).__name__.startswith("Interpreted"):
     lk = importlib.reload(lk)  # imported before TRITON_INTERPRET was set: decorate the kernels again
 

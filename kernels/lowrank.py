@@ -549,7 +549,7 @@ def lowrank_attention(
     ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``; a row with no visible key is 0.
     """
     if triton is None:
-        raise RuntimeError("stiefkv.kernels.lowrank_attention needs triton; use the reference on this machine")
+        raise RuntimeError("stiefkv.kernels.lowrank needs triton; use the reference on this machine")
     if not q.is_cuda and not _interpreting():
         raise RuntimeError("the Triton low-rank attention runs on CUDA tensors (or on the CPU under "
                            "TRITON_INTERPRET=1); use stiefkv.kernels.reference.lowrank_attention here")
