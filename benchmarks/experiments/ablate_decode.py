@@ -1,8 +1,8 @@
 """Where the ``pre_rope`` decode kernel's time goes: time variants of it that leave one stage of the key loop
 out, at the same shapes and configuration, and read each stage's cost from the differences.
 
-    python benchmarks/ablate_decode.py            # CUDA: device time of each variant (CUDA-graph replay)
-    python benchmarks/ablate_decode.py --static   # no GPU: compile each for sm_90, registers and SASS counts
+    python benchmarks/experiments/ablate_decode.py            # CUDA: device time of each variant (CUDA-graph replay)
+    python benchmarks/experiments/ablate_decode.py --static   # no GPU: compile each for sm_90, registers and SASS counts
 
 The variants are built from ``kernels/lowrank.py`` by replacing lines of ``_attend_range``, so they
 always match the kernel in the tree; their outputs are wrong by design (only their time means something):
@@ -25,7 +25,7 @@ import tempfile
 
 import torch
 
-SRC = pathlib.Path(__file__).resolve().parents[1] / "kernels" / "lowrank.py"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "lowrank.py"
 FAST = "                sin, cos = _sincos_fast(angle)\n"
 POLY = "                sin, cos = _sincos(angle)\n"
 ROT = ("            k1 = (a1 * cos - a2 * sin).to(z.dtype)\n"

@@ -2,20 +2,24 @@
 ``pre_rope``): decode ms/token of each of three repeats (the first shows the uncompressed model's allocator
 warm-up), then a cProfile of one 17-token ``generate`` for StiefKV and for the uncompressed model.
 
-    python benchmarks/profile_generate.py
+    python benchmarks/experiments/profile_generate.py
 """
 
 from __future__ import annotations
 
 import cProfile
 import io
+import pathlib
 import pstats
+import sys
 
 import torch
-from bench_generate import LLAMA_1B, random_projections, timed_generate
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import stiefkv
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
+from bench_generate import LLAMA_1B, random_projections, timed_generate  # noqa: E402  (after the path insert)
 
 
 def ms_per_token(model, ids, device, repeats: int = 3, new: int = 32) -> list[float]:

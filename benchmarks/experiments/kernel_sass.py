@@ -1,7 +1,7 @@
 """Static cost of the decode kernel, without a GPU: compile ``_lowrank_attn_fwd`` for sm_90 (H100/H200) with
 Triton's bundled ptxas, then report registers, stack (spills) and the SASS instruction mix of each key loop.
 
-    python benchmarks/kernel_sass.py [--r 64] [--block-n 64] [--warps 4] [--stages 3]
+    python benchmarks/experiments/kernel_sass.py [--r 64] [--block-n 64] [--warps 4] [--stages 3]
 
 Integer strides that are 1 at run time are compiled as the constant 1 and the others as multiples of 16, as
 Triton's JIT specialises them, so loads vectorise as they do on the device. A loop's count is instructions
@@ -38,7 +38,7 @@ POINTERS = {"Q": "bf16", "ZK": "bf16", "ZV": "bf16", "PK": "fp32", "PV": "fp32",
 def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int, fast_sincos: bool, d: int = 128,
                    group: int = 4, fn=None):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
-    ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/ablate_decode.py's variants)."""
+    ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
     fn = fn or lk._lowrank_attn_fwd
     const = dict(GROUP=group, HEAD_DIM=d, R_K=r, R_V=r, R_K_P2=r, R_V_P2=r, BLOCK_M=lk.DECODE_BLOCK_M,
                  BLOCK_N=block_n, KEY_MODE=0 if key_mode == "pre_rope" else 1, CAUSAL=True, HAS_BIAS=False,

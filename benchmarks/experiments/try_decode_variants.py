@@ -2,7 +2,7 @@
 against the reference on CUDA (twice in a row, so a buffer reused across calls must come back clean), then
 timed by CUDA-graph replay at the issue's shapes, and the host time of one call is measured for two.
 
-    python3 benchmarks/try_decode_variants.py
+    python3 benchmarks/experiments/try_decode_variants.py
 
 Like ``ablate_decode.py``, the variants are edits of ``kernels/lowrank.py`` (applied to the kernel
 in the tree, refused when a line they edit is gone):
