@@ -16,6 +16,8 @@ import torch
 
 FORMAT_VERSION = 1
 KEY_MODES = ("pre_rope", "post_rope")
+# The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
+PROJECTIONS_FILE = "stiefkv_projections.safetensors"
 
 
 class CheckpointError(ValueError):
