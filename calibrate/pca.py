@@ -9,8 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from stiefkv.attention import project_qkv, rotate_with
-from stiefkv.calibrate.collect import LayerBatch
+from stiefkv.layers import LayerBatch, project_qkv, rotate_with
 from stiefkv.models import decoder_layers
 
 
@@ -35,7 +34,8 @@ class SecondMoments:
 
 
 def top_eigenvectors(moment: torch.Tensor, rank: int) -> torch.Tensor:
-    """The ``rank`` leading eigenvectors ``[G, d, rank]`` (float32, orthonormal) of ``moment`` ``[G, d, d]``."""
+    """The ``rank`` leading eigenvectors ``[G, d, rank]`` (float32, orthonormal) of ``moment``
+    ``[G, d, d]``."""
     _, vecs = torch.linalg.eigh(moment.double())  # ascending eigenvalues
     basis = vecs.flip(-1)[..., :rank]
     q, r = torch.linalg.qr(basis)  # re-orthonormalise after the float64 → float32 cast's rounding

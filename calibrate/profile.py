@@ -14,9 +14,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from stiefkv.calibrate.collect import LayerBatch
-from stiefkv.calibrate.objective import compressed_layer_output
 from stiefkv.kernels import RopeSpec
+from stiefkv.layers import LayerBatch, compressed_layer_output
 
 WEIGHTINGS = ("output", "update", "kl")
 KL_SEQUENCES = 4  # the kl profile holds the uncompressed log-probabilities of this many sequences
@@ -24,7 +23,8 @@ KL_SEQUENCES = 4  # the kl profile holds the uncompressed log-probabilities of t
 
 @dataclass
 class LayerProfile:
-    """``k[r]``/``v[r]``: summed ``‖ŷ − y‖²`` with only keys/values at rank ``r`` (PCA); norms for weighting."""
+    """``k[r]``/``v[r]``: summed ``‖ŷ − y‖²`` with only keys/values at rank ``r`` (PCA); norms for
+    weighting."""
 
     ranks: list[int]
     k: list[float] = field(default_factory=list)
@@ -34,7 +34,8 @@ class LayerProfile:
     metric: str = "sq_error"  # or "kl": k and v are next-token KLs of the whole model
 
     def relative(self, which: str, weighting: str = "output") -> list[float]:
-        """Squared error relative to ``‖y‖²`` (``output``) or ``‖y − x‖²`` (``update``), or the KL, per rank."""
+        """Squared error relative to ``‖y‖²`` (``output``) or ``‖y − x‖²`` (``update``), or the KL, per
+        rank."""
         if weighting not in WEIGHTINGS:
             raise ValueError(f"weighting must be one of {WEIGHTINGS}, got {weighting!r}")
         if (weighting == "kl") != (self.metric == "kl"):

@@ -1,17 +1,20 @@
 """StiefKV: low-rank KV-cache compression learned on the Stiefel manifold.
 
->>> model, tok = stiefkv.load_model("smollm2")                                   # doctest: +SKIP
->>> proj = stiefkv.calibrate(model, tok, budget=0.5, method="pca")               # doctest: +SKIP
->>> proj.save("p.safetensors"); stiefkv.load(model, "p.safetensors")             # doctest: +SKIP
+>>> model, tok = stiefkv.load_model("smollm2")                                          # doctest: +SKIP
+>>> proj = stiefkv.calibrate(model, tok, budget=0.5, method="pca", allocation="uniform")  # doctest: +SKIP
+>>> proj.save("p.safetensors"); stiefkv.load(model, "p.safetensors")                    # doctest: +SKIP
+
+Serving (``load``, ``LatentCache``, the kernels) imports nothing of calibration: ``import stiefkv`` and
+``stiefkv.load`` work where geoopt is not installed. ``stiefkv.calibrate`` is the calibration subpackage,
+callable as the calibration function (it imports the optimizer stack on first call), and
+``stiefkv.CalibrationConfig`` is imported on first use.
 """
 
 import logging
 
-# The subpackage stiefkv.calibrate must be imported before the function of the same name is bound below:
-# importing a subpackage sets the parent's attribute, which would otherwise shadow the function.
-from . import calibrate as _calibrate_package  # noqa: F401
-from .attention import LatentCache, LowRankAttention, compressed, load, unload
-from .calibrate.pipeline import CalibrationConfig, calibrate
+from . import calibrate  # light: the package is callable and imports its pipeline on first call
+from .attention import LowRankAttention, compressed, load, unload
+from .cache import LatentCache
 from .models import load_model
 from .projections import CheckpointError, Projections
 
@@ -22,3 +25,11 @@ __all__ = [
     "compressed", "load", "load_model", "unload",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    if name == "CalibrationConfig":
+        from .calibrate.pipeline import CalibrationConfig
+
+        return CalibrationConfig
+    raise AttributeError(f"module 'stiefkv' has no attribute {name!r}")

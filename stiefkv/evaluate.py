@@ -14,10 +14,17 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm.auto import tqdm
 
-from stiefkv.attention import LatentCache, Switch, cache_keyword
-from stiefkv.calibrate.collect import LayerBatch, layer_hooks
-from stiefkv.calibrate.objective import ErrorStats, attention_kl, attention_queries_keys, compressed_layer_output
+from stiefkv.attention import Switch
+from stiefkv.cache import LatentCache, cache_keyword
 from stiefkv.data import load_texts, token_stream, windows
+from stiefkv.layers import (
+    ErrorStats,
+    LayerBatch,
+    attention_kl,
+    attention_queries_keys,
+    compressed_layer_output,
+    layer_hooks,
+)
 from stiefkv.models import decoder_layers, rope_spec
 from stiefkv.projections import Projections
 
@@ -47,7 +54,8 @@ class EvalResult:
         return asdict(self)
 
 
-def load_test_windows(tokenizer, *, data: str = "wikitext2", window: int = 2048, limit: int | None = None) -> torch.Tensor:
+def load_test_windows(tokenizer, *, data: str = "wikitext2", window: int = 2048,
+                      limit: int | None = None) -> torch.Tensor:
     """``[W, window]`` token ids of the test split (the first ``limit`` windows when given)."""
     ws = windows(token_stream(tokenizer, load_texts(data, "test")), window)
     if len(ws) == 0:
@@ -131,7 +139,8 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
     if projections is not None:
         with switch:
             kv = kv_bytes_per_token(model, probe, latent=True)
-        result.method, result.budget, result.key_mode = projections.method, projections.budget, projections.key_mode
+        result.method, result.budget = projections.method, projections.budget
+        result.key_mode = projections.key_mode
         result.ppl = math.exp(nll_comp / count)
         result.next_token_kl = kl_sum / count
         result.kv_bytes_per_token = kv
@@ -161,7 +170,8 @@ def chunked_attention_kl(q, k_t, k_s, *, scale: float, chunk: int | None) -> flo
 @torch.no_grad()
 def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: str = "wikitext2",
                            context: int = 8192, chunk: int | None = 1024) -> list[float]:
-    """Per layer, the mean ``KL(P_orig ‖ P_compressed)`` of attention rows over the first ``context`` test tokens.
+    """Per layer, the mean ``KL(P_orig ‖ P_compressed)`` of attention rows over the first ``context`` test
+    tokens.
 
     Queries and original keys are the uncompressed model's at that layer; compressed keys go through the
     layer's ``P_k`` as the served model's would. Memory grows linearly with ``context``.
@@ -183,26 +193,41 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
         kl[i] = chunked_attention_kl(q, k_t, k_s, scale=attn.scaling, chunk=chunk) / (q.shape[1] * q.shape[2])
 
     with layer_hooks(model, consume):
-        getattr(model, "model", model)(stream[:context][None].to(device), use_cache=False)  # no LM head needed
+        # the decoder stack alone: no LM head needed
+        getattr(model, "model", model)(stream[:context][None].to(device), use_cache=False)
     return kl
 
 
-def format_table(result: EvalResult) -> str:
-    """A markdown table of one evaluation (uncompressed row, then the compressed row)."""
+LEGEND = """\
+Lower is better for every column but "layer cos" (1 is perfect).
+- PPL: perplexity, exp(mean next-token negative log-likelihood) over every scored token; ΔPPL against the
+  uncompressed row, which is the same model on the same windows with its full KV cache.
+- layer rel. err: per decoder layer ‖ŷ − y‖ / ‖y‖ of its output with only that layer compressed, on the
+  uncompressed model's inputs to it; mean over layers. layer cos: the per-token cosine of ŷ and y, likewise.
+- next-token KL: KL(p_uncompressed ‖ p_compressed) of the next-token distributions, nats per token.
+- KV B/token: bytes the cache holds per token, measured from a real cache (latents, positions)."""
+
+
+def format_table(result: EvalResult, *, legend: bool = True) -> str:
+    """A markdown table of one evaluation (uncompressed row, then the compressed row), with its legend."""
     head = (f"model {result.model or '?'} · data {result.data} test · window {result.window} · "
             f"{result.windows} windows · {result.tokens_scored} tokens scored")
-    rows = ["| setting | budget | key mode | PPL | ΔPPL | layer rel. err | layer cos | next-token KL | KV B/token |",
+    rows = ["| setting | budget | key mode | PPL | ΔPPL | layer rel. err | layer cos | next-token KL "
+            "| KV B/token |",
             "|---|---|---|---|---|---|---|---|---|",
             f"| uncompressed | 100 % | – | {result.ppl_original:.4f} | – | – | – | – | "
             f"{result.kv_bytes_per_token_original:.0f} |"]
     if result.ppl is not None:
         delta = 100 * (result.ppl / result.ppl_original - 1)
+        err = "–" if result.layer_rel_error is None else f"{result.layer_rel_error:.4f}"
+        cos = "–" if result.layer_cosine is None else f"{result.layer_cosine:.4f}"
         rows.append(f"| {result.method} | {100 * result.budget:g} % | {result.key_mode} | {result.ppl:.4f} | "
-                    f"{delta:+.1f} % | {result.layer_rel_error:.4f} | {result.layer_cosine:.4f} | "
-                    f"{result.next_token_kl:.4f} | {result.kv_bytes_per_token:.0f} |")
+                    f"{delta:+.1f} % | {err} | {cos} | {result.next_token_kl:.4f} | "
+                    f"{result.kv_bytes_per_token:.0f} |")
     text = head + "\n\n" + "\n".join(rows)
     if result.attention_kl is not None:
         per_layer = " ".join(f"{v:.3g}" for v in result.attention_kl)
         text += (f"\n\nattention KL(original ‖ compressed) per row at {result.attention_kl_context} tokens: "
-                 f"mean {sum(result.attention_kl) / len(result.attention_kl):.4g} nats; per layer: {per_layer}")
-    return text
+                 f"mean {sum(result.attention_kl) / len(result.attention_kl):.4g} nats; "
+                 f"per layer: {per_layer}")
+    return text + ("\n\n" + LEGEND if legend else "")

@@ -194,47 +194,30 @@ def test_right_padding_is_refused_clearly():
         model(x, attention_mask=mask)
 
 
-@pytest.mark.parametrize("kv_heads", [6, 2, 1])
-def test_folding_p_v_into_o_proj_is_exact(kv_heads):
-    from stiefkv.attention import attend
-
-    model = tiny_model("qwen2", kv_heads=kv_heads)
-    proj = random_projections(model, 16, 8)
-    layer = model.model.layers[0]
-    x = torch.randn(2, 9, 48)
-    pos = torch.arange(9)[None].expand(2, 9)
-    pe = model.model.rotary_emb(x, pos)
-    kw = dict(key_mode="pre_rope", rope=rope_spec(model.config), position_embeddings=pe, attention_mask=None,
-              positions=pos)
-    fold = stiefkv.attention.fold_values_into_o_proj(layer.self_attn.o_proj.weight, proj.values[0])
-    with torch.no_grad():
-        plain = attend(layer.self_attn, x, proj.keys[0], proj.values[0], **kw)
-        folded = attend(layer.self_attn, x, proj.keys[0], proj.values[0], o_fold=fold, **kw)
-    assert_close(folded, plain, atol=1e-5, rtol=1e-5, what="folded P_v")
-
-
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])  # k/v biases; a key norm; neither
+@pytest.mark.parametrize("kv_heads", [6, 2, 1])
 @pytest.mark.parametrize("key_mode", KEY_MODES)
-def test_folding_the_bases_into_k_and_v_proj_is_exact(arch, key_mode):
-    """Serving projects straight to the latents (bases folded into k_proj/v_proj) where it can: the same
-    attention output as projecting to d and then onto the bases, in float32."""
-    from stiefkv.attention import attend, fold_bases_into_kv_proj
+def test_serving_path_equals_the_differentiable_layer_path(arch, kv_heads, key_mode):
+    """Serving folds the bases into k_proj/v_proj (where it can) and P_v into o_proj and casts P_k once; the
+    layer path of calibration and evaluation projects to d, then onto the bases. Same output in float32."""
+    from stiefkv.attention import LowRankAttention
+    from stiefkv.layers import attention_block
 
-    model = tiny_model(arch, kv_heads=2)
+    model = tiny_model(arch, kv_heads=kv_heads)
     proj = random_projections(model, 16, 8, key_mode)
     attn = model.model.layers[1].self_attn
-    fold = fold_bases_into_kv_proj(attn, proj.keys[1], proj.values[1], key_mode)
-    keys_folded = key_mode == "pre_rope" and arch != "qwen3"  # post_rope rotates first; qwen3 has a key norm
-    assert (fold.key_weight is not None) == keys_folded
-    assert (fold.key_bias is not None) == (keys_folded and arch == "qwen2")
+    served = LowRankAttention(attn, proj.keys[1], proj.values[1], key_mode=key_mode,
+                              rope=rope_spec(model.config), backend="reference")
+    assert (served.zk_weight is not None) == (key_mode == "pre_rope" and arch != "qwen3")
+    assert (served.zk_bias is not None) == (served.zk_weight is not None and arch == "qwen2")
     x = torch.randn(2, 9, 48)
     pos = torch.arange(3, 12)[None].expand(2, 9)
-    kw = dict(key_mode=key_mode, rope=rope_spec(model.config), position_embeddings=model.model.rotary_emb(x, pos),
-              attention_mask=None, positions=pos)
+    pe = model.model.rotary_emb(x, pos)
     with torch.no_grad():
-        plain = attend(attn, x, proj.keys[1], proj.values[1], **kw)
-        folded = attend(attn, x, proj.keys[1], proj.values[1], kv_fold=fold, **kw)
-    assert_close(folded, plain, atol=1e-5, rtol=1e-5, what=f"bases folded into k/v proj ({arch}, {key_mode})")
+        plain = attention_block(attn, x, proj.keys[1], proj.values[1], key_mode=key_mode,
+                                rope=rope_spec(model.config), position_embeddings=pe, positions=pos)
+        folded, _ = served(x, position_embeddings=pe, position_ids=pos)
+    assert_close(folded, plain, atol=1e-5, rtol=1e-5, what=f"serving vs layer path ({arch}, {key_mode})")
 
 
 def test_cast_key_basis_follows_the_module():

@@ -8,8 +8,8 @@ from stiefkv.models import dims_of, fingerprint
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
 
-def tiny_config(arch: str = "llama", *, heads: int = 6, kv_heads: int = 2, head_dim: int = 24, layers: int = 2,
-                rope_parameters: dict | None = None):
+def tiny_config(arch: str = "llama", *, heads: int = 6, kv_heads: int = 2, head_dim: int = 24,
+                layers: int = 2, rope_parameters: dict | None = None):
     from transformers import AutoConfig
 
     kwargs = dict(vocab_size=97, hidden_size=48, intermediate_size=56, num_hidden_layers=layers,
@@ -29,7 +29,8 @@ def tiny_model(arch: str = "llama", dtype=torch.float32, **kwargs):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(tiny_config(arch, **kwargs), dtype=dtype, attn_implementation="sdpa")
+    config = tiny_config(arch, **kwargs)
+    model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
     # Random init is too tame to exercise the attention: widen the q/k weights so softmax is peaked.
     with torch.no_grad():
         for layer in model.model.layers:
@@ -44,10 +45,24 @@ def random_bases(G: int, d: int, r: int, generator=None) -> torch.Tensor:
     return torch.linalg.qr(a)[0].float()
 
 
-def random_projections(model, rk: int, rv: int, key_mode: str = "pre_rope", seed: int = 0) -> stiefkv.Projections:
+def random_projections(model, rk: int, rv: int, key_mode: str = "pre_rope",
+                       seed: int = 0) -> stiefkv.Projections:
     dims = dims_of(model.config)
     g = torch.Generator().manual_seed(seed)
     keys = [random_bases(dims.G, dims.d, rk, g) for _ in range(dims.L)]
     values = [random_bases(dims.G, dims.d, rv, g) for _ in range(dims.L)]
     return stiefkv.Projections(keys=keys, values=values, key_mode=key_mode, fingerprint=fingerprint(model),
                                budget=(rk + rv) / (2 * dims.d), method="random")
+
+
+def tiny_tokenizer(vocab: int = 97):
+    """A word-level tokenizer over ``vocab`` tokens ``t0 … t{vocab-1}`` (``t0`` is EOS and padding)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = {f"t{i}": i for i in range(vocab)}
+    backend = Tokenizer(models.WordLevel(words, unk_token="t1"))
+    backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, eos_token="t0", pad_token="t0", unk_token="t1")
+    tok.padding_side = "left"
+    return tok

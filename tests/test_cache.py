@@ -1,0 +1,194 @@
+"""The cache protocol of a served model: every path that makes a cache makes a LatentCache, any other cache
+is refused, the state dict keeps the original names, and save_pretrained round-trips both ways."""
+
+import pytest
+import torch
+from safetensors import safe_open
+
+import stiefkv
+from stiefkv.cache import LatentCache
+from stiefkv.projections import PROJECTIONS_FILE
+from tests.tiny import random_projections, tiny_model, tiny_tokenizer
+from tests.utils import assert_close
+
+
+def ids(batch=2, n=7, seed=0):
+    return torch.randint(2, 97, (batch, n), generator=torch.Generator().manual_seed(seed))
+
+
+class CacheSeen:
+    """Records the type of the cache each forward of layer 0's attention receives."""
+
+    def __init__(self, model):
+        self.types = []
+        attn = model.model.layers[0].self_attn
+        self.handle = attn.register_forward_pre_hook(self, with_kwargs=True)
+
+    def __call__(self, module, args, kwargs):
+        cache = kwargs.get("cache", kwargs.get("past_key_values"))
+        self.types.append(type(cache).__name__)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+
+def served(arch="llama", rk=16, rv=12, key_mode="pre_rope"):
+    model = tiny_model(arch)
+    stiefkv.load(model, random_projections(model, rk, rv, key_mode))
+    return model
+
+
+GREEDY = dict(max_new_tokens=6, min_new_tokens=6, do_sample=False, pad_token_id=0)
+
+
+@pytest.mark.parametrize("use_cache", [True, None])  # explicit, and the config's default
+def test_plain_forward_with_use_cache_makes_a_latent_cache(use_cache):
+    model = served()
+    kwargs = {} if use_cache is None else {"use_cache": use_cache}
+    out = model(ids(n=9), **kwargs)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert isinstance(cache, LatentCache)
+    assert cache.layers[0].keys.shape == (2, 2, 9, 16) and cache.positions.shape == (2, 9)
+    assert cache.nbytes == 2 * 2 * 9 * 2 * (16 + 12) * 4 + 2 * 9 * 4  # L·B·N·G·(r_k + r_v)·fp32 + positions
+    # and it continues correctly
+    nxt = model(ids(n=3, seed=1), **{stiefkv.attention.cache_keyword(model): cache})
+    full = model(torch.cat([ids(n=9), ids(n=3, seed=1)], 1), use_cache=False)
+    assert_close(nxt.logits, full.logits[:, 9:], atol=2e-5, rtol=1e-4, what="continued from the made cache")
+
+
+def test_use_cache_false_makes_no_cache():
+    model = served()
+    with CacheSeen(model) as seen:
+        out = model(ids(), use_cache=False)
+    assert seen.types == ["NoneType"]
+    assert getattr(out, "cache", None) is None and getattr(out, "past_key_values", None) is None
+
+
+@pytest.mark.parametrize("make", ["DynamicCache", "DynamicCache-filled"])
+def test_a_foreign_cache_is_refused_clearly(make):
+    from transformers import DynamicCache
+
+    model = served()
+    cache = DynamicCache()
+    if make.endswith("filled"):
+        cache.update(torch.zeros(2, 2, 3, 24), torch.zeros(2, 2, 3, 24), 0)
+    with pytest.raises(ValueError, match="LatentCache.*got a DynamicCache"):
+        model(ids(), past_key_values=cache)
+
+
+def test_generate_goes_through_the_wrapped_cache_preparation():
+    """The one instance wrapper load installs: it fails here, not silently, if transformers stops preparing
+    generate's cache in ``_prepare_cache_for_generation``."""
+    from transformers import GenerationMixin
+
+    assert hasattr(GenerationMixin, "_prepare_cache_for_generation")
+    model = served()
+    assert "_prepare_cache_for_generation" in model.__dict__
+    with CacheSeen(model) as seen:
+        model.generate(ids(n=4), **GREEDY)
+    assert set(seen.types) == {"LatentCache"}
+    stiefkv.unload(model)
+    assert "_prepare_cache_for_generation" not in model.__dict__
+
+
+def test_beam_search_uses_and_reorders_the_latent_cache():
+    model = served(key_mode="pre_rope")
+    x = ids(batch=2, n=5)
+    kw = dict(num_beams=3, num_return_sequences=2, max_new_tokens=5, min_new_tokens=5, do_sample=False,
+              pad_token_id=0, attention_mask=torch.ones_like(x))
+    with CacheSeen(model) as seen:
+        cached = model.generate(x, use_cache=True, **kw)
+    assert set(seen.types) == {"LatentCache"}
+    assert torch.equal(cached, model.generate(x, use_cache=False, **kw))
+
+
+def test_assisted_decoding_equals_greedy():
+    model = served()
+    assistant = tiny_model("llama")  # uncompressed, same vocabulary
+    x = ids(batch=1, n=6)
+    mask = torch.ones_like(x)
+    greedy = model.generate(x, attention_mask=mask, **GREEDY)
+    with CacheSeen(model) as seen:
+        assisted = model.generate(x, attention_mask=mask, assistant_model=assistant, **GREEDY)
+    assert set(seen.types) == {"LatentCache"}
+    assert torch.equal(assisted, greedy)
+
+
+def test_prompt_lookup_decoding_equals_greedy():
+    model = served()
+    x = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8, 5, 6]])
+    mask = torch.ones_like(x)
+    greedy = model.generate(x, attention_mask=mask, **GREEDY)
+    with CacheSeen(model) as seen:
+        looked_up = model.generate(x, attention_mask=mask, prompt_lookup_num_tokens=3, **GREEDY)
+    assert set(seen.types) == {"LatentCache"}
+    assert torch.equal(looked_up, greedy)
+
+
+def test_pipeline_uses_the_latent_cache():
+    from transformers import pipeline
+
+    model = served()
+    tok = tiny_tokenizer()
+    generator = pipeline("text-generation", model=model, tokenizer=tok, device="cpu")
+    with CacheSeen(model) as seen:
+        out = generator("t5 t6 t7", max_new_tokens=4, do_sample=False, return_full_text=False)
+    text = out[0]["generated_text"]
+    assert set(seen.types) == {"LatentCache"}
+    prompt = tok("t5 t6 t7", return_tensors="pt")
+    expected = model.generate(**prompt, max_new_tokens=4, do_sample=False, pad_token_id=0)[0, 3:]
+    assert text.split() == tok.convert_ids_to_tokens(expected.tolist())
+
+
+def test_state_dict_keeps_the_original_names():
+    model = tiny_model("qwen3")  # a key norm and a query norm besides the projections
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    stiefkv.load(model, random_projections(model, 8, 16))
+    after = model.state_dict()
+    assert list(after) == list(before)
+    assert all(torch.equal(after[k], before[k]) for k in before)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_save_pretrained_round_trips_both_ways(arch, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(arch)
+    x = ids(n=8)
+    original = model(x).logits
+    proj = random_projections(model, 8, 16)
+    stiefkv.load(model, proj)
+    compressed = model(x).logits
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    assert (tmp_path / PROJECTIONS_FILE).is_file()
+    with safe_open(str(tmp_path / "model.safetensors"), framework="pt") as f:
+        names = set(f.keys())
+    assert "model.layers.0.self_attn.k_proj.weight" in names and not any("original" in n for n in names)
+    plain = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert not stiefkv.attention.is_compressed(plain)
+    assert torch.equal(plain(x).logits, original)
+    reloaded, _ = stiefkv.load_model(str(tmp_path))
+    assert stiefkv.attention.is_compressed(reloaded)
+    assert_close(reloaded(x).logits, compressed, atol=1e-6, rtol=1e-6, what="reloaded compressed model")
+    # unloaded, save_pretrained is transformers' own again and writes no bases
+    stiefkv.unload(model)
+    model.save_pretrained(tmp_path / "plain")
+    assert not (tmp_path / "plain" / PROJECTIONS_FILE).exists()
+
+
+def test_left_padding_lengths_are_cache_fields():
+    model = served()
+    x = ids(batch=2, n=6)
+    mask = torch.ones_like(x)
+    mask[0, :2] = 0
+    cache = LatentCache()
+    model(x, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache)
+    assert cache.lengths.tolist() == [4, 6]
+    assert cache.positions.tolist()[0] == [0, 0, 0, 1, 2, 3]
+    cache.reorder_cache(torch.tensor([1, 0]))
+    assert cache.lengths.tolist() == [6, 4] and cache.positions.tolist()[1] == [0, 0, 0, 1, 2, 3]
+    assert not any(name.startswith("_stiefkv") for name in vars(cache))
