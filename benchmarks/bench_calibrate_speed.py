@@ -2,7 +2,7 @@
 
 Default shapes are Llama-3-8B's (32 layers, hidden 4096, 32 query heads, 8 KV heads, d = 128, MLP 14336)
 with 128 random sequences × 2048 tokens (issue: calibration speed). Random weights say nothing about
-quality; only the time is reported, with the GPU, date and versions.
+quality; only the time is reported, as a row of ``benchmarks/results/calibrate_speed.jsonl``.
 
     python benchmarks/bench_calibrate_speed.py --device cuda --dtype bfloat16
 """
@@ -10,10 +10,10 @@ quality; only the time is reported, with the GPU, date and versions.
 from __future__ import annotations
 
 import argparse
-import datetime
 import time
 
 import torch
+import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import stiefkv
@@ -32,10 +32,17 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,method=pca")
     args = ap.parse_args()
+    print(utils.header(), flush=True)
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=8192)
+    config = LlamaConfig(
+        vocab_size=32000,
+        hidden_size=args.hidden,
+        intermediate_size=args.intermediate,
+        num_hidden_layers=args.layers,
+        num_attention_heads=args.heads,
+        num_key_value_heads=args.kv_heads,
+        max_position_embeddings=8192,
+    )
     with torch.device(args.device):
         model = LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
     seqs = torch.randint(0, config.vocab_size, (args.sequences, args.seq_len))
@@ -48,11 +55,29 @@ def main() -> None:
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    name = torch.cuda.get_device_name() if args.device.startswith("cuda") else "cpu"
-    print(f"| shapes L={args.layers} D={args.hidden} H={args.heads} G={args.kv_heads} d={args.hidden // args.heads} | "
-          f"{args.sequences} × {args.seq_len} tokens | {proj.method}, {proj.settings['allocation']}, "
-          f"{proj.settings['order']}, steps {proj.settings['steps']} {extra} | {seconds:.1f} s | {name} | "
-          f"torch {torch.__version__} | {datetime.date.today()} |")
+    row = {
+        "case": f"calibrate L{args.layers} D{args.hidden} H{args.heads} G{args.kv_heads} "
+        f"{args.sequences}x{args.seq_len} {args.dtype}",
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "heads": args.heads,
+        "kv_heads": args.kv_heads,
+        "intermediate": args.intermediate,
+        "sequences": args.sequences,
+        "seq_len": args.seq_len,
+        "device": args.device,
+        "dtype": args.dtype,
+        "extra": extra,
+        "method": proj.method,
+        "settings": proj.settings,
+        "seconds": seconds,
+    }
+    utils.write_rows("calibrate_speed", row)
+    print(
+        f"{row['case']}: {proj.method}, {proj.settings['allocation']}, {proj.settings['order']}, "
+        f"steps {proj.settings['steps']} {extra}: {seconds:.1f} s",
+        flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Quality table: WikiText-2 test perplexity of a model, uncompressed and with calibrated bases.
 
 For every key mode and budget it calibrates (``stiefkv.calibrate``), then evaluates on the whole test set
-(or ``--windows N``), and prints one markdown row per setting with the calibration wall time.
+(or ``--windows N``), and prints one markdown row per setting with the calibration wall time. Each row
+also goes to ``benchmarks/results/quality.jsonl``.
 
     python benchmarks/bench_quality.py smollm2 --budgets 1,0.75,0.5,0.375,0.25 --key-modes pre_rope,post_rope
 """
@@ -9,12 +10,11 @@ For every key mode and budget it calibrates (``stiefkv.calibrate``), then evalua
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import platform
 import time
 
 import torch
+import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 import stiefkv
 from stiefkv.evaluate import evaluate
@@ -38,35 +38,94 @@ def main() -> None:
     args = ap.parse_args()
 
     model, tok = stiefkv.load_model(args.model, device=args.device)
-    device_name = torch.cuda.get_device_name() if args.device.startswith("cuda") else platform.processor() or "cpu"
-    print(f"# {args.model} · WikiText-2 test · window {args.window} · {device_name} · torch {torch.__version__} · "
-          f"{datetime.date.today()}")
-    print(f"# calibration: {args.method}, allocation {args.allocation}, {args.num_sequences} × {args.seq_len} "
-          f"tokens of WikiText-2 validation, extra {args.extra}")
+    print(utils.header())
+    print(f"# {args.model} · WikiText-2 test · window {args.window}")
+    print(
+        f"# calibration: {args.method}, allocation {args.allocation}, {args.num_sequences} × {args.seq_len} "
+        f"tokens of WikiText-2 validation, extra {args.extra}"
+    )
     base = evaluate(model, tok, None, window=args.window, limit=args.windows, model_name=args.model)
     print(f"\n{base.windows} windows, {base.tokens_scored} tokens scored\n")
-    print("| key mode | budget | method | allocation | PPL | ΔPPL | layer rel. err | next-token KL | KV B/token | calib. s |")
+    print(
+        "| key mode | budget | method | allocation | PPL | ΔPPL | layer rel. err | next-token KL "
+        "| KV B/token | calib. s |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
-    print(f"| – | 100 % | uncompressed | – | {base.ppl_original:.4f} | – | – | – | "
-          f"{base.kv_bytes_per_token_original:.0f} | – |", flush=True)
+    print(
+        f"| – | 100 % | uncompressed | – | {base.ppl_original:.4f} | – | – | – | "
+        f"{base.kv_bytes_per_token_original:.0f} | – |",
+        flush=True,
+    )
+    common = {
+        "model": args.model,
+        "window": args.window,
+        "windows": base.windows,
+        "device": args.device,
+        "backend": args.backend,
+        "num_sequences": args.num_sequences,
+        "seq_len": args.seq_len,
+    }
     rows = [base.as_dict()]
+    utils.write_rows(
+        "quality",
+        {
+            "case": f"{args.model} uncompressed w{args.windows or 'all'}",
+            **common,
+            "ppl": base.ppl_original,
+            "kv_bytes_per_token": base.kv_bytes_per_token_original,
+        },
+    )
     for key_mode in args.key_modes.split(","):
         for budget in (float(b) for b in args.budgets.split(",")):
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
-            proj = stiefkv.calibrate(model, tok, budget=budget, method=args.method, key_mode=key_mode,
-                                     allocation=args.allocation, num_sequences=args.num_sequences,
-                                     seq_len=args.seq_len, **json.loads(args.extra))
+            proj = stiefkv.calibrate(
+                model,
+                tok,
+                budget=budget,
+                method=args.method,
+                key_mode=key_mode,
+                allocation=args.allocation,
+                num_sequences=args.num_sequences,
+                seq_len=args.seq_len,
+                **json.loads(args.extra),
+            )
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             seconds = time.perf_counter() - t0
-            r = evaluate(model, tok, proj, window=args.window, limit=args.windows, backend=args.backend,
-                         model_name=args.model)
-            print(f"| {key_mode} | {100 * budget:g} % | {args.method} | {args.allocation} | {r.ppl:.4f} | "
-                  f"{100 * (r.ppl / r.ppl_original - 1):+.1f} % | {r.layer_rel_error:.4f} | "
-                  f"{r.next_token_kl:.4f} | {r.kv_bytes_per_token:.0f} | {seconds:.1f} |", flush=True)
+            r = evaluate(
+                model,
+                tok,
+                proj,
+                window=args.window,
+                limit=args.windows,
+                backend=args.backend,
+                model_name=args.model,
+            )
+            print(
+                f"| {key_mode} | {100 * budget:g} % | {args.method} | {args.allocation} | {r.ppl:.4f} | "
+                f"{100 * (r.ppl / r.ppl_original - 1):+.1f} % | {r.layer_rel_error:.4f} | "
+                f"{r.next_token_kl:.4f} | {r.kv_bytes_per_token:.0f} | {seconds:.1f} |",
+                flush=True,
+            )
             rows.append(r.as_dict() | {"calibration_seconds": seconds, "ranks": proj.ranks})
+            utils.write_rows(
+                "quality",
+                {
+                    "case": f"{args.model} {key_mode} {budget:g} {args.method} {args.allocation} "
+                    f"w{args.windows or 'all'}",
+                    **common,
+                    "key_mode": key_mode,
+                    "budget": budget,
+                    "method": args.method,
+                    "allocation": args.allocation,
+                    "extra": json.loads(args.extra),
+                    **r.as_dict(),
+                    "calibration_seconds": seconds,
+                    "ranks": proj.ranks,
+                },
+            )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(rows, f, indent=1)

@@ -14,8 +14,14 @@ import json
 from pathlib import Path
 
 BUDGETS = (0.5, 0.75, 0.375, 0.25)
-ROWS = ("pca-uniform", "pca-dp", "stiefel-dp-seq", "stiefel-dp-indep", "stiefel-uniform-seq",
-        "stiefel-uniform-indep")
+ROWS = (
+    "pca-uniform",
+    "pca-dp",
+    "stiefel-dp-seq",
+    "stiefel-dp-indep",
+    "stiefel-uniform-seq",
+    "stiefel-uniform-indep",
+)
 ORDER = {"seq": "sequential", "indep": "independent"}
 
 
@@ -31,14 +37,18 @@ def line(r: dict, bold: bool) -> str:
     if bold:
         ppl, dppl = f"**{ppl}**", f"**{dppl}**"
     tag = f" | {r['tag']}" if r.get("tag") else ""
-    return (f"| {r['key_mode']} | {100 * r['budget']:g} % | {method} | {allocation} | {order}{tag} | {ppl} | "
-            f"{dppl} | {r['layer_rel_error_calib']:.4f} | {r['next_token_kl']:.4f} | "
-            f"{r['first_pass_seconds']:.1f} + {r['second_pass_seconds']:.1f} |")
+    return (
+        f"| {r['key_mode']} | {100 * r['budget']:g} % | {method} | {allocation} | {order}{tag} | {ppl} | "
+        f"{dppl} | {r['layer_rel_error_calib']:.4f} | {r['next_token_kl']:.4f} | "
+        f"{r['first_pass_seconds']:.1f} + {r['second_pass_seconds']:.1f} |"
+    )
 
 
 def render(rows: list[dict]) -> str:
-    head = ("| key mode | budget | method | allocation | order | PPL | ΔPPL | layer rel. err | next-token KL | "
-            "calib. s |\n|---|---|---|---|---|---|---|---|---|---|")
+    head = (
+        "| key mode | budget | method | allocation | order | PPL | ΔPPL | layer rel. err | next-token KL | "
+        "calib. s |\n|---|---|---|---|---|---|---|---|---|---|"
+    )
     main = [r for r in rows if not r.get("tag")]
     out = [head]
     for mode in ("pre_rope", "post_rope"):
@@ -50,7 +60,9 @@ def render(rows: list[dict]) -> str:
             out += [line(cell[name], cell[name]["ppl"] == best) for name in ROWS if name in cell]
             missing = [name for name in ROWS if name not in cell]
             if missing:
-                out.append(f"| {mode} | {100 * budget:g} % | not measured: {', '.join(missing)} | | | | | | | |")
+                out.append(
+                    f"| {mode} | {100 * budget:g} % | not measured: {', '.join(missing)} | | | | | | | |"
+                )
     variants = [r for r in rows if r.get("tag")]
     if variants:
         out += ["", head.replace("| order |", "| order | variant |").replace("|---|---|", "|---|---|---|", 1)]

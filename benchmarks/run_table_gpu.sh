@@ -2,8 +2,8 @@
 # The issue-3 quality table and the GPU checks of issues 4 and 5 on a two-GPU machine (device tool, kind
 # nvidia-h200-x2), after ../shared/tools/gpu-model-parts.sh brought the GGUF over.
 #   usage: run_table_gpu.sh MODEL RESULTS_DIR [SECONDS]
-# GPU 0: the rest of the pre_rope table, the low post_rope budgets, StreamKL's split-vs-fused backward
-#   timing and its GPU tests, a cheaper-refinement variant.
+# GPU 0: the rest of the pre_rope table, the low post_rope budgets, StreamKL's GPU tests, a
+#   cheaper-refinement variant.
 # GPU 1: the Llama-3-8B-shape calibration timing, the high post_rope budgets, a --loss output+kl calibration
 #   evaluated with --attention-kl (issue 5), the generate benchmark, the CUDA generate test.
 # Rows of an earlier machine in ./.res (ignored by git), else the committed rows in benchmarks/results, are
@@ -13,6 +13,7 @@
 set -u
 M=$1; R=$2; LIMIT=${3:-560}
 mkdir -p "$R"
+export STIEFKV_RESULTS_DIR=$R PYTHONUNBUFFERED=1  # rows of bench_*.py (quality_table.py writes R/MODE.jsonl)
 T="python3 -u benchmarks/quality_table.py $M $R"
 step() {  # step NAME CMD...: run CMD once, to its own log; a marker when it succeeds
   local name=$1; shift
@@ -27,8 +28,6 @@ gpu0() {  # two processes never share a key mode's budgets (each reads the finis
   export CUDA_VISIBLE_DEVICES=0
   step table_pre $T --key-mode pre_rope
   step table_post_low $T --key-mode post_rope --budgets 0.375,0.25
-  step streamkl_ab python3 -u benchmarks/bench_streamkl.py --lengths 4096 16384 --heads 8 --dims 128 \
-    --backward both --compile-shapes "" --out "$R/streamkl_ab.md"
   step pytest_streamkl python3 -m pytest -q -p no:cacheprovider tests/test_streamkl.py
   step variant_pre $T --key-mode pre_rope --budgets 0.5 --rows stiefel-dp-seq \
     --extra '{"steps": 30, "step_sequences": 2}' --tag "steps 30, 2 seq/step"

@@ -1,8 +1,8 @@
 """Where the ``pre_rope`` decode kernel's time goes: time variants of it that leave one stage of the key loop
 out, at the same shapes and configuration, and read each stage's cost from the differences.
 
-    python benchmarks/experiments/ablate_decode.py            # CUDA: device time of each variant (CUDA-graph replay)
-    python benchmarks/experiments/ablate_decode.py --static   # no GPU: compile each for sm_90, registers and SASS counts
+    python benchmarks/experiments/ablate_decode.py           # CUDA: device time of each variant (CUDA graphs)
+    python benchmarks/experiments/ablate_decode.py --static  # no GPU: compile for sm_90, registers, SASS
 
 The variants are built from ``kernels/lowrank.py`` by replacing lines of ``_attend_range``, so they
 always match the kernel in the tree; their outputs are wrong by design (only their time means something):
@@ -17,7 +17,7 @@ Llama-3-8B heads (H = 32, G = 8, d = 128), bf16, 50 % (r = 64), int32 positions 
 from __future__ import annotations
 
 import argparse
-import datetime
+import functools
 import importlib.util
 import pathlib
 import sys
@@ -28,11 +28,17 @@ import torch
 SRC = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "lowrank.py"
 FAST = "                sin, cos = _sincos_fast(angle)\n"
 POLY = "                sin, cos = _sincos(angle)\n"
-ROT = ("            k1 = (a1 * cos - a2 * sin).to(z.dtype)\n"
-       "            k2 = (a2 * cos + a1 * sin).to(z.dtype)\n")
-REBUILD = ("            a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]\n"
-           "            a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)\n")
-NO_SINCOS = [(FAST, "                sin, cos = angle, angle\n"), (POLY, "                sin, cos = angle, angle\n")]
+ROT = (
+    "            k1 = (a1 * cos - a2 * sin).to(z.dtype)\n            k2 = (a2 * cos + a1 * sin).to(z.dtype)\n"
+)
+REBUILD = (
+    "            a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]\n"
+    "            a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)\n"
+)
+NO_SINCOS = [
+    (FAST, "                sin, cos = angle, angle\n"),
+    (POLY, "                sin, cos = angle, angle\n"),
+]
 NO_ROT = [(ROT, "            k1 = a1.to(z.dtype)\n            k2 = a2.to(z.dtype)\n")]
 NO_REBUILD = [(REBUILD, "            a1 = z.to(tl.float32)\n            a2 = z.to(tl.float32)\n")]
 VARIANTS = {
@@ -51,7 +57,9 @@ def build(name: str, edits, tmp: pathlib.Path):
     src = SRC.read_text().replace("from .reference import", "from stiefkv.kernels.reference import")
     for old, new in edits:
         if old not in src:
-            raise SystemExit(f"variant {name!r}: the kernel no longer contains {old.strip()!r}; update this script")
+            raise SystemExit(
+                f"variant {name!r}: the kernel no longer contains {old.strip()!r}; update this script"
+            )
         src = src.replace(old, new)
     path = tmp / f"variant_{len(list(tmp.iterdir()))}.py"
     path.write_text(src)
@@ -66,8 +74,11 @@ def static_table(modules) -> None:
     from kernel_sass import compile_decode, report
 
     print("sm_90, decode, d = 128, GQA 4, r = 64, block_n 64, 4 warps, 3 stages, fast sin/cos\n")
-    print("| variant | registers | stack bytes | instructions in the kernel | instructions per loop iteration | "
-          "top of the unmasked loop |")
+    print(
+        "| variant | registers | stack bytes | instructions in the kernel "
+        "| instructions per loop iteration | "
+        "top of the unmasked loop |"
+    )
     print("|---|---|---|---|---|---|")
     for name, module in modules.items():
         kernel = compile_decode("pre_rope", R, 64, 4, 3, True, fn=module._lowrank_attn_fwd)
@@ -75,39 +86,55 @@ def static_table(modules) -> None:
 
 
 def timed_table(modules) -> None:
-    from bench_attention import graph_ms, rope_spec
+    import utils
 
-    device = torch.device("cuda")
-    print(f"GPU: {torch.cuda.get_device_name(device)}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
-          f"torch {torch.__version__}; H={H}, G={G}, d={D}, r={R}, bf16, default configuration\n")
+    print(utils.header())
+    print(f"H={H}, G={G}, d={D}, r={R}, bf16, default configuration; device ms by CUDA-graph replay (p50)\n")
     print("| B×ctx | SDPA ms | " + " | ".join(f"{name} ms" for name in modules) + " |")
     print("|---|---|" + "---|" * len(modules))
     for B, N in SHAPES:
-        q = torch.randn(B, H, 1, D, device=device, dtype=torch.bfloat16)
-        k = torch.randn(B, G, N, D, device=device, dtype=torch.bfloat16)
+        q = torch.randn(B, H, 1, D, device="cuda", dtype=torch.bfloat16)
+        k = torch.randn(B, G, N, D, device="cuda", dtype=torch.bfloat16)
         v = torch.randn_like(k)  # its own tensor: k passed as v too halves SDPA's bytes (so did run 1)
-        sdpa = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        sdpa = utils.graph_ms(
+            functools.partial(torch.nn.functional.scaled_dot_product_attention, q, k, v, enable_gqa=True)
+        )["p50"]
         del k, v
-        z_k = torch.randn(B, G, N, R, device=device, dtype=torch.bfloat16)
+        z_k = torch.randn(B, G, N, R, device="cuda", dtype=torch.bfloat16)
         z_v = torch.randn_like(z_k)
-        P = torch.linalg.qr(torch.randn(G, D, R, device=device))[0]
-        pos = torch.arange(N, device=device, dtype=torch.int32)[None].expand(B, N).contiguous()
-        rope = rope_spec(device)
+        P = utils.random_basis(G, D, R)
+        pos = torch.arange(N, device="cuda", dtype=torch.int32)[None].expand(B, N).contiguous()
+        rope = utils.rope_spec(D)
         cells = []
         with torch.no_grad():
             for module in modules.values():
-                cells.append(graph_ms(lambda: module.lowrank_attention(q, z_k, z_v, P, None, key_mode="pre_rope",
-                                                                       positions=pos, rope=rope)))
-        print(f"| {B}×{N // 1024}k | {sdpa:.4f} | " + " | ".join(f"{ms:.4f}" for ms in cells) + " |", flush=True)
+                fn = functools.partial(
+                    module.lowrank_attention,
+                    q,
+                    z_k,
+                    z_v,
+                    P,
+                    None,
+                    key_mode="pre_rope",
+                    positions=pos,
+                    rope=rope,
+                )
+                cells.append(utils.graph_ms(fn)["p50"])
+        print(
+            f"| {B}×{N // 1024}k | {sdpa:.4f} | " + " | ".join(f"{ms:.4f}" for ms in cells) + " |", flush=True
+        )
         del z_k, z_v
         torch.cuda.empty_cache()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--static", action="store_true", help="compile for sm_90 and count SASS (no GPU needed)")
+    parser.add_argument(
+        "--static", action="store_true", help="compile for sm_90 and count SASS (no GPU needed)"
+    )
     args = parser.parse_args()
-    sys.path.insert(0, str(pathlib.Path(__file__).parent))
+    here = pathlib.Path(__file__).resolve().parent
+    sys.path[:0] = [str(here), str(here.parent)]  # kernel_sass beside this file, utils one folder up
     with tempfile.TemporaryDirectory() as tmp:
         modules = {name: build(name, edits, pathlib.Path(tmp)) for name, edits in VARIANTS.items()}
         static_table(modules) if args.static else timed_table(modules)

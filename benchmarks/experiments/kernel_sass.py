@@ -21,29 +21,76 @@ import re
 import subprocess
 import tempfile
 
-os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # the JIT's default; set here only to silence its warning
+os.environ.setdefault(
+    "TRITON_DEFAULT_FP_FUSION", "1"
+)  # the JIT's default; set here only to silence its warning
 import triton
-from stiefkv.kernels import lowrank as lk
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
+from stiefkv.kernels import lowrank as lk
+
 BIN = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-UNIT_STRIDES = ("stride_qd", "stride_kr", "stride_vr", "stride_pkr", "stride_pvr", "stride_posn", "stride_bn",
-                "stride_od")
-POINTERS = {"Q": "bf16", "ZK": "bf16", "ZV": "bf16", "PK": "fp32", "PV": "fp32", "POS": "i64", "INV_FREQ": "fp32",
-            "BIAS": "bf16", "LENS": "i32", "OUT": "bf16", "PART_O": "fp32", "PART_ML": "fp32",
-            "LOCKS": "i32"}
+UNIT_STRIDES = (
+    "stride_qd",
+    "stride_kr",
+    "stride_vr",
+    "stride_pkr",
+    "stride_pvr",
+    "stride_posn",
+    "stride_bn",
+    "stride_od",
+)
+POINTERS = {
+    "Q": "bf16",
+    "ZK": "bf16",
+    "ZV": "bf16",
+    "PK": "fp32",
+    "PV": "fp32",
+    "POS": "i64",
+    "INV_FREQ": "fp32",
+    "BIAS": "bf16",
+    "LENS": "i32",
+    "OUT": "bf16",
+    "PART_O": "fp32",
+    "PART_ML": "fp32",
+    "LOCKS": "i32",
+}
 
 
-def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int, fast_sincos: bool, d: int = 128,
-                   group: int = 4, fn=None):
+def compile_decode(
+    key_mode: str,
+    r: int,
+    block_n: int,
+    warps: int,
+    stages: int,
+    fast_sincos: bool,
+    d: int = 128,
+    group: int = 4,
+    fn=None,
+):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
     fn = fn or lk._lowrank_attn_fwd
-    const = dict(GROUP=group, HEAD_DIM=d, R_K=r, R_V=r, R_K_P2=r, R_V_P2=r, BLOCK_M=lk.DECODE_BLOCK_M,
-                 BLOCK_N=block_n, KEY_MODE=0 if key_mode == "pre_rope" else 1, CAUSAL=True, HAS_BIAS=False,
-                 HAS_LENS=False, HAS_PV=False, SPLIT=True, FAST_SINCOS=fast_sincos, DOT_PREC="tf32",
-                 UPCAST=False)
+    const = {
+        "GROUP": group,
+        "HEAD_DIM": d,
+        "R_K": r,
+        "R_V": r,
+        "R_K_P2": r,
+        "R_V_P2": r,
+        "BLOCK_M": lk.DECODE_BLOCK_M,
+        "BLOCK_N": block_n,
+        "KEY_MODE": 0 if key_mode == "pre_rope" else 1,
+        "CAUSAL": True,
+        "HAS_BIAS": False,
+        "HAS_LENS": False,
+        "HAS_PV": False,
+        "SPLIT": True,
+        "FAST_SINCOS": fast_sincos,
+        "DOT_PREC": "tf32",
+        "UPCAST": False,
+    }
     const.update({name: 1 for name in UNIT_STRIDES})
     sig = {}
     for name in fn.arg_names:
@@ -53,11 +100,17 @@ def compile_decode(key_mode: str, r: int, block_n: int, warps: int, stages: int,
             sig[name] = "*" + POINTERS[name]
         else:
             sig[name] = "fp32" if name in ("qk_scale", "rope_scaling") else "i32"
-    attrs = {(i,): [["tt.divisibility", 16]] for i, name in enumerate(fn.arg_names)
-             if sig[name] != "constexpr" and (name in POINTERS or name.startswith("stride") or name == "rows_pad")}
-    src = ASTSource(fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()},
-                    attrs=attrs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages})
+    attrs = {
+        (i,): [["tt.divisibility", 16]]
+        for i, name in enumerate(fn.arg_names)
+        if sig[name] != "constexpr" and (name in POINTERS or name.startswith("stride") or name == "rows_pad")
+    }
+    src = ASTSource(
+        fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}, attrs=attrs
+    )
+    return triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+    )
 
 
 def _opcode(line: str) -> str | None:
@@ -75,7 +128,9 @@ def loop_mixes(sass: str) -> list[collections.Counter]:
             labels[label.group(1)] = i
         branch = re.search(r"BRA\s+`?\(?(\.L_x_\d+)", line)
         if branch and labels.get(branch.group(1), i) < i:
-            loops.append(collections.Counter(op for op in map(_opcode, lines[labels[branch.group(1)]:i + 1]) if op))
+            loops.append(
+                collections.Counter(op for op in map(_opcode, lines[labels[branch.group(1)] : i + 1]) if op)
+            )
     return loops
 
 
@@ -84,9 +139,12 @@ def report(kernel) -> str:
         path = os.path.join(tmp, "k.cubin")
         with open(path, "wb") as f:
             f.write(kernel.asm["cubin"])
-        usage = subprocess.run([f"{BIN}/cuobjdump", "--dump-resource-usage", path], capture_output=True, text=True,
-                               check=True).stdout
-        sass = subprocess.run([f"{BIN}/nvdisasm", "-c", path], capture_output=True, text=True, check=True).stdout
+        usage = subprocess.run(
+            [f"{BIN}/cuobjdump", "--dump-resource-usage", path], capture_output=True, text=True, check=True
+        ).stdout
+        sass = subprocess.run(
+            [f"{BIN}/nvdisasm", "-c", path], capture_output=True, text=True, check=True
+        ).stdout
     reg, stack = (re.search(rf"{key}:(\d+)", usage).group(1) for key in ("REG", "STACK"))
     total = sum(1 for line in sass.splitlines() if _opcode(line))
     loops = [mix for mix in loop_mixes(sass) if sum(mix.values()) > 50]
@@ -102,10 +160,16 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     args = ap.parse_args()
-    print(f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, block_n {args.block_n}, "
-          f"{args.warps} warps, {args.stages} stages\n")
-    print("| variant | registers | stack bytes | instructions in the kernel | instructions per loop iteration (key "
-          "tiles unmasked / masked, then the split merge) | top of the unmasked loop |")
+    print(
+        f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
+        f"block_n {args.block_n}, "
+        f"{args.warps} warps, {args.stages} stages\n"
+    )
+    print(
+        "| variant | registers | stack bytes | instructions in the kernel "
+        "| instructions per loop iteration (key "
+        "tiles unmasked / masked, then the split merge) | top of the unmasked loop |"
+    )
     print("|---|---|---|---|---|---|")
     for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)

@@ -19,7 +19,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import stiefkv
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
-from bench_generate import LLAMA_1B, random_projections, timed_generate  # noqa: E402  (after the path insert)
+from bench_generate import LLAMA_1B, random_projections, timed_generate
 
 
 def ms_per_token(model, ids, device, repeats: int = 3, new: int = 32) -> list[float]:
@@ -51,8 +51,11 @@ def main() -> None:
     with torch.no_grad():
         print("full ms/token per repeat:", [f"{x:.1f}" for x in ms_per_token(model, ids, device)], flush=True)
         with stiefkv.compressed(model, random_projections(model, 0.5, "pre_rope")):
-            print("StiefKV pre_rope ms/token per repeat:",
-                  [f"{x:.1f}" for x in ms_per_token(model, ids, device)], flush=True)
+            print(
+                "StiefKV pre_rope ms/token per repeat:",
+                [f"{x:.1f}" for x in ms_per_token(model, ids, device)],
+                flush=True,
+            )
             print(profile(model, ids, 25))
         print("FULL\n" + profile(model, ids, 15))
 

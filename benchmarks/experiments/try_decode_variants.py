@@ -18,7 +18,8 @@ Beside them, the tree's kernel with ``num_warps=8`` and with ``block_n=32`` (``p
 
 from __future__ import annotations
 
-import datetime
+import functools
+import math
 import pathlib
 import sys
 import tempfile
@@ -26,29 +27,50 @@ import time
 
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).parent))
+HERE = pathlib.Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE), str(HERE.parent)]  # ablate_decode beside this file; utils, bench_attention one up
 import ablate_decode  # noqa: E402  (after the path insert)
 
-SCORE = ("            s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)\n"
-         "            s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)\n")
-SCORE_T = ("            st = _dot(k1, tl.trans(q1), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PREC, UPCAST)\n"
-           "            st = _dot(k2, tl.trans(q2), st, DOT_PREC, UPCAST)\n"
-           "            s = tl.trans(st)\n")
+SCORE = (
+    "            s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), "
+    "DOT_PREC, UPCAST)\n"
+    "            s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)\n"
+)
+SCORE_T = (
+    "            st = _dot(k1, tl.trans(q1), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), "
+    "DOT_PREC, UPCAST)\n"
+    "            st = _dot(k2, tl.trans(q2), st, DOT_PREC, UPCAST)\n"
+    "            s = tl.trans(st)\n"
+)
 LOCKS = [
-    ("        locks = torch.zeros(B * G * m_blocks, device=q.device, dtype=torch.int32)\n",
-     "        locks = _lock_buffer(q.device, B * G * m_blocks)\n"),
-    ("        if ticket == n_splits - 1:\n",
-     "        if ticket == n_splits - 1:\n            tl.atomic_xchg(LOCKS + pid_bg * tl.num_programs(0) + pid_m, 0)\n"),
-    ("def _launch(q, z_k",
-     "_LOCKS = {}\n\n\ndef _lock_buffer(device, n):\n    buf = _LOCKS.get(device)\n"
-     "    if buf is None or buf.numel() < n:\n"
-     "        buf = _LOCKS[device] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)\n"
-     "    return buf\n\n\ndef _launch(q, z_k"),
+    (
+        "        locks = torch.zeros(B * G * m_blocks, device=q.device, dtype=torch.int32)\n",
+        "        locks = _lock_buffer(q.device, B * G * m_blocks)\n",
+    ),
+    (
+        "        if ticket == n_splits - 1:\n",
+        "        if ticket == n_splits - 1:\n"
+        "            tl.atomic_xchg(LOCKS + pid_bg * tl.num_programs(0) + pid_m, 0)\n",
+    ),
+    (
+        "def _launch(q, z_k",
+        (
+            "_LOCKS = {}\n\n\ndef _lock_buffer(device, n):\n    buf = _LOCKS.get(device)\n"
+            "    if buf is None or buf.numel() < n:\n"
+            "        buf = _LOCKS[device] = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)\n"
+            "    return buf\n\n\ndef _launch(q, z_k"
+        ),
+    ),
 ]
 VARIANTS = {
     "tree": [],
-    "no merge (wrong)": [("    for first_split in range(0, n_splits, MERGE_UNROLL):\n", "    for first_split in range(0, 1):\n"),
-                         ("        for u in tl.static_range(MERGE_UNROLL):\n", "        for u in tl.static_range(1):\n")],
+    "no merge (wrong)": [
+        (
+            "    for first_split in range(0, n_splits, MERGE_UNROLL):\n",
+            "    for first_split in range(0, 1):\n",
+        ),
+        ("        for u in tl.static_range(MERGE_UNROLL):\n", "        for u in tl.static_range(1):\n"),
+    ],
     "persistent locks": LOCKS,
     "transposed scores": [(SCORE, SCORE_T)],
 }
@@ -62,8 +84,11 @@ def check(module, name: str, device) -> None:
 
     worst = 0.0
     for key_mode in ("pre_rope", "post_rope"):
-        for B, H, G, Nk, d, r_k, r_v, splits in [(3, 32, 8, 5003, 128, 64, 40, None), (2, 24, 3, 777, 64, 24, 56, 7),
-                                                 (1, 32, 8, 32768, 128, 64, 64, None)]:
+        for B, H, G, Nk, d, r_k, r_v, splits in [
+            (3, 32, 8, 5003, 128, 64, 40, None),
+            (2, 24, 3, 777, 64, 24, 56, 7),
+            (1, 32, 8, 32768, 128, 64, 64, None),
+        ]:
             q = torch.randn(B, H, 1, d, device=device, dtype=torch.bfloat16)
             z_k = torch.randn(B, G, Nk, r_k, device=device, dtype=torch.bfloat16)
             z_v = torch.randn(B, G, Nk, r_v, device=device, dtype=torch.bfloat16)
@@ -73,46 +98,61 @@ def check(module, name: str, device) -> None:
             lengths[0] = Nk
             pos = (torch.arange(Nk, device=device)[None] - (Nk - lengths)[:, None]).clamp(min=0) + 100
             rope = RopeSpec(1.0 / (10000.0 ** (torch.arange(0, d, 2, device=device).float() / d)), 1.15)
-            kw = dict(key_mode=key_mode, positions=pos, rope=rope, bias=0.5 * torch.randn(B, G, Nk, device=device),
-                      lengths=lengths)
+            kw = {
+                "key_mode": key_mode,
+                "positions": pos,
+                "rope": rope,
+                "bias": 0.5 * torch.randn(B, G, Nk, device=device),
+                "lengths": lengths,
+            }
             expected = reference(q, z_k, z_v, P_k, P_v, **kw).float()
             for _ in range(2):
                 out = module.lowrank_attention(q, z_k, z_v, P_k, P_v, num_splits=splits, **kw).float()
                 err = (out - expected).abs().max().item()
-                worst = max(worst, err if err == err else float("inf"))  # NaN never passes
+                worst = max(worst, err if not math.isnan(err) else float("inf"))  # NaN never passes
     print(f"check {name}: max abs err {worst:.4f} {'OK' if worst < 0.05 else 'FAIL'}", flush=True)
 
 
 def timed_table(modules, device) -> None:
-    from bench_attention import D_HEAD, G, H, graph_ms, latent_inputs, rope_spec
+    import utils
+    from bench_attention import D_HEAD, G, H, latent_inputs
 
-    cols = list(modules) + ["tree, 8 warps", "tree, block_n 32"]
+    def ms_of(fn, *args, **kw) -> float:
+        return utils.graph_ms(functools.partial(fn, *args, **kw))["p50"]
+
+    cols = [*modules, "tree, 8 warps", "tree, block_n 32"]
     print("\n| B×ctx | mode | r | SDPA ms | " + " | ".join(f"{c} ms" for c in cols) + " |")
     print("|---|---|---|---|" + "---|" * len(cols))
-    rope = rope_spec(device)
     for B, N in SHAPES:
         q = torch.randn(B, H, 1, D_HEAD, device=device, dtype=torch.bfloat16)
         k = torch.randn(B, G, N, D_HEAD, device=device, dtype=torch.bfloat16)
         v = torch.randn_like(k)
-        sdpa = graph_ms(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v, enable_gqa=True))
+        sdpa = ms_of(torch.nn.functional.scaled_dot_product_attention, q, k, v, enable_gqa=True)
         del k, v
         for mode, r in ROWS:
-            q, z_k, z_v, P_k, _, pos = latent_inputs(B, 1, N, r, device)
+            x = latent_inputs(B, 1, N, r)
             pre = mode == "pre_rope"
-            kw = dict(key_mode=mode, positions=pos if pre else None, rope=rope if pre else None)
+            args = (x["q"], x["z_k"], x["z_v"], x["P_k"], None)
+            kw = {
+                "key_mode": mode,
+                "positions": x["positions"] if pre else None,
+                "rope": x["rope"] if pre else None,
+            }
             cells = []
             with torch.no_grad():
                 for name, module in modules.items():
                     if name == "transposed scores" and not pre:
                         cells.append("–")
                         continue
-                    cells.append(f"{graph_ms(lambda: module.lowrank_attention(q, z_k, z_v, P_k, None, **kw)):.4f}")
-                for tuning in (dict(num_warps=8), dict(block_n=32)):
-                    tree = modules["tree"]
-                    ms = graph_ms(lambda: tree.lowrank_attention(q, z_k, z_v, P_k, None, **kw, **tuning)) if pre else None
-                    cells.append(f"{ms:.4f}" if pre else "–")
+                    cells.append(f"{ms_of(module.lowrank_attention, *args, **kw):.4f}")
+                for tuning in ({"num_warps": 8}, {"block_n": 32}):
+                    cells.append(
+                        f"{ms_of(modules['tree'].lowrank_attention, *args, **kw, **tuning):.4f}"
+                        if pre
+                        else "–"
+                    )
             print(f"| {B}×{N // 1024}k | {mode} | {r} | {sdpa:.4f} | " + " | ".join(cells) + " |", flush=True)
-            del z_k, z_v
+            del x
             torch.cuda.empty_cache()
 
 
@@ -134,7 +174,9 @@ def host_table(modules, device, calls=300) -> None:
             for name in ("tree", "persistent locks"):
                 module = modules[name]
                 for mode in ("pre_rope", "post_rope"):
-                    kw = dict(key_mode=mode, positions=pos, rope=rope) if mode == "pre_rope" else dict(key_mode=mode)
+                    kw = {"key_mode": mode}
+                    if mode == "pre_rope":
+                        kw |= {"positions": pos, "rope": rope}
                     for _ in range(10):
                         module.lowrank_attention(q, z, z, P, None, **kw)
                     torch.cuda.synchronize()
@@ -144,17 +186,23 @@ def host_table(modules, device, calls=300) -> None:
                     host = time.perf_counter() - start
                     torch.cuda.synchronize()
                     total = time.perf_counter() - start
-                    print(f"| {name} (round {round_}) | {mode} | {host / calls * 1e6:.0f} | {total / calls * 1e6:.0f} |",
-                          flush=True)
+                    print(
+                        f"| {name} (round {round_}) | {mode} | {host / calls * 1e6:.0f} "
+                        f"| {total / calls * 1e6:.0f} |",
+                        flush=True,
+                    )
 
 
 def main() -> None:
+    import utils
+
     device = torch.device("cuda")
     torch.manual_seed(0)
-    print(f"{torch.cuda.get_device_name(device)}; {datetime.datetime.now(datetime.UTC):%Y-%m-%d %H:%M} UTC; "
-          f"torch {torch.__version__}")
+    print(utils.header())
     with tempfile.TemporaryDirectory() as tmp:
-        modules = {name: ablate_decode.build(name, edits, pathlib.Path(tmp)) for name, edits in VARIANTS.items()}
+        modules = {
+            name: ablate_decode.build(name, edits, pathlib.Path(tmp)) for name, edits in VARIANTS.items()
+        }
         for name, module in modules.items():
             if "wrong" not in name:
                 check(module, name, device)

@@ -1,0 +1,312 @@
+"""The harness every benchmark script shares: provenance, timing, random inputs at real shapes, result rows.
+
+A script measures, then calls :func:`write_rows`, which appends one JSON object per measurement to
+``benchmarks/results/NAME.jsonl`` (or to ``$STIEFKV_RESULTS_DIR/NAME.jsonl`` where that is set, as on the
+device machine, whose results come back through ``$OUT``). Every row carries the provenance of the run
+(:func:`provenance`: commit and dirty flag, machine, GPU, date, library versions, command line) and a
+``run_id`` shared by all rows of one process, so that rows of one run can be joined. ``render.py`` builds
+BENCHMARKS.md's tables from these rows.
+
+Timers (each returns ``{"p20", "p50", "p80"}`` in the unit its name says, as ``triton.testing.do_bench``'s
+quantiles do):
+
+- :func:`graph_ms`: device time of one call, from CUDA-graph replay, so that the host's launch cost is left
+  out; warm-up outside the capture; an L2 flush before every call (subtracted again) unless the caller
+  knows the working set exceeds the L2 by far.
+- :func:`bench_ms`: ``triton.testing.do_bench`` (eager calls: launch cost included; warm-up excluded, the
+  device synchronised around the clock, L2 flushed before every call).
+- :func:`host_us`: host time of back-to-back calls, and host + device time once the device is synced.
+"""
+
+from __future__ import annotations
+
+import datetime
+import functools
+import json
+import os
+import platform
+import shlex
+import subprocess
+import sys
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "benchmarks" / "results"
+FLUSH_BYTES = 256 * 2**20  # > 4× the H200's 60 MB L2 (50 MB on an H100)
+QUANTILES = (0.2, 0.5, 0.8)
+
+
+# ------------------------------------------------------------------------------------------------ provenance
+def _git(*args: str) -> str | None:
+    try:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, timeout=20, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout
+
+
+def _commit() -> tuple[str | None, bool | None, list[str]]:
+    """HEAD and whether tracked files differ from it. The device machine gets a copy of the tree without its
+    ``.git``: there the caller passes ``STIEFKV_COMMIT``, ``STIEFKV_DIRTY`` (0/1) and ``STIEFKV_DIRTY_FILES``
+    (comma-separated), computed on the machine that sent the tree."""
+    head = _git("rev-parse", "HEAD")
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    if head is not None and status is not None:
+        files = [line[3:] for line in status.splitlines() if line.strip()]
+        return head.strip(), bool(files), files[:30]
+    commit = os.environ.get("STIEFKV_COMMIT")
+    dirty = os.environ.get("STIEFKV_DIRTY")
+    files = [f for f in os.environ.get("STIEFKV_DIRTY_FILES", "").split(",") if f]
+    return commit, (None if dirty is None else dirty == "1"), files
+
+
+def _version(module: str) -> str | None:
+    try:
+        return __import__(module).__version__
+    except ImportError:
+        return None
+
+
+def device_name() -> str:
+    if torch.cuda.is_available():
+        return torch.cuda.get_device_name()
+    return f"cpu ({platform.processor() or platform.machine()}, {os.cpu_count()} cores)"
+
+
+def command_line() -> str:
+    """The command that ran this process, with the script's path relative to the repository root."""
+    script = Path(sys.argv[0]).resolve()
+    try:
+        script = script.relative_to(ROOT)
+    except ValueError:
+        pass
+    return shlex.join(["python", str(script), *sys.argv[1:]])
+
+
+@functools.cache
+def provenance() -> dict:
+    """Where and how this process measured: one dict, computed once, shared by all its rows."""
+    commit, dirty, files = _commit()
+    gpu = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        gpu = {
+            "name": props.name,
+            "sms": props.multi_processor_count,
+            "memory_gib": round(props.total_memory / 2**30, 1),
+            "driver": _driver(),
+        }
+    return {
+        "run_id": uuid.uuid4().hex[:12],
+        "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M:%S UTC"),
+        "commit": commit,
+        "dirty": dirty,
+        "dirty_files": files,
+        "machine": platform.node(),
+        "cpu": f"{platform.machine()}, {os.cpu_count()} cores",
+        "gpu": gpu,
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": _version("triton"),
+        "transformers": _version("transformers"),
+        "command": command_line(),
+    }
+
+
+def _driver() -> str | None:
+    out = (
+        subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
+        if _has("nvidia-smi")
+        else None
+    )
+    return out.stdout.strip().splitlines()[0] if out and out.returncode == 0 and out.stdout.strip() else None
+
+
+def _has(program: str) -> bool:
+    return any((Path(p) / program).is_file() for p in os.environ.get("PATH", "").split(os.pathsep))
+
+
+def header() -> str:
+    """One line of provenance to print at the top of a script's log."""
+    p = provenance()
+    dirty = {True: " (dirty)", False: "", None: " (dirty: unknown)"}[p["dirty"]]
+    return (
+        f"# {device_name()}; {p['date']}; commit {p['commit'] or 'unknown'}{dirty}; python {p['python']}, "
+        f"torch {p['torch']}, triton {p['triton']}, transformers {p['transformers']}; {p['command']}"
+    )
+
+
+# ------------------------------------------------------------------------------------------------ rows
+def results_dir() -> Path:
+    return Path(os.environ.get("STIEFKV_RESULTS_DIR") or RESULTS)
+
+
+def write_rows(name: str, rows: dict | Iterable[dict]) -> Path:
+    """Append ``rows`` (each a dict of one measurement; ``case`` names it within the file) to ``NAME.jsonl``,
+    each with ``bench`` = ``name``, ``remeasured`` (True unless the row says otherwise: False marks a
+    number transcribed from an earlier document) and this process's :func:`provenance` unless the row
+    brings its own. Returns the file's path."""
+    rows = [rows] if isinstance(rows, dict) else list(rows)
+    path = results_dir() / f"{name}.jsonl"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as f:
+        for row in rows:
+            if "case" not in row:
+                raise ValueError(f"a row of {name} has no 'case' (what it measured): {sorted(row)}")
+            full = {"bench": name, **row}
+            full.setdefault("remeasured", True)
+            full.setdefault("provenance", provenance())
+            f.write(json.dumps(full, default=_jsonable) + "\n")
+    return path
+
+
+def _jsonable(x):
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    if isinstance(x, Path):
+        return str(x)
+    raise TypeError(f"cannot write {type(x).__name__} to a result row")
+
+
+def read_rows(path: str | Path) -> list[dict]:
+    """The rows of one JSONL file, in the order they were appended (later rows are newer)."""
+    text = Path(path).read_text() if Path(path).is_file() else ""
+    return [json.loads(line) for line in text.splitlines() if line.strip()]
+
+
+# ------------------------------------------------------------------------------------------------ timing
+def quantiles(samples: list[float], qs: tuple[float, ...] = QUANTILES) -> dict:
+    """``{"p20", "p50", "p80"}`` of ``samples`` (linear interpolation between order statistics)."""
+    if not samples:
+        raise ValueError("no samples to take quantiles of")
+    xs = sorted(samples)
+    out = {}
+    for q in qs:
+        pos = q * (len(xs) - 1)
+        lo = int(pos)
+        hi = min(lo + 1, len(xs) - 1)
+        out[f"p{round(100 * q)}"] = xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+    return out
+
+
+def graph_ms(fn: Callable[[], object], *, calls: int = 20, replays: int = 10, flush_l2: bool = True) -> dict:
+    """Device time (ms) of one ``fn()`` from CUDA-graph replay.
+
+    ``fn`` runs once on a side stream first (compilation, autotuning, the allocator), outside the capture.
+    One graph holds ``calls`` × (L2 flush, ``fn``), another the ``calls`` flushes alone; the two are
+    replayed alternately ``replays`` times and each pair's difference / ``calls`` is one sample. The flush
+    writes 256 MB, so no call finds its inputs in the L2 left by the previous one; ``flush_l2=False`` only
+    where the working set is several times the L2 anyway.
+    """
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda") if flush_l2 else None
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+
+    def capture(with_fn: bool) -> torch.cuda.CUDAGraph:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(calls):
+                if flush is not None:
+                    flush.zero_()
+                if with_fn:
+                    fn()
+        graph.replay()  # first replay: uploads the graph
+        return graph
+
+    def replay(graph: torch.cuda.CUDAGraph | None) -> float:
+        if graph is None:
+            return 0.0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end)
+
+    work = capture(True)
+    base = capture(False) if flush is not None else None
+    samples = [(replay(work) - replay(base)) / calls for _ in range(replays)]
+    return quantiles(samples)
+
+
+def bench_ms(fn: Callable[[], object], *, warmup: int = 25, rep: int = 100) -> dict:
+    """``triton.testing.do_bench`` p20/p50/p80 (ms) of eager calls of ``fn``: warm-up excluded, the device
+    synchronised around the clock, the L2 flushed before every call."""
+    from triton.testing import do_bench
+
+    p20, p50, p80 = do_bench(fn, warmup=warmup, rep=rep, quantiles=list(QUANTILES))
+    return {"p20": p20, "p50": p50, "p80": p80}
+
+
+def host_us(fn: Callable[[], object], *, calls: int = 200, warmup: int = 10) -> dict:
+    """Host µs per call of ``calls`` back-to-back calls, and host + device µs once the device is synced
+    (the device's time shows only where it exceeds the host's)."""
+    for _ in range(warmup):
+        fn()
+    sync()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = time.perf_counter() - start
+    sync()
+    total = time.perf_counter() - start
+    return {"host_us": host / calls * 1e6, "total_us": total / calls * 1e6}
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def wall_s(fn: Callable[[], object]) -> float:
+    """Seconds of one ``fn()`` with the device synced before and after."""
+    sync()
+    start = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - start
+
+
+def copy_tbs() -> float:
+    """TB/s of a 2 GiB device-to-device copy, counting bytes read and written: the bandwidth ceiling."""
+    src = torch.empty(2**30, dtype=torch.int16, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = bench_ms(lambda: dst.copy_(src))["p50"]
+    return 2 * src.numel() * src.element_size() / ms / 1e9
+
+
+# ------------------------------------------------------------------------------------------------ inputs
+def random_basis(
+    G: int, d: int, r: int, *, device="cuda", dtype=torch.float32, generator: torch.Generator | None = None
+) -> torch.Tensor:
+    """``[G, d, r]`` bases with orthonormal columns (QR of a Gaussian matrix, in float32, then cast)."""
+    gauss = torch.randn(G, d, r, device=device, dtype=torch.float32, generator=generator)
+    return torch.linalg.qr(gauss)[0].to(dtype)
+
+
+def rope_spec(d: int, *, theta: float = 500000.0, scaling: float = 1.0, device="cuda"):
+    """The RoPE inverse-frequency table of head dim ``d`` (Llama-3's base by default), as the kernels take
+    it."""
+    from stiefkv.kernels.reference import RopeSpec
+
+    inv_freq = 1.0 / (theta ** (torch.arange(0, d, 2, dtype=torch.float32, device=device) / d))
+    return RopeSpec(inv_freq, scaling)
+
+
+def shape_name(B: int, N: int) -> str:
+    """``4x128k`` for B = 4, N = 131072."""
+    return f"{B}x{N // 1024}k" if N % 1024 == 0 else f"{B}x{N}"
