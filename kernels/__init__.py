@@ -1,9 +1,142 @@
 """Fused attention kernels over tensors, each beside its PyTorch reference (``reference.py``).
 
-This package imports nothing from the rest of StiefKV. Triton is imported lazily by the kernel modules,
-so the references work on machines without it.
+:func:`lowrank_attention` and :func:`attention_kl` run the Triton kernel (``lowrank.py``,
+``streamkl.py``) on CUDA tensors where Triton is importable, and the PyTorch reference everywhere else.
+The choice follows the device of the inputs, never ``TRITON_INTERPRET``: that variable is for the kernel
+tests, and CPU callers must not end up in Triton's (slow, serial) interpreter. ``backend="triton"`` forces
+the kernel (the interpreter tests reach it that way), ``backend="reference"`` the reference.
+
+This package imports nothing from the rest of StiefKV, and importing it does not import Triton: the kernel
+modules are imported on the first call that runs a kernel.
 """
 
-from .reference import RopeSpec, attention_kl as attention_kl_reference, lowrank_attention as lowrank_attention_reference
+from __future__ import annotations
 
-__all__ = ["RopeSpec", "attention_kl_reference", "lowrank_attention_reference"]
+import functools
+import importlib
+
+import torch
+
+from ._common import KEY_MODES, RopeSpec
+from .reference import attention_kl as attention_kl_reference
+from .reference import lowrank_attention as lowrank_attention_reference
+
+BACKENDS = ("auto", "triton", "reference")
+
+__all__ = ["BACKENDS", "KEY_MODES", "RopeSpec", "attention_kl", "attention_kl_reference", "lowrank_attention",
+           "lowrank_attention_reference", "triton_available"]
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether Triton imports here (it ships with CUDA builds of torch). Imports it on the first call."""
+    try:
+        importlib.import_module("triton")
+    except ImportError:
+        return False
+    return True
+
+
+def _use_kernel(backend: str, device: torch.device, *, needs_grad: bool = False) -> bool:
+    """Resolve ``backend`` for inputs on ``device``; ``needs_grad`` keeps ``auto`` off a forward-only
+    kernel."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend == "auto":
+        # Device first: a CPU call never imports Triton.
+        return device.type == "cuda" and not needs_grad and triton_available()
+    if backend == "triton" and not triton_available():
+        raise RuntimeError("backend='triton' needs triton (pip install triton); use backend='auto' or "
+                           "'reference'")
+    return backend == "triton"
+
+
+def lowrank_attention(
+    q: torch.Tensor,
+    z_k: torch.Tensor,
+    z_v: torch.Tensor,
+    P_k: torch.Tensor,
+    P_v: torch.Tensor | None,
+    *,
+    key_mode: str = "pre_rope",
+    positions: torch.Tensor | None = None,
+    rope: RopeSpec | None = None,
+    bias: torch.Tensor | None = None,
+    causal: bool = True,
+    lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Softmax attention over a latent KV cache: ``softmax(scale·q kᵀ + bias) z_v``, then ``P_v`` times that.
+
+    Parameters
+    ----------
+    q : ``[B, H, Nq, d]`` queries, already rotated at their positions.
+    z_k : ``[B, G, Nk, r_k]`` and z_v : ``[B, G, Nk, r_v]`` key and value latents (``H % G == 0``).
+    P_k : ``[G, d, r_k]`` and P_v : ``[G, d, r_v]`` orthonormal bases; ``P_v=None`` returns the output in
+        latent space ``[B, H, Nq, r_v]`` (for a ``P_v`` folded into ``o_proj``).
+    key_mode : ``"pre_rope"`` (keys rebuilt as ``P_k z_k`` and rotated at ``positions`` ``[B, Nk]`` with
+        ``rope``) or ``"post_rope"`` (attention in ``r_k`` dimensions on ``P_kᵀ q``).
+    bias : ``[B, G, Nk]`` additive logit bias per key (compacted tokens).
+    causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
+    lengths : ``[B]`` real keys per row, right-aligned (left padding); all real when ``None``.
+    scale : softmax scale, ``d**-0.5`` by default.
+    backend : ``"auto"`` (the kernel for CUDA inputs that need no gradient, else the reference),
+        ``"triton"`` (the kernel; on the CPU only under ``TRITON_INTERPRET=1``) or ``"reference"``.
+
+    Returns
+    -------
+    ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``; a row with no visible key is 0.
+
+    The kernel is forward-only: ``auto`` takes the reference where autograd needs a backward, and
+    ``"triton"`` refuses such inputs. See ``lowrank.py`` for what the kernel supports (power-of-two head
+    dims ≥ 32, GQA groups ≤ 16); outside that it raises ``ValueError`` rather than falling back.
+    """
+    tensors = (q, z_k, z_v, P_k, P_v, bias)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
+                  lengths=lengths, scale=scale)
+    if _use_kernel(backend, q.device, needs_grad=needs_grad):
+        from . import lowrank
+
+        return lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs)
+    return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, **kwargs)
+
+
+def attention_kl(
+    q_t: torch.Tensor,
+    k_t: torch.Tensor,
+    q_s: torch.Tensor,
+    k_s: torch.Tensor,
+    *,
+    causal: bool = True,
+    scale_t: float | None = None,
+    scale_s: float | None = None,
+    reduction: str = "mean",
+    direction: str = "forward",
+    backend: str = "auto",
+) -> torch.Tensor:
+    """KL divergence between a teacher's and a student's attention distributions (StreamKL).
+
+    ``P_t = softmax(scale_t·q_t k_tᵀ)``, ``P_s = softmax(scale_s·q_s k_sᵀ)``; per query row
+    ``KL(P_t ‖ P_s)`` (``direction="forward"``) or ``KL(P_s ‖ P_t)`` (``"reverse"``), float32.
+
+    Parameters
+    ----------
+    q_t : ``[B, H, Nq, d_t]``, k_t : ``[B, H_t, Nk, d_t]`` teacher queries and keys.
+    q_s : ``[B, H, Nq, d_s]``, k_s : ``[B, H_s, Nk, d_s]`` student queries and keys; GQA independently.
+    causal : query ``i`` sees keys up to index ``Nk − Nq + i``.
+    scale_t, scale_s : logit scales, ``d**-0.5`` by default.
+    reduction : ``"none"`` ``[B, H, Nq]``, ``"sum"`` or ``"mean"`` over all rows.
+    direction : ``"forward"`` or ``"reverse"``.
+    backend : ``"auto"`` (the kernel for CUDA inputs, else the reference), ``"triton"`` (the kernel; on the
+        CPU only under ``TRITON_INTERPRET=1``) or ``"reference"`` (materialises ``[B, H, Nq, Nk]``).
+
+    Both paths are differentiable in every input; the kernel stores nothing of size ``Nq × Nk``.
+    """
+    kwargs = dict(causal=causal, scale_t=scale_t, scale_s=scale_s, reduction=reduction, direction=direction)
+    if _use_kernel(backend, q_t.device):
+        from . import streamkl
+
+        return streamkl.attention_kl(q_t, k_t, q_s, k_s, **kwargs)
+    return attention_kl_reference(q_t, k_t, q_s, k_s, **kwargs)

@@ -29,34 +29,18 @@ there is no backward, and the function refuses inputs that require a gradient.
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
 
-from .reference import KEY_MODES, RopeSpec
+# Absolute imports: benchmarks/experiments/ablate_decode.py imports edited copies of this file from outside
+# the package, where a relative import has no package to resolve against.
+from stiefkv.kernels._common import KEY_MODES, LOG2E, MIN_DOT, RopeSpec, interpreting, padded_dim
 
-try:  # Triton ships with CUDA builds of torch; the CPU references work without it.
-    import triton
-    import triton.language as tl
-    from triton.language.extra import libdevice
-except ImportError:  # pragma: no cover - exercised only on machines without triton
-    triton = None
-
-    class _LanguageStub:  # enough for the definitions below to parse
-        @staticmethod
-        def constexpr(value=None):
-            return value
-
-    tl = _LanguageStub()
-
-
-def _jit(fn):
-    return triton.jit(fn) if triton is not None else fn
-
-
-LOG2E = 1.4426950408889634
-LOG2E_C = tl.constexpr(LOG2E)
+# Module globals that a jit function reads must be constexprs.
+_LOG2E = tl.constexpr(LOG2E)
 # π/2 split for the Cody–Waite reduction: HI is π/2 rounded to fp32, LO the rest (used through fma).
 PIO2_HI = tl.constexpr(1.5707963705062866)
 PIO2_LO = tl.constexpr(-4.371139000186243e-08)
@@ -65,12 +49,12 @@ TWO_OVER_PI = tl.constexpr(0.6366197723675814)
 TWO_PI_HI = tl.constexpr(6.2831854820251465)
 TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
-DECODE_BLOCK_M = 16  # tl.dot needs ≥ 16 rows; a decode tile holds one query's GQA group (≤ 8 heads)
+DECODE_BLOCK_M = MIN_DOT  # the smallest tl.dot tile; a decode tile holds one query's GQA group
 MERGE_UNROLL = tl.constexpr(4)  # splits merged per iteration of _merge_splits
 
 
 # ----------------------------------------------------------------------------------------------- helpers
-@_jit
+@triton.jit
 def _sincos(x):
     """``sin(x), cos(x)`` in fp32 for any ``x``: ``x = jπ/2 + r`` with ``|r| ≤ π/4`` (two-part Cody–Waite
     through fma), minimax polynomials of ``r`` (Cephes ``sinf``/``cosf``), then the quadrant ``j mod 4``
@@ -80,25 +64,29 @@ def _sincos(x):
     r = tl.fma(j, -PIO2_LO, r)
     z = r * r
     sin_r = r + r * z * (-1.6666654611e-1 + z * (8.3321608736e-3 + z * -1.9515295891e-4))
-    cos_r = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2 + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
+    cos_r = 1.0 - 0.5 * z + z * z * (4.166664568298827e-2
+                                     + z * (-1.388731625493765e-3 + z * 2.443315711809948e-5))
     quadrant = j.to(tl.int32) & 3
-    sin_x = tl.where(quadrant == 0, sin_r, tl.where(quadrant == 1, cos_r, tl.where(quadrant == 2, -sin_r, -cos_r)))
-    cos_x = tl.where(quadrant == 0, cos_r, tl.where(quadrant == 1, -sin_r, tl.where(quadrant == 2, -cos_r, sin_r)))
+    sin_x = tl.where(quadrant == 0, sin_r,
+                     tl.where(quadrant == 1, cos_r, tl.where(quadrant == 2, -sin_r, -cos_r)))
+    cos_x = tl.where(quadrant == 0, cos_r,
+                     tl.where(quadrant == 1, -sin_r, tl.where(quadrant == 2, -cos_r, sin_r)))
     return sin_x, cos_x
 
 
-@_jit
+@triton.jit
 def _sincos_fast(x):
     """``sin(x), cos(x)`` with about a third of :func:`_sincos`'s instructions: ``x = 2πk + r`` with
-    ``|r| ≤ π`` (two-part Cody–Waite through fma), then the GPU's ``sin.approx``/``cos.approx`` (the MUFU unit,
-    absolute error ≤ 2^-20.9 on ``[−π, π]``). CUDA only: the interpreter has no hardware approximations."""
+    ``|r| ≤ π`` (two-part Cody–Waite through fma), then the GPU's ``sin.approx``/``cos.approx`` (the MUFU
+    unit, absolute error ≤ 2^-20.9 on ``[−π, π]``). CUDA only: the interpreter has no hardware
+    approximations."""
     k = tl.floor(x * INV_TWO_PI + 0.5)
     r = tl.fma(k, -TWO_PI_HI, x)
     r = tl.fma(k, -TWO_PI_LO, r)
     return libdevice.fast_sinf(r), libdevice.fast_cosf(r)
 
 
-@_jit
+@triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b`` with fp32 accumulation. ``UPCAST`` feeds the (already rounded) operands as fp32: the
     Triton interpreter multiplies bf16 operands wrongly (triton 3.9), so the CPU tests set it for bf16."""
@@ -107,7 +95,7 @@ def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     return tl.dot(a, b, acc, input_precision=DOT_PREC)
 
 
-@_jit
+@triton.jit
 def _load_rows(ptrs, offs_n, hi, offs_r, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr):
     """Load a ``[BLOCK_N, R_P2]`` tile of per-key rows; columns ``≥ R`` (rank padding) and, when ``MASK_N``,
     keys ``≥ hi`` read as 0. Masks are built only where needed so full tiles load unmasked."""
@@ -124,14 +112,14 @@ def _load_rows(ptrs, offs_n, hi, offs_r, R: tl.constexpr, R_P2: tl.constexpr, MA
     return tile
 
 
-@_jit
+@triton.jit
 def _query_rows(pid_m, n_q, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Rows ``m = i·GROUP + s`` of query tile ``pid_m``: ``(offs_m, query index i, head-in-group s, valid)``."""
+    """Rows ``m = i·GROUP + s`` of query tile ``pid_m``: ``(offs_m, query i, head-in-group s, valid)``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     return offs_m, offs_m // GROUP, offs_m % GROUP, offs_m < n_q * GROUP
 
 
-@_jit
+@triton.jit
 def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """One step of the online softmax over a key tile: ``m' = max(m, max_j s_j)``,
     ``ℓ' = ℓ·2^(m−m') + Σ_j 2^(s_j−m')``, ``acc' = acc·2^(m−m') + 2^(s−m') v`` (logits in base-2 units)."""
@@ -143,7 +131,7 @@ def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: 
     return acc, l_i, m_new
 
 
-@_jit
+@triton.jit
 def _attend_range(
     acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS,
@@ -200,7 +188,7 @@ def _attend_range(
     return acc, l_i, m_i
 
 
-@_jit
+@triton.jit
 def _epilogue_store(
     acc, l_i, PV, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
     HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr, HAS_PV: tl.constexpr,
@@ -221,8 +209,38 @@ def _epilogue_store(
         tl.store(o_ptrs, o.to(O_rows.dtype.element_ty), mask=row_ok[:, None] & (offs_rv < R_V)[None, :])
 
 
+@triton.jit
+def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
+                  R_V_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Merge the ``S`` partial softmaxes of one (batch row, KV head, query tile) whose split 0 starts at
+    row ``first_row`` (``[BLOCK_M]``): ``M = max_s m_s``, ``ℓ = Σ_s 2^(m_s−M) ℓ_s``,
+    ``acc = Σ_s 2^(m_s−M) acc_s``.
+    The loads bypass L1 (``.cg``): the rows were written by other programs. ``MERGE_UNROLL`` splits per
+    iteration keep that many loads in flight: the merge sits on the critical path of the last program (8 %
+    of ``pre_rope`` decode at 1×32k, 33 splits, on the H200: BENCHMARKS.md §2 run 7)."""
+    offs_rv = tl.arange(0, R_V_P2)
+    acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    for first_split in range(0, n_splits, MERGE_UNROLL):
+        for u in tl.static_range(MERGE_UNROLL):
+            part_row = first_row + (first_split + u) * rows_pad
+            ok = (part_row - first_row) < n_splits * rows_pad  # past the last split: m = −1e30, ℓ = acc = 0
+            m_s = tl.load(PART_ML + part_row, mask=ok, other=-1.0e30, cache_modifier=".cg")
+            l_s = tl.load(PART_ML + n_l + part_row, mask=ok, other=0.0, cache_modifier=".cg")
+            acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], mask=ok[:, None],
+                            other=0.0, cache_modifier=".cg")
+            m_new = tl.maximum(m_i, m_s)
+            alpha = tl.exp2(m_i - m_new)
+            beta = tl.exp2(m_s - m_new)
+            acc = acc * alpha[:, None] + acc_s * beta[:, None]
+            l_i = l_i * alpha + l_s * beta
+            m_i = m_new
+    return acc, l_i
+
+
 # ----------------------------------------------------------------------------------------------- kernels
-@_jit
+@triton.jit
 def _lowrank_attn_fwd(
     Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, OUT, PART_O, PART_ML, LOCKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
@@ -313,19 +331,20 @@ def _lowrank_attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, lo, mid, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, LOG2E_C, mid, hi, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST,
     )
 
-    O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
+    O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
+        + q_idx.to(tl.int64) * stride_on
     if SPLIT:
         part_row = (pid_bg * n_splits + pid_s) * rows_pad + offs_m  # int64
         offs_rv = tl.arange(0, R_V_P2)
@@ -338,8 +357,8 @@ def _lowrank_attn_fwd(
         tl.debug_barrier()
         ticket = tl.atomic_add(LOCKS + pid_bg * tl.num_programs(0) + pid_m, 1, sem="acq_rel")
         if ticket == n_splits - 1:
-            acc, l_i = _merge_splits(PART_O, PART_ML, pid_bg * n_splits * rows_pad + offs_m, n_splits, rows_pad,
-                                     n_l, R_V_P2, BLOCK_M)
+            acc, l_i = _merge_splits(PART_O, PART_ML, pid_bg * n_splits * rows_pad + offs_m, n_splits,
+                                     rows_pad, n_l, R_V_P2, BLOCK_M)
             _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
                             HEAD_DIM, R_V, R_V_P2, HAS_PV)
     else:
@@ -347,40 +366,7 @@ def _lowrank_attn_fwd(
                         HEAD_DIM, R_V, R_V_P2, HAS_PV)
 
 
-@_jit
-def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
-                  R_V_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Merge the ``S`` partial softmaxes of one (batch row, KV head, query tile) whose split 0 starts at row
-    ``first_row`` (``[BLOCK_M]``): ``M = max_s m_s``, ``ℓ = Σ_s 2^(m_s−M) ℓ_s``, ``acc = Σ_s 2^(m_s−M) acc_s``.
-    The loads bypass L1 (``.cg``): the rows were written by other programs. ``MERGE_UNROLL`` splits per
-    iteration keep that many loads in flight: the merge sits on the critical path of the last program (8 %
-    of ``pre_rope`` decode at 1×32k, 33 splits, on the H200: BENCHMARKS.md §2 run 7)."""
-    offs_rv = tl.arange(0, R_V_P2)
-    acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
-    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
-    for first_split in range(0, n_splits, MERGE_UNROLL):
-        for u in tl.static_range(MERGE_UNROLL):
-            part_row = first_row + (first_split + u) * rows_pad
-            ok = (part_row - first_row) < n_splits * rows_pad  # past the last split: m = −1e30, ℓ = acc = 0
-            m_s = tl.load(PART_ML + part_row, mask=ok, other=-1.0e30, cache_modifier=".cg")
-            l_s = tl.load(PART_ML + n_l + part_row, mask=ok, other=0.0, cache_modifier=".cg")
-            acc_s = tl.load(PART_O + part_row[:, None] * R_V_P2 + offs_rv[None, :], mask=ok[:, None],
-                            other=0.0, cache_modifier=".cg")
-            m_new = tl.maximum(m_i, m_s)
-            alpha = tl.exp2(m_i - m_new)
-            beta = tl.exp2(m_s - m_new)
-            acc = acc * alpha[:, None] + acc_s * beta[:, None]
-            l_i = l_i * alpha + l_s * beta
-            m_i = m_new
-    return acc, l_i
-
-
 # ----------------------------------------------------------------------------------------- host launcher
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
 def _num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count
@@ -407,10 +393,6 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
 
 
-def _padded_rank(r: int) -> int:
-    return max(16, triton.next_power_of_2(r))
-
-
 def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Zero-pad latents ``[B, G, N, r]`` and their basis ``[G, d, r]`` to the kernel's power-of-two tile
     width, so that no tile load masks its columns. Prefill only: on the H200 (triton 3.6), 128-row prefill
@@ -418,7 +400,7 @@ def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, to
     __shared__ read of size 1024 bytes") or returned wrong values (r_k 24 or 56, or r_v 24, bf16/fp16,
     ``block_n`` 32 and 64, 2026-11-30), while every power-of-two rank and every 16-row decode tile was
     exact. Zero columns change no logit and no output; the copy is small beside the prefill's N² work."""
-    pad = _padded_rank(z.shape[-1]) - z.shape[-1]
+    pad = padded_dim(z.shape[-1]) - z.shape[-1]
     return F.pad(z, (0, pad)), (F.pad(P, (0, pad)) if P is not None else None)
 
 
@@ -426,7 +408,8 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
     if q.dim() != 4 or z_k.dim() != 4 or z_v.dim() != 4:
-        raise ValueError(f"q, z_k, z_v must be 4-D; got {tuple(q.shape)}, {tuple(z_k.shape)}, {tuple(z_v.shape)}")
+        raise ValueError(f"q, z_k, z_v must be 4-D; got {tuple(q.shape)}, {tuple(z_k.shape)}, "
+                         f"{tuple(z_v.shape)}")
     B, H, _, d = q.shape
     G, Nk, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
     r_v = z_v.shape[3]
@@ -461,7 +444,8 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
     tensors = [t for t in (q, z_k, z_v, P_k, P_v, bias) if t is not None]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError("the Triton low-rank attention is inference-only (no backward); call it under "
-                           "torch.no_grad() or use stiefkv.kernels.reference.lowrank_attention")
+                           "torch.no_grad() or through stiefkv.kernels.lowrank_attention, whose 'auto' "
+                           "backend takes the reference where a gradient is needed")
 
 
 def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, scale, cfg):
@@ -473,7 +457,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     block_m, block_n, splits = cfg["block_m"], cfg["block_n"], cfg["num_splits"]
     m_blocks = triton.cdiv(n_rows, block_m)
     rows_pad = m_blocks * block_m
-    r_k_p2, r_v_p2 = _padded_rank(r_k), _padded_rank(r_v)
+    r_k_p2, r_v_p2 = padded_dim(r_k), padded_dim(r_v)
     out = torch.empty(B, H, Nq, d if P_v is not None else r_v, device=q.device, dtype=q.dtype)
     pre = key_mode == "pre_rope"
     pos = positions if pre else z_k
@@ -499,9 +483,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
         BLOCK_M=block_m, BLOCK_N=block_n,
-        KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None, HAS_LENS=lengths is not None,
-        HAS_PV=P_v is not None, SPLIT=splits > 1, FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
-        UPCAST=_interpreting() and z_k.dtype == torch.bfloat16,
+        KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None,
+        HAS_LENS=lengths is not None, HAS_PV=P_v is not None, SPLIT=splits > 1,
+        FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
+        UPCAST=interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -548,26 +533,25 @@ def lowrank_attention(
     -------
     ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``; a row with no visible key is 0.
     """
-    if triton is None:
-        raise RuntimeError("stiefkv.kernels.lowrank needs triton; use the reference on this machine")
-    if not q.is_cuda and not _interpreting():
+    if not q.is_cuda and not interpreting():
         raise RuntimeError("the Triton low-rank attention runs on CUDA tensors (or on the CPU under "
-                           "TRITON_INTERPRET=1); use stiefkv.kernels.reference.lowrank_attention here")
+                           "TRITON_INTERPRET=1); stiefkv.kernels.lowrank_attention picks the reference here")
     _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths)
     B, H, Nq, d = q.shape
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
     r_v = z_v.shape[3]
     if n_rows > DECODE_BLOCK_M:  # prefill: see _pad_rank
-        if z_k.shape[3] != _padded_rank(z_k.shape[3]):
+        if z_k.shape[3] != padded_dim(z_k.shape[3]):
             z_k, P_k = _pad_rank(z_k, P_k)
-        if r_v != _padded_rank(r_v):
+        if r_v != padded_dim(r_v):
             z_v, P_v = _pad_rank(z_v, P_v)
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
-    if fast_sincos and _interpreting():
-        raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware sin/cos")
+    if fast_sincos and interpreting():
+        raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
+                         "sin/cos")
     if fast_sincos is None:
-        fast_sincos = not _interpreting()
+        fast_sincos = not interpreting()
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos))
     if n_rows > cfg["block_m"]:

@@ -2,30 +2,18 @@
 
 Every function here has the same signature as its Triton counterpart in this package and computes in
 float32 whatever the input dtype; ``lowrank_attention`` returns the dtype of the queries, ``attention_kl``
-float32. They materialise what the kernels
-never do (rebuilt keys, the N×N logits) and are meant for tests, CPU inference and short contexts.
+float32. They materialise what the kernels never do (rebuilt keys, the N×N logits) and are meant for tests,
+CPU inference and short contexts.
 """
 
 from __future__ import annotations
 
-from typing import NamedTuple
-
 import torch
 
-KEY_MODES = ("pre_rope", "post_rope")
+from ._common import KEY_MODES, RopeSpec
 
-
-class RopeSpec(NamedTuple):
-    """What a kernel needs to rotate a key at its own position.
-
-    ``inv_freq`` ``[d/2]`` float32 are the model's inverse frequencies after any rope-type adjustment
-    (default, linear, llama3, …); ``attention_scaling`` multiplies cos and sin, as transformers does.
-    The rotation follows transformers' ``rotate_half`` convention: for ``x = [x1, x2]`` (halves),
-    ``rot(x) = [x1·cos − x2·sin, x2·cos + x1·sin]``.
-    """
-
-    inv_freq: torch.Tensor
-    attention_scaling: float = 1.0
+__all__ = ["KEY_MODES", "RopeSpec", "attention_kl", "key_padding_mask", "lowrank_attention", "rebuild_keys",
+           "rope_cos_sin", "rotate"]
 
 
 def rope_cos_sin(positions: torch.Tensor, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -41,9 +29,11 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
 
 
 def rebuild_keys(
-    z_k: torch.Tensor, P_k: torch.Tensor, *, key_mode: str, positions: torch.Tensor | None, rope: RopeSpec | None
+    z_k: torch.Tensor, P_k: torch.Tensor, *, key_mode: str, positions: torch.Tensor | None,
+    rope: RopeSpec | None,
 ) -> torch.Tensor:
-    """Keys ``[B, G, N, d]`` (float32) from latents ``z_k`` ``[B, G, N, r_k]`` and bases ``P_k`` ``[G, d, r_k]``.
+    """Keys ``[B, G, N, d]`` (float32) from latents ``z_k`` ``[B, G, N, r_k]`` and bases ``P_k``
+    ``[G, d, r_k]``.
 
     ``pre_rope`` rotates the rebuilt key at its position ``positions`` ``[B, N]``; ``post_rope`` latents
     were taken after the rotation, so the rebuilt key is already rotated.
@@ -58,7 +48,8 @@ def rebuild_keys(
 
 
 def key_padding_mask(lengths: torch.Tensor | None, batch: int, n_keys: int, device) -> torch.Tensor:
-    """Boolean ``[B, Nk]``: True where a key is real. ``lengths[b]`` real keys sit at the end (left padding)."""
+    """Boolean ``[B, Nk]``: True where a key is real; ``lengths[b]`` real keys sit at the end (left
+    padding)."""
     if lengths is None:
         return torch.ones(batch, n_keys, dtype=torch.bool, device=device)
     idx = torch.arange(n_keys, device=device)
@@ -109,7 +100,8 @@ def lowrank_attention(
     scale = d**-0.5 if scale is None else scale
     if key_mode == "post_rope":
         # q·(P_k z) = (P_kᵀ q)·z: attention runs in r_k dimensions.
-        qf = torch.einsum("bgsqd,gdr->bgsqr", q.float().view(B, G, H // G, Nq, d), P_k.float()).reshape(B, H, Nq, -1)
+        qf = torch.einsum("bgsqd,gdr->bgsqr", q.float().view(B, G, H // G, Nq, d), P_k.float())
+        qf = qf.reshape(B, H, Nq, -1)
         keys = z_k.float()
     else:
         qf = q.float()
@@ -135,7 +127,8 @@ def _masked_attention(qf, keys, values, *, lengths, bias, causal: bool, scale: f
     if causal:
         q_idx = torch.arange(Nq, device=qf.device) + (Nk - Nq)
         visible = visible & (torch.arange(Nk, device=qf.device)[None, :] <= q_idx[:, None])
-    mask = torch.zeros(visible.shape, dtype=torch.float32, device=qf.device).masked_fill(~visible, float("-inf"))
+    mask = torch.zeros(visible.shape, dtype=torch.float32, device=qf.device)
+    mask = mask.masked_fill(~visible, float("-inf"))
     if bias is not None:
         mask = mask + bias.float().repeat_interleave(H // G, dim=1)[:, :, None, :]
     # SDPA's math is the softmax(q kᵀ·scale + mask) v of the docstring; values are the latents.
@@ -146,7 +139,8 @@ def _masked_attention(qf, keys, values, *, lengths, bias, causal: bool, scale: f
 
 
 def _attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:
-    """Logits ``[B, H, Nq, Nk]`` (float32) with GQA: ``k`` ``[B, Hkv, Nk, d]`` serves ``H // Hkv`` heads each."""
+    """Logits ``[B, H, Nq, Nk]`` (float32) with GQA: ``k`` ``[B, Hkv, Nk, d]`` serves ``H // Hkv`` heads
+    each."""
     H, Hkv, d = q.shape[1], k.shape[1], q.shape[-1]
     if H % Hkv:
         raise ValueError(f"query heads ({H}) must be a multiple of key heads ({Hkv})")

@@ -20,49 +20,31 @@ backward kernels → host launchers → autograd Function → :func:`attention_k
 from __future__ import annotations
 
 import math
-import os
 
 import torch
+import triton
+import triton.language as tl
 from torch.autograd.function import once_differentiable
 
+from ._common import LN2, LOG2E, interpreting, padded_dim
 from .reference import attention_kl as attention_kl_reference
 
-try:  # Triton is optional: without it every call takes the PyTorch reference path.
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on CPU-only installs
-    triton = tl = None
-
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAX_HEAD_DIM = 256  # two query tiles of this width still fit in registers/shared memory
 _DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-# The backward's launch plan (see _streamkl_backward). "split" is the default: on the H200 the fused plan's
-# forward+backward took 1.4-1.5x as long (BENCHMARKS.md §3, bench_streamkl.py --backward both).
-BACKWARD = "split"
+# Module globals that a jit function reads must be constexprs.
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(LN2)
 
 
-def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
-
-
-def _jit(fn):
-    """``triton.jit`` where Triton is importable; otherwise the body stays an inert Python function."""
-    return fn if triton is None else triton.jit(fn)
-
-
-def _autotune(configs, key, reset_to_zero=None):
-    """``triton.autotune`` over ``configs`` (a single tiny block under the interpreter, which is serial);
-    ``reset_to_zero`` names accumulating outputs that every tuning trial must start from zero."""
-    if triton is None:
-        return lambda fn: fn
-    if _interpreting():
+def _autotune(configs, key):
+    """``triton.autotune`` over ``configs``; under the interpreter, which is serial and never tunes, one
+    tiny block instead, so that the CPU tests cross many tile boundaries at small sizes."""
+    if interpreting():
         configs = [{"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}]
     return triton.autotune(
         [triton.Config({"BLOCK_M": c["BLOCK_M"], "BLOCK_N": c["BLOCK_N"]}, num_warps=c["num_warps"],
                        num_stages=c["num_stages"]) for c in configs],
         key=key,
-        reset_to_zero=reset_to_zero,
     )
 
 
@@ -87,7 +69,7 @@ _TUNE_KEY = ["D_T", "D_S", "CAUSAL", "T_GRAD", "S_GRAD"]
 
 
 # ----------------------------------------------------------------------------------------------- jit helpers
-@_jit
+@triton.jit
 def _load_tile(Ptr, offs_row, offs_d, stride_row, stride_d, n_rows, D: tl.constexpr, TRANSPOSE: tl.constexpr):
     """``[rows, BLOCK_D]`` tile (``[BLOCK_D, rows]`` if ``TRANSPOSE``); zero past ``n_rows`` and ``D``."""
     if TRANSPOSE:
@@ -99,8 +81,9 @@ def _load_tile(Ptr, offs_row, offs_d, stride_row, stride_d, n_rows, D: tl.conste
     return tl.load(ptrs, mask=mask, other=0.0)
 
 
-@_jit
-def _logits(x_t, y_t, x_s, y_s, visible, qk_scale_t, qk_scale_s, MASKED: tl.constexpr, PRECISION: tl.constexpr):
+@triton.jit
+def _logits(x_t, y_t, x_s, y_s, visible, qk_scale_t, qk_scale_s,
+            MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Teacher and student logits of one tile in log2 units, ``a = log₂e·scale_t·x_t y_t`` (``b`` likewise).
 
     ``x`` are query tiles ``[rows, d]``, ``y`` transposed key tiles ``[d, keys]``. Hidden entries
@@ -116,15 +99,16 @@ def _logits(x_t, y_t, x_s, y_s, visible, qk_scale_t, qk_scale_s, MASKED: tl.cons
     return a, b, diff
 
 
-@_jit
+@triton.jit
 def _fwd_inner(m_t, l_t, m_s, l_s, u, q_t, q_s, Kt, Ks, stride_ktn, stride_ktd, stride_ksn, stride_ksd,
                offs_m, lo, hi, n_keys, shift, qk_scale_t, qk_scale_s,
                D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DT: tl.constexpr,
                BLOCK_DS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Fold key tiles ``[lo, hi)`` into the running row statistics (the one softmax loop, per stage).
 
-    ``m' = max(m, max_j a_j)``; ``ℓ_t ← ℓ_t·2^(m−m') + Σ_j 2^(a_j−m')``; ``u ← u·2^(m−m') + Σ_j 2^(a_j−m')(a_j−b_j)``;
-    the student's ``m_s, ℓ_s`` likewise. ``MASKED`` stages apply the key bound and the causal mask.
+    ``m' = max(m, max_j a_j)``; ``ℓ_t ← ℓ_t·2^(m−m') + Σ_j 2^(a_j−m')``;
+    ``u ← u·2^(m−m') + Σ_j 2^(a_j−m')(a_j−b_j)``; the student's ``m_s, ℓ_s`` likewise. ``MASKED`` stages
+    apply the key bound and the causal mask.
     """
     offs_dt = tl.arange(0, BLOCK_DT)
     offs_ds = tl.arange(0, BLOCK_DS)
@@ -148,7 +132,7 @@ def _fwd_inner(m_t, l_t, m_s, l_s, u, q_t, q_s, Kt, Ks, stride_ktn, stride_ktd, 
     return m_t, l_t, m_s, l_s, u
 
 
-@_jit
+@triton.jit
 def _grad_tile(x_t, y_t, x_s, y_s, lse_t, lse_s, e, g, visible, qk_scale_t, qk_scale_s,
                MASKED: tl.constexpr, PRECISION: tl.constexpr):
     """Recompute a tile from the row statistics; return ``g·p·(a−b−e)`` and ``g·(s−p)`` (log2 units).
@@ -162,7 +146,7 @@ def _grad_tile(x_t, y_t, x_s, y_s, lse_t, lse_s, e, g, visible, qk_scale_t, qk_s
     return g * p * (diff - e), g * (s - p)
 
 
-@_jit
+@triton.jit
 def _key_range(start_m, n_q, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, CAUSAL: tl.constexpr):
     """Split the keys of query tile ``[start_m, start_m + BLOCK_M)``: ``[0, full)`` visible to every row of
     the tile (no mask), ``[full, hi)`` needs the mask. Query ``i`` sits at key index ``i + n_keys − n_q``."""
@@ -178,7 +162,7 @@ def _key_range(start_m, n_q, n_keys, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexp
 
 # ---------------------------------------------------------------------------------------------------- forward
 @_autotune(_FWD_CONFIGS, key=["D_T", "D_S", "CAUSAL"])
-@_jit
+@triton.jit
 def _streamkl_fwd(Qt, Kt, Qs, Ks, KL, LSE_T, LSE_S, E,
                   stride_qtb, stride_qth, stride_qtm, stride_qtd,
                   stride_ktb, stride_kth, stride_ktn, stride_ktd,
@@ -186,7 +170,8 @@ def _streamkl_fwd(Qt, Kt, Qs, Ks, KL, LSE_T, LSE_S, E,
                   stride_ksb, stride_ksh, stride_ksn, stride_ksd,
                   n_heads, n_q, n_keys, GROUP_T, GROUP_S, scale_t, scale_s,
                   D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DS: tl.constexpr,
-                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                  CAUSAL: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr,
+                  BLOCK_N: tl.constexpr):
     """Per query row ``KL = ln2·(e − lse_t + lse_s)``, ``e = u/ℓ_t``, ``lse = m + log₂ℓ`` (log2 units).
 
     One program per (query tile, batch·head); query head ``h`` reads teacher KV head ``h // GROUP_T`` and
@@ -206,8 +191,8 @@ def _streamkl_fwd(Qt, Kt, Qs, Ks, KL, LSE_T, LSE_S, E,
     offs_m = start_m + tl.arange(0, BLOCK_M)
     q_t = _load_tile(Qt, offs_m, tl.arange(0, BLOCK_DT), stride_qtm, stride_qtd, n_q, D_T, False)
     q_s = _load_tile(Qs, offs_m, tl.arange(0, BLOCK_DS), stride_qsm, stride_qsd, n_q, D_S, False)
-    qk_scale_t = scale_t * 1.4426950408889634
-    qk_scale_s = scale_s * 1.4426950408889634
+    qk_scale_t = scale_t * _LOG2E
+    qk_scale_s = scale_s * _LOG2E
     # A finite floor, not -inf: a row that has seen no visible key yet keeps 2^(m − m') free of inf − inf.
     m_t = tl.full([BLOCK_M], -1.0e30, tl.float32)
     m_s = tl.full([BLOCK_M], -1.0e30, tl.float32)
@@ -216,17 +201,20 @@ def _streamkl_fwd(Qt, Kt, Qs, Ks, KL, LSE_T, LSE_S, E,
     u = tl.zeros([BLOCK_M], tl.float32)
     shift = n_keys - n_q
     full, hi = _key_range(start_m, n_q, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
+    # Two stages of the one loop: key tiles every row of the tile sees whole, then the masked rest.
     m_t, l_t, m_s, l_s, u = _fwd_inner(m_t, l_t, m_s, l_s, u, q_t, q_s, Kt, Ks, stride_ktn, stride_ktd,
                                        stride_ksn, stride_ksd, offs_m, 0, full, n_keys, shift, qk_scale_t,
-                                       qk_scale_s, D_T, D_S, BLOCK_N, BLOCK_DT, BLOCK_DS, CAUSAL, False, PRECISION)
+                                       qk_scale_s, D_T, D_S, BLOCK_N, BLOCK_DT, BLOCK_DS, CAUSAL, False,
+                                       PRECISION)
     m_t, l_t, m_s, l_s, u = _fwd_inner(m_t, l_t, m_s, l_s, u, q_t, q_s, Kt, Ks, stride_ktn, stride_ktd,
                                        stride_ksn, stride_ksd, offs_m, full, hi, n_keys, shift, qk_scale_t,
-                                       qk_scale_s, D_T, D_S, BLOCK_N, BLOCK_DT, BLOCK_DS, CAUSAL, True, PRECISION)
+                                       qk_scale_s, D_T, D_S, BLOCK_N, BLOCK_DT, BLOCK_DS, CAUSAL, True,
+                                       PRECISION)
     seen = l_t > 0.0  # False only for rows with no visible key (causal with n_q > n_keys)
     lse_t = m_t + tl.log2(tl.where(seen, l_t, 1.0))
     lse_s = m_s + tl.log2(tl.where(seen, l_s, 1.0))
     e = u / tl.where(seen, l_t, 1.0)
-    kl = tl.where(seen, (e - lse_t + lse_s) * 0.6931471805599453, 0.0)
+    kl = tl.where(seen, (e - lse_t + lse_s) * _LN2, 0.0)
     lse_t = tl.where(seen, lse_t, float("inf"))
     lse_s = tl.where(seen, lse_s, float("inf"))
     rows = off_bh * n_q + offs_m
@@ -238,9 +226,9 @@ def _streamkl_fwd(Qt, Kt, Qs, Ks, KL, LSE_T, LSE_S, E,
 
 
 # --------------------------------------------------------------------------------------------------- backward
-@_jit
-def _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stride_ktd, stride_ksn, stride_ksd,
-              offs_m, lo, hi, n_keys, shift, qk_scale_t, qk_scale_s,
+@triton.jit
+def _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stride_ktd, stride_ksn,
+              stride_ksd, offs_m, lo, hi, n_keys, shift, qk_scale_t, qk_scale_s,
               D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DT: tl.constexpr,
               BLOCK_DS: tl.constexpr, CAUSAL: tl.constexpr, MASKED: tl.constexpr, T_GRAD: tl.constexpr,
               S_GRAD: tl.constexpr, PRECISION: tl.constexpr):
@@ -263,18 +251,17 @@ def _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stri
     return dq_t, dq_s
 
 
-@_jit
+@triton.jit
 def _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt, Qs, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
-              LSE_T, LSE_S, E, G, DQt, DQs, offs_n, lo, hi, n_q, shift, qk_scale_t, qk_scale_s,
+              LSE_T, LSE_S, E, G, offs_n, lo, hi, n_q, shift, qk_scale_t, qk_scale_s,
               D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_DT: tl.constexpr,
               BLOCK_DS: tl.constexpr, MASKED: tl.constexpr, T_GRAD: tl.constexpr, S_GRAD: tl.constexpr,
-              DQ_T: tl.constexpr, DQ_S: tl.constexpr, PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr):
     """Accumulate ``Σ_i g_i·p·(a−b−e_i)·q_t,i`` and ``Σ_i g_i·(s−p)·q_s,i`` over query tiles ``[lo, hi)``.
 
     Tiles are rows × keys as in the forward, so the keys (``kT``, loop-invariant) stay in shared memory;
     ``MASKED`` stages apply the causal mask. Query rows past ``n_q`` load ``lse = +inf`` and ``g = 0``,
-    so they need no mask. With ``DQ_T``/``DQ_S`` (the fused backward) the same tile also adds its share of
-    the query gradients, ``da·k_t`` and ``db·k_s``, to the float32 rows ``DQt``/``DQs`` ``[n_q, D]`` by atomics.
+    so they need no mask.
     """
     offs_dt = tl.arange(0, BLOCK_DT)
     offs_ds = tl.arange(0, BLOCK_DS)
@@ -294,19 +281,11 @@ def _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt, Qs, stride_qtm, stride_qtd, stride_qsm
             dk_t = tl.dot(tl.trans(da.to(q_t.dtype)), q_t, dk_t, input_precision=PRECISION)
         if S_GRAD:
             dk_s = tl.dot(tl.trans(db.to(q_s.dtype)), q_s, dk_s, input_precision=PRECISION)
-        if DQ_T:
-            dq = tl.dot(da.to(kT_t.dtype), tl.trans(kT_t), input_precision=PRECISION)
-            tl.atomic_add(DQt + offs_m[:, None] * D_T + offs_dt[None, :], dq,
-                          mask=row_ok[:, None] & (offs_dt[None, :] < D_T))
-        if DQ_S:
-            dq = tl.dot(db.to(kT_s.dtype), tl.trans(kT_s), input_precision=PRECISION)
-            tl.atomic_add(DQs + offs_m[:, None] * D_S + offs_ds[None, :], dq,
-                          mask=row_ok[:, None] & (offs_ds[None, :] < D_S))
     return dk_t, dk_s
 
 
 @_autotune(_DQ_CONFIGS, key=_TUNE_KEY)
-@_jit
+@triton.jit
 def _streamkl_bwd_dq(Qt, Kt, Qs, Ks, DQt, DQs, LSE_T, LSE_S, E, G,
                      stride_qtb, stride_qth, stride_qtm, stride_qtd,
                      stride_ktb, stride_kth, stride_ktn, stride_ktd,
@@ -342,32 +321,33 @@ def _streamkl_bwd_dq(Qt, Kt, Qs, Ks, DQt, DQs, LSE_T, LSE_S, E, G,
     lse_s = tl.load(LSE_S + rows, mask=row_ok, other=float("inf"))
     e = tl.load(E + rows, mask=row_ok, other=0.0)
     g = tl.load(G + rows, mask=row_ok, other=0.0)
-    qk_scale_t = scale_t * 1.4426950408889634
-    qk_scale_s = scale_s * 1.4426950408889634
+    qk_scale_t = scale_t * _LOG2E
+    qk_scale_s = scale_s * _LOG2E
     dq_t = tl.zeros([BLOCK_M, BLOCK_DT], tl.float32)
     dq_s = tl.zeros([BLOCK_M, BLOCK_DS], tl.float32)
     shift = n_keys - n_q
     full, hi = _key_range(start_m, n_q, n_keys, BLOCK_M, BLOCK_N, CAUSAL)
-    dq_t, dq_s = _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stride_ktd, stride_ksn,
-                           stride_ksd, offs_m, 0, full, n_keys, shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_N,
-                           BLOCK_DT, BLOCK_DS, CAUSAL, False, T_GRAD, S_GRAD, PRECISION)
-    dq_t, dq_s = _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stride_ktd, stride_ksn,
-                           stride_ksd, offs_m, full, hi, n_keys, shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_N,
-                           BLOCK_DT, BLOCK_DS, CAUSAL, True, T_GRAD, S_GRAD, PRECISION)
+    dq_t, dq_s = _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stride_ktd,
+                           stride_ksn, stride_ksd, offs_m, 0, full, n_keys, shift, qk_scale_t, qk_scale_s,
+                           D_T, D_S, BLOCK_N, BLOCK_DT, BLOCK_DS, CAUSAL, False, T_GRAD, S_GRAD, PRECISION)
+    dq_t, dq_s = _dq_inner(dq_t, dq_s, q_t, q_s, lse_t, lse_s, e, g, Kt, Ks, stride_ktn, stride_ktd,
+                           stride_ksn, stride_ksd, offs_m, full, hi, n_keys, shift, qk_scale_t, qk_scale_s,
+                           D_T, D_S, BLOCK_N, BLOCK_DT, BLOCK_DS, CAUSAL, True, T_GRAD, S_GRAD, PRECISION)
     if T_GRAD:
         ptrs = DQt + off_b * stride_dqtb + off_h * stride_dqth + offs_m[:, None] * stride_dqtm \
             + offs_dt[None, :] * stride_dqtd
-        tl.store(ptrs, (dq_t * (scale_t * 0.6931471805599453)).to(DQt.dtype.element_ty),
+        tl.store(ptrs, (dq_t * (scale_t * _LN2)).to(DQt.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_dt[None, :] < D_T))
     if S_GRAD:
         ptrs = DQs + off_b * stride_dqsb + off_h * stride_dqsh + offs_m[:, None] * stride_dqsm \
             + offs_ds[None, :] * stride_dqsd
-        tl.store(ptrs, (dq_s * scale_s).to(DQs.dtype.element_ty), mask=row_ok[:, None] & (offs_ds[None, :] < D_S))
+        tl.store(ptrs, (dq_s * scale_s).to(DQs.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_ds[None, :] < D_S))
 
 
-@_autotune(_DK_CONFIGS, key=_TUNE_KEY + ["DQ_T", "DQ_S"], reset_to_zero=["DQt", "DQs"])
-@_jit
-def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, DQt, DQs, LSE_T, LSE_S, E, G,
+@_autotune(_DK_CONFIGS, key=_TUNE_KEY)
+@triton.jit
+def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, LSE_T, LSE_S, E, G,
                      stride_qtb, stride_qth, stride_qtm, stride_qtd,
                      stride_ktb, stride_kth, stride_ktn, stride_ktd,
                      stride_qsb, stride_qsh, stride_qsm, stride_qsd,
@@ -375,17 +355,16 @@ def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, DQt, DQs, LSE_T, LSE_S, E, G,
                      stride_dktb, stride_dkth, stride_dktn, stride_dktd,
                      stride_dksb, stride_dksh, stride_dksn, stride_dksd,
                      n_heads, n_q, n_keys, scale_t, scale_s,
-                     GROUP_T: tl.constexpr, GROUP_S: tl.constexpr, CHUNK: tl.constexpr, D_T: tl.constexpr, D_S: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DS: tl.constexpr,
-                     CAUSAL: tl.constexpr, T_GRAD: tl.constexpr, S_GRAD: tl.constexpr, DQ_T: tl.constexpr,
-                     DQ_S: tl.constexpr, PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+                     GROUP_T: tl.constexpr, GROUP_S: tl.constexpr, CHUNK: tl.constexpr, D_T: tl.constexpr,
+                     D_S: tl.constexpr, BLOCK_DT: tl.constexpr, BLOCK_DS: tl.constexpr, CAUSAL: tl.constexpr,
+                     T_GRAD: tl.constexpr, S_GRAD: tl.constexpr, PRECISION: tl.constexpr,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Key gradients of one key tile, summed over the query heads that share each KV head:
 
     ``dk_t = ln2·scale_t·Σ_h Σ_i g_i·p·(a − b − e_i)·q_t,i``, ``dk_s = scale_s·Σ_h Σ_i g_i·(s − p)·q_s,i``.
     A program walks ``CHUNK = lcm(GROUP_T, GROUP_S)`` consecutive query heads, a union of whole teacher
     groups and whole student groups, and stores each accumulator when its group ends: no atomics. The
     walk is unrolled (constexpr): as a run-time loop it made the compiler spill (ptxas, sm_90).
-    The fused backward (``DQ_T``/``DQ_S``) adds the query gradients from the same tiles to float32
-    ``DQt``/``DQs`` ``[B, H, n_q, D]`` (contiguous, zeroed), unscaled: one recomputation instead of two.
     """
     start_n = tl.program_id(0) * BLOCK_N
     pid = tl.program_id(1).to(tl.int64)
@@ -403,8 +382,8 @@ def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, DQt, DQs, LSE_T, LSE_S, E, G,
         lo = tl.maximum(start_n - shift, 0) // BLOCK_M * BLOCK_M
         mid = tl.maximum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - shift, 0), BLOCK_M) * BLOCK_M, lo)
         mid = tl.minimum(mid, tl.cdiv(n_q, BLOCK_M) * BLOCK_M)
-    qk_scale_t = scale_t * 1.4426950408889634
-    qk_scale_s = scale_s * 1.4426950408889634
+    qk_scale_t = scale_t * _LOG2E
+    qk_scale_s = scale_s * _LOG2E
     dk_t = tl.zeros([BLOCK_N, BLOCK_DT], tl.float32)
     dk_s = tl.zeros([BLOCK_N, BLOCK_DS], tl.float32)
     key_ok = offs_n < n_keys
@@ -416,39 +395,32 @@ def _streamkl_bwd_dk(Qt, Kt, Qs, Ks, DKt, DKs, DQt, DQs, LSE_T, LSE_S, E, G,
                           stride_ksd, n_keys, D_S, True)
         Qt_h = Qt + off_b * stride_qtb + h * stride_qth
         Qs_h = Qs + off_b * stride_qsb + h * stride_qsh
-        row0 = (off_b * n_heads + h) * n_q
-        DQt_h = DQt + row0 * D_T
-        DQs_h = DQs + row0 * D_S
-        dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
-                               LSE_T + row0, LSE_S + row0, E + row0, G + row0, DQt_h, DQs_h, offs_n, lo, mid, n_q,
-                               shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, True, T_GRAD,
-                               S_GRAD, DQ_T, DQ_S, PRECISION)
-        dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm, stride_qsd,
-                               LSE_T + row0, LSE_S + row0, E + row0, G + row0, DQt_h, DQs_h, offs_n, mid, n_q, n_q,
-                               shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS, False, T_GRAD,
-                               S_GRAD, DQ_T, DQ_S, PRECISION)
+        row0 = (off_b * n_heads + h) * n_q  # this head's rows of the saved statistics
+        dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm,
+                               stride_qsd, LSE_T + row0, LSE_S + row0, E + row0, G + row0, offs_n, lo, mid,
+                               n_q, shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS,
+                               True, T_GRAD, S_GRAD, PRECISION)
+        dk_t, dk_s = _dk_inner(dk_t, dk_s, kT_t, kT_s, Qt_h, Qs_h, stride_qtm, stride_qtd, stride_qsm,
+                               stride_qsd, LSE_T + row0, LSE_S + row0, E + row0, G + row0, offs_n, mid, n_q,
+                               n_q, shift, qk_scale_t, qk_scale_s, D_T, D_S, BLOCK_M, BLOCK_DT, BLOCK_DS,
+                               False, T_GRAD, S_GRAD, PRECISION)
         if T_GRAD:
             if (j + 1) % GROUP_T == 0:  # last query head of teacher KV head h // GROUP_T: flush
-                ptrs = DKt + off_b * stride_dktb + (h // GROUP_T) * stride_dkth + offs_n[:, None] * stride_dktn \
-                    + offs_dt[None, :] * stride_dktd
-                tl.store(ptrs, (dk_t * (scale_t * 0.6931471805599453)).to(DKt.dtype.element_ty),
+                ptrs = DKt + off_b * stride_dktb + (h // GROUP_T) * stride_dkth \
+                    + offs_n[:, None] * stride_dktn + offs_dt[None, :] * stride_dktd
+                tl.store(ptrs, (dk_t * (scale_t * _LN2)).to(DKt.dtype.element_ty),
                          mask=key_ok[:, None] & (offs_dt[None, :] < D_T))
                 dk_t = tl.zeros([BLOCK_N, BLOCK_DT], tl.float32)
         if S_GRAD:
             if (j + 1) % GROUP_S == 0:
-                ptrs = DKs + off_b * stride_dksb + (h // GROUP_S) * stride_dksh + offs_n[:, None] * stride_dksn \
-                    + offs_ds[None, :] * stride_dksd
+                ptrs = DKs + off_b * stride_dksb + (h // GROUP_S) * stride_dksh \
+                    + offs_n[:, None] * stride_dksn + offs_ds[None, :] * stride_dksd
                 tl.store(ptrs, (dk_s * scale_s).to(DKs.dtype.element_ty),
                          mask=key_ok[:, None] & (offs_ds[None, :] < D_S))
                 dk_s = tl.zeros([BLOCK_N, BLOCK_DS], tl.float32)
 
 
 # -------------------------------------------------------------------------------------------------- host side
-def _block_d(d: int) -> int:
-    """Padded head dim: a power of two, at least 16 (``tl.dot``'s smallest inner size)."""
-    return max(16, triton.next_power_of_2(d))
-
-
 def _precision(dtype: torch.dtype) -> str:
     """fp32 inputs get exact fp32 dots (the reference's arithmetic), not TF32; 16-bit inputs ignore this."""
     return "ieee" if dtype == torch.float32 else "tf32"
@@ -457,8 +429,8 @@ def _precision(dtype: torch.dtype) -> str:
 def _dims(q_t, k_t, q_s, k_s) -> dict:
     B, H, n_q, d_t = q_t.shape
     return {"n_heads": H, "n_q": n_q, "n_keys": k_t.shape[2], "GROUP_T": H // k_t.shape[1],
-            "GROUP_S": H // k_s.shape[1], "D_T": d_t, "D_S": q_s.shape[-1], "BLOCK_DT": _block_d(d_t),
-            "BLOCK_DS": _block_d(q_s.shape[-1]), "PRECISION": _precision(q_t.dtype)}
+            "GROUP_S": H // k_s.shape[1], "D_T": d_t, "D_S": q_s.shape[-1], "BLOCK_DT": padded_dim(d_t),
+            "BLOCK_DS": padded_dim(q_s.shape[-1]), "PRECISION": _precision(q_t.dtype)}
 
 
 def _streamkl_forward(q_t, k_t, q_s, k_s, causal: bool, scale_t: float, scale_s: float):
@@ -481,49 +453,36 @@ def _streamkl_backward(grad_kl, q_t, k_t, q_s, k_s, stats, causal: bool, scale_t
                        needs: tuple[bool, bool, bool, bool]):
     """Gradients ``(dq_t, dk_t, dq_s, dk_s)`` in the inputs' dtypes; ``None`` where ``needs`` is False.
 
-    :data:`BACKWARD` picks the launch plan: ``"split"`` (a query-tile kernel for ``dq`` and a key-tile
-    kernel for ``dk``, each recomputing the logits) or ``"fused"`` (the key-tile kernel also adds ``dq``
-    by float32 atomics: the logits are recomputed once).
+    Two launches, each recomputing the logits from the saved row statistics: a query-tile kernel for the
+    ``dq`` and a key-tile kernel for the ``dk``. A single key-tile kernel that also added ``dq`` by float32
+    atomics recomputed once, yet made forward + backward 1.4-1.5× slower on the H200 (BENCHMARKS.md,
+    StreamKL); it was deleted and lives in the git history.
     """
-    if BACKWARD not in ("split", "fused"):
-        raise ValueError(f"streamkl.BACKWARD must be 'split' or 'fused', got {BACKWARD!r}")
     B, H, n_q, _ = q_t.shape
     n_keys = k_t.shape[2]
     g = grad_kl.float().expand(B, H, n_q).contiguous()
     d = _dims(q_t, k_t, q_s, k_s)
-    common = (d["n_heads"], d["n_q"], d["n_keys"], d["GROUP_T"], d["GROUP_S"])
+    common = (d["n_heads"], d["n_q"], d["n_keys"])
     consts = {k: d[k] for k in ("D_T", "D_S", "BLOCK_DT", "BLOCK_DS", "PRECISION")}
     dq_t, dk_t, dq_s, dk_s = (torch.empty_like(x) if need else None
                               for x, need in zip((q_t, k_t, q_s, k_s), needs))
-    fused = BACKWARD == "fused" and (needs[0] or needs[2])
-    # The fused plan's float32 accumulators for the atomics, scaled and cast at the end.
-    acc_t = torch.zeros(q_t.shape, device=q_t.device, dtype=torch.float32) if fused and needs[0] else None
-    acc_s = torch.zeros(q_s.shape, device=q_s.device, dtype=torch.float32) if fused and needs[2] else None
-    if (needs[0] or needs[2]) and not fused:
-        out_t, out_s = (dq_t if dq_t is not None else q_t), (dq_s if dq_s is not None else q_s)  # unused if no grad
+    if needs[0] or needs[2]:
+        # A gradient that is not needed is never written (T_GRAD/S_GRAD): its input stands in as the pointer.
+        out_t, out_s = (dq_t if needs[0] else q_t), (dq_s if needs[2] else q_s)
         grid = lambda meta: (triton.cdiv(n_q, meta["BLOCK_M"]), B * H)  # noqa: E731
         _streamkl_bwd_dq[grid](q_t, k_t, q_s, k_s, out_t, out_s, stats[0], stats[1], stats[2], g,
                                *q_t.stride(), *k_t.stride(), *q_s.stride(), *k_s.stride(),
-                               *out_t.stride(), *out_s.stride(), *common, scale_t, scale_s,
-                               CAUSAL=causal, T_GRAD=needs[0], S_GRAD=needs[2], **consts)
-    if needs[1] or needs[3] or fused:
-        out_t, out_s = (dk_t if dk_t is not None else k_t), (dk_s if dk_s is not None else k_s)
-        # The autotuner zeroes DQt/DQs before every trial (reset_to_zero), so an unused one must be a buffer
-        # of its own: passing `stats` here once zeroed the row statistics the kernel reads.
-        spare = torch.zeros(1, device=q_t.device, dtype=torch.float32)
-        dq_bufs = tuple(spare if acc is None else acc for acc in (acc_t, acc_s))
+                               *out_t.stride(), *out_s.stride(), *common, d["GROUP_T"], d["GROUP_S"],
+                               scale_t, scale_s, CAUSAL=causal, T_GRAD=needs[0], S_GRAD=needs[2], **consts)
+    if needs[1] or needs[3]:
+        out_t, out_s = (dk_t if needs[1] else k_t), (dk_s if needs[3] else k_s)
         chunk = math.lcm(d["GROUP_T"], d["GROUP_S"])
         grid = lambda meta: (triton.cdiv(n_keys, meta["BLOCK_N"]), B * (H // chunk))  # noqa: E731
-        _streamkl_bwd_dk[grid](q_t, k_t, q_s, k_s, out_t, out_s, *dq_bufs, stats[0], stats[1], stats[2], g,
+        _streamkl_bwd_dk[grid](q_t, k_t, q_s, k_s, out_t, out_s, stats[0], stats[1], stats[2], g,
                                *q_t.stride(), *k_t.stride(), *q_s.stride(), *k_s.stride(),
-                               *out_t.stride(), *out_s.stride(), *common[:3], scale_t, scale_s,
+                               *out_t.stride(), *out_s.stride(), *common, scale_t, scale_s,
                                GROUP_T=d["GROUP_T"], GROUP_S=d["GROUP_S"], CHUNK=chunk,
-                               CAUSAL=causal, T_GRAD=needs[1], S_GRAD=needs[3], DQ_T=acc_t is not None,
-                               DQ_S=acc_s is not None, **consts)
-    if acc_t is not None:
-        dq_t.copy_(acc_t * (scale_t * LN2))
-    if acc_s is not None:
-        dq_s.copy_(acc_s * scale_s)
+                               CAUSAL=causal, T_GRAD=needs[1], S_GRAD=needs[3], **consts)
     return dq_t, dk_t, dq_s, dk_s
 
 
@@ -546,27 +505,22 @@ class StreamKLFunction(torch.autograd.Function):
         return (*grads, None, None, None)
 
 
-def _use_triton(*tensors: torch.Tensor) -> bool:
-    """Triton for CUDA tensors, or for CPU tensors under ``TRITON_INTERPRET=1``; otherwise the reference.
-
-    The interpreter is chosen when the kernels are decorated, at import: set the variable before importing
-    this module.
-    """
-    devices = {t.device for t in tensors}
-    if len(devices) > 1:
-        raise ValueError(f"attention_kl needs all four tensors on one device, got {sorted(map(str, devices))}")
-    device = devices.pop()
-    return triton is not None and (device.type == "cuda" or (device.type == "cpu" and _interpreting()))
-
-
 def _check_inputs(q_t, k_t, q_s, k_s) -> None:
-    """Shape and dtype checks for the kernel path, so that nothing the backward cannot do gets through."""
+    """Device, shape and dtype checks, so that nothing the backward cannot do gets through."""
+    devices = {t.device for t in (q_t, k_t, q_s, k_s)}
+    if len(devices) > 1:
+        raise ValueError(f"attention_kl needs all four tensors on one device, got "
+                         f"{sorted(map(str, devices))}")
+    if q_t.device.type != "cuda" and not (q_t.device.type == "cpu" and interpreting()):
+        raise RuntimeError(f"the StreamKL kernels run on CUDA tensors (or on the CPU under "
+                           f"TRITON_INTERPRET=1), got {q_t.device.type}; stiefkv.kernels.attention_kl picks "
+                           "the reference there")
     for name, x in (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s)):
         if x.dim() != 4:
             raise ValueError(f"{name} must be [B, heads, tokens, head_dim], got shape {tuple(x.shape)}")
         if x.dtype not in _DTYPES:
             raise ValueError(f"{name} has dtype {x.dtype}; StreamKL takes float16, bfloat16 or float32 "
-                             "(use stiefkv.kernels.attention_kl_reference for other dtypes)")
+                             "(stiefkv.kernels.attention_kl_reference takes any)")
     B, H, n_q, d_t = q_t.shape
     if q_s.shape[:3] != (B, H, n_q):
         raise ValueError(f"q_t {tuple(q_t.shape)} and q_s {tuple(q_s.shape)} must agree on [B, H, n_q]")
@@ -607,26 +561,26 @@ def attention_kl(
     reduction : ``"none"`` ``[B, H, Nq]``, ``"sum"`` or ``"mean"`` over all rows.
     direction : ``"forward"`` or ``"reverse"``.
 
-    Runs the Triton kernels on CUDA tensors (or on CPU tensors under ``TRITON_INTERPRET=1``), otherwise
-    the materialised reference. Gradients reach every input that requires them; double backward is not
-    supported.
+    Runs the Triton kernels on CUDA tensors, or on CPU tensors under ``TRITON_INTERPRET=1``; anything else
+    raises (:func:`stiefkv.kernels.attention_kl` chooses between this and the reference). Gradients reach
+    every input that requires them; double backward is not supported.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if direction not in ("forward", "reverse"):
         raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
     kwargs = dict(causal=causal, scale_t=scale_t, scale_s=scale_s, reduction=reduction, direction=direction)
-    if not _use_triton(q_t, k_t, q_s, k_s):
-        return attention_kl_reference(q_t, k_t, q_s, k_s, **kwargs)
     _check_inputs(q_t, k_t, q_s, k_s)
     if q_t.shape[2] == 0 or k_t.shape[2] == 0:  # nothing to stream; keep the reference's conventions
         return attention_kl_reference(q_t, k_t, q_s, k_s, **kwargs)
     scale_t = q_t.shape[-1] ** -0.5 if scale_t is None else float(scale_t)
     scale_s = q_s.shape[-1] ** -0.5 if scale_s is None else float(scale_s)
     # The kernels take one dtype for all four; promoting mixed inputs (e.g. bf16 with fp32) is exact.
-    dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype), torch.promote_types(q_s.dtype, k_s.dtype))
+    dtype = torch.promote_types(torch.promote_types(q_t.dtype, k_t.dtype),
+                                torch.promote_types(q_s.dtype, k_s.dtype))
     if q_t.device.type == "cpu" and dtype == torch.bfloat16:
-        dtype = torch.float32  # Triton's interpreter (3.9) multiplies bf16 bit patterns in tl.dot; fp32 is exact
+        # The interpreter (triton 3.9) multiplies bf16 bit patterns in tl.dot; fp32 holds bf16 exactly.
+        dtype = torch.float32
     q_t, k_t, q_s, k_s = q_t.to(dtype), k_t.to(dtype), q_s.to(dtype), k_s.to(dtype)
     if direction == "reverse":  # KL(P_s ‖ P_t): the student becomes the weighting distribution
         q_t, k_t, q_s, k_s, scale_t, scale_s = q_s, k_s, q_t, k_t, scale_s, scale_t

@@ -1,31 +1,24 @@
 """The Triton low-rank attention (``stiefkv.kernels.lowrank``) against the PyTorch reference.
 
-Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set here before triton is imported)
-at small shapes; with CUDA the same table runs compiled, plus realistic sizes (d = 128, an 8k and a 32k context).
+Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set by conftest.py before any kernel
+module is built) at small shapes; with CUDA the same table runs compiled, plus realistic sizes (d = 128, an
+8k and a 32k context).
 Every kernel path is covered: decode (one program per KV head), decode split across programs (the last
 program of a tile merges the splits), and tiled causal prefill — for both key modes, GQA 1/3/4, ranks
 8–56 (padded to powers of two), left padding, per-key bias, ``P_v`` given or ``None``, fp32/fp16/bf16.
 """
 
-import importlib
-import os
-
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 import triton.language as tl  # noqa: E402
 
-from stiefkv.kernels.reference import RopeSpec  # noqa: E402
+from stiefkv.kernels import RopeSpec  # noqa: E402
+from stiefkv.kernels import lowrank as lk  # noqa: E402
 from stiefkv.kernels.reference import lowrank_attention as reference  # noqa: E402
 
 from .utils import assert_close  # noqa: E402
-
-lk = importlib.import_module("stiefkv.kernels.lowrank")
-if os.environ.get("TRITON_INTERPRET") == "1" and not type(lk._lowrank_attn_fwd).__name__.startswith("Interpreted"):
-    lk = importlib.reload(lk)  # imported before TRITON_INTERPRET was set: decorate the kernels again
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 gpu_only = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -61,7 +54,8 @@ def make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, *, padded=True, bias=True, 
     inv_freq = 1.0 / (10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
     rope = RopeSpec(inv_freq.to(device), attention_scaling=1.15)
     bias_t = (0.5 * torch.randn(B, G, Nk)).to(device) if bias else None
-    return (q, z_k, z_v, P_k, P_v), dict(positions=positions.to(device), rope=rope, bias=bias_t, lengths=lengths)
+    kwargs = dict(positions=positions.to(device), rope=rope, bias=bias_t, lengths=lengths)
+    return (q, z_k, z_v, P_k, P_v), kwargs
 
 
 def check(args, kwargs, *, key_mode, causal=True, what="", **tuning):
@@ -158,7 +152,8 @@ def test_no_reads_outside_the_inputs(key_mode, Nq, splits):
 
 
 def test_more_queries_than_keys():
-    """Causal with Nq > Nk: query i sits at key index Nk − Nq + i, so the first Nq − Nk queries see nothing."""
+    """Causal with Nq > Nk: query i sits at key index Nk − Nq + i, so the first Nq − Nk queries see
+    nothing."""
     args, kwargs = make_inputs(1, 4, 2, 20, 9, 32, 8, 8, torch.float32, padded=False)
     check(args, kwargs, key_mode="post_rope", what="Nq > Nk")
 
@@ -247,4 +242,5 @@ def test_realistic_sizes_gpu(case, key_mode):
                                pos_offset=0)
     check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"{name} {key_mode}")
     if key_mode == "pre_rope":
-        check(args, kwargs, key_mode=key_mode, num_splits=splits, fast_sincos=False, what=f"{name} polynomial sin/cos")
+        check(args, kwargs, key_mode=key_mode, num_splits=splits, fast_sincos=False,
+              what=f"{name} polynomial sin/cos")

@@ -1,35 +1,40 @@
-"""StreamKL (``stiefkv.kernels.streamkl.attention_kl``) against the materialised reference.
+"""StreamKL (``stiefkv.kernels.streamkl.attention_kl``, the kernel itself) against the materialised reference.
 
-Without CUDA the kernels run on the CPU under ``TRITON_INTERPRET=1`` (set here before triton is imported)
-at small shapes and blocks of 16; with CUDA the same checks run compiled at realistic sizes, one of 8k
-tokens. Each check draws fresh random inputs and compares the forward and ``torch.autograd.grad``
+Every check runs where the kernel runs: compiled on CUDA when a GPU is present, otherwise on the CPU under
+Triton's interpreter (``TRITON_INTERPRET=1``, set by conftest.py before any kernel module is built) with
+blocks of 16. Each check draws fresh random inputs and compares the forward and ``torch.autograd.grad``
 gradients: odd lengths, GQA ratios 1/3/4 chosen independently for teacher and student, different teacher
 and student head dims, logits of ±50, causal and full, both directions, all reductions, rows that see no
-key (causal with more queries than keys).
+key (causal with more queries than keys). On CUDA, realistic sizes too, one of 8k tokens.
 """
 
-import importlib
 import os
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ["TRITON_INTERPRET"] = "1"
 triton = pytest.importorskip("triton")
 
+from stiefkv.kernels import streamkl as sk  # noqa: E402
 from stiefkv.kernels.reference import attention_kl as reference  # noqa: E402
 
 from .utils import assert_close  # noqa: E402
 
-sk = importlib.import_module("stiefkv.kernels.streamkl")
-if os.environ.get("TRITON_INTERPRET") == "1" and not type(sk._streamkl_fwd.fn).__name__.startswith("Interpreted"):
-    sk = importlib.reload(sk)  # imported before TRITON_INTERPRET was set: decorate the kernels again
-
 CUDA = torch.cuda.is_available()
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 gpu_only = pytest.mark.skipif(not CUDA, reason="needs CUDA")
-cpu_only = pytest.mark.skipif(not INTERPRETED, reason="the interpreter checks run where CUDA is absent")
+# The devices the kernel runs on here: CUDA compiled, or the CPU through the interpreter (never both: the
+# interpreter is chosen for every kernel when its module is imported).
+DEVICES = [
+    pytest.param("cuda", marks=gpu_only),
+    pytest.param("cpu", marks=pytest.mark.skipif(not INTERPRETED, reason="interpreted only without CUDA")),
+]
+
+
+@pytest.fixture(params=DEVICES)
+def device(request):
+    return request.param
+
 
 # KL is returned in float32 whatever the inputs: both sides compute logits from the same rounded inputs
 # with fp32 accumulation, so only summation order differs; logits of ±50 cost a few fp32 ulps of 50.
@@ -94,69 +99,68 @@ def kernel_only(monkeypatch):
     monkeypatch.setattr(sk, "attention_kl_reference", _refuse)
 
 
-# ------------------------------------------------------------------------------ CPU, Triton interpreter
-@cpu_only
+# ------------------------------------------------------------ small shapes: CUDA compiled or interpreted
 @pytest.mark.usefixtures("kernel_only")
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "B{}H{}Ht{}Hs{}N{}dt{}ds{}".format(*s))
-def test_matches_reference(shape, causal, direction):
-    _compare(_inputs(*shape, torch.float32, "cpu"), causal=causal, direction=direction)
+def test_matches_reference(shape, causal, direction, device):
+    _compare(_inputs(*shape, torch.float32, device), causal=causal, direction=direction)
 
 
-@cpu_only
 @pytest.mark.usefixtures("kernel_only")
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_half_precision_inputs(dtype, causal):
-    _compare(_inputs(1, 4, 1, 4, 37, 40, 16, dtype, "cpu"), causal=causal, dtype=dtype, reduction="mean")
+def test_half_precision_inputs(dtype, causal, device):
+    _compare(_inputs(1, 4, 1, 4, 37, 40, 16, dtype, device), causal=causal, dtype=dtype, reduction="mean")
 
 
-@cpu_only
 @pytest.mark.usefixtures("kernel_only")
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
-def test_reductions(reduction, direction):
-    _compare(_inputs(2, 3, 3, 1, 21, 16, 32, torch.float32, "cpu"), reduction=reduction, direction=direction,
+def test_reductions(reduction, direction, device):
+    _compare(_inputs(2, 3, 3, 1, 21, 16, 32, torch.float32, device), reduction=reduction, direction=direction,
              scale_t=0.3, scale_s=0.11)
 
 
-@cpu_only
 @pytest.mark.usefixtures("kernel_only")
 @pytest.mark.parametrize("direction", ["forward", "reverse"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_large_logits(causal, direction):
+def test_large_logits(causal, direction, device):
     """Logits of about ±50: the running maxima move by tens between tiles and exp would overflow unshifted."""
-    inputs = _inputs(1, 2, 1, 2, 45, 16, 24, torch.float32, "cpu", offset=50.0)
+    inputs = _inputs(1, 2, 1, 2, 45, 16, 24, torch.float32, device, offset=50.0)
     out = _compare(inputs, causal=causal, direction=direction)
     assert out.abs().max() > 1.0  # the distributions really differ at this scale
 
 
-@cpu_only
 @pytest.mark.usefixtures("kernel_only")
 @pytest.mark.parametrize(("n_q", "n_keys"), [(20, 9), (5, 40)], ids=["more-queries", "fewer-queries"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_unequal_lengths(n_q, n_keys, causal):
+def test_unequal_lengths(n_q, n_keys, causal, device):
     """Query ``i`` sits at key ``n_keys − n_q + i``; with more queries than keys the first rows see nothing
     and the reference gives them KL = 0 and zero gradient."""
-    _compare(_inputs(1, 2, 2, 1, n_q, 16, 16, torch.float32, "cpu", n_keys=n_keys), causal=causal)
+    _compare(_inputs(1, 2, 2, 1, n_q, 16, 16, torch.float32, device, n_keys=n_keys), causal=causal)
 
 
-@cpu_only
 @pytest.mark.usefixtures("kernel_only")
-@pytest.mark.parametrize("grad", [(False, False, True, True), (True, False, False, True), (True, True, False, False)])
-def test_partial_requires_grad(grad):
-    """Only the inputs that require grad get one; the teacher is usually frozen."""
-    _compare(_inputs(1, 4, 2, 4, 19, 16, 16, torch.float32, "cpu", grad=grad), direction="reverse")
+@pytest.mark.parametrize("grad", [(False, False, True, True), (True, False, False, True),
+                                  (True, True, False, False), (True, False, False, False)],
+                         ids=["student", "q_t-k_s", "teacher", "q_t"])
+@pytest.mark.parametrize("shape", [(1, 4, 2, 4, 19, 16, 16), (1, 6, 2, 3, 23, 16, 24)],
+                         ids=["Ht2Hs4", "Ht2Hs3"])
+def test_partial_requires_grad(shape, grad, device):
+    """Only the inputs that require grad get one (the teacher is usually frozen): each backward kernel runs
+    alone, with one of its two gradients or both; in the second shape key programs walk lcm(3, 2) = 6
+    heads."""
+    _compare(_inputs(*shape, torch.float32, device, grad=grad), direction="reverse")
 
 
-@cpu_only
 @pytest.mark.usefixtures("kernel_only")
 @pytest.mark.parametrize("causal", [True, False])
-def test_identical_is_zero(causal):
+def test_identical_is_zero(causal, device):
     """The same tensors as teacher and student: identical logits, so every row is exactly 0 and so is the
     student's gradient ``s − p``; with large offsets too."""
-    q, k = _inputs(1, 3, 3, 3, 29, 24, 24, torch.float32, "cpu", offset=50.0)[:2]
+    q, k = _inputs(1, 3, 3, 3, 29, 24, 24, torch.float32, device, offset=50.0)[:2]
     kl = sk.attention_kl(q, k, q, k, causal=causal, reduction="none")
     assert torch.equal(kl, torch.zeros_like(kl))
     q_s, k_s = q.detach().clone().requires_grad_(), k.detach().clone().requires_grad_()
@@ -165,28 +169,14 @@ def test_identical_is_zero(causal):
         assert_close(g, torch.zeros_like(g), 1e-6, 0.0, what="grad at the minimum")
 
 
-@cpu_only
-def test_dispatch_follows_device_and_interpreter(monkeypatch):
-    """CPU tensors take the reference unless TRITON_INTERPRET=1; the kernel is taken otherwise."""
-    inputs = _inputs(1, 2, 2, 2, 9, 16, 16, torch.float32, "cpu")
-    calls = []
-    monkeypatch.setattr(sk, "attention_kl_reference", lambda *a, **k: calls.append(1) or reference(*a, **k))
-    sk.attention_kl(*inputs)
-    assert calls == []
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
-    sk.attention_kl(*inputs)
-    assert calls == [1]
-
-
-@cpu_only
-def test_rejects_bad_inputs():
-    ok = _inputs(1, 4, 2, 4, 8, 16, 16, torch.float32, "cpu")
+def test_rejects_bad_inputs(device):
+    ok = _inputs(1, 4, 2, 4, 8, 16, 16, torch.float32, device)
     with pytest.raises(ValueError, match="multiple"):
-        sk.attention_kl(ok[0], torch.randn(1, 3, 8, 16), ok[2], ok[3])
+        sk.attention_kl(ok[0], torch.randn(1, 3, 8, 16, device=device), ok[2], ok[3])
     with pytest.raises(ValueError, match="expected"):
-        sk.attention_kl(ok[0], ok[1], ok[2], torch.randn(1, 4, 9, 16))
+        sk.attention_kl(ok[0], ok[1], ok[2], torch.randn(1, 4, 9, 16, device=device))
     with pytest.raises(ValueError, match="head dim"):
-        big = torch.randn(1, 4, 8, 512)
+        big = torch.randn(1, 4, 8, 512, device=device)
         sk.attention_kl(big, big, ok[2], ok[3])
     with pytest.raises(ValueError, match="dtype"):
         sk.attention_kl(ok[0].double(), ok[1].double(), ok[2], ok[3])
@@ -194,56 +184,17 @@ def test_rejects_bad_inputs():
         sk.attention_kl(*ok, reduction="max")
     with pytest.raises(ValueError, match="direction"):
         sk.attention_kl(*ok, direction="both")
+    if device == "cuda":
+        with pytest.raises(ValueError, match="one device"):
+            sk.attention_kl(ok[0], ok[1].cpu(), ok[2], ok[3])
 
 
-@cpu_only
-@pytest.mark.usefixtures("kernel_only")
-@pytest.mark.parametrize("grad", [(True,) * 4, (False, False, True, True), (True, False, False, False)],
-                         ids=["all", "student", "q_t only"])
-@pytest.mark.parametrize("causal", [True, False])
-@pytest.mark.parametrize("shape", SHAPES[1:], ids=lambda s: "B{}H{}Ht{}Hs{}N{}dt{}ds{}".format(*s))
-def test_fused_backward_matches_reference(shape, causal, grad, monkeypatch):
-    """The fused plan (dq by atomics from the key-tile kernel) against the reference, and the split plan."""
-    monkeypatch.setattr(sk, "BACKWARD", "fused")
-    inputs = _inputs(*shape, torch.float32, "cpu", grad=grad)
-    _compare(inputs, causal=causal, direction="reverse" if shape[1] % 2 else "forward")
-
-
-@cpu_only
-def test_unknown_backward_plan_is_refused(monkeypatch):
-    monkeypatch.setattr(sk, "BACKWARD", "single")
-    kl = sk.attention_kl(*_inputs(1, 2, 1, 2, 9, 16, 16, torch.float32, "cpu"))
-    with pytest.raises(ValueError, match="split' or 'fused"):
-        kl.backward()
-
-
-class _ZeroLikeTheTuner:
-    """Stands in for an autotuned kernel and, before the real launch, zeroes the arguments it names in
-    ``reset_to_zero`` as ``triton.autotune`` does before every tuning trial on a GPU (the interpreter runs a
-    single config and never tunes, so it never zeroes anything)."""
-
-    def __init__(self, kernel):
-        self.kernel = kernel
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            for name in self.kernel.reset_to_zero:
-                args[self.kernel.arg_names.index(name)].zero_()
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-@cpu_only
-@pytest.mark.usefixtures("kernel_only")
-@pytest.mark.parametrize("grad", [(True,) * 4, (False, False, True, True)], ids=["all", "student"])
-@pytest.mark.parametrize("plan", ["split", "fused"])
-def test_tuning_trials_do_not_clobber_inputs(plan, grad, monkeypatch):
-    """The buffers the tuner zeroes are the backward's own: an unused dq slot once aliased the saved row
-    statistics, and the first backward on a GPU (the one that tunes) came out wrong."""
-    monkeypatch.setattr(sk, "BACKWARD", plan)
-    monkeypatch.setattr(sk, "_streamkl_bwd_dk", _ZeroLikeTheTuner(sk._streamkl_bwd_dk))
-    assert sk._streamkl_bwd_dk.kernel.reset_to_zero == ["DQt", "DQs"]
-    _compare(_inputs(1, 4, 2, 1, 37, 32, 24, torch.float32, "cpu", grad=grad), causal=True)
+def test_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
+    """The kernel module never falls back: CPU tensors without the interpreter are the caller's mistake
+    (``stiefkv.kernels.attention_kl`` is the function that chooses the reference)."""
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="run on CUDA tensors"):
+        sk.attention_kl(*_inputs(1, 2, 2, 2, 9, 16, 16, torch.float32, "cpu"))
 
 
 # --------------------------------------------------------------------------------------- CUDA, compiled
@@ -260,9 +211,7 @@ def test_tuning_trials_do_not_clobber_inputs(plan, grad, monkeypatch):
     ],
     ids=["gqa-s4-bf16", "gqa-t2-full-reverse-fp16", "fp32", "bf16-d64", "8k-bf16"],
 )
-@pytest.mark.parametrize("backward", ["split", "fused"])
-def test_cuda_matches_reference(shape, dtype, causal, direction, grad, backward, monkeypatch):
-    monkeypatch.setattr(sk, "BACKWARD", backward)
+def test_cuda_matches_reference(shape, dtype, causal, direction, grad):
     inputs = _inputs(*shape, dtype, "cuda", grad=grad)
     _compare(inputs, causal=causal, direction=direction, dtype=dtype)
 
@@ -270,7 +219,8 @@ def test_cuda_matches_reference(shape, dtype, causal, direction, grad, backward,
 @gpu_only
 @pytest.mark.usefixtures("kernel_only")
 def test_cuda_large_logits_and_identical():
-    inputs = _inputs(1, 4, 4, 4, 4096, 128, 128, torch.bfloat16, "cuda", offset=50.0, grad=(False, False, True, True))
+    inputs = _inputs(1, 4, 4, 4, 4096, 128, 128, torch.bfloat16, "cuda", offset=50.0,
+                     grad=(False, False, True, True))
     _compare(inputs, dtype=torch.bfloat16)
     q, k = inputs[0].detach(), inputs[1].detach()
     kl = sk.attention_kl(q, k, q, k, reduction="none")

@@ -1,0 +1,47 @@
+"""What the kernels, their launchers and the references share: constants, the rope spec, small host helpers.
+
+Imports only the standard library and torch, never Triton, so that ``reference.py`` and the package's
+dispatch work where Triton is not installed.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from typing import NamedTuple
+
+import torch
+
+KEY_MODES = ("pre_rope", "post_rope")
+# The kernels exponentiate in base 2 (``exp2`` is one hardware instruction): logits are multiplied by
+# log₂e on the way in and results in log2 units by ln 2 on the way out.
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+MIN_DOT = 16  # tl.dot's smallest tile side: padded head dims, ranks and row tiles are at least this
+
+
+class RopeSpec(NamedTuple):
+    """What a kernel needs to rotate a key at its own position.
+
+    ``inv_freq`` ``[d/2]`` float32 are the model's inverse frequencies after any rope-type adjustment
+    (default, linear, llama3, …); ``attention_scaling`` multiplies cos and sin, as transformers does.
+    The rotation follows transformers' ``rotate_half`` convention: for ``x = [x1, x2]`` (halves),
+    ``rot(x) = [x1·cos − x2·sin, x2·cos + x1·sin]``.
+    """
+
+    inv_freq: torch.Tensor
+    attention_scaling: float = 1.0
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
+
+    Triton reads the variable when it decorates a kernel, at the import of the kernel module; a launcher
+    reads it again to adapt to the interpreter (tiny autotuning space, no hardware sin/cos, bf16 dots).
+    """
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def padded_dim(n: int) -> int:
+    """Tile width for a head dim or a rank ``n``: the next power of two, at least :data:`MIN_DOT`."""
+    return max(MIN_DOT, 1 << max(n - 1, 0).bit_length())

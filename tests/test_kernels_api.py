@@ -1,0 +1,165 @@
+"""``stiefkv.kernels``' public functions: which path they take, and that both paths agree.
+
+The choice follows the inputs' device (``backend="auto"``), never ``TRITON_INTERPRET``, which conftest.py
+sets on machines without CUDA: CPU callers must not reach Triton's interpreter. ``backend="triton"``
+forces the kernel (interpreted on the CPU), ``"reference"`` the PyTorch reference.
+"""
+
+import inspect
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+
+import stiefkv.kernels as kernels
+
+from .utils import assert_close
+
+ROOT = Path(__file__).resolve().parents[1]
+CUDA = torch.cuda.is_available()
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel_on_cpu = pytest.mark.skipif(not INTERPRETED, reason="kernels run on the CPU interpreted only")
+
+
+def _kl_inputs(device="cpu", grad=False):
+    shapes = ((1, 4, 13, 16), (1, 2, 13, 16), (1, 4, 13, 24), (1, 1, 13, 24))
+    return [torch.randn(s, device=device).requires_grad_(grad) for s in shapes]
+
+
+def _attention_inputs(device="cpu", grad=False):
+    """Decode over 21 keys, GQA 2, ranks 8 and 24, ``pre_rope``; returns args and keyword arguments."""
+    B, H, G, Nk, d = 2, 4, 2, 21, 32
+    q = torch.randn(B, H, 1, d, device=device).requires_grad_(grad)
+    z_k, z_v = torch.randn(B, G, Nk, 8, device=device), torch.randn(B, G, Nk, 24, device=device)
+    P_k = torch.linalg.qr(torch.randn(G, d, 8))[0].to(device)
+    P_v = torch.linalg.qr(torch.randn(G, d, 24))[0].to(device)
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    kwargs = dict(key_mode="pre_rope", positions=torch.arange(Nk, device=device).expand(B, Nk),
+                  rope=kernels.RopeSpec(inv_freq.to(device)), lengths=torch.tensor([Nk, 9], device=device))
+    return (q, z_k, z_v, P_k, P_v), kwargs
+
+
+@pytest.fixture
+def kernel_calls(monkeypatch):
+    """Count the calls that reach the Triton modules' functions (the kernels still run)."""
+    from stiefkv.kernels import lowrank, streamkl
+
+    calls = []
+    for module, name in ((lowrank, "lowrank_attention"), (streamkl, "attention_kl")):
+        real = getattr(module, name)
+        def counted(*a, _real=real, _name=name, **k):
+            calls.append(_name)
+            return _real(*a, **k)
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
+def test_public_api():
+    assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "RopeSpec", "attention_kl",
+                                    "attention_kl_reference", "lowrank_attention",
+                                    "lowrank_attention_reference", "triton_available"}
+    assert kernels.BACKENDS == ("auto", "triton", "reference")
+    assert kernels.KEY_MODES == ("pre_rope", "post_rope")
+    pytest.importorskip("triton")
+    import stiefkv.kernels.lowrank  # noqa: F401
+    import stiefkv.kernels.streamkl  # noqa: F401
+
+    # Importing the kernel modules sets package attributes of their names: none may shadow a function.
+    assert inspect.isfunction(kernels.lowrank_attention) and inspect.isfunction(kernels.attention_kl)
+    for name in ("lowrank_attention", "attention_kl"):
+        assert inspect.signature(getattr(kernels, name)).parameters["backend"].default == "auto"
+
+
+def test_import_does_not_import_triton():
+    """In a fresh interpreter: the package and a CPU call through it never import Triton, even with
+    ``TRITON_INTERPRET=1`` in the environment."""
+    script = textwrap.dedent("""
+        import sys
+        import torch
+        import stiefkv.kernels as K
+        q = torch.randn(1, 2, 5, 16)
+        K.attention_kl(q, q, q, q)
+        P = torch.linalg.qr(torch.randn(2, 16, 8))[0]
+        K.lowrank_attention(q, torch.randn(1, 2, 5, 8), torch.randn(1, 2, 5, 8), P, P, key_mode="post_rope")
+        assert "triton" not in sys.modules, "triton was imported"
+        print("ok")
+    """)
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0 and result.stdout.strip() == "ok", result.stderr[-3000:]
+
+
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_cpu_tensors_take_the_reference(backend, kernel_calls):
+    """``auto`` on CPU tensors is the reference, bit for bit, whatever ``TRITON_INTERPRET`` says."""
+    kl_in = _kl_inputs(grad=True)
+    out = kernels.attention_kl(*kl_in, reduction="none", backend=backend)
+    assert torch.equal(out, kernels.attention_kl_reference(*kl_in, reduction="none"))
+    args, kwargs = _attention_inputs()
+    out = kernels.lowrank_attention(*args, **kwargs, backend=backend)
+    assert torch.equal(out, kernels.lowrank_attention_reference(*args, **kwargs))
+    assert kernel_calls == []
+
+
+@needs_kernel_on_cpu
+def test_triton_backend_reaches_the_kernels_on_cpu(kernel_calls):
+    """``backend="triton"`` runs the kernels on CPU tensors under the interpreter; they match the reference,
+    gradients of StreamKL included."""
+    kl_in = _kl_inputs(grad=True)
+    out = kernels.attention_kl(*kl_in, backend="triton")
+    ref = kernels.attention_kl_reference(*kl_in)
+    assert_close(out, ref, 2e-4, 1e-4, what="kl")
+    for g, r in zip(torch.autograd.grad(out, kl_in), torch.autograd.grad(ref, kl_in)):
+        assert_close(g, r, 1e-4, 1e-3, what="kl gradient")
+    args, kwargs = _attention_inputs()
+    out = kernels.lowrank_attention(*args, **kwargs, backend="triton")
+    assert_close(out, kernels.lowrank_attention_reference(*args, **kwargs), what="attention")
+    assert kernel_calls == ["attention_kl", "lowrank_attention"]
+
+
+@pytest.mark.skipif(not CUDA, reason="needs CUDA")
+def test_cuda_tensors_take_the_kernels(kernel_calls):
+    kl_in = _kl_inputs("cuda")
+    assert_close(kernels.attention_kl(*kl_in), kernels.attention_kl_reference(*kl_in), 2e-4, 1e-4, what="kl")
+    args, kwargs = _attention_inputs("cuda")
+    out = kernels.lowrank_attention(*args, **kwargs)
+    assert_close(out, kernels.lowrank_attention_reference(*args, **kwargs), what="attention")
+    assert kernel_calls == ["attention_kl", "lowrank_attention"]
+    # The attention kernel has no backward: `auto` takes the reference when autograd needs one.
+    args, kwargs = _attention_inputs("cuda", grad=True)
+    out = kernels.lowrank_attention(*args, **kwargs)
+    assert out.requires_grad and kernel_calls == ["attention_kl", "lowrank_attention"]
+    with pytest.raises(RuntimeError, match="inference-only"):
+        kernels.lowrank_attention(*args, **kwargs, backend="triton")
+
+
+def test_auto_decision():
+    """The decision itself, for devices this machine may not have: CUDA → the kernel where Triton imports,
+    unless a gradient is needed from the forward-only attention kernel; anything else → the reference."""
+    use = kernels._use_kernel
+    assert use("auto", torch.device("cuda")) == kernels.triton_available()
+    assert not use("auto", torch.device("cuda"), needs_grad=True)
+    assert not use("auto", torch.device("cpu"))
+    assert not use("auto", torch.device("meta"))
+    assert not use("reference", torch.device("cuda"))
+
+
+def test_bad_backend_is_named():
+    kl_in = _kl_inputs()
+    with pytest.raises(ValueError, match="'cuda'"):
+        kernels.attention_kl(*kl_in, backend="cuda")
+    args, kwargs = _attention_inputs()
+    with pytest.raises(ValueError, match="'Triton'"):
+        kernels.lowrank_attention(*args, **kwargs, backend="Triton")
+
+
+def test_triton_backend_without_triton(monkeypatch):
+    monkeypatch.setattr(kernels, "triton_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs triton"):
+        kernels.attention_kl(*_kl_inputs(), backend="triton")
+    assert torch.isfinite(kernels.attention_kl(*_kl_inputs(), backend="auto"))
