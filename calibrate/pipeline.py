@@ -17,13 +17,20 @@ from stiefkv.calibrate import allocate
 from stiefkv.calibrate.collect import LayerBatch, LayerInputs
 from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
-from stiefkv.calibrate.profile import (KL_SEQUENCES, WEIGHTINGS, LayerProfile, OutputKL, candidate_ranks,
-                                      profile_layer, profile_layer_kl)
+from stiefkv.calibrate.profile import (
+    KL_SEQUENCES,
+    WEIGHTINGS,
+    LayerProfile,
+    OutputKL,
+    candidate_ranks,
+    profile_layer,
+    profile_layer_kl,
+)
 from stiefkv.calibrate.state import CalibrationState
 from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
-from stiefkv.models import arch_of, dims_of, fingerprint, rope_spec
-from stiefkv.projections import KEY_MODES, Projections
+from stiefkv.models import arch_of, check_context, dims_of, fingerprint, rope_spec
+from stiefkv.projections import KEY_MODES, Projections, ensure_writable
 
 log = logging.getLogger(__name__)
 
@@ -127,22 +134,34 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     cfg = CalibrationConfig.from_kwargs(device=next(model.parameters()).device, **settings)
     arch_of(model.config)
     dims = dims_of(model.config)
+    if dims.d % cfg.rank_step:
+        raise ValueError(f"rank_step {cfg.rank_step} must divide the model's head dimension d={dims.d} "
+                         f"(e.g. --rank-step {next(s for s in (8, 4, 2, 1) if dims.d % s == 0)})")
     progress = Path(progress) if progress is not None else None
+    if progress is not None:
+        ensure_writable(progress, "progress file")
+        if progress.exists() and not resume:
+            log.warning("%s exists from an earlier run; starting over (resume=True / --resume continues it)",
+                        progress)
     t0 = time.perf_counter()
     if sequences is not None:
+        if sequences.dim() != 2 or sequences.shape[0] < 1 or sequences.shape[1] < 2:
+            raise ValueError(f"sequences must be [S, N] token ids with S ≥ 1 and N ≥ 2, got {tuple(sequences.shape)}")
         seqs = sequences.long().cpu()
         cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
-    else:
+    check_context(model.config, cfg.seq_len, "seq_len")
+    if sequences is None:
         seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
                                      seq_len=cfg.seq_len, seed=cfg.seed)
     fp = fingerprint(model)
     if resume and progress is not None and progress.is_file():
         state = CalibrationState.load(progress, asdict(cfg), fp)
     else:
+        if resume:
+            log.info("nothing to resume at %s: starting from the beginning", progress)
         state = CalibrationState(settings=asdict(cfg), fingerprint=fp)
-    if not state.eig_k:
-        first_pass(model, seqs, cfg, state)
-        state.save(progress)
+    if len(state.eig_k) < dims.L:
+        first_pass(model, seqs, cfg, state, progress)
     if not state.ranks:
         state.ranks = choose_ranks(cfg, state, dims)
         state.save(progress)
@@ -154,7 +173,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
                           "model": getattr(model, "stiefkv_spec", None),
                           "profiles": state.profiles, "refine": state.refine}
     return Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode, fingerprint=fp,
-                       budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors)
+                       budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors).validate()
 
 
 def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:
@@ -164,33 +183,103 @@ def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[
     return allocate.dp(profiles, cfg.budget, dims.d, cfg.rank_step, cfg.weighting)
 
 
+PHASES = 2  # 1: PCA (and profiles), 2: bases at the allocated ranks
+
+
+class PhaseProgress:
+    """A progress bar over the layers of one calibration phase, and a log line with the expected whole time
+    once the first layer this run computes is done (finished layers of a resumed run are not counted)."""
+
+    def __init__(self, index: int, name: str, total: int):
+        self.label, self.total = f"phase {index}/{PHASES} {name}", total
+        self.bar, self.first, self.started = None, None, 0.0
+
+    def begin(self, i: int) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=self.total, initial=i, desc=self.label, unit="layer")
+            self.first, self.started = i, time.perf_counter()
+
+    def end(self, i: int) -> None:
+        self.bar.update(1)
+        if i == self.first:
+            took, left = time.perf_counter() - self.started, self.total - i - 1
+            log.info("%s: layer %d took %.1f s; expect about %.0f s more for the other %d layers",
+                     self.label, i, took, took * left, left)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+def check_finite(x: torch.Tensor, where: str) -> None:
+    """Raise ``ValueError`` naming ``where`` when activations ``x`` hold NaN or inf."""
+    if torch.isfinite(x).all():
+        return
+    if x.dtype in (torch.float16, torch.bfloat16):
+        why = f"it overflows in {str(x.dtype).removeprefix('torch.')} — try --dtype float32"
+    else:
+        why = "the model's weights are not finite (is the model file damaged?)"
+    raise ValueError(f"{where} of the model produced NaN/inf activations on the calibration data: {why}")
+
+
 @torch.no_grad()
-def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState) -> None:
-    """Per layer, on the uncompressed model's activations: PCA eigenvectors, and error–rank profiles for ``dp``."""
+def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
+               progress: Path | None = None) -> None:
+    """Per layer, on the uncompressed model's activations: PCA eigenvectors, and error–rank profiles for ``dp``.
+
+    Saved to ``progress`` after every layer; layers already in ``state`` (a resumed run) are only run
+    forward to reach the next one, so a resumed pass gives what an uninterrupted one does.
+    """
     rope, dims = rope_spec(model.config), dims_of(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
+    check_finite(inputs.hidden, "the token embeddings")
     ranks = candidate_ranks(dims.d, cfg.rank_step)
     output_kl = None
     if cfg.allocation == "dp" and cfg.weighting == "kl":
         n = min(KL_SEQUENCES, cfg.profile_sequences, len(seqs))
         output_kl = OutputKL(model, inputs.hidden[:n], next(inputs.batches()))
-    for i in tqdm(range(inputs.num_layers), desc="profiles" if cfg.allocation == "dp" else "PCA", unit="layer"):
-        layer, target = inputs.layers[i], inputs.run()
-        moments = SecondMoments(model, cfg.key_mode)
-        for batch in inputs.batches():
-            moments(batch)
-        eig_k, eig_v = top_eigenvectors(moments.keys[i], dims.d), top_eigenvectors(moments.values[i], dims.d)
-        state.eig_k.append(eig_k)
-        state.eig_v.append(eig_v)
-        if output_kl is not None:
-            n = output_kl.base.shape[0]
-            device = target.device
-            state.profiles.append(profile_layer_kl(
-                layer, output_kl, i, inputs.hidden[:n], lambda r: eig_k[..., :r].to(device),
-                lambda r: eig_v[..., :r].to(device), key_mode=cfg.key_mode, rope=rope, ranks=ranks).as_dict())
-        elif cfg.allocation == "dp":
-            state.profiles.append(profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope).as_dict())
-        inputs.advance(target)
+        check_finite(output_kl.base, "the output (LM head)")
+    bar = PhaseProgress(1, "profiles" if cfg.allocation == "dp" else "PCA", inputs.num_layers)
+    try:
+        for i in range(inputs.num_layers):
+            layer, target = inputs.layers[i], inputs.run()
+            check_finite(target, f"layer {i}")
+            if i >= len(state.eig_k):
+                bar.begin(i)
+                first_pass_layer(model, layer, i, inputs, target, output_kl, ranks, cfg, rope, state)
+                state.save(progress)
+                bar.end(i)
+            inputs.advance(target)
+    finally:
+        bar.close()
+
+
+def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_kl, ranks, cfg: CalibrationConfig,
+                     rope, state: CalibrationState) -> None:
+    """Layer ``i``'s eigenvectors (and profile) appended to ``state``."""
+    d = dims_of(model.config).d
+    moments = SecondMoments(model, cfg.key_mode)
+    for batch in inputs.batches():
+        moments(batch)
+    eig_k, eig_v = top_eigenvectors(moments.keys[i], d), top_eigenvectors(moments.values[i], d)
+    device = target.device
+
+    def basis_k(r):
+        return eig_k[..., :r].to(device)
+
+    def basis_v(r):
+        return eig_v[..., :r].to(device)
+
+    if output_kl is not None:
+        n = output_kl.base.shape[0]
+        prof = profile_layer_kl(layer, output_kl, i, inputs.hidden[:n], basis_k, basis_v, key_mode=cfg.key_mode,
+                                rope=rope, ranks=ranks)
+    elif cfg.allocation == "dp":
+        prof = profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope)
+    state.eig_k.append(eig_k)
+    state.eig_v.append(eig_v)
+    if cfg.allocation == "dp":
+        state.profiles.append(prof.as_dict())
 
 
 def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: CalibrationConfig, rope) -> LayerProfile:
@@ -234,33 +323,45 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
     # PCA bases come from the first pass whatever the order: only refinement needs the compressed inputs.
     sequential = cfg.order == "sequential" and cfg.method == "stiefel"
     compressed_hidden = inputs.hidden if sequential else None
-    for i in tqdm(range(inputs.num_layers), desc=f"{cfg.method} layers", unit="layer"):
-        layer, target = inputs.layers[i], inputs.run()
-        x = compressed_hidden if sequential else inputs.hidden
-        data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask, inputs.position_ids)
-        done = i < len(state.keys)
-        if not done:
-            P_k, P_v = fit_layer(layer, data, state, i, cfg, rope)
-            state.keys.append(P_k.cpu())
-            state.values.append(P_v.cpu())
-            # Reported errors are on the uncompressed model's inputs, comparable across methods and orders
-            # (and with `stiefkv eval`); the chained error adds the drift of the compressed layers before.
-            error = {"layer": i} | layer_error(layer, inputs, target, inputs.hidden, P_k, P_v, cfg, rope).as_dict()
-        if sequential:
-            compressed_hidden, chained = compressed_outputs(layer, inputs, x, target, state.keys[i], state.values[i],
-                                                            cfg, rope)
+    bar = PhaseProgress(2, f"{cfg.method} layers", inputs.num_layers)
+    try:
+        for i in range(inputs.num_layers):
+            layer, target = inputs.layers[i], inputs.run()
+            check_finite(target, f"layer {i}")
+            x = compressed_hidden if sequential else inputs.hidden
+            data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask, inputs.position_ids)
+            done = i < len(state.keys)
             if not done:
-                error["rel_error_chained"] = round(chained.rel_error, 6)
-        if not done:
-            state.errors.append(error)
-            state.save(progress)
-        inputs.advance(target)
+                bar.begin(i)
+                P_k, P_v = fit_layer(layer, data, state, i, cfg, rope)
+                state.keys.append(P_k.cpu())
+                state.values.append(P_v.cpu())
+                # Reported errors are on the uncompressed model's inputs, comparable across methods and orders
+                # (and with `stiefkv eval`); the chained error adds the drift of the compressed layers before.
+                error = {"layer": i} | layer_error(layer, inputs, target, inputs.hidden, P_k, P_v, cfg,
+                                                   rope).as_dict()
+            if sequential:
+                compressed_hidden, chained = compressed_outputs(layer, inputs, x, target, state.keys[i],
+                                                                state.values[i], cfg, rope)
+                check_finite(compressed_hidden, f"layer {i} with compressed keys and values")
+                if not done:
+                    error["rel_error_chained"] = round(chained.rel_error, 6)
+            if not done:
+                state.errors.append(error)
+                state.save(progress)
+                bar.end(i)
+            inputs.advance(target)
+    finally:
+        bar.close()
 
 
 def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: CalibrationConfig, rope):
     rk, rv = state.ranks[i]
     device = data.hidden.device
-    P_k, P_v = state.eig_k[i][..., :rk].to(device), state.eig_v[i][..., :rv].to(device)
+    # Copies, never views: at full rank a slice is the whole eigenvector tensor, and a basis sharing its
+    # storage cannot be saved (safetensors refuses shared tensors).
+    P_k = state.eig_k[i][..., :rk].to(device).clone(memory_format=torch.contiguous_format)
+    P_v = state.eig_v[i][..., :rv].to(device).clone(memory_format=torch.contiguous_format)
     if cfg.method == "pca" or cfg.steps == 0:
         return P_k, P_v
     # Per-layer seed: a resumed run draws the same minibatches for the layers it still has to do.

@@ -2,7 +2,7 @@
 
 One safetensors file beside the output (``OUTPUT.partial``): the PCA eigenvectors and error–rank
 profiles of the first pass, the ranks, and the bases and errors of every finished layer, with the
-settings and model fingerprint they belong to. Written atomically after each step.
+settings and model fingerprint they belong to. Written atomically after every layer of both passes.
 """
 
 from __future__ import annotations
@@ -15,7 +15,11 @@ from pathlib import Path
 
 import torch
 
+from stiefkv.projections import honour_umask
+
 log = logging.getLogger(__name__)
+
+STATE_FIELDS = ("settings", "fingerprint", "profiles", "ranks", "errors", "refine")
 
 
 @dataclass
@@ -32,29 +36,47 @@ class CalibrationState:
     refine: list[dict] = field(default_factory=list)
 
     def save(self, path: Path | None) -> None:
+        """Write atomically (a temporary file beside ``path``, then a rename); nothing when ``path`` is None."""
         if path is None:
             return
         from safetensors.torch import save_file
 
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for name in ("eig_k", "eig_v", "keys", "values"):
             for i, t in enumerate(getattr(self, name)):
-                tensors[f"{name}.{i}"] = t.detach().to("cpu", torch.float32).contiguous()
+                # clone: a full-rank basis may share storage with its eigenvectors; safetensors refuses that
+                tensors[f"{name}.{i}"] = t.detach().to("cpu", torch.float32).clone(
+                    memory_format=torch.contiguous_format)
         doc = {"settings": self.settings, "fingerprint": self.fingerprint, "profiles": self.profiles,
                "ranks": [list(r) for r in self.ranks], "errors": self.errors, "refine": self.refine,
                "counts": {name: len(getattr(self, name)) for name in ("eig_k", "eig_v", "keys", "values")}}
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        save_file(tensors, str(tmp), metadata={"stiefkv_state": json.dumps(doc)})
-        os.replace(tmp, path)
+        try:
+            save_file(tensors, str(tmp), metadata={"stiefkv_state": json.dumps(doc)})
+            honour_umask(tmp)
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     @classmethod
-    def load(cls, path: Path, settings: dict, fingerprint: dict) -> "CalibrationState":
+    def load(cls, path: Path, settings: dict, fingerprint: dict) -> CalibrationState:
         """The saved state if it belongs to these settings and this model; a ``ValueError`` naming why not."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            doc = json.loads(f.metadata()["stiefkv_state"])
-            tensors = {k: f.get_tensor(k) for k in f.keys()}
+        damaged = (f"{path} is damaged or not a StiefKV progress file ({{}}): delete it to start over "
+                   "(or run without --resume)")
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                doc = json.loads((f.metadata() or {})["stiefkv_state"])
+                tensors = {k: f.get_tensor(k) for k in f.keys()}
+            missing = [k for k in ("counts", *STATE_FIELDS) if k not in doc]
+        except (SafetensorError, OSError, RuntimeError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            raise ValueError(damaged.format(f"{type(exc).__name__}: {exc}")) from None
+        if missing:
+            raise ValueError(damaged.format(f"no {', '.join(missing)}"))
+        counts = doc["counts"]
         if doc["fingerprint"] != fingerprint:
             raise ValueError(f"{path} was written for another model; delete it or drop --resume")
         changed = sorted(k for k in set(settings) | set(doc["settings"])
@@ -64,7 +86,13 @@ class CalibrationState:
                              "use the same settings, or delete it to start over")
         state = cls(settings=doc["settings"], fingerprint=doc["fingerprint"], profiles=doc["profiles"],
                     ranks=[tuple(r) for r in doc["ranks"]], errors=doc["errors"], refine=doc["refine"])
-        for name, n in doc["counts"].items():
-            setattr(state, name, [tensors[f"{name}.{i}"] for i in range(n)])
-        log.info("resuming from %s: %d layers finished", path, len(state.keys))
+        try:
+            for name, n in counts.items():
+                setattr(state, name, [tensors[f"{name}.{i}"] for i in range(n)])
+        except (KeyError, TypeError) as exc:
+            raise ValueError(damaged.format(f"missing tensor {exc}")) from None
+        if not all(torch.isfinite(t).all() for name in counts for t in getattr(state, name)):
+            raise ValueError(damaged.format("non-finite values"))
+        log.info("resuming from %s: %d of the first pass's layers and %d bases done", path, len(state.eig_k),
+                 len(state.keys))
         return state

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -28,20 +29,46 @@ class UserError(click.ClickException):
     exit_code = 2
 
 
-def _run(fn, debug: bool):
-    """Call ``fn``; turn the errors a user can fix into one line."""
+def _user_errors():
     from stiefkv.data import DataError
     from stiefkv.models import ModelLoadError
     from stiefkv.projections import CheckpointError
 
+    return ModelLoadError, DataError, CheckpointError, ValueError, FileNotFoundError
+
+
+def _failures():
+    """Errors that are not the input's fault but still deserve one line, exit status 1, and no traceback."""
+    import torch
+
+    return OSError, torch.linalg.LinAlgError, torch.cuda.OutOfMemoryError
+
+
+def _run(fn, debug: bool, hint=None):
+    """Call ``fn``; turn the errors a user can fix into one line (exit 2), failures into one line (exit 1).
+
+    ``hint()`` is appended to the message (e.g. where the progress of a failed calibration was kept).
+    """
+    def message(text: str) -> str:
+        extra = hint() if hint is not None else ""
+        return f"{text}{extra}"
+
     try:
         return fn()
-    except (ModelLoadError, DataError, CheckpointError, ValueError, FileNotFoundError) as exc:
+    except _user_errors() as exc:
         if debug:
             raise
-        raise UserError(str(exc)) from None
+        raise UserError(message(str(exc))) from None
+    except _failures() as exc:
+        if debug:
+            raise
+        if isinstance(exc, OSError) and exc.strerror:
+            text = f"{exc.strerror}: {exc.filename}" if exc.filename else exc.strerror
+        else:
+            text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise click.ClickException(message(f"failed ({type(exc).__name__}): {text}")) from None
     except KeyboardInterrupt:
-        raise click.ClickException("interrupted") from None
+        raise click.ClickException(message("interrupted")) from None
 
 
 def require_matplotlib() -> None:
@@ -52,20 +79,72 @@ def require_matplotlib() -> None:
 
 
 def _setup(device: str, dtype: str, seed: int, debug: bool):
+    """Logging, the seed, and the resolved ``(device, dtype)``; a bad ``--device`` is a one-line error."""
     import torch
 
+    from stiefkv.models import resolve_device
+
+    _logging(debug)
+    try:
+        dev = resolve_device(device)
+    except ValueError as exc:
+        raise UserError(f"--device {device}: {exc}") from None
+    torch.manual_seed(seed)
+    return str(dev), getattr(torch, DTYPES[dtype])
+
+
+def _logging(debug: bool) -> None:
     logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(levelname)s %(message)s")
     for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise UserError(f"--device {device}: CUDA is not available on this machine; use --device cpu")
-    torch.manual_seed(seed)
-    return getattr(torch, DTYPES[dtype])
+
+
+def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | None = None) -> None:
+    """Refuse an output that is one of the inputs, lies inside a model folder being read, is a data file
+    inside a data folder being read, or is another output; then create each output's folder and check it
+    can be written. Paths are compared resolved (symlinks followed) and by inode where both exist.
+
+    ``outputs`` maps an option name to a path (None: not given); ``files`` are input files or folders.
+    """
+    from stiefkv.models import cache_dir, model_paths
+    from stiefkv.projections import ensure_writable
+
+    inputs = [("the model", p) for p in model_paths(model)] + [("an input", Path(f)) for f in files if f]
+    if Path(model).suffix == ".gguf" or model in ("smollm2",):
+        inputs.append(("the de-quantised model cache", cache_dir() / "gguf"))
+    data_path = Path(data).expanduser() if data not in (None, "wikitext2", "self") else None
+    if data_path is not None and data_path.exists():
+        inputs.append(("the --data", data_path))
+    seen = {}
+    for name, path in outputs.items():
+        if path is None:
+            continue
+        resolved = path.expanduser().resolve()
+        for other, other_path in seen.items():
+            if resolved == other_path:
+                raise UserError(f"{name} and {other} are the same file {path}: give them different paths")
+        for what, src in inputs:
+            src_resolved = src.expanduser().resolve()
+            same = resolved == src_resolved or (
+                resolved.exists() and src_resolved.is_file() and os.path.samefile(resolved, src_resolved))
+            if same:
+                raise UserError(f"{name} {path} is {what} ({src}), which this command reads: writing there would "
+                                "destroy it; choose another output path")
+            if src_resolved.is_dir() and resolved.is_relative_to(src_resolved):
+                if what == "the --data" and resolved.suffix not in (".txt", ".jsonl"):
+                    continue  # a data folder is read for .txt/.jsonl files only
+                raise UserError(f"{name} {path} lies inside {what} folder {src}, which this command reads: "
+                                "choose a path outside it")
+        seen[name] = resolved
+    for name, path in outputs.items():
+        if path is not None:
+            ensure_writable(path, name)
 
 
 def common_options(fn):
     for option in reversed([
-        click.option("--device", default="cpu", show_default=True, help="Where the model runs: cpu, cuda, cuda:1…"),
+        click.option("--device", default="auto", show_default=True,
+                     help="Where the model runs: auto (CUDA when present, else the CPU), cpu, cuda, cuda:1…"),
         click.option("--dtype", type=click.Choice(list(DTYPES)), default="float32", show_default=True,
                      help="Precision of the model's weights and activations."),
         click.option("--seed", type=int, default=DEFAULTS["seed"], show_default=True,
@@ -133,10 +212,10 @@ def main():
               help="Sequences per forward pass (memory vs speed).")
 @click.option("--rank-step", type=int, default=DEFAULTS["rank_step"], show_default=True,
               help="Ranks are multiples of this.")
-@click.option("-o", "--output", type=click.Path(dir_okay=False, path_type=Path), required=True,
+@click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
               help="Where to write the checkpoint (.safetensors). Progress is kept in OUTPUT.partial.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from OUTPUT.partial.")
-@click.option("--plot", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--plot", type=click.Path(path_type=Path), default=None,
               help="Draw the error-rank profiles with the chosen ranks marked to this .png (needs matplotlib).")
 @common_options
 def calibrate(model, output, resume, plot, device, dtype, seed, debug, **settings):
@@ -146,21 +225,18 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     """
     import stiefkv
 
-    torch_dtype = _setup(device, dtype, seed, debug)
-
+    device, torch_dtype = _setup(device, dtype, seed, debug)
     settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
+    partial = output.with_name(output.name + ".partial")
 
     def work():
         CalibrationConfig.from_kwargs(seed=seed, **settings)  # fail on bad settings before loading the model
         if plot is not None:
             require_matplotlib()
+        _check_outputs({"-o": output, "the progress file": partial, "--plot": plot}, model,
+                       data=settings.get("data"))
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
-        partial = output.with_name(output.name + ".partial")
-        try:
-            proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
-        except KeyboardInterrupt:
-            hint = f"; finished layers are kept in {partial}: add --resume to continue" if partial.exists() else ""
-            raise click.ClickException(f"interrupted{hint}") from None
+        proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
         proj.save(output)
         partial.unlink(missing_ok=True)
         if plot is not None:
@@ -169,7 +245,12 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             plot_profiles(proj, plot)
         return proj
 
-    proj = _run(work, debug)
+    def kept():
+        if not partial.is_file():
+            return ""
+        return f"; the progress so far is kept in {partial}: rerun with --resume to continue, or delete it"
+
+    proj = _run(work, debug, hint=kept)
     click.echo(_inspect_table(proj))
     click.echo(f"\nwrote {output} ({proj.settings['seconds']} s)")
 
@@ -181,26 +262,35 @@ def inspect(checkpoint, as_json):
     """Show a checkpoint's settings, ranks and per-layer errors."""
     from stiefkv.projections import Projections
 
+    _logging(False)
     proj = _run(lambda: Projections.load(checkpoint), False)
     click.echo(json.dumps(proj.header(), indent=2) if as_json else _inspect_table(proj))
 
 
+def _fmt(value, spec: str = ".4f") -> str:
+    """A header value as text: numbers formatted, anything else as it is (a header may be hand-edited)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return "–" if value is None else str(value)
+
+
 def _inspect_table(proj) -> str:
     s, fp = proj.settings, proj.fingerprint
+    steps = s.get("steps", "–") if proj.method == "stiefel" else "–"
     lines = [
-        f"model {s.get('model') or fp['architecture']} ({fp['architecture']}, L={fp['L']} H={fp['H']} G={fp['G']} "
-        f"d={fp['d']}) · method {proj.method} · key mode {proj.key_mode} · budget {proj.budget:g} "
-        f"(achieved {proj.achieved_budget:.4f})",
-        f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation {s.get('allocation')}"
-        f" · order {s.get('order', '–')} · steps {s.get('steps', '–') if proj.method == 'stiefel' else '–'}",
+        f"model {s.get('model') or fp.get('architecture')} ({fp.get('architecture')}, L={fp.get('L')} "
+        f"H={fp.get('H')} G={fp.get('G')} d={fp.get('d')}) · method {proj.method} · key mode {proj.key_mode} · "
+        f"budget {_fmt(proj.budget, 'g')} (achieved {proj.achieved_budget:.4f})",
+        f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation "
+        f"{s.get('allocation')} · order {s.get('order', '–')} · steps {steps}",
         "",
         "| layer | r_k | r_v | rel. error | cosine |",
         "|---|---|---|---|---|",
     ]
-    errors = {e.get("layer", i): e for i, e in enumerate(proj.errors)}
+    errors = {e.get("layer", i): e for i, e in enumerate(proj.errors) if isinstance(e, dict)}
     for i, (rk, rv) in enumerate(proj.ranks):
         e = errors.get(i, {})
-        lines.append(f"| {i} | {rk} | {rv} | {e.get('rel_error', float('nan')):.4f} | {e.get('cosine', float('nan')):.4f} |")
+        lines.append(f"| {i} | {rk} | {rv} | {_fmt(e.get('rel_error'))} | {_fmt(e.get('cosine'))} |")
     return "\n".join(lines)
 
 
@@ -220,38 +310,49 @@ def _inspect_table(proj) -> str:
               help="Also report each layer's attention KL between the original and compressed attention at a long "
                    "context (StreamKL on CUDA; memory linear in the context).")
 @click.option("--kl-context", type=int, default=8192, show_default=True, help="Tokens for --attention-kl.")
-@click.option("--json", "json_path", type=click.Path(dir_okay=False, path_type=Path), default=None,
+@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options
 def evaluate(model, projections, data, window, windows, batch_size, backend, attention_kl, kl_context, json_path,
              device, dtype, seed, debug):
     """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL."""
     import stiefkv
-    from stiefkv.evaluate import attention_kl_per_layer, evaluate as run_eval, format_table
+    from stiefkv.evaluate import attention_kl_per_layer, format_table
+    from stiefkv.evaluate import evaluate as run_eval
+    from stiefkv.models import check_context
 
-    torch_dtype = _setup(device, dtype, seed, debug)
-    if windows is not None and windows < 1:
-        raise UserError(f"--windows must be ≥ 1, got {windows}")
+    device, torch_dtype = _setup(device, dtype, seed, debug)
+    for name, value, least in (("--window", window, 2), ("--windows", windows, 1), ("--batch-size", batch_size, 1),
+                               ("--kl-context", kl_context, 2)):
+        if value is not None and value < least:
+            raise UserError(f"{name} must be ≥ {least}, got {value}")
     if attention_kl and projections is None:
         raise UserError("--attention-kl compares with compressed attention: give --projections")
+    to_stdout = json_path is not None and str(json_path) == "-"
 
     def work():
+        _check_outputs({"--json": None if to_stdout else json_path}, model, files=(projections,), data=data)
         proj = stiefkv.Projections.load(projections) if projections else None
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
+        check_context(m.config, window, "--window")
+        if attention_kl:
+            check_context(m.config, kl_context, "--kl-context")
         result = run_eval(m, tok, proj, data=data, window=window, limit=windows, batch_size=batch_size,
                           backend=backend, model_name=model)
         if attention_kl:
             result.attention_kl_context = kl_context
             result.attention_kl = attention_kl_per_layer(m, tok, proj, data=data, context=kl_context)
+        if json_path is not None and not to_stdout:
+            json_path.write_text(json.dumps(result.as_dict(), indent=2))
         return result
 
     result = _run(work, debug)
-    if json_path is not None and str(json_path) == "-":
+    if to_stdout:
         click.echo(json.dumps(result.as_dict(), indent=2))
         return
     click.echo(format_table(result))
     if json_path is not None:
-        json_path.write_text(json.dumps(result.as_dict(), indent=2))
+        click.echo(f"\nwrote {json_path}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 """Text sources for calibration and evaluation.
 
-``wikitext2`` reads ``$STIEFKV_DATA_DIR/wikitext-2`` (validation for calibration, test for evaluation)
-and falls back to the ``datasets`` library; a ``.txt``/``.jsonl`` file or a folder of them is read as is;
+``wikitext2`` reads ``wikitext-2/`` (validation for calibration, test for evaluation) from the first of
+``$STIEFKV_DATA_DIR``, ``../shared/data`` beside the repository checkout and ``./data`` that holds it, and
+falls back to the ``datasets`` library; a ``.txt``/``.jsonl`` file or a folder of them is read as is;
 ``self`` samples sequences from the model (the data-free fallback). Calibration never reads the test split.
 """
 
@@ -24,31 +25,49 @@ class DataError(ValueError):
     """Data that cannot be found or read, with what to do."""
 
 
-def data_dir() -> Path | None:
+def repository_data_dir() -> Path:
+    """``../shared/data`` beside the repository checkout this package is installed from (editable install)."""
+    return Path(__file__).resolve().parents[2] / "shared" / "data"
+
+
+def data_dirs() -> list[tuple[str, Path]]:
+    """Where local data is looked for, in order, each with how it was chosen."""
+    places = []
     value = os.environ.get("STIEFKV_DATA_DIR")
-    return Path(value) if value else None
+    if value:
+        places.append(("$STIEFKV_DATA_DIR", Path(value).expanduser()))
+    places.append(("beside the repository checkout", repository_data_dir()))
+    places.append(("the working directory", Path.cwd() / "data"))
+    return places
+
+
+def data_dir() -> Path | None:
+    """The first of :func:`data_dirs` that exists, None if none does."""
+    return next((path for _, path in data_dirs() if path.is_dir()), None)
 
 
 def _wikitext(split: str) -> str:
-    root = data_dir()
-    if root is not None:
-        path = root / "wikitext-2" / WIKITEXT_FILES[split]
+    """WikiText-2's ``split``: from the first data folder that holds it, else the ``datasets`` library."""
+    name = WIKITEXT_FILES[split]
+    looked = []
+    for how, root in data_dirs():
+        path = root / "wikitext-2" / name
         if path.is_file():
             return path.read_text(encoding="utf-8")
-        log.warning("%s not found; trying the datasets library", path)
+        looked.append(f"{path} ({how})")
     try:
         import datasets
     except ImportError:
-        raise DataError(
-            "WikiText-2 not found: set STIEFKV_DATA_DIR to a folder holding wikitext-2/"
-            f"{WIKITEXT_FILES[split]}, or pip install datasets (needs the Hugging Face hub)"
-        ) from None
-    name, hf_split = WIKITEXT_HF[split]
+        looked.append("the datasets library (not installed)")
+        raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}. Set STIEFKV_DATA_DIR to a folder "
+                        f"holding wikitext-2/{name}, or pip install datasets (needs the Hugging Face hub)") from None
+    hf_name, hf_split = WIKITEXT_HF[split]
     try:
-        rows = datasets.load_dataset("wikitext", name, split=hf_split)
-    except Exception as exc:  # the hub raises many types; any failure means the same to the user
-        raise DataError(f"WikiText-2 not found locally and the hub failed ({type(exc).__name__}): "
-                        "set STIEFKV_DATA_DIR") from None
+        rows = datasets.load_dataset("wikitext", hf_name, split=hf_split)
+    except Exception as exc:  # noqa: BLE001  (the hub raises many types; any failure means the same here)
+        looked.append(f"the Hugging Face hub ({type(exc).__name__})")
+        raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}. Set STIEFKV_DATA_DIR to a folder "
+                        f"holding wikitext-2/{name}") from None
     return "".join(rows["text"])
 
 

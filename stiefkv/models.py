@@ -12,11 +12,14 @@ import hashlib
 import importlib.util
 import logging
 import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
+
+from stiefkv.projections import PROJECTIONS_FILE, honour_umask
 
 log = logging.getLogger(__name__)
 
@@ -157,16 +160,49 @@ def resolve_alias(spec: str) -> Path:
     return path
 
 
+def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
+    """sha256 of a file's bytes, read in chunks (about 0.15 s for SmolLM2's 98 MB GGUF on one core)."""
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
 def _gguf_cache_path(gguf: Path) -> Path:
-    stat = gguf.stat()
-    key = hashlib.sha256(f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}".encode()).hexdigest()[:12]
-    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
+    """The cache folder of a GGUF's de-quantised weights, keyed by the file's content: the same model
+    installed in several places (virtual environments, checkouts) is cached once."""
+    return cache_dir() / "gguf" / f"{gguf.stem}-sha256-{file_sha256(gguf)[:16]}"
+
+
+def _remove_legacy_cache_entries(gguf: Path) -> None:
+    """Delete the path-keyed cache folders of ``gguf``'s name that earlier versions wrote (one per install
+    path, never read again now that the key is the content)."""
+    import re
+    import shutil
+
+    legacy = re.compile(re.escape(gguf.stem) + r"-[0-9a-f]{12}")
+    root = cache_dir() / "gguf"
+    for entry in root.iterdir() if root.is_dir() else ():
+        if entry.is_dir() and legacy.fullmatch(entry.name):
+            log.info("removing %s (a cache entry of an earlier StiefKV, keyed by install path)", entry)
+            shutil.rmtree(entry, ignore_errors=True)
+
+
+GGUF_MAGIC = b"GGUF"
+# What a damaged or foreign .gguf makes the gguf reader or transformers raise.
+GGUF_READ_ERRORS = (ValueError, KeyError, IndexError, OSError, EOFError, struct.error)
 
 
 def _load_gguf(gguf: Path) -> Path:
     """De-quantise a GGUF once and cache it as a safetensors folder; later loads read the folder."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    with gguf.open("rb") as f:
+        magic = f.read(4)
+    if magic != GGUF_MAGIC:
+        raise ModelLoadError(f"{gguf} is not a GGUF file (it does not start with the bytes 'GGUF'): "
+                             "give a .gguf model, a model folder or a Hugging Face id")
     cached = _gguf_cache_path(gguf)
     if (cached / "config.json").is_file():
         return cached
@@ -174,11 +210,26 @@ def _load_gguf(gguf: Path) -> Path:
         if importlib.util.find_spec(package) is None:
             raise ModelLoadError(f"loading {gguf.name} needs the {package!r} package: pip install {package}")
     log.info("de-quantising %s (once; cached in %s)", gguf.name, cached)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    except GGUF_READ_ERRORS as exc:
+        raise ModelLoadError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {_first_line(exc)}); "
+                             "is the file complete?") from None
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
-    _save_plain(model, tok, tmp)
-    tmp.replace(cached)
+    try:
+        _save_plain(model, tok, tmp)
+        try:
+            tmp.replace(cached)
+        except OSError:
+            if not (cached / "config.json").is_file():  # else another process cached it first
+                raise
+    finally:
+        if tmp.exists():
+            import shutil
+
+            shutil.rmtree(tmp, ignore_errors=True)
+    _remove_legacy_cache_entries(gguf)
     return cached
 
 
@@ -195,11 +246,16 @@ def _save_plain(model, tok, folder: Path) -> None:
     if getattr(text_config(model.config), "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # shared with embed_tokens; safetensors stores no aliases
     save_file(state, str(folder / "model.safetensors"), metadata={"format": "pt"})
+    honour_umask(folder / "model.safetensors")  # safetensors creates it 0600
     config = model.config
     if hasattr(config, "quantization_config"):
         del config.quantization_config
     config.save_pretrained(folder)
     tok.save_pretrained(folder)
+
+
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
 
 
 def _resolve(spec: str) -> str:
@@ -213,17 +269,68 @@ def _resolve(spec: str) -> str:
         return str(_load_gguf(path))
     if path.exists() and not (path / "config.json").is_file():
         raise ModelLoadError(f"{spec} is a path but holds no config.json: not a Hugging Face model folder")
+    if path.is_dir() and not any((path / name).is_file() for name in WEIGHT_FILES):
+        raise ModelLoadError(f"model folder {spec} holds a config.json but no weights ({', '.join(WEIGHT_FILES[::2])}): "
+                             "copy the weights there, or give the model's .gguf file or Hugging Face id")
     return str(path) if path.exists() else spec
 
 
-def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32):
+def model_paths(spec: str) -> list[Path]:
+    """The local files or folders that loading ``spec`` reads (none for a hub id), without loading it."""
+    if spec in ALIASES:
+        try:
+            return [resolve_alias(spec)]
+        except ModelLoadError:
+            return []
+    path = Path(spec).expanduser()
+    return [path] if path.exists() else []
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    """``"auto"`` (CUDA when present, else the CPU) or a torch device spec; a clear ``ValueError`` for
+    anything torch does not know or this machine does not have."""
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {str(device)!r}: use auto, cpu, cuda or cuda:N") from None
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine; use cpu or auto")
+        if dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA "
+                             f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
+    elif dev.type not in ("cpu", "mps", "xpu"):
+        raise ValueError(f"device {str(device)!r} is not supported: use auto, cpu, cuda or cuda:N")
+    return dev
+
+
+def max_positions(config) -> int | None:
+    """The model's number of positions (``max_position_embeddings``), None where the config has none."""
+    value = getattr(text_config(config), "max_position_embeddings", None)
+    return int(value) if isinstance(value, int) and value > 0 else None
+
+
+def check_context(config, tokens: int, what: str) -> None:
+    """Raise ``ValueError`` when ``tokens`` positions (named ``what``, e.g. ``--seq-len``) exceed the model's."""
+    limit = max_positions(config)
+    if limit is not None and tokens > limit:
+        raise ValueError(f"{what} {tokens} exceeds the model's {limit} positions (max_position_embeddings): "
+                         f"use at most {limit}")
+
+
+def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32,
+               projections: bool = True):
     """Load a causal LM and its tokenizer for StiefKV.
 
     Parameters
     ----------
     spec : ``"smollm2"``, a ``.gguf`` file, a local model folder, or a Hugging Face id (needs the hub or
         its local cache).
-    device, dtype : where and in which precision the model lives.
+    device, dtype : where and in which precision the model lives; ``device="auto"`` picks CUDA when present.
+    projections : a local folder that holds :data:`~stiefkv.projections.PROJECTIONS_FILE` (written by
+        ``save_pretrained`` on a compressed model) is served with those bases; ``False`` loads the original.
 
     Returns
     -------
@@ -231,23 +338,43 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     """
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    device = resolve_device(device)
     source = _resolve(spec)
     try:
         config = AutoConfig.from_pretrained(source)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(
             f"cannot load model {spec!r}: not an alias ({', '.join(ALIASES)}), a .gguf file, a local model "
-            f"folder, or a reachable Hugging Face id ({type(exc).__name__}: {str(exc).splitlines()[0]})"
+            f"folder, or a reachable Hugging Face id ({type(exc).__name__}: {_first_line(exc)})"
         ) from None
     arch_of(config)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
-    tok = AutoTokenizer.from_pretrained(source)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the weights of model {spec!r} ({type(exc).__name__}: "
+                             f"{_first_line(exc)})") from None
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, TypeError) as exc:
+        raise ModelLoadError(f"cannot load the tokenizer of model {spec!r} ({type(exc).__name__}: "
+                             f"{_first_line(exc)}): the folder needs tokenizer files beside the weights") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # the latent cache assumes left padding
     model.to(device).eval()
     model.stiefkv_spec = spec
+    folder = Path(source)
+    if projections and folder.is_dir() and (folder / PROJECTIONS_FILE).is_file():
+        from stiefkv.attention import load as apply  # serving imports models: import it only here
+
+        log.info("serving %s with the bases in %s", spec, folder / PROJECTIONS_FILE)
+        apply(model, folder / PROJECTIONS_FILE)
     return model, tok
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else ""
 
 
 def rope_spec(config):

@@ -2,26 +2,102 @@
 
 Tensors ``layers.{i}.k`` ``[G, d, r_k]`` and ``layers.{i}.v`` ``[G, d, r_v]`` (float32); the header
 metadata key ``stiefkv`` holds a JSON document (format version, key mode, budget, ranks, the model's
-fingerprint, method and settings, per-layer errors). Written atomically; no pickle.
+fingerprint, method and settings, per-layer errors, and from version 2 a sha256 of the tensor data).
+Written atomically; no pickle. Loading checks everything a reader relies on: the header's types, the
+layer count against the fingerprint, each basis's shape, rank, finiteness and orthonormality, and the
+checksum — a damaged or edited file is refused with what is wrong, never served.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
+import logging
+import math
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 1
+log = logging.getLogger(__name__)
+
+FORMAT_VERSION = 2  # 2 adds "tensors_sha256"; version 1 files still load (with a warning)
+READABLE_VERSIONS = (1, 2)
 KEY_MODES = ("pre_rope", "post_rope")
 # The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
 PROJECTIONS_FILE = "stiefkv_projections.safetensors"
+# max |PᵀP − I| allowed for a float32 basis: QR/eigh bases and the Stiefel retraction stay below 1e-5; a
+# damaged or scaled basis is far above.
+ORTHONORMALITY_TOLERANCE = 1e-3
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be read or does not fit the model."""
+
+
+def tensors_sha256(keys: list[torch.Tensor], values: list[torch.Tensor]) -> str:
+    """sha256 of the bases' float32 bytes (little-endian, C order) in the fixed order ``layers.0.k, layers.0.v, layers.1.k, …``."""
+    h = hashlib.sha256()
+    for k, v in zip(keys, values):
+        for t in (k, v):
+            # little-endian float32, as safetensors stores them, whatever the machine's byte order
+            h.update(t.detach().to("cpu", torch.float32).numpy().astype("<f4", copy=False).tobytes())
+    return h.hexdigest()
+
+
+def orthonormality_error(P: torch.Tensor) -> float:
+    """``max |PᵀP − I|`` over every head of ``P`` ``[G, d, r]``, computed in float64."""
+    P = P.detach().double()
+    eye = torch.eye(P.shape[-1], dtype=P.dtype)
+    return float((P.transpose(-1, -2) @ P - eye).abs().max())
+
+
+def honour_umask(path: Path) -> None:
+    """Give a file written through a private temporary (safetensors creates them 0600) the usual mode."""
+    os.chmod(path, 0o666 & ~current_umask())
+
+
+def ensure_writable(path: str | Path, what: str = "output") -> Path:
+    """Create ``path``'s missing parent folders and check that a file can be created there — before any
+    work, so that a bad output location fails in a second, not after the calibration.
+
+    Raises ``ValueError`` naming ``what`` and ``path`` when it is a folder or cannot be written.
+    """
+    import tempfile
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a folder: give a file name")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        os.close(fd)
+        os.unlink(probe)
+    except OSError as exc:
+        raise ValueError(f"cannot write {what} {path} ({exc.strerror or type(exc).__name__}"
+                         f"{': ' + str(exc.filename) if exc.filename else ''}): choose a writable location") from None
+    return path
+
+
+def current_umask() -> int:
+    try:  # Linux reports it without changing it
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("Umask:"):
+                return int(line.split()[1], 8)
+    except OSError:
+        pass
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 @dataclass
@@ -52,6 +128,8 @@ class Projections:
             raise CheckpointError(f"key_mode must be one of {KEY_MODES}, got {self.key_mode!r}")
         if len(self.keys) != len(self.values):
             raise CheckpointError(f"{len(self.keys)} key bases but {len(self.values)} value bases")
+        if not self.keys:
+            raise CheckpointError("no layers: a checkpoint holds bases for every layer of the model")
 
     @property
     def ranks(self) -> list[tuple[int, int]]:
@@ -64,6 +142,40 @@ class Projections:
         d = self.keys[0].shape[1]
         return sum(rk + rv for rk, rv in self.ranks) / (len(self.keys) * 2 * d)
 
+    def validate(self, where: str = "projections") -> Projections:
+        """Raise :class:`CheckpointError` unless every basis is finite, orthonormal and of a valid shape.
+
+        Checks, per layer and latent: a float ``[G, d, r]`` tensor with ``G``/``d`` from the fingerprint
+        (when it has them) and ``1 ≤ r ≤ d``; every value finite; ``max |PᵀP − I| ≤``
+        :data:`ORTHONORMALITY_TOLERANCE`; and as many layers as the fingerprint's ``L``.
+        """
+        fp = self.fingerprint if isinstance(self.fingerprint, dict) else {}
+        L, G, d = fp.get("L"), fp.get("G"), fp.get("d")
+        if _is_int(L) and L != len(self.keys):
+            raise CheckpointError(f"{where}: {len(self.keys)} layers of bases, but the model fingerprint has "
+                                  f"L={L}: the file is truncated or was edited; recalibrate")
+        for i, (k, v) in enumerate(zip(self.keys, self.values)):
+            for name, P in (("k", k), ("v", v)):
+                what = f"{where}: layer {i} {'key' if name == 'k' else 'value'} basis"
+                if not isinstance(P, torch.Tensor) or P.dim() != 3 or not P.is_floating_point():
+                    shape = tuple(P.shape) if isinstance(P, torch.Tensor) else type(P).__name__
+                    raise CheckpointError(f"{what} must be a float tensor [G, d, r], got {shape}")
+                g, dd, r = P.shape
+                if (_is_int(G) and g != G) or (_is_int(d) and dd != d):
+                    raise CheckpointError(f"{what} has shape {tuple(P.shape)}; the fingerprint says G={G}, d={d}")
+                if not 1 <= r <= dd:
+                    raise CheckpointError(f"{what} has rank {r}; ranks must be between 1 and d={dd}")
+                if not torch.isfinite(P).all():
+                    raise CheckpointError(f"{what} holds NaN or inf values: the checkpoint is damaged or was "
+                                          "made from a model whose activations were not finite; recalibrate")
+                err = orthonormality_error(P)
+                if not err <= ORTHONORMALITY_TOLERANCE:
+                    raise CheckpointError(
+                        f"{what} is not orthonormal: max |PᵀP − I| = {err:.3g} > {ORTHONORMALITY_TOLERANCE:g} "
+                        "(the tolerance for float32 bases): the checkpoint is damaged or was edited; recalibrate"
+                    )
+        return self
+
     def header(self) -> dict:
         return {
             "format_version": FORMAT_VERSION,
@@ -75,63 +187,90 @@ class Projections:
             "method": self.method,
             "settings": self.settings,
             "errors": self.errors,
+            "tensors_sha256": tensors_sha256(self.keys, self.values),
         }
 
     def save(self, path: str | Path) -> Path:
-        """Write atomically (a temporary file beside ``path``, then a rename)."""
+        """Write atomically (a temporary file beside ``path``, then a rename); refuse invalid bases.
+
+        The file gets the mode any new file would (``0666`` less the umask).
+        """
         from safetensors.torch import save_file
 
         path = Path(path)
+        self.validate(f"refusing to write {path}")
         path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            tensors[f"layers.{i}.k"] = k.detach().to("cpu", torch.float32).contiguous()
-            tensors[f"layers.{i}.v"] = v.detach().to("cpu", torch.float32).contiguous()
+            # clone: a basis may share storage with another tensor (a full-rank PCA slice), which
+            # safetensors refuses to write
+            tensors[f"layers.{i}.k"] = k.detach().to("cpu", torch.float32).clone(
+                memory_format=torch.contiguous_format)
+            tensors[f"layers.{i}.v"] = v.detach().to("cpu", torch.float32).clone(
+                memory_format=torch.contiguous_format)
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
             save_file(tensors, str(tmp), metadata={"stiefkv": json.dumps(self.header())})
+            honour_umask(tmp)
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
         return path
 
     @classmethod
-    def load(cls, path: str | Path) -> "Projections":
-        """Read a checkpoint; a missing, foreign or corrupt file raises :class:`CheckpointError`."""
+    def load(cls, path: str | Path) -> Projections:
+        """Read and check a checkpoint; a missing, foreign, damaged or edited file raises :class:`CheckpointError`."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
         if not path.is_file():
-            raise CheckpointError(f"checkpoint {path} does not exist")
+            raise CheckpointError(f"checkpoint {path} does not exist" if not path.exists()
+                                  else f"checkpoint {path} is not a file")
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
-        except (SafetensorError, OSError, ValueError) as exc:
+        except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
         if "stiefkv" not in meta:
             raise CheckpointError(f"{path} is a safetensors file but not a StiefKV checkpoint (no 'stiefkv' header)")
         try:
             doc = json.loads(meta["stiefkv"])
-            if doc["format_version"] > FORMAT_VERSION:
-                raise CheckpointError(
-                    f"{path} has format version {doc['format_version']}; this StiefKV reads up to "
-                    f"{FORMAT_VERSION}: upgrade stiefkv"
-                )
-            n = len(doc["ranks"])
-            keys = [tensors[f"layers.{i}.k"] for i in range(n)]
-            values = [tensors[f"layers.{i}.v"] for i in range(n)]
-            proj = cls(keys=keys, values=values, key_mode=doc["key_mode"], fingerprint=doc["fingerprint"],
-                       budget=doc["budget"], method=doc.get("method", "?"), settings=doc.get("settings", {}),
-                       errors=doc.get("errors", []))
-        except (KeyError, TypeError, json.JSONDecodeError) as exc:
-            raise CheckpointError(f"{path} has a damaged StiefKV header or is missing tensors ({exc!r})") from None
+        except json.JSONDecodeError as exc:
+            raise CheckpointError(f"{path} has a damaged StiefKV header (not JSON: {exc})") from None
+        _check_header(doc, path)
+        n = len(doc["ranks"])
+        expected = {f"layers.{i}.{x}" for i in range(n) for x in "kv"}
+        missing, extra = sorted(expected - set(tensors)), sorted(set(tensors) - expected)
+        if missing or extra:
+            raise CheckpointError(
+                f"{path}: its header lists {n} layers but the file holds "
+                + (f"no tensor {', '.join(missing[:3])}" if missing else f"extra tensors {', '.join(extra[:3])}")
+                + ": the file is damaged or was edited; recalibrate"
+            )
+        keys = [tensors[f"layers.{i}.k"] for i in range(n)]
+        values = [tensors[f"layers.{i}.v"] for i in range(n)]
+        if any(t.dtype != torch.float32 for t in keys + values):
+            raise CheckpointError(f"{path}: bases must be float32")
+        proj = cls(keys=keys, values=values, key_mode=doc["key_mode"], fingerprint=doc["fingerprint"],
+                   budget=float(doc["budget"]), method=doc.get("method", "?"), settings=doc.get("settings", {}),
+                   errors=doc.get("errors", []))
         if [list(r) for r in proj.ranks] != doc["ranks"]:
-            raise CheckpointError(f"{path}: tensor shapes disagree with the ranks in its header")
-        return proj
+            raise CheckpointError(f"{path}: tensor shapes {proj.ranks} disagree with the ranks in its header "
+                                  f"{doc['ranks']}: the file is damaged or was edited; recalibrate")
+        checksum = doc.get("tensors_sha256")
+        if checksum is None:
+            log.warning("%s is a format version %d checkpoint without a checksum: its tensors cannot be checked "
+                        "for damage (recalibrate, or load and save it again, to add one)", path,
+                        doc["format_version"])
+        elif checksum != tensors_sha256(keys, values):
+            raise CheckpointError(f"{path}: the tensor data does not match the sha256 in its header: the file "
+                                  "is corrupt (copy it again or recalibrate)")
+        return proj.validate(str(path))
 
     def check(self, model) -> None:
-        """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``."""
+        """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``
+        (and on bases that are not finite or not orthonormal)."""
         from stiefkv.models import fingerprint
 
         mine, theirs = self.fingerprint, fingerprint(model)
@@ -148,3 +287,53 @@ class Projections:
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k.shape[:2] != (G, d) or v.shape[:2] != (G, d):
                 raise CheckpointError(f"layer {i}: bases {tuple(k.shape)}/{tuple(v.shape)} do not fit G={G}, d={d}")
+        self.validate()
+
+
+def _check_header(doc, path: Path) -> None:
+    """Raise :class:`CheckpointError` naming the first field of the header document with a wrong type."""
+
+    def bad(what: str) -> CheckpointError:
+        return CheckpointError(f"{path} has a damaged StiefKV header: {what}; recalibrate, or restore the file")
+
+    if not isinstance(doc, dict):
+        raise bad(f"a JSON {type(doc).__name__} instead of an object")
+    version = doc.get("format_version")
+    if not _is_int(version):
+        raise bad(f"format_version is {version!r}, not an integer")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"{path} has format version {version}; this StiefKV reads up to "
+                              f"{FORMAT_VERSION}: upgrade stiefkv")
+    if version not in READABLE_VERSIONS:
+        raise bad(f"unknown format_version {version}")
+    for key in ("key_mode", "budget", "ranks", "fingerprint"):
+        if key not in doc:
+            raise bad(f"no {key!r}")
+    if doc["key_mode"] not in KEY_MODES:
+        raise bad(f"key_mode {doc['key_mode']!r} is not one of {', '.join(KEY_MODES)}")
+    budget = doc["budget"]
+    if not _is_number(budget) or not math.isfinite(budget) or not 0 < budget <= 1:
+        raise bad(f"budget {budget!r} is not a number in (0, 1]")
+    ranks = doc["ranks"]
+    if (not isinstance(ranks, list) or not ranks
+            or not all(isinstance(r, list) and len(r) == 2 and all(_is_int(x) for x in r) for r in ranks)):
+        raise bad("ranks is not a non-empty list of [r_k, r_v] integer pairs")
+    if any(x < 1 for r in ranks for x in r):
+        raise bad(f"a layer has rank 0 (ranks {ranks}); every rank must be at least 1")
+    fp = doc["fingerprint"]
+    if not isinstance(fp, dict):
+        raise bad("fingerprint is not an object")
+    for key in ("L", "G", "d"):
+        if not _is_int(fp.get(key)) or fp[key] < 1:
+            raise bad(f"fingerprint {key} is {fp.get(key)!r}, not a positive integer")
+    if fp["L"] != len(ranks):
+        raise bad(f"ranks list {len(ranks)} layers but the model fingerprint has L={fp['L']}")
+    if any(x > fp["d"] for r in ranks for x in r):
+        raise bad(f"a rank exceeds the head dimension d={fp['d']} (ranks {ranks})")
+    for key, kind in (("method", str), ("settings", dict), ("errors", list), ("tensors_sha256", str)):
+        if key in doc and not isinstance(doc[key], kind):
+            raise bad(f"{key} is a {type(doc[key]).__name__}, not a {kind.__name__}")
+    if not all(isinstance(e, dict) for e in doc.get("errors", [])):
+        raise bad("errors is not a list of objects")
+    if version >= 2 and "tensors_sha256" not in doc:
+        raise bad("no 'tensors_sha256' (format version 2 always has one)")

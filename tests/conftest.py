@@ -20,3 +20,13 @@ if not torch.cuda.is_available():
 def _seed():
     torch.manual_seed(0)
     yield
+
+
+@pytest.fixture
+def corpus(tmp_path):
+    """A .txt calibration corpus of 400 short sentences (about 13k characters)."""
+    from tests.utils import corpus_text
+
+    path = tmp_path / "calib.txt"
+    path.write_text(corpus_text())
+    return path

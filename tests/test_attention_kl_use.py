@@ -11,8 +11,8 @@ from stiefkv.evaluate import attention_kl_per_layer, chunked_attention_kl
 from stiefkv.kernels.reference import attention_kl as reference_kl
 from stiefkv.models import rope_spec
 from tests.test_calibrate import layer_data
-from tests.test_core import CharTokenizer, corpus  # noqa: F401  (fixture)
 from tests.tiny import random_bases, random_projections, tiny_model
+from tests.utils import CharTokenizer
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -55,7 +55,7 @@ def test_chunked_equals_whole():
         assert chunked_attention_kl(q, k_t, k_s, scale=0.3, chunk=chunk) == pytest.approx(whole, rel=1e-5)
 
 
-def test_refinement_with_kl_loss(corpus):  # noqa: F811
+def test_refinement_with_kl_loss(corpus):
     model = tiny_model("llama")
     _, data = layer_data(model, n=16)
     layer, rope = model.model.layers[0], rope_spec(model.config)

@@ -10,15 +10,20 @@ import torch
 import stiefkv
 from stiefkv.calibrate import allocate
 from stiefkv.calibrate.collect import LayerBatch, LayerInputs
-from stiefkv.calibrate.pipeline import CPU_SIZES, CalibrationConfig
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
+from stiefkv.calibrate.pipeline import CPU_SIZES, CalibrationConfig
 from stiefkv.calibrate.profile import LayerProfile, candidate_ranks, profile_layer
 from stiefkv.calibrate.state import CalibrationState
-from stiefkv.calibrate.stiefel import (RefineSettings, holdout_error, orthonormality_error, refine_layer,
-                                       relative_sq_error)
+from stiefkv.calibrate.stiefel import (
+    RefineSettings,
+    holdout_error,
+    orthonormality_error,
+    refine_layer,
+    relative_sq_error,
+)
 from stiefkv.models import rope_spec
-from tests.test_core import CharTokenizer, corpus  # noqa: F401  (fixture)
 from tests.tiny import ARCHS, random_bases, tiny_model
+from tests.utils import CharTokenizer
 
 
 def layer_data(model, n=6, seq_len=21, seed=0, layer=0):
@@ -141,7 +146,7 @@ def test_dp_allocation_respects_the_budget_exactly():
         allocate.dp(profiles, 0.05, d, step)
 
 
-def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch):  # noqa: F811
+def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch):
     kw = dict(budget=0.5, method="stiefel", allocation="dp", order="sequential", data=str(corpus), num_sequences=6,
               seq_len=21, steps=12, step_sequences=2, profile_sequences=3, seed=5)
     whole = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), **kw)
@@ -170,7 +175,7 @@ def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch):  # noq
         stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True, **(kw | {"lr": 0.1}))
 
 
-def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):  # noqa: F811
+def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):
     common = dict(budget=0.5, data=str(corpus), num_sequences=8, seq_len=33, seed=1)
     pca = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="pca", allocation="uniform", order="independent",
                             **common)
@@ -180,7 +185,7 @@ def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):  # noqa: F81
     assert ours.achieved_budget <= 0.5
 
 
-def test_cli_plot_and_resume_flag(tmp_path, corpus):  # noqa: F811
+def test_cli_plot_and_resume_flag(tmp_path, corpus):
     from click.testing import CliRunner
 
     from stiefkv.cli import main

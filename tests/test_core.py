@@ -14,26 +14,7 @@ from stiefkv.data import DataError, calibration_sequences, load_texts
 from stiefkv.models import ModelLoadError, arch_of, fingerprint
 from stiefkv.projections import CheckpointError
 from tests.tiny import ARCHS, random_projections, tiny_config, tiny_model
-
-
-class CharTokenizer:
-    """A stand-in tokenizer: one id per character (mod the tiny vocabulary)."""
-
-    eos_token_id = 2
-    bos_token_id = 1
-    pad_token_id = 0
-
-    def __call__(self, text, add_special_tokens=False):
-        return {"input_ids": [3 + ord(c) % 90 for c in text]}
-
-
-@pytest.fixture
-def corpus(tmp_path):
-    text = " ".join(f"sentence {i} about the topic {i % 7}." for i in range(400))
-    path = tmp_path / "calib.txt"
-    path.write_text(text)
-    return path
-
+from tests.utils import CharTokenizer
 
 # ---------------------------------------------------------------------------------------- checkpoint
 
@@ -58,7 +39,7 @@ def test_header_is_json_without_pickle(tmp_path):
     path = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
     with safe_open(str(path), "pt") as f:
         doc = json.loads(f.metadata()["stiefkv"])
-    assert doc["format_version"] == 1 and doc["ranks"] == [[8, 8], [8, 8]]
+    assert doc["format_version"] == 2 and doc["ranks"] == [[8, 8], [8, 8]]
     assert set(doc["fingerprint"]) >= {"architecture", "L", "H", "G", "d", "D", "rope", "kv_weights_sha256"}
 
 
@@ -224,8 +205,8 @@ def test_unsupported_architecture_is_refused():
 def test_local_folder_loads(tmp_path):
     model = tiny_model("qwen2")
     model.save_pretrained(tmp_path)
-    from transformers import PreTrainedTokenizerFast
     from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
 
     tok = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0, "<unk>": 1}, "<unk>")))
     tok.eos_token = "a"
@@ -277,7 +258,10 @@ def test_cli_help_explains_options():
         assert option in result.output
 
 
-def test_public_calibrate_is_the_function():
-    import stiefkv.calibrate.pipeline  # noqa: F401  (importing submodules must not shadow it)
+def test_public_calibrate_is_callable_after_importing_its_submodules():
+    import stiefkv.calibrate.pipeline  # noqa: F401  (importing submodules must not shadow the function)
 
-    assert callable(stiefkv.calibrate) and stiefkv.calibrate.__name__ == "calibrate"
+    assert callable(stiefkv.calibrate)
+    seqs = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
+    proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca", allocation="uniform")
+    assert proj.ranks == [(8, 8)] * 2

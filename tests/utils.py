@@ -1,4 +1,7 @@
-"""Helpers shared by the tests: a comparator that explains itself and never lets NaN through."""
+"""Helpers shared by the tests: a comparator that explains itself and never lets NaN through, a stand-in
+tokenizer, and a tiny model saved as a real Hugging Face folder (for the CLI, offline)."""
+
+from pathlib import Path
 
 import torch
 
@@ -32,3 +35,37 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | Non
             f"first at {idx}: {a[tuple(idx)].item():.6g} vs {e[tuple(idx)].item():.6g}; "
             f"max abs err {err.flatten()[worst].item():.3g}"
         )
+
+
+class CharTokenizer:
+    """A stand-in tokenizer: one id per character (mod the tiny vocabulary)."""
+
+    eos_token_id = 2
+    bos_token_id = 1
+    pad_token_id = 0
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + ord(c) % 90 for c in text]}
+
+
+def corpus_text(sentences: int = 400) -> str:
+    return " ".join(f"sentence {i} about the topic {i % 7}." for i in range(sentences))
+
+
+def save_tiny_model(folder: Path, model=None) -> Path:
+    """A tiny random model with a character-level tokenizer saved as a Hugging Face folder, loadable by
+    ``stiefkv.load_model(str(folder))`` without the network."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from tests.tiny import tiny_model
+
+    model = tiny_model() if model is None else model
+    model.save_pretrained(folder)
+    chars = [chr(c) for c in range(32, 127)][: model.config.vocab_size - 3]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok.save_pretrained(folder)
+    return folder

@@ -1,0 +1,480 @@
+"""Bad input and faults: one clear line, the right exit status, and nothing lost (issue 12 §7).
+
+CLI cases run through click's CliRunner on tiny random models — saved to a temporary folder, or handed
+to the CLI by a monkeypatched loader — so that every test is fast and offline.
+"""
+
+import json
+import logging
+import os
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import stiefkv
+from stiefkv.calibrate.state import CalibrationState
+from stiefkv.cli import main
+from stiefkv.data import DataError, load_texts
+from stiefkv.models import ModelLoadError
+from stiefkv.projections import PROJECTIONS_FILE, CheckpointError, Projections, tensors_sha256
+from tests.tiny import random_projections, tiny_model
+from tests.utils import CharTokenizer, save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's lines (stderr) are not messages
+CALIBRATE_SMALL = ["--method", "pca", "--allocation", "uniform", "--num-sequences", "2", "--seq-len", "17"]
+
+
+def run(args, exit_code):
+    """Invoke the CLI; check the exit status and that a failure is one line without a traceback."""
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert result.exit_code == exit_code, (result.output, result.exception)
+    if exit_code:
+        assert "Traceback" not in result.output and not isinstance(result.exception, Exception)
+        lines = [line for line in result.output.splitlines()
+                 if line.strip() and not line.startswith(("INFO", "WARNING")) and not PROGRESS_BAR.search(line)]
+        assert len(lines) == 1, result.output
+    return result
+
+
+@pytest.fixture
+def fake_loader(monkeypatch):
+    """``stiefkv.load_model`` returning a tiny model (``.model`` may be replaced) and recording its calls."""
+
+    class Loader:
+        model = None
+        calls = []
+
+        def __call__(self, spec, **kwargs):
+            self.calls.append((spec, kwargs))
+            return (self.model if self.model is not None else tiny_model()), CharTokenizer()
+
+    loader = Loader()
+    monkeypatch.setattr(stiefkv, "load_model", loader)
+    return loader
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    return save_tiny_model(tmp_path / "model")
+
+
+# ------------------------------------------------------------------- 1. outputs that would destroy inputs
+
+
+def test_output_that_is_the_data_file_is_refused(tmp_path, corpus, fake_loader):
+    before = corpus.read_bytes()
+    result = run(["calibrate", "m", "--data", corpus, "-o", corpus, *CALIBRATE_SMALL], 2)
+    assert "which this command reads" in result.output and corpus.read_bytes() == before
+    link = tmp_path / "link.safetensors"
+    link.symlink_to(corpus)
+    run(["calibrate", "m", "--data", corpus, "-o", link, *CALIBRATE_SMALL], 2)
+    hard = tmp_path / "hard.safetensors"
+    os.link(corpus, hard)
+    run(["calibrate", "m", "--data", corpus, "-o", hard, *CALIBRATE_SMALL], 2)
+    assert corpus.read_bytes() == before and not fake_loader.calls
+
+
+def test_output_inside_the_model_folder_is_refused(model_dir, corpus):
+    weights = model_dir / "model.safetensors"
+    before = weights.read_bytes()
+    result = run(["calibrate", model_dir, "--data", corpus, "-o", weights, *CALIBRATE_SMALL], 2)
+    assert "model" in result.output and weights.read_bytes() == before
+    run(["calibrate", model_dir, "--data", corpus, "-o", model_dir / "new.safetensors", *CALIBRATE_SMALL], 2)
+    assert not (model_dir / "new.safetensors").exists()
+
+
+def test_eval_json_over_the_checkpoint_is_refused(tmp_path, fake_loader):
+    ckpt = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
+    before = ckpt.read_bytes()
+    result = run(["eval", "m", "--projections", ckpt, "--json", ckpt], 2)
+    assert "--json" in result.output and ckpt.read_bytes() == before and not fake_loader.calls
+
+
+def test_two_outputs_on_one_path_are_refused(tmp_path, corpus, fake_loader):
+    out = tmp_path / "o.safetensors"
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, "--plot", out, *CALIBRATE_SMALL], 2)
+    assert "same file" in result.output
+
+
+# ------------------------------------------------------------------------------ 2. full-rank PCA bases
+
+
+@pytest.mark.parametrize("settings", [{"method": "pca"}, {"method": "stiefel", "steps": 0}])
+def test_full_rank_bases_save_and_resume(tmp_path, corpus, monkeypatch, settings):
+    kw = dict(budget=1.0, allocation="uniform", data=str(corpus), num_sequences=2, seq_len=17, **settings)
+    whole = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=tmp_path / "a.partial", **kw)
+    assert whole.ranks == [(24, 24)] * 3
+    back = Projections.load(whole.save(tmp_path / "a.safetensors"))
+    assert all(torch.equal(a, b) for a, b in zip(whole.keys + whole.values, back.keys + back.values))
+
+    save = CalibrationState.save
+
+    def interrupted(self, path):
+        save(self, path)
+        if len(self.keys) == 2:
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(CalibrationState, "save", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=tmp_path / "b.partial", **kw)
+    monkeypatch.setattr(CalibrationState, "save", save)
+    resumed = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=tmp_path / "b.partial",
+                                resume=True, **kw)
+    assert all(torch.equal(a, b) for a, b in zip(whole.keys + whole.values, resumed.keys + resumed.values))
+
+
+def test_cli_full_budget_pca_writes_a_checkpoint(tmp_path, model_dir, corpus):
+    out = tmp_path / "b1.safetensors"
+    run(["calibrate", model_dir, "--data", corpus, "--budget", "1.0", "-o", out, *CALIBRATE_SMALL], 0)
+    assert Projections.load(out).ranks == [(24, 24)] * 2
+    assert not (tmp_path / "b1.safetensors.partial").exists()
+
+
+# --------------------------------------------------------------------------------- 3. checkpoint contents
+
+
+def write_checkpoint(path: Path, proj: Projections, *, keys=None, values=None, edit=None, checksum=True) -> Path:
+    """A checkpoint written around Projections.save's checks (a damaged or hand-edited file)."""
+    from safetensors.torch import save_file
+
+    keys = proj.keys if keys is None else keys
+    values = proj.values if values is None else values
+    header = proj.header()
+    header["tensors_sha256"] = tensors_sha256(keys, values)
+    if not checksum:
+        header.pop("tensors_sha256")
+    if edit is not None:
+        edit(header)
+    tensors = {f"layers.{i}.{x}": t.contiguous() for i, (k, v) in enumerate(zip(keys, values))
+               for x, t in (("k", k), ("v", v))}
+    save_file(tensors, str(path), metadata={"stiefkv": json.dumps(header)})
+    return path
+
+
+@pytest.fixture
+def proj():
+    return random_projections(tiny_model(), 8, 16)
+
+
+def nan_keys(proj):
+    keys = [k.clone() for k in proj.keys]
+    keys[1][0, 3, 2] = float("nan")
+    return keys
+
+
+@pytest.mark.parametrize("case, message", [
+    (lambda p: {"keys": nan_keys(p)}, "layer 1 key basis holds NaN"),
+    (lambda p: {"keys": [k * 10 for k in p.keys]}, r"not orthonormal: max \|PᵀP − I\| = 99 > 0.001"),
+    (lambda p: {"values": [v[..., :0] for v in p.values],
+                "edit": lambda h: h.update(ranks=[[8, 0], [8, 0]])}, "rank 0"),
+    (lambda p: {"edit": lambda h: h.update(budget="0.5")}, "budget '0.5' is not a number"),
+    (lambda p: {"edit": lambda h: h.pop("ranks")}, "no 'ranks'"),
+    (lambda p: {"edit": lambda h: h.update(ranks=h["ranks"][:1])}, "L=2"),
+    (lambda p: {"keys": p.keys[:1], "values": p.values[:1],
+                "edit": lambda h: h.update(ranks=h["ranks"][:1])}, "L=2"),
+    (lambda p: {"edit": lambda h: h.update(errors="none")}, "errors is a str"),
+    (lambda p: {"edit": lambda h: h.update(format_version="2")}, "format_version"),
+    (lambda p: {"edit": lambda h: h.update(key_mode="sideways")}, "key_mode 'sideways'"),
+    (lambda p: {"edit": lambda h: h["fingerprint"].update(d=12)}, "exceeds the head dimension"),
+    (lambda p: {"edit": lambda h: h.update(tensors_sha256="0" * 64)}, "does not match the sha256"),
+    (lambda p: {"checksum": False}, "format version 2 always has one"),
+])
+def test_damaged_checkpoint_is_refused_and_inspect_says_why(tmp_path, proj, case, message):
+    path = write_checkpoint(tmp_path / "bad.safetensors", proj, **case(proj))
+    with pytest.raises(CheckpointError, match=message):
+        Projections.load(path)
+    result = run(["inspect", path], 2)
+    assert str(path) in result.output
+
+
+def test_flipped_byte_in_the_tensor_data_is_caught(tmp_path, proj):
+    path = proj.save(tmp_path / "p.safetensors")
+    data = bytearray(path.read_bytes())
+    start = 8 + struct.unpack("<Q", data[:8])[0]
+    data[start + 101] ^= 0x01  # one bit of one float: still finite and nearly orthonormal
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match="does not match the sha256"):
+        Projections.load(path)
+
+
+def test_version_1_checkpoint_loads_with_a_warning(tmp_path, proj, caplog):
+    path = write_checkpoint(tmp_path / "v1.safetensors", proj, checksum=False,
+                            edit=lambda h: h.update(format_version=1))
+    with caplog.at_level(logging.WARNING, logger="stiefkv"):
+        back = Projections.load(path)
+    assert back.ranks == proj.ranks and "without a checksum" in caplog.text
+    assert run(["inspect", path], 0).output.count("| 8 | 16 |") == 2
+
+
+def test_save_refuses_bases_that_are_not_finite_or_not_orthonormal(tmp_path, proj):
+    for keys, message in ((nan_keys(proj), "NaN"), ([k * 2 for k in proj.keys], "not orthonormal")):
+        bad = Projections(keys=keys, values=proj.values, key_mode=proj.key_mode, fingerprint=proj.fingerprint,
+                          budget=proj.budget)
+        with pytest.raises(CheckpointError, match=message):
+            bad.save(tmp_path / "p.safetensors")
+        with pytest.raises(CheckpointError, match=message):
+            stiefkv.load(tiny_model(), bad)
+    assert list(tmp_path.iterdir()) == []
+
+
+# ------------------------------------------------------------------------------- 4. NaN in the model
+
+
+@pytest.mark.parametrize("where, message", [
+    ("layer", "layer 1 of the model produced NaN/inf"),
+    ("embedding", "the token embeddings of the model produced NaN/inf"),
+])
+def test_non_finite_model_is_named_not_calibrated(corpus, where, message):
+    model = tiny_model()
+    with torch.no_grad():
+        weight = model.model.layers[1].mlp.up_proj.weight if where == "layer" else model.model.embed_tokens.weight
+        weight[:] = float("nan")
+    with pytest.raises(ValueError, match=message):
+        stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", allocation="uniform", data=str(corpus),
+                          num_sequences=2, seq_len=17)
+
+
+def test_float16_overflow_suggests_float32(corpus):
+    model = tiny_model().half()
+    with torch.no_grad():
+        mlp = model.model.layers[0].mlp
+        for w in (mlp.gate_proj.weight, mlp.up_proj.weight, model.model.layers[0].post_attention_layernorm.weight):
+            w.fill_(10.0)
+        mlp.down_proj.weight.fill_(6e4)
+    with pytest.raises(ValueError, match="layer 0 .* overflows in float16 — try --dtype float32"):
+        stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", allocation="uniform", data=str(corpus),
+                          num_sequences=2, seq_len=17)
+
+
+def test_cli_non_finite_model_exits_2_and_writes_nothing(tmp_path, corpus, fake_loader):
+    fake_loader.model = tiny_model()
+    with torch.no_grad():
+        fake_loader.model.model.layers[0].self_attn.k_proj.weight[0, 0] = float("inf")
+    out = tmp_path / "o.safetensors"
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 2)
+    assert "layer 0 of the model produced NaN/inf" in result.output and not out.exists()
+
+
+# --------------------------------------------------------------------------- 5. output locations, early
+
+
+def test_missing_output_folders_are_created_before_any_work(tmp_path, corpus, fake_loader, monkeypatch):
+    def fail(*args, **kwargs):
+        raise ModelLoadError("stop here")
+
+    monkeypatch.setattr(stiefkv, "load_model", fail)
+    out = tmp_path / "new" / "deeper" / "o.safetensors"
+    run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 2)
+    assert out.parent.is_dir()
+    run(["eval", "m", "--json", tmp_path / "json" / "r.json"], 2)
+    assert (tmp_path / "json").is_dir()
+
+
+def test_unwritable_outputs_fail_before_loading(tmp_path, corpus, fake_loader):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    result = run(["calibrate", "m", "--data", corpus, "-o", blocker / "o.safetensors", *CALIBRATE_SMALL], 2)
+    assert "cannot write -o" in result.output
+    result = run(["eval", "m", "--json", blocker / "r.json"], 2)
+    assert "cannot write --json" in result.output
+    result = run(["calibrate", "m", "--data", corpus, "-o", tmp_path, *CALIBRATE_SMALL], 2)
+    assert "is a folder" in result.output
+    assert not fake_loader.calls
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes into read-only folders")
+def test_read_only_folder_fails_before_loading(tmp_path, corpus, fake_loader):
+    folder = tmp_path / "ro"
+    folder.mkdir(mode=0o500)
+    result = run(["calibrate", "m", "--data", corpus, "-o", folder / "o.safetensors", *CALIBRATE_SMALL], 2)
+    assert "cannot write -o" in result.output and not fake_loader.calls
+
+
+def test_api_progress_location_is_checked_first(tmp_path, corpus):
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(ValueError, match="cannot write progress file"):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), data=str(corpus), progress=tmp_path / "f" / "p.partial")
+
+
+# ----------------------------------------------------------------------------- 7. context length
+
+
+def test_context_beyond_the_models_positions_is_refused(tmp_path, corpus, fake_loader):
+    with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), data=str(corpus), seq_len=513)
+    result = run(["calibrate", "m", "--data", corpus, "-o", tmp_path / "o", "--seq-len", "1024"], 2)
+    assert "seq_len 1024 exceeds the model's 512 positions" in result.output
+    result = run(["eval", "m", "--window", "600"], 2)
+    assert "--window 600 exceeds the model's 512 positions" in result.output
+    ckpt = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
+    result = run(["eval", "m", "--projections", ckpt, "--window", "64", "--attention-kl", "--kl-context",
+                  "8192"], 2)
+    assert "--kl-context 8192 exceeds the model's 512 positions" in result.output
+
+
+# ------------------------------------------------------------------------ 8. no tracebacks on bad values
+
+
+@pytest.mark.parametrize("args, message", [
+    (["eval", "m", "--window", "0"], "--window must be ≥ 2, got 0"),
+    (["eval", "m", "--window", "-1"], "--window must be ≥ 2, got -1"),
+    (["eval", "m", "--window", "1"], "--window must be ≥ 2, got 1"),
+    (["eval", "m", "--kl-context", "0"], "--kl-context must be ≥ 2, got 0"),
+    (["eval", "m", "--batch-size", "0"], "--batch-size must be ≥ 1"),
+    (["eval", "m", "--device", "foo"], "--device foo: unknown device 'foo'"),
+    (["calibrate", "m", "--device", "foo", "-o", "x.safetensors"], "unknown device 'foo'"),
+])
+def test_bad_values_are_one_line(args, message, fake_loader):
+    assert message in run(args, 2).output and not fake_loader.calls
+
+
+def test_rank_step_larger_than_the_head_dim(tmp_path, corpus, fake_loader):
+    for allocation in ("dp", "uniform"):
+        result = run(["calibrate", "m", "--data", corpus, "--rank-step", "48", "--allocation", allocation,
+                      "-o", tmp_path / "o.safetensors"], 2)
+        assert "rank_step 48 must divide the model's head dimension d=24" in result.output
+
+
+def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, monkeypatch):
+    monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
+    (model_dir / "model.safetensors").unlink()
+    result = run(["calibrate", model_dir, "-o", tmp_path / "o.safetensors"], 2)
+    assert "holds a config.json but no weights" in result.output
+    for name, content in (("short.gguf", os.urandom(100)), ("v3.gguf", b"GGUF" + struct.pack("<I", 3) + bytes(92))):
+        (tmp_path / name).write_bytes(content)
+        with pytest.raises(ModelLoadError, match=name):
+            stiefkv.models._load_gguf(tmp_path / name)
+        result = run(["calibrate", tmp_path / name, "-o", tmp_path / "o.safetensors"], 2)
+        assert name in result.output
+
+
+def test_truncated_progress_file_with_resume(tmp_path, corpus, fake_loader):
+    out = tmp_path / "o.safetensors"
+    partial = tmp_path / "o.safetensors.partial"
+    run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 0)
+    CalibrationState(settings={}, fingerprint={}, eig_k=[torch.eye(3)]).save(partial)
+    partial.write_bytes(partial.read_bytes()[:-5])
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, "--resume", *CALIBRATE_SMALL], 2)
+    assert "is damaged" in result.output and "delete it" in result.output
+
+
+def test_failure_names_the_progress_file_it_kept(tmp_path, corpus, fake_loader, monkeypatch):
+    import stiefkv.calibrate.pipeline as pipeline
+
+    def fail(*args, **kwargs):
+        raise torch.linalg.LinAlgError("eigh failed to converge")
+
+    monkeypatch.setattr(pipeline, "fit_layer", fail)
+    out = tmp_path / "o.safetensors"
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 1)
+    assert f"kept in {out}.partial: rerun with --resume to continue, or delete it" in result.output
+
+
+# ---------------------------------------------------------------- 9. the cache and the files' mode
+
+
+def test_gguf_cache_is_keyed_by_content(tmp_path, monkeypatch):
+    from stiefkv.models import _gguf_cache_path, _remove_legacy_cache_entries
+
+    monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
+    for folder in ("env1", "env2"):
+        (tmp_path / folder).mkdir()
+        (tmp_path / folder / "m.gguf").write_bytes(b"GGUF" + bytes(200))
+    a, b = _gguf_cache_path(tmp_path / "env1" / "m.gguf"), _gguf_cache_path(tmp_path / "env2" / "m.gguf")
+    assert a == b
+    (tmp_path / "env2" / "m.gguf").write_bytes(b"GGUF" + bytes(199) + b"\x01")
+    assert _gguf_cache_path(tmp_path / "env2" / "m.gguf") != a
+    legacy, other = tmp_path / "cache" / "gguf" / "m-0123456789ab", tmp_path / "cache" / "gguf" / "n-0123456789ab"
+    for folder in (legacy, other, a):
+        folder.mkdir(parents=True)
+    _remove_legacy_cache_entries(tmp_path / "env1" / "m.gguf")
+    assert not legacy.exists() and other.exists() and a.exists()
+
+
+@pytest.fixture
+def umask_022():
+    old = os.umask(0o022)
+    yield
+    os.umask(old)
+
+
+def test_written_files_honour_the_umask(tmp_path, proj, umask_022):
+    from transformers import PreTrainedTokenizerFast
+
+    from stiefkv.models import _save_plain
+
+    path = proj.save(tmp_path / "p.safetensors")
+    CalibrationState(settings={}, fingerprint={}, eig_k=[torch.eye(3)]).save(tmp_path / "s.partial")
+    assert oct(path.stat().st_mode & 0o777) == oct(0o644)
+    assert oct((tmp_path / "s.partial").stat().st_mode & 0o777) == oct(0o644)
+    tok = PreTrainedTokenizerFast.from_pretrained(save_tiny_model(tmp_path / "m"))
+    _save_plain(tiny_model(), tok, tmp_path / "plain")
+    assert oct((tmp_path / "plain" / "model.safetensors").stat().st_mode & 0o777) == oct(0o644)
+
+
+# ---------------------------------------------------------------------------------- 10. data location
+
+
+def test_wikitext_is_found_beside_the_repository_or_in_the_working_directory(tmp_path, monkeypatch):
+    import stiefkv.data as data
+
+    assert data.repository_data_dir() == ROOT.parent / "shared" / "data"
+    monkeypatch.delenv("STIEFKV_DATA_DIR", raising=False)
+    monkeypatch.chdir(tmp_path)
+    repo = tmp_path / "repo-data"
+    monkeypatch.setattr(data, "repository_data_dir", lambda: repo)
+    with pytest.raises(DataError) as info:
+        load_texts("wikitext2", "test")
+    for place in ("beside the repository checkout", str(repo), "the working directory",
+                  str(tmp_path / "data" / "wikitext-2"), "datasets"):
+        assert place in str(info.value)
+    (tmp_path / "data" / "wikitext-2").mkdir(parents=True)
+    (tmp_path / "data" / "wikitext-2" / "wiki.test.raw").write_text("CWD")
+    assert load_texts("wikitext2", "test") == ["CWD"]
+    (repo / "wikitext-2").mkdir(parents=True)
+    (repo / "wikitext-2" / "wiki.test.raw").write_text("REPO")
+    assert load_texts("wikitext2", "test") == ["REPO"]
+    monkeypatch.setenv("STIEFKV_DATA_DIR", str(tmp_path / "nowhere"))
+    assert load_texts("wikitext2", "test") == ["REPO"]  # a wrong variable falls through, listed on failure
+
+
+# ---------------------------------------------------------------------------------- 11. --device auto
+
+
+def test_device_defaults_to_auto(tmp_path, fake_loader, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    run(["calibrate", "m", "-o", tmp_path / "o.safetensors", "--seq-len", "1024"], 2)  # stops after loading
+    run(["eval", "m", "--window", "64", "--data", "no-such-file"], 2)
+    assert [kwargs["device"] for _, kwargs in fake_loader.calls] == ["cpu", "cpu"]
+    assert stiefkv.models.resolve_device("auto") == torch.device("cpu")
+
+
+# ---------------------------------------------------------------------------- 12. phases and their time
+
+
+def test_progress_names_the_phase_and_the_expected_time(corpus, caplog):
+    with caplog.at_level(logging.INFO, logger="stiefkv"):
+        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), budget=0.5, data=str(corpus), num_sequences=2,
+                          seq_len=17, steps=2, step_sequences=1, profile_sequences=1)
+    assert "phase 1/2 profiles: layer 0 took" in caplog.text
+    assert "phase 2/2 stiefel layers: layer 0 took" in caplog.text
+    assert "expect about" in caplog.text and "for the other 2 layers" in caplog.text
+
+
+# ------------------------------------------------------------------------ 15. a folder with projections
+
+
+def test_load_model_applies_the_projections_in_its_folder(model_dir):
+    from stiefkv.attention import is_compressed
+
+    model, _ = stiefkv.load_model(str(model_dir))
+    random_projections(model, 8, 16).save(model_dir / PROJECTIONS_FILE)
+    compressed, _ = stiefkv.load_model(str(model_dir))
+    assert is_compressed(compressed) and not is_compressed(model)
+    plain, _ = stiefkv.load_model(str(model_dir), projections=False)
+    assert not is_compressed(plain)
