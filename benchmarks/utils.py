@@ -51,18 +51,20 @@ def _git(*args: str) -> str | None:
 
 
 def _commit() -> tuple[str | None, bool | None, list[str]]:
-    """HEAD and whether tracked files differ from it. The device machine gets a copy of the tree without its
-    ``.git``: there the caller passes ``STIEFKV_COMMIT``, ``STIEFKV_DIRTY`` (0/1) and ``STIEFKV_DIRTY_FILES``
-    (comma-separated), computed on the machine that sent the tree."""
+    """The commit measured and whether tracked files differed from it. ``STIEFKV_COMMIT``, ``STIEFKV_DIRTY``
+    (0/1) and ``STIEFKV_DIRTY_FILES`` (comma-separated), where set, win over git: the device machine gets a
+    copy of the tree whose ``.git`` (if any) is not the sender's (one answered with a stale commit), so
+    the sender computes them and passes them in the command."""
+    if os.environ.get("STIEFKV_COMMIT"):
+        files = [f for f in os.environ.get("STIEFKV_DIRTY_FILES", "").split(",") if f]
+        dirty = os.environ.get("STIEFKV_DIRTY")
+        return os.environ["STIEFKV_COMMIT"], (None if dirty is None else dirty == "1"), files
     head = _git("rev-parse", "HEAD")
     status = _git("status", "--porcelain", "--untracked-files=no")
-    if head is not None and status is not None:
-        files = [line[3:] for line in status.splitlines() if line.strip()]
-        return head.strip(), bool(files), files[:30]
-    commit = os.environ.get("STIEFKV_COMMIT")
-    dirty = os.environ.get("STIEFKV_DIRTY")
-    files = [f for f in os.environ.get("STIEFKV_DIRTY_FILES", "").split(",") if f]
-    return commit, (None if dirty is None else dirty == "1"), files
+    if head is None or status is None:
+        return None, None, []
+    files = [line[3:] for line in status.splitlines() if line.strip()]
+    return head.strip(), bool(files), files[:30]
 
 
 def _version(module: str) -> str | None:
