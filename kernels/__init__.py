@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 
 import torch
 
@@ -22,6 +23,7 @@ from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
 
 BACKENDS = ("auto", "triton", "reference")
+log = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "KEY_MODES", "RopeSpec", "attention_kl", "attention_kl_reference", "lowrank_attention",
            "lowrank_attention_reference", "triton_available"]
@@ -37,6 +39,13 @@ def triton_available() -> bool:
     return True
 
 
+@functools.cache
+def _warn_grad_fallback() -> None:
+    """Say once per process that ``auto`` left the kernel for the reference: the cost is silent otherwise."""
+    log.warning("lowrank_attention: inputs on CUDA require grad and the Triton kernel has no backward, so "
+                "backend='auto' runs the PyTorch reference; call it under torch.no_grad() for the kernel")
+
+
 def _use_kernel(backend: str, device: torch.device, *, needs_grad: bool = False) -> bool:
     """Resolve ``backend`` for inputs on ``device``; ``needs_grad`` keeps ``auto`` off a forward-only
     kernel."""
@@ -44,7 +53,11 @@ def _use_kernel(backend: str, device: torch.device, *, needs_grad: bool = False)
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
         # Device first: a CPU call never imports Triton.
-        return device.type == "cuda" and not needs_grad and triton_available()
+        if device.type != "cuda" or not triton_available():
+            return False
+        if needs_grad:
+            _warn_grad_fallback()
+        return not needs_grad
     if backend == "triton" and not triton_available():
         raise RuntimeError("backend='triton' needs triton (pip install triton); use backend='auto' or "
                            "'reference'")
