@@ -36,7 +36,8 @@ def proj50(smollm2):
 
 def test_full_rank_reproduces_real_logits(smollm2):
     model, tok = smollm2
-    proj = stiefkv.calibrate(model, tok, budget=1.0, method="pca", allocation="uniform", num_sequences=1, seq_len=64)
+    proj = stiefkv.calibrate(model, tok, budget=1.0, method="pca", allocation="uniform", num_sequences=1,
+                             seq_len=64)
     ids = tok("The tower is 324 metres tall, about the same height as an 81-storey building.",
               return_tensors="pt").input_ids
     expected = model(ids).logits
@@ -51,11 +52,14 @@ def test_half_budget_on_real_text(smollm2, proj50):
     model, tok = smollm2
     assert proj50.ranks == [(32, 32)] * 30
     errors = [e["rel_error"] for e in proj50.errors]
-    assert all(0 < e < 0.5 for e in errors), errors
+    # measured 0.0045-0.085 per layer; 0.2 leaves room for a numerics change, not for a wrong basis
+    assert all(0 < e < 0.2 for e in errors), errors
     result = evaluate(model, tok, proj50, window=256, limit=2)
     assert result.tokens_scored == 2 * 255
-    assert 5 < result.ppl_original < result.ppl < 10 * result.ppl_original
-    assert result.next_token_kl > 0 and 0 < result.layer_rel_error < 0.5
+    # measured: PPL 27.69 uncompressed, 65.2 compressed; next-token KL 0.97; mean layer error 0.042
+    assert 27 < result.ppl_original < 28.5
+    assert 1.5 * result.ppl_original < result.ppl < 4 * result.ppl_original
+    assert 0.5 < result.next_token_kl < 2 and 0.02 < result.layer_rel_error < 0.1
     # 30 layers × 3 KV heads × (32 + 32) × 4 bytes of latents + 4 bytes of position, vs 2 × 64 full
     assert result.kv_bytes_per_token == 30 * 3 * 64 * 4 + 4
     assert result.kv_bytes_per_token_original == 30 * 3 * 128 * 4
@@ -78,32 +82,63 @@ def test_generate_with_latent_cache_matches_no_cache(smollm2, proj50):
 def test_cli_end_to_end(tmp_path):
     ckpt = tmp_path / "s.safetensors"
     runner = CliRunner()
-    r = runner.invoke(main, ["calibrate", "smollm2", "--method", "pca", "--allocation", "uniform", "--budget", "0.25",
-                             "--key-mode", "post_rope", "--num-sequences", "2", "--seq-len", "64", "-o", str(ckpt)])
+    r = runner.invoke(main, ["calibrate", "smollm2", "--method", "pca", "--allocation", "uniform", "--budget",
+                             "0.25", "--key-mode", "post_rope", "--num-sequences", "2", "--seq-len", "64",
+                             "-o", str(ckpt)])
     assert r.exit_code == 0, r.output
     assert "| 29 | 16 | 16 |" in r.output
     r = runner.invoke(main, ["inspect", str(ckpt)])
     assert r.exit_code == 0 and "post_rope" in r.output
     out = tmp_path / "eval.json"
-    r = runner.invoke(main, ["eval", "smollm2", "--projections", str(ckpt), "--window", "128", "--windows", "1",
-                             "--json", str(out)])
+    r = runner.invoke(main, ["eval", "smollm2", "--projections", str(ckpt), "--window", "128", "--windows",
+                             "1", "--json", str(out)])
     assert r.exit_code == 0, r.output
     assert "127 tokens scored" in r.output
     doc = json.loads(out.read_text())
     assert doc["ppl"] > doc["ppl_original"] and doc["key_mode"] == "post_rope"
 
 
-def test_stiefel_dp_smoke_on_real_model(smollm2, tmp_path):
+def test_stiefel_dp_smoke_on_real_model(smollm2, tmp_path, monkeypatch):
     """The default path (Stiefel, DP, sequential) on a few real tokens: within budget, better than PCA-uniform
-    on its own calibration error, and resumable from its progress file."""
+    on the same calibration data, and an interrupted run resumed from its progress file gives the same
+    checkpoint as an uninterrupted one."""
+    import stiefkv.calibrate.pipeline as pipeline
+
     model, tok = smollm2
-    # weighting "update": the default "kl" profile runs ~400 model tails, minutes on 2 cores (tested on tiny models)
-    kw = dict(budget=0.5, num_sequences=4, seq_len=64, steps=4, step_sequences=2, profile_sequences=2,
-              weighting="update")
-    ours = stiefkv.calibrate(model, tok, progress=tmp_path / "p.partial", **kw)
-    assert ours.achieved_budget <= 0.5 and len({r for r in ours.ranks}) > 1
-    assert (tmp_path / "p.partial").is_file()
-    assert all(0 <= e["rel_error"] < 1 for e in ours.errors)  # 0 where DP keeps a layer at full rank
+    # weighting "update": the default "kl" profile runs ~400 model tails, minutes on 2 cores (tested on tiny
+    # models)
+    kw = {"budget": 0.5, "num_sequences": 4, "seq_len": 64, "steps": 4, "step_sequences": 2,
+          "profile_sequences": 2, "weighting": "update"}
+    ours = stiefkv.calibrate(model, tok, **kw)
+    assert ours.achieved_budget <= 0.5 and len(set(ours.ranks)) > 1
+    assert all(0 <= e["rel_error"] < 0.5 for e in ours.errors)  # 0 where DP keeps a layer at full rank
     for P in ours.keys + ours.values:
         eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
         assert (P.transpose(1, 2) @ P - eye).abs().max() < 1e-5
+    # Better than PCA-uniform where it counts, on the model's predictions (measured: next-token KL 0.89
+    # against 0.97 on two 512-token windows). Not on the mean layer error: DP spends ranks where the model
+    # needs them, which raises some layers' own error (measured 0.026 against 0.019).
+    pca = stiefkv.calibrate(model, tok, **(kw | {"method": "pca", "allocation": "uniform"}))
+    kl = {name: evaluate(model, tok, proj, window=512, limit=1, layer_errors=False).next_token_kl
+          for name, proj in (("ours", ours), ("pca", pca))}
+    assert 0 < kl["ours"] < 0.97 * kl["pca"], kl
+
+    # interrupt the refinement at layer 7, then resume from the progress file
+    refine, calls = pipeline.refine_layer, []
+
+    def interrupted(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 8:
+            raise KeyboardInterrupt
+        return refine(*args, **kwargs)
+
+    partial = tmp_path / "p.partial"
+    monkeypatch.setattr(pipeline, "refine_layer", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        stiefkv.calibrate(model, tok, progress=partial, **kw)
+    monkeypatch.setattr(pipeline, "refine_layer", refine)
+    assert partial.is_file()
+    resumed = stiefkv.calibrate(model, tok, progress=partial, resume=True, **kw)
+    assert resumed.ranks == ours.ranks
+    for a, b in zip(resumed.keys + resumed.values, ours.keys + ours.values):
+        assert torch.equal(a, b)
