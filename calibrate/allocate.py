@@ -19,8 +19,8 @@ def uniform_rank(budget: float, head_dim: int, rank_step: int) -> int:
         raise ValueError(f"rank_step {rank_step} must divide the head dimension {head_dim}")
     r = max(rank_step, min(head_dim, int(budget * head_dim / rank_step + 1e-9) * rank_step))
     if abs(r / head_dim - budget) > 1e-9:
-        log.warning("budget %.4g asks for rank %.4g of d=%d; ranks are multiples of %d: using r = %d (%.4g of the "
-                    "cache)", budget, budget * head_dim, head_dim, rank_step, r, r / head_dim)
+        log.warning("budget %.4g asks for rank %.4g of d=%d; ranks are multiples of %d: using r = %d "
+                    "(%.4g of the cache)", budget, budget * head_dim, head_dim, rank_step, r, r / head_dim)
     return r
 
 
@@ -45,7 +45,8 @@ def knapsack(costs: list[list[float]], capacity: int) -> list[int]:
     """
     n = len(costs)
     if capacity < n:
-        raise ValueError(f"the budget ({capacity} rank units) is below the minimum of one unit per group ({n})")
+        raise ValueError(f"the budget ({capacity} rank units) is below the minimum of one unit per group "
+                         f"({n})")
     inf = math.inf
     # best[c]: least error of the groups so far using exactly c units; choice[g][c]: units of group g there
     best = [0.0] + [inf] * capacity
@@ -68,12 +69,15 @@ def knapsack(costs: list[list[float]], capacity: int) -> list[int]:
     return units[::-1]
 
 
-def dp(profiles, budget: float, head_dim: int, rank_step: int = 8, weighting: str = "output") -> list[tuple[int, int]]:
-    """Per-layer ``(r_k, r_v)`` minimising the summed predicted error (keys' plus values') under the budget."""
+def dp(profiles, budget: float, head_dim: int, rank_step: int = 8,
+       weighting: str = "output") -> list[tuple[int, int]]:
+    """Per-layer ``(r_k, r_v)`` minimising the summed predicted error (keys' plus values') under the
+    budget."""
     groups = []
     for prof in profiles:
         if prof.ranks != list(range(rank_step, head_dim + 1, rank_step)):
-            raise ValueError(f"profile ranks {prof.ranks} are not the multiples of {rank_step} up to {head_dim}")
+            raise ValueError(f"profile ranks {prof.ranks} are not the multiples of {rank_step} up to "
+                             f"{head_dim}")
         groups += [prof.relative("k", weighting), prof.relative("v", weighting)]
     units = knapsack(groups, total_units(len(profiles), budget, head_dim, rank_step))
     return [(units[2 * i] * rank_step, units[2 * i + 1] * rank_step) for i in range(len(profiles))]

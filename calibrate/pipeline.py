@@ -48,8 +48,8 @@ class CalibrationConfig:
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
-    weighting : a layer's profile error relative to its output ``‖y‖`` (``output``) or to its update ``‖y − x‖``
-        (``update``), or ``kl``: the whole model's next-token KL with only that layer compressed.
+    weighting : a layer's profile error relative to its output ``‖y‖`` (``output``) or to its update
+        ``‖y − x‖`` (``update``), or ``kl``: the whole model's next-token KL with only that layer compressed.
     profile : bases used for the profiles: ``pca`` (cheap) or ``stiefel`` (refined at every rank).
     order : ``sequential`` (each layer sees the already-compressed layers before it) or ``independent``.
     data : ``wikitext2``, a .txt/.jsonl file or folder, or ``self``.
@@ -90,23 +90,26 @@ class CalibrationConfig:
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
-        for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES), ("allocation", allocate.ALLOCATIONS),
-                              ("weighting", WEIGHTINGS), ("profile", PROFILES), ("order", ORDERS),
-                              ("loss", LOSSES)):
+        for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES),
+                              ("allocation", allocate.ALLOCATIONS), ("weighting", WEIGHTINGS),
+                              ("profile", PROFILES), ("order", ORDERS), ("loss", LOSSES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences", "step_sequences"):
+        for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences",
+                     "step_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.weighting == "kl" and self.profile != "pca":
             raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
         if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:
-            raise ValueError(f"need steps ≥ 0, lr > 0 and kl_weight ≥ 0; got {self.steps}, {self.lr}, {self.kl_weight}")
+            raise ValueError(f"need steps ≥ 0, lr > 0 and kl_weight ≥ 0; got {self.steps}, {self.lr}, "
+                             f"{self.kl_weight}")
         return self
 
     @classmethod
     def from_kwargs(cls, device: str | torch.device | None = None, **kwargs) -> "CalibrationConfig":
-        """The settings ``kwargs``, the rest defaults; the CPU's smaller data sizes where ``device`` is a CPU."""
+        """The settings ``kwargs``, the rest defaults; the CPU's smaller data sizes where ``device`` is a
+        CPU."""
         known = {f.name for f in fields(cls)}
         unknown = set(kwargs) - known
         if unknown:
@@ -146,7 +149,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     t0 = time.perf_counter()
     if sequences is not None:
         if sequences.dim() != 2 or sequences.shape[0] < 1 or sequences.shape[1] < 2:
-            raise ValueError(f"sequences must be [S, N] token ids with S ≥ 1 and N ≥ 2, got {tuple(sequences.shape)}")
+            raise ValueError(f"sequences must be [S, N] token ids with S ≥ 1 and N ≥ 2, got "
+                             f"{tuple(sequences.shape)}")
         seqs = sequences.long().cpu()
         cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
     check_context(model.config, cfg.seq_len, "seq_len")
@@ -225,7 +229,8 @@ def check_finite(x: torch.Tensor, where: str) -> None:
 @torch.no_grad()
 def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
                progress: Path | None = None) -> None:
-    """Per layer, on the uncompressed model's activations: PCA eigenvectors, and error–rank profiles for ``dp``.
+    """Per layer, on the uncompressed model's activations: PCA eigenvectors, and error–rank profiles for
+    ``dp``.
 
     Saved to ``progress`` after every layer; layers already in ``state`` (a resumed run) are only run
     forward to reach the next one, so a resumed pass gives what an uninterrupted one does.
@@ -254,8 +259,8 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
         bar.close()
 
 
-def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_kl, ranks, cfg: CalibrationConfig,
-                     rope, state: CalibrationState) -> None:
+def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_kl, ranks,
+                     cfg: CalibrationConfig, rope, state: CalibrationState) -> None:
     """Layer ``i``'s eigenvectors (and profile) appended to ``state``."""
     d = dims_of(model.config).d
     moments = SecondMoments(model, cfg.key_mode)
@@ -272,8 +277,8 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
 
     if output_kl is not None:
         n = output_kl.base.shape[0]
-        prof = profile_layer_kl(layer, output_kl, i, inputs.hidden[:n], basis_k, basis_v, key_mode=cfg.key_mode,
-                                rope=rope, ranks=ranks)
+        prof = profile_layer_kl(layer, output_kl, i, inputs.hidden[:n], basis_k, basis_v,
+                                key_mode=cfg.key_mode, rope=rope, ranks=ranks)
     elif cfg.allocation == "dp":
         prof = profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope)
     state.eig_k.append(eig_k)
@@ -282,19 +287,22 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
         state.profiles.append(prof.as_dict())
 
 
-def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: CalibrationConfig, rope) -> LayerProfile:
+def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: CalibrationConfig,
+            rope) -> LayerProfile:
     n = min(cfg.profile_sequences, target.shape[0])
     batches = list(inputs.batches(target[:n], hidden=inputs.hidden[:n]))
     device = target.device
     if cfg.profile == "pca":
-        return profile_layer(layer, batches, lambda r: eig_k[..., :r].to(device), lambda r: eig_v[..., :r].to(device),
-                             key_mode=cfg.key_mode, rope=rope, ranks=ranks)
+        return profile_layer(layer, batches, lambda r: eig_k[..., :r].to(device),
+                             lambda r: eig_v[..., :r].to(device), key_mode=cfg.key_mode, rope=rope,
+                             ranks=ranks)
     data = concat_batches(batches)
     full_v, full_k = eig_v.to(device), eig_k.to(device)
-    refined_k = {r: refine_layer(layer, data, eig_k[..., :r].to(device), full_v, key_mode=cfg.key_mode, rope=rope,
-                                 settings=refine_settings(cfg), seed=cfg.seed).P_k for r in ranks}
-    refined_v = {r: refine_layer(layer, data, full_k, eig_v[..., :r].to(device), key_mode=cfg.key_mode, rope=rope,
-                                 settings=refine_settings(cfg), seed=cfg.seed).P_v for r in ranks}
+    settings = refine_settings(cfg)
+    refined_k = {r: refine_layer(layer, data, eig_k[..., :r].to(device), full_v, key_mode=cfg.key_mode,
+                                 rope=rope, settings=settings, seed=cfg.seed).P_k for r in ranks}
+    refined_v = {r: refine_layer(layer, data, full_k, eig_v[..., :r].to(device), key_mode=cfg.key_mode,
+                                 rope=rope, settings=settings, seed=cfg.seed).P_v for r in ranks}
     return profile_layer(layer, batches, refined_k.__getitem__, refined_v.__getitem__, key_mode=cfg.key_mode,
                          rope=rope, ranks=ranks)
 
@@ -306,8 +314,9 @@ def refine_settings(cfg: CalibrationConfig) -> RefineSettings:
 
 def concat_batches(batches: list[LayerBatch]) -> LayerBatch:
     b = batches[0]
-    return LayerBatch(b.layer_idx, torch.cat([x.hidden for x in batches]), torch.cat([x.output for x in batches]),
-                      b.position_embeddings, b.attention_mask, b.position_ids)
+    return LayerBatch(b.layer_idx, torch.cat([x.hidden for x in batches]),
+                      torch.cat([x.output for x in batches]), b.position_embeddings, b.attention_mask,
+                      b.position_ids)
 
 
 def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
@@ -329,7 +338,8 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
             layer, target = inputs.layers[i], inputs.run()
             check_finite(target, f"layer {i}")
             x = compressed_hidden if sequential else inputs.hidden
-            data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask, inputs.position_ids)
+            data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask,
+                              inputs.position_ids)
             done = i < len(state.keys)
             if not done:
                 bar.begin(i)
@@ -365,10 +375,10 @@ def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: Cal
     if cfg.method == "pca" or cfg.steps == 0:
         return P_k, P_v
     # Per-layer seed: a resumed run draws the same minibatches for the layers it still has to do.
-    result = refine_layer(layer, data, P_k, P_v, key_mode=cfg.key_mode, rope=rope, settings=refine_settings(cfg),
-                          seed=cfg.seed * 100_003 + i)
-    state.refine.append({"layer": i, "holdout_start": result.holdout_start, "holdout_best": result.holdout_best,
-                         "steps": result.steps_run})
+    result = refine_layer(layer, data, P_k, P_v, key_mode=cfg.key_mode, rope=rope,
+                          settings=refine_settings(cfg), seed=cfg.seed * 100_003 + i)
+    state.refine.append({"layer": i, "holdout_start": result.holdout_start,
+                         "holdout_best": result.holdout_best, "steps": result.steps_run})
     return result.P_k, result.P_v
 
 
@@ -379,12 +389,14 @@ def layer_error(layer, inputs: LayerInputs, target, hidden, P_k, P_v, cfg, rope)
 
 
 @torch.no_grad()
-def compressed_outputs(layer, inputs: LayerInputs, x, target, P_k, P_v, cfg, rope) -> tuple[torch.Tensor, ErrorStats]:
+def compressed_outputs(layer, inputs: LayerInputs, x, target, P_k, P_v, cfg,
+                       rope) -> tuple[torch.Tensor, ErrorStats]:
     """The compressed layer's outputs ``[S, N, D]`` on ``x``, and their error against ``target``."""
     device = x.device
     stats, outs = ErrorStats(), []
     for b in inputs.batches(target, hidden=x):
-        y_hat = compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode, rope=rope)
+        y_hat = compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode,
+                                        rope=rope)
         stats.add(y_hat, b.output)
         outs.append(y_hat)
     return torch.cat(outs), stats

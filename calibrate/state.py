@@ -36,7 +36,8 @@ class CalibrationState:
     refine: list[dict] = field(default_factory=list)
 
     def save(self, path: Path | None) -> None:
-        """Write atomically (a temporary file beside ``path``, then a rename); nothing when ``path`` is None."""
+        """Write atomically (a temporary file beside ``path``, then a rename); nothing when ``path`` is
+        None."""
         if path is None:
             return
         from safetensors.torch import save_file

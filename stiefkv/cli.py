@@ -128,8 +128,8 @@ def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | Non
             same = resolved == src_resolved or (
                 resolved.exists() and src_resolved.is_file() and os.path.samefile(resolved, src_resolved))
             if same:
-                raise UserError(f"{name} {path} is {what} ({src}), which this command reads: writing there would "
-                                "destroy it; choose another output path")
+                raise UserError(f"{name} {path} is {what} ({src}), which this command reads: writing there "
+                                "would destroy it; choose another output path")
             if src_resolved.is_dir() and resolved.is_relative_to(src_resolved):
                 if what == "the --data" and resolved.suffix not in (".txt", ".jsonl"):
                     continue  # a data folder is read for .txt/.jsonl files only
@@ -176,22 +176,24 @@ def main():
                    "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")
 @click.option("--key-mode", type=click.Choice(KEY_MODES), default=DEFAULTS["key_mode"], show_default=True,
               help="Compress keys before RoPE (better quality) or after it (faster kernels).")
-@click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"], show_default=True,
-              help="dp = per-layer ranks minimising the summed profiled error under the budget (exact knapsack); "
-                   "uniform = the same ranks in every layer.")
+@click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"],
+              show_default=True,
+              help="dp = per-layer ranks minimising the summed profiled error under the budget (exact "
+                   "knapsack); uniform = the same ranks in every layer.")
 @click.option("--weighting", type=click.Choice(WEIGHTINGS), default=DEFAULTS["weighting"], show_default=True,
               help="For dp: a layer's error relative to its output (output) or to its own update (update).")
 @click.option("--profile", type=click.Choice(PROFILES), default=DEFAULTS["profile"], show_default=True,
               help="For dp: profile errors with PCA bases (cheap) or refined bases at every rank (slow).")
 @click.option("--order", type=click.Choice(ORDERS), default=DEFAULTS["order"], show_default=True,
-              help="sequential = each layer is fitted on the outputs of the already-compressed layers before it; "
-                   "independent = on the uncompressed model's activations.")
+              help="sequential = each layer is fitted on the outputs of the already-compressed layers before "
+                   "it; independent = on the uncompressed model's activations.")
 @click.option("--steps", type=int, default=DEFAULTS["steps"], show_default=True,
-              help="Riemannian Adam steps per layer (stiefel); early stopping on a held-out slice may end sooner.")
+              help="Riemannian Adam steps per layer (stiefel); early stopping on a held-out slice may end "
+                   "sooner.")
 @click.option("--lr", type=float, default=DEFAULTS["lr"], show_default=True, help="Learning rate (stiefel).")
 @click.option("--loss", type=click.Choice(LOSSES), default=DEFAULTS["loss"], show_default=True,
-              help="Refinement loss: the layer-output error, or that plus --kl-weight × the KL divergence between "
-                   "the original and the compressed attention rows (StreamKL).")
+              help="Refinement loss: the layer-output error, or that plus --kl-weight × the KL divergence "
+                   "between the original and the compressed attention rows (StreamKL).")
 @click.option("--kl-weight", type=float, default=DEFAULTS["kl_weight"], show_default=True,
               help="Weight of the attention KL with --loss output+kl.")
 @click.option("--step-sequences", type=int, default=None,
@@ -216,7 +218,8 @@ def main():
               help="Where to write the checkpoint (.safetensors). Progress is kept in OUTPUT.partial.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from OUTPUT.partial.")
 @click.option("--plot", type=click.Path(path_type=Path), default=None,
-              help="Draw the error-rank profiles with the chosen ranks marked to this .png (needs matplotlib).")
+              help="Draw the error-rank profiles with the chosen ranks marked to this .png (needs "
+                   "matplotlib).")
 @common_options
 def calibrate(model, output, resume, plot, device, dtype, seed, debug, **settings):
     """Learn key/value bases for MODEL and write a projection checkpoint.
@@ -279,8 +282,8 @@ def _inspect_table(proj) -> str:
     steps = s.get("steps", "–") if proj.method == "stiefel" else "–"
     lines = [
         f"model {s.get('model') or fp.get('architecture')} ({fp.get('architecture')}, L={fp.get('L')} "
-        f"H={fp.get('H')} G={fp.get('G')} d={fp.get('d')}) · method {proj.method} · key mode {proj.key_mode} · "
-        f"budget {_fmt(proj.budget, 'g')} (achieved {proj.achieved_budget:.4f})",
+        f"H={fp.get('H')} G={fp.get('G')} d={fp.get('d')}) · method {proj.method} · key mode "
+        f"{proj.key_mode} · budget {_fmt(proj.budget, 'g')} (achieved {proj.achieved_budget:.4f})",
         f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation "
         f"{s.get('allocation')} · order {s.get('order', '–')} · steps {steps}",
         "",
@@ -303,18 +306,19 @@ def _inspect_table(proj) -> str:
 @click.option("--window", type=int, default=2048, show_default=True, help="Tokens per perplexity window.")
 @click.option("--windows", type=int, default=None, help="Score only the first N windows (default: all).")
 @click.option("--batch-size", type=int, default=1, show_default=True, help="Windows per forward pass.")
-@click.option("--backend", type=click.Choice(["auto", "triton", "reference"]), default="reference", show_default=True,
-              help="Attention over latents: the PyTorch reference (SDPA's fused causal path; fastest for these "
-                   "whole-window prefills), Triton kernels (CUDA), or auto (Triton on CUDA).")
+@click.option("--backend", type=click.Choice(["auto", "triton", "reference"]), default="reference",
+              show_default=True,
+              help="Attention over latents: the PyTorch reference (SDPA's fused causal path; fastest for "
+                   "these whole-window prefills), Triton kernels (CUDA), or auto (Triton on CUDA).")
 @click.option("--attention-kl", is_flag=True,
-              help="Also report each layer's attention KL between the original and compressed attention at a long "
-                   "context (StreamKL on CUDA; memory linear in the context).")
+              help="Also report each layer's attention KL between the original and compressed attention at a "
+                   "long context (StreamKL on CUDA; memory linear in the context).")
 @click.option("--kl-context", type=int, default=8192, show_default=True, help="Tokens for --attention-kl.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options
-def evaluate(model, projections, data, window, windows, batch_size, backend, attention_kl, kl_context, json_path,
-             device, dtype, seed, debug):
+def evaluate(model, projections, data, window, windows, batch_size, backend, attention_kl, kl_context,
+             json_path, device, dtype, seed, debug):
     """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL."""
     import stiefkv
     from stiefkv.evaluate import attention_kl_per_layer, format_table
@@ -322,8 +326,8 @@ def evaluate(model, projections, data, window, windows, batch_size, backend, att
     from stiefkv.models import check_context
 
     device, torch_dtype = _setup(device, dtype, seed, debug)
-    for name, value, least in (("--window", window, 2), ("--windows", windows, 1), ("--batch-size", batch_size, 1),
-                               ("--kl-context", kl_context, 2)):
+    for name, value, least in (("--window", window, 2), ("--windows", windows, 1),
+                               ("--batch-size", batch_size, 1), ("--kl-context", kl_context, 2)):
         if value is not None and value < least:
             raise UserError(f"{name} must be ≥ {least}, got {value}")
     if attention_kl and projections is None:

@@ -59,15 +59,16 @@ def _wikitext(split: str) -> str:
         import datasets
     except ImportError:
         looked.append("the datasets library (not installed)")
-        raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}. Set STIEFKV_DATA_DIR to a folder "
-                        f"holding wikitext-2/{name}, or pip install datasets (needs the Hugging Face hub)") from None
+        raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}. Set STIEFKV_DATA_DIR to a "
+                        f"folder holding wikitext-2/{name}, or pip install datasets (needs the Hugging Face "
+                        "hub)") from None
     hf_name, hf_split = WIKITEXT_HF[split]
     try:
         rows = datasets.load_dataset("wikitext", hf_name, split=hf_split)
     except Exception as exc:  # noqa: BLE001  (the hub raises many types; any failure means the same here)
         looked.append(f"the Hugging Face hub ({type(exc).__name__})")
-        raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}. Set STIEFKV_DATA_DIR to a folder "
-                        f"holding wikitext-2/{name}") from None
+        raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}. Set STIEFKV_DATA_DIR to a "
+                        f"folder holding wikitext-2/{name}") from None
     return "".join(rows["text"])
 
 
@@ -142,7 +143,8 @@ def calibration_sequences(model, tokenizer, *, data: str = "wikitext2", num_sequ
 def sample_from_model(model, tokenizer, *, num_sequences: int, seq_len: int, seed: int = 0,
                       batch_size: int = 16) -> torch.Tensor:
     """Sequences sampled from the model itself, starting at BOS (the data-free calibration set)."""
-    log.warning("calibrating on %d × %d tokens sampled from the model itself (--data self)", num_sequences, seq_len)
+    log.warning("calibrating on %d × %d tokens sampled from the model itself (--data self)", num_sequences,
+                seq_len)
     start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
     device = next(model.parameters()).device
     torch.manual_seed(seed)

@@ -119,7 +119,8 @@ def weights_hash(model: nn.Module) -> str:
     """
     h = hashlib.sha256()
     for layer in decoder_layers(model):
-        attn = getattr(layer.self_attn, "inner", layer.self_attn)  # the original under a loaded LowRankAttention
+        # the original attention under a loaded LowRankAttention
+        attn = getattr(layer.self_attn, "inner", layer.self_attn)
         for proj in (attn.k_proj, attn.v_proj):
             w = proj.weight.detach().to("cpu", torch.bfloat16).contiguous()
             h.update(w.view(torch.int16).numpy().tobytes())
@@ -211,11 +212,12 @@ def _load_gguf(gguf: Path) -> Path:
             raise ModelLoadError(f"loading {gguf.name} needs the {package!r} package: pip install {package}")
     log.info("de-quantising %s (once; cached in %s)", gguf.name, cached)
     try:
-        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                     dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except GGUF_READ_ERRORS as exc:
-        raise ModelLoadError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {_first_line(exc)}); "
-                             "is the file complete?") from None
+        raise ModelLoadError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: "
+                             f"{_first_line(exc)}); is the file complete?") from None
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
         _save_plain(model, tok, tmp)
@@ -270,8 +272,9 @@ def _resolve(spec: str) -> str:
     if path.exists() and not (path / "config.json").is_file():
         raise ModelLoadError(f"{spec} is a path but holds no config.json: not a Hugging Face model folder")
     if path.is_dir() and not any((path / name).is_file() for name in WEIGHT_FILES):
-        raise ModelLoadError(f"model folder {spec} holds a config.json but no weights ({', '.join(WEIGHT_FILES[::2])}): "
-                             "copy the weights there, or give the model's .gguf file or Hugging Face id")
+        raise ModelLoadError(f"model folder {spec} holds a config.json but no weights "
+                             f"({', '.join(WEIGHT_FILES[::2])}): copy the weights there, or give the model's "
+                             ".gguf file or Hugging Face id")
     return str(path) if path.exists() else spec
 
 
@@ -297,7 +300,8 @@ def resolve_device(device: str | torch.device) -> torch.device:
         raise ValueError(f"unknown device {str(device)!r}: use auto, cpu, cuda or cuda:N") from None
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine; use cpu or auto")
+            raise ValueError(f"device {str(device)!r}: CUDA is not available on this machine; use cpu or "
+                             "auto")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA "
                              f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
@@ -313,7 +317,8 @@ def max_positions(config) -> int | None:
 
 
 def check_context(config, tokens: int, what: str) -> None:
-    """Raise ``ValueError`` when ``tokens`` positions (named ``what``, e.g. ``--seq-len``) exceed the model's."""
+    """Raise ``ValueError`` when ``tokens`` positions (named ``what``, e.g. ``--window``) exceed the
+    model's."""
     limit = max_positions(config)
     if limit is not None and tokens > limit:
         raise ValueError(f"{what} {tokens} exceeds the model's {limit} positions (max_position_embeddings): "
@@ -357,7 +362,8 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as exc:
         raise ModelLoadError(f"cannot load the tokenizer of model {spec!r} ({type(exc).__name__}: "
-                             f"{_first_line(exc)}): the folder needs tokenizer files beside the weights") from None
+                             f"{_first_line(exc)}): the folder needs tokenizer files beside the "
+                             "weights") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # the latent cache assumes left padding

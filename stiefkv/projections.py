@@ -37,7 +37,8 @@ class CheckpointError(ValueError):
 
 
 def tensors_sha256(keys: list[torch.Tensor], values: list[torch.Tensor]) -> str:
-    """sha256 of the bases' float32 bytes (little-endian, C order) in the fixed order ``layers.0.k, layers.0.v, layers.1.k, …``."""
+    """sha256 of the bases' float32 bytes (little-endian, C order) in the fixed order ``layers.0.k,
+    layers.0.v, layers.1.k, …``."""
     h = hashlib.sha256()
     for k, v in zip(keys, values):
         for t in (k, v):
@@ -75,8 +76,9 @@ def ensure_writable(path: str | Path, what: str = "output") -> Path:
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
-        raise ValueError(f"cannot write {what} {path} ({exc.strerror or type(exc).__name__}"
-                         f"{': ' + str(exc.filename) if exc.filename else ''}): choose a writable location") from None
+        where = f": {exc.filename}" if exc.filename else ""
+        why = exc.strerror or type(exc).__name__
+        raise ValueError(f"cannot write {what} {path} ({why}{where}): choose a writable location") from None
     return path
 
 
@@ -162,7 +164,8 @@ class Projections:
                     raise CheckpointError(f"{what} must be a float tensor [G, d, r], got {shape}")
                 g, dd, r = P.shape
                 if (_is_int(G) and g != G) or (_is_int(d) and dd != d):
-                    raise CheckpointError(f"{what} has shape {tuple(P.shape)}; the fingerprint says G={G}, d={d}")
+                    raise CheckpointError(f"{what} has shape {tuple(P.shape)}; the fingerprint says G={G}, "
+                                          f"d={d}")
                 if not 1 <= r <= dd:
                     raise CheckpointError(f"{what} has rank {r}; ranks must be between 1 and d={dd}")
                 if not torch.isfinite(P).all():
@@ -171,8 +174,9 @@ class Projections:
                 err = orthonormality_error(P)
                 if not err <= ORTHONORMALITY_TOLERANCE:
                     raise CheckpointError(
-                        f"{what} is not orthonormal: max |PᵀP − I| = {err:.3g} > {ORTHONORMALITY_TOLERANCE:g} "
-                        "(the tolerance for float32 bases): the checkpoint is damaged or was edited; recalibrate"
+                        f"{what} is not orthonormal: max |PᵀP − I| = {err:.3g} > "
+                        f"{ORTHONORMALITY_TOLERANCE:g} (the tolerance for float32 bases): the checkpoint is "
+                        "damaged or was edited; recalibrate"
                     )
         return self
 
@@ -219,7 +223,8 @@ class Projections:
 
     @classmethod
     def load(cls, path: str | Path) -> Projections:
-        """Read and check a checkpoint; a missing, foreign, damaged or edited file raises :class:`CheckpointError`."""
+        """Read and check a checkpoint; a missing, foreign, damaged or edited file raises
+        :class:`CheckpointError`."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path)
@@ -233,7 +238,8 @@ class Projections:
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
         if "stiefkv" not in meta:
-            raise CheckpointError(f"{path} is a safetensors file but not a StiefKV checkpoint (no 'stiefkv' header)")
+            raise CheckpointError(f"{path} is a safetensors file but not a StiefKV checkpoint (no 'stiefkv' "
+                                  "header)")
         try:
             doc = json.loads(meta["stiefkv"])
         except json.JSONDecodeError as exc:
@@ -245,7 +251,8 @@ class Projections:
         if missing or extra:
             raise CheckpointError(
                 f"{path}: its header lists {n} layers but the file holds "
-                + (f"no tensor {', '.join(missing[:3])}" if missing else f"extra tensors {', '.join(extra[:3])}")
+                + (f"no tensor {', '.join(missing[:3])}" if missing
+                   else f"extra tensors {', '.join(extra[:3])}")
                 + ": the file is damaged or was edited; recalibrate"
             )
         keys = [tensors[f"layers.{i}.k"] for i in range(n)]
@@ -253,19 +260,19 @@ class Projections:
         if any(t.dtype != torch.float32 for t in keys + values):
             raise CheckpointError(f"{path}: bases must be float32")
         proj = cls(keys=keys, values=values, key_mode=doc["key_mode"], fingerprint=doc["fingerprint"],
-                   budget=float(doc["budget"]), method=doc.get("method", "?"), settings=doc.get("settings", {}),
-                   errors=doc.get("errors", []))
+                   budget=float(doc["budget"]), method=doc.get("method", "?"),
+                   settings=doc.get("settings", {}), errors=doc.get("errors", []))
         if [list(r) for r in proj.ranks] != doc["ranks"]:
             raise CheckpointError(f"{path}: tensor shapes {proj.ranks} disagree with the ranks in its header "
                                   f"{doc['ranks']}: the file is damaged or was edited; recalibrate")
         checksum = doc.get("tensors_sha256")
         if checksum is None:
-            log.warning("%s is a format version %d checkpoint without a checksum: its tensors cannot be checked "
-                        "for damage (recalibrate, or load and save it again, to add one)", path,
+            log.warning("%s is a format version %d checkpoint without a checksum: its tensors cannot be "
+                        "checked for damage (recalibrate, or load and save it again, to add one)", path,
                         doc["format_version"])
         elif checksum != tensors_sha256(keys, values):
-            raise CheckpointError(f"{path}: the tensor data does not match the sha256 in its header: the file "
-                                  "is corrupt (copy it again or recalibrate)")
+            raise CheckpointError(f"{path}: the tensor data does not match the sha256 in its header: the "
+                                  "file is corrupt (copy it again or recalibrate)")
         return proj.validate(str(path))
 
     def check(self, model) -> None:
@@ -275,9 +282,11 @@ class Projections:
 
         mine, theirs = self.fingerprint, fingerprint(model)
         diffs = [f"{key}: checkpoint {mine.get(key)!r}, model {theirs.get(key)!r}"
-                 for key in ("architecture", "L", "H", "G", "d", "D", "rope") if mine.get(key) != theirs.get(key)]
+                 for key in ("architecture", "L", "H", "G", "d", "D", "rope")
+                 if mine.get(key) != theirs.get(key)]
         if not diffs and mine.get("kv_weights_sha256") != theirs.get("kv_weights_sha256"):
-            diffs.append("same shapes but different k_proj/v_proj weights (another checkpoint of this architecture?)")
+            diffs.append("same shapes but different k_proj/v_proj weights (another checkpoint of this "
+                         "architecture?)")
         if diffs:
             raise CheckpointError(
                 "this checkpoint was made for another model — " + "; ".join(diffs)
@@ -286,7 +295,8 @@ class Projections:
         G, d = theirs["G"], theirs["d"]
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if k.shape[:2] != (G, d) or v.shape[:2] != (G, d):
-                raise CheckpointError(f"layer {i}: bases {tuple(k.shape)}/{tuple(v.shape)} do not fit G={G}, d={d}")
+                raise CheckpointError(f"layer {i}: bases {tuple(k.shape)}/{tuple(v.shape)} do not fit G={G}, "
+                                      f"d={d}")
         self.validate()
 
 
@@ -294,7 +304,8 @@ def _check_header(doc, path: Path) -> None:
     """Raise :class:`CheckpointError` naming the first field of the header document with a wrong type."""
 
     def bad(what: str) -> CheckpointError:
-        return CheckpointError(f"{path} has a damaged StiefKV header: {what}; recalibrate, or restore the file")
+        return CheckpointError(f"{path} has a damaged StiefKV header: {what}; recalibrate, or restore the "
+                               "file")
 
     if not isinstance(doc, dict):
         raise bad(f"a JSON {type(doc).__name__} instead of an object")

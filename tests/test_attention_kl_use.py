@@ -23,7 +23,7 @@ def test_attention_kl_zero_at_full_rank_positive_below(key_mode):
     with torch.no_grad():
         full = layer_attention_kl(layer, data, random_bases(2, 24, 24), key_mode=key_mode)
         low = layer_attention_kl(layer, data, random_bases(2, 24, 8), key_mode=key_mode)
-    assert abs(float(full)) < 1e-5 and float(low) > 1e-3
+    assert abs(float(full)) < 1e-5 and 0.1 < float(low) < 0.6  # measured 0.29-0.30 nats per row
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -42,7 +42,8 @@ def test_compressed_keys_are_what_the_served_model_attends_with(key_mode):
         if key_mode == "post_rope":
             k = stiefkv.attention.rotate_with(k, *data.position_embeddings)
         z = torch.einsum("bgnd,gdr->bgnr", k, P_k)
-        served = rebuild_keys(z, P_k, key_mode=key_mode, positions=data.positions, rope=rope_spec(model.config))
+        served = rebuild_keys(z, P_k, key_mode=key_mode, positions=data.positions,
+                              rope=rope_spec(model.config))
     assert torch.allclose(k_s, served, atol=1e-5)
 
 
@@ -55,17 +56,24 @@ def test_chunked_equals_whole():
         assert chunked_attention_kl(q, k_t, k_s, scale=0.3, chunk=chunk) == pytest.approx(whole, rel=1e-5)
 
 
-def test_refinement_with_kl_loss(corpus):
+def test_kl_loss_lowers_the_attention_kl_of_the_refined_bases(corpus):
+    """With ``kl_weight`` > 0 the refinement trades some output error for attention fidelity: from the same
+    start, data and seed, the refined keys' attention KL is lower than with the output loss alone (measured
+    5 % lower over four starts), and the bases stay orthonormal."""
     model = tiny_model("llama")
     _, data = layer_data(model, n=16)
     layer, rope = model.model.layers[0], rope_spec(model.config)
     P_k, P_v = random_bases(2, 24, 8), random_bases(2, 24, 16)
+    settings = {"steps": 40, "lr": 2e-2, "eval_every": 5, "patience": 100}
     plain = refine_layer(layer, data, P_k, P_v, key_mode="pre_rope", rope=rope,
-                         settings=RefineSettings(steps=20, lr=1e-2, eval_every=5, patience=100), seed=0)
+                         settings=RefineSettings(**settings), seed=0)
     with_kl = refine_layer(layer, data, P_k, P_v, key_mode="pre_rope", rope=rope,
-                           settings=RefineSettings(steps=20, lr=1e-2, eval_every=5, patience=100, kl_weight=1.0), seed=0)
-    assert not torch.equal(plain.P_k, with_kl.P_k)
-    assert orthonormality_error(with_kl.P_k) < 1e-5
+                           settings=RefineSettings(**settings, kl_weight=1.0), seed=0)
+    with torch.no_grad():
+        kl_start, kl_plain, kl_with = (float(layer_attention_kl(layer, data, P, key_mode="pre_rope"))
+                                       for P in (P_k, plain.P_k, with_kl.P_k))
+    assert kl_with < 0.97 * kl_plain < 0.97 * kl_start
+    assert orthonormality_error(with_kl.P_k) < 1e-5 and orthonormality_error(with_kl.P_v) < 1e-5
     proj = stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.5, loss="output+kl", kl_weight=0.5,
                              data=str(corpus), num_sequences=4, seq_len=17, steps=5, step_sequences=2)
     assert proj.settings["loss"] == "output+kl" and proj.settings["kl_weight"] == 0.5
@@ -73,7 +81,8 @@ def test_refinement_with_kl_loss(corpus):
 
 def test_eval_attention_kl_per_layer(tmp_path, monkeypatch):
     (tmp_path / "wikitext-2").mkdir()
-    (tmp_path / "wikitext-2" / "wiki.test.raw").write_text("the quick brown fox jumps over the lazy dog " * 20)
+    text = "the quick brown fox jumps over the lazy dog " * 20
+    (tmp_path / "wikitext-2" / "wiki.test.raw").write_text(text)
     monkeypatch.setenv("STIEFKV_DATA_DIR", str(tmp_path))
     model, tok = tiny_model(), CharTokenizer()
     full = attention_kl_per_layer(model, tok, random_projections(model, 24, 24), context=300, chunk=64)

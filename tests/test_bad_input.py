@@ -36,7 +36,8 @@ def run(args, exit_code):
     if exit_code:
         assert "Traceback" not in result.output and not isinstance(result.exception, Exception)
         lines = [line for line in result.output.splitlines()
-                 if line.strip() and not line.startswith(("INFO", "WARNING")) and not PROGRESS_BAR.search(line)]
+                 if line.strip() and not line.startswith(("INFO", "WARNING"))
+                 and not PROGRESS_BAR.search(line)]
         assert len(lines) == 1, result.output
     return result
 
@@ -138,7 +139,8 @@ def test_cli_full_budget_pca_writes_a_checkpoint(tmp_path, model_dir, corpus):
 # --------------------------------------------------------------------------------- 3. checkpoint contents
 
 
-def write_checkpoint(path: Path, proj: Projections, *, keys=None, values=None, edit=None, checksum=True) -> Path:
+def write_checkpoint(path: Path, proj: Projections, *, keys=None, values=None, edit=None,
+                     checksum=True) -> Path:
     """A checkpoint written around Projections.save's checks (a damaged or hand-edited file)."""
     from safetensors.torch import save_file
 
@@ -232,23 +234,24 @@ def test_save_refuses_bases_that_are_not_finite_or_not_orthonormal(tmp_path, pro
 def test_non_finite_model_is_named_not_calibrated(corpus, where, message):
     model = tiny_model()
     with torch.no_grad():
-        weight = model.model.layers[1].mlp.up_proj.weight if where == "layer" else model.model.embed_tokens.weight
-        weight[:] = float("nan")
+        layer_weight, embedding = model.model.layers[1].mlp.up_proj.weight, model.model.embed_tokens.weight
+        (layer_weight if where == "layer" else embedding)[:] = float("nan")
     with pytest.raises(ValueError, match=message):
-        stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", allocation="uniform", data=str(corpus),
-                          num_sequences=2, seq_len=17)
+        stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", allocation="uniform",
+                          data=str(corpus), num_sequences=2, seq_len=17)
 
 
 def test_float16_overflow_suggests_float32(corpus):
     model = tiny_model().half()
     with torch.no_grad():
         mlp = model.model.layers[0].mlp
-        for w in (mlp.gate_proj.weight, mlp.up_proj.weight, model.model.layers[0].post_attention_layernorm.weight):
+        for w in (mlp.gate_proj.weight, mlp.up_proj.weight,
+                  model.model.layers[0].post_attention_layernorm.weight):
             w.fill_(10.0)
         mlp.down_proj.weight.fill_(6e4)
     with pytest.raises(ValueError, match="layer 0 .* overflows in float16 — try --dtype float32"):
-        stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", allocation="uniform", data=str(corpus),
-                          num_sequences=2, seq_len=17)
+        stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", allocation="uniform",
+                          data=str(corpus), num_sequences=2, seq_len=17)
 
 
 def test_cli_non_finite_model_exits_2_and_writes_nothing(tmp_path, corpus, fake_loader):
@@ -298,7 +301,8 @@ def test_read_only_folder_fails_before_loading(tmp_path, corpus, fake_loader):
 def test_api_progress_location_is_checked_first(tmp_path, corpus):
     (tmp_path / "f").write_text("x")
     with pytest.raises(ValueError, match="cannot write progress file"):
-        stiefkv.calibrate(tiny_model(), CharTokenizer(), data=str(corpus), progress=tmp_path / "f" / "p.partial")
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), data=str(corpus),
+                          progress=tmp_path / "f" / "p.partial")
 
 
 # ----------------------------------------------------------------------------- 7. context length
@@ -345,7 +349,8 @@ def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, mon
     (model_dir / "model.safetensors").unlink()
     result = run(["calibrate", model_dir, "-o", tmp_path / "o.safetensors"], 2)
     assert "holds a config.json but no weights" in result.output
-    for name, content in (("short.gguf", os.urandom(100)), ("v3.gguf", b"GGUF" + struct.pack("<I", 3) + bytes(92))):
+    version_3_header_only = b"GGUF" + struct.pack("<I", 3) + bytes(92)
+    for name, content in (("short.gguf", os.urandom(100)), ("v3.gguf", version_3_header_only)):
         (tmp_path / name).write_bytes(content)
         with pytest.raises(ModelLoadError, match=name):
             stiefkv.models._load_gguf(tmp_path / name)
@@ -389,7 +394,8 @@ def test_gguf_cache_is_keyed_by_content(tmp_path, monkeypatch):
     assert a == b
     (tmp_path / "env2" / "m.gguf").write_bytes(b"GGUF" + bytes(199) + b"\x01")
     assert _gguf_cache_path(tmp_path / "env2" / "m.gguf") != a
-    legacy, other = tmp_path / "cache" / "gguf" / "m-0123456789ab", tmp_path / "cache" / "gguf" / "n-0123456789ab"
+    cache = tmp_path / "cache" / "gguf"
+    legacy, other = cache / "m-0123456789ab", cache / "n-0123456789ab"
     for folder in (legacy, other, a):
         folder.mkdir(parents=True)
     _remove_legacy_cache_entries(tmp_path / "env1" / "m.gguf")
@@ -459,8 +465,8 @@ def test_device_defaults_to_auto(tmp_path, fake_loader, monkeypatch):
 
 def test_progress_names_the_phase_and_the_expected_time(corpus, caplog):
     with caplog.at_level(logging.INFO, logger="stiefkv"):
-        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), budget=0.5, data=str(corpus), num_sequences=2,
-                          seq_len=17, steps=2, step_sequences=1, profile_sequences=1)
+        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), budget=0.5, data=str(corpus),
+                          num_sequences=2, seq_len=17, steps=2, step_sequences=1, profile_sequences=1)
     assert "phase 1/2 profiles: layer 0 took" in caplog.text
     assert "phase 2/2 stiefel layers: layer 0 took" in caplog.text
     assert "expect about" in caplog.text and "for the other 2 layers" in caplog.text

@@ -48,7 +48,9 @@ def test_objective_is_zero_at_full_rank(arch, key_mode):
     assert 0 <= float(err) < 1e-10
     low = random_bases(2, 24, 8)
     with torch.no_grad():
-        assert float(relative_sq_error(model.model.layers[0], data, low, low, key_mode, rope_spec(model.config))) > 1e-4
+        err = float(relative_sq_error(model.model.layers[0], data, low, low, key_mode,
+                                      rope_spec(model.config)))
+    assert 0.2 < err < 0.5  # random rank-8 bases of d = 24: measured 0.30-0.38 over the architectures
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -121,11 +123,13 @@ def brute_force(costs, capacity):
 def test_knapsack_matches_brute_force(seed):
     rng = random.Random(seed)
     groups, options = rng.randint(1, 5), rng.randint(1, 4)
-    costs = [sorted((rng.random() for _ in range(options)), reverse=rng.random() < 0.7) for _ in range(groups)]
+    costs = [sorted((rng.random() for _ in range(options)),
+                    reverse=rng.random() < 0.7) for _ in range(groups)]
     capacity = rng.randint(groups, groups * options + 1)
     units = allocate.knapsack(costs, capacity)
     assert len(units) == groups and sum(units) <= capacity and all(1 <= u <= options for u in units)
-    assert sum(c[u - 1] for c, u in zip(costs, units)) == pytest.approx(brute_force(costs, capacity)[0], abs=1e-12)
+    assert sum(c[u - 1] for c, u in zip(costs, units)) == pytest.approx(brute_force(costs, capacity)[0],
+                                                                        abs=1e-12)
 
 
 def test_dp_allocation_respects_the_budget_exactly():
@@ -136,7 +140,8 @@ def test_dp_allocation_respects_the_budget_exactly():
     for _ in range(L):
         k = sorted((rng.random() for _ in ranks), reverse=True)
         v = sorted((rng.random() * 3 for _ in ranks), reverse=True)
-        profiles.append(LayerProfile(ranks=ranks, k=k[:-1] + [0.0], v=v[:-1] + [0.0], sq_output=1.0, sq_update=0.5))
+        profiles.append(LayerProfile(ranks=ranks, k=k[:-1] + [0.0], v=v[:-1] + [0.0], sq_output=1.0,
+                                     sq_update=0.5))
     for budget in (0.25, 0.375, 0.5, 0.75, 1.0):
         out = allocate.dp(profiles, budget, d, step)
         used = sum(rk + rv for rk, rv in out)
@@ -146,43 +151,52 @@ def test_dp_allocation_respects_the_budget_exactly():
         allocate.dp(profiles, 0.05, d, step)
 
 
-def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch):
-    kw = dict(budget=0.5, method="stiefel", allocation="dp", order="sequential", data=str(corpus), num_sequences=6,
-              seq_len=21, steps=12, step_sequences=2, profile_sequences=3, seed=5)
+@pytest.mark.parametrize("stop", ["first pass", "second pass"])
+def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch, stop):
+    """Interrupted after the profiles of layer 1 (first pass) or the bases of layer 1 (second pass), a
+    resumed run gives the uninterrupted run's checkpoint bit for bit."""
+    kw = {"budget": 0.5, "method": "stiefel", "allocation": "dp", "order": "sequential", "data": str(corpus),
+          "num_sequences": 6, "seq_len": 21, "steps": 12, "step_sequences": 2, "profile_sequences": 3,
+          "seed": 5}
     whole = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), **kw)
 
     progress = tmp_path / "p.partial"
     save = CalibrationState.save
-    calls = {"n": 0}
+    seen = []
 
     def interrupted_save(self, path):
         save(self, path)
-        calls["n"] += 1
-        if len(self.keys) == 2:
+        seen.append((len(self.eig_k), len(self.profiles), len(self.keys)))
+        if (stop == "first pass" and len(self.eig_k) == 2) or (stop == "second pass" and len(self.keys) == 2):
             raise KeyboardInterrupt
 
     monkeypatch.setattr(CalibrationState, "save", interrupted_save)
     with pytest.raises(KeyboardInterrupt):
         stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, **kw)
+    assert seen[0] == (1, 1, 0)  # the first pass saves after its first layer
     monkeypatch.setattr(CalibrationState, "save", save)
     resumed = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True, **kw)
     assert resumed.ranks == whole.ranks
     for a, b in zip(whole.keys + whole.values, resumed.keys + resumed.values):
         assert torch.equal(a, b)
-    assert resumed.errors == whole.errors
+    assert resumed.errors == whole.errors and resumed.settings["profiles"] == whole.settings["profiles"]
 
     with pytest.raises(ValueError, match="other settings"):
-        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True, **(kw | {"lr": 0.1}))
+        stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True,
+                          **(kw | {"lr": 0.1}))
 
 
 def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):
-    common = dict(budget=0.5, data=str(corpus), num_sequences=8, seq_len=33, seed=1)
-    pca = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="pca", allocation="uniform", order="independent",
-                            **common)
-    ours = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="stiefel", allocation="dp", order="independent",
-                             steps=40, step_sequences=2, **common)
-    assert sum(e["rel_error"] for e in ours.errors) < sum(e["rel_error"] for e in pca.errors)
-    assert ours.achieved_budget <= 0.5
+    """On the same bytes (rank step 4: uniform ranks 12/12, DP ranks summing to 24 per layer) the defaults'
+    summed layer error is at least 10 % below PCA-uniform's (measured: 0.228 against 0.285)."""
+    common = {"budget": 0.5, "data": str(corpus), "num_sequences": 8, "seq_len": 33, "seed": 1,
+              "rank_step": 4}
+    pca = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="pca", allocation="uniform",
+                            order="independent", **common)
+    ours = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="stiefel", allocation="dp",
+                             order="independent", steps=40, step_sequences=2, **common)
+    assert pca.achieved_budget == ours.achieved_budget == 0.5
+    assert sum(e["rel_error"] for e in ours.errors) < 0.9 * sum(e["rel_error"] for e in pca.errors)
 
 
 def test_cli_plot_and_resume_flag(tmp_path, corpus):
@@ -192,8 +206,8 @@ def test_cli_plot_and_resume_flag(tmp_path, corpus):
     from stiefkv.plot import plot_profiles
 
     model = tiny_model()
-    proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", data=str(corpus), num_sequences=3,
-                             seq_len=17)
+    proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", data=str(corpus),
+                             num_sequences=3, seq_len=17)
     png = plot_profiles(proj, tmp_path / "p.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
     r = CliRunner().invoke(main, ["calibrate", "smollm2", "--order", "sideways", "-o", str(tmp_path / "x")])
@@ -202,7 +216,8 @@ def test_cli_plot_and_resume_flag(tmp_path, corpus):
 
 def test_pretokenized_sequences_replace_data():
     seqs = torch.randint(0, 97, (5, 19), generator=torch.Generator().manual_seed(2))
-    proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca", allocation="uniform")
+    proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca",
+                             allocation="uniform")
     assert proj.settings["data"] == "tensor" and proj.settings["tokens"] == 5 * 19
 
 
@@ -226,8 +241,8 @@ def test_kl_profile_measures_the_whole_model():
     with pytest.raises(ValueError, match="cannot be weighted"):
         prof.relative("k", "output")
     seqs = torch.randint(0, 97, (4, 21), generator=torch.Generator().manual_seed(3))
-    proj = stiefkv.calibrate(tiny_model(layers=3), None, sequences=seqs, budget=0.5, method="pca", allocation="dp",
-                             weighting="kl", profile_sequences=2)
+    proj = stiefkv.calibrate(tiny_model(layers=3), None, sequences=seqs, budget=0.5, method="pca",
+                             allocation="dp", weighting="kl", profile_sequences=2)
     assert sum(rk + rv for rk, rv in proj.ranks) <= 0.5 * 3 * 48
 
 

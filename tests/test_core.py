@@ -59,7 +59,8 @@ def test_fingerprint_survives_bf16():
     assert fingerprint(model) == fingerprint(tiny_model("llama").to(torch.bfloat16))
 
 
-@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all", b"\x10\x00\x00\x00\x00\x00\x00\x00{}"])
+@pytest.mark.parametrize("content", [b"", b"not a safetensors file at all",
+                                     b"\x10\x00\x00\x00\x00\x00\x00\x00{}"])
 def test_corrupt_file_is_refused(tmp_path, content):
     path = tmp_path / "bad.safetensors"
     path.write_bytes(content)
@@ -102,12 +103,14 @@ def test_top_eigenvectors_orthonormal_and_optimal():
 def test_pca_calibration_end_to_end(arch, key_mode, corpus, tmp_path):
     model = tiny_model(arch)
     proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, key_mode=key_mode, data=str(corpus),
-                             method="pca", allocation="uniform", num_sequences=6, seq_len=33, batch_size=4, seed=3)
+                             method="pca", allocation="uniform", num_sequences=6, seq_len=33, batch_size=4,
+                             seed=3)
     assert proj.ranks == [(8, 8)] * 2 and proj.achieved_budget == pytest.approx(1 / 3)
     for P in proj.keys + proj.values:
         eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
         assert torch.allclose(P.transpose(1, 2) @ P, eye, atol=1e-5)
-    assert all(0 < e["rel_error"] < 1 and 0 < e["cosine"] <= 1 for e in proj.errors)
+    # rank 8 of d = 24: measured rel. error 0.23-0.35, cosine 0.94-0.97 over the architectures and key modes
+    assert all(0.15 < e["rel_error"] < 0.45 and 0.9 < e["cosine"] < 1 for e in proj.errors)
     assert proj.settings["tokens"] == 6 * 33 and proj.method == "pca"
     path = proj.save(tmp_path / "p.safetensors")
     stiefkv.load(model, path)
@@ -135,8 +138,8 @@ def test_pca_beats_random_bases(corpus):
     stats = ErrorStats()
     with torch.no_grad():
         for b in inputs.batches(target):
-            stats.add(compressed_layer_output(inputs.layers[0], b, rnd.keys[0], rnd.values[0], key_mode="pre_rope",
-                                              rope=rope_spec(model.config)), b.output)
+            stats.add(compressed_layer_output(inputs.layers[0], b, rnd.keys[0], rnd.values[0],
+                                              key_mode="pre_rope", rope=rope_spec(model.config)), b.output)
     assert proj.errors[0]["rel_error"] < stats.rel_error
 
 
@@ -182,7 +185,8 @@ def test_wikitext_reads_the_right_split(monkeypatch, tmp_path):
 
 def test_too_little_data_is_a_clear_error(corpus):
     with pytest.raises(DataError, match="lower --num-sequences"):
-        calibration_sequences(tiny_model(), CharTokenizer(), data=str(corpus), num_sequences=10_000, seq_len=64)
+        calibration_sequences(tiny_model(), CharTokenizer(), data=str(corpus), num_sequences=10_000,
+                              seq_len=64)
 
 
 def test_self_data_samples_from_the_model(caplog):
@@ -263,5 +267,6 @@ def test_public_calibrate_is_callable_after_importing_its_submodules():
 
     assert callable(stiefkv.calibrate)
     seqs = torch.randint(0, 97, (2, 9), generator=torch.Generator().manual_seed(0))
-    proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca", allocation="uniform")
+    proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca",
+                             allocation="uniform")
     assert proj.ranks == [(8, 8)] * 2

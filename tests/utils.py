@@ -13,8 +13,8 @@ TOLERANCES = {
 }
 
 
-def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | None = None, rtol: float | None = None,
-                 what: str = "") -> None:
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | None = None,
+                 rtol: float | None = None, what: str = "") -> None:
     """Fail with the worst element and its index; NaN or inf anywhere in either tensor fails."""
     if atol is None or rtol is None:
         atol_d, rtol_d = TOLERANCES.get(actual.dtype, TOLERANCES[torch.float32])
@@ -22,8 +22,9 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, atol: float | Non
         rtol = rtol_d if rtol is None else rtol
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     a, e = actual.detach().float().cpu(), expected.detach().float().cpu()
-    assert torch.isfinite(a).all(), f"{what}: actual has {(~torch.isfinite(a)).sum().item()} non-finite values"
-    assert torch.isfinite(e).all(), f"{what}: expected has {(~torch.isfinite(e)).sum().item()} non-finite values"
+    for name, t in (("actual", a), ("expected", e)):
+        bad = (~torch.isfinite(t)).sum().item()
+        assert bad == 0, f"{what}: {name} has {bad} non-finite values"
     err = (a - e).abs()
     bound = atol + rtol * e.abs()
     bad = err > bound
@@ -66,6 +67,7 @@ def save_tiny_model(folder: Path, model=None) -> Path:
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2} | {c: i + 3 for i, c in enumerate(chars)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     backend.pre_tokenizer = pre_tokenizers.Split("", behavior="isolated")
-    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>", eos_token="</s>")
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", bos_token="<s>",
+                                  eos_token="</s>")
     tok.save_pretrained(folder)
     return folder
