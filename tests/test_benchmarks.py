@@ -1,0 +1,116 @@
+"""The benchmark harness on the CPU: result rows and their provenance, the renderer, BENCHMARKS.md in step
+with the committed rows, and bench_attention.py's row-making under the Triton interpreter with stand-in
+timers."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
+
+import render  # noqa: E402  (benchmarks/ on sys.path first)
+import utils  # noqa: E402
+
+
+@pytest.fixture
+def results(tmp_path, monkeypatch):
+    monkeypatch.setenv("STIEFKV_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setenv("STIEFKV_COMMIT", "0123456789abcdef")
+    monkeypatch.setenv("STIEFKV_DIRTY", "0")
+    utils.provenance.cache_clear()
+    yield tmp_path
+    utils.provenance.cache_clear()
+
+
+def test_quantiles_interpolate_like_torch():
+    samples = [3.0, 1.0, 4.0, 1.5, 5.0, 9.0, 2.0]
+    expected = torch.quantile(
+        torch.tensor(samples, dtype=torch.float64), torch.tensor([0.2, 0.5, 0.8], dtype=torch.float64)
+    )
+    got = utils.quantiles(samples)
+    assert [got["p20"], got["p50"], got["p80"]] == pytest.approx(expected.tolist())
+    with pytest.raises(ValueError, match="no samples"):
+        utils.quantiles([])
+
+
+def test_write_rows_appends_rows_with_provenance(results):
+    utils.write_rows("demo", {"case": "a", "ms": {"p50": 1.0}})
+    utils.write_rows(
+        "demo", [{"case": "b"}, {"case": "c", "remeasured": False, "provenance": {"date": "then"}}]
+    )
+    rows = utils.read_rows(results / "demo.jsonl")
+    assert [r["case"] for r in rows] == ["a", "b", "c"]
+    assert rows[0]["bench"] == "demo" and rows[0]["remeasured"] is True
+    p = rows[0]["provenance"]
+    assert p["commit"] == "0123456789abcdef" and p["dirty"] is False
+    assert {"date", "torch", "python", "command", "run_id", "machine"} <= set(p)
+    assert rows[1]["provenance"]["run_id"] == p["run_id"]  # one process, one run
+    assert rows[2]["provenance"] == {"date": "then"} and rows[2]["remeasured"] is False
+    with pytest.raises(ValueError, match="no 'case'"):
+        utils.write_rows("demo", {"ms": 1.0})
+
+
+def test_render_prefers_the_newest_measured_row(tmp_path):
+    rows = [
+        {"case": "x", "v": 1, "remeasured": True, "provenance": {"date": "old"}},
+        {"case": "x", "v": 2, "remeasured": True, "provenance": {"date": "new"}},
+        {"case": "x", "v": 3, "remeasured": False, "provenance": {"date": "transcribed"}},
+        {"case": "y", "v": 4, "remeasured": False, "provenance": {"date": "transcribed"}},
+    ]
+    (tmp_path / "f.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = render.Results(tmp_path)
+    assert res.pick("f", "x")["v"] == 2
+    assert res.pick("f", "y")["v"] == 4  # no measured row: the transcribed one, marked as such
+    assert "not re-measured" in render.src(res.pick("f", "y"))
+    assert [r["v"] for r in res.cases("f")] == [2, 4]
+
+
+def test_render_refuses_unknown_blocks(tmp_path):
+    with pytest.raises(ValueError, match="unknown render blocks"):
+        render.render("<!-- render:nope -->\n<!-- /render:nope -->\n", render.Results(tmp_path))
+
+
+def test_benchmarks_md_is_rendered_from_the_committed_rows():
+    text = render.DOC.read_text()
+    assert render.render(text, render.Results(utils.RESULTS)) == text, "run: python benchmarks/render.py"
+    assert len(text.encode()) <= 40_000
+
+
+def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
+    """Decode, sweep and prefill rows at tiny shapes (the kernel under the interpreter, the timers replaced):
+    every row names its case, carries SDPA beside the kernel, and the renderer reads them."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU smoke test; on CUDA run the script itself")
+    import bench_attention as ba
+
+    def fake(fn, **kw):
+        fn()
+        return {"p20": 1.0, "p50": 2.0, "p80": 3.0}
+
+    monkeypatch.setattr(utils, "graph_ms", fake)
+    monkeypatch.setattr(utils, "bench_ms", fake)
+    for name, value in {
+        "DEVICE": "cpu",
+        "H": 4,
+        "G": 2,
+        "D_HEAD": 32,
+        "BUDGETS": {"50%": 16},
+        "SWEEP": ba.SWEEP[:1],
+    }.items():
+        monkeypatch.setattr(ba, name, value)
+    with torch.no_grad():
+        ba.decode_rows([(1, 300)], copy=4.0)
+        ba.sweep_rows([(1, 300)])
+        ba.prefill_rows(n=48)
+    rows = utils.read_rows(results / "attention.jsonl")
+    assert [r["table"] for r in rows] == ["decode"] * 2 + ["sweep"] * 2 + ["prefill"] * 3
+    assert rows[0]["case"] == "decode 1x300 r16 post_rope" and rows[0]["sdpa_ms"]["p50"] == 2.0
+    assert rows[1]["poly_sincos_ms"] is not None and rows[0]["poly_sincos_ms"] is None
+    assert rows[2]["best"]["config"]["num_splits"] >= 1
+    table = render.decode(render.Results(results))
+    assert "| 1×300 | 50% | post_rope |" in table
