@@ -1,6 +1,6 @@
 """Time of one decode step (a forward of one new token per sequence) of a Llama-3.2-1B-shaped model served by
 StiefKV, with the host's share: ``STEPS`` steps back to back after a prefill of ``--context`` tokens, then the
-sync, repeated ``--repeats`` times. Where decode is bound by the host (BENCHMARKS.md §2, "End to end"), the
+sync, repeated ``--repeats`` times. Where decode is bound by the host (BENCHMARKS.md §3), the
 host time per step is the step time, and this resolves host-side changes that ``bench_generate.py``'s
 tokens/s does not.
 

@@ -4,9 +4,9 @@ cache (``stiefkv.load``, Triton kernels) against the same model uncompressed, at
 Decode tokens/s = ``n`` / (time of ``generate`` with ``1 + n`` new tokens − time with 1 new token), so the
 prefill is left out; peak memory is ``torch.cuda.max_memory_allocated`` over the longer ``generate``. The two
 models alternate, one such pair each per round, and the speed-up is the median of the rounds' ratios: the
-host's speed drifts within one call (the uncompressed model's tokens/s moved between 51 and 86 in one call on
-the H200, BENCHMARKS.md §2), and measuring one model's repeats after the other's let that drift into the
-ratio. Random bases at the model's real shapes: speed does not depend on their quality.
+host's speed drifts within one call (the uncompressed model's tokens/s moved between 51 and 86 in one call
+on the H200), and measuring one model's repeats after the other's let that drift into the ratio. Random
+bases at the model's real shapes: speed does not depend on their quality.
 
 One row per run goes to ``benchmarks/results/generate.jsonl`` (``--tiny``, a CPU smoke test of the script,
 writes none).

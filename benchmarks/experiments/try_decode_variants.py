@@ -1,4 +1,4 @@
-"""Decode-kernel variants tried against the kernel in the tree (BENCHMARKS.md §2, run 7): each is checked
+"""Decode-kernel variants tried against the kernel in the tree (docs/notes/kernel-tries.md): each is checked
 against the reference on CUDA (twice in a row, so a buffer reused across calls must come back clean), then
 timed by CUDA-graph replay at the issue's shapes, and the host time of one call is measured for two.
 
