@@ -217,7 +217,7 @@ def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
     ``acc = Σ_s 2^(m_s−M) acc_s``.
     The loads bypass L1 (``.cg``): the rows were written by other programs. ``MERGE_UNROLL`` splits per
     iteration keep that many loads in flight: the merge sits on the critical path of the last program (8 %
-    of ``pre_rope`` decode at 1×32k, 33 splits, on the H200: BENCHMARKS.md §2 run 7)."""
+    of ``pre_rope`` decode at 1×32k, 33 splits, on the H200: docs/notes/kernel-tries.md)."""
     offs_rv = tl.arange(0, R_V_P2)
     acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -526,8 +526,8 @@ def lowrank_attention(
     num_splits, block_n, num_warps, num_stages, fast_sincos : tuning overrides (tests, benchmarks); ``None``
         picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
         ``fast_sincos`` (``pre_rope``): the hardware sin/cos (:func:`_sincos_fast`) instead of the
-        polynomial one; on by default on CUDA (19-29 % less decode time on the H200, BENCHMARKS.md §2 run 5),
-        off under the interpreter, which has no hardware sin/cos.
+        polynomial one; on by default on CUDA (19-29 % less decode time on the H200,
+        docs/notes/kernel-tries.md), off under the interpreter, which has no hardware sin/cos.
 
     Returns
     -------

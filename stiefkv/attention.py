@@ -72,7 +72,7 @@ class LowRankAttention(nn.Module):
         self.register_buffer("P_v", P_v.detach().to(device, torch.float32), persistent=False)
         self.rope = RopeSpec(rope.inv_freq.to(device), rope.attention_scaling)
         # P_v folded into o_proj (exact): attention returns its output in r_v dimensions and one matmul of
-        # [D, H·r_v] replaces P_v's epilogue plus o_proj; measured faster on the H200 (BENCHMARKS.md §2).
+        # [D, H·r_v] replaces P_v's epilogue plus o_proj; measured faster on the H200 (BENCHMARKS.md §2, P_v).
         o_fold = fold_values_into_o_proj(attn.o_proj.weight, self.P_v)
         self.register_buffer("o_fold", o_fold, persistent=False)
         fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)

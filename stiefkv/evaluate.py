@@ -91,9 +91,9 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
 
     ``layer_errors=False`` skips the per-layer output errors on the test windows (a third of the time).
     ``backend`` defaults to the reference: every window is one causal prefill, which it runs through SDPA's
-    fused causal path and compiles nothing. On the H200 (BENCHMARKS.md §3), with the Triton prefill kernel
-    (``"auto"``), the 147 SmolLM2 test windows took 152 s, 2 minutes of it before the first window was done
-    (most likely one compilation per distinct rank pair of a DP checkpoint); §1c's evaluations of the same
+    fused causal path and compiles nothing. On the H200 (fourth session, not re-measured since), with the
+    Triton prefill kernel (``"auto"``), the 147 SmolLM2 test windows took 152 s, 2 minutes of it before the
+    first window was done (most likely one compilation per distinct rank pair of a DP checkpoint); the same
     windows with the reference took about 13 s (without layer errors). The kernels pay off in decode.
     """
     device = next(model.parameters()).device
@@ -114,7 +114,9 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
                                         key_mode=projections.key_mode, rope=rope, backend=backend)
         stats[batch.layer_idx].add(y_hat, batch.output)
 
-    for start in tqdm(range(0, len(ws), batch_size), desc="evaluating", unit="batch"):
+    passes = "original and compressed" if projections is not None else "original"
+    desc = f"evaluate {len(ws)} windows of {window} tokens ({passes})"
+    for start in tqdm(range(0, len(ws), batch_size), desc=desc, unit="batch"):
         ids = ws[start:start + batch_size].to(device)
         if projections is None:
             nll, _ = _nll_and_logprobs(model, ids)
