@@ -25,7 +25,7 @@ from stiefkv.layers import (
     compressed_layer_output,
     layer_hooks,
 )
-from stiefkv.models import decoder_layers, rope_spec
+from stiefkv.models import check_context, decoder_layers, rope_spec
 from stiefkv.projections import Projections
 
 
@@ -96,6 +96,9 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
     first window was done (most likely one compilation per distinct rank pair of a DP checkpoint); the same
     windows with the reference took about 13 s (without layer errors). The kernels pay off in decode.
     """
+    if window < 2:
+        raise ValueError(f"window must be ≥ 2 tokens (one to predict from, one to score), got {window}")
+    check_context(model.config, window, "window")
     device = next(model.parameters()).device
     ws = load_test_windows(tokenizer, data=data, window=window, limit=limit)
     layers = decoder_layers(model)
@@ -178,6 +181,9 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
     Queries and original keys are the uncompressed model's at that layer; compressed keys go through the
     layer's ``P_k`` as the served model's would. Memory grows linearly with ``context``.
     """
+    if context < 1:
+        raise ValueError(f"context must be ≥ 1 token, got {context}")
+    check_context(model.config, context, "context")
     projections.check(model)
     device = next(model.parameters()).device
     stream = token_stream(tokenizer, load_texts(data, "test"))

@@ -484,3 +484,18 @@ def test_load_model_applies_the_projections_in_its_folder(model_dir):
     assert is_compressed(compressed) and not is_compressed(model)
     plain, _ = stiefkv.load_model(str(model_dir), projections=False)
     assert not is_compressed(plain)
+
+
+def test_evaluation_refuses_windows_beyond_the_models_positions():
+    from stiefkv.evaluate import attention_kl_per_layer, evaluate
+
+    from tests.tiny import random_projections, tiny_model, tiny_tokenizer
+
+    model = tiny_model("llama")  # 512 positions
+    proj = random_projections(model, 8, 8)
+    with pytest.raises(ValueError, match="window 513 exceeds the model's 512 positions"):
+        evaluate(model, tiny_tokenizer(), proj, window=513)
+    with pytest.raises(ValueError, match="window must be ≥ 2"):
+        evaluate(model, tiny_tokenizer(), proj, window=1)
+    with pytest.raises(ValueError, match="context 600 exceeds"):
+        attention_kl_per_layer(model, tiny_tokenizer(), proj, context=600)

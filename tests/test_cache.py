@@ -192,3 +192,4 @@ def test_left_padding_lengths_are_cache_fields():
     cache.reorder_cache(torch.tensor([1, 0]))
     assert cache.lengths.tolist() == [6, 4] and cache.positions.tolist()[1] == [0, 0, 0, 1, 2, 3]
     assert not any(name.startswith("_stiefkv") for name in vars(cache))
+
