@@ -488,7 +488,6 @@ def test_load_model_applies_the_projections_in_its_folder(model_dir):
 
 def test_evaluation_refuses_windows_beyond_the_models_positions():
     from stiefkv.evaluate import attention_kl_per_layer, evaluate
-
     from tests.tiny import random_projections, tiny_model, tiny_tokenizer
 
     model = tiny_model("llama")  # 512 positions
