@@ -26,7 +26,8 @@ from stiefkv.kernels import RopeSpec
 
 @dataclass
 class RefineSettings:
-    """How one layer is refined; the pipeline fills it from :class:`CalibrationConfig` (defaults live there)."""
+    """How one layer is refined; the pipeline fills it from :class:`CalibrationConfig` (the defaults live
+    there)."""
 
     steps: int
     lr: float
@@ -114,7 +115,8 @@ def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: tor
     stale, step = 0, 0
     with frozen(layer), torch.enable_grad():
         for step in range(1, settings.steps + 1):
-            rows = train_rows[torch.randint(len(train_rows), (min(settings.batch_size, len(train_rows)),), generator=g)]
+            n = min(settings.batch_size, len(train_rows))
+            rows = train_rows[torch.randint(len(train_rows), (n,), generator=g)]
             opt.zero_grad(set_to_none=True)
             relative_sq_error(layer, split(data, rows), pk, pv, key_mode, rope, settings.kl_weight).backward()
             opt.step()
