@@ -91,8 +91,11 @@ def test_eval_attention_kl_per_layer(tmp_path, monkeypatch):
     assert len(full) == 2 and all(abs(v) < 1e-5 for v in full)
     assert all(v > 1e-3 for v in low)
     assert low == pytest.approx(unchunked, rel=1e-4)
-    with pytest.raises(ValueError, match="fewer than --kl-context"):
+    with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
         attention_kl_per_layer(model, tok, random_projections(model, 8, 8), context=10**6)
+    (tmp_path / "wikitext-2" / "wiki.test.raw").write_text(text[:400])
+    with pytest.raises(ValueError, match="fewer than --kl-context 500"):
+        attention_kl_per_layer(model, tok, random_projections(model, 8, 8), context=500)
 
 
 def test_cli_attention_kl_needs_projections():
