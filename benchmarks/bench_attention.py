@@ -211,18 +211,10 @@ def prefill_rows(n: int = 8192) -> None:
                 flops = 2 * H * n * n / 2 * (d_qk + r)  # causal: the QKᵀ and PV products in latent dims
                 variant = " polynomial" if fast is False else ""
                 row = {
+                    **case_fields(1, n, budget, mode),
                     "case": f"prefill {utils.shape_name(1, n)} r{r} {mode}{variant}",
                     "table": "prefill",
-                    "B": 1,
-                    "N": n,
-                    "H": H,
-                    "G": G,
-                    "d": D_HEAD,
-                    "r": r,
-                    "budget": budget,
-                    "key_mode": mode,
                     "fast_sincos": fast is not False if mode == "pre_rope" else None,
-                    "dtype": "bfloat16",
                     "sdpa_ms": sdpa,
                     "kernel_ms": ms,
                     "latent_tflops": flops / ms["p50"] / 1e9,

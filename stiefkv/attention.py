@@ -313,7 +313,7 @@ def _wrap_prepare_cache(model: nn.Module, original):
     """``generate`` makes its ``DynamicCache`` in ``_prepare_cache_for_generation``; transformers has no
     registry for cache classes, so this instance's method is wrapped (undone by :func:`unload`) to put a
     :class:`LatentCache` in its place. A cache passed by the user is left as it is (and checked by the
-    forward). ``tests/test_inference.py`` fails if transformers stops calling the method this way."""
+    forward). ``tests/test_cache.py`` fails if transformers stops calling the method this way."""
     DynamicCache = type(LatentCache()).__mro__[1]
 
     def prepare(*args, **kwargs):
