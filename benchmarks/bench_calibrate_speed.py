@@ -5,6 +5,10 @@ with 128 random sequences × 2048 tokens (issue: calibration speed). Random weig
 quality; only the time is reported, as a row of ``benchmarks/results/calibrate_speed.jsonl``.
 
     python benchmarks/bench_calibrate_speed.py --device cuda --dtype bfloat16
+    python benchmarks/bench_calibrate_speed.py --model smollm2 --device cpu --dtype float32 --extra bits=16
+
+With ``--model`` the real model (and its calibration data) replaces the random one: the time of
+``stiefkv calibrate MODEL`` with the defaults and ``--extra``.
 """
 
 from __future__ import annotations
@@ -21,6 +25,8 @@ import stiefkv
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None,
+                    help="a real model (smollm2, a .gguf, a folder) instead of random weights")
     ap.add_argument("--layers", type=int, default=32)
     ap.add_argument("--hidden", type=int, default=4096)
     ap.add_argument("--heads", type=int, default=32)
@@ -43,21 +49,26 @@ def main() -> None:
         num_key_value_heads=args.kv_heads,
         max_position_embeddings=8192,
     )
-    with torch.device(args.device):
-        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
-    seqs = torch.randint(0, config.vocab_size, (args.sequences, args.seq_len))
+    tok = seqs = None
+    if args.model:
+        model, tok = stiefkv.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+    else:
+        with torch.device(args.device):
+            model = LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
+        seqs = torch.randint(0, config.vocab_size, (args.sequences, args.seq_len))
     extra = dict(kv.split("=") for kv in args.extra.split(",") if kv)
     extra = {k: (float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in extra.items()}
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()
-    proj = stiefkv.calibrate(model, None, sequences=seqs, **extra)
+    proj = stiefkv.calibrate(model, tok, sequences=seqs, **extra)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    shape = (f"L{args.layers} D{args.hidden} H{args.heads} G{args.kv_heads} {args.sequences}x{args.seq_len}"
+             if not args.model else args.model)
     row = {
-        "case": f"calibrate L{args.layers} D{args.hidden} H{args.heads} G{args.kv_heads} "
-        f"{args.sequences}x{args.seq_len} {args.dtype}",
+        "case": f"calibrate {shape} {args.dtype}" + (f" {args.device} {args.extra}" if args.model else ""),
         "layers": args.layers,
         "hidden": args.hidden,
         "heads": args.heads,
@@ -72,6 +83,9 @@ def main() -> None:
         "settings": proj.settings,
         "seconds": seconds,
     }
+    if args.model:  # the shape options were not used
+        unused = ("layers", "hidden", "heads", "kv_heads", "intermediate", "sequences", "seq_len")
+        row = {k: v for k, v in row.items() if k not in unused} | {"model": args.model}
     utils.write_rows("calibrate_speed", row)
     print(
         f"{row['case']}: {proj.method}, {proj.settings['allocation']}, {proj.settings['order']}, "

@@ -5,6 +5,10 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
+
+from stiefkv.quant import FLOAT_BYTES, POSITION_BYTES, QuantSpec
+
 log = logging.getLogger(__name__)
 
 ALLOCATIONS = ("dp", "uniform")
@@ -81,3 +85,82 @@ def dp(profiles, budget: float, head_dim: int, rank_step: int = 8,
         groups += [prof.relative("k", weighting), prof.relative("v", weighting)]
     units = knapsack(groups, total_units(len(profiles), budget, head_dim, rank_step))
     return [(units[2 * i] * rank_step, units[2 * i + 1] * rank_step) for i in range(len(profiles))]
+
+
+# Bytes per token are counted in sixteenths of a byte: a per-channel group's scale and low (4 bytes over 64
+# tokens) cost 1/16 byte per channel, and every storage's bytes at rank steps of 8 are whole sixteenths.
+UNITS_PER_BYTE = 16
+
+
+def cache_bytes(L: int, G: int, d: int) -> int:
+    """Bytes per token of the uncompressed bf16 KV cache: ``L · G · 2d · 2``."""
+    return L * G * 2 * d * FLOAT_BYTES
+
+
+def smallest_budget(L: int, G: int, d: int, rank_step: int, specs: list[QuantSpec]) -> float:
+    """The smallest budget a cache of these storages can meet: every latent at rank ``rank_step`` in its
+    cheapest storage, plus the positions."""
+    least = min(spec.bytes_per_token(rank_step) for spec in specs)
+    return (2 * L * G * least + POSITION_BYTES) / cache_bytes(L, G, d)
+
+
+def knapsack_options(groups: list[list[tuple[int, float]]], capacity: int) -> list[int]:
+    """Exact multiple-choice knapsack with arbitrary integer costs: one option per group, options
+    ``(cost, error)``, summed cost ≤ ``capacity``, least summed error (ties: more cost used). Dynamic
+    programming over cost, vectorised over the capacity axis. Returns the chosen option's index per group.
+    """
+    inf = np.inf
+    best = np.full(capacity + 1, inf)
+    best[0] = 0.0
+    picks = []
+    for options in groups:
+        new = np.full(capacity + 1, inf)
+        pick = np.full(capacity + 1, -1, dtype=np.int32)
+        for j, (cost, err) in enumerate(options):
+            if cost > capacity:
+                continue
+            cand = best[: capacity + 1 - cost] + err
+            better = cand < new[cost:]
+            new[cost:][better] = cand[better]
+            pick[cost:][better] = j
+        best = new
+        picks.append(pick)
+    if not np.isfinite(best).any():
+        raise ValueError(f"no choice of one option per group fits {capacity} units")
+    c = int(np.flatnonzero(best == best.min()).max())
+    chosen = []
+    for options, pick in zip(reversed(groups), reversed(picks)):
+        j = int(pick[c])
+        chosen.append(j)
+        c -= options[j][0]
+    return chosen[::-1]
+
+
+def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs: list[QuantSpec],
+               weighting: str = "kl") -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]]]:
+    """Per layer, separately for keys and values, the ``(rank, storage)`` minimising the summed profiled
+    error under ``budget`` × the uncompressed bf16 cache's bytes per token, everything counted (codes,
+    scales, lows, the positions). ``specs`` are the storages allowed (bf16 among them or not); full rank
+    is a candidate, so a quantization-only cache is one of the answers."""
+    L = len(profiles)
+    floor = smallest_budget(L, G, d, rank_step, specs)
+    if budget < floor:
+        raise ValueError(f"budget {budget:g} is below the smallest cache these bit widths can make, "
+                         f"{floor:.4g} (rank {rank_step} at the fewest bits in every layer)")
+    groups, labels = [], []
+    for prof in profiles:
+        if prof.ranks != list(range(rank_step, d + 1, rank_step)):
+            raise ValueError(f"profile ranks {prof.ranks} are not the multiples of {rank_step} up to {d}")
+        for which in ("k", "v"):
+            opts = prof.options(which, weighting, specs)
+            labels.append([(r, spec) for r, spec, _ in opts])
+            groups.append([(round(G * spec.bytes_per_token(r) * UNITS_PER_BYTE), err)
+                           for r, spec, err in opts])
+    unit = math.gcd(*(c for g in groups for c, _ in g))
+    groups = [[(c // unit, e) for c, e in g] for g in groups]
+    capacity = int((budget * cache_bytes(L, G, d) - POSITION_BYTES) * UNITS_PER_BYTE / unit + 1e-9)
+    chosen = knapsack_options(groups, capacity)
+    picked = [labels[g][j] for g, j in enumerate(chosen)]
+    ranks = [(picked[2 * i][0], picked[2 * i + 1][0]) for i in range(L)]
+    quant = [(picked[2 * i][1], picked[2 * i + 1][1]) for i in range(L)]
+    return ranks, quant

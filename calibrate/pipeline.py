@@ -22,15 +22,20 @@ from stiefkv.calibrate.profile import (
     WEIGHTINGS,
     LayerProfile,
     OutputKL,
+    add_quant_profile,
     candidate_ranks,
     profile_layer,
     profile_layer_kl,
+    storage_basis,
+    storage_candidates,
 )
 from stiefkv.calibrate.state import CalibrationState
 from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
+from stiefkv.layers import NO_QUANT
 from stiefkv.models import arch_of, check_context, dims_of, fingerprint, rope_spec
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
+from stiefkv.quant import BITS, FLOAT, QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -38,13 +43,23 @@ METHODS = ("stiefel", "pca")
 ORDERS = ("sequential", "independent")
 LOSSES = ("output", "output+kl")
 PROFILES = ("pca", "stiefel")
+BITS_CHOICES = tuple(str(b) for b in BITS) + ("auto",)
 
 
 @dataclass
 class CalibrationConfig:
     """Every calibration setting, with its default.
 
-    budget : fraction of the full KV cache kept, in (0, 1].
+    budget : the cache's bytes per token as a fraction of the uncompressed bf16 cache's, in (0, 1], everything
+        counted (latents at their bit width, scales, lows, positions).
+    bits : how latents are stored: ``auto`` (per layer and separately for keys and values, the rank, bit
+        width and group layout chosen together by the knapsack; bf16 and full rank are candidates),
+        ``16`` (bf16 latents, ranks only: the allocation of earlier versions) or ``8``/``4``/``3``/``2``
+        (that width everywhere; rank and layout chosen). With ``allocation="uniform"`` every setting but a
+        fixed width stores bf16.
+    rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
+        dominant channel over all, so one scale per token fits them).
+    quant_aware : refine the bases with the quantizer in the loss (straight-through gradient).
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
@@ -68,6 +83,7 @@ class CalibrationConfig:
     """
 
     budget: float = 0.5
+    bits: str = "auto"
     method: str = "stiefel"
     key_mode: str = "pre_rope"
     allocation: str = "dp"
@@ -86,10 +102,18 @@ class CalibrationConfig:
     batch_size: int = 8
     rank_step: int = 8
     seed: int = 0
+    rotation: bool = True
+    quant_aware: bool = False
 
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
+        if str(self.bits) not in BITS_CHOICES:
+            raise ValueError(f"bits must be one of {', '.join(BITS_CHOICES)}; got {self.bits!r}")
+        self.bits = str(self.bits)
+        if self.allocation == "uniform" and self.bits not in ("16", "auto"):
+            raise ValueError(f"allocation 'uniform' stores bf16 latents; bits {self.bits} needs allocation "
+                             "'dp'")
         for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES),
                               ("allocation", allocate.ALLOCATIONS), ("weighting", WEIGHTINGS),
                               ("profile", PROFILES), ("order", ORDERS), ("loss", LOSSES)):
@@ -153,6 +177,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
                              f"{tuple(sequences.shape)}")
         seqs = sequences.long().cpu()
         cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
+    check_budget(cfg, dims)
     check_context(model.config, cfg.seq_len, "seq_len")
     if sequences is None:
         seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
@@ -167,7 +192,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     if len(state.eig_k) < dims.L:
         first_pass(model, seqs, cfg, state, progress)
     if not state.ranks:
-        state.ranks = choose_ranks(cfg, state, dims)
+        state.ranks, quant = choose_allocation(cfg, state, dims)
+        state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
         state.save(progress)
     second_pass(model, seqs, cfg, state, progress)
     elapsed = time.perf_counter() - t0
@@ -177,10 +203,46 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
                           "model": getattr(model, "stiefkv_spec", None),
                           "profiles": state.profiles, "refine": state.refine}
     return Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode, fingerprint=fp,
-                       budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors).validate()
+                       budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors,
+                       quant=layer_specs(state) if state.quant else None).validate()
+
+
+def storages(cfg: CalibrationConfig) -> list[QuantSpec] | None:
+    """The storages the allocation chooses among, or None for bf16 latents (ranks only)."""
+    if cfg.bits == "16" or cfg.allocation == "uniform":
+        return None
+    return storage_candidates(cfg.bits) + ([FLOAT] if cfg.bits == "auto" else [])
+
+
+def check_budget(cfg: CalibrationConfig, dims) -> None:
+    """Refuse, before any work, a budget below the smallest cache the settings can represent."""
+    specs = storages(cfg) or [FLOAT]
+    floor = allocate.smallest_budget(dims.L, dims.G, dims.d, cfg.rank_step, specs)
+    if specs == [FLOAT]:  # the bf16 allocation counts rank units, as earlier versions did: positions aside
+        floor = cfg.rank_step / dims.d
+    if cfg.budget < floor:
+        what = "bf16 latents" if specs == [FLOAT] else f"--bits {cfg.bits}"
+        raise ValueError(f"budget {cfg.budget:g} is below the smallest cache {what} can make for this model: "
+                         f"{floor:.4g} (rank {cfg.rank_step} in every layer at the fewest bits); raise the "
+                         "budget" + (" or allow fewer bits (--bits auto)" if cfg.bits != "auto" else ""))
+
+
+def layer_specs(state: CalibrationState) -> list[tuple[QuantSpec, QuantSpec]]:
+    return [tuple(QuantSpec.parse(q) for q in pair) for pair in state.quant]
+
+
+def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
+                      dims) -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]] | None]:
+    """Ranks per layer, and the storage of each latent when latents are quantized (None: bf16)."""
+    specs = storages(cfg)
+    if specs is None:
+        return choose_ranks(cfg, state, dims), None
+    profiles = [LayerProfile(**p) for p in state.profiles]
+    return allocate.storage_dp(profiles, cfg.budget, dims.G, dims.d, cfg.rank_step, specs, cfg.weighting)
 
 
 def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:
+    """bf16 latents: ranks per layer (uniform, or the knapsack over rank units)."""
     if cfg.allocation == "uniform":
         return allocate.uniform(dims.L, cfg.budget, dims.d, cfg.rank_step)
     profiles = [LayerProfile(**p) for p in state.profiles]
@@ -275,12 +337,35 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
     def basis_v(r):
         return eig_v[..., :r].to(device)
 
+    specs = [s for s in storages(cfg) or [] if s.quantized]
     if output_kl is not None:
         n = output_kl.base.shape[0]
-        prof = profile_layer_kl(layer, output_kl, i, inputs.hidden[:n], basis_k, basis_v,
+        hidden = inputs.hidden[:n]
+        prof = profile_layer_kl(layer, output_kl, i, hidden, basis_k, basis_v,
                                 key_mode=cfg.key_mode, rope=rope, ranks=ranks)
+        if specs:
+            c = output_kl.context
+            batch = LayerBatch(i, hidden, hidden, c.position_embeddings, c.attention_mask, c.position_ids)
+
+            def measure(P_k, P_v, quant):
+                return max(0.0, output_kl(i, hidden, lambda b: compressed_layer_output(
+                    layer, b, P_k, P_v, key_mode=cfg.key_mode, rope=rope, quant=quant)))
+
+            add_quant_profile(prof, layer, batch, basis_k, basis_v, specs, measure, key_mode=cfg.key_mode,
+                              rotation=cfg.rotation)
     elif cfg.allocation == "dp":
         prof = profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope)
+        if specs:
+            n = min(cfg.profile_sequences, target.shape[0])
+            batches = list(inputs.batches(target[:n], hidden=inputs.hidden[:n]))
+
+            def measure(P_k, P_v, quant):
+                return sum(float((compressed_layer_output(layer, b, P_k, P_v, key_mode=cfg.key_mode,
+                                                          rope=rope, quant=quant).double()
+                                  - b.output.double()).pow(2).sum()) for b in batches)
+
+            add_quant_profile(prof, layer, batches[0], basis_k, basis_v, specs, measure,
+                              key_mode=cfg.key_mode, rotation=cfg.rotation)
     state.eig_k.append(eig_k)
     state.eig_v.append(eig_v)
     if cfg.allocation == "dp":
@@ -307,9 +392,10 @@ def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: Calibr
                          rope=rope, ranks=ranks)
 
 
-def refine_settings(cfg: CalibrationConfig) -> RefineSettings:
+def refine_settings(cfg: CalibrationConfig, quant: tuple = NO_QUANT) -> RefineSettings:
     return RefineSettings(steps=cfg.steps, lr=cfg.lr, batch_size=cfg.step_sequences,
-                          kl_weight=cfg.kl_weight if cfg.loss == "output+kl" else 0.0)
+                          kl_weight=cfg.kl_weight if cfg.loss == "output+kl" else 0.0,
+                          quant=quant if cfg.quant_aware else NO_QUANT)
 
 
 def concat_batches(batches: list[LayerBatch]) -> LayerBatch:
@@ -349,10 +435,11 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
                 # Reported errors are on the uncompressed model's inputs, comparable across methods and orders
                 # (and with `stiefkv eval`); the chained error adds the drift of the compressed layers before.
                 error = {"layer": i} | layer_error(layer, inputs, target, inputs.hidden, P_k, P_v, cfg,
-                                                   rope).as_dict()
+                                                   rope, quant_of(state, i)).as_dict()
             if sequential:
                 compressed_hidden, chained = compressed_outputs(layer, inputs, x, target, state.keys[i],
-                                                                state.values[i], cfg, rope)
+                                                                state.values[i], cfg, rope,
+                                                                quant_of(state, i))
                 check_finite(compressed_hidden, f"layer {i} with compressed keys and values")
                 if not done:
                     error["rel_error_chained"] = round(chained.rel_error, 6)
@@ -370,33 +457,42 @@ def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: Cal
     device = data.hidden.device
     # Copies, never views: at full rank a slice is the whole eigenvector tensor, and a basis sharing its
     # storage cannot be saved (safetensors refuses shared tensors).
+    quant = layer_specs(state)[i] if state.quant else NO_QUANT
     P_k = state.eig_k[i][..., :rk].to(device).clone(memory_format=torch.contiguous_format)
     P_v = state.eig_v[i][..., :rv].to(device).clone(memory_format=torch.contiguous_format)
+    if cfg.rotation:
+        P_k, P_v = storage_basis(P_k, quant[0]), storage_basis(P_v, quant[1])
     if cfg.method == "pca" or cfg.steps == 0:
         return P_k, P_v
     # Per-layer seed: a resumed run draws the same minibatches for the layers it still has to do.
     result = refine_layer(layer, data, P_k, P_v, key_mode=cfg.key_mode, rope=rope,
-                          settings=refine_settings(cfg), seed=cfg.seed * 100_003 + i)
+                          settings=refine_settings(cfg, quant), seed=cfg.seed * 100_003 + i)
     state.refine.append({"layer": i, "holdout_start": result.holdout_start,
                          "holdout_best": result.holdout_best, "steps": result.steps_run})
     return result.P_k, result.P_v
 
 
-@torch.no_grad()
-def layer_error(layer, inputs: LayerInputs, target, hidden, P_k, P_v, cfg, rope) -> ErrorStats:
-    """The layer's output error with bases ``P_k, P_v`` on inputs ``hidden`` against ``target``."""
-    return compressed_outputs(layer, inputs, hidden, target, P_k, P_v, cfg, rope)[1]
+def quant_of(state: CalibrationState, i: int) -> tuple[QuantSpec, QuantSpec]:
+    return layer_specs(state)[i] if state.quant else NO_QUANT
 
 
 @torch.no_grad()
-def compressed_outputs(layer, inputs: LayerInputs, x, target, P_k, P_v, cfg,
-                       rope) -> tuple[torch.Tensor, ErrorStats]:
+def layer_error(layer, inputs: LayerInputs, target, hidden, P_k, P_v, cfg, rope,
+                quant=NO_QUANT) -> ErrorStats:
+    """The layer's output error with bases ``P_k, P_v`` (latents stored as ``quant``) on inputs ``hidden``
+    against ``target``."""
+    return compressed_outputs(layer, inputs, hidden, target, P_k, P_v, cfg, rope, quant)[1]
+
+
+@torch.no_grad()
+def compressed_outputs(layer, inputs: LayerInputs, x, target, P_k, P_v, cfg, rope,
+                       quant=NO_QUANT) -> tuple[torch.Tensor, ErrorStats]:
     """The compressed layer's outputs ``[S, N, D]`` on ``x``, and their error against ``target``."""
     device = x.device
     stats, outs = ErrorStats(), []
     for b in inputs.batches(target, hidden=x):
         y_hat = compressed_layer_output(layer, b, P_k.to(device), P_v.to(device), key_mode=cfg.key_mode,
-                                        rope=rope)
+                                        rope=rope, quant=quant)
         stats.add(y_hat, b.output)
         outs.append(y_hat)
     return torch.cat(outs), stats

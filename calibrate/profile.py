@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 import torch
 
 from stiefkv.kernels import RopeSpec
-from stiefkv.layers import LayerBatch, compressed_layer_output
+from stiefkv.layers import LayerBatch, compressed_layer_output, project_qkv, rotate_with
+from stiefkv.quant import FLOAT, LAYOUTS, QUANT_BITS, QuantSpec, fake_quant
 
 WEIGHTINGS = ("output", "update", "kl")
 KL_SEQUENCES = 4  # the kl profile holds the uncompressed log-probabilities of this many sequences
@@ -32,6 +33,8 @@ class LayerProfile:
     sq_output: float = 0.0
     sq_update: float = 0.0
     metric: str = "sq_error"  # or "kl": k and v are next-token KLs of the whole model
+    # storage name → per-rank errors of the latent stored so (same metric as k/v), for "k" and "v"
+    quant: dict = field(default_factory=dict)
 
     def relative(self, which: str, weighting: str = "output") -> list[float]:
         """Squared error relative to ``‖y‖²`` (``output``) or ``‖y − x‖²`` (``update``), or the KL, per
@@ -45,9 +48,108 @@ class LayerProfile:
         den = self.sq_output if weighting == "output" else self.sq_update
         return [e / den for e in getattr(self, which)]
 
+    def options(self, which: str, weighting: str,
+                specs: list[QuantSpec]) -> list[tuple[int, QuantSpec, float]]:
+        """``(rank, storage, error)`` for every rank and every storage in ``specs`` (bf16 among them or
+        not), errors weighted as :meth:`relative` weights them."""
+        bf16 = self.relative(which, weighting)
+        den = 1.0 if weighting == "kl" else (self.sq_output if weighting == "output" else self.sq_update)
+        out = []
+        for spec in specs:
+            if not spec.quantized:
+                out += [(r, spec, e) for r, e in zip(self.ranks, bf16)]
+                continue
+            errs = self.quant.get(which, {}).get(str(spec))
+            if errs is None:
+                raise ValueError(f"the profile has no {spec} storage: profile again with these bits")
+            out += [(r, spec, e / den) for r, e in zip(self.ranks, errs)]
+        return out
+
     def as_dict(self) -> dict:
         return {"ranks": self.ranks, "k": self.k, "v": self.v, "sq_output": self.sq_output,
-                "sq_update": self.sq_update, "metric": self.metric}
+                "sq_update": self.sq_update, "metric": self.metric, "quant": self.quant}
+
+
+def storage_candidates(bits) -> list[QuantSpec]:
+    """The quantized storages a ``bits`` setting profiles: every bit width and layout for ``auto``, both
+    layouts of one width for a number, none for 16."""
+    widths = QUANT_BITS if bits == "auto" else tuple(b for b in (int(bits),) if b < 16)
+    return [QuantSpec(b, layout) for b in widths for layout in LAYOUTS]
+
+
+def spreading_rotation(r: int) -> torch.Tensor:
+    """An ``r × r`` orthogonal matrix whose entries are all small (about ``1/√r``): a Walsh–Hadamard matrix
+    where ``r`` is a power of two, else the orthonormal DCT-II. Turning a latent basis by it spreads a
+    channel that dominates the range (PCA's first) over all channels, which per-token groups need: one
+    scale per token then fits every channel."""
+    if r & (r - 1) == 0:
+        H = torch.ones(1, 1, dtype=torch.float64)
+        while H.shape[0] < r:
+            H = torch.cat([torch.cat([H, H], 1), torch.cat([H, -H], 1)], 0)
+        return (H / r ** 0.5).float()
+    n = torch.arange(r, dtype=torch.float64)
+    C = torch.cos(torch.pi / r * (n[None] + 0.5) * n[:, None]) * (2 / r) ** 0.5
+    C[0] /= 2 ** 0.5
+    return C.T.contiguous().float()
+
+
+def storage_basis(P: torch.Tensor, spec: QuantSpec, rotation: bool = True) -> torch.Tensor:
+    """The basis a latent stored as ``spec`` uses: ``P`` turned by :func:`spreading_rotation` for per-token
+    groups (with ``rotation``), ``P`` itself otherwise (per-channel scales already fit each channel)."""
+    if rotation and spec.quantized and spec.layout == "token":
+        return P @ spreading_rotation(P.shape[-1]).to(P.device)
+    return P
+
+
+@torch.no_grad()
+def layer_latent_input(layer, batch: LayerBatch, which: str, *, key_mode: str) -> torch.Tensor:
+    """The layer's keys (as its key mode compresses them) or values on ``batch``: ``[B, G, N, d]`` float32."""
+    _, k, v = project_qkv(layer.self_attn, layer.input_layernorm(batch.hidden), keys=which == "k",
+                          values=which == "v")
+    x = k if which == "k" else v
+    if which == "k" and key_mode == "post_rope":
+        x = rotate_with(x, *batch.position_embeddings)
+    return x.float()
+
+
+@torch.no_grad()
+def latent_noise(x: torch.Tensor, P: torch.Tensor, spec: QuantSpec, rotation: bool = True) -> float:
+    """``Σ ‖ẑ − z‖²``: the quantization error of the latents ``z`` of ``x`` ``[B, G, N, d]`` through ``P``."""
+    z = torch.matmul(x, storage_basis(P, spec, rotation))
+    return float((fake_quant(z, spec) - z).double().pow(2).sum())
+
+
+@torch.no_grad()
+def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bases_v, specs: list[QuantSpec],
+                      measure, *, key_mode: str, rotation: bool = True) -> LayerProfile:
+    """Extend ``prof`` to every storage in ``specs`` at every rank (see the module's docstring).
+
+    ``measure(P_k, P_v, quant)`` is the profile's error with those bases and storage. For a ``kl`` profile
+    only full rank is measured and lower ranks are predicted from the latent noise on ``batch``; otherwise
+    every rank is measured.
+    """
+    G, d, _ = bases_k(prof.ranks[-1]).shape
+    full = torch.eye(d, device=batch.hidden.device).expand(G, d, d)
+    for which, basis in (("k", bases_k), ("v", bases_v)):
+        table = prof.quant.setdefault(which, {})
+        x = layer_latent_input(layer, batch, which, key_mode=key_mode) if prof.metric == "kl" else None
+        for spec in specs:
+            quant = (spec, FLOAT) if which == "k" else (FLOAT, spec)
+
+            def error_at(r):
+                P = storage_basis(basis(r), spec, rotation)
+                return measure(P, full, quant) if which == "k" else measure(full, P, quant)
+
+            if prof.metric != "kl":
+                table[str(spec)] = [error_at(r) for r in prof.ranks]
+                continue
+            at_full = error_at(d)
+            noise = [latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
+            rank_err = getattr(prof, which)
+            table[str(spec)] = [e + (at_full * n / noise[-1] if noise[-1] > 0 else 0.0)
+                                for e, n in zip(rank_err, noise)]
+            table[str(spec)][-1] = at_full
+    return prof
 
 
 def candidate_ranks(head_dim: int, rank_step: int) -> list[int]:

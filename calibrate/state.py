@@ -30,6 +30,7 @@ class CalibrationState:
     eig_v: list[torch.Tensor] = field(default_factory=list)
     profiles: list[dict] = field(default_factory=list)
     ranks: list[tuple[int, int]] = field(default_factory=list)
+    quant: list[list[str]] = field(default_factory=list)  # per layer [key, value] storage; empty: bf16
     keys: list[torch.Tensor] = field(default_factory=list)  # finished layers, in order
     values: list[torch.Tensor] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
@@ -51,7 +52,8 @@ class CalibrationState:
                 tensors[f"{name}.{i}"] = t.detach().to("cpu", torch.float32).clone(
                     memory_format=torch.contiguous_format)
         doc = {"settings": self.settings, "fingerprint": self.fingerprint, "profiles": self.profiles,
-               "ranks": [list(r) for r in self.ranks], "errors": self.errors, "refine": self.refine,
+               "ranks": [list(r) for r in self.ranks], "quant": self.quant, "errors": self.errors,
+               "refine": self.refine,
                "counts": {name: len(getattr(self, name)) for name in ("eig_k", "eig_v", "keys", "values")}}
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
@@ -86,7 +88,8 @@ class CalibrationState:
             raise ValueError(f"{path} was written with other settings ({', '.join(changed)}); "
                              "use the same settings, or delete it to start over")
         state = cls(settings=doc["settings"], fingerprint=doc["fingerprint"], profiles=doc["profiles"],
-                    ranks=[tuple(r) for r in doc["ranks"]], errors=doc["errors"], refine=doc["refine"])
+                    ranks=[tuple(r) for r in doc["ranks"]], quant=doc.get("quant", []), errors=doc["errors"],
+                    refine=doc["refine"])
         try:
             for name, n in counts.items():
                 setattr(state, name, [tensors[f"{name}.{i}"] for i in range(n)])

@@ -22,6 +22,7 @@ from torch import nn
 from stiefkv.calibrate.collect import LayerBatch
 from stiefkv.calibrate.objective import compressed_layer_output, layer_attention_kl
 from stiefkv.kernels import RopeSpec
+from stiefkv.layers import NO_QUANT
 
 
 @dataclass
@@ -36,6 +37,9 @@ class RefineSettings:
     eval_every: int = 25
     patience: int = 4
     kl_weight: float = 0.0  # > 0 adds kl_weight · attention KL (StreamKL) to the output error
+    # the latents' storage (key, value): the loss sees them quantized as the cache will hold them, and the
+    # gradient passes the quantizer straight through
+    quant: tuple = NO_QUANT
 
 
 @dataclass
@@ -61,10 +65,12 @@ def frozen(module: nn.Module):
 
 
 def relative_sq_error(layer, batch: LayerBatch, P_k, P_v, key_mode: str, rope: RopeSpec,
-                      kl_weight: float = 0.0) -> torch.Tensor:
+                      kl_weight: float = 0.0, quant: tuple = NO_QUANT) -> torch.Tensor:
     """``‖ŷ − y‖² / ‖y‖²`` over the batch, plus ``kl_weight`` × the mean attention-row KL between the original
-    and the compressed attention when positive (a scalar with grad to the bases)."""
-    y_hat = compressed_layer_output(layer, batch, P_k, P_v, key_mode=key_mode, rope=rope).float()
+    and the compressed attention when positive (a scalar with grad to the bases). Latents stored as
+    ``quant`` are quantized in the forward and passed straight through in the backward."""
+    y_hat = compressed_layer_output(layer, batch, P_k, P_v, key_mode=key_mode, rope=rope, quant=quant,
+                                    straight_through=True).float()
     y = batch.output.float()
     loss = (y_hat - y).pow(2).sum() / y.pow(2).sum()
     if kl_weight > 0:
@@ -72,11 +78,12 @@ def relative_sq_error(layer, batch: LayerBatch, P_k, P_v, key_mode: str, rope: R
     return loss
 
 
-def holdout_error(layer, batches: list[LayerBatch], P_k, P_v, key_mode, rope) -> float:
+def holdout_error(layer, batches: list[LayerBatch], P_k, P_v, key_mode, rope, quant=NO_QUANT) -> float:
     with torch.no_grad():
         num = den = 0.0
         for b in batches:
-            y_hat = compressed_layer_output(layer, b, P_k, P_v, key_mode=key_mode, rope=rope).double()
+            y_hat = compressed_layer_output(layer, b, P_k, P_v, key_mode=key_mode, rope=rope,
+                                            quant=quant).double()
             num += float((y_hat - b.output.double()).pow(2).sum())
             den += float(b.output.double().pow(2).sum())
     return num / den
@@ -110,7 +117,7 @@ def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: tor
     pk = geoopt.ManifoldParameter(P_k.detach().float().clone(), manifold=manifold)
     pv = geoopt.ManifoldParameter(P_v.detach().float().clone(), manifold=manifold)
     opt = geoopt.optim.RiemannianAdam([pk, pv], lr=settings.lr)
-    start = best = holdout_error(layer, hold, pk, pv, key_mode, rope)
+    start = best = holdout_error(layer, hold, pk, pv, key_mode, rope, settings.quant)
     best_bases = (plain(pk), plain(pv))
     stale, step = 0, 0
     with frozen(layer), torch.enable_grad():
@@ -118,10 +125,11 @@ def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: tor
             n = min(settings.batch_size, len(train_rows))
             rows = train_rows[torch.randint(len(train_rows), (n,), generator=g)]
             opt.zero_grad(set_to_none=True)
-            relative_sq_error(layer, split(data, rows), pk, pv, key_mode, rope, settings.kl_weight).backward()
+            relative_sq_error(layer, split(data, rows), pk, pv, key_mode, rope, settings.kl_weight,
+                              settings.quant).backward()
             opt.step()
             if step % settings.eval_every == 0 or step == settings.steps:
-                err = holdout_error(layer, hold, pk, pv, key_mode, rope)
+                err = holdout_error(layer, hold, pk, pv, key_mode, rope, settings.quant)
                 if err < best:
                     best, stale = err, 0
                     best_bases = (plain(pk), plain(pv))

@@ -29,6 +29,7 @@ from stiefkv.kernels import RopeSpec
 from stiefkv.layers import project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
+from stiefkv.quant import FLOAT, QuantSpec, fake_quant
 
 log = logging.getLogger(__name__)
 
@@ -52,10 +53,13 @@ class LowRankAttention(nn.Module):
     key_mode : ``"pre_rope"`` or ``"post_rope"``.
     rope : the model's :class:`RopeSpec`.
     backend : ``"auto"`` (Triton on CUDA), ``"triton"`` or ``"reference"``.
+    quant : ``(key, value)`` :class:`~stiefkv.quant.QuantSpec`: how the cache stores the latents. Attention
+        always reads what the cache would hold — quantized latents dequantized, even without a cache — so
+        a forward without cache scores what serving computes.
     """
 
     def __init__(self, attn: nn.Module, P_k: torch.Tensor, P_v: torch.Tensor, *, key_mode: str,
-                 rope: RopeSpec, backend: str = "auto"):
+                 rope: RopeSpec, backend: str = "auto", quant: tuple[QuantSpec, QuantSpec] = (FLOAT, FLOAT)):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -67,6 +71,7 @@ class LowRankAttention(nn.Module):
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
         self.key_mode = key_mode
         self.backend = backend
+        self.quant = tuple(quant)
         device = attn.q_proj.weight.device
         self.register_buffer("P_k", P_k.detach().to(device, torch.float32), persistent=False)
         self.register_buffer("P_v", P_v.detach().to(device, torch.float32), persistent=False)
@@ -112,8 +117,9 @@ class LowRankAttention(nn.Module):
         q, z_k, z_v = self.latents(hidden_states, *position_embeddings)
         if cache is not None:
             z_k, z_v, positions, lengths = cache.update_layer(z_k, z_v, self.layer_idx, positions,
-                                                              attention_mask)
+                                                              attention_mask, quant=self.quant)
         else:
+            z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
         out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(z_k.dtype), None, key_mode=self.key_mode,
                                         positions=positions, rope=self.rope, causal=True, lengths=lengths,
@@ -203,7 +209,8 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
     rope = rope_spec(model.config)
     for i, layer in enumerate(decoder_layers(model)):
         layer.self_attn = LowRankAttention(layer.self_attn, proj.keys[i], proj.values[i],
-                                           key_mode=proj.key_mode, rope=rope, backend=backend)
+                                           key_mode=proj.key_mode, rope=rope, backend=backend,
+                                           quant=proj.specs[i])
     served = _Served(proj)
     base = getattr(model, "model", model)
     served.hooks.append(base.register_forward_pre_hook(_latent_cache_hook, with_kwargs=True))

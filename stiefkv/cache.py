@@ -3,7 +3,10 @@
 :class:`LatentCache` is a transformers ``Cache`` whose layers hold ``z_k`` ``[B, G, N, r_k]`` and ``z_v``
 ``[B, G, N, r_v]``. Besides the latents it owns, as its own fields, what attention over them needs: the
 token positions ``[B, N]`` (``pre_rope`` rotates rebuilt keys at them) and the valid key lengths of a
-left-padded batch. Any other cache reaching a compressed model is refused with a message that says what
+left-padded batch. A layer whose latents are stored quantized (:mod:`stiefkv.quant`) keeps them in a
+:class:`QuantizedLatentLayer` — codes, scales and the recent float window — and returns them dequantized:
+correct on every device, not fast (fused kernels over the codes are the serving issue's). Any other cache
+reaching a compressed model is refused with a message that says what
 to pass instead: it would hold latents it cannot account for, and report sizes that are not ours.
 """
 
@@ -15,6 +18,7 @@ import torch
 from torch import nn
 
 from stiefkv.kernels import reference
+from stiefkv.quant import FLOAT, GROUP, Quantized, QuantSpec, dequantize, quantize
 
 
 def _dynamic_cache_class():
@@ -44,21 +48,34 @@ class LatentCache(_dynamic_cache_class()):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: every layer's latents, the positions and the lengths."""
+        """Bytes held: every layer's latents (codes, scales, lows and float windows of quantized ones), the
+        positions and the lengths."""
         total = sum(t.nbytes for t in (self.positions, self.lengths) if t is not None)
         for layer in self.layers:
+            if isinstance(layer, QuantizedLatentLayer):
+                total += layer.nbytes
+                continue
             for t in (getattr(layer, "keys", None), getattr(layer, "values", None)):
                 if isinstance(t, torch.Tensor):
                     total += t.nbytes
         return int(total)
 
     def update_layer(self, z_k: torch.Tensor, z_v: torch.Tensor, layer_idx: int, positions: torch.Tensor,
-                     attention_mask: torch.Tensor | None):
-        """Append one layer's new latents ``[B, G, n, r]`` at ``positions`` ``[B, n]``.
+                     attention_mask: torch.Tensor | None, quant: tuple[QuantSpec, QuantSpec] | None = None):
+        """Append one layer's new latents ``[B, G, n, r]`` at ``positions`` ``[B, n]``, stored as ``quant``
+        (the key and value :class:`~stiefkv.quant.QuantSpec`; None or bf16 for both keeps them as they are).
 
-        Returns every cached ``z_k, z_v`` of the layer, all positions ``[B, N]`` and the valid lengths
-        ``[B]`` (or None). Layer 0 appends the positions and reads the mask; later layers reuse both.
+        Returns every cached ``z_k, z_v`` of the layer (dequantized), all positions ``[B, N]`` and the valid
+        lengths ``[B]`` (or None). Layer 0 appends the positions and reads the mask; later layers reuse both.
         """
+        if quant is not None and any(q.quantized for q in quant):
+            while len(self.layers) <= layer_idx:
+                self.layers.append(type(self.layers[0])() if self.layers else _dynamic_layer_class()())
+            if not isinstance(self.layers[layer_idx], QuantizedLatentLayer):
+                if self.layers[layer_idx].get_seq_length():
+                    raise ValueError(f"layer {layer_idx} of this cache already holds float latents; a "
+                                     "quantized layer cannot continue them (use a new cache)")
+                self.layers[layer_idx] = QuantizedLatentLayer(*quant)
         z_k, z_v = self.update(z_k, z_v, layer_idx)
         if layer_idx == 0:
             positions = positions.to(torch.int32)
@@ -94,6 +111,149 @@ class LatentCache(_dynamic_cache_class()):
     def reset(self):
         super().reset()
         self.positions = self.lengths = None
+
+
+def _dynamic_layer_class():
+    from transformers.cache_utils import DynamicLayer
+
+    return DynamicLayer
+
+
+class LatentStore:
+    """One latent of one layer in the cache, as its :class:`~stiefkv.quant.QuantSpec` says: float latents
+    as they are, or codes with their scales, plus (``channel`` layout) the float window of the tokens
+    after the last full group of :data:`~stiefkv.quant.GROUP`."""
+
+    def __init__(self, spec: QuantSpec):
+        self.spec = spec
+        self.codes: Quantized | None = None
+        self.window: torch.Tensor | None = None  # float latents not (yet) quantized
+
+    @property
+    def length(self) -> int:
+        n = 0 if self.codes is None else self.codes.length
+        return n + (0 if self.window is None else self.window.shape[-2])
+
+    @property
+    def nbytes(self) -> int:
+        codes = 0 if self.codes is None else self.codes.nbytes
+        return codes + (0 if self.window is None else self.window.nbytes)
+
+    def append(self, z: torch.Tensor) -> None:
+        """Add ``z`` ``[B, G, n, r]``: quantized at once per token, per channel once its group fills."""
+        window = z if self.window is None else torch.cat([self.window, z], -2)
+        n = window.shape[-2]
+        full = n if self.spec.layout == "token" else n // GROUP * GROUP
+        if not self.spec.quantized or full == 0:
+            self.window = window
+            return
+        new = quantize(window[..., :full, :], self.spec)
+        self.codes = new if self.codes is None else _cat_codes(self.codes, new)
+        self.window = window[..., full:, :] if full < n else None
+        self._dtype = z.dtype
+
+    def read(self, dtype: torch.dtype) -> torch.Tensor:
+        """Every cached token's latent ``[B, G, N, r]`` in ``dtype`` (codes dequantized)."""
+        parts = [] if self.codes is None else [dequantize(self.codes, dtype)]
+        if self.window is not None:
+            parts.append(self.window.to(dtype))
+        return parts[0] if len(parts) == 1 else torch.cat(parts, -2)
+
+    def map_rows(self, fn) -> None:
+        """Apply ``fn`` (a selection or repetition along the batch dimension) to everything held."""
+        if self.codes is not None:
+            self.codes = self.codes.apply(fn)
+        if self.window is not None:
+            self.window = fn(self.window)
+
+    def keep(self, n: int) -> None:
+        """Keep the first ``n`` tokens. A cut through a quantized group of the channel layout brings the
+        group's kept tokens back to the float window, dequantized."""
+        if n >= self.length:
+            return
+        held = 0 if self.codes is None else self.codes.length
+        if n >= held:
+            self.window = self.window[..., : n - held, :] if n > held else None
+            return
+        dtype = self.window.dtype if self.window is not None else getattr(self, "_dtype", torch.float32)
+        kept_codes = n if self.spec.layout == "token" else n // GROUP * GROUP
+        tail = dequantize(self.codes, dtype)[..., kept_codes:n, :] if n > kept_codes else None
+        self.codes = _slice_codes(self.codes, kept_codes) if kept_codes else None
+        self.window = tail
+
+
+def _cat_codes(a: Quantized, b: Quantized) -> Quantized:
+    return Quantized(torch.cat([a.codes, b.codes], -2), torch.cat([a.scale, b.scale], -2),
+                     torch.cat([a.low, b.low], -2), a.bits, a.layout, a.rank)
+
+
+def _slice_codes(q: Quantized, n: int) -> Quantized:
+    groups = n if q.layout == "token" else n // GROUP
+    return Quantized(q.codes[..., :n, :], q.scale[..., :groups, :], q.low[..., :groups, :], q.bits, q.layout,
+                     q.rank)
+
+
+class QuantizedLatentLayer(_dynamic_layer_class()):
+    """A cache layer whose key and value latents are each a :class:`LatentStore` (either may be bf16).
+
+    transformers sees an ordinary dynamic layer: ``update`` returns every cached latent (dequantized),
+    ``get_seq_length`` counts tokens, and the batch and length edits of ``generate`` (beam reorder, crop,
+    repeat, select) reach the stores. ``keys``/``values`` hold nothing: the stores do.
+    """
+
+    def __init__(self, key_spec: QuantSpec = FLOAT, value_spec: QuantSpec = FLOAT):
+        super().__init__()
+        self.stores = (LatentStore(key_spec), LatentStore(value_spec))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.stores)
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        self.device, self.dtype = key_states.device, key_states.dtype
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        for store, z in zip(self.stores, (key_states, value_states)):
+            store.append(z)
+        return tuple(s.read(z.dtype) for s, z in zip(self.stores, (key_states, value_states)))
+
+    def get_seq_length(self) -> int:
+        return self.stores[0].length
+
+    def get_mask_sizes(self, query_length: int):
+        return self.get_seq_length() + query_length, 0
+
+    def reset(self) -> None:
+        self.stores = tuple(LatentStore(s.spec) for s in self.stores)
+        self.is_initialized = False
+
+    def offload(self):  # the stores stay where they are
+        pass
+
+    def prefetch(self):
+        pass
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.batch_select_indices(beam_idx)
+
+    def crop(self, max_length: int) -> None:
+        # transformers ≥ 5.24 passes -(tokens to remove), 0 removing none; earlier versions the length to keep
+        self._keep(self.get_seq_length() + max_length if max_length <= 0 else max_length)
+
+    def _keep(self, n: int) -> None:
+        for s in self.stores:
+            s.keep(n)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        for s in self.stores:
+            s.map_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        for s in self.stores:
+            s.map_rows(lambda t: t.index_select(0, indices.to(t.device)))
 
 
 def _rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:

@@ -16,7 +16,15 @@ from pathlib import Path
 import click
 
 from stiefkv.calibrate.allocate import ALLOCATIONS
-from stiefkv.calibrate.pipeline import CPU_SIZES, LOSSES, METHODS, ORDERS, PROFILES, CalibrationConfig
+from stiefkv.calibrate.pipeline import (
+    BITS_CHOICES,
+    CPU_SIZES,
+    LOSSES,
+    METHODS,
+    ORDERS,
+    PROFILES,
+    CalibrationConfig,
+)
 from stiefkv.calibrate.profile import WEIGHTINGS
 from stiefkv.projections import KEY_MODES
 
@@ -170,7 +178,12 @@ def main():
 @main.command()
 @click.argument("model")
 @click.option("--budget", type=float, default=DEFAULTS["budget"], show_default=True,
-              help="Fraction of the full KV cache to keep, in (0, 1]; 0.5 halves it.")
+              help="KV-cache bytes per token as a fraction of the uncompressed bf16 cache's, in (0, 1], "
+                   "everything counted (latents, scales, positions); 0.5 halves it.")
+@click.option("--bits", default=DEFAULTS["bits"], show_default=True,
+              help=f"How latents are stored: {', '.join(BITS_CHOICES)}. auto = rank, bit width and group "
+                   "layout chosen together per layer for keys and values (bf16 and full rank included); "
+                   "16 = bf16 latents, ranks only; 8/4/3/2 = that width everywhere.")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
               help="stiefel = PCA start refined on the Stiefel manifold against the decoder-layer output; "
                    "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")
@@ -280,20 +293,26 @@ def _fmt(value, spec: str = ".4f") -> str:
 def _inspect_table(proj) -> str:
     s, fp = proj.settings, proj.fingerprint
     steps = s.get("steps", "–") if proj.method == "stiefel" else "–"
+    L, G, d = fp.get("L"), fp.get("G"), fp.get("d")
     lines = [
-        f"model {s.get('model') or fp.get('architecture')} ({fp.get('architecture')}, L={fp.get('L')} "
-        f"H={fp.get('H')} G={fp.get('G')} d={fp.get('d')}) · method {proj.method} · key mode "
+        f"model {s.get('model') or fp.get('architecture')} ({fp.get('architecture')}, L={L} "
+        f"H={fp.get('H')} G={G} d={d}) · method {proj.method} · key mode "
         f"{proj.key_mode} · budget {_fmt(proj.budget, 'g')} (achieved {proj.achieved_budget:.4f})",
         f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation "
-        f"{s.get('allocation')} · order {s.get('order', '–')} · steps {steps}",
+        f"{s.get('allocation')} · bits {s.get('bits', '16')} · order {s.get('order', '–')} · steps {steps}",
+        f"KV cache: {proj.kv_bytes_per_token():.1f} bytes per token (a {2048}-token cache, positions "
+        f"included)" + (f" against {L * G * 4 * d} for the uncompressed bf16 cache" if L and G and d else ""),
         "",
-        "| layer | r_k | r_v | rel. error | cosine |",
-        "|---|---|---|---|---|",
+        "| layer | keys | values | B/token | rel. error | cosine |",
+        "|---|---|---|---|---|---|",
     ]
     errors = {e.get("layer", i): e for i, e in enumerate(proj.errors) if isinstance(e, dict)}
-    for i, (rk, rv) in enumerate(proj.ranks):
+    for i, ((rk, rv), (qk, qv)) in enumerate(zip(proj.ranks, proj.specs)):
         e = errors.get(i, {})
-        lines.append(f"| {i} | {rk} | {rv} | {_fmt(e.get('rel_error'))} | {_fmt(e.get('cosine'))} |")
+        g = proj.keys[i].shape[0]
+        layer_bytes = g * (qk.bytes_per_token(rk) + qv.bytes_per_token(rv))
+        lines.append(f"| {i} | {rk} × {qk} | {rv} × {qv} | {layer_bytes:.1f} | {_fmt(e.get('rel_error'))} | "
+                     f"{_fmt(e.get('cosine'))} |")
     return "\n".join(lines)
 
 
@@ -301,6 +320,10 @@ def _inspect_table(proj) -> str:
 @click.argument("model")
 @click.option("--projections", type=click.Path(path_type=Path), default=None,
               help="A checkpoint to evaluate against the uncompressed model; without it, only the original.")
+@click.option("--baseline", default=None,
+              help="Instead of --projections, a quantization-only cache on the same harness and bytes "
+                   "accounting: int8/int4/int3/int2 (keys and values per token) or kivi8/kivi4/kivi3/kivi2 "
+                   "(keys per channel over 64-token groups, values per token).")
 @click.option("--data", default="wikitext2", show_default=True,
               help="Test text: wikitext2 (test split) or a .txt/.jsonl file or folder.")
 @click.option("--window", type=int, default=2048, show_default=True, help="Tokens per perplexity window.")
@@ -317,8 +340,8 @@ def _inspect_table(proj) -> str:
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options
-def evaluate(model, projections, data, window, windows, batch_size, backend, attention_kl, kl_context,
-             json_path, device, dtype, seed, debug):
+def evaluate(model, projections, baseline, data, window, windows, batch_size, backend, attention_kl,
+             kl_context, json_path, device, dtype, seed, debug):
     """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL."""
     import stiefkv
     from stiefkv.evaluate import attention_kl_per_layer, format_table
@@ -330,14 +353,24 @@ def evaluate(model, projections, data, window, windows, batch_size, backend, att
                                ("--batch-size", batch_size, 1), ("--kl-context", kl_context, 2)):
         if value is not None and value < least:
             raise UserError(f"{name} must be ≥ {least}, got {value}")
+    from stiefkv.evaluate import BASELINES
+
+    if baseline is not None and baseline not in BASELINES:
+        raise UserError(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
+    if baseline is not None and projections is not None:
+        raise UserError("give --projections or --baseline, not both")
     if attention_kl and projections is None:
         raise UserError("--attention-kl compares with compressed attention: give --projections")
     to_stdout = json_path is not None and str(json_path) == "-"
 
     def work():
         _check_outputs({"--json": None if to_stdout else json_path}, model, files=(projections,), data=data)
+        from stiefkv.evaluate import baseline_projections
+
         proj = stiefkv.Projections.load(projections) if projections else None
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
+        if baseline is not None:
+            proj = baseline_projections(m, baseline)
         check_context(m.config, window, "--window")
         if attention_kl:
             check_context(m.config, kl_context, "--kl-context")

@@ -27,6 +27,30 @@ from stiefkv.layers import (
 )
 from stiefkv.models import check_context, decoder_layers, rope_spec
 from stiefkv.projections import Projections
+from stiefkv.quant import QuantSpec
+
+# Quantization-only caches a user would otherwise pick, run through the same harness as the checkpoints:
+# full-rank (identity) bases with every latent quantized. int{b}: keys and values per token (groups of 64
+# channels); kivi{b}: keys per channel over 64-token groups with the recent tokens in bf16, values per token
+# (KIVI's layout). Keys are quantized before RoPE, as StiefKV's pre_rope latents are.
+BASELINES = {f"{name}{b}": (QuantSpec(b, key_layout), QuantSpec(b, "token"))
+             for b in (8, 4, 3, 2) for name, key_layout in (("int", "token"), ("kivi", "channel"))}
+
+
+def baseline_projections(model, name: str) -> Projections:
+    """The quantization-only cache ``name`` (a key of :data:`BASELINES`) as :class:`Projections`."""
+    from stiefkv.models import dims_of, fingerprint
+
+    if name not in BASELINES:
+        raise ValueError(f"unknown baseline {name!r}; choose one of {', '.join(BASELINES)}")
+    dims = dims_of(model.config)
+    eye = torch.eye(dims.d).expand(dims.G, dims.d, dims.d).contiguous()
+    specs = BASELINES[name]
+    proj = Projections(keys=[eye] * dims.L, values=[eye] * dims.L, key_mode="pre_rope",
+                       fingerprint=fingerprint(model), budget=1.0, method=f"baseline {name}",
+                       quant=[specs] * dims.L)
+    proj.budget = round(proj.achieved_budget, 6)
+    return proj
 
 
 @dataclass
@@ -114,7 +138,8 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
     def layer_error(batch: LayerBatch) -> None:
         P_k, P_v = bases[batch.layer_idx]
         y_hat = compressed_layer_output(layers[batch.layer_idx], batch, P_k, P_v,
-                                        key_mode=projections.key_mode, rope=rope, backend=backend)
+                                        key_mode=projections.key_mode, rope=rope, backend=backend,
+                                        quant=projections.specs[batch.layer_idx])
         stats[batch.layer_idx].add(y_hat, batch.output)
 
     passes = "original and compressed" if projections is not None else "original"

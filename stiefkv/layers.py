@@ -21,6 +21,9 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.kernels import RopeSpec
 from stiefkv.models import decoder_layers
+from stiefkv.quant import FLOAT, QuantSpec, fake_quant
+
+NO_QUANT = (FLOAT, FLOAT)
 
 
 @dataclass
@@ -101,10 +104,13 @@ def to_latent(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
 
 def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Tensor, P_v: torch.Tensor, *,
                     key_mode: str, rope: RopeSpec, position_embeddings, positions: torch.Tensor,
-                    backend: str = "reference") -> torch.Tensor:
+                    backend: str = "reference", quant: tuple[QuantSpec, QuantSpec] = NO_QUANT,
+                    straight_through: bool = False) -> torch.Tensor:
     """The attention block of one layer with low-rank keys and values, ``o_proj`` included: ``[B, N, D]``.
 
     ``hidden_states`` ``[B, N, D]`` is the normed layer input of an unpadded batch; ``positions`` ``[B, N]``.
+    ``quant`` stores the key and value latents as the cache would (quantized, then read back);
+    ``straight_through`` passes gradients through the quantizer as through the identity.
     Differentiable in ``P_k, P_v`` (float32): calibration optimises them through this function.
     """
     B, N, _ = hidden_states.shape
@@ -114,6 +120,8 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
     if key_mode == "post_rope":
         k = rotate_with(k, cos, sin)
     z_k, z_v = to_latent(k, P_k), to_latent(v, P_v)
+    z_k = fake_quant(z_k, quant[0], straight_through=straight_through)
+    z_v = fake_quant(z_v, quant[1], straight_through=straight_through)
     out = kernels.lowrank_attention(q, z_k, z_v, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
                                     positions=positions, rope=rope, causal=True, lengths=None,
                                     scale=attn.scaling, backend=backend)
@@ -121,13 +129,15 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
 
 
 def compressed_layer_output(layer: nn.Module, batch: LayerBatch, P_k: torch.Tensor, P_v: torch.Tensor, *,
-                            key_mode: str, rope: RopeSpec, backend: str = "reference") -> torch.Tensor:
+                            key_mode: str, rope: RopeSpec, backend: str = "reference",
+                            quant: tuple[QuantSpec, QuantSpec] = NO_QUANT,
+                            straight_through: bool = False) -> torch.Tensor:
     """The decoder layer's output ``[B, N, D]`` with keys and values through ``P_k``, ``P_v`` (unpadded
-    ``batch``)."""
+    ``batch``), their latents stored as ``quant`` says."""
     x = batch.hidden
     a = attention_block(layer.self_attn, layer.input_layernorm(x), P_k, P_v, key_mode=key_mode, rope=rope,
                         position_embeddings=batch.position_embeddings, positions=batch.positions,
-                        backend=backend)
+                        backend=backend, quant=quant, straight_through=straight_through)
     h = x + a
     return h + layer.mlp(layer.post_attention_layernorm(h))
 

@@ -2,7 +2,9 @@
 
 Tensors ``layers.{i}.k`` ``[G, d, r_k]`` and ``layers.{i}.v`` ``[G, d, r_v]`` (float32); the header
 metadata key ``stiefkv`` holds a JSON document (format version, key mode, budget, ranks, the model's
-fingerprint, method and settings, per-layer errors, and from version 2 a sha256 of the tensor data).
+fingerprint, method and settings, per-layer errors, from version 2 a sha256 of the tensor data, and from
+version 3 how each layer's key and value latents are stored: ``"quant": [["int4-channel", "bf16"], …]``).
+A checkpoint whose latents are all bf16 is written as version 2, so older readers still take it.
 Written atomically; no pickle. Loading checks everything a reader relies on: the header's types, the
 layer count against the fingerprint, each basis's shape, rank, finiteness and orthonormality, and the
 checksum — a damaged or edited file is refused with what is wrong, never served.
@@ -20,10 +22,12 @@ from pathlib import Path
 
 import torch
 
+from stiefkv.quant import FLOAT, POSITION_BYTES, REFERENCE_CONTEXT, QuantSpec
+
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 2  # 2 adds "tensors_sha256"; version 1 files still load (with a warning)
-READABLE_VERSIONS = (1, 2)
+FORMAT_VERSION = 3  # 2 adds "tensors_sha256", 3 "quant"; version 1 files still load (with a warning)
+READABLE_VERSIONS = (1, 2, 3)
 KEY_MODES = ("pre_rope", "post_rope")
 # The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
 PROJECTIONS_FILE = "stiefkv_projections.safetensors"
@@ -49,7 +53,7 @@ def tensors_sha256(keys: list[torch.Tensor], values: list[torch.Tensor]) -> str:
 
 def orthonormality_error(P: torch.Tensor) -> float:
     """``max |PᵀP − I|`` over every head of ``P`` ``[G, d, r]``, computed in float64."""
-    P = P.detach().double()
+    P = P.detach().to("cpu", torch.float64)
     eye = torch.eye(P.shape[-1], dtype=P.dtype)
     return float((P.transpose(-1, -2) @ P - eye).abs().max())
 
@@ -114,6 +118,8 @@ class Projections:
     budget : requested fraction of the full KV cache.
     method, settings : how the bases were made (data, tokens, steps, seed, loss, …).
     errors : per layer ``{"rel_error": …, "cosine": …}`` on calibration data.
+    quant : per layer ``(key spec, value spec)``, how the cache stores each latent
+        (:class:`~stiefkv.quant.QuantSpec`); None (the default) keeps every latent in bf16.
     """
 
     keys: list[torch.Tensor]
@@ -124,6 +130,7 @@ class Projections:
     method: str = "pca"
     settings: dict = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)
+    quant: list[tuple[QuantSpec, QuantSpec]] | None = None
 
     def __post_init__(self):
         if self.key_mode not in KEY_MODES:
@@ -132,6 +139,30 @@ class Projections:
             raise CheckpointError(f"{len(self.keys)} key bases but {len(self.values)} value bases")
         if not self.keys:
             raise CheckpointError("no layers: a checkpoint holds bases for every layer of the model")
+        if self.quant is not None:
+            if len(self.quant) != len(self.keys):
+                raise CheckpointError(f"{len(self.quant)} layers of storage specs for {len(self.keys)} "
+                                      "layers")
+            self.quant = [tuple(q) for q in self.quant]
+            if not any(q.quantized for pair in self.quant for q in pair):
+                self.quant = None  # all bf16: the same as saying nothing
+
+    @property
+    def specs(self) -> list[tuple[QuantSpec, QuantSpec]]:
+        """``(key, value)`` storage per layer, bf16 where nothing is quantized."""
+        return self.quant if self.quant is not None else [(FLOAT, FLOAT)] * len(self.keys)
+
+    @property
+    def quantized(self) -> bool:
+        return self.quant is not None
+
+    def kv_bytes_per_token(self, context: int = REFERENCE_CONTEXT) -> float:
+        """Bytes per token of a served cache holding ``context`` tokens, everything counted: every layer's
+        latents at their storage (codes, scales and lows, the float window) and the int32 positions."""
+        G = self.keys[0].shape[0]
+        latents = sum(G * (qk.bytes_per_token(rk, context) + qv.bytes_per_token(rv, context))
+                      for (rk, rv), (qk, qv) in zip(self.ranks, self.specs))
+        return latents + POSITION_BYTES
 
     @property
     def ranks(self) -> list[tuple[int, int]]:
@@ -140,9 +171,11 @@ class Projections:
 
     @property
     def achieved_budget(self) -> float:
-        """``Σ (r_k + r_v) / (L · 2d)``: the fraction of the full cache actually kept."""
-        d = self.keys[0].shape[1]
-        return sum(rk + rv for rk, rv in self.ranks) / (len(self.keys) * 2 * d)
+        """The latents' bytes per token over the uncompressed bf16 cache's ``L · G · 2d · 2``: with bf16
+        latents ``Σ (r_k + r_v) / (L · 2d)``. (The positions, 4 bytes per token, are in
+        :meth:`kv_bytes_per_token`.)"""
+        G, d = self.keys[0].shape[:2]
+        return (self.kv_bytes_per_token() - POSITION_BYTES) / (len(self.keys) * G * 2 * d * 2)
 
     def validate(self, where: str = "projections") -> Projections:
         """Raise :class:`CheckpointError` unless every basis is finite, orthonormal and of a valid shape.
@@ -181,8 +214,8 @@ class Projections:
         return self
 
     def header(self) -> dict:
-        return {
-            "format_version": FORMAT_VERSION,
+        doc = {
+            "format_version": FORMAT_VERSION if self.quantized else 2,
             "key_mode": self.key_mode,
             "budget": self.budget,
             "achieved_budget": self.achieved_budget,
@@ -193,6 +226,10 @@ class Projections:
             "errors": self.errors,
             "tensors_sha256": tensors_sha256(self.keys, self.values),
         }
+        if self.quantized:
+            doc["quant"] = [[str(qk), str(qv)] for qk, qv in self.quant]
+            doc["kv_bytes_per_token"] = self.kv_bytes_per_token()
+        return doc
 
     def save(self, path: str | Path) -> Path:
         """Write atomically (a temporary file beside ``path``, then a rename); refuse invalid bases.
@@ -261,7 +298,8 @@ class Projections:
             raise CheckpointError(f"{path}: bases must be float32")
         proj = cls(keys=keys, values=values, key_mode=doc["key_mode"], fingerprint=doc["fingerprint"],
                    budget=float(doc["budget"]), method=doc.get("method", "?"),
-                   settings=doc.get("settings", {}), errors=doc.get("errors", []))
+                   settings=doc.get("settings", {}), errors=doc.get("errors", []),
+                   quant=_quant_of(doc, path))
         if [list(r) for r in proj.ranks] != doc["ranks"]:
             raise CheckpointError(f"{path}: tensor shapes {proj.ranks} disagree with the ranks in its header "
                                   f"{doc['ranks']}: the file is damaged or was edited; recalibrate")
@@ -298,6 +336,28 @@ class Projections:
                 raise CheckpointError(f"layer {i}: bases {tuple(k.shape)}/{tuple(v.shape)} do not fit G={G}, "
                                       f"d={d}")
         self.validate()
+
+
+def _quant_of(doc: dict, path: Path) -> list[tuple[QuantSpec, QuantSpec]] | None:
+    """The header's ``quant`` list as specs (None when absent); a malformed one raises
+    :class:`CheckpointError`."""
+    quant = doc.get("quant")
+    if quant is None:
+        return None
+    n = len(doc["ranks"])
+    if doc["format_version"] < 3:
+        raise CheckpointError(f"{path} has a damaged StiefKV header: 'quant' in a format version "
+                              f"{doc['format_version']} file (quantized latents are version 3)")
+    if (not isinstance(quant, list) or len(quant) != n
+            or not all(isinstance(q, list) and len(q) == 2 and all(isinstance(x, str) for x in q)
+                       for q in quant)):
+        raise CheckpointError(f"{path} has a damaged StiefKV header: quant is not a list of {n} [key, value] "
+                              "storage names; recalibrate, or restore the file")
+    try:
+        return [(QuantSpec.parse(k), QuantSpec.parse(v)) for k, v in quant]
+    except ValueError as exc:
+        raise CheckpointError(f"{path} has a damaged StiefKV header: {exc}; recalibrate, or restore the "
+                              "file") from None
 
 
 def _check_header(doc, path: Path) -> None:

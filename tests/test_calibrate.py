@@ -193,7 +193,7 @@ def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):
               "rank_step": 4}
     pca = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="pca", allocation="uniform",
                             order="independent", **common)
-    ours = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="stiefel", allocation="dp",
+    ours = stiefkv.calibrate(tiny_model(), CharTokenizer(), method="stiefel", allocation="dp", bits=16,
                              order="independent", steps=40, step_sequences=2, **common)
     assert pca.achieved_budget == ours.achieved_budget == 0.5
     assert sum(e["rel_error"] for e in ours.errors) < 0.9 * sum(e["rel_error"] for e in pca.errors)
@@ -242,7 +242,7 @@ def test_kl_profile_measures_the_whole_model():
         prof.relative("k", "output")
     seqs = torch.randint(0, 97, (4, 21), generator=torch.Generator().manual_seed(3))
     proj = stiefkv.calibrate(tiny_model(layers=3), None, sequences=seqs, budget=0.5, method="pca",
-                             allocation="dp", weighting="kl", profile_sequences=2)
+                             allocation="dp", weighting="kl", profile_sequences=2, bits=16)
     assert sum(rk + rv for rk, rv in proj.ranks) <= 0.5 * 3 * 48
 
 

@@ -250,7 +250,7 @@ def test_cli_bad_input_gives_one_line(args, message):
 def test_cli_inspect(tmp_path):
     path = random_projections(tiny_model(), 8, 16).save(tmp_path / "p.safetensors")
     result = CliRunner().invoke(main, ["inspect", str(path)])
-    assert result.exit_code == 0 and "| 1 | 8 | 16 |" in result.output
+    assert result.exit_code == 0 and "| 1 | 8 × bf16 | 16 × bf16 | 96.0 |" in result.output
     result = CliRunner().invoke(main, ["inspect", str(path), "--json"])
     assert json.loads(result.output)["ranks"] == [[8, 16], [8, 16]]
 

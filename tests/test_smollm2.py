@@ -108,7 +108,7 @@ def test_stiefel_dp_smoke_on_real_model(smollm2, tmp_path, monkeypatch):
     # weighting "update": the default "kl" profile runs ~400 model tails, minutes on 2 cores (tested on tiny
     # models)
     kw = {"budget": 0.5, "num_sequences": 4, "seq_len": 64, "steps": 4, "step_sequences": 2,
-          "profile_sequences": 2, "weighting": "update"}
+          "profile_sequences": 2, "weighting": "update", "bits": 16}
     ours = stiefkv.calibrate(model, tok, **kw)
     assert ours.achieved_budget <= 0.5 and len(set(ours.ranks)) > 1
     assert all(0 <= e["rel_error"] < 0.5 for e in ours.errors)  # 0 where DP keeps a layer at full rank

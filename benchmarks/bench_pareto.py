@@ -1,0 +1,218 @@
+"""Quality per byte: PPL against KV bytes per token for StiefKV and the quantization-only caches, one run.
+
+Rows, all on the same WikiText-2 test windows and the same bytes accounting
+(``Projections.kv_bytes_per_token``: codes, float16 scales and lows, the float window, the int32 positions,
+for a 2048-token cache):
+
+- ``auto``: ``stiefkv.calibrate`` defaults with ``bits="auto"`` at each budget;
+- ``ranks``: the defaults with ``bits=16`` (bf16 latents, ranks only: earlier versions' checkpoints);
+- ``int{b}``/``kivi{b}``: the quantization-only baselines of ``stiefkv eval --baseline`` (b = 8, 4, 3, 2);
+- ``pca-uniform-int4``: PCA bases at rank d/2 in every layer, latents int4 per token (no rotation);
+
+The two first passes (PCA and profiles; ``auto``'s extends the ``kl`` profile to bits and layouts) are run
+once each and timed; each calibrated row then allocates and runs its own second pass exactly as
+``stiefkv.calibrate`` does. A row's calibration time is its first pass plus its second pass. Rows go to
+``OUTDIR/pareto.jsonl`` as they finish (a row already there is skipped, so a run stopped by a time limit
+continues), and ``--plot`` draws ``pareto.png`` from the rows.
+
+    python benchmarks/bench_pareto.py smollm2 OUTDIR --device cuda
+    python benchmarks/bench_pareto.py --plot benchmarks/results/pareto.jsonl benchmarks/results/pareto.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import utils  # benchmarks/utils.py: the script's folder is first on sys.path
+
+BUDGETS = (0.5, 0.25, 0.1875, 0.125, 0.09375, 0.0625)
+ROW_KINDS = ("baselines", "pca-uniform-int4", "ranks", "auto")
+
+
+def synced(device: str) -> float:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+    return time.perf_counter()
+
+
+def first_pass_state(model, seqs, cfg, path: Path, device: str):
+    """The first pass of ``cfg`` (loaded from ``path`` when an earlier run saved it) and its seconds."""
+    from stiefkv.calibrate.pipeline import first_pass
+    from stiefkv.calibrate.state import CalibrationState
+    from stiefkv.models import fingerprint
+
+    fp = fingerprint(model)
+    settings = asdict(cfg) | {"budget": None}
+    if path.is_file():
+        state = CalibrationState.load(path, settings, fp)
+        return state, state.refine[0]["first_pass_seconds"]
+    state = CalibrationState(settings=settings, fingerprint=fp)
+    t0 = synced(device)
+    first_pass(model, seqs, cfg, state)
+    seconds = synced(device) - t0
+    state.refine = [{"first_pass_seconds": seconds}]
+    state.save(path)
+    return state, seconds
+
+
+def calibrated(model, seqs, first, cfg, device: str):
+    """Allocation and second pass of ``cfg`` on a shared first pass: (Projections, second-pass seconds)."""
+    from stiefkv.calibrate.pipeline import choose_allocation, second_pass
+    from stiefkv.calibrate.state import CalibrationState
+    from stiefkv.models import dims_of
+    from stiefkv.projections import Projections
+
+    state = CalibrationState(settings=asdict(cfg), fingerprint=first.fingerprint, eig_k=first.eig_k,
+                             eig_v=first.eig_v, profiles=first.profiles)
+    t0 = synced(device)
+    state.ranks, quant = choose_allocation(cfg, state, dims_of(model.config))
+    state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
+    second_pass(model, seqs, cfg, state, None)
+    seconds = synced(device) - t0
+    proj = Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode,
+                       fingerprint=first.fingerprint, budget=cfg.budget, method=cfg.method,
+                       settings=asdict(cfg), errors=state.errors, quant=quant)
+    return proj, seconds
+
+
+def pca_uniform_int4(model, first, rank: int):
+    from stiefkv.projections import Projections
+    from stiefkv.quant import QuantSpec
+
+    spec = QuantSpec(4, "token")
+    L = len(first.eig_k)
+    return Projections(keys=[e[..., :rank].contiguous() for e in first.eig_k],
+                       values=[e[..., :rank].contiguous() for e in first.eig_v], key_mode="pre_rope",
+                       fingerprint=first.fingerprint, budget=0.125, method="pca-uniform",
+                       quant=[(spec, spec)] * L)
+
+
+def row_of(name: str, budget: float | None, proj, result, calib_s: float | None, extra: dict) -> dict:
+    return utils.provenance() | {
+        "row": name, "budget": budget, "ppl": result.ppl, "ppl_original": result.ppl_original,
+        "next_token_kl": result.next_token_kl, "windows": result.windows, "tokens": result.tokens_scored,
+        "kv_bytes_per_token": proj.kv_bytes_per_token(), "bytes_fraction": proj.kv_bytes_per_token()
+        / (2 * 2 * proj.keys[0].shape[1] * proj.keys[0].shape[0] * len(proj.keys)),
+        "achieved_budget": proj.achieved_budget, "calibration_s": calib_s,
+        "ranks": [list(r) for r in proj.ranks],
+        "storage": [[str(q) for q in pair] for pair in proj.specs],
+    } | extra
+
+
+def plot(rows: list[dict], path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in rows if "ppl" in r and not r.get("tag")]
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    groups = {"StiefKV auto": lambda r: r["row"] == "auto",
+              "StiefKV ranks only (bf16)": lambda r: r["row"] == "ranks",
+              "int-k per token": lambda r: r["row"].startswith("int"),
+              "KIVI-k": lambda r: r["row"].startswith("kivi"),
+              "PCA-uniform + int4": lambda r: r["row"] == "pca-uniform-int4"}
+    for label, pick in groups.items():
+        pts = sorted((r["bytes_fraction"], r["ppl"]) for r in rows if pick(r))
+        if pts:
+            ax.plot(*zip(*pts), marker="o", label=label)
+    base = rows[0]["ppl_original"]
+    ax.axhline(base, color="gray", ls=":", label=f"uncompressed ({base:.2f})")
+    ax.set_xlabel("KV bytes per token / uncompressed bf16 cache")
+    ax.set_ylabel("PPL (WikiText-2 test, 147 × 2048)")
+    ax.set_yscale("log")
+    ax.set_ylim(base * 0.95, min(200, max(r["ppl"] for r in rows) * 1.1))
+    ax.set_title("SmolLM2-135M: quality per byte")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return path
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?")
+    ap.add_argument("outdir", type=Path, nargs="?")
+    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
+    ap.add_argument("--rows", default=",".join(ROW_KINDS), help=f"comma-separated, of {', '.join(ROW_KINDS)}")
+    ap.add_argument("--windows", type=int, default=None, help="first N test windows (default: all)")
+    ap.add_argument("--extra", default="{}", help="JSON of calibration settings for the auto rows")
+    ap.add_argument("--tag", default="", help="label of an auto-row variant (with --extra)")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--plot", nargs=2, type=Path, metavar=("JSONL", "PNG"), help="only draw the plot")
+    args = ap.parse_args()
+    if args.plot:
+        rows = [json.loads(line) for line in args.plot[0].read_text().splitlines() if line.strip()]
+        print(plot(rows, args.plot[1]))
+        return
+
+    import stiefkv
+    from stiefkv.calibrate.pipeline import CalibrationConfig
+    from stiefkv.data import calibration_sequences
+    from stiefkv.evaluate import BASELINES, baseline_projections, evaluate
+
+    args.outdir.mkdir(parents=True, exist_ok=True)
+    jsonl = args.outdir / "pareto.jsonl"
+    done = set()
+    if jsonl.is_file():
+        done = {(r["row"], r["budget"], r.get("tag", ""))
+                for r in map(json.loads, jsonl.read_text().splitlines())}
+    kinds = args.rows.split(",")
+    budgets = [float(b) for b in args.budgets.split(",")]
+    model, tok = stiefkv.load_model(args.model, device=args.device)
+    extra = json.loads(args.extra)
+
+    def run_eval(proj):
+        return evaluate(model, tok, proj, window=2048, limit=args.windows, backend="reference",
+                        layer_errors=False)
+
+    def emit(row):
+        with jsonl.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{row['row']:>18} {row.get('tag', ''):>12} budget {row['budget']} "
+              f"bytes {row['bytes_fraction']:.4f} "
+              f"ppl {row['ppl']:.3f} kl {row['next_token_kl']:.4f} calib {row['calibration_s']}", flush=True)
+
+    if "baselines" in kinds:
+        for name in BASELINES:
+            if (name, None, "") not in done:
+                proj = baseline_projections(model, name)
+                emit(row_of(name, None, proj, run_eval(proj), None, {}))
+    cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16)
+    seqs = calibration_sequences(model, tok, data=cfg16.data, num_sequences=cfg16.num_sequences,
+                                 seq_len=cfg16.seq_len, seed=cfg16.seed)
+    if {"ranks", "pca-uniform-int4"} & set(kinds):
+        first16, fp16_s = first_pass_state(model, seqs, cfg16, args.outdir / "first_pass_bits16.safetensors",
+                                           args.device)
+        if "pca-uniform-int4" in kinds and ("pca-uniform-int4", 0.125, "") not in done:
+            proj = pca_uniform_int4(model, first16, first16.eig_k[0].shape[1] // 2)
+            emit(row_of("pca-uniform-int4", 0.125, proj, run_eval(proj), fp16_s, {}))
+        # bf16 latents cannot go below one rank step per latent (rank 8 of 64: 12.5 %)
+        floor16 = cfg16.rank_step / first16.eig_k[0].shape[1]
+        for b in budgets if "ranks" in kinds else ():
+            if ("ranks", b, "") not in done and b >= floor16:
+                cfg = CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b)
+                proj, s = calibrated(model, seqs, first16, cfg, args.device)
+                emit(row_of("ranks", b, proj, run_eval(proj), fp16_s + s,
+                            {"first_pass_s": fp16_s, "second_pass_s": s}))
+    if "auto" in kinds:
+        cfga = CalibrationConfig.from_kwargs(device=args.device, bits="auto", **extra)
+        suffix = "" if not args.tag else "_" + "".join(c if c.isalnum() else "-" for c in args.tag)
+        firsta, fpa_s = first_pass_state(model, seqs, cfga,
+                                         args.outdir / f"first_pass_auto{suffix}.safetensors", args.device)
+        for b in budgets:
+            if ("auto", b, args.tag) not in done:
+                cfg = CalibrationConfig.from_kwargs(device=args.device, bits="auto", budget=b, **extra)
+                proj, s = calibrated(model, seqs, firsta, cfg, args.device)
+                emit(row_of("auto", b, proj, run_eval(proj), fpa_s + s,
+                            {"first_pass_s": fpa_s, "second_pass_s": s, "tag": args.tag, "extra": extra}))
+
+
+if __name__ == "__main__":
+    main()

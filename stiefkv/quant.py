@@ -1,0 +1,222 @@
+"""Quantized latents: the bit widths and group layouts a latent can be stored in, and their exact bytes.
+
+A latent ``z`` ``[..., N, r]`` (tokens by latent channels) is stored as unsigned codes of ``bits`` bits,
+packed densely (eight codes in ``bits`` bytes), with an asymmetric min–max quantizer per group:
+``z ≈ code · scale + low``, ``scale`` and ``low`` in float16. Two group layouts:
+
+- ``token``: per token over the latent channels, groups of :data:`GROUP` channels.
+- ``channel`` (KIVI-style): per channel over groups of :data:`GROUP` consecutive tokens. Tokens after the
+  last full group (fewer than :data:`GROUP`) are the recent window and stay in the latent's float dtype
+  until their group fills.
+
+``bits=16`` is the float latent itself (bf16/fp16), stored as it is. Everything here is plain PyTorch and
+runs on any device; the fused kernels over codes belong to serving (the quantized path dequantizes into
+the float kernels).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+BITS = (16, 8, 4, 3, 2)
+QUANT_BITS = tuple(b for b in BITS if b < 16)
+LAYOUTS = ("token", "channel")
+GROUP = 64  # channels per scale (token layout) and tokens per scale (channel layout)
+SCALE_DTYPE = torch.float16
+SCALE_BYTES = 2  # one float16 scale and one float16 low per group
+FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
+POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
+REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How one latent is stored: ``bits`` in :data:`BITS`, ``layout`` in :data:`LAYOUTS` (unused at 16)."""
+
+    bits: int = 16
+    layout: str = "token"
+
+    def __post_init__(self):
+        if self.bits not in BITS:
+            raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}; got {self.bits!r}")
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
+        if self.bits == 16 and self.layout != "token":
+            object.__setattr__(self, "layout", "token")  # one name for the float latent
+
+    @property
+    def quantized(self) -> bool:
+        return self.bits < 16
+
+    def __str__(self) -> str:
+        return "bf16" if not self.quantized else f"int{self.bits}-{self.layout}"
+
+    @classmethod
+    def parse(cls, text: str) -> QuantSpec:
+        """``bf16``/``16`` or ``int{bits}-{layout}`` (``int4-channel``), as :meth:`__str__` writes it."""
+        if text in ("bf16", "fp16", "16"):
+            return cls()
+        head, _, layout = text.partition("-")
+        if not head.startswith("int") or not head[3:].isdigit():
+            raise ValueError(f"not a latent storage spec: {text!r} (expected bf16 or int{{bits}}-{{layout}})")
+        return cls(int(head[3:]), layout or "token")
+
+    def bytes_per_token(self, rank: int, context: int = REFERENCE_CONTEXT) -> float:
+        """Bytes one head's latent of ``rank`` channels costs per token in a cache of ``context`` tokens:
+        codes (packed, padded to whole bytes), scales and lows, and (``channel``) the float window."""
+        if not self.quantized:
+            return float(FLOAT_BYTES * rank)
+        codes = packed_bytes(rank, self.bits)
+        if self.layout == "token":
+            return float(codes + 2 * SCALE_BYTES * math.ceil(rank / GROUP))
+        full = context // GROUP * GROUP
+        window = context - full
+        total = full * codes + (full // GROUP) * 2 * SCALE_BYTES * rank + window * FLOAT_BYTES * rank
+        return total / context
+
+
+FLOAT = QuantSpec()
+
+
+def packed_bytes(n: int, bits: int) -> int:
+    """Bytes of ``n`` codes of ``bits`` bits packed eight to ``bits`` bytes (the last eight padded)."""
+    return math.ceil(n / 8) * bits
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """``[..., n]`` codes below ``2**bits`` → ``[..., packed_bytes(n, bits)]`` uint8.
+
+    Eight codes make one word of ``8 · bits`` bits (code ``i`` at bit ``bits · i``), written as ``bits``
+    little-endian bytes; one scheme for 2, 3, 4 and 8 bits, exact in bytes for 3 bits too.
+    """
+    n = codes.shape[-1]
+    pad = -n % 8
+    c = torch.nn.functional.pad(codes.to(torch.int64), (0, pad)).unflatten(-1, (-1, 8))
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    word = (c << shifts).sum(-1, keepdim=True)
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    return ((word >> byte_shifts) & 0xFF).to(torch.uint8).flatten(-2)
+
+
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of :func:`pack`: ``[..., packed_bytes(n, bits)]`` uint8 → ``[..., n]`` int64 codes."""
+    b = packed.to(torch.int64).unflatten(-1, (-1, bits))
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (b << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    return ((word >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :n]
+
+
+@dataclass
+class Quantized:
+    """Codes and per-group ``scale``/``low`` of a ``[..., N, r]`` latent (no window: full groups only).
+
+    ``token``: ``scale``/``low`` ``[..., N, ceil(r / GROUP)]``; ``channel``: ``[..., N / GROUP, r]``.
+    """
+
+    codes: torch.Tensor  # [..., N, packed_bytes(r, bits)] uint8
+    scale: torch.Tensor
+    low: torch.Tensor
+    bits: int
+    layout: str
+    rank: int
+
+    @property
+    def length(self) -> int:
+        return self.codes.shape[-2]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
+
+    def apply(self, fn) -> Quantized:
+        """The same codes with ``fn`` applied to each tensor (row selection, slicing along dim 0)."""
+        return Quantized(fn(self.codes), fn(self.scale), fn(self.low), self.bits, self.layout, self.rank)
+
+
+def _group_range(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``x`` viewed with groups on a dedicated axis, and its per-group min and max (float32).
+
+    ``token``: ``[..., N, g, GROUP]`` (a short last group padded with copies of its last channel, so its
+    range is its own); ``channel``: ``[..., N / GROUP, GROUP, r]``.
+    """
+    x = x.float()
+    if layout == "channel":
+        g = x.unflatten(-2, (-1, GROUP))
+        return g, g.amin(-2, keepdim=True), g.amax(-2, keepdim=True)
+    r = x.shape[-1]
+    pad = -r % GROUP
+    if pad:  # repeat the last channel: the padded group's min and max are those of its real channels
+        x = torch.cat([x, x[..., -1:].expand(*x.shape[:-1], pad)], -1)
+    g = x.unflatten(-1, (-1, GROUP))
+    return g, g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
+
+
+def quantize(x: torch.Tensor, spec: QuantSpec) -> Quantized:
+    """``x`` ``[..., N, r]`` (``N`` a multiple of :data:`GROUP` for ``channel``) → :class:`Quantized`.
+
+    The float16 scale and low are rounded first and the codes computed with the rounded values, so that
+    dequantizing gives the nearest representable value of each group's grid.
+    """
+    if not spec.quantized:
+        raise ValueError("a bf16 latent is not quantized")
+    if not x.is_floating_point():
+        raise TypeError(f"quantize takes a float latent, got {x.dtype}")
+    r = x.shape[-1]
+    if spec.layout == "channel" and x.shape[-2] % GROUP:
+        raise ValueError(f"the channel layout quantizes whole groups of {GROUP} tokens; got {x.shape[-2]}")
+    g, lo, hi = _group_range(x, spec.layout)
+    levels = (1 << spec.bits) - 1
+    low = lo.to(SCALE_DTYPE)
+    scale = ((hi - low.float()) / levels).to(SCALE_DTYPE)
+    # a constant group (scale 0) quantizes to code 0 and comes back exactly as its low
+    step = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    codes = torch.round((g - low.float()) / step).clamp_(0, levels)
+    if spec.layout == "channel":
+        codes = codes.flatten(-3, -2)
+        scale, low = scale.squeeze(-2), low.squeeze(-2)
+    else:
+        codes = codes.flatten(-2)[..., :r]
+        scale, low = scale.squeeze(-1), low.squeeze(-1)
+    return Quantized(pack(codes, spec.bits), scale, low, spec.bits, spec.layout, r)
+
+
+def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``[..., N, r]`` in ``dtype``: ``code · scale + low`` of each group, computed in float32."""
+    codes = unpack(q.codes, q.bits, q.rank).float()
+    scale, low = q.scale.float(), q.low.float()
+    if q.layout == "channel":
+        out = codes.unflatten(-2, (-1, GROUP)) * scale.unsqueeze(-2) + low.unsqueeze(-2)
+        return out.flatten(-3, -2).to(dtype)
+    scale = scale.repeat_interleave(GROUP, -1)[..., : q.rank]
+    low = low.repeat_interleave(GROUP, -1)[..., : q.rank]
+    return (codes * scale + low).to(dtype)
+
+
+def quantized_length(n: int, spec: QuantSpec) -> int:
+    """How many of ``n`` tokens are held as codes (the rest is the channel layout's float window)."""
+    if not spec.quantized:
+        return 0
+    return n if spec.layout == "token" else n // GROUP * GROUP
+
+
+def fake_quant(x: torch.Tensor, spec: QuantSpec, *, straight_through: bool = False) -> torch.Tensor:
+    """``x`` ``[..., N, r]`` as a cache of ``spec`` returns it after holding all ``N`` tokens: quantized and
+    dequantized (the ``channel`` layout's last ``N mod GROUP`` tokens unchanged), in ``x``'s dtype.
+
+    ``straight_through`` makes the gradient pass as if the quantizer were the identity (the
+    straight-through estimator), so bases can be trained for the bits they will be stored in.
+    """
+    if not spec.quantized:
+        return x
+    n = quantized_length(x.shape[-2], spec)
+    if n == 0:
+        return x
+    head = x[..., :n, :]
+    deq = dequantize(quantize(head.detach(), spec), x.dtype)
+    if straight_through:
+        deq = head + (deq - head).detach()
+    return deq if n == x.shape[-2] else torch.cat([deq, x[..., n:, :]], -2)
