@@ -70,7 +70,7 @@ class LatentCache(_dynamic_cache_class()):
         """
         if quant is not None and any(q.quantized for q in quant):
             while len(self.layers) <= layer_idx:
-                self.layers.append(type(self.layers[0])() if self.layers else _dynamic_layer_class()())
+                self.layers.append(_dynamic_layer_class()())
             if not isinstance(self.layers[layer_idx], QuantizedLatentLayer):
                 if self.layers[layer_idx].get_seq_length():
                     raise ValueError(f"layer {layer_idx} of this cache already holds float latents; a "

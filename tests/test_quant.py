@@ -1,0 +1,358 @@
+"""Quantized latents (issue 13): packing, the quantizer against a float64 reference, the cache's stores and
+bytes, the served model, the checkpoint format, the byte knapsack and the bad inputs.
+
+Tolerances: the quantizer is compared with a float64 reference that rounds its scale and low to float16 as
+the quantizer does; a code may differ by one where ``(x − low) / scale`` lies within float32 rounding of
+a half step (allowed: at most 0.1 % of elements, off by exactly one step), and dequantized values of an
+agreeing code match to 1e-6 relative in float32. A bf16/fp16 latent's dequantized output is compared after
+the same cast. NaN never passes: every output is checked finite.
+"""
+
+import itertools
+import math
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import stiefkv
+from stiefkv.calibrate.allocate import knapsack_options, smallest_budget, storage_dp
+from stiefkv.calibrate.profile import LayerProfile, spreading_rotation
+from stiefkv.cache import LatentStore
+from stiefkv.cli import main
+from stiefkv.evaluate import BASELINES, baseline_projections
+from stiefkv.projections import CheckpointError, Projections
+from stiefkv.quant import (
+    GROUP,
+    LAYOUTS,
+    QUANT_BITS,
+    QuantSpec,
+    dequantize,
+    fake_quant,
+    pack,
+    packed_bytes,
+    quantize,
+    unpack,
+)
+from tests.tiny import random_projections, tiny_model
+from tests.utils import CharTokenizer
+
+SPECS = [QuantSpec(b, layout) for b in QUANT_BITS for layout in LAYOUTS]
+
+
+def gen(seed):
+    return torch.Generator().manual_seed(seed)
+
+
+def latents(shape, seed, dtype=torch.float32):
+    """Latents with channels of very different ranges and a few outliers, as PCA latents have."""
+    g = gen(seed)
+    x = torch.randn(*shape, generator=g) * torch.logspace(0.5, -1, shape[-1])
+    x[..., 0, 0] += 25.0
+    return x.to(dtype)
+
+
+@pytest.mark.parametrize("bits", QUANT_BITS)
+@pytest.mark.parametrize("n", [1, 5, 8, 13, 64, 77])
+def test_pack_round_trip(bits, n):
+    codes = torch.randint(0, 2 ** bits, (3, 7, n), generator=gen(n * bits))
+    packed = pack(codes, bits)
+    assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_bytes(n, bits) == math.ceil(n / 8) * bits
+    assert torch.equal(unpack(packed, bits, n), codes)
+
+
+def reference_fake_quant(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Float64 min–max quantization of full groups, scale and low rounded to float16 first."""
+    x = x.double()
+    levels = 2 ** spec.bits - 1
+    out = x.clone()
+    N, r = x.shape[-2:]
+    if spec.layout == "token":
+        groups = [(slice(None), slice(c, min(r, c + GROUP))) for c in range(0, r, GROUP)]
+        reduce = -1
+    else:
+        groups = [(slice(t, t + GROUP), slice(None)) for t in range(0, N // GROUP * GROUP, GROUP)]
+        reduce = -2
+    for rows, cols in groups:
+        g = x[..., rows, cols]
+        lo = g.amin(reduce, keepdim=True).half().double()
+        scale = ((g.amax(reduce, keepdim=True) - lo) / levels).half().double()
+        step = torch.where(scale > 0, scale, torch.ones_like(scale))
+        out[..., rows, cols] = torch.round((g - lo) / step).clamp(0, levels) * scale + lo
+    return out
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("r", [13, 77])
+def test_quantizer_matches_float64_reference(spec, r):
+    N = 2 * GROUP + 19  # a float window of 19 tokens in the channel layout
+    x = latents((2, 3, N, r), seed=r + spec.bits)
+    got = fake_quant(x, spec)
+    want = reference_fake_quant(x, spec)
+    assert torch.isfinite(got).all()
+    diff = (got.double() - want).abs()
+    # where codes agree the values agree; a code off by one lies one step (the group's scale) away
+    agree = diff <= 1e-6 * (1 + want.abs())
+    assert agree.float().mean() >= 0.999, f"{(~agree).sum()} of {agree.numel()} differ"
+    assert (diff[~agree] <= diff.new_tensor(3 * 32.0 / 2 ** spec.bits) + 1e-6).all()
+    if spec.layout == "channel":
+        assert torch.equal(got[..., 2 * GROUP:, :], x[..., 2 * GROUP:, :])  # the window is untouched
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
+def test_quantizer_half_dtypes(dtype, tol):
+    x = latents((1, 2, GROUP, 21), seed=5, dtype=dtype)
+    for spec in SPECS:
+        got = fake_quant(x, spec)
+        assert got.dtype == dtype and torch.isfinite(got).all()
+        want = reference_fake_quant(x.float(), spec).to(dtype).double()
+        # one rounding of the output to dtype, or one quantization step apart (codes at a half step)
+        err = (got.double() - want).abs()
+        step = (x.float().amax() - x.float().amin()).item() / (2 ** spec.bits - 1)
+        assert (err <= tol * want.abs() + 1e-3 + step * (err > tol * want.abs() + 1e-3)).all()
+
+
+def test_quantization_error_is_within_half_a_step():
+    x = latents((2, 2, 2 * GROUP, 40), seed=3)
+    for spec in SPECS:
+        q = quantize(x, spec)
+        step = q.scale.float()
+        step = step.repeat_interleave(GROUP, -1)[..., :40] if spec.layout == "token" \
+            else step.repeat_interleave(GROUP, -2)
+        err = (dequantize(q) - x).abs()
+        assert torch.isfinite(err).all() and (err <= step / 2 + 1e-4 * x.abs() + 1e-5).all(), spec
+
+
+def test_constant_groups_come_back_exactly():
+    x = torch.full((1, 1, GROUP, 9), 3.25)
+    for spec in SPECS:
+        assert torch.equal(fake_quant(x, spec), x)
+
+
+def test_straight_through_gradient_is_identity():
+    x = latents((1, 2, GROUP + 3, 11), seed=1).requires_grad_()
+    for spec in SPECS:
+        (g,) = torch.autograd.grad((fake_quant(x, spec, straight_through=True) * 3).sum(), x)
+        assert torch.equal(g, torch.full_like(x, 3.0))
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+def test_store_appends_in_chunks_as_one_quantization(spec):
+    r, total = 19, 3 * GROUP + 29
+    x = latents((2, 3, total, r), seed=spec.bits)
+    store = LatentStore(spec)
+    cuts = sorted(torch.randint(1, total, (6,), generator=gen(7)).tolist())
+    for a, b in itertools.pairwise([0, *cuts, total]):
+        if b > a:
+            store.append(x[..., a:b, :])
+    assert store.length == total
+    assert torch.equal(store.read(x.dtype), fake_quant(x, spec))
+    # a cut through a group keeps exactly what was read before
+    before = store.read(x.dtype)
+    for n in (total - 3, 2 * GROUP + 5, GROUP, 17):
+        store.keep(n)
+        assert store.length == n and torch.equal(store.read(x.dtype), before[..., :n, :])
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=str)
+@pytest.mark.parametrize("r,N", [(13, 2 * GROUP), (77, 3 * GROUP + 10), (8, 100)])
+def test_store_bytes_equal_the_accounting(spec, r, N):
+    store = LatentStore(spec)
+    store.append(latents((1, 1, N, r), seed=r, dtype=torch.bfloat16))
+    assert store.nbytes == pytest.approx(spec.bytes_per_token(r, context=N) * N, abs=1e-9)
+
+
+def quantized_projections(model, rk=13, rv=11, specs=None):
+    proj = random_projections(model, rk, rv)
+    proj.quant = specs or [(QuantSpec(4, "token"), QuantSpec(3, "token")),
+                           (QuantSpec(16), QuantSpec(2, "token"))]
+    return Projections(keys=proj.keys, values=proj.values, key_mode=proj.key_mode, fingerprint=proj.fingerprint,
+                       budget=proj.budget, method="random", quant=proj.quant)
+
+
+def decode_logits(model, ids, prefill):
+    cache = stiefkv.LatentCache()
+    steps = [model(ids[:, :prefill], use_cache=True, past_key_values=cache).logits]
+    for t in range(prefill, ids.shape[1]):
+        steps.append(model(ids[:, t:t + 1], use_cache=True, past_key_values=cache).logits)
+    return torch.cat(steps, 1), cache
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_cached_decoding_matches_full_forward_per_token(key_mode):
+    """Per-token storage quantizes each token on arrival: cached decoding sees what one full forward sees."""
+    model = tiny_model()
+    proj = quantized_projections(model)
+    proj.key_mode = key_mode
+    stiefkv.load(model, proj)
+    ids = torch.randint(0, 97, (2, 41), generator=gen(0))
+    full = model(ids, use_cache=False).logits
+    inc, cache = decode_logits(model, ids, 20)
+    assert torch.isfinite(inc).all()
+    torch.testing.assert_close(inc, full, rtol=1e-4, atol=1e-4)
+    assert cache.get_seq_length() == 41
+
+
+def test_channel_layout_decoding_meets_the_full_forward_at_the_end():
+    """Per-channel groups quantize once 64 tokens fill: earlier decode steps still read those tokens in
+    float, so only the last step, when the cache holds what one full forward holds, must agree — in a
+    one-layer model (deeper layers' cached keys depend on what the layers below saw at each step)."""
+    model = tiny_model(layers=1)
+    proj = quantized_projections(model, specs=[(QuantSpec(4, "channel"), QuantSpec(2, "channel"))])
+    stiefkv.load(model, proj)
+    ids = torch.randint(0, 97, (1, 2 * GROUP + 7), generator=gen(1))
+    full = model(ids, use_cache=False).logits
+    inc, _ = decode_logits(model, ids, 50)
+    assert torch.isfinite(inc).all()
+    torch.testing.assert_close(inc[:, -1], full[:, -1], rtol=1e-4, atol=1e-4)
+    prefill = model(ids[:, :50], use_cache=False).logits  # fewer than 64 tokens: all in the float window
+    torch.testing.assert_close(inc[:, :50], prefill, rtol=1e-4, atol=1e-4)
+
+
+def test_cache_nbytes_counts_everything():
+    model = tiny_model(dtype=torch.bfloat16)
+    specs = [(QuantSpec(4, "channel"), QuantSpec(3, "token")), (QuantSpec(16), QuantSpec(8, "channel"))]
+    stiefkv.load(model, quantized_projections(model, specs=specs))
+    for N in (2 * GROUP, 2 * GROUP + 21):
+        cache = stiefkv.LatentCache()
+        model(torch.randint(0, 97, (1, N), generator=gen(N)), use_cache=True, past_key_values=cache)
+        proj = stiefkv.attention.projections_of(model)
+        assert cache.nbytes == pytest.approx(proj.kv_bytes_per_token(context=N) * N)
+
+
+def test_generate_greedy_and_beams_on_quantized_latents():
+    model = tiny_model()
+    stiefkv.load(model, quantized_projections(model))
+    ids = torch.randint(1, 97, (2, 9), generator=gen(2))
+    cached = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    plain = model.generate(ids, max_new_tokens=8, do_sample=False, pad_token_id=0, use_cache=False)
+    assert torch.equal(cached, plain)
+    beams = model.generate(ids, max_new_tokens=6, do_sample=False, num_beams=3, pad_token_id=0)
+    assert beams.shape == (2, 15)
+
+
+def test_crop_then_continue_matches_a_fresh_prefill():
+    model = tiny_model()
+    stiefkv.load(model, quantized_projections(model))
+    ids = torch.randint(0, 97, (1, 30), generator=gen(4))
+    _, cache = decode_logits(model, ids, 25)
+    cache.crop(-12)  # transformers ≥ 5.24: remove 12 tokens
+    assert cache.get_seq_length() == 18 and cache.positions.shape[1] == 18
+    nxt = model(ids[:, 18:19], use_cache=True, past_key_values=cache).logits
+    fresh = model(ids[:, :19], use_cache=False).logits[:, -1:]
+    torch.testing.assert_close(nxt, fresh, rtol=1e-4, atol=1e-4)
+
+
+def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
+    model = tiny_model()
+    proj = quantized_projections(model)
+    path = proj.save(tmp_path / "q.safetensors")
+    back = Projections.load(path)
+    assert back.specs == proj.specs and back.header()["format_version"] == 3
+    assert back.header()["quant"][0] == ["int4-token", "int3-token"]
+    plain = random_projections(model, 8, 8)
+    assert plain.header()["format_version"] == 2 and "quant" not in plain.header()  # older readers take it
+    with pytest.raises(CheckpointError, match="format version 4; this StiefKV reads up to 3"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=4))
+    with pytest.raises(CheckpointError, match="'quant' in a format version 2"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=2))
+    with pytest.raises(CheckpointError, match="bits must be one of"):
+        _edited(tmp_path, path, lambda h: h["quant"].__setitem__(0, ["int5-token", "bf16"]))
+
+
+def _edited(tmp_path, path, edit):
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        header = json.loads(f.metadata()["stiefkv"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    edit(header)
+    out = tmp_path / "edited.safetensors"
+    save_file(tensors, str(out), metadata={"stiefkv": json.dumps(header)})
+    return Projections.load(out)
+
+
+def test_knapsack_options_is_exact():
+    g = gen(9)
+    for trial in range(30):
+        groups = [[(int(torch.randint(1, 7, (1,), generator=g)), float(torch.rand(1, generator=g)))
+                   for _ in range(int(torch.randint(1, 4, (1,), generator=g)))] for _ in range(4)]
+        capacity = int(torch.randint(4, 20, (1,), generator=g))
+        feasible = [c for c in itertools.product(*[range(len(o)) for o in groups])
+                    if sum(groups[i][j][0] for i, j in enumerate(c)) <= capacity]
+        if not feasible:
+            with pytest.raises(ValueError):
+                knapsack_options(groups, capacity)
+            continue
+        best = min(sum(groups[i][j][1] for i, j in enumerate(c)) for c in feasible)
+        got = knapsack_options(groups, capacity)
+        assert sum(groups[i][j][0] for i, j in enumerate(got)) <= capacity
+        assert sum(groups[i][j][1] for i, j in enumerate(got)) == pytest.approx(best)
+
+
+def fake_profile(d=32, step=8, rank_cost=1.0, quant_cost=0.01):
+    ranks = list(range(step, d + 1, step))
+    prof = LayerProfile(ranks=ranks, metric="kl")
+    for which in "kv":
+        setattr(prof, which, [rank_cost * (d - r) / d for r in ranks])
+        prof.quant[which] = {str(s): [rank_cost * (d - r) / d + quant_cost * 2 ** (8 - s.bits) for r in ranks]
+                             for s in SPECS}
+    return prof
+
+
+def test_storage_dp_stays_in_budget_and_can_answer_quantization_only():
+    G, d, L = 2, 32, 3
+    full = L * G * 2 * d * 2
+    specs = SPECS + [QuantSpec(16)]
+    for budget in (0.5, 0.25, 0.14):
+        ranks, quant = storage_dp([fake_profile()] * L, budget, G, d, 8, specs)
+        proj_bytes = sum(G * (qk.bytes_per_token(rk) + qv.bytes_per_token(rv))
+                         for (rk, rv), (qk, qv) in zip(ranks, quant)) + 4
+        assert proj_bytes <= budget * full
+    # rank is expensive, bits are cheap: full rank at some bit width everywhere
+    ranks, quant = storage_dp([fake_profile(rank_cost=100.0)] * L, 0.3, G, d, 8, specs)
+    assert all(r == (d, d) for r in ranks) and all(q.quantized for pair in quant for q in pair)
+    floor = smallest_budget(L, G, d, 8, specs)
+    with pytest.raises(ValueError, match=f"{floor:.4g}"):
+        storage_dp([fake_profile()] * L, floor * 0.9, G, d, 8, specs)
+
+
+def test_spreading_rotation_is_orthogonal_and_flat():
+    for r in (8, 24, 64, 40):
+        R = spreading_rotation(r).double()
+        torch.testing.assert_close(R.T @ R, torch.eye(r, dtype=torch.float64), atol=1e-6, rtol=0)
+        assert R.abs().max() <= (2 / r) ** 0.5 + 1e-6
+
+
+def test_calibrate_auto_fits_the_budget_and_bits16_stays_bf16(corpus):
+    common = {"data": str(corpus), "num_sequences": 6, "seq_len": 70, "seed": 1, "steps": 4,
+              "step_sequences": 2, "profile_sequences": 2}
+    for budget in (0.3, 0.12):
+        proj = stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=budget, **common)
+        assert proj.quantized and proj.kv_bytes_per_token() <= budget * 2 * 2 * 2 * 24 * 2 + 1e-9
+        assert proj.settings["bits"] == "auto"
+    plain = stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.5, bits=16, **common)
+    assert not plain.quantized and plain.achieved_budget <= 0.5
+
+
+def test_baselines_are_identity_bases_with_quantized_storage():
+    model = tiny_model()
+    for name, (qk, qv) in BASELINES.items():
+        proj = baseline_projections(model, name)
+        assert proj.ranks == [(24, 24)] * 2 and proj.specs == [(qk, qv)] * 2
+        assert proj.kv_bytes_per_token() == pytest.approx(2 * 2 * (qk.bytes_per_token(24)
+                                                                    + qv.bytes_per_token(24)) + 4)
+
+
+def test_cli_rejects_unsupported_bits_and_budgets_below_the_smallest(tmp_path, monkeypatch):
+    monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
+    out = tmp_path / "c.safetensors"
+    for args, message in ((["--bits", "5"], "bits must be one of 16, 8, 4, 3, 2, auto; got '5'"),
+                          (["--budget", "0.01"], "below the smallest cache --bits auto can make")):
+        result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), *args])
+        lines = [x for x in result.output.splitlines() if x.strip() and not x.startswith(("INFO", "WARN"))]
+        assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
+        assert not out.exists() and not out.with_name(out.name + ".partial").exists()
