@@ -93,15 +93,17 @@ def pca_uniform_int4(model, first, rank: int):
 
 
 def row_of(name: str, budget: float | None, proj, result, calib_s: float | None, extra: dict) -> dict:
-    return utils.provenance() | {
-        "row": name, "budget": budget, "ppl": result.ppl, "ppl_original": result.ppl_original,
-        "next_token_kl": result.next_token_kl, "windows": result.windows, "tokens": result.tokens_scored,
-        "kv_bytes_per_token": proj.kv_bytes_per_token(), "bytes_fraction": proj.kv_bytes_per_token()
-        / (2 * 2 * proj.keys[0].shape[1] * proj.keys[0].shape[0] * len(proj.keys)),
-        "achieved_budget": proj.achieved_budget, "calibration_s": calib_s,
-        "ranks": [list(r) for r in proj.ranks],
-        "storage": [[str(q) for q in pair] for pair in proj.specs],
-    } | extra
+    case = f"{name} {budget}" if budget is not None else name
+    case += f" {extra['tag']}" if extra.get("tag") else ""
+    full_bytes = 2 * 2 * proj.keys[0].shape[1] * proj.keys[0].shape[0] * len(proj.keys)  # L·G·2d·2
+    return {
+        "bench": "pareto", "case": case, "row": name, "budget": budget, "ppl": result.ppl,
+        "ppl_original": result.ppl_original, "next_token_kl": result.next_token_kl, "windows": result.windows,
+        "tokens": result.tokens_scored, "kv_bytes_per_token": proj.kv_bytes_per_token(),
+        "bytes_fraction": proj.kv_bytes_per_token() / full_bytes, "achieved_budget": proj.achieved_budget,
+        "calibration_s": calib_s, "ranks": [list(r) for r in proj.ranks],
+        "storage": [[str(q) for q in pair] for pair in proj.specs], "remeasured": True,
+    } | extra | {"provenance": utils.provenance()}
 
 
 def plot(rows: list[dict], path: Path) -> Path:

@@ -243,6 +243,7 @@ def claims(res: Results) -> str:
         g is not None and g["stiefkv_peak_gib"] < g["full_peak_gib"],
         [g],
     )
+    pareto_claims(res, claim)
     return table(["claim", "value", "target", "status", "row (file · case)"], out)
 
 
@@ -620,6 +621,107 @@ def streamkl_compiled(res: Results) -> str:
     return table(head, out)
 
 
+# ------------------------------------------------------------------------------------------- bytes (issue 13)
+PARETO_BUDGETS = (0.5, 0.25, 0.1875, 0.125, 0.09375, 0.0625)
+BASELINE_NAMES = tuple(f"{k}{b}" for b in (8, 4, 3, 2) for k in ("int", "kivi"))
+
+
+def pareto_line(r: dict, label: str) -> list[str]:
+    calib = "–" if r.get("calibration_s") is None else f"{r['calibration_s']:.0f}"
+    return [label, f"{100 * r['bytes_fraction']:.2f} %", f"{r['kv_bytes_per_token']:.0f}",
+            f"{r['ppl']:.2f}", f"{100 * (r['ppl'] / r['ppl_original'] - 1):+.1f} %",
+            f"{r['next_token_kl']:.4f}", calib]
+
+
+def pareto(res: Results) -> str:
+    head = ["cache", "bytes / bf16", "B/token", "PPL", "ΔPPL", "next-token KL", "calib. s"]
+    out = []
+    first = next((r for r in res.rows("pareto") if "ppl_original" in r), None)
+    if first is None:
+        return table(head, [])
+    full = 4 * 64 * 3 * 30  # SmolLM2: 2 · d · G · L · 2 bytes
+    out.append(["uncompressed (bf16)", "100 %", f"{full}", f"{first['ppl_original']:.2f}"] + ["–"] * 3)
+    for b in PARETO_BUDGETS:
+        for case, label in ((f"auto {b}", f"StiefKV auto, budget {100 * b:g} %"),
+                            (f"ranks {b}", f"StiefKV ranks only (bf16), budget {100 * b:g} %")):
+            r = res.pick("pareto", case)
+            if r is not None:
+                out.append(pareto_line(r, label))
+    for name in BASELINE_NAMES:
+        r = res.pick("pareto", name)
+        if r is not None:
+            label = (f"int{name[3:]} per token" if name.startswith("int") else f"KIVI-{name[4:]}")
+            out.append(pareto_line(r, label + " (quantization only)"))
+    r = res.pick("pareto", "pca-uniform-int4 0.125")
+    if r is not None:
+        out.append(pareto_line(r, "PCA-uniform rank 32 + int4 per token"))
+    return table(head, out)
+
+
+def pareto_variants(res: Results) -> str:
+    head = ["variant", "budget", "bytes / bf16", "PPL", "next-token KL", "calib. s", "against"]
+    out = []
+    for r in res.rows("pareto"):
+        if r.get("row") != "auto" or r.get("tag") in (None, "", "no STE"):  # "no STE" is the default: a rerun
+            continue
+        r = res.pick("pareto", r["case"])
+        if r is None or any(x[0] == r["case"] for x in out):
+            continue
+        default = res.pick("pareto", f"auto {r['budget']}")
+        against = f"default {default['ppl']:.2f}" if default else "–"
+        if default is None:  # the equal-bytes rows: the baseline of those bytes
+            same = [x for x in (res.pick("pareto", n) for n in BASELINE_NAMES)
+                    if x and abs(x["bytes_fraction"] - r["budget"]) < 1e-3]
+            base = min(same, key=lambda x: x["ppl"])
+            against = f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %"
+        out.append([r["case"], f"{100 * r['budget']:g} %", f"{100 * r['bytes_fraction']:.2f} %",
+                    f"{r['ppl']:.2f}", f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
+    return table(head, out)
+
+
+def pareto_claims(res: Results, claim) -> None:
+    auto = {b: res.pick("pareto", f"auto {b}") for b in PARETO_BUDGETS}
+    ranks = {b: res.pick("pareto", f"ranks {b}") for b in PARETO_BUDGETS}
+    base = [res.pick("pareto", n) for n in BASELINE_NAMES]
+    int8 = res.pick("pareto", "int8")
+    if auto[0.5] and int8:
+        d = auto[0.5]["ppl"] / int8["ppl"] - 1
+        claim("SmolLM2 `--bits auto` 50 %: PPL vs the int8 cache (53.1 % of the bytes)",
+              f"{auto[0.5]['ppl']:.3f} vs {int8['ppl']:.3f} ({d:+.2%})", "within 0.2 %", abs(d) <= 0.002,
+              [auto[0.5], int8])
+    for b in (0.25, 0.1875, 0.125, 0.09375, 0.0625):
+        a = auto[b]
+        fitting = [x for x in base if x and x["bytes_fraction"] <= b + 1e-9]
+        best = min(fitting, key=lambda x: x["ppl"]) if fitting else None
+        if best is not None and a is not None:
+            claim(f"auto {100 * b:g} %: PPL vs the best quantization-only cache of ≤ its bytes",
+                  f"{a['ppl']:.2f} vs {best['case']} {best['ppl']:.2f} "
+                  f"({100 * best['bytes_fraction']:.1f} %)",
+                  "lower", a["ppl"] < best["ppl"], [a, best])
+        elif a is not None:  # no baseline is this small: against the smallest, which holds more bytes
+            small = min((x for x in base if x), key=lambda x: (x["bytes_fraction"], x["ppl"]))
+            claim(f"auto {100 * b:g} %: PPL vs the smallest quantization-only cache (more bytes)",
+                  f"{a['ppl']:.2f} vs {small['case']} {small['ppl']:.2f} "
+                  f"({100 * small['bytes_fraction']:.1f} %)", "lower", a["ppl"] < small["ppl"], [a, small])
+    for b, target in ((0.125, 27.5), (0.0625, 44.0)):
+        a = auto[b]
+        claim(f"auto {100 * b:g} %: PPL", f"{a['ppl']:.2f}" if a else "", f"≤ {target:g}",
+              a is not None and a["ppl"] <= target, [a])
+    pairs = [(auto[b], ranks[b]) for b in PARETO_BUDGETS if auto[b] and ranks[b]]
+    if pairs:
+        ratios = [a["calibration_s"] / r["calibration_s"] for a, r in pairs]
+        claim("Calibration time, auto / `--bits 16` (both passes, H200, same run)",
+              f"{min(ratios):.2f}–{max(ratios):.2f}× ({len(pairs)} budgets)", "≤ 1.5×", max(ratios) <= 1.5,
+              [x for pair in pairs for x in pair][:2])
+    cpu16 = res.pick("calibrate_speed", "calibrate smollm2 float32 cpu bits=16")
+    cpua = res.pick("calibrate_speed", "calibrate smollm2 float32 cpu bits=auto")
+    claim("Calibration time, auto / `--bits 16`, defaults at 50 %, 2-core CPU",
+          f"{cpua['seconds'] / cpu16['seconds']:.2f}× "
+          f"({cpua['seconds'] / 60:.1f} / {cpu16['seconds'] / 60:.1f} min)"
+          if cpu16 and cpua else "", "≤ 1.5×",
+          bool(cpu16 and cpua and cpua["seconds"] <= 1.5 * cpu16["seconds"]), [cpu16, cpua])
+
+
 # ------------------------------------------------------------------------------------------------ provenance
 def runs(res: Results) -> str:
     seen: dict[tuple, list] = {}
@@ -655,6 +757,8 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "generate": generate,
     "streamkl": streamkl,
     "streamkl-compiled": streamkl_compiled,
+    "pareto": pareto,
+    "pareto-variants": pareto_variants,
 }
 
 

@@ -299,7 +299,7 @@ def _inspect_table(proj) -> str:
         f"H={fp.get('H')} G={G} d={d}) · method {proj.method} · key mode "
         f"{proj.key_mode} · budget {_fmt(proj.budget, 'g')} (achieved {proj.achieved_budget:.4f})",
         f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation "
-        f"{s.get('allocation')} · bits {s.get('bits', '16')} · order {s.get('order', '–')} · steps {steps}",
+        f"{s.get('allocation')} · bits {s.get('bits', '–')} · order {s.get('order', '–')} · steps {steps}",
         f"KV cache: {proj.kv_bytes_per_token():.1f} bytes per token (a {2048}-token cache, positions "
         f"included)" + (f" against {L * G * 4 * d} for the uncompressed bf16 cache" if L and G and d else ""),
         "",

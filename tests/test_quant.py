@@ -16,9 +16,9 @@ import torch
 from click.testing import CliRunner
 
 import stiefkv
+from stiefkv.cache import LatentStore
 from stiefkv.calibrate.allocate import knapsack_options, smallest_budget, storage_dp
 from stiefkv.calibrate.profile import LayerProfile, spreading_rotation
-from stiefkv.cache import LatentStore
 from stiefkv.cli import main
 from stiefkv.evaluate import BASELINES, baseline_projections
 from stiefkv.projections import CheckpointError, Projections
@@ -57,7 +57,8 @@ def latents(shape, seed, dtype=torch.float32):
 def test_pack_round_trip(bits, n):
     codes = torch.randint(0, 2 ** bits, (3, 7, n), generator=gen(n * bits))
     packed = pack(codes, bits)
-    assert packed.dtype == torch.uint8 and packed.shape[-1] == packed_bytes(n, bits) == math.ceil(n / 8) * bits
+    assert packed.dtype == torch.uint8
+    assert packed.shape[-1] == packed_bytes(n, bits) == math.ceil(n / 8) * bits
     assert torch.equal(unpack(packed, bits, n), codes)
 
 
@@ -166,8 +167,8 @@ def quantized_projections(model, rk=13, rv=11, specs=None):
     proj = random_projections(model, rk, rv)
     proj.quant = specs or [(QuantSpec(4, "token"), QuantSpec(3, "token")),
                            (QuantSpec(16), QuantSpec(2, "token"))]
-    return Projections(keys=proj.keys, values=proj.values, key_mode=proj.key_mode, fingerprint=proj.fingerprint,
-                       budget=proj.budget, method="random", quant=proj.quant)
+    return Projections(keys=proj.keys, values=proj.values, key_mode=proj.key_mode,
+                       fingerprint=proj.fingerprint, budget=proj.budget, method="random", quant=proj.quant)
 
 
 def decode_logits(model, ids, prefill):
