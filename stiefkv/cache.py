@@ -128,6 +128,7 @@ class LatentStore:
         self.spec = spec
         self.codes: Quantized | None = None
         self.window: torch.Tensor | None = None  # float latents not (yet) quantized
+        self.dtype: torch.dtype | None = None  # of the latents: a crop may bring codes back to the window
 
     @property
     def length(self) -> int:
@@ -141,6 +142,7 @@ class LatentStore:
 
     def append(self, z: torch.Tensor) -> None:
         """Add ``z`` ``[B, G, n, r]``: quantized at once per token, per channel once its group fills."""
+        self.dtype = z.dtype
         window = z if self.window is None else torch.cat([self.window, z], -2)
         n = window.shape[-2]
         full = n if self.spec.layout == "token" else n // GROUP * GROUP
@@ -150,7 +152,6 @@ class LatentStore:
         new = quantize(window[..., :full, :], self.spec)
         self.codes = new if self.codes is None else _cat_codes(self.codes, new)
         self.window = window[..., full:, :] if full < n else None
-        self._dtype = z.dtype
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """Every cached token's latent ``[B, G, N, r]`` in ``dtype`` (codes dequantized)."""
@@ -175,9 +176,8 @@ class LatentStore:
         if n >= held:
             self.window = self.window[..., : n - held, :] if n > held else None
             return
-        dtype = self.window.dtype if self.window is not None else getattr(self, "_dtype", torch.float32)
         kept_codes = n if self.spec.layout == "token" else n // GROUP * GROUP
-        tail = dequantize(self.codes, dtype)[..., kept_codes:n, :] if n > kept_codes else None
+        tail = dequantize(self.codes, self.dtype)[..., kept_codes:n, :] if n > kept_codes else None
         self.codes = _slice_codes(self.codes, kept_codes) if kept_codes else None
         self.window = tail
 

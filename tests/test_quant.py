@@ -357,3 +357,18 @@ def test_cli_rejects_unsupported_bits_and_budgets_below_the_smallest(tmp_path, m
         lines = [x for x in result.output.splitlines() if x.strip() and not x.startswith(("INFO", "WARN"))]
         assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
         assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+
+
+def test_save_pretrained_keeps_the_storage(tmp_path):
+    from tests.tiny import tiny_tokenizer
+
+    model = tiny_model()
+    proj = quantized_projections(model)
+    stiefkv.load(model, proj)
+    x = torch.randint(0, 97, (1, 70), generator=gen(6))
+    compressed = model(x).logits
+    model.save_pretrained(tmp_path)
+    tiny_tokenizer().save_pretrained(tmp_path)
+    reloaded, _ = stiefkv.load_model(str(tmp_path))
+    assert stiefkv.attention.projections_of(reloaded).specs == proj.specs
+    torch.testing.assert_close(reloaded(x).logits, compressed, atol=1e-6, rtol=1e-6)
