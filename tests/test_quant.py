@@ -19,7 +19,6 @@ import stiefkv
 from stiefkv.cache import LatentStore
 from stiefkv.calibrate.allocate import knapsack_options, smallest_budget, storage_dp
 from stiefkv.calibrate.profile import LayerProfile, spreading_rotation
-from stiefkv.cli import main
 from stiefkv.evaluate import BASELINES, baseline_projections
 from stiefkv.projections import CheckpointError, Projections
 from stiefkv.quant import (
@@ -329,6 +328,7 @@ def test_spreading_rotation_is_orthogonal_and_flat():
 
 
 def test_calibrate_auto_fits_the_budget_and_bits16_stays_bf16(corpus):
+    pytest.importorskip("geoopt")  # the GPU image has none
     common = {"data": str(corpus), "num_sequences": 6, "seq_len": 70, "seed": 1, "steps": 4,
               "step_sequences": 2, "profile_sequences": 2}
     for budget in (0.3, 0.12):
@@ -349,6 +349,9 @@ def test_baselines_are_identity_bases_with_quantized_storage():
 
 
 def test_cli_rejects_unsupported_bits_and_budgets_below_the_smallest(tmp_path, monkeypatch):
+    pytest.importorskip("geoopt")
+    from stiefkv.cli import main
+
     monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
     out = tmp_path / "c.safetensors"
     for args, message in ((["--bits", "5"], "bits must be one of 16, 8, 4, 3, 2, auto; got '5'"),
@@ -372,3 +375,22 @@ def test_save_pretrained_keeps_the_storage(tmp_path):
     reloaded, _ = stiefkv.load_model(str(tmp_path))
     assert stiefkv.attention.projections_of(reloaded).specs == proj.specs
     torch.testing.assert_close(reloaded(x).logits, compressed, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (the Triton kernels)")
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_triton_over_dequantized_latents_matches_the_reference(key_mode):
+    """On CUDA the quantized cache dequantizes into the bf16/fp32 Triton kernels: the same greedy tokens as
+    the PyTorch reference over the same codes (fp32 model: no near-tie flips)."""
+    model = tiny_model("llama", head_dim=64, heads=8, kv_heads=2).cuda()
+    proj = random_projections(model, 24, 40, key_mode)
+    proj = Projections(keys=proj.keys, values=proj.values, key_mode=key_mode, fingerprint=proj.fingerprint,
+                       budget=proj.budget, quant=[(QuantSpec(4, "channel"), QuantSpec(3, "token")),
+                                                  (QuantSpec(2, "token"), QuantSpec(8, "channel"))])
+    x = torch.randint(1, 97, (3, 70), generator=gen(8)).cuda()
+    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
+    outs = {}
+    for backend in ("triton", "reference"):
+        stiefkv.load(model, proj, backend=backend)
+        outs[backend] = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+    assert torch.equal(outs["triton"], outs["reference"])
