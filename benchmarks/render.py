@@ -156,9 +156,9 @@ def claims(res: Results) -> str:
             d75 <= 0.10,
             [seq75],
         )
-    cpu = res.pick("calibrate_speed", "calibrate smollm2 defaults cpu")
+    cpu = res.pick("calibrate_speed", "calibrate smollm2 float32 cpu bits=auto")
     claim(
-        "Calibration of SmolLM2 with the defaults on a 2-core CPU",
+        "Calibration of SmolLM2 with the defaults (`--bits auto`) on a 2-core CPU",
         f"{cpu['seconds'] / 60:.1f} min" if cpu else "",
         "< 15 min",
         cpu is not None and cpu["seconds"] < 900,
@@ -353,7 +353,7 @@ def quality_other(res: Results) -> str:
             ]
         )
     for case, what in (
-        ("calibrate smollm2 defaults cpu", "calibration of SmolLM2, defaults, 2-core CPU"),
+        ("calibrate smollm2 defaults cpu", "calibration of SmolLM2, `--bits 16` (ranks only), 2-core CPU"),
         (
             "calibrate L32 D4096 H32 G8 128x2048 bfloat16",
             "calibration at Llama-3-8B shapes (random weights, 128 × 2048 tokens, bf16), one H200",

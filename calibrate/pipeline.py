@@ -78,7 +78,8 @@ class CalibrationConfig:
     seed : seeds data sampling and every random step.
 
     On a CPU, ``num_sequences``, ``profile_sequences`` and ``step_sequences`` default to the smaller
-    :data:`CPU_SIZES` (a 2-core machine calibrates SmolLM2 in about 10 minutes; BENCHMARKS.md §1d),
+    :data:`CPU_SIZES` (a 2-core machine calibrates SmolLM2 in 56 minutes with ``bits="auto"``, 39 with
+    ``bits=16``; BENCHMARKS.md §1),
     wherever they are not given.
     """
 
