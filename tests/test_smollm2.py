@@ -86,7 +86,7 @@ def test_cli_end_to_end(tmp_path):
                              "0.25", "--key-mode", "post_rope", "--num-sequences", "2", "--seq-len", "64",
                              "-o", str(ckpt)])
     assert r.exit_code == 0, r.output
-    assert "| 29 | 16 | 16 |" in r.output
+    assert "| 29 | 16 × bf16 | 16 × bf16 | 192.0 |" in r.output
     r = runner.invoke(main, ["inspect", str(ckpt)])
     assert r.exit_code == 0 and "post_rope" in r.output
     out = tmp_path / "eval.json"
