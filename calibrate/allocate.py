@@ -45,32 +45,15 @@ def knapsack(costs: list[list[float]], capacity: int) -> list[int]:
 
     ``costs[g][j]`` is group ``g``'s error with ``j + 1`` units. Minimises the summed error with at most
     ``capacity`` units by dynamic programming over units, ``O(groups · capacity · options)``. Returns the
-    units chosen per group. Raises ``ValueError`` when even one unit per group does not fit.
+    units chosen per group. Raises ``ValueError`` when even one unit per group does not fit. The rank-unit
+    case of :func:`knapsack_options`.
     """
     n = len(costs)
     if capacity < n:
         raise ValueError(f"the budget ({capacity} rank units) is below the minimum of one unit per group "
                          f"({n})")
-    inf = math.inf
-    # best[c]: least error of the groups so far using exactly c units; choice[g][c]: units of group g there
-    best = [0.0] + [inf] * capacity
-    choice = []
-    for group in costs:
-        new = [inf] * (capacity + 1)
-        pick = [0] * (capacity + 1)
-        for c in range(capacity + 1):
-            for j, err in enumerate(group):
-                u = j + 1
-                if u <= c and best[c - u] + err < new[c]:
-                    new[c], pick[c] = best[c - u] + err, u
-        best = new
-        choice.append(pick)
-    c = min(range(capacity + 1), key=lambda i: (best[i], -i))
-    units = []
-    for pick in reversed(choice):
-        units.append(pick[c])
-        c -= pick[c]
-    return units[::-1]
+    chosen = knapsack_options([[(j + 1, err) for j, err in enumerate(group)] for group in costs], capacity)
+    return [j + 1 for j in chosen]
 
 
 def dp(profiles, budget: float, head_dim: int, rank_step: int = 8,
