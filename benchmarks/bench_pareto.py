@@ -6,7 +6,9 @@ for a 2048-token cache):
 
 - ``auto``: ``stiefkv.calibrate`` defaults with ``bits="auto"`` at each budget;
 - ``ranks``: the defaults with ``bits=16`` (bf16 latents, ranks only: earlier versions' checkpoints);
-- ``int{b}``/``kivi{b}``: the quantization-only baselines of ``stiefkv eval --baseline`` (b = 8, 4, 3, 2);
+- ``int{b}``/``kivi{b}``: the quantization-only baselines of ``stiefkv eval --baseline`` (b = 8, 4, 3, 2),
+  min–max as KIVI defines them; ``-mse`` beside them: the same caches with StiefKV's least-squared-error
+  encoder (the encoder's gain alone);
 - ``pca-uniform-int4``: PCA bases at rank d/2 in every layer, latents int4 per token (no rotation);
 
 The two first passes (PCA and profiles; ``auto``'s extends the ``kl`` profile to bits and layouts) are run
@@ -116,8 +118,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     groups = {"StiefKV auto": lambda r: r["row"] == "auto",
               "StiefKV ranks only (bf16)": lambda r: r["row"] == "ranks",
-              "int-k per token": lambda r: r["row"].startswith("int"),
-              "KIVI-k": lambda r: r["row"].startswith("kivi"),
+              "int-k per token": lambda r: r["row"].startswith("int") and "mse" not in r["row"],
+              "KIVI-k": lambda r: r["row"].startswith("kivi") and "mse" not in r["row"],
               "PCA-uniform + int4": lambda r: r["row"] == "pca-uniform-int4"}
     for label, pick in groups.items():
         pts = sorted((r["bytes_fraction"], r["ppl"]) for r in rows if pick(r))
@@ -143,6 +145,8 @@ def main() -> None:
     ap.add_argument("outdir", type=Path, nargs="?")
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--rows", default=",".join(ROW_KINDS), help=f"comma-separated, of {', '.join(ROW_KINDS)}")
+    ap.add_argument("--baselines", default=None, help="comma-separated baseline names (default: all of "
+                    "stiefkv.evaluate.BASELINES)")
     ap.add_argument("--windows", type=int, default=None, help="first N test windows (default: all)")
     ap.add_argument("--extra", default="{}", help="JSON of calibration settings for the auto rows")
     ap.add_argument("--tag", default="", help="label of an auto-row variant (with --extra)")
@@ -182,7 +186,8 @@ def main() -> None:
               f"ppl {row['ppl']:.3f} kl {row['next_token_kl']:.4f} calib {row['calibration_s']}", flush=True)
 
     if "baselines" in kinds:
-        for name in BASELINES:
+        names = args.baselines.split(",") if args.baselines else list(BASELINES)
+        for name in names:
             if (name, None, "") not in done:
                 proj = baseline_projections(model, name)
                 emit(row_of(name, None, proj, run_eval(proj), None, {}))

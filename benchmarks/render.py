@@ -676,6 +676,13 @@ def pareto_variants(res: Results) -> str:
             against = f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %"
         out.append([r["case"], f"{100 * r['budget']:g} %", f"{100 * r['bytes_fraction']:.2f} %",
                     f"{r['ppl']:.2f}", f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
+    for name in BASELINE_NAMES:  # the least-squared-error encoder alone, on the quantization-only caches
+        plain = res.pick("pareto", name)
+        for suffix in ("-mse", "-vmse"):
+            r = res.pick("pareto", name + suffix)
+            if r is not None and plain is not None:
+                out.append([r["case"], "–", f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
+                            f"{r['next_token_kl']:.4f}", "–", f"{name} {plain['ppl']:.2f}"])
     return table(head, out)
 
 

@@ -80,11 +80,16 @@ def cache_bytes(L: int, G: int, d: int) -> int:
     return L * G * 2 * d * FLOAT_BYTES
 
 
-def smallest_budget(L: int, G: int, d: int, rank_step: int, specs: list[QuantSpec]) -> float:
-    """The smallest budget a cache of these storages can meet: every latent at rank ``rank_step`` in its
-    cheapest storage, plus the positions."""
-    least = min(spec.bytes_per_token(rank_step) for spec in specs)
-    return (2 * L * G * least + POSITION_BYTES) / cache_bytes(L, G, d)
+def per_latent(specs) -> dict[str, list[QuantSpec]]:
+    """``specs`` as candidates per latent: a list is shared by keys (``k``) and values (``v``)."""
+    return specs if isinstance(specs, dict) else {"k": specs, "v": specs}
+
+
+def smallest_budget(L: int, G: int, d: int, rank_step: int, specs) -> float:
+    """The smallest budget a cache of these storages (a list, or one per latent) can meet: every latent at
+    rank ``rank_step`` in its cheapest storage, plus the positions."""
+    least = sum(min(spec.bytes_per_token(rank_step) for spec in s) for s in per_latent(specs).values())
+    return (L * G * least + POSITION_BYTES) / cache_bytes(L, G, d)
 
 
 def knapsack_options(groups: list[list[tuple[int, float]]], capacity: int) -> list[int]:
@@ -119,13 +124,15 @@ def knapsack_options(groups: list[list[tuple[int, float]]], capacity: int) -> li
     return chosen[::-1]
 
 
-def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs: list[QuantSpec],
+def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs,
                weighting: str = "kl") -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]]]:
     """Per layer, separately for keys and values, the ``(rank, storage)`` minimising the summed profiled
     error under ``budget`` × the uncompressed bf16 cache's bytes per token, everything counted (codes,
-    scales, lows, the positions). ``specs`` are the storages allowed (bf16 among them or not); full rank
-    is a candidate, so a quantization-only cache is one of the answers."""
+    scales, lows, the positions). ``specs`` are the storages allowed (bf16 among them or not), one list for
+    both latents or one per latent (``{"k": ..., "v": ...}``); full rank is a candidate, so a
+    quantization-only cache is one of the answers."""
     L = len(profiles)
+    specs = per_latent(specs)
     floor = smallest_budget(L, G, d, rank_step, specs)
     if budget < floor:
         raise ValueError(f"budget {budget:g} is below the smallest cache these bit widths can make, "
@@ -135,7 +142,7 @@ def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs: l
         if prof.ranks != list(range(rank_step, d + 1, rank_step)):
             raise ValueError(f"profile ranks {prof.ranks} are not the multiples of {rank_step} up to {d}")
         for which in ("k", "v"):
-            opts = prof.options(which, weighting, specs)
+            opts = prof.options(which, weighting, specs[which])
             labels.append([(r, spec) for r, spec, _ in opts])
             groups.append([(round(G * spec.bytes_per_token(r) * UNITS_PER_BYTE), err)
                            for r, spec, err in opts])

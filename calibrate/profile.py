@@ -70,11 +70,21 @@ class LayerProfile:
                 "sq_update": self.sq_update, "metric": self.metric, "quant": self.quant}
 
 
-def storage_candidates(bits) -> list[QuantSpec]:
+MSE_CHOICES = ("none", "values", "all")  # which latents encode on the least-squared-error range
+MSE_BITS = 4  # at 8 bits the min–max range is as good (the search gains nothing measurable)
+
+
+def mse_for(mse: str, which: str) -> bool:
+    """Whether latent ``which`` (``k`` or ``v``) is encoded on its least-squared-error range under ``mse``."""
+    return mse == "all" or (mse == "values" and which == "v")
+
+
+def storage_candidates(bits, mse: bool = False) -> list[QuantSpec]:
     """The quantized storages a ``bits`` setting profiles: every bit width and layout for ``auto``, both
-    layouts of one width for a number, none for 16."""
+    layouts of one width for a number, none for 16; with ``mse``, those of :data:`MSE_BITS` bits and fewer
+    encode each group on its least-squared-error range."""
     widths = QUANT_BITS if bits == "auto" else tuple(b for b in (int(bits),) if b < 16)
-    return [QuantSpec(b, layout) for b in widths for layout in LAYOUTS]
+    return [QuantSpec(b, layout, mse=mse and b <= MSE_BITS) for b in widths for layout in LAYOUTS]
 
 
 def spreading_rotation(r: int) -> torch.Tensor:
@@ -120,9 +130,11 @@ def latent_noise(x: torch.Tensor, P: torch.Tensor, spec: QuantSpec, rotation: bo
 
 
 @torch.no_grad()
-def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bases_v, specs: list[QuantSpec],
+def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bases_v,
+                      specs: dict[str, list[QuantSpec]],
                       measure, *, key_mode: str, rotation: bool = True) -> LayerProfile:
-    """Extend ``prof`` to every storage in ``specs`` at every rank (see the module's docstring).
+    """Extend ``prof`` to every storage in ``specs[which]`` at every rank, for keys (``k``) and values (``v``)
+    (see the module's docstring).
 
     ``measure(P_k, P_v, quant)`` is the profile's error with those bases and storage. For a ``kl`` profile
     only full rank is measured and lower ranks are predicted from the latent noise on ``batch``; otherwise
@@ -133,7 +145,7 @@ def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bas
     for which, basis in (("k", bases_k), ("v", bases_v)):
         table = prof.quant.setdefault(which, {})
         x = layer_latent_input(layer, batch, which, key_mode=key_mode) if prof.metric == "kl" else None
-        for spec in specs:
+        for spec in specs[which]:
             quant = (spec, FLOAT) if which == "k" else (FLOAT, spec)
 
             def error_at(r):

@@ -35,6 +35,11 @@ from stiefkv.quant import QuantSpec
 # (KIVI's layout). Keys are quantized before RoPE, as StiefKV's pre_rope latents are.
 BASELINES = {f"{name}{b}": (QuantSpec(b, key_layout), QuantSpec(b, "token"))
              for b in (8, 4, 3, 2) for name, key_layout in (("int", "token"), ("kivi", "channel"))}
+# the same caches with StiefKV's least-squared-error encoder on the values (-vmse) or on both (-mse): what
+# the encoder alone gains (or costs) a quantization-only cache
+BASELINES |= {f"{name}{suffix}": (QuantSpec(k.bits, k.layout, mse=suffix == "-mse"),
+                                  QuantSpec(v.bits, "token", mse=True))
+              for name, (k, v) in list(BASELINES.items()) if k.bits < 8 for suffix in ("-mse", "-vmse")}
 
 
 def baseline_projections(model, name: str) -> Projections:

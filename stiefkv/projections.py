@@ -26,8 +26,10 @@ from stiefkv.quant import FLOAT, POSITION_BYTES, REFERENCE_CONTEXT, QuantSpec
 
 log = logging.getLogger(__name__)
 
-FORMAT_VERSION = 3  # 2 adds "tensors_sha256", 3 "quant"; version 1 files still load (with a warning)
-READABLE_VERSIONS = (1, 2, 3)
+# 2 adds "tensors_sha256", 3 "quant", 4 least-squared-error encoders ("int2-token-mse"); each file is written
+# at the lowest version that holds it, so older StiefKV reads what it can; version 1 files load with a warning
+FORMAT_VERSION = 4
+READABLE_VERSIONS = (1, 2, 3, 4)
 KEY_MODES = ("pre_rope", "post_rope")
 # The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
 PROJECTIONS_FILE = "stiefkv_projections.safetensors"
@@ -213,9 +215,17 @@ class Projections:
                     )
         return self
 
+    @property
+    def format_version(self) -> int:
+        """The lowest version that holds this checkpoint: 2 for bf16 latents, 3 for quantized ones, 4 when a
+        latent's encoder searches its range (which version 3 readers do not know)."""
+        if not self.quantized:
+            return 2
+        return 4 if any(s.mse for pair in self.quant for s in pair) else 3
+
     def header(self) -> dict:
         doc = {
-            "format_version": FORMAT_VERSION if self.quantized else 2,
+            "format_version": self.format_version,
             "key_mode": self.key_mode,
             "budget": self.budget,
             "achieved_budget": self.achieved_budget,
@@ -354,10 +364,14 @@ def _quant_of(doc: dict, path: Path) -> list[tuple[QuantSpec, QuantSpec]] | None
         raise CheckpointError(f"{path} has a damaged StiefKV header: quant is not a list of {n} [key, value] "
                               "storage names; recalibrate, or restore the file")
     try:
-        return [(QuantSpec.parse(k), QuantSpec.parse(v)) for k, v in quant]
+        specs = [(QuantSpec.parse(k), QuantSpec.parse(v)) for k, v in quant]
     except ValueError as exc:
         raise CheckpointError(f"{path} has a damaged StiefKV header: {exc}; recalibrate, or restore the "
                               "file") from None
+    if doc["format_version"] < 4 and any(s.mse for pair in specs for s in pair):
+        raise CheckpointError(f"{path} has a damaged StiefKV header: an -mse storage in a format version "
+                              f"{doc['format_version']} file (those are version 4)")
+    return specs
 
 
 def _check_header(doc, path: Path) -> None:

@@ -9,6 +9,11 @@ packed densely (eight codes in ``bits`` bytes), with an asymmetric min–max qua
   last full group (fewer than :data:`GROUP`) are the recent window and stay in the latent's float dtype
   until their group fills.
 
+A spec with ``mse`` encodes each group on the range, shrunk about its midpoint by one of
+:data:`CLIP_RATIOS`, that gives the least squared error instead of the min–max range: at 2 bits this
+halves the error of Gaussian-like groups, at 3 bits it cuts a fifth. Only the encoder differs; codes, scales
+and dequantization are the same.
+
 ``bits=16`` is the float latent itself (bf16/fp16), stored as it is. Everything here is plain PyTorch and
 runs on any device; the fused kernels over codes belong to serving (the quantized path dequantizes into
 the float kernels).
@@ -30,39 +35,48 @@ SCALE_BYTES = 2  # one float16 scale and one float16 low per group
 FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
 POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
 REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
+CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # ranges an mse encoder tries, as min–max fractions
 
 
 @dataclass(frozen=True)
 class QuantSpec:
-    """How one latent is stored: ``bits`` in :data:`BITS`, ``layout`` in :data:`LAYOUTS` (unused at 16)."""
+    """How one latent is stored: ``bits`` in :data:`BITS`, ``layout`` in :data:`LAYOUTS` (unused at 16), and
+    whether groups are encoded on their least-squared-error range (``mse``) or their min–max range."""
 
     bits: int = 16
     layout: str = "token"
+    mse: bool = False
 
     def __post_init__(self):
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}; got {self.bits!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
-        if self.bits == 16 and self.layout != "token":
-            object.__setattr__(self, "layout", "token")  # one name for the float latent
+        if self.bits == 16:  # one name for the float latent
+            object.__setattr__(self, "layout", "token")
+            object.__setattr__(self, "mse", False)
 
     @property
     def quantized(self) -> bool:
         return self.bits < 16
 
     def __str__(self) -> str:
-        return "bf16" if not self.quantized else f"int{self.bits}-{self.layout}"
+        if not self.quantized:
+            return "bf16"
+        return f"int{self.bits}-{self.layout}" + ("-mse" if self.mse else "")
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
-        """``bf16``/``16`` or ``int{bits}-{layout}`` (``int4-channel``), as :meth:`__str__` writes it."""
+        """``bf16``/``16`` or ``int{bits}-{layout}[-mse]`` (``int4-channel``, ``int2-token-mse``), as
+        :meth:`__str__` writes it."""
         if text in ("bf16", "fp16", "16"):
             return cls()
-        head, _, layout = text.partition("-")
-        if not head.startswith("int") or not head[3:].isdigit():
-            raise ValueError(f"not a latent storage spec: {text!r} (expected bf16 or int{{bits}}-{{layout}})")
-        return cls(int(head[3:]), layout or "token")
+        head, _, rest = text.partition("-")
+        layout, _, encoder = rest.partition("-")
+        if not head.startswith("int") or not head[3:].isdigit() or encoder not in ("", "mse"):
+            raise ValueError(f"not a latent storage spec: {text!r} "
+                             "(expected bf16 or int{bits}-{layout}[-mse])")
+        return cls(int(head[3:]), layout or "token", encoder == "mse")
 
     def bytes_per_token(self, rank: int, context: int = REFERENCE_CONTEXT) -> float:
         """Bytes one head's latent of ``rank`` channels costs per token in a cache of ``context`` tokens:
@@ -155,6 +169,37 @@ def _group_range(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
     return g, g.amin(-1, keepdim=True), g.amax(-1, keepdim=True)
 
 
+def _grid(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The float16 ``low`` and ``scale`` of the range ``[lo, hi]``, and the float32 step codes divide by."""
+    low = lo.to(SCALE_DTYPE)
+    scale = ((hi - low.float()) / levels).to(SCALE_DTYPE)
+    # a constant group (scale 0) quantizes to code 0 and comes back exactly as its low
+    step = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    return low, scale, step
+
+
+def _mse_range(g: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor, levels: int, dim: int,
+               real: torch.Tensor | None = None):
+    """Each group's range among the min–max range shrunk about its midpoint by :data:`CLIP_RATIOS` that
+    quantizes ``g`` with the least squared error (over ``dim``, the group's axis; ``real`` masks out the
+    padding of a short last group)."""
+    mid, half = (lo + hi) / 2, (hi - lo) / 2
+    best_err = best_lo = best_hi = None
+    for ratio in CLIP_RATIOS:
+        c_lo, c_hi = mid - ratio * half, mid + ratio * half
+        low, _, step = _grid(c_lo, c_hi, levels)
+        deq = torch.round((g - low.float()) / step).clamp_(0, levels) * step + low.float()
+        err = (deq - g).pow_(2)
+        err = (err if real is None else err * real).sum(dim, keepdim=True)
+        if best_err is None:
+            best_err, best_lo, best_hi = err, c_lo, c_hi
+            continue
+        better = err < best_err
+        best_err = torch.where(better, err, best_err)
+        best_lo, best_hi = torch.where(better, c_lo, best_lo), torch.where(better, c_hi, best_hi)
+    return best_lo, best_hi
+
+
 def quantize(x: torch.Tensor, spec: QuantSpec) -> Quantized:
     """``x`` ``[..., N, r]`` (``N`` a multiple of :data:`GROUP` for ``channel``) → :class:`Quantized`.
 
@@ -170,10 +215,12 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> Quantized:
         raise ValueError(f"the channel layout quantizes whole groups of {GROUP} tokens; got {x.shape[-2]}")
     g, lo, hi = _group_range(x, spec.layout)
     levels = (1 << spec.bits) - 1
-    low = lo.to(SCALE_DTYPE)
-    scale = ((hi - low.float()) / levels).to(SCALE_DTYPE)
-    # a constant group (scale 0) quantizes to code 0 and comes back exactly as its low
-    step = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
+    if spec.mse and spec.layout == "channel":
+        lo, hi = _mse_range(g, lo, hi, levels, -2)
+    elif spec.mse:
+        real = (torch.arange(g.shape[-2] * GROUP, device=g.device) < r).view(g.shape[-2], GROUP)
+        lo, hi = _mse_range(g, lo, hi, levels, -1, real if r % GROUP else None)
+    low, scale, step = _grid(lo, hi, levels)
     codes = torch.round((g - low.float()) / step).clamp_(0, levels)
     if spec.layout == "channel":
         codes = codes.flatten(-3, -2)
