@@ -10,6 +10,10 @@ for a 2048-token cache):
   min–max as KIVI defines them; ``-mse`` beside them: the same caches with StiefKV's least-squared-error
   encoder (the encoder's gain alone);
 - ``pca-uniform-int4``: PCA bases at rank d/2 in every layer, latents int4 per token (no rotation);
+- ``through-cache``: transformers' own ``QuantizedCache`` (optimum-quanto, its defaults: per-token groups of
+  64, the last 128 tokens in full precision; ``hf-quanto4``/``hf-quanto2``), and beside them the same
+  windows through StiefKV's cache at int4/KIVI-4/KIVI-2 (``… chunk64``): both scored 64 tokens per forward
+  through the cache, the way a cache is read in serving, with bytes counted in the filled cache;
 
 The two first passes (PCA and profiles; ``auto``'s extends the ``kl`` profile to bits and layouts) are run
 once each and timed; each calibrated row then allocates and runs its own second pass exactly as
@@ -33,7 +37,8 @@ import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 BUDGETS = (0.5, 0.25, 0.1875, 0.125, 0.09375, 0.0625)
-ROW_KINDS = ("baselines", "pca-uniform-int4", "ranks", "auto")
+ROW_KINDS = ("baselines", "pca-uniform-int4", "ranks", "auto", "through-cache")
+THROUGH_CACHE = ("hf-quanto4", "hf-quanto2", "int4", "kivi4", "kivi2")
 
 
 def synced(device: str) -> float:
@@ -108,6 +113,19 @@ def row_of(name: str, budget: float | None, proj, result, calib_s: float | None,
     } | extra | {"provenance": utils.provenance()}
 
 
+def through_cache_row(name: str, result, full_bytes: int) -> dict:
+    """A row of a cache scored through itself (``evaluate_through_cache``): bytes as the filled cache held,
+    over ``full_bytes``, the bf16 cache's bytes per token."""
+    return {
+        "bench": "pareto", "case": name, "row": name, "budget": None, "ppl": result.ppl,
+        "ppl_original": result.ppl_original, "next_token_kl": result.next_token_kl, "windows": result.windows,
+        "tokens": result.tokens_scored, "kv_bytes_per_token": result.kv_bytes_per_token,
+        "bytes_fraction": result.kv_bytes_per_token / full_bytes, "calibration_s": None,
+        "protocol": "through the cache, 64 tokens per forward", "remeasured": True,
+        "provenance": utils.provenance(),
+    }
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -146,7 +164,7 @@ def main() -> None:
     ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
     ap.add_argument("--rows", default=",".join(ROW_KINDS), help=f"comma-separated, of {', '.join(ROW_KINDS)}")
     ap.add_argument("--baselines", default=None, help="comma-separated baseline names (default: all of "
-                    "stiefkv.evaluate.BASELINES)")
+                    "stiefkv.evaluate.BASELINES, and all of THROUGH_CACHE for the through-cache rows)")
     ap.add_argument("--windows", type=int, default=None, help="first N test windows (default: all)")
     ap.add_argument("--extra", default="{}", help="JSON of calibration settings for the auto rows")
     ap.add_argument("--tag", default="", help="label of an auto-row variant (with --extra)")
@@ -161,7 +179,15 @@ def main() -> None:
     import stiefkv
     from stiefkv.calibrate.pipeline import CalibrationConfig
     from stiefkv.data import calibration_sequences
-    from stiefkv.evaluate import BASELINES, baseline_projections, evaluate
+    from stiefkv.evaluate import (
+        BASELINES,
+        CHUNK,
+        baseline_projections,
+        evaluate,
+        evaluate_through_cache,
+        transformers_quantized_cache,
+    )
+    from stiefkv.models import dims_of
 
     args.outdir.mkdir(parents=True, exist_ok=True)
     jsonl = args.outdir / "pareto.jsonl"
@@ -191,6 +217,21 @@ def main() -> None:
             if (name, None, "") not in done:
                 proj = baseline_projections(model, name)
                 emit(row_of(name, None, proj, run_eval(proj), None, {}))
+    if "through-cache" in kinds:
+        for name in [n for n in THROUGH_CACHE if not args.baselines or n in args.baselines.split(",")]:
+            row = name if name.startswith("hf-") else f"{name} chunk{CHUNK}"
+            row += f" w{args.windows} {args.device}" if args.windows else ""  # a subset: its own rows
+            if (row, None, "") in done:
+                continue
+            if name.startswith("hf-"):
+                res = evaluate_through_cache(model, tok, lambda: transformers_quantized_cache(model, name),
+                                             name=name, window=2048, limit=args.windows)
+            else:
+                proj = baseline_projections(model, name)
+                res = evaluate_through_cache(model, tok, stiefkv.LatentCache, name=name, window=2048,
+                                             limit=args.windows, projections=proj)
+            dims = dims_of(model.config)
+            emit(through_cache_row(row, res, dims.L * dims.G * 2 * dims.d * 2))
     cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16)
     seqs = calibration_sequences(model, tok, data=cfg16.data, num_sequences=cfg16.num_sequences,
                                  seq_len=cfg16.seq_len, seed=cfg16.seed)

@@ -652,14 +652,31 @@ def pareto(res: Results) -> str:
         if r is not None:
             label = (f"int{name[3:]} per token" if name.startswith("int") else f"KIVI-{name[4:]}")
             out.append(pareto_line(r, label + " (quantization only)"))
+    for bits in (4, 2):
+        r = res.pick("pareto", f"hf-quanto{bits}")
+        if r is not None:
+            out.append(pareto_line(r, f"transformers QuantizedCache, quanto int{bits} (through the cache)"))
     r = res.pick("pareto", "pca-uniform-int4 0.125")
     if r is not None:
         out.append(pareto_line(r, "PCA-uniform rank 32 + int4 per token"))
     return table(head, out)
 
 
+def pareto_through_cache(res: Results) -> str:
+    """The caches scored through themselves on a subset of windows (``bench_pareto.py --rows through-cache
+    --windows N``): transformers' QuantizedCache beside StiefKV's cache at the same layouts."""
+    head = ["cache", "windows", "bytes / bf16", "PPL (uncompressed)", "next-token KL"]
+    out = []
+    for r in res.rows("pareto"):
+        if r.get("protocol") and r["case"].endswith(" cpu") and not any(x[0] == r["case"] for x in out):
+            r = res.pick("pareto", r["case"])
+            out.append([r["case"], str(r["windows"]), f"{100 * r['bytes_fraction']:.2f} %",
+                        f"{r['ppl']:.2f} ({r['ppl_original']:.2f})", f"{r['next_token_kl']:.4f}"])
+    return table(head, out)
+
+
 def pareto_variants(res: Results) -> str:
-    head = ["variant", "budget", "bytes / bf16", "PPL", "next-token KL", "calib. s", "against"]
+    head = ["variant", "bytes / bf16", "PPL", "next-token KL", "calib. s", "against"]
     out = []
     for r in res.rows("pareto"):
         if r.get("row") != "auto" or r.get("tag") in (None, "", "no STE"):  # "no STE" is the default: a rerun
@@ -674,14 +691,14 @@ def pareto_variants(res: Results) -> str:
                     if x and abs(x["bytes_fraction"] - r["budget"]) < 1e-3]
             base = min(same, key=lambda x: x["ppl"])
             against = f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %"
-        out.append([r["case"], f"{100 * r['budget']:g} %", f"{100 * r['bytes_fraction']:.2f} %",
+        out.append([r["case"], f"{100 * r['bytes_fraction']:.2f} %",
                     f"{r['ppl']:.2f}", f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
     for name in BASELINE_NAMES:  # the least-squared-error encoder alone, on the quantization-only caches
         plain = res.pick("pareto", name)
         for suffix in ("-mse", "-vmse"):
             r = res.pick("pareto", name + suffix)
             if r is not None and plain is not None:
-                out.append([r["case"], "–", f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
+                out.append([r["case"], f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
                             f"{r['next_token_kl']:.4f}", "–", f"{name} {plain['ppl']:.2f}"])
     return table(head, out)
 
@@ -689,7 +706,7 @@ def pareto_variants(res: Results) -> str:
 def pareto_claims(res: Results, claim) -> None:
     auto = {b: res.pick("pareto", f"auto {b}") for b in PARETO_BUDGETS}
     ranks = {b: res.pick("pareto", f"ranks {b}") for b in PARETO_BUDGETS}
-    base = [res.pick("pareto", n) for n in BASELINE_NAMES]
+    base = [res.pick("pareto", n) for n in (*BASELINE_NAMES, "hf-quanto4", "hf-quanto2")]
     int8 = res.pick("pareto", "int8")
     if auto[0.5] and int8:
         d = auto[0.5]["ppl"] / int8["ppl"] - 1
@@ -731,6 +748,9 @@ def pareto_claims(res: Results, claim) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ provenance
+COMMAND_CHARS = 100  # a longer command is cut here (each row keeps it whole)
+
+
 def runs(res: Results) -> str:
     """One line per file, commit, machine and library versions; several runs of one script there (a run
     continued over device calls) show the first command and how many more (every row keeps its own)."""
@@ -738,7 +758,7 @@ def runs(res: Results) -> str:
     for name, r in res.used.values():
         p = r.get("provenance") or ISSUE3_PROVENANCE
         gpu = (p.get("gpu") or {}).get("name") or "CPU"
-        versions = ", ".join(f"{k} {p[k]}" for k in ("torch", "triton", "transformers") if p.get(k))
+        versions = " / ".join(p.get(k) or "–" for k in ("torch", "triton", "transformers"))
         commit = p.get("commit")
         key = (f"{name}.jsonl", commit or p.get("run_id") or p.get("date"), commit, gpu, versions,
                measured_row(r))
@@ -748,10 +768,14 @@ def runs(res: Results) -> str:
     rows = []
     for (file, _, commit, gpu, versions, measured), (date, commands) in seen.items():
         more = f" (+{len(commands) - 1} more)" if len(commands) > 1 else ""
+        command = sorted(commands)[0]
+        command = command if len(command) <= COMMAND_CHARS else command[:COMMAND_CHARS - 1] + "…"
+        date = re.sub(r"^(\d{4}-\d\d-\d\d \d\d:\d\d):\d\d", r"\1", date)  # minutes are enough
         rows.append([f"`{file}`", date, gpu, f"`{commit[:7]}`" if commit else "?", versions or "?",
-                     f"`{sorted(commands)[0]}`{more}", "yes" if measured else "no"])
+                     f"`{command}`{more}", "yes" if measured else "no"])
     rows.sort(key=lambda x: (x[0], x[1]))
-    return table(["file", "date", "GPU", "commit", "versions", "command", "re-measured"], rows)
+    return table(["file", "date", "GPU", "commit", "torch / triton / transformers", "command", "re-measured"],
+                 rows)
 
 
 BLOCKS: dict[str, Callable[[Results], str]] = {
@@ -769,6 +793,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "streamkl-compiled": streamkl_compiled,
     "pareto": pareto,
     "pareto-variants": pareto_variants,
+    "pareto-through-cache": pareto_through_cache,
 }
 
 

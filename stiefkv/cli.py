@@ -323,7 +323,9 @@ def _inspect_table(proj) -> str:
 @click.option("--baseline", default=None,
               help="Instead of --projections, a quantization-only cache on the same harness and bytes "
                    "accounting: int8/int4/int3/int2 (keys and values per token) or kivi8/kivi4/kivi3/kivi2 "
-                   "(keys per channel over 64-token groups, values per token).")
+                   "(keys per channel over 64-token groups, values per token), or transformers' own "
+                   "QuantizedCache (optimum-quanto backend): hf-quanto4/hf-quanto2, scored 64 tokens per "
+                   "forward through the cache.")
 @click.option("--data", default="wikitext2", show_default=True,
               help="Test text: wikitext2 (test split) or a .txt/.jsonl file or folder.")
 @click.option("--window", type=int, default=2048, show_default=True, help="Tokens per perplexity window.")
@@ -353,10 +355,13 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                                ("--batch-size", batch_size, 1), ("--kl-context", kl_context, 2)):
         if value is not None and value < least:
             raise UserError(f"{name} must be ≥ {least}, got {value}")
-    from stiefkv.evaluate import BASELINES
+    from stiefkv.evaluate import BASELINES, TRANSFORMERS_BASELINES
 
-    if baseline is not None and baseline not in BASELINES:
-        raise UserError(f"--baseline {baseline}: choose one of {', '.join(BASELINES)}")
+    if baseline is not None and baseline not in BASELINES | TRANSFORMERS_BASELINES:
+        raise UserError(f"--baseline {baseline}: choose one of "
+                        f"{', '.join([*BASELINES, *TRANSFORMERS_BASELINES])}")
+    if baseline in TRANSFORMERS_BASELINES and attention_kl:
+        raise UserError(f"--attention-kl compares StiefKV's attention: not with --baseline {baseline}")
     if baseline is not None and projections is not None:
         raise UserError("give --projections or --baseline, not both")
     if attention_kl and projections is None:
@@ -365,13 +370,24 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
 
     def work():
         _check_outputs({"--json": None if to_stdout else json_path}, model, files=(projections,), data=data)
-        from stiefkv.evaluate import baseline_projections
+        from stiefkv.evaluate import (
+            baseline_projections,
+            evaluate_through_cache,
+            require_quanto,
+            transformers_quantized_cache,
+        )
 
         proj = stiefkv.Projections.load(projections) if projections else None
+        if baseline in TRANSFORMERS_BASELINES:
+            require_quanto(baseline)  # before the model loads
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
+        check_context(m.config, window, "--window")
+        if baseline in TRANSFORMERS_BASELINES:
+            return evaluate_through_cache(m, tok, lambda: transformers_quantized_cache(m, baseline),
+                                          name=baseline, data=data, window=window, limit=windows,
+                                          model_name=model)
         if baseline is not None:
             proj = baseline_projections(m, baseline)
-        check_context(m.config, window, "--window")
         if attention_kl:
             check_context(m.config, kl_context, "--kl-context")
         result = run_eval(m, tok, proj, data=data, window=window, limit=windows, batch_size=batch_size,

@@ -8,6 +8,7 @@ compressed — and the next-token KL ``KL(p_orig ‖ p_compressed)`` is averaged
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -185,6 +186,97 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
             result.layer_cosine = sum(e["cosine"] for e in errors) / len(errors)
             result.layer_errors = errors
     return result
+
+
+# transformers' own quantized cache (``QuantizedCache``, KIVI-like: per-token groups of 64 channels, the last
+# ``residual_length`` = 128 tokens in full precision), with the optimum-quanto backend at its defaults.
+TRANSFORMERS_BASELINES = {"hf-quanto4": 4, "hf-quanto2": 2}
+CHUNK = 64  # tokens per forward when a window is scored through a cache
+
+
+def require_quanto(name: str) -> None:
+    """Raise a clear error when baseline ``name``'s backend, optimum-quanto, is not installed."""
+    try:
+        import optimum.quanto  # noqa: F401
+    except ImportError:
+        raise ValueError(f"--baseline {name} is transformers' QuantizedCache with the optimum-quanto "
+                         "backend, which is not installed: pip install optimum-quanto") from None
+
+
+def transformers_quantized_cache(model, name: str):
+    """A fresh ``transformers.QuantizedCache`` for baseline ``name`` (a key of
+    :data:`TRANSFORMERS_BASELINES`)."""
+    require_quanto(name)
+    from transformers import QuantizedCache
+
+    return QuantizedCache(backend="quanto", config=model.config, nbits=TRANSFORMERS_BASELINES[name])
+
+
+def _quanto_bytes(q) -> int:
+    """Bytes a quanto quantized tensor holds: packed codes, and scale and shift counted at bf16 (what a bf16
+    model stores; the evaluation may run in float32)."""
+    data = q._data
+    codes = getattr(data, "_data", data)  # PackedTensor holds its uint8 words in _data
+    return codes.numel() * codes.element_size() + (q._scale.numel() + q._shift.numel()) * 2
+
+
+def cache_bytes(cache) -> int:
+    """Every byte a filled cache holds: a :class:`LatentCache` counts its own; a transformers cache its
+    full-precision keys and values at bf16 and, for a ``QuantizedCache``, the quantized ones
+    (:func:`_quanto_bytes`)."""
+    if isinstance(cache, LatentCache):
+        return cache.nbytes
+    total = 0
+    for layer in cache.layers:
+        total += sum(t.numel() * 2 for t in (layer.keys, layer.values) if t is not None)
+        total += sum(_quanto_bytes(q) for q in (getattr(layer, "_quantized_keys", None),
+                                                 getattr(layer, "_quantized_values", None)) if q is not None)
+    return total
+
+
+def _chunked_logprobs(model, ids: torch.Tensor, cache, chunk: int) -> torch.Tensor:
+    """Log-probabilities of ``ids`` scored ``chunk`` tokens per forward on top of ``cache`` (as a served model
+    reads a prompt fed in pieces, and as a decode reads its past)."""
+    key = cache_keyword(model)
+    logits = [model(ids[:, s:s + chunk], use_cache=True, **{key: cache}).logits.float()
+              for s in range(0, ids.shape[1], chunk)]
+    return torch.log_softmax(torch.cat(logits, 1)[:, :-1], dim=-1)
+
+
+@torch.no_grad()
+def evaluate_through_cache(model, tokenizer, new_cache, *, name: str, projections: Projections | None = None,
+                           data: str = "wikitext2", window: int = 2048, limit: int | None = None,
+                           chunk: int = CHUNK, model_name: str = "") -> EvalResult:
+    """Perplexity and next-token KL with each window scored ``chunk`` tokens at a time through a cache made
+    by ``new_cache()`` (transformers' ``QuantizedCache`` or ``DynamicCache``, or a :class:`LatentCache` with
+    ``projections`` applied), against the uncompressed model on the same windows. Bytes per token: what the
+    cache holds after one whole window, divided by the window."""
+    check_context(model.config, window, "window")
+    device = next(model.parameters()).device
+    ws = load_test_windows(tokenizer, data=data, window=window, limit=limit)
+    switch = Switch(model, projections) if projections is not None else contextlib.nullcontext()
+    nll_orig = nll_comp = kl_sum = 0.0
+    count, held = 0, None
+    for start in tqdm(range(len(ws)), desc=f"evaluate {len(ws)} windows through {name}", unit="window"):
+        ids = ws[start:start + 1].to(device)
+        nll, logp = _nll_and_logprobs(model, ids)
+        cache = new_cache()
+        with switch:
+            logp_c = _chunked_logprobs(model, ids, cache, chunk)
+        held = cache
+        nll_comp += float(-logp_c.gather(-1, ids[:, 1:, None]).double().sum())
+        kl_sum += float((logp.exp() * (logp - logp_c)).sum(-1).double().sum())
+        nll_orig += float(nll.double().sum())
+        count += nll.numel()
+    nbytes = cache_bytes(held)
+    probe = ws[:1, : min(window, 256)].to(device)
+    return EvalResult(model=model_name, data=data, window=window, windows=len(ws), tokens_scored=count,
+                      ppl_original=math.exp(nll_orig / count),
+                      kv_bytes_per_token_original=kv_bytes_per_token(model, probe, latent=False),
+                      method=name, ppl=math.exp(nll_comp / count), next_token_kl=kl_sum / count,
+                      kv_bytes_per_token=nbytes / window,
+                      key_mode=projections.key_mode if projections is not None else None,
+                      budget=projections.budget if projections is not None else None)
 
 
 def chunked_attention_kl(q, k_t, k_s, *, scale: float, chunk: int | None) -> float:

@@ -77,7 +77,7 @@ def test_render_refuses_unknown_blocks(tmp_path):
 def test_benchmarks_md_is_rendered_from_the_committed_rows():
     text = render.DOC.read_text()
     assert render.render(text, render.Results(utils.RESULTS)) == text, "run: python benchmarks/render.py"
-    assert len(text.encode()) <= 40_000
+    assert len(text.encode()) <= 42_000  # a results document, not a log: history goes to docs/notes/
 
 
 def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
