@@ -25,12 +25,14 @@ from stiefkv.calibrate.profile import (
     OutputKL,
     add_quant_profile,
     candidate_ranks,
+    layer_latent_input,
     mse_for,
     profile_layer,
     profile_layer_kl,
     storage_basis,
     storage_candidates,
 )
+from stiefkv.calibrate.rotation import learn_rotation
 from stiefkv.calibrate.state import CalibrationState
 from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
@@ -66,6 +68,9 @@ class CalibrationConfig:
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
         dominant channel over all, so one scale per token fits them).
     quant_aware : refine the bases with the quantizer in the loss (straight-through gradient).
+    learn_rotation : after refinement, turn each basis stored per token in ≤ 4 bits by a rotation learned on
+        the orthogonal group to narrow its tokens' ranges (:mod:`stiefkv.calibrate.rotation`); kept per head
+        only where it lowers the held-out quantization error.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
@@ -112,6 +117,7 @@ class CalibrationConfig:
     mse: str = "none"
     rotation: bool = True
     quant_aware: bool = False
+    learn_rotation: bool = False
 
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
@@ -473,14 +479,36 @@ def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: Cal
     P_v = state.eig_v[i][..., :rv].to(device).clone(memory_format=torch.contiguous_format)
     if cfg.rotation:
         P_k, P_v = storage_basis(P_k, quant[0]), storage_basis(P_v, quant[1])
-    if cfg.method == "pca" or cfg.steps == 0:
-        return P_k, P_v
-    # Per-layer seed: a resumed run draws the same minibatches for the layers it still has to do.
-    result = refine_layer(layer, data, P_k, P_v, key_mode=cfg.key_mode, rope=rope,
-                          settings=refine_settings(cfg, quant), seed=cfg.seed * 100_003 + i)
-    state.refine.append({"layer": i, "holdout_start": result.holdout_start,
-                         "holdout_best": result.holdout_best, "steps": result.steps_run})
-    return result.P_k, result.P_v
+    if cfg.method == "stiefel" and cfg.steps > 0:
+        # Per-layer seed: a resumed run draws the same minibatches for the layers it still has to do.
+        result = refine_layer(layer, data, P_k, P_v, key_mode=cfg.key_mode, rope=rope,
+                              settings=refine_settings(cfg, quant), seed=cfg.seed * 100_003 + i)
+        state.refine.append({"layer": i, "holdout_start": result.holdout_start,
+                             "holdout_best": result.holdout_best, "steps": result.steps_run})
+        P_k, P_v = result.P_k, result.P_v
+    if cfg.learn_rotation:
+        P_k, P_v = (rotated_basis(layer, data, P, spec, which, cfg, state, i)
+                    for P, spec, which in ((P_k, quant[0], "k"), (P_v, quant[1], "v")))
+    return P_k, P_v
+
+
+ROTATION_SEQUENCES = 4  # the calibration sequences a learned rotation sees (the last one judges it)
+
+
+def rotated_basis(layer, data: LayerBatch, P: torch.Tensor, spec: QuantSpec, which: str,
+                  cfg: CalibrationConfig, state: CalibrationState, i: int) -> torch.Tensor:
+    """``P`` turned by :func:`~stiefkv.calibrate.rotation.learn_rotation` when its latent is stored per token
+    in 4 bits or fewer (``P`` itself otherwise); the held-out errors go to ``state.refine``."""
+    if not (spec.quantized and spec.layout == "token" and spec.bits <= 4):
+        return P
+    n = min(ROTATION_SEQUENCES, data.hidden.shape[0])
+    batch = LayerBatch(i, data.hidden[:n], data.output[:n], data.position_embeddings, data.attention_mask,
+                       data.position_ids)
+    x = layer_latent_input(layer, batch, which, key_mode=cfg.key_mode)
+    result = learn_rotation(torch.matmul(x, P), spec, holdout=1 if n > 1 else 0)
+    state.refine.append({"layer": i, "rotation": which, "quant_error_start": result.error_start,
+                         "quant_error_best": result.error_best})
+    return torch.matmul(P, result.R)
 
 
 def quant_of(state: CalibrationState, i: int) -> tuple[QuantSpec, QuantSpec]:

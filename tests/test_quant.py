@@ -552,3 +552,45 @@ def test_cli_names_every_baseline_on_a_bad_one(monkeypatch):
     result = CliRunner().invoke(main, ["eval", "tiny", "--baseline", "hf-quanto8"])
     assert result.exit_code == 2 and "choose one of" in result.output
     assert "kivi2-vmse" in result.output and "hf-quanto4, hf-quanto2" in result.output
+
+
+def test_learned_rotation_is_orthogonal_and_never_worse_on_held_out_latents():
+    pytest.importorskip("geoopt")
+    from stiefkv.calibrate.rotation import learn_rotation
+
+    g = gen(21)
+    for r in (24, 37):
+        # latents whose channels differ in scale and share a heavy-tailed factor: a rotation has room to help
+        base = torch.randn(4, 2, 96, r, generator=g) * torch.logspace(0.3, -0.7, r)
+        base += torch.randn(4, 2, 96, 1, generator=g) ** 3 * torch.randn(r, generator=g) * 0.3
+        R0 = spreading_rotation(r)
+        z = base @ R0
+        spec = QuantSpec(2, "token")
+        res = learn_rotation(z, spec, steps=60)
+        eye = torch.eye(r, dtype=torch.float64)
+        assert res.R.shape == (2, r, r) and torch.isfinite(res.R).all()
+        torch.testing.assert_close(res.R.double().transpose(-1, -2) @ res.R.double(), eye.expand(2, r, r),
+                                   atol=1e-5, rtol=0)
+        held = z[-1:]
+        err = lambda zz: float((fake_quant(zz, spec) - zz).double().pow(2).sum())  # noqa: E731
+        assert res.error_start == pytest.approx(err(held), rel=1e-6)
+        assert res.error_best == pytest.approx(err(held @ res.R), rel=1e-4)
+        assert res.error_best <= res.error_start
+    with pytest.raises(ValueError, match="per token"):
+        learn_rotation(z, QuantSpec(2, "channel"))
+
+
+def test_calibrate_with_learned_rotation_keeps_bases_orthonormal_and_the_storage(corpus):
+    pytest.importorskip("geoopt")
+    common = {"data": str(corpus), "num_sequences": 6, "seq_len": 70, "seed": 1, "steps": 4,
+              "step_sequences": 2, "profile_sequences": 2}
+    common["budget"] = 0.3  # the tiny model's allocation stores a layer's latents int4 per token here
+    plain = stiefkv.calibrate(tiny_model(), CharTokenizer(), **common)
+    learned = stiefkv.calibrate(tiny_model(), CharTokenizer(), learn_rotation=True, **common)
+    assert learned.specs == plain.specs and learned.ranks == plain.ranks  # the rotation changes bases only
+    learned.validate()  # orthonormal to the checkpoint's tolerance
+    rotated = [e for e in learned.settings["refine"] if "rotation" in e]
+    per_token = sum(s.quantized and s.layout == "token" and s.bits <= 4
+                    for pair in learned.specs for s in pair)
+    assert len(rotated) == per_token > 0
+    assert all(e["quant_error_best"] <= e["quant_error_start"] for e in rotated)
