@@ -218,6 +218,7 @@ def main() -> None:
                 proj = baseline_projections(model, name)
                 emit(row_of(name, None, proj, run_eval(proj), None, {}))
     if "through-cache" in kinds:
+        dims = dims_of(model.config)
         for name in [n for n in THROUGH_CACHE if not args.baselines or n in args.baselines.split(",")]:
             row = name if name.startswith("hf-") else f"{name} chunk{CHUNK}"
             row += f" w{args.windows} {args.device}" if args.windows else ""  # a subset: its own rows
@@ -230,7 +231,6 @@ def main() -> None:
                 proj = baseline_projections(model, name)
                 res = evaluate_through_cache(model, tok, stiefkv.LatentCache, name=name, window=2048,
                                              limit=args.windows, projections=proj)
-            dims = dims_of(model.config)
             emit(through_cache_row(row, res, dims.L * dims.G * 2 * dims.d * 2))
     cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16)
     seqs = calibration_sequences(model, tok, data=cfg16.data, num_sequences=cfg16.num_sequences,

@@ -360,8 +360,6 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
     if baseline is not None and baseline not in BASELINES | TRANSFORMERS_BASELINES:
         raise UserError(f"--baseline {baseline}: choose one of "
                         f"{', '.join([*BASELINES, *TRANSFORMERS_BASELINES])}")
-    if baseline in TRANSFORMERS_BASELINES and attention_kl:
-        raise UserError(f"--attention-kl compares StiefKV's attention: not with --baseline {baseline}")
     if baseline is not None and projections is not None:
         raise UserError("give --projections or --baseline, not both")
     if attention_kl and projections is None:

@@ -256,19 +256,18 @@ def evaluate_through_cache(model, tokenizer, new_cache, *, name: str, projection
     ws = load_test_windows(tokenizer, data=data, window=window, limit=limit)
     switch = Switch(model, projections) if projections is not None else contextlib.nullcontext()
     nll_orig = nll_comp = kl_sum = 0.0
-    count, held = 0, None
+    count = 0
     for start in tqdm(range(len(ws)), desc=f"evaluate {len(ws)} windows through {name}", unit="window"):
         ids = ws[start:start + 1].to(device)
         nll, logp = _nll_and_logprobs(model, ids)
         cache = new_cache()
         with switch:
             logp_c = _chunked_logprobs(model, ids, cache, chunk)
-        held = cache
         nll_comp += float(-logp_c.gather(-1, ids[:, 1:, None]).double().sum())
         kl_sum += float((logp.exp() * (logp - logp_c)).sum(-1).double().sum())
         nll_orig += float(nll.double().sum())
         count += nll.numel()
-    nbytes = cache_bytes(held)
+    nbytes = cache_bytes(cache)  # the last window's, filled
     probe = ws[:1, : min(window, 256)].to(device)
     return EvalResult(model=model_name, data=data, window=window, windows=len(ws), tokens_scored=count,
                       ppl_original=math.exp(nll_orig / count),

@@ -6,7 +6,7 @@ import torch
 import stiefkv
 from stiefkv.models import dims_of, rope_spec
 from tests.tiny import ARCHS, random_projections, tiny_model
-from tests.utils import assert_close
+from tests.utils import assert_close, greedy_by_backend
 
 KEY_MODES = ["pre_rope", "post_rope"]
 
@@ -241,9 +241,5 @@ def test_generate_on_gpu_triton_matches_reference(key_mode):
     model = tiny_model("llama", head_dim=64, heads=8, kv_heads=2).cuda()  # fp32: no near-tie token flips
     proj = random_projections(model, 24, 40, key_mode)
     x = ids(batch=3, n=37).cuda()
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    outs = {}
-    for backend in ("triton", "reference"):
-        stiefkv.load(model, proj, backend=backend)
-        outs[backend] = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+    outs = greedy_by_backend(model, proj, x)
     assert torch.equal(outs["triton"], outs["reference"])

@@ -35,7 +35,7 @@ from stiefkv.quant import (
     unpack,
 )
 from tests.tiny import random_projections, tiny_model
-from tests.utils import CharTokenizer
+from tests.utils import CharTokenizer, greedy_by_backend
 
 SPECS = [QuantSpec(b, layout) for b in QUANT_BITS for layout in LAYOUTS]
 MSE_SPECS = [QuantSpec(b, layout, mse=True) for b in (4, 3, 2) for layout in LAYOUTS]
@@ -461,11 +461,7 @@ def test_triton_over_dequantized_latents_matches_the_reference(key_mode):
                        budget=proj.budget, quant=[(QuantSpec(4, "channel"), QuantSpec(3, "token")),
                                                   (QuantSpec(2, "token"), QuantSpec(8, "channel"))])
     x = torch.randint(1, 97, (3, 70), generator=gen(8)).cuda()
-    kw = dict(max_new_tokens=12, min_new_tokens=12, do_sample=False, pad_token_id=0)
-    outs = {}
-    for backend in ("triton", "reference"):
-        stiefkv.load(model, proj, backend=backend)
-        outs[backend] = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+    outs = greedy_by_backend(model, proj, x)
     assert torch.equal(outs["triton"], outs["reference"])
 
 

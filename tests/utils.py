@@ -71,3 +71,16 @@ def save_tiny_model(folder: Path, model=None) -> Path:
                                   eos_token="</s>")
     tok.save_pretrained(folder)
     return folder
+
+
+def greedy_by_backend(model, proj, x: torch.Tensor, new_tokens: int = 12) -> dict[str, torch.Tensor]:
+    """Greedy ``generate`` of ``model`` served with ``proj`` by the Triton kernels and by the PyTorch
+    reference, from the same prompt ``x``: ``{"triton": tokens, "reference": tokens}``."""
+    import stiefkv
+
+    kw = dict(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    outs = {}
+    for backend in ("triton", "reference"):
+        stiefkv.load(model, proj, backend=backend)
+        outs[backend] = model.generate(x, attention_mask=torch.ones_like(x), **kw)
+    return outs
