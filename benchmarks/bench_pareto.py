@@ -7,8 +7,8 @@ for a 2048-token cache):
 - ``auto``: ``stiefkv.calibrate`` defaults with ``bits="auto"`` at each budget;
 - ``ranks``: the defaults with ``bits=16`` (bf16 latents, ranks only: earlier versions' checkpoints);
 - ``int{b}``/``kivi{b}``: the quantization-only baselines of ``stiefkv eval --baseline`` (b = 8, 4, 3, 2),
-  min–max as KIVI defines them; ``-mse`` beside them: the same caches with StiefKV's least-squared-error
-  encoder (the encoder's gain alone);
+  min–max as KIVI defines them, each with its 64 newest tokens exact (KIVI's residual); ``-r0`` beside them
+  without (the window's gain alone), ``-mse`` with StiefKV's least-squared-error encoder (the encoder's);
 - ``pca-uniform-int4``: PCA bases at rank d/2 in every layer, latents int4 per token (no rotation);
 - ``through-cache``: transformers' own ``QuantizedCache`` (optimum-quanto, its defaults: per-token groups of
   64, the last 128 tokens in full precision; ``hf-quanto4``/``hf-quanto2``), and beside them the same
@@ -39,6 +39,10 @@ import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 BUDGETS = (0.5, 0.25, 0.1875, 0.125, 0.09375, 0.0625)
 ROW_KINDS = ("baselines", "pca-uniform-int4", "ranks", "auto", "through-cache")
 THROUGH_CACHE = ("hf-quanto4", "hf-quanto2", "int4", "kivi4", "kivi2")
+# How one forward scores a quantized cache. Rows without it (before 2026-12-01, third session) read every
+# key as the cache holds it after the forward; since then each query reads exact the keys that decoding it
+# would have found exact (a filling per-channel group, the recent window): render compares like with like.
+SCORING = "band"
 
 
 def synced(device: str) -> float:
@@ -109,7 +113,7 @@ def row_of(name: str, budget: float | None, proj, result, calib_s: float | None,
         "tokens": result.tokens_scored, "kv_bytes_per_token": proj.kv_bytes_per_token(),
         "bytes_fraction": proj.kv_bytes_per_token() / full_bytes, "achieved_budget": proj.achieved_budget,
         "calibration_s": calib_s, "ranks": [list(r) for r in proj.ranks],
-        "storage": [[str(q) for q in pair] for pair in proj.specs], "remeasured": True,
+        "storage": [[str(q) for q in pair] for pair in proj.specs], "scoring": SCORING, "remeasured": True,
     } | extra | {"provenance": utils.provenance()}
 
 
@@ -132,12 +136,16 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [r for r in rows if "ppl" in r and not r.get("tag")]
+    latest = {(r["row"], r["budget"]): r for r in rows  # a case measured again: its newest row
+              if "ppl" in r and not r.get("tag") and not r.get("protocol")}
+    rows = list(latest.values())
     fig, ax = plt.subplots(figsize=(7, 4.5))
+    plain = lambda r, kind: r["row"].startswith(kind) and "mse" not in r["row"]  # noqa: E731
     groups = {"StiefKV auto": lambda r: r["row"] == "auto",
               "StiefKV ranks only (bf16)": lambda r: r["row"] == "ranks",
-              "int-k per token": lambda r: r["row"].startswith("int") and "mse" not in r["row"],
-              "KIVI-k": lambda r: r["row"].startswith("kivi") and "mse" not in r["row"],
+              "int-k per token": lambda r: plain(r, "int") and not r["row"].endswith("-r0"),
+              "KIVI-k": lambda r: plain(r, "kivi") and not r["row"].endswith("-r0"),
+              "KIVI-k, no exact recent tokens": lambda r: plain(r, "kivi") and r["row"].endswith("-r0"),
               "PCA-uniform + int4": lambda r: r["row"] == "pca-uniform-int4"}
     for label, pick in groups.items():
         pts = sorted((r["bytes_fraction"], r["ppl"]) for r in rows if pick(r))

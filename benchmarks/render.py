@@ -77,6 +77,14 @@ class Results:
             self.used[id(row)] = (name, row)
         return row
 
+    def pick_like(self, name: str, case: str, like: dict) -> dict | None:
+        """The newest row of ``case`` scored as ``like`` was (the same ``scoring``)."""
+        rows = [r for r in self.rows(name) if r.get("case") == case and measured_row(r)
+                and r.get("scoring") == like.get("scoring")]
+        if rows:
+            self.used[id(rows[-1])] = (name, rows[-1])
+        return rows[-1] if rows else None
+
     def cases(self, name: str, table: str | None = None) -> list[dict]:
         """One picked row per case of ``table``, in the order the cases first appear in the file."""
         seen = []
@@ -684,29 +692,36 @@ def pareto_variants(res: Results) -> str:
         r = res.pick("pareto", r["case"])
         if r is None or any(x[0] == r["case"] for x in out):
             continue
-        default = res.pick("pareto", f"auto {r['budget']}")
+        default = res.pick_like("pareto", f"auto {r['budget']}", r)
         against = f"default {default['ppl']:.2f}" if default else "–"
         if default is None:  # the equal-bytes rows: the baseline of those bytes
-            same = [x for x in (res.pick("pareto", n) for n in BASELINE_NAMES)
+            same = [x for x in (res.pick_like("pareto", n, r) for n in BASELINE_NAMES)
                     if x and abs(x["bytes_fraction"] - r["budget"]) < 1e-3]
-            base = min(same, key=lambda x: x["ppl"])
-            against = f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %"
-        out.append([r["case"], f"{100 * r['bytes_fraction']:.2f} %",
+            base = min(same, key=lambda x: x["ppl"]) if same else None
+            against = (f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %" if base
+                       else "–")
+        out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %",
                     f"{r['ppl']:.2f}", f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
-    for name in BASELINE_NAMES:  # the least-squared-error encoder alone, on the quantization-only caches
-        plain = res.pick("pareto", name)
-        for suffix in ("-mse", "-vmse"):
+    for name in BASELINE_NAMES:  # the exact recent tokens alone, and the least-squared-error encoder alone
+        for suffix in ("-r0", " recent32", "-mse", "-vmse"):
             r = res.pick("pareto", name + suffix)
+            plain = None if r is None else res.pick_like("pareto", name, r)
             if r is not None and plain is not None:
-                out.append([r["case"], f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
+                out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
                             f"{r['next_token_kl']:.4f}", "–", f"{name} {plain['ppl']:.2f}"])
     return table(head, out)
+
+
+def scored(r: dict) -> str:
+    """A row's case, marked † when one forward read every key as stored (before the band of exact keys)."""
+    return r["case"] + ("" if r.get("scoring") else " †")
 
 
 def pareto_claims(res: Results, claim) -> None:
     auto = {b: res.pick("pareto", f"auto {b}") for b in PARETO_BUDGETS}
     ranks = {b: res.pick("pareto", f"ranks {b}") for b in PARETO_BUDGETS}
-    base = [res.pick("pareto", n) for n in (*BASELINE_NAMES, "hf-quanto4", "hf-quanto2")]
+    base = [res.pick("pareto", n) for n in (*BASELINE_NAMES, *(f"{n}-r0" for n in BASELINE_NAMES),
+                                             "hf-quanto4", "hf-quanto2")]
     int8 = res.pick("pareto", "int8")
     if auto[0.5] and int8:
         d = auto[0.5]["ppl"] / int8["ppl"] - 1

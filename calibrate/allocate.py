@@ -7,7 +7,7 @@ import math
 
 import numpy as np
 
-from stiefkv.quant import FLOAT_BYTES, POSITION_BYTES, QuantSpec
+from stiefkv.quant import FLOAT_BYTES, POSITION_BYTES, REFERENCE_CONTEXT, QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -70,9 +70,10 @@ def dp(profiles, budget: float, head_dim: int, rank_step: int = 8,
     return [(units[2 * i] * rank_step, units[2 * i + 1] * rank_step) for i in range(len(profiles))]
 
 
-# Bytes per token are counted in sixteenths of a byte: a per-channel group's scale and low (4 bytes over 64
-# tokens) cost 1/16 byte per channel, and every storage's bytes at rank steps of 8 are whole sixteenths.
-UNITS_PER_BYTE = 16
+# Bytes are counted exactly as those of the whole reference cache (REFERENCE_CONTEXT tokens): a per-channel
+# group's scale and low (4 bytes over 64 tokens) and the exact recent tokens are fractions of a byte per token
+# but whole bytes per cache. The knapsack divides every cost by their gcd, so its capacity stays small.
+UNITS_PER_BYTE = REFERENCE_CONTEXT
 
 
 def cache_bytes(L: int, G: int, d: int) -> int:
@@ -144,7 +145,7 @@ def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs,
         for which in ("k", "v"):
             opts = prof.options(which, weighting, specs[which])
             labels.append([(r, spec) for r, spec, _ in opts])
-            groups.append([(round(G * spec.bytes_per_token(r) * UNITS_PER_BYTE), err)
+            groups.append([(G * spec.cache_bytes(r, UNITS_PER_BYTE), err)
                            for r, spec, err in opts])
     unit = math.gcd(*(c for g in groups for c, _ in g))
     groups = [[(c // unit, e) for c, e in g] for g in groups]

@@ -39,7 +39,7 @@ from stiefkv.data import calibration_sequences
 from stiefkv.layers import NO_QUANT
 from stiefkv.models import arch_of, check_context, dims_of, fingerprint, rope_spec
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
-from stiefkv.quant import BITS, FLOAT, QuantSpec
+from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +65,8 @@ class CalibrationConfig:
         least-squared-error range instead of its min–max range (no bytes added). Off by default: it halves
         the squared error at 2 bits yet raised the PPL of KIVI and of ``auto`` at 6.25 % (BENCHMARKS.md §1b;
         clipping errs the same way in every token, and attention averages tokens).
+    recent : the newest tokens every quantized latent keeps exact (KIVI's residual; their bytes are counted,
+        in a cache of 2048 tokens). Each query then reads its own recent keys exact, as in decoding.
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
         dominant channel over all, so one scale per token fits them).
     quant_aware : refine the bases with the quantizer in the loss (straight-through gradient).
@@ -115,6 +117,7 @@ class CalibrationConfig:
     rank_step: int = 8
     seed: int = 0
     mse: str = "none"
+    recent: int = DEFAULT_RECENT
     rotation: bool = True
     quant_aware: bool = False
     learn_rotation: bool = False
@@ -134,6 +137,8 @@ class CalibrationConfig:
                               ("mse", MSE_CHOICES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
+        if not isinstance(self.recent, int) or self.recent < 0:
+            raise ValueError(f"recent must be an integer ≥ 0 (tokens kept exact), got {self.recent!r}")
         for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences",
                      "step_sequences"):
             if getattr(self, name) < 1:
@@ -228,7 +233,8 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
     if cfg.bits == "16" or cfg.allocation == "uniform":
         return None
     bf16 = [FLOAT] if cfg.bits == "auto" else []
-    return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which)) + bf16 for which in ("k", "v")}
+    return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which), cfg.recent) + bf16
+            for which in ("k", "v")}
 
 
 def check_budget(cfg: CalibrationConfig, dims) -> None:

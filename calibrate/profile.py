@@ -79,12 +79,13 @@ def mse_for(mse: str, which: str) -> bool:
     return mse == "all" or (mse == "values" and which == "v")
 
 
-def storage_candidates(bits, mse: bool = False) -> list[QuantSpec]:
+def storage_candidates(bits, mse: bool = False, recent: int = 0) -> list[QuantSpec]:
     """The quantized storages a ``bits`` setting profiles: every bit width and layout for ``auto``, both
     layouts of one width for a number, none for 16; with ``mse``, those of :data:`MSE_BITS` bits and fewer
-    encode each group on its least-squared-error range."""
+    encode each group on its least-squared-error range; each keeps its ``recent`` newest tokens exact."""
     widths = QUANT_BITS if bits == "auto" else tuple(b for b in (int(bits),) if b < 16)
-    return [QuantSpec(b, layout, mse=mse and b <= MSE_BITS) for b in widths for layout in LAYOUTS]
+    return [QuantSpec(b, layout, mse=mse and b <= MSE_BITS, recent=recent)
+            for b in widths for layout in LAYOUTS]
 
 
 def spreading_rotation(r: int) -> torch.Tensor:

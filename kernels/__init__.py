@@ -18,15 +18,15 @@ import logging
 
 import torch
 
-from ._common import KEY_MODES, RopeSpec
+from ._common import KEY_MODES, ExactTail, RopeSpec
 from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
 
 BACKENDS = ("auto", "triton", "reference")
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "KEY_MODES", "RopeSpec", "attention_kl", "attention_kl_reference", "lowrank_attention",
-           "lowrank_attention_reference", "triton_available"]
+__all__ = ["BACKENDS", "KEY_MODES", "ExactTail", "RopeSpec", "attention_kl", "attention_kl_reference",
+           "lowrank_attention", "lowrank_attention_reference", "triton_available"]
 
 
 @functools.cache
@@ -78,6 +78,7 @@ def lowrank_attention(
     causal: bool = True,
     lengths: torch.Tensor | None = None,
     scale: float | None = None,
+    exact: ExactTail | None = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache: ``softmax(scale·q kᵀ + bias) z_v``, then ``P_v`` times that.
@@ -94,6 +95,9 @@ def lowrank_attention(
     causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
     lengths : ``[B]`` real keys per row, right-aligned (left padding); all real when ``None``.
     scale : softmax scale, ``d**-0.5`` by default.
+    exact : :class:`ExactTail`, for a forward of many queries over quantized latents: each query reads its
+        recent keys exact, as decoding them one by one would. The kernel has no such band: with ``exact``
+        every backend runs the reference (decode needs none: its one query reads the cache as it is).
     backend : ``"auto"`` (the kernel for CUDA inputs that need no gradient, else the reference),
         ``"triton"`` (the kernel; on the CPU only under ``TRITON_INTERPRET=1``) or ``"reference"``.
 
@@ -109,6 +113,8 @@ def lowrank_attention(
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
                   lengths=lengths, scale=scale)
+    if exact is not None:
+        return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, exact=exact, **kwargs)
     if _use_kernel(backend, q.device, needs_grad=needs_grad):
         from . import lowrank
 

@@ -33,6 +33,21 @@ class RopeSpec(NamedTuple):
     attention_scaling: float = 1.0
 
 
+class ExactTail(NamedTuple):
+    """The exact latents behind a quantized cache's last keys, and where each query starts reading them.
+
+    A cache that quantizes a token only once newer tokens have arrived shows each query its own recent keys
+    exact. ``z_k`` ``[B, G, Ne, r_k]`` and ``z_v`` ``[B, G, Ne, r_v]`` are the exact latents of the last
+    ``Ne`` keys; query ``i`` reads key ``j`` from them when ``j ≥ key_from[i]`` (``value_from[i]`` for the
+    values; ``[Nq]`` key indices, at least ``Nk − Ne``) and from the quantized ``z_k``/``z_v`` below that.
+    """
+
+    z_k: torch.Tensor
+    z_v: torch.Tensor
+    key_from: torch.Tensor
+    value_from: torch.Tensor
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
 

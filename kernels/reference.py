@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ._common import KEY_MODES, RopeSpec
+from ._common import KEY_MODES, ExactTail, RopeSpec
 
-__all__ = ["KEY_MODES", "RopeSpec", "attention_kl", "key_padding_mask", "lowrank_attention", "rebuild_keys",
-           "rope_cos_sin", "rotate"]
+__all__ = ["KEY_MODES", "ExactTail", "RopeSpec", "attention_kl", "key_padding_mask", "lowrank_attention",
+           "rebuild_keys", "rope_cos_sin", "rotate"]
 
 
 def rope_cos_sin(positions: torch.Tensor, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -70,6 +70,7 @@ def lowrank_attention(
     causal: bool = True,
     lengths: torch.Tensor | None = None,
     scale: float | None = None,
+    exact: ExactTail | None = None,
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache.
 
@@ -86,6 +87,8 @@ def lowrank_attention(
     causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
     lengths : ``[B]`` real keys per row, right-aligned (left padding); all real when ``None``.
     scale : softmax scale, ``d**-0.5`` by default.
+    exact : :class:`ExactTail`: query ``i`` reads keys (values) from ``key_from[i]`` (``value_from[i]``) on
+        from its exact latents instead of the quantized ones.
 
     Returns
     -------
@@ -106,7 +109,12 @@ def lowrank_attention(
     else:
         qf = q.float()
         keys = rebuild_keys(z_k, P_k, key_mode=key_mode, positions=positions, rope=rope)
-    if causal and Nq == Nk and bias is None and lengths is None:
+    if exact is not None:
+        tail_keys = exact.z_k.float() if key_mode == "post_rope" else rebuild_keys(
+            exact.z_k, P_k, key_mode=key_mode, positions=positions[:, Nk - exact.z_k.shape[2]:], rope=rope)
+        out = _banded_attention(qf, keys, z_v.float(), tail_keys, exact, lengths=lengths, bias=bias,
+                                causal=causal, scale=scale)
+    elif causal and Nq == Nk and bias is None and lengths is None:
         # The plain causal square (prefill, evaluation): no dense mask, so SDPA may take a fused kernel;
         # heads expanded here because not every fused kernel takes enable_gqa.
         out = torch.nn.functional.scaled_dot_product_attention(
@@ -136,6 +144,46 @@ def _masked_attention(qf, keys, values, *, lengths, bias, causal: bool, scale: f
         qf, keys, values, attn_mask=mask.expand(B, H, Nq, Nk) if mask.shape[1] == 1 else mask,
         scale=scale, enable_gqa=True,
     )
+
+
+BAND_QUERIES = 512  # queries per step of the banded reference: bounds its [B, H, Nq, Nk] logits
+
+
+def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths, bias, causal: bool,
+                      scale: float) -> torch.Tensor:
+    """Attention where query ``i`` reads the last keys and values from ``exact`` from ``key_from[i]``
+    (``value_from[i]``) on: logits and the value sum swap in the exact tail where the band says so."""
+    B, H, Nq, _ = qf.shape
+    G, Nk, Ne = keys.shape[1], keys.shape[2], tail_keys.shape[2]
+    if not (exact.key_from.shape == exact.value_from.shape == (Nq,)):
+        raise ValueError(f"exact.key_from and value_from must be [Nq] = [{Nq}]")
+    S = H // G
+    q5 = qf.view(B, G, S, Nq, -1)
+    tail_values = exact.z_v.float()
+    tail_delta = tail_values - values[:, :, Nk - Ne:]
+    tail_idx = torch.arange(Nk - Ne, Nk, device=qf.device)
+    visible = key_padding_mask(lengths, B, Nk, qf.device)[:, None, None, None, :]
+    key_bias = None if bias is None else bias.float()[:, :, None, None, :]
+    outs = []
+    for lo in range(0, Nq, BAND_QUERIES):
+        hi = min(Nq, lo + BAND_QUERIES)
+        q = q5[:, :, :, lo:hi]
+        logits = torch.einsum("bgsqd,bgkd->bgsqk", q, keys) * scale
+        tail = torch.einsum("bgsqd,bgkd->bgsqk", q, tail_keys) * scale
+        use_k = tail_idx[None, :] >= exact.key_from[lo:hi, None].to(qf.device)
+        logits[..., Nk - Ne:] = torch.where(use_k, tail, logits[..., Nk - Ne:])
+        if key_bias is not None:
+            logits = logits + key_bias
+        seen = visible
+        if causal:
+            q_idx = torch.arange(lo, hi, device=qf.device) + (Nk - Nq)
+            seen = seen & (torch.arange(Nk, device=qf.device)[None, :] <= q_idx[:, None])
+        p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+        use_v = (tail_idx[None, :] >= exact.value_from[lo:hi, None].to(qf.device)).float()
+        out = torch.einsum("bgsqk,bgkr->bgsqr", p, values)
+        out = out + torch.einsum("bgsqk,bgkr->bgsqr", p[..., Nk - Ne:] * use_v, tail_delta)
+        outs.append(out)
+    return torch.cat(outs, 3).reshape(B, H, Nq, -1)
 
 
 def _attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask
 from stiefkv.kernels import RopeSpec
-from stiefkv.layers import project_qkv, rotate_with, to_latent
+from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
 from stiefkv.quant import FLOAT, QuantSpec, fake_quant
@@ -54,8 +54,9 @@ class LowRankAttention(nn.Module):
     rope : the model's :class:`RopeSpec`.
     backend : ``"auto"`` (Triton on CUDA), ``"triton"`` or ``"reference"``.
     quant : ``(key, value)`` :class:`~stiefkv.quant.QuantSpec`: how the cache stores the latents. Attention
-        always reads what the cache would hold — quantized latents dequantized, even without a cache — so
-        a forward without cache scores what serving computes.
+        always reads what the cache would hold — quantized latents dequantized, even without a cache, each
+        query with the keys exact that decoding it would have found exact — so a forward scores what
+        token-by-token decoding computes.
     """
 
     def __init__(self, attn: nn.Module, P_k: torch.Tensor, P_v: torch.Tensor, *, key_mode: str,
@@ -115,15 +116,18 @@ class LowRankAttention(nn.Module):
             position_ids = torch.arange(past, past + N, device=hidden_states.device)[None]
         positions = position_ids.expand(B, N)
         q, z_k, z_v = self.latents(hidden_states, *position_embeddings)
+        tails = ((z_k, 0), (z_v, 0))
         if cache is not None:
             z_k, z_v, positions, lengths = cache.update_layer(z_k, z_v, self.layer_idx, positions,
                                                               attention_mask, quant=self.quant)
+            tails = cache.exact_tails(self.layer_idx) or tails
         else:
             z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
+        exact = exact_band(self.quant, N, (z_k, z_v), tails)
         out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(z_k.dtype), None, key_mode=self.key_mode,
                                         positions=positions, rope=self.rope, causal=True, lengths=lengths,
-                                        scale=self.scaling, backend=self.backend)
+                                        scale=self.scaling, exact=exact, backend=self.backend)
         out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
         return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None
 

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from stiefkv.kernels import reference
-from stiefkv.quant import FLOAT, GROUP, Quantized, QuantSpec, dequantize, quantize
+from stiefkv.quant import FLOAT, GROUP, Quantized, QuantSpec, dequantize, quantize, quantized_length
 
 
 def _dynamic_cache_class():
@@ -84,6 +84,14 @@ class LatentCache(_dynamic_cache_class()):
             self.lengths = lengths_from_mask(attention_mask, z_k.shape[0], z_k.shape[2])
         return z_k, z_v, self.positions, self.lengths
 
+    def exact_tails(self, layer_idx: int):
+        """The key and value latents the last update of a quantized layer saw exact, each as ``(z, index of
+        its first token)``; None for a float layer (its latents are exact as read)."""
+        layer = self.layers[layer_idx]
+        if not isinstance(layer, QuantizedLatentLayer):
+            return None
+        return tuple((s.tail, s.tail_start) for s in layer.stores)
+
     # The positions and lengths must follow every batch or length edit transformers makes to the layers.
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -121,19 +129,26 @@ def _dynamic_layer_class():
 
 class LatentStore:
     """One latent of one layer in the cache, as its :class:`~stiefkv.quant.QuantSpec` says: float latents
-    as they are, or codes with their scales, plus (``channel`` layout) the float window of the tokens
-    after the last full group of :data:`~stiefkv.quant.GROUP`."""
+    as they are, or codes with their scales plus the float window of the tokens not quantized yet (the
+    ``recent`` newest, and a ``channel`` group still filling: :func:`~stiefkv.quant.quantized_length`)."""
 
     def __init__(self, spec: QuantSpec):
         self.spec = spec
         self.codes: Quantized | None = None
         self.window: torch.Tensor | None = None  # float latents not (yet) quantized
         self.dtype: torch.dtype | None = None  # of the latents: a crop may bring codes back to the window
+        # the exact latents the last append saw from the first token it found unquantized on, and that index
+        self.tail: torch.Tensor | None = None
+        self.tail_start = 0
+
+    @property
+    def held(self) -> int:
+        """Tokens held as codes."""
+        return 0 if self.codes is None else self.codes.length
 
     @property
     def length(self) -> int:
-        n = 0 if self.codes is None else self.codes.length
-        return n + (0 if self.window is None else self.window.shape[-2])
+        return self.held + (0 if self.window is None else self.window.shape[-2])
 
     @property
     def nbytes(self) -> int:
@@ -141,17 +156,18 @@ class LatentStore:
         return codes + (0 if self.window is None else self.window.nbytes)
 
     def append(self, z: torch.Tensor) -> None:
-        """Add ``z`` ``[B, G, n, r]``: quantized at once per token, per channel once its group fills."""
+        """Add ``z`` ``[B, G, n, r]``; quantize what the spec no longer keeps exact. The exact latents of the
+        window before the append plus ``z`` stay readable as :attr:`tail` until the next append."""
         self.dtype = z.dtype
         window = z if self.window is None else torch.cat([self.window, z], -2)
-        n = window.shape[-2]
-        full = n if self.spec.layout == "token" else n // GROUP * GROUP
-        if not self.spec.quantized or full == 0:
+        self.tail, self.tail_start = window, self.held
+        due = quantized_length(self.held + window.shape[-2], self.spec) - self.held
+        if not self.spec.quantized or due <= 0:
             self.window = window
             return
-        new = quantize(window[..., :full, :], self.spec)
+        new = quantize(window[..., :due, :], self.spec)
         self.codes = new if self.codes is None else _cat_codes(self.codes, new)
-        self.window = window[..., full:, :] if full < n else None
+        self.window = window[..., due:, :] if due < window.shape[-2] else None
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """Every cached token's latent ``[B, G, N, r]`` in ``dtype`` (codes dequantized)."""
@@ -166,17 +182,20 @@ class LatentStore:
             self.codes = self.codes.apply(fn)
         if self.window is not None:
             self.window = fn(self.window)
+        self.tail = None
 
     def keep(self, n: int) -> None:
-        """Keep the first ``n`` tokens. A cut through a quantized group of the channel layout brings the
-        group's kept tokens back to the float window, dequantized."""
+        """Keep the first ``n`` tokens. Tokens a cache of ``n`` would still hold exact but that are codes
+        already (the newest kept, a group cut through) come back to the float window, dequantized: a crop
+        cannot restore the precision they lost."""
+        self.tail = None
         if n >= self.length:
             return
-        held = 0 if self.codes is None else self.codes.length
+        held = self.held
         if n >= held:
             self.window = self.window[..., : n - held, :] if n > held else None
             return
-        kept_codes = n if self.spec.layout == "token" else n // GROUP * GROUP
+        kept_codes = quantized_length(n, self.spec)
         tail = dequantize(self.codes, self.dtype)[..., kept_codes:n, :] if n > kept_codes else None
         self.codes = _slice_codes(self.codes, kept_codes) if kept_codes else None
         self.window = tail

@@ -184,6 +184,9 @@ def main():
               help=f"How latents are stored: {', '.join(BITS_CHOICES)}. auto = rank, bit width and group "
                    "layout chosen together per layer for keys and values (bf16 and full rank included); "
                    "16 = bf16 latents, ranks only; 8/4/3/2 = that width everywhere.")
+@click.option("--recent", type=click.IntRange(min=0), default=DEFAULTS["recent"], show_default=True,
+              help="The newest tokens every quantized latent keeps exact (as KIVI does); their bytes count "
+                   "against the budget.")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
               help="stiefel = PCA start refined on the Stiefel manifold against the decoder-layer output; "
                    "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")

@@ -28,19 +28,23 @@ from stiefkv.layers import (
 )
 from stiefkv.models import check_context, decoder_layers, rope_spec
 from stiefkv.projections import Projections
-from stiefkv.quant import QuantSpec
+from stiefkv.quant import DEFAULT_RECENT, QuantSpec
 
 # Quantization-only caches a user would otherwise pick, run through the same harness as the checkpoints:
 # full-rank (identity) bases with every latent quantized. int{b}: keys and values per token (groups of 64
-# channels); kivi{b}: keys per channel over 64-token groups with the recent tokens in bf16, values per token
-# (KIVI's layout). Keys are quantized before RoPE, as StiefKV's pre_rope latents are.
-BASELINES = {f"{name}{b}": (QuantSpec(b, key_layout), QuantSpec(b, "token"))
-             for b in (8, 4, 3, 2) for name, key_layout in (("int", "token"), ("kivi", "channel"))}
+# channels); kivi{b}: keys per channel over 64-token groups, values per token (KIVI's layout). Keys are
+# quantized before RoPE, as StiefKV's pre_rope latents are. Each keeps its DEFAULT_RECENT newest tokens exact,
+# as KIVI keeps its residual and StiefKV's calibrated caches do; -r0 keeps none (a channel group still
+# filling aside).
+BASELINES = {f"{name}{b}{suffix}": (QuantSpec(b, key_layout, recent=w), QuantSpec(b, "token", recent=w))
+             for b in (8, 4, 3, 2) for name, key_layout in (("int", "token"), ("kivi", "channel"))
+             for suffix, w in (("", DEFAULT_RECENT), ("-r0", 0))}
 # the same caches with StiefKV's least-squared-error encoder on the values (-vmse) or on both (-mse): what
 # the encoder alone gains (or costs) a quantization-only cache
-BASELINES |= {f"{name}{suffix}": (QuantSpec(k.bits, k.layout, mse=suffix == "-mse"),
-                                  QuantSpec(v.bits, "token", mse=True))
-              for name, (k, v) in list(BASELINES.items()) if k.bits < 8 for suffix in ("-mse", "-vmse")}
+BASELINES |= {f"{name}{suffix}": (QuantSpec(k.bits, k.layout, mse=suffix == "-mse", recent=k.recent),
+                                  QuantSpec(v.bits, "token", mse=True, recent=v.recent))
+              for name, (k, v) in list(BASELINES.items())
+              if k.bits < 8 and not name.endswith("-r0") for suffix in ("-mse", "-vmse")}
 
 
 def baseline_projections(model, name: str) -> Projections:

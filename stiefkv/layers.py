@@ -19,9 +19,9 @@ import torch
 from torch import nn
 
 from stiefkv import kernels
-from stiefkv.kernels import RopeSpec
+from stiefkv.kernels import ExactTail, RopeSpec
 from stiefkv.models import decoder_layers
-from stiefkv.quant import FLOAT, QuantSpec, fake_quant
+from stiefkv.quant import FLOAT, QuantSpec, exact_from, fake_quant
 
 NO_QUANT = (FLOAT, FLOAT)
 
@@ -102,6 +102,27 @@ def to_latent(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.float(), P).to(x.dtype)
 
 
+def exact_band(quant: tuple[QuantSpec, QuantSpec], n_queries: int, read: tuple[torch.Tensor, torch.Tensor],
+               tails: tuple[tuple[torch.Tensor, int], tuple[torch.Tensor, int]]) -> ExactTail | None:
+    """The band of exact keys a forward of ``n_queries`` (the last of the keys) needs over latents stored as
+    ``quant``: query ``i`` reads exact what the cache held exact when ``i`` was decoded
+    (:func:`~stiefkv.quant.exact_from`). ``read`` are the key and value latents as stored (quantized ones
+    dequantized), ``tails`` each latent's exact latents ``(z, first index)`` up to the last key. None where
+    no band is needed: nothing quantized, or one query (decode reads the cache as it is)."""
+    if n_queries == 1 or not any(spec.quantized for spec in quant):
+        return None
+    n_keys = read[0].shape[2]
+    first = min(start for _, start in tails)
+    parts, froms = [], []
+    query_index = torch.arange(n_keys - n_queries, n_keys, device=read[0].device)
+    for spec, stored, (tail, start) in zip(quant, read, tails):
+        # a shorter tail is padded with the stored latents: no query reads them exact
+        parts.append(torch.cat([stored[:, :, first:start], tail.to(stored.dtype)], 2) if start > first
+                     else tail.to(stored.dtype))
+        froms.append(exact_from(query_index, spec).clamp(min=start))
+    return ExactTail(parts[0], parts[1], froms[0], froms[1])
+
+
 def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Tensor, P_v: torch.Tensor, *,
                     key_mode: str, rope: RopeSpec, position_embeddings, positions: torch.Tensor,
                     backend: str = "reference", quant: tuple[QuantSpec, QuantSpec] = NO_QUANT,
@@ -120,11 +141,12 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
     if key_mode == "post_rope":
         k = rotate_with(k, cos, sin)
     z_k, z_v = to_latent(k, P_k), to_latent(v, P_v)
-    z_k = fake_quant(z_k, quant[0], straight_through=straight_through)
-    z_v = fake_quant(z_v, quant[1], straight_through=straight_through)
-    out = kernels.lowrank_attention(q, z_k, z_v, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
+    stored = (fake_quant(z_k, quant[0], straight_through=straight_through),
+              fake_quant(z_v, quant[1], straight_through=straight_through))
+    exact = exact_band(quant, N, stored, ((z_k, 0), (z_v, 0)))
+    out = kernels.lowrank_attention(q, *stored, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
                                     positions=positions, rope=rope, causal=True, lengths=None,
-                                    scale=attn.scaling, backend=backend)
+                                    scale=attn.scaling, exact=exact, backend=backend)
     return attn.o_proj(out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype))
 
 

@@ -6,8 +6,13 @@ packed densely (eight codes in ``bits`` bytes), with an asymmetric min–max qua
 
 - ``token``: per token over the latent channels, groups of :data:`GROUP` channels.
 - ``channel`` (KIVI-style): per channel over groups of :data:`GROUP` consecutive tokens. Tokens after the
-  last full group (fewer than :data:`GROUP`) are the recent window and stay in the latent's float dtype
-  until their group fills.
+  last full group (fewer than :data:`GROUP`) stay in the latent's float dtype until their group fills.
+
+A spec with ``recent = W`` also keeps the ``W`` most recent tokens exact (KIVI's residual): a token is
+quantized once ``W`` newer tokens have arrived (for ``channel``, once its whole group has). Query ``i``
+therefore reads key ``j`` exact when ``j ≥`` :func:`quantized_length` ``(i + 1)`` and quantized otherwise —
+decode sees exactly that, and a forward over many tokens computes it with a band of exact keys
+(:func:`exact_from`), so that one forward scores what decoding the same tokens one by one would.
 
 A spec with ``mse`` encodes each group on the range, shrunk about its midpoint by one of
 :data:`CLIP_RATIOS`, that gives the least squared error instead of the min–max range: at 2 bits this
@@ -22,6 +27,7 @@ the float kernels).
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +41,7 @@ SCALE_BYTES = 2  # one float16 scale and one float16 low per group
 FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
 POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
 REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
+DEFAULT_RECENT = 16  # exact recent tokens of calibrated caches and of the baselines (BENCHMARKS.md §1b)
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # ranges an mse encoder tries, as min–max fractions
 
 
@@ -46,15 +53,19 @@ class QuantSpec:
     bits: int = 16
     layout: str = "token"
     mse: bool = False
+    recent: int = 0
 
     def __post_init__(self):
         if self.bits not in BITS:
             raise ValueError(f"bits must be one of {', '.join(map(str, BITS))}; got {self.bits!r}")
         if self.layout not in LAYOUTS:
             raise ValueError(f"layout must be one of {', '.join(LAYOUTS)}; got {self.layout!r}")
+        if not isinstance(self.recent, int) or self.recent < 0:
+            raise ValueError(f"recent (the exact recent tokens) must be an integer ≥ 0; got {self.recent!r}")
         if self.bits == 16:  # one name for the float latent
             object.__setattr__(self, "layout", "token")
             object.__setattr__(self, "mse", False)
+            object.__setattr__(self, "recent", 0)
 
     @property
     def quantized(self) -> bool:
@@ -63,33 +74,36 @@ class QuantSpec:
     def __str__(self) -> str:
         if not self.quantized:
             return "bf16"
-        return f"int{self.bits}-{self.layout}" + ("-mse" if self.mse else "")
+        return (f"int{self.bits}-{self.layout}" + ("-mse" if self.mse else "")
+                + (f"-r{self.recent}" if self.recent else ""))
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
-        """``bf16``/``16`` or ``int{bits}-{layout}[-mse]`` (``int4-channel``, ``int2-token-mse``), as
-        :meth:`__str__` writes it."""
+        """``bf16``/``16`` or ``int{bits}-{layout}[-mse][-r{recent}]`` (``int4-channel``, ``int2-token-mse``,
+        ``int4-token-r64``), as :meth:`__str__` writes it."""
         if text in ("bf16", "fp16", "16"):
             return cls()
-        head, _, rest = text.partition("-")
-        layout, _, encoder = rest.partition("-")
-        if not head.startswith("int") or not head[3:].isdigit() or encoder not in ("", "mse"):
+        m = re.fullmatch(r"int(\d+)(?:-([a-z]+))?(-mse)?(?:-r(\d+))?", text)
+        if m is None:
             raise ValueError(f"not a latent storage spec: {text!r} "
-                             "(expected bf16 or int{bits}-{layout}[-mse])")
-        return cls(int(head[3:]), layout or "token", encoder == "mse")
+                             "(expected bf16 or int{bits}-{layout}[-mse][-r{recent}])")
+        return cls(int(m[1]), m[2] or "token", m[3] is not None, int(m[4] or 0))
+
+    def cache_bytes(self, rank: int, context: int = REFERENCE_CONTEXT) -> int:
+        """Bytes one head's latent of ``rank`` channels holds in a cache of ``context`` tokens: codes (packed,
+        padded to whole bytes), scales and lows, and the tokens still exact (recent, or a filling group)."""
+        if not self.quantized:
+            return FLOAT_BYTES * rank * context
+        held = quantized_length(context, self)
+        exact = (context - held) * FLOAT_BYTES * rank
+        codes = held * packed_bytes(rank, self.bits)
+        if self.layout == "token":
+            return codes + held * 2 * SCALE_BYTES * math.ceil(rank / GROUP) + exact
+        return codes + (held // GROUP) * 2 * SCALE_BYTES * rank + exact
 
     def bytes_per_token(self, rank: int, context: int = REFERENCE_CONTEXT) -> float:
-        """Bytes one head's latent of ``rank`` channels costs per token in a cache of ``context`` tokens:
-        codes (packed, padded to whole bytes), scales and lows, and (``channel``) the float window."""
-        if not self.quantized:
-            return float(FLOAT_BYTES * rank)
-        codes = packed_bytes(rank, self.bits)
-        if self.layout == "token":
-            return float(codes + 2 * SCALE_BYTES * math.ceil(rank / GROUP))
-        full = context // GROUP * GROUP
-        window = context - full
-        total = full * codes + (full // GROUP) * 2 * SCALE_BYTES * rank + window * FLOAT_BYTES * rank
-        return total / context
+        """:meth:`cache_bytes` per token."""
+        return self.cache_bytes(rank, context) / context
 
 
 FLOAT = QuantSpec()
@@ -244,15 +258,26 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
 
 
 def quantized_length(n: int, spec: QuantSpec) -> int:
-    """How many of ``n`` tokens are held as codes (the rest is the channel layout's float window)."""
+    """How many of ``n`` tokens a cache of ``spec`` holds as codes: all but the ``recent`` newest (and, for
+    ``channel``, but a group still filling); the rest stays exact."""
     if not spec.quantized:
         return 0
+    n = max(0, n - spec.recent)
     return n if spec.layout == "token" else n // GROUP * GROUP
+
+
+def exact_from(query_index: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """For queries at key indices ``query_index`` (int tensor), the first key index each reads exact:
+    :func:`quantized_length` of the cache that held keys ``0 … i`` when query ``i`` was decoded."""
+    if not spec.quantized:
+        return torch.zeros_like(query_index)
+    n = (query_index + 1 - spec.recent).clamp(min=0)
+    return n if spec.layout == "token" else torch.div(n, GROUP, rounding_mode="floor") * GROUP
 
 
 def fake_quant(x: torch.Tensor, spec: QuantSpec, *, straight_through: bool = False) -> torch.Tensor:
     """``x`` ``[..., N, r]`` as a cache of ``spec`` returns it after holding all ``N`` tokens: quantized and
-    dequantized (the ``channel`` layout's last ``N mod GROUP`` tokens unchanged), in ``x``'s dtype.
+    dequantized, but for the tokens it still holds exact (:func:`quantized_length`), in ``x``'s dtype.
 
     ``straight_through`` makes the gradient pass as if the quantizer were the identity (the
     straight-through estimator), so bases can be trained for the bits they will be stored in.

@@ -59,7 +59,7 @@ def kernel_calls(monkeypatch):
 
 
 def test_public_api():
-    assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "RopeSpec", "attention_kl",
+    assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "ExactTail", "RopeSpec", "attention_kl",
                                     "attention_kl_reference", "lowrank_attention",
                                     "lowrank_attention_reference", "triton_available"}
     assert kernels.BACKENDS == ("auto", "triton", "reference")

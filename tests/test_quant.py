@@ -39,6 +39,9 @@ from tests.utils import CharTokenizer, greedy_by_backend
 
 SPECS = [QuantSpec(b, layout) for b in QUANT_BITS for layout in LAYOUTS]
 MSE_SPECS = [QuantSpec(b, layout, mse=True) for b in (4, 3, 2) for layout in LAYOUTS]
+# exact recent windows shorter, longer than and not a multiple of a group
+RECENT_SPECS = [QuantSpec(4, "token", recent=7), QuantSpec(2, "channel", recent=37),
+                QuantSpec(3, "channel", recent=GROUP), QuantSpec(2, "token", mse=True, recent=70)]
 
 
 def gen(seed):
@@ -171,11 +174,13 @@ def test_mse_encoder_never_loses_to_min_max_and_ignores_the_padding():
 
 
 def test_spec_names_round_trip():
-    for spec in SPECS + MSE_SPECS + [QuantSpec(16)]:
+    for spec in SPECS + MSE_SPECS + RECENT_SPECS + [QuantSpec(16)]:
         assert QuantSpec.parse(str(spec)) == spec
     assert str(QuantSpec(2, "token", mse=True)) == "int2-token-mse"
-    assert QuantSpec(16, "channel", mse=True) == QuantSpec() and str(QuantSpec(16, mse=True)) == "bf16"
-    for bad in ("int4-token-fast", "int4-token-mse-x", "int-token", "float4"):
+    assert str(QuantSpec(2, "channel", mse=True, recent=64)) == "int2-channel-mse-r64"
+    assert QuantSpec(16, "channel", mse=True, recent=9) == QuantSpec()
+    assert str(QuantSpec(16, mse=True)) == "bf16"
+    for bad in ("int4-token-fast", "int4-token-mse-x", "int-token", "float4", "int4-token-r", "int4-r64-mse"):
         with pytest.raises(ValueError):
             QuantSpec.parse(bad)
 
@@ -193,7 +198,7 @@ def test_straight_through_gradient_is_identity():
         assert torch.equal(g, torch.full_like(x, 3.0))
 
 
-@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:], ids=str)
+@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:] + RECENT_SPECS, ids=str)
 def test_store_appends_in_chunks_as_one_quantization(spec):
     r, total = 19, 3 * GROUP + 29
     x = latents((2, 3, total, r), seed=spec.bits)
@@ -211,8 +216,8 @@ def test_store_appends_in_chunks_as_one_quantization(spec):
         assert store.length == n and torch.equal(store.read(x.dtype), before[..., :n, :])
 
 
-@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:], ids=str)
-@pytest.mark.parametrize("r,N", [(13, 2 * GROUP), (77, 3 * GROUP + 10), (8, 100)])
+@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:] + RECENT_SPECS, ids=str)
+@pytest.mark.parametrize("r,N", [(13, 2 * GROUP), (77, 3 * GROUP + 10), (8, 100), (5, 30)])
 def test_store_bytes_equal_the_accounting(spec, r, N):
     store = LatentStore(spec)
     store.append(latents((1, 1, N, r), seed=r, dtype=torch.bfloat16))
@@ -250,20 +255,80 @@ def test_cached_decoding_matches_full_forward_per_token(key_mode):
     assert cache.get_seq_length() == 41
 
 
-def test_channel_layout_decoding_meets_the_full_forward_at_the_end():
-    """Per-channel groups quantize once 64 tokens fill: earlier decode steps still read those tokens in
-    float, so only the last step, when the cache holds what one full forward holds, must agree — in a
-    one-layer model (deeper layers' cached keys depend on what the layers below saw at each step)."""
-    model = tiny_model(layers=1)
-    proj = quantized_projections(model, specs=[(QuantSpec(4, "channel"), QuantSpec(2, "channel"))])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("specs", [
+    [(QuantSpec(4, "channel"), QuantSpec(2, "channel")), (QuantSpec(3, "token"), QuantSpec(16))],
+    [(QuantSpec(4, "token", recent=5), QuantSpec(2, "channel", recent=37)),
+     (QuantSpec(2, "channel", recent=GROUP), QuantSpec(3, "token", mse=True, recent=70))],
+], ids=["windowless", "recent"])
+def test_decoding_token_by_token_matches_one_forward_for_every_layout(key_mode, specs, monkeypatch):
+    """A token is quantized once newer tokens pass it (a filling group, the recent window), so the keys a
+    query reads exact depend on when it was decoded. One forward computes that band of exact keys: it must
+    give what decoding the same tokens one by one gives, at every step and in every layer, and so must a
+    prefill in uneven chunks."""
+    model = tiny_model()
+    proj = quantized_projections(model, specs=specs)
+    proj.key_mode = key_mode
     stiefkv.load(model, proj)
-    ids = torch.randint(0, 97, (1, 2 * GROUP + 7), generator=gen(1))
+    ids = torch.randint(0, 97, (2, 2 * GROUP + 23), generator=gen(1))
     full = model(ids, use_cache=False).logits
-    inc, _ = decode_logits(model, ids, 50)
+    inc, cache = decode_logits(model, ids, 50)
     assert torch.isfinite(inc).all()
-    torch.testing.assert_close(inc[:, -1], full[:, -1], rtol=1e-4, atol=1e-4)
-    prefill = model(ids[:, :50], use_cache=False).logits  # fewer than 64 tokens: all in the float window
-    torch.testing.assert_close(inc[:, :50], prefill, rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(inc, full, rtol=2e-4, atol=2e-4)
+    assert cache.get_seq_length() == ids.shape[1]
+    chunked = stiefkv.LatentCache()
+    parts = [model(ids[:, a:b], use_cache=True, past_key_values=chunked).logits
+             for a, b in itertools.pairwise([0, 3, 70, 71, 140, ids.shape[1]])]
+    torch.testing.assert_close(torch.cat(parts, 1), full, rtol=2e-4, atol=2e-4)
+    # the band matters: reading every key as the cache holds it after the forward gives other logits
+    monkeypatch.setattr(stiefkv.attention, "exact_band", lambda *a: None)
+    assert (model(ids, use_cache=False).logits - full).abs().max() > 1e-2
+
+
+def test_banded_reference_matches_attention_query_by_query():
+    """The reference's band against attention written out per query: keys below ``key_from[i]`` quantized,
+    from it on exact (values likewise), with GQA, left padding and a key bias; float32 and bfloat16."""
+    from stiefkv.kernels import ExactTail, RopeSpec
+    from stiefkv.kernels.reference import lowrank_attention, rebuild_keys
+
+    g = gen(5)
+    B, H, G, d, rk, rv, Nk, Nq, Ne = 2, 6, 3, 16, 7, 5, 29, 11, 17
+    rope = RopeSpec(1.0 / (10000 ** (torch.arange(0, d, 2).float() / d)))
+    P_k = torch.linalg.qr(torch.randn(G, d, rk, generator=g))[0]
+    P_v = torch.linalg.qr(torch.randn(G, d, rv, generator=g))[0]
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2e-2)):
+        q = torch.randn(B, H, Nq, d, generator=g).to(dtype)
+        zk, zv = torch.randn(B, G, Nk, rk, generator=g), torch.randn(B, G, Nk, rv, generator=g)
+        ek, ev = torch.randn(B, G, Ne, rk, generator=g), torch.randn(B, G, Ne, rv, generator=g)
+        positions = torch.arange(Nk)[None].expand(B, Nk) + torch.tensor([[0], [4]])
+        lengths, bias = torch.tensor([Nk, Nk - 4]), torch.randn(B, G, Nk, generator=g)
+        key_from = torch.randint(Nk - Ne, Nk + 1, (Nq,), generator=g)
+        value_from = torch.randint(Nk - Ne, Nk + 1, (Nq,), generator=g)
+        for key_mode in ("pre_rope", "post_rope"):
+            out = lowrank_attention(q, zk.to(dtype), zv.to(dtype), P_k, P_v, key_mode=key_mode,
+                                    positions=positions, rope=rope, bias=bias, lengths=lengths,
+                                    exact=ExactTail(ek.to(dtype), ev.to(dtype), key_from, value_from))
+            assert torch.isfinite(out).all()
+            want = torch.zeros(B, H, Nq, d, dtype=torch.float64)
+            for i in range(Nq):
+                k_i, v_i = zk.to(dtype).float().clone(), zv.to(dtype).float().clone()
+                use_k = torch.arange(Nk - Ne, Nk) >= key_from[i]
+                use_v = torch.arange(Nk - Ne, Nk) >= value_from[i]
+                k_i[:, :, Nk - Ne:][:, :, use_k] = ek.to(dtype).float()[:, :, use_k]
+                v_i[:, :, Nk - Ne:][:, :, use_v] = ev.to(dtype).float()[:, :, use_v]
+                keys = rebuild_keys(k_i, P_k, key_mode="pre_rope", positions=positions, rope=rope)
+                if key_mode == "post_rope":
+                    keys = torch.einsum("bgnr,gdr->bgnd", k_i, P_k)
+                keys = keys.double().repeat_interleave(H // G, 1)
+                logits = torch.einsum("bhd,bhkd->bhk", q[:, :, i].double(), keys) * d**-0.5
+                logits = logits + bias.double().repeat_interleave(H // G, 1)
+                hidden = (torch.arange(Nk) > Nk - Nq + i)[None, None] | (
+                    torch.arange(Nk)[None] < (Nk - lengths)[:, None])[:, None]
+                p = logits.masked_fill(hidden, float("-inf")).softmax(-1)
+                values = torch.einsum("bgnr,gdr->bgnd", v_i.double(), P_v.double())
+                values = values.repeat_interleave(H // G, 1)
+                want[:, :, i] = torch.einsum("bhk,bhkd->bhd", p, values)
+            torch.testing.assert_close(out.double(), want, rtol=tol, atol=tol)
 
 
 def test_cache_nbytes_counts_everything():
@@ -309,8 +374,8 @@ def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
     assert back.header()["quant"][0] == ["int4-token", "int3-token"]
     plain = random_projections(model, 8, 8)
     assert plain.header()["format_version"] == 2 and "quant" not in plain.header()  # older readers take it
-    with pytest.raises(CheckpointError, match="format version 5; this StiefKV reads up to 4"):
-        _edited(tmp_path, path, lambda h: h.update(format_version=5))
+    with pytest.raises(CheckpointError, match="format version 6; this StiefKV reads up to 5"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=6))
     with pytest.raises(CheckpointError, match="'quant' in a format version 2"):
         _edited(tmp_path, path, lambda h: h.update(format_version=2))
     with pytest.raises(CheckpointError, match="bits must be one of"):
@@ -324,6 +389,15 @@ def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
     assert back.header()["quant"][1] == ["int4-token", "int3-token-mse"]
     with pytest.raises(CheckpointError, match="an -mse storage in a format version 3 file"):
         _edited(tmp_path, path, lambda h: h.update(format_version=3))
+    # exact recent tokens need version 5: earlier readers would quantize them
+    recent = quantized_projections(model, specs=[(QuantSpec(2, "channel", recent=64), QuantSpec(16)),
+                                                 (QuantSpec(4), QuantSpec(3, "token", mse=True))])
+    path = recent.save(tmp_path / "recent.safetensors")
+    back = Projections.load(path)
+    assert back.specs == recent.specs and back.header()["format_version"] == 5
+    assert back.header()["quant"][0] == ["int2-channel-r64", "bf16"]
+    with pytest.raises(CheckpointError, match=r"exact recent tokens \(-r\) in a format version 4 file"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=4))
 
 
 def _edited(tmp_path, path, edit):
@@ -485,17 +559,22 @@ def test_through_cache_harness_matches_one_forward_without_compression(monkeypat
     res = evaluate_through_cache(model, None, DynamicCache, name="dynamic", window=160, chunk=37)
     assert res.ppl == pytest.approx(res.ppl_original, rel=1e-5) and abs(res.next_token_kl) < 1e-6
     assert res.kv_bytes_per_token == 2 * 2 * 2 * 24 * 2  # L · G · (K + V) · d · bf16
-    # a quantized latent cache fed in chunks holds what the accounting says, and scores like the one-forward
-    # protocol up to the fresh chunk each forward keeps exact (KL within a factor 2 of the fake-quant path)
-    proj = baseline_projections(model, "int3")
-    chunked = evaluate_through_cache(model, None, stiefkv.LatentCache, name="int3", projections=proj,
-                                     window=160, chunk=40)
-    whole = evaluate(model, None, proj, window=160, layer_errors=False)
-    assert math.isfinite(chunked.ppl) and chunked.ppl_original == pytest.approx(whole.ppl_original)
+    # a quantized latent cache fed in chunks holds what the accounting says, and scores exactly as one
+    # forward does: each query reads exact what decoding it would have (its recent window, filling groups)
     n_layers, G, d = 2, 2, 24
-    assert chunked.kv_bytes_per_token == pytest.approx(
-        n_layers * G * 2 * QuantSpec(3).bytes_per_token(d, context=160) + 4)
-    assert 0.5 * whole.next_token_kl < chunked.next_token_kl < 2 * whole.next_token_kl
+    model = tiny_model(dtype=torch.bfloat16)  # the exact tokens cost bf16 bytes, as the accounting counts
+    for name in ("int2", "kivi2-r0"):
+        proj = baseline_projections(model, name)
+        chunked = evaluate_through_cache(model, None, stiefkv.LatentCache, name=name, projections=proj,
+                                         window=160, chunk=40)
+        whole = evaluate(model, None, proj, window=160, layer_errors=False)
+        assert math.isfinite(chunked.ppl) and chunked.ppl_original == pytest.approx(whole.ppl_original)
+        k, v = proj.specs[0]
+        assert chunked.kv_bytes_per_token == pytest.approx(
+            n_layers * G * (k.bytes_per_token(d, context=160) + v.bytes_per_token(d, context=160)) + 4)
+        # the same latents and the same attention, summed in other orders (bf16 model: measured 1e-8 apart)
+        assert chunked.ppl == pytest.approx(whole.ppl, rel=1e-4) and whole.next_token_kl > 1e-4
+        assert chunked.next_token_kl == pytest.approx(whole.next_token_kl, rel=1e-3)
 
 
 def test_transformers_quantized_cache_baseline(monkeypatch):
@@ -576,11 +655,15 @@ def test_learned_rotation_is_orthogonal_and_never_worse_on_held_out_latents():
         learn_rotation(z, QuantSpec(2, "channel"))
 
 
-def test_calibrate_with_learned_rotation_keeps_bases_orthonormal_and_the_storage(corpus):
+def test_calibrate_with_learned_rotation_keeps_bases_orthonormal_and_the_storage(corpus, monkeypatch):
     pytest.importorskip("geoopt")
+    import stiefkv.calibrate.pipeline as pipeline
+
+    per_token = pipeline.storage_candidates
+    monkeypatch.setattr(pipeline, "storage_candidates",  # the rotation turns bases stored per token only
+                        lambda *a: [s for s in per_token(*a) if s.layout == "token"])
     common = {"data": str(corpus), "num_sequences": 6, "seq_len": 70, "seed": 1, "steps": 4,
-              "step_sequences": 2, "profile_sequences": 2}
-    common["budget"] = 0.3  # the tiny model's allocation stores a layer's latents int4 per token here
+              "step_sequences": 2, "profile_sequences": 2, "budget": 0.3}
     plain = stiefkv.calibrate(tiny_model(), CharTokenizer(), **common)
     learned = stiefkv.calibrate(tiny_model(), CharTokenizer(), learn_rotation=True, **common)
     assert learned.specs == plain.specs and learned.ranks == plain.ranks  # the rotation changes bases only

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# The Pareto rows of issue 13 on one H200 (device tool), after ../shared/tools/gpu-model-parts.sh brought the
+# GGUF over: three processes share the GPU (the model is small), each appending to its own RESULTS_DIR/NAME/.
+#   usage: run_pareto_gpu.sh MODEL RESULTS_DIR [SECONDS] -- NAME "bench_pareto.py ARGS" [NAME "ARGS" ...]
+# Rows already in RESULTS_DIR/NAME/pareto.jsonl are skipped (bench_pareto.py resumes), so the same command on
+# a still-warm machine continues. After SECONDS (default 560) everything still running is stopped; each
+# process's log is RESULTS_DIR/NAME.log.
+set -u
+M=$1; R=$2; LIMIT=${3:-560}; shift 3; [ "${1:-}" = "--" ] && shift
+mkdir -p "$R"
+export PYTHONUNBUFFERED=1
+pids=()
+while [ $# -ge 2 ]; do
+  name=$1; args=$2; shift 2
+  # shellcheck disable=SC2086  # ARGS is a word list on purpose
+  python3 -u benchmarks/bench_pareto.py "$M" "$R/$name" $args >> "$R/$name.log" 2>&1 &
+  pids+=($!)
+done
+( sleep "$LIMIT"; kill "${pids[@]}" 2>/dev/null ) &
+watchdog=$!
+wait "${pids[@]}"
+kill "$watchdog" 2>/dev/null
+exit 0
