@@ -18,8 +18,10 @@ from stiefkv.calibrate.collect import LayerBatch, LayerInputs
 from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
 from stiefkv.calibrate.profile import (
+    ANCHOR_BITS,
     KL_SEQUENCES,
     MSE_CHOICES,
+    PROFILE_STORAGES,
     WEIGHTINGS,
     LayerProfile,
     OutputKL,
@@ -65,6 +67,11 @@ class CalibrationConfig:
         least-squared-error range instead of its min–max range (no bytes added). Off by default: it halves
         the squared error at 2 bits yet raised the PPL of KIVI and of ``auto`` at 6.25 % (BENCHMARKS.md §1b;
         clipping errs the same way in every token, and attention averages tokens).
+    profile_storages : for ``weighting="kl"``, ``all`` measures every storage's KL, ``anchors`` only
+        int2's and int4's of each layout, predicting int3 and int8 from their quantization noise: the first
+        pass takes about 40 % less time (2-core CPU), and the allocation differs in 0–13 of SmolLM2's 60
+        latents at ≤ 8 % more profiled KL (`benchmarks/experiments/storage_kl_prediction.py`). Not yet the
+        default: the Pareto rows were measured with ``all``.
     recent : the newest tokens every quantized latent keeps exact (KIVI's residual; their bytes are counted,
         in a cache of 2048 tokens). Each query then reads its own recent keys exact, as in decoding.
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
@@ -118,6 +125,7 @@ class CalibrationConfig:
     seed: int = 0
     mse: str = "none"
     recent: int = DEFAULT_RECENT
+    profile_storages: str = "all"
     rotation: bool = True
     quant_aware: bool = False
     learn_rotation: bool = False
@@ -134,7 +142,7 @@ class CalibrationConfig:
         for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES),
                               ("allocation", allocate.ALLOCATIONS), ("weighting", WEIGHTINGS),
                               ("profile", PROFILES), ("order", ORDERS), ("loss", LOSSES),
-                              ("mse", MSE_CHOICES)):
+                              ("mse", MSE_CHOICES), ("profile_storages", PROFILE_STORAGES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if not isinstance(self.recent, int) or self.recent < 0:
@@ -375,7 +383,8 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
                     layer, b, P_k, P_v, key_mode=cfg.key_mode, rope=rope, quant=quant)))
 
             add_quant_profile(prof, layer, batch, basis_k, basis_v, specs, measure, key_mode=cfg.key_mode,
-                              rotation=cfg.rotation)
+                              rotation=cfg.rotation,
+                              anchor_bits=ANCHOR_BITS if cfg.profile_storages == "anchors" else ())
     elif cfg.allocation == "dp":
         prof = profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope)
         if specs:

@@ -10,6 +10,7 @@ layer to the logits, which a layer's own output error does not see.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -130,38 +131,75 @@ def latent_noise(x: torch.Tensor, P: torch.Tensor, spec: QuantSpec, rotation: bo
     return float((fake_quant(z, spec) - z).double().pow(2).sum())
 
 
+# With profile_storages="anchors" the kl profile measures the model's KL for these widths of each layout only
+# (model tails: most of what `auto` adds to a calibration) and predicts the others from their quantization
+# noise (:func:`predict_storage_kl`).
+ANCHOR_BITS = (2, 4)
+PROFILE_STORAGES = ("all", "anchors")
+
+
+def predict_storage_kl(noise: float, anchors: list[tuple[float, float]]) -> float:
+    """The KL of a storage whose latents have quantization noise ``noise``, from ``anchors``, the measured
+    ``(noise, KL)`` of two other widths of the same layout: a power law through them between and above the
+    noisier one (log KL linear in log noise), and proportional to the noise below the quieter one, where a
+    small perturbation's KL is second order in it (KL ∝ ‖ẑ − z‖²)."""
+    (n_lo, k_lo), (n_hi, k_hi) = sorted(anchors)
+    if noise <= 0 or k_lo <= 0 or n_lo <= 0:
+        return 0.0 if noise <= 0 else k_hi * noise / n_hi if n_hi > 0 else 0.0
+    if noise <= n_lo or k_hi <= k_lo or n_hi <= n_lo:
+        return k_lo * noise / n_lo
+    slope = math.log(k_hi / k_lo) / math.log(n_hi / n_lo)
+    return k_lo * (noise / n_lo) ** slope
+
+
+def _family(spec: QuantSpec) -> tuple:
+    """What storages share but their width: their KLs are predicted from each other's."""
+    return spec.layout, spec.mse, spec.recent
+
+
 @torch.no_grad()
 def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bases_v,
                       specs: dict[str, list[QuantSpec]],
-                      measure, *, key_mode: str, rotation: bool = True) -> LayerProfile:
+                      measure, *, key_mode: str, rotation: bool = True,
+                      anchor_bits: tuple[int, ...] = ()) -> LayerProfile:
     """Extend ``prof`` to every storage in ``specs[which]`` at every rank, for keys (``k``) and values (``v``)
     (see the module's docstring).
 
     ``measure(P_k, P_v, quant)`` is the profile's error with those bases and storage. For a ``kl`` profile
-    only full rank is measured and lower ranks are predicted from the latent noise on ``batch``; otherwise
-    every rank is measured.
+    only full rank is measured — with ``anchor_bits`` (two widths), only for those widths of each layout where
+    both are candidates, the other widths predicted from their latent noise (:func:`predict_storage_kl`) —
+    and lower ranks are predicted from the latent noise on ``batch``. Otherwise every rank of every storage
+    is measured.
     """
     G, d, _ = bases_k(prof.ranks[-1]).shape
     full = torch.eye(d, device=batch.hidden.device).expand(G, d, d)
     for which, basis in (("k", bases_k), ("v", bases_v)):
         table = prof.quant.setdefault(which, {})
-        x = layer_latent_input(layer, batch, which, key_mode=key_mode) if prof.metric == "kl" else None
-        for spec in specs[which]:
+
+        def error_at(r, spec):
+            P = storage_basis(basis(r), spec, rotation)
             quant = (spec, FLOAT) if which == "k" else (FLOAT, spec)
+            return measure(P, full, quant) if which == "k" else measure(full, P, quant)
 
-            def error_at(r):
-                P = storage_basis(basis(r), spec, rotation)
-                return measure(P, full, quant) if which == "k" else measure(full, P, quant)
-
-            if prof.metric != "kl":
-                table[str(spec)] = [error_at(r) for r in prof.ranks]
-                continue
-            at_full = error_at(d)
-            noise = [latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
-            rank_err = getattr(prof, which)
-            table[str(spec)] = [e + (at_full * n / noise[-1] if noise[-1] > 0 else 0.0)
-                                for e, n in zip(rank_err, noise)]
-            table[str(spec)][-1] = at_full
+        if prof.metric != "kl":
+            for spec in specs[which]:
+                table[str(spec)] = [error_at(r, spec) for r in prof.ranks]
+            continue
+        x = layer_latent_input(layer, batch, which, key_mode=key_mode)
+        noise = {spec: [latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
+                 for spec in specs[which]}
+        anchors = {spec: [s for s in specs[which] if s.bits in anchor_bits and _family(s) == _family(spec)]
+                   for spec in specs[which]}
+        at_full = {spec: error_at(d, spec) for spec in specs[which]
+                   if spec in anchors[spec] or len(anchors[spec]) < 2}
+        for spec in specs[which]:
+            if spec not in at_full:
+                at_full[spec] = predict_storage_kl(noise[spec][-1],
+                                                   [(noise[s][-1], at_full[s]) for s in anchors[spec]])
+            rank_err, n = getattr(prof, which), noise[spec]
+            table[str(spec)] = [e + (at_full[spec] * m / n[-1] if n[-1] > 0 else 0.0)
+                                for e, m in zip(rank_err, n)]
+            table[str(spec)][-1] = at_full[spec]
     return prof
 
 

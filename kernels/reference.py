@@ -164,14 +164,19 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
     tail_idx = torch.arange(Nk - Ne, Nk, device=qf.device)
     visible = key_padding_mask(lengths, B, Nk, qf.device)[:, None, None, None, :]
     key_bias = None if bias is None else bias.float()[:, :, None, None, :]
+    key_from, value_from = exact.key_from.to(qf.device), exact.value_from.to(qf.device)
     outs = []
     for lo in range(0, Nq, BAND_QUERIES):
         hi = min(Nq, lo + BAND_QUERIES)
         q = q5[:, :, :, lo:hi]
         logits = torch.einsum("bgsqd,bgkd->bgsqk", q, keys) * scale
-        tail = torch.einsum("bgsqd,bgkd->bgsqk", q, tail_keys) * scale
-        use_k = tail_idx[None, :] >= exact.key_from[lo:hi, None].to(qf.device)
-        logits[..., Nk - Ne:] = torch.where(use_k, tail, logits[..., Nk - Ne:])
+        # only the band these queries read exact: from the first key any of them does, to the last it sees
+        a = max(Nk - Ne, int(torch.minimum(key_from[lo:hi].min(), value_from[lo:hi].min())))
+        b = Nk - Nq + hi if causal else Nk
+        band = slice(a - (Nk - Ne), b - (Nk - Ne))
+        tail = torch.einsum("bgsqd,bgkd->bgsqk", q, tail_keys[:, :, band]) * scale
+        use_k = tail_idx[None, band] >= key_from[lo:hi, None]
+        logits[..., a:b] = torch.where(use_k, tail, logits[..., a:b])
         if key_bias is not None:
             logits = logits + key_bias
         seen = visible
@@ -179,9 +184,9 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
             q_idx = torch.arange(lo, hi, device=qf.device) + (Nk - Nq)
             seen = seen & (torch.arange(Nk, device=qf.device)[None, :] <= q_idx[:, None])
         p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
-        use_v = (tail_idx[None, :] >= exact.value_from[lo:hi, None].to(qf.device)).float()
+        use_v = (tail_idx[None, band] >= value_from[lo:hi, None]).float()
         out = torch.einsum("bgsqk,bgkr->bgsqr", p, values)
-        out = out + torch.einsum("bgsqk,bgkr->bgsqr", p[..., Nk - Ne:] * use_v, tail_delta)
+        out = out + torch.einsum("bgsqk,bgkr->bgsqr", p[..., a:b] * use_v, tail_delta[:, :, band])
         outs.append(out)
     return torch.cat(outs, 3).reshape(B, H, Nq, -1)
 

@@ -509,6 +509,27 @@ def test_cli_rejects_unsupported_bits_and_budgets_below_the_smallest(tmp_path, m
         assert not out.exists() and not out.with_name(out.name + ".partial").exists()
 
 
+def test_recent_tokens_are_checked_and_counted_in_the_smallest_budget(tmp_path, monkeypatch):
+    from stiefkv.calibrate.allocate import smallest_budget
+    from stiefkv.calibrate.pipeline import CalibrationConfig, storages
+    from stiefkv.cli import main
+
+    for bad in (-1, 2.5, "16"):
+        with pytest.raises(ValueError, match="recent must be an integer ≥ 0"):
+            CalibrationConfig(recent=bad).validate()
+    with pytest.raises(ValueError, match="recent .* must be an integer ≥ 0"):
+        QuantSpec(4, recent=-2)
+    # exact tokens cost bytes: the smallest cache grows with them (a per-channel cache of 2048 tokens holds
+    # its last 64 exact for any recent from 1 to 64: groups quantize whole)
+    floors = [smallest_budget(30, 3, 64, 8, storages(CalibrationConfig(recent=w).validate()))
+              for w in (0, 16, 64, 65)]
+    assert floors[0] < floors[1] == floors[2] < floors[3]
+    monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
+    out = tmp_path / "c.safetensors"
+    result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), "--recent", "-3"])
+    assert result.exit_code == 2 and "--recent" in result.output and not out.exists()
+
+
 def test_save_pretrained_keeps_the_storage(tmp_path):
     from tests.tiny import tiny_tokenizer
 
@@ -673,3 +694,57 @@ def test_calibrate_with_learned_rotation_keeps_bases_orthonormal_and_the_storage
                     for pair in learned.specs for s in pair)
     assert len(rotated) == per_token > 0
     assert all(e["quant_error_best"] <= e["quant_error_start"] for e in rotated)
+
+
+def test_storage_kl_prediction_follows_the_anchors():
+    from stiefkv.calibrate.profile import predict_storage_kl
+
+    anchors = [(4.0, 0.02), (64.0, 0.5)]  # int4's and int2's (noise, KL), in either order
+    for noise in (9.0, 20.0, 64.0, 100.0):  # on and beyond the power law through both
+        slope = math.log(0.5 / 0.02) / math.log(64.0 / 4.0)
+        assert predict_storage_kl(noise, anchors) == pytest.approx(0.02 * (noise / 4.0) ** slope, rel=1e-12)
+        assert predict_storage_kl(noise, anchors[::-1]) == predict_storage_kl(noise, anchors)
+    assert predict_storage_kl(1.0, anchors) == pytest.approx(0.005)  # below int4: proportional to the noise
+    assert predict_storage_kl(0.0, anchors) == 0.0
+    assert predict_storage_kl(2.0, [(4.0, 0.0), (64.0, 0.5)]) == pytest.approx(0.5 * 2 / 64)
+    assert math.isfinite(predict_storage_kl(9.0, [(4.0, 0.3), (64.0, 0.2)]))  # KL not growing: proportional
+
+
+def test_kl_profile_measures_only_the_anchor_widths_and_predicts_the_rest():
+    from stiefkv.calibrate.profile import ANCHOR_BITS, add_quant_profile, storage_candidates
+    from stiefkv.layers import LayerBatch
+
+    g, N = gen(4), 3 * GROUP + 9  # the per-channel layout quantizes whole groups
+    layer = tiny_model().model.layers[0]
+    D = layer.self_attn.q_proj.in_features
+    d = layer.self_attn.head_dim
+    G = layer.self_attn.k_proj.out_features // d
+    x = torch.randn(1, N, D, generator=g)
+    cos, sin = torch.ones(1, N, d), torch.zeros(1, N, d)
+    batch = LayerBatch(0, x, x, (cos, sin), None, torch.arange(N)[None])
+    eye = torch.eye(d).expand(G, d, d)
+    calls = []
+
+    def measure(P_k, P_v, quant):
+        spec = quant[0] if quant[0].quantized else quant[1]
+        calls.append(str(spec))
+        return 0.01 * 2.0 ** (8 - spec.bits) * (1.5 if spec.layout == "channel" else 1.0)
+
+    specs = {w: storage_candidates("auto", recent=5) for w in ("k", "v")}
+    prof = LayerProfile(ranks=[8, d], k=[0.3, 0.0], v=[0.2, 0.0], metric="kl")
+    add_quant_profile(prof, layer, batch, lambda r: eye[..., :r], lambda r: eye[..., :r], specs, measure,
+                      key_mode="pre_rope", anchor_bits=ANCHOR_BITS)
+    assert sorted(calls) == sorted(str(s) for s in specs["k"] + specs["v"] if s.bits in ANCHOR_BITS)
+    for which in ("k", "v"):
+        table = prof.quant[which]
+        assert set(table) == {str(s) for s in specs[which]}
+        assert all(math.isfinite(e) and e >= 0 for errs in table.values() for e in errs)
+        for layout in LAYOUTS:  # more bits, less KL, anchors as measured
+            full = [table[f"int{b}-{layout}-r5"][-1] for b in (2, 3, 4, 8)]
+            assert full[0] > full[1] > full[2] > full[3] >= 0
+            assert full[0] == measure(None, None, (QuantSpec(2, layout), QuantSpec()))
+    # every storage measured by default (profile_storages="all")
+    calls.clear()
+    add_quant_profile(LayerProfile(ranks=[8, d], k=[0.3, 0.0], v=[0.2, 0.0], metric="kl"), layer, batch,
+                      lambda r: eye[..., :r], lambda r: eye[..., :r], specs, measure, key_mode="pre_rope")
+    assert len(calls) == 2 * len(specs["k"])
