@@ -7,9 +7,11 @@ for a 2048-token cache):
 - ``auto``: ``stiefkv.calibrate`` defaults with ``bits="auto"`` at each budget;
 - ``ranks``: the defaults with ``bits=16`` (bf16 latents, ranks only: earlier versions' checkpoints);
 - ``int{b}``/``kivi{b}``: the quantization-only baselines of ``stiefkv eval --baseline`` (b = 8, 4, 3, 2),
-  min–max as KIVI defines them, each with its 64 newest tokens exact (KIVI's residual); ``-r0`` beside them
-  without (the window's gain alone), ``-mse`` with StiefKV's least-squared-error encoder (the encoder's);
-- ``pca-uniform-int4``: PCA bases at rank d/2 in every layer, latents int4 per token (no rotation);
+  min–max as KIVI defines them, each with its 16 newest tokens exact (KIVI's residual; ``DEFAULT_RECENT``);
+  ``-r0`` beside them without (the window's gain alone), ``-mse`` with StiefKV's least-squared-error encoder
+  (the encoder's);
+- ``pca-uniform-int4``: PCA bases at rank d/2 in every layer, latents int4 per token (no rotation, no exact
+  tokens: the issue's reference row, kept as it was measured);
 - ``through-cache``: transformers' own ``QuantizedCache`` (optimum-quanto, its defaults: per-token groups of
   64, the last 128 tokens in full precision; ``hf-quanto4``/``hf-quanto2``), and beside them the same
   windows through StiefKV's cache at int4/KIVI-4/KIVI-2 (``… chunk64``): both scored 64 tokens per forward

@@ -74,6 +74,9 @@ def dp(profiles, budget: float, head_dim: int, rank_step: int = 8,
 # group's scale and low (4 bytes over 64 tokens) and the exact recent tokens are fractions of a byte per token
 # but whole bytes per cache. The knapsack divides every cost by their gcd, so its capacity stays small.
 UNITS_PER_BYTE = REFERENCE_CONTEXT
+# Most units the knapsack runs over (its time and memory grow with them): exact bytes can need millions (an
+# odd `recent`, a large model); beyond this, costs are rounded up to coarser units.
+MAX_UNITS = 1 << 20
 
 
 def cache_bytes(L: int, G: int, d: int) -> int:
@@ -150,6 +153,10 @@ def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs,
     unit = math.gcd(*(c for g in groups for c, _ in g))
     groups = [[(c // unit, e) for c, e in g] for g in groups]
     capacity = int((budget * cache_bytes(L, G, d) - POSITION_BYTES) * UNITS_PER_BYTE / unit + 1e-9)
+    if capacity > MAX_UNITS:  # coarser units, costs rounded up: the choice still fits the budget
+        scale = -(-capacity // MAX_UNITS)
+        groups = [[(-(-c // scale), e) for c, e in g] for g in groups]
+        capacity //= scale
     chosen = knapsack_options(groups, capacity)
     picked = [labels[g][j] for g, j in enumerate(chosen)]
     ranks = [(picked[2 * i][0], picked[2 * i + 1][0]) for i in range(L)]

@@ -151,6 +151,9 @@ class CalibrationConfig:
                      "step_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.profile_storages == "anchors" and self.weighting != "kl":
+            raise ValueError("profile_storages 'anchors' predicts storages in the kl profile only: use "
+                             "weighting 'kl', or profile_storages 'all'")
         if self.weighting == "kl" and self.profile != "pca":
             raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
         if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:

@@ -146,7 +146,7 @@ def _masked_attention(qf, keys, values, *, lengths, bias, causal: bool, scale: f
     )
 
 
-BAND_QUERIES = 512  # queries per step of the banded reference: bounds its [B, H, Nq, Nk] logits
+BAND_ELEMENTS = 1 << 26  # logits per step of the banded reference (256 MiB in float32): bounds its memory
 
 
 def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths, bias, causal: bool,
@@ -155,8 +155,7 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
     (``value_from[i]``) on: logits and the value sum swap in the exact tail where the band says so."""
     B, H, Nq, _ = qf.shape
     G, Nk, Ne = keys.shape[1], keys.shape[2], tail_keys.shape[2]
-    if not (exact.key_from.shape == exact.value_from.shape == (Nq,)):
-        raise ValueError(f"exact.key_from and value_from must be [Nq] = [{Nq}]")
+    check_exact_tail(exact, values, Nq, Nk)
     S = H // G
     q5 = qf.view(B, G, S, Nq, -1)
     tail_values = exact.z_v.float()
@@ -166,13 +165,14 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
     key_bias = None if bias is None else bias.float()[:, :, None, None, :]
     key_from, value_from = exact.key_from.to(qf.device), exact.value_from.to(qf.device)
     outs = []
-    for lo in range(0, Nq, BAND_QUERIES):
-        hi = min(Nq, lo + BAND_QUERIES)
+    step = max(1, BAND_ELEMENTS // (B * H * Nk))
+    for lo in range(0, Nq, step):
+        hi = min(Nq, lo + step)
         q = q5[:, :, :, lo:hi]
         logits = torch.einsum("bgsqd,bgkd->bgsqk", q, keys) * scale
         # only the band these queries read exact: from the first key any of them does, to the last it sees
         a = max(Nk - Ne, int(torch.minimum(key_from[lo:hi].min(), value_from[lo:hi].min())))
-        b = Nk - Nq + hi if causal else Nk
+        b = max(a, min(Nk, Nk - Nq + hi) if causal else Nk)
         band = slice(a - (Nk - Ne), b - (Nk - Ne))
         tail = torch.einsum("bgsqd,bgkd->bgsqk", q, tail_keys[:, :, band]) * scale
         use_k = tail_idx[None, band] >= key_from[lo:hi, None]
@@ -189,6 +189,24 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
         out = out + torch.einsum("bgsqk,bgkr->bgsqr", p[..., a:b] * use_v, tail_delta[:, :, band])
         outs.append(out)
     return torch.cat(outs, 3).reshape(B, H, Nq, -1)
+
+
+def check_exact_tail(exact: ExactTail, z_v: torch.Tensor, n_queries: int, n_keys: int) -> None:
+    """Refuse an :class:`ExactTail` that does not fit the latents it stands beside, naming what it got."""
+    zk, zv = exact.z_k, exact.z_v
+    ne = zk.shape[2] if zk.dim() == 4 else -1
+    if (zk.dim() != 4 or zv.dim() != 4 or zv.shape[2] != ne or ne > n_keys or zk.shape[:2] != zv.shape[:2]
+            or zv.shape[:2] != z_v.shape[:2] or zv.shape[3] != z_v.shape[3]):
+        raise ValueError(f"exact.z_k and exact.z_v must be [B, G, Ne, r] latents of the same last Ne ≤ "
+                         f"{n_keys} keys; got {tuple(zk.shape)} and {tuple(zv.shape)} beside z_v "
+                         f"{tuple(z_v.shape)}")
+    for name in ("key_from", "value_from"):
+        t = getattr(exact, name)
+        if t.shape != (n_queries,):
+            raise ValueError(f"exact.{name} must be [Nq] = [{n_queries}]; got {tuple(t.shape)}")
+        if n_queries and int(t.min()) < n_keys - ne:
+            raise ValueError(f"exact.{name} must be at least Nk − Ne = {n_keys - ne} (keys before the tail "
+                             f"have no exact latents); got {int(t.min())}")
 
 
 def _attention_logits(q: torch.Tensor, k: torch.Tensor, scale: float | None) -> torch.Tensor:

@@ -86,11 +86,15 @@ class LatentCache(_dynamic_cache_class()):
 
     def exact_tails(self, layer_idx: int):
         """The key and value latents the last update of a quantized layer saw exact, each as ``(z, index of
-        its first token)``; None for a float layer (its latents are exact as read)."""
+        its first token)``, handed over once (the store lets go of them); None for a float layer (its
+        latents are exact as read)."""
         layer = self.layers[layer_idx]
         if not isinstance(layer, QuantizedLatentLayer):
             return None
-        return tuple((s.tail, s.tail_start) for s in layer.stores)
+        tails = tuple((s.tail, s.tail_start) for s in layer.stores)
+        for s in layer.stores:
+            s.tail = None
+        return tails
 
     # The positions and lengths must follow every batch or length edit transformers makes to the layers.
     def reorder_cache(self, beam_idx: torch.LongTensor):
@@ -160,14 +164,16 @@ class LatentStore:
         window before the append plus ``z`` stay readable as :attr:`tail` until the next append."""
         self.dtype = z.dtype
         window = z if self.window is None else torch.cat([self.window, z], -2)
-        self.tail, self.tail_start = window, self.held
+        # a band is needed only by a forward of several tokens; one token (decode) reads the cache as it is
+        self.tail, self.tail_start = (window, self.held) if z.shape[-2] > 1 else (None, self.held)
         due = quantized_length(self.held + window.shape[-2], self.spec) - self.held
         if not self.spec.quantized or due <= 0:
             self.window = window
             return
         new = quantize(window[..., :due, :], self.spec)
         self.codes = new if self.codes is None else _cat_codes(self.codes, new)
-        self.window = window[..., due:, :] if due < window.shape[-2] else None
+        # a copy, not a view: a view would keep the whole exact prefill alive
+        self.window = window[..., due:, :].clone() if due < window.shape[-2] else None
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """Every cached token's latent ``[B, G, N, r]`` in ``dtype`` (codes dequantized)."""
@@ -185,9 +191,10 @@ class LatentStore:
         self.tail = None
 
     def keep(self, n: int) -> None:
-        """Keep the first ``n`` tokens. Tokens a cache of ``n`` would still hold exact but that are codes
-        already (the newest kept, a group cut through) come back to the float window, dequantized: a crop
-        cannot restore the precision they lost."""
+        """Keep the first ``n`` tokens. A cut through the codes brings the kept tokens a cache of ``n`` would
+        hold exact (the newest, a group cut through) back to the float window, dequantized: a crop cannot
+        restore the precision they lost. A cut through the window keeps every code, so the cache may then
+        hold more tokens as codes, and fewer bytes, than a fresh cache of ``n``."""
         self.tail = None
         if n >= self.length:
             return

@@ -112,10 +112,14 @@ def exact_band(quant: tuple[QuantSpec, QuantSpec], n_queries: int, read: tuple[t
     if n_queries == 1 or not any(spec.quantized for spec in quant):
         return None
     n_keys = read[0].shape[2]
-    first = min(start for _, start in tails)
+    first = min(start for spec, (_, start) in zip(quant, tails) if spec.quantized)
     parts, froms = [], []
     query_index = torch.arange(n_keys - n_queries, n_keys, device=read[0].device)
     for spec, stored, (tail, start) in zip(quant, read, tails):
+        if not spec.quantized:  # read exact already: no query needs its tail
+            parts.append(stored[:, :, first:])
+            froms.append(torch.full_like(query_index, n_keys))
+            continue
         # a shorter tail is padded with the stored latents: no query reads them exact
         parts.append(torch.cat([stored[:, :, first:start], tail.to(stored.dtype)], 2) if start > first
                      else tail.to(stored.dtype))

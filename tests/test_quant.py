@@ -285,6 +285,40 @@ def test_decoding_token_by_token_matches_one_forward_for_every_layout(key_mode, 
     assert (model(ids, use_cache=False).logits - full).abs().max() > 1e-2
 
 
+def test_band_inputs_are_checked_and_float_latents_need_none():
+    from stiefkv.kernels import ExactTail
+    from stiefkv.kernels.reference import lowrank_attention
+    from stiefkv.layers import exact_band
+
+    g = gen(6)
+    q, zk, zv = torch.randn(1, 4, 9, 16, generator=g), torch.randn(1, 2, 9, 5), torch.randn(1, 2, 9, 3)
+    P_k, P_v = torch.linalg.qr(torch.randn(2, 16, 5))[0], torch.linalg.qr(torch.randn(2, 16, 3))[0]
+    frm = torch.full((9,), 4)
+    for bad, message in ((ExactTail(zk[:, :, 4:], zv[:, :, 3:], frm, frm), "same last Ne"),
+                         (ExactTail(zk[:, :, 4:], zv[:, :, 4:], frm[:5], frm), r"key_from must be \[Nq\]"),
+                         (ExactTail(zk[:, :, 4:], zv[:, :, 4:], frm - 1, frm), "at least Nk − Ne = 4")):
+        with pytest.raises(ValueError, match=message):
+            lowrank_attention(q, zk, zv, P_k, P_v, key_mode="post_rope", exact=bad)
+    # a float latent beside a quantized one reads no tail: the band starts at the quantized one's
+    quant = (QuantSpec(), QuantSpec(4, recent=3))
+    band = exact_band(quant, 9, (zk, zv), ((zk, 0), (zv, 0)))
+    assert (band.key_from == 9).all() and torch.equal(band.value_from, (torch.arange(9) - 2).clamp(min=0))
+    assert exact_band(quant, 1, (zk, zv), ((zk, 0), (zv, 0))) is None  # one query reads the cache as it is
+
+
+def test_a_prefill_leaves_no_exact_copy_behind():
+    """After a prefill the stores hold what the accounting counts: the exact latents the band needed are
+    handed over once, and the recent window is its own tensor, not a view of the whole prefill."""
+    model = tiny_model(dtype=torch.bfloat16)
+    stiefkv.load(model, quantized_projections(model, specs=[(QuantSpec(2, recent=16), QuantSpec(16))] * 2))
+    cache = stiefkv.LatentCache()
+    model(torch.randint(0, 97, (1, 300), generator=gen(8)), use_cache=True, past_key_values=cache)
+    for layer in cache.layers:
+        store = layer.stores[0]
+        assert store.tail is None and store.window.untyped_storage().nbytes() == store.window.nbytes
+        assert store.held == 300 - 16
+
+
 def test_banded_reference_matches_attention_query_by_query():
     """The reference's band against attention written out per query: keys below ``key_from[i]`` quantized,
     from it on exact (values likewise), with GQA, left padding and a key bias; float32 and bfloat16."""
@@ -460,6 +494,26 @@ def test_storage_dp_stays_in_budget_and_can_answer_quantization_only():
         storage_dp([fake_profile()] * L, floor * 0.9, G, d, 8, specs)
 
 
+def test_storage_dp_coarsens_huge_knapsacks_and_stays_in_budget(monkeypatch):
+    """Exact bytes with a window of 5 tokens make 16.8 M knapsack units at Llama-3-8B's shapes and 50 %: the
+    allocation coarsens them beyond MAX_UNITS (lowered here so the test is quick), rounding costs up, and
+    the choice still fits the budget."""
+    import stiefkv.calibrate.allocate as allocate
+
+    G, d, L = 8, 128, 32
+    specs = [QuantSpec(b, layout, recent=5) for b in QUANT_BITS for layout in LAYOUTS] + [QuantSpec(16)]
+    prof = fake_profile(d=d)
+    for which in "kv":
+        prof.quant[which] = {str(s): [e + 0.01 * 2 ** (8 - s.bits) for e in getattr(prof, which)]
+                             for s in specs}
+    for max_units in (1 << 12, 1 << 14):
+        monkeypatch.setattr(allocate, "MAX_UNITS", max_units)
+        ranks, quant = storage_dp([prof] * L, 0.5, G, d, 8, specs)
+        used = sum(G * (qk.cache_bytes(rk) + qv.cache_bytes(rv)) for (rk, rv), (qk, qv) in zip(ranks, quant))
+        full = L * G * 2 * d * 2 * 2048
+        assert used + 4 * 2048 <= 0.5 * full and used > 0.45 * full  # in budget, and not wasted by rounding
+
+
 def test_spreading_rotation_is_orthogonal_and_flat():
     for r in (8, 24, 64, 40):
         R = spreading_rotation(r).double()
@@ -517,6 +571,8 @@ def test_recent_tokens_are_checked_and_counted_in_the_smallest_budget(tmp_path, 
     for bad in (-1, 2.5, "16"):
         with pytest.raises(ValueError, match="recent must be an integer ≥ 0"):
             CalibrationConfig(recent=bad).validate()
+    with pytest.raises(ValueError, match="predicts storages in the kl profile only"):
+        CalibrationConfig(profile_storages="anchors", weighting="output").validate()
     with pytest.raises(ValueError, match="recent .* must be an integer ≥ 0"):
         QuantSpec(4, recent=-2)
     # exact tokens cost bytes: the smallest cache grows with them (a per-channel cache of 2048 tokens holds
