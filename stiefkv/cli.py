@@ -27,6 +27,7 @@ from stiefkv.calibrate.pipeline import (
 )
 from stiefkv.calibrate.profile import WEIGHTINGS
 from stiefkv.projections import KEY_MODES
+from stiefkv.quant import DEFAULT_RECENT
 
 DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -326,7 +327,8 @@ def _inspect_table(proj) -> str:
 @click.option("--baseline", default=None,
               help="Instead of --projections, a quantization-only cache on the same harness and bytes "
                    "accounting: int8/int4/int3/int2 (keys and values per token) or kivi8/kivi4/kivi3/kivi2 "
-                   "(keys per channel over 64-token groups, values per token), or transformers' own "
+                   f"(keys per channel over 64-token groups, values per token), each keeping its "
+                   f"{DEFAULT_RECENT} newest tokens exact (add -r0 for none: kivi2-r0); or transformers' own "
                    "QuantizedCache (optimum-quanto backend): hf-quanto4/hf-quanto2, scored 64 tokens per "
                    "forward through the cache.")
 @click.option("--data", default="wikitext2", show_default=True,
