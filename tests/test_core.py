@@ -270,3 +270,17 @@ def test_public_calibrate_is_callable_after_importing_its_submodules():
     proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca",
                              allocation="uniform")
     assert proj.ranks == [(8, 8)] * 2
+
+
+def test_python_dash_m_runs_the_cli(tmp_path):
+    """``python -m stiefkv`` is the ``stiefkv`` command (what ``torchrun -m stiefkv`` launches): the same
+    commands, and the same one-line error and exit status on bad input."""
+    import subprocess
+    import sys
+
+    ok = subprocess.run([sys.executable, "-m", "stiefkv", "--help"], capture_output=True, text=True,
+                        timeout=120)
+    assert ok.returncode == 0 and "calibrate" in ok.stdout and "Usage: stiefkv" in ok.stdout
+    bad = subprocess.run([sys.executable, "-m", "stiefkv", "inspect", str(tmp_path / "missing.safetensors")],
+                         capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and "missing.safetensors" in bad.stderr + bad.stdout
