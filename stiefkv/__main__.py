@@ -1,4 +1,5 @@
-"""``python -m stiefkv``: the same CLI as the ``stiefkv`` command (what ``torchrun -m stiefkv`` launches)."""
+"""``python -m stiefkv``: the same CLI as the ``stiefkv`` command (the form a launcher such as ``torchrun -m``
+takes)."""
 
 from stiefkv.cli import main
 
