@@ -724,7 +724,8 @@ def pareto_claims(res: Results, claim) -> None:
     int8 = res.pick("pareto", "int8")
     if auto[0.5] and int8:
         d = auto[0.5]["ppl"] / int8["ppl"] - 1
-        claim("SmolLM2 `--bits auto` 50 %: PPL vs the int8 cache (53.1 % of the bytes)",
+        share = f"{100 * int8['bytes_fraction']:.1f} %"
+        claim(f"SmolLM2 `--bits auto` 50 %: PPL vs the int8 cache ({share} of the bytes)",
               f"{auto[0.5]['ppl']:.3f} vs {int8['ppl']:.3f} ({d:+.2%})", "within 0.2 %", abs(d) <= 0.002,
               [auto[0.5], int8])
     for b in (0.25, 0.1875, 0.125, 0.09375, 0.0625):
