@@ -144,8 +144,10 @@ def predict_storage_kl(noise: float, anchors: list[tuple[float, float]]) -> floa
     noisier one (log KL linear in log noise), and proportional to the noise below the quieter one, where a
     small perturbation's KL is second order in it (KL ∝ ‖ẑ − z‖²)."""
     (n_lo, k_lo), (n_hi, k_hi) = sorted(anchors)
-    if noise <= 0 or k_lo <= 0 or n_lo <= 0:
-        return 0.0 if noise <= 0 else k_hi * noise / n_hi if n_hi > 0 else 0.0
+    if noise <= 0 or n_hi <= 0:
+        return 0.0
+    if k_lo <= 0 or n_lo <= 0:  # the quieter anchor says nothing: proportional to the noisier one
+        return k_hi * noise / n_hi
     if noise <= n_lo or k_hi <= k_lo or n_hi <= n_lo:
         return k_lo * noise / n_lo
     slope = math.log(k_hi / k_lo) / math.log(n_hi / n_lo)

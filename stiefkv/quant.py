@@ -257,22 +257,18 @@ def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor
     return (codes * scale + low).to(dtype)
 
 
-def quantized_length(n: int, spec: QuantSpec) -> int:
+def quantized_length(n, spec: QuantSpec):
     """How many of ``n`` tokens a cache of ``spec`` holds as codes: all but the ``recent`` newest (and, for
-    ``channel``, but a group still filling); the rest stays exact."""
-    if not spec.quantized:
-        return 0
-    n = max(0, n - spec.recent)
+    ``channel``, but a group still filling); the rest stays exact. ``n`` is an int or an int tensor."""
+    n = n - spec.recent if spec.quantized else n * 0
+    n = n.clamp(min=0) if isinstance(n, torch.Tensor) else max(0, n)
     return n if spec.layout == "token" else n // GROUP * GROUP
 
 
 def exact_from(query_index: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
     """For queries at key indices ``query_index`` (int tensor), the first key index each reads exact:
     :func:`quantized_length` of the cache that held keys ``0 … i`` when query ``i`` was decoded."""
-    if not spec.quantized:
-        return torch.zeros_like(query_index)
-    n = (query_index + 1 - spec.recent).clamp(min=0)
-    return n if spec.layout == "token" else torch.div(n, GROUP, rounding_mode="floor") * GROUP
+    return quantized_length(query_index + 1, spec)
 
 
 def fake_quant(x: torch.Tensor, spec: QuantSpec, *, straight_through: bool = False) -> torch.Tensor:

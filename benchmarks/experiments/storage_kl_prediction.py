@@ -37,7 +37,7 @@ def profiles(model, seqs, cfg) -> tuple[list[LayerProfile], float]:
     return [LayerProfile(**p) for p in state.profiles], time.perf_counter() - t0
 
 
-def cost(profs, which_choice, dims, rank_step) -> float:
+def cost(profs, which_choice) -> float:
     """Summed measured KL of an allocation ``(ranks, specs)`` under the profiles ``profs``."""
     ranks, specs = which_choice
     total = 0.0
@@ -83,8 +83,8 @@ def main() -> None:
         differ = sum((a[0][i][j], a[1][i][j]) != (q[0][i][j], q[1][i][j])
                      for i in range(dims.L) for j in range(2))
         print(f"budget {b:g}: {differ} of {2 * dims.L} latents allocated differently; measured KL of the "
-              f"allocation from measured profiles {cost(measured, a, dims, c.rank_step):.4f}, from "
-              f"predicted {cost(measured, q, dims, c.rank_step):.4f}")
+              f"allocation from measured profiles {cost(measured, a):.4f}, from "
+              f"predicted {cost(measured, q):.4f}")
 
 
 if __name__ == "__main__":
