@@ -269,7 +269,8 @@ def main() -> None:
                 cfg = CalibrationConfig.from_kwargs(device=args.device, bits="auto", budget=b, **extra)
                 proj, s = calibrated(model, seqs, firsta, cfg, args.device)
                 emit(row_of("auto", b, proj, run_eval(proj), fpa_s + s,
-                            {"first_pass_s": fpa_s, "second_pass_s": s, "tag": args.tag, "extra": extra}))
+                            {"first_pass_s": fpa_s, "second_pass_s": s, "tag": args.tag, "extra": extra,
+                             "profile_storages": cfg.profile_storages}))
 
 
 if __name__ == "__main__":

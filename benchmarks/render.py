@@ -78,9 +78,11 @@ class Results:
         return row
 
     def pick_like(self, name: str, case: str, like: dict) -> dict | None:
-        """The newest row of ``case`` scored as ``like`` was (the same ``scoring``)."""
+        """The newest row of ``case`` scored and profiled as ``like`` was (the same ``scoring``, and the same
+        ``profile_storages``: rows before it was recorded measured every storage)."""
         rows = [r for r in self.rows(name) if r.get("case") == case and measured_row(r)
-                and r.get("scoring") == like.get("scoring")]
+                and r.get("scoring") == like.get("scoring")
+                and r.get("profile_storages", "all") == like.get("profile_storages", "all")]
         if rows:
             self.used[id(rows[-1])] = (name, rows[-1])
         return rows[-1] if rows else None
@@ -690,22 +692,41 @@ def pareto_variants(res: Results) -> str:
         if r.get("row") != "auto" or r.get("tag") in (None, "", "no STE"):  # "no STE" is the default: a rerun
             continue
         r = res.pick("pareto", r["case"])
-        if r is None or any(x[0] == r["case"] for x in out):
-            continue
+        if r is None or not r.get("scoring") or any(x[0] == r["case"] for x in out):
+            continue  # rows scored before the band of exact keys: docs/notes/quantized-latents.md
         default = res.pick_like("pareto", f"auto {r['budget']}", r)
         against = f"default {default['ppl']:.2f}" if default else "–"
         if default is None:  # the equal-bytes rows: the baseline of those bytes
-            same = [x for x in (res.pick_like("pareto", n, r) for n in BASELINE_NAMES)
+            scoring = {"scoring": r.get("scoring")}  # a baseline has no profile
+            same = [x for x in (res.pick_like("pareto", n, scoring) for n in BASELINE_NAMES)
                     if x and abs(x["bytes_fraction"] - r["budget"]) < 1e-3]
             base = min(same, key=lambda x: x["ppl"]) if same else None
             against = (f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %" if base
                        else "–")
         out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %",
                     f"{r['ppl']:.2f}", f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
+    every, defaults = [], []  # the default's anchored storage profile against every storage measured, one row
+    for b in PARETO_BUDGETS:
+        default = res.pick("pareto", f"auto {b}")
+        if default is None or default.get("profile_storages") != "anchors":
+            continue
+        rows = [r for r in res.rows("pareto") if r.get("case") == f"auto {b}" and measured_row(r)
+                and r.get("scoring") == default.get("scoring") and r.get("profile_storages", "all") == "all"]
+        if rows:
+            res.used[id(rows[-1])] = ("pareto", rows[-1])
+            every.append(rows[-1])
+            defaults.append(default)
+    if every:
+        budgets = " / ".join(f"{100 * r['budget']:g}" for r in every)
+        out.append([f"auto {budgets} % every storage profiled", "same",
+                    " / ".join(f"{r['ppl']:.2f}" for r in every),
+                    " / ".join(f"{r['next_token_kl']:.3f}" for r in every),
+                    " / ".join(f"{r['calibration_s']:.0f}" for r in every),
+                    "default " + " / ".join(f"{r['ppl']:.2f}" for r in defaults)])
     for name in BASELINE_NAMES:  # the exact recent tokens alone, and the least-squared-error encoder alone
         for suffix in ("-r0", " recent32", "-mse", "-vmse"):
             r = res.pick("pareto", name + suffix)
-            plain = None if r is None else res.pick_like("pareto", name, r)
+            plain = None if r is None or not r.get("scoring") else res.pick_like("pareto", name, r)
             if r is not None and plain is not None:
                 out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
                             f"{r['next_token_kl']:.4f}", "–", f"{name} {plain['ppl']:.2f}"])

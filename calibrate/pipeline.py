@@ -67,11 +67,12 @@ class CalibrationConfig:
         least-squared-error range instead of its min–max range (no bytes added). Off by default: it halves
         the squared error at 2 bits yet raised the PPL of KIVI and of ``auto`` at 6.25 % (BENCHMARKS.md §1b;
         clipping errs the same way in every token, and attention averages tokens).
-    profile_storages : for ``weighting="kl"``, ``all`` measures every storage's KL, ``anchors`` only
-        int2's and int4's of each layout, predicting int3 and int8 from their quantization noise: the first
-        pass takes about 40 % less time (2-core CPU), and the allocation differs in 0–13 of SmolLM2's 60
-        latents at ≤ 8 % more profiled KL (`benchmarks/experiments/storage_kl_prediction.py`). Not yet the
-        default: the Pareto rows were measured with ``all``.
+    profile_storages : for ``weighting="kl"``, ``anchors`` (the default) measures only int2's and int4's
+        KL of each layout and predicts int3 and int8 from their quantization noise; ``all`` measures every
+        storage. Anchors take about 40 % less first-pass time (2-core CPU), and the allocation differs in
+        0–13 of SmolLM2's 60 latents at ≤ 8 % more profiled KL
+        (`benchmarks/experiments/storage_kl_prediction.py`; whole-test-set PPL in BENCHMARKS.md §1b). The
+        ``output`` and ``update`` profiles measure every storage at every rank either way.
     recent : the newest tokens every quantized latent keeps exact (KIVI's residual; their bytes are counted,
         in a cache of 2048 tokens). Each query then reads its own recent keys exact, as in decoding.
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
@@ -125,7 +126,7 @@ class CalibrationConfig:
     seed: int = 0
     mse: str = "none"
     recent: int = DEFAULT_RECENT
-    profile_storages: str = "all"
+    profile_storages: str = "anchors"
     rotation: bool = True
     quant_aware: bool = False
     learn_rotation: bool = False
@@ -151,9 +152,6 @@ class CalibrationConfig:
                      "step_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
-        if self.profile_storages == "anchors" and self.weighting != "kl":
-            raise ValueError("profile_storages 'anchors' predicts storages in the kl profile only: use "
-                             "weighting 'kl', or profile_storages 'all'")
         if self.weighting == "kl" and self.profile != "pca":
             raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
         if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:

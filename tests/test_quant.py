@@ -571,8 +571,8 @@ def test_recent_tokens_are_checked_and_counted_in_the_smallest_budget(tmp_path, 
     for bad in (-1, 2.5, "16"):
         with pytest.raises(ValueError, match="recent must be an integer ≥ 0"):
             CalibrationConfig(recent=bad).validate()
-    with pytest.raises(ValueError, match="predicts storages in the kl profile only"):
-        CalibrationConfig(profile_storages="anchors", weighting="output").validate()
+    with pytest.raises(ValueError, match="profile_storages must be one of all, anchors"):
+        CalibrationConfig(profile_storages="some").validate()
     with pytest.raises(ValueError, match="recent .* must be an integer ≥ 0"):
         QuantSpec(4, recent=-2)
     # exact tokens cost bytes: the smallest cache grows with them (a per-channel cache of 2048 tokens holds
@@ -799,7 +799,7 @@ def test_kl_profile_measures_only_the_anchor_widths_and_predicts_the_rest():
             full = [table[f"int{b}-{layout}-r5"][-1] for b in (2, 3, 4, 8)]
             assert full[0] > full[1] > full[2] > full[3] >= 0
             assert full[0] == measure(None, None, (QuantSpec(2, layout), QuantSpec()))
-    # every storage measured by default (profile_storages="all")
+    # without anchor widths (profile_storages="all") every storage is measured
     calls.clear()
     add_quant_profile(LayerProfile(ranks=[8, d], k=[0.3, 0.0], v=[0.2, 0.0], metric="kl"), layer, batch,
                       lambda r: eye[..., :r], lambda r: eye[..., :r], specs, measure, key_mode="pre_rope")
