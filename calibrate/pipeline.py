@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from dataclasses import asdict, dataclass, fields
@@ -13,8 +14,9 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from stiefkv.calibrate import allocate
+from stiefkv.calibrate import allocate, distributed
 from stiefkv.calibrate.collect import LayerBatch, LayerInputs
+from stiefkv.calibrate.distributed import Shard
 from stiefkv.calibrate.objective import ErrorStats, compressed_layer_output
 from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
 from stiefkv.calibrate.profile import (
@@ -186,6 +188,10 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     ``resume=True`` continues from it. ``sequences`` ``[S, N]`` token ids replace ``data`` (pre-tokenized
     calibration text; ``tokenizer`` may then be None). Returns :class:`~stiefkv.Projections`; save it with
     ``.save(path)``.
+
+    Inside a ``torch.distributed`` process group (``torchrun``; :mod:`stiefkv.calibrate.distributed`) each
+    process calibrates on its share of the sequences and every process returns the same result; only rank 0
+    writes ``progress``.
     """
     cfg = CalibrationConfig.from_kwargs(device=next(model.parameters()).device, **settings)
     arch_of(model.config)
@@ -212,19 +218,20 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
         seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
                                      seq_len=cfg.seq_len, seed=cfg.seed)
     fp = fingerprint(model)
-    if resume and progress is not None and progress.is_file():
-        state = CalibrationState.load(progress, asdict(cfg), fp)
-    else:
-        if resume:
-            log.info("nothing to resume at %s: starting from the beginning", progress)
-        state = CalibrationState(settings=asdict(cfg), fingerprint=fp)
+    shard = distributed.current(len(seqs))
+    if shard.active:
+        check_distributed(shard, cfg, fp, seqs)
+        progress = progress if shard.leader else None
+    state = shard.broadcast(initial_state(progress, resume, cfg, fp) if shard.leader else None)
+    local = shard.select(seqs)
     if len(state.eig_k) < dims.L:
-        first_pass(model, seqs, cfg, state, progress)
+        first_pass(model, local, cfg, state, progress, shard)
     if not state.ranks:
-        state.ranks, quant = choose_allocation(cfg, state, dims)
+        allocation = shard.broadcast(choose_allocation(cfg, state, dims) if shard.leader else None)
+        state.ranks, quant = allocation
         state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
         state.save(progress)
-    second_pass(model, seqs, cfg, state, progress)
+    second_pass(model, local, cfg, state, progress, shard)
     elapsed = time.perf_counter() - t0
     log.info("calibrated %d layers in %.1f s; mean layer error %.4f", dims.L, elapsed,
              sum(e["rel_error"] for e in state.errors) / len(state.errors))
@@ -234,6 +241,26 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     return Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode, fingerprint=fp,
                        budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors,
                        quant=layer_specs(state) if state.quant else None).validate()
+
+
+def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, fp: dict) -> CalibrationState:
+    """The progress of an interrupted run (``resume``), or a new state."""
+    if resume and progress is not None and progress.is_file():
+        return CalibrationState.load(progress, asdict(cfg), fp)
+    if resume:
+        log.info("nothing to resume at %s: starting from the beginning", progress)
+    return CalibrationState(settings=asdict(cfg), fingerprint=fp)
+
+
+def check_distributed(shard: Shard, cfg: CalibrationConfig, fp: dict, seqs: torch.Tensor) -> None:
+    """Refuse settings a distributed run cannot honour, and processes that disagree on settings, model or
+    data."""
+    if cfg.learn_rotation or (cfg.allocation == "dp" and cfg.profile == "stiefel"):
+        what = "learn_rotation" if cfg.learn_rotation else "profile 'stiefel'"
+        raise ValueError(f"{what} runs in one process only; calibrate without it, or in one process")
+    distributed.check_same(shard, "settings", asdict(cfg))
+    digest = hashlib.sha256(seqs.numpy().tobytes()).hexdigest()[:16]
+    distributed.check_same(shard, "model or data", {"model": fp, "data": digest})
 
 
 def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
@@ -288,18 +315,19 @@ class PhaseProgress:
     """A progress bar over the layers of one calibration phase, and a log line with the expected whole time
     once the first layer this run computes is done (finished layers of a resumed run are not counted)."""
 
-    def __init__(self, index: int, name: str, total: int):
-        self.label, self.total = f"phase {index}/{PHASES} {name}", total
+    def __init__(self, index: int, name: str, total: int, shown: bool = True):
+        self.label, self.total, self.shown = f"phase {index}/{PHASES} {name}", total, shown
         self.bar, self.first, self.started = None, None, 0.0
 
     def begin(self, i: int) -> None:
         if self.bar is None:
-            self.bar = tqdm(total=self.total, initial=i, desc=self.label, unit="layer")
+            self.bar = tqdm(total=self.total, initial=i, desc=self.label, unit="layer",
+                            disable=not self.shown)
             self.first, self.started = i, time.perf_counter()
 
     def end(self, i: int) -> None:
         self.bar.update(1)
-        if i == self.first:
+        if i == self.first and self.shown:
             took, left = time.perf_counter() - self.started, self.total - i - 1
             log.info("%s: layer %d took %.1f s; expect about %.0f s more for the other %d layers",
                      self.label, i, took, took * left, left)
@@ -322,30 +350,32 @@ def check_finite(x: torch.Tensor, where: str) -> None:
 
 @torch.no_grad()
 def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
-               progress: Path | None = None) -> None:
+               progress: Path | None = None, shard: Shard | None = None) -> None:
     """Per layer, on the uncompressed model's activations: PCA eigenvectors, and error–rank profiles for
-    ``dp``.
+    ``dp``. ``seqs`` are the sequences this process holds of ``shard``'s (default: all).
 
     Saved to ``progress`` after every layer; layers already in ``state`` (a resumed run) are only run
     forward to reach the next one, so a resumed pass gives what an uninterrupted one does.
     """
+    shard = Shard(0, 1, len(seqs)) if shard is None else shard
     rope, dims = rope_spec(model.config), dims_of(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
     check_finite(inputs.hidden, "the token embeddings")
     ranks = candidate_ranks(dims.d, cfg.rank_step)
     output_kl = None
     if cfg.allocation == "dp" and cfg.weighting == "kl":
-        n = min(KL_SEQUENCES, cfg.profile_sequences, len(seqs))
-        output_kl = OutputKL(model, inputs.hidden[:n], next(inputs.batches()))
-        check_finite(output_kl.base, "the output (LM head)")
-    bar = PhaseProgress(1, "profiles" if cfg.allocation == "dp" else "PCA", inputs.num_layers)
+        n = shard.held(min(KL_SEQUENCES, cfg.profile_sequences, shard.total))
+        output_kl = OutputKL(model, inputs.hidden[:n], next(inputs.batches()), shard)
+        if output_kl.base is not None:
+            check_finite(output_kl.base, "the output (LM head)")
+    bar = PhaseProgress(1, "profiles" if cfg.allocation == "dp" else "PCA", inputs.num_layers, shard.leader)
     try:
         for i in range(inputs.num_layers):
             layer, target = inputs.layers[i], inputs.run()
             check_finite(target, f"layer {i}")
             if i >= len(state.eig_k):
                 bar.begin(i)
-                first_pass_layer(model, layer, i, inputs, target, output_kl, ranks, cfg, rope, state)
+                first_pass_layer(model, layer, i, inputs, target, output_kl, ranks, cfg, rope, state, shard)
                 state.save(progress)
                 bar.end(i)
             inputs.advance(target)
@@ -354,13 +384,13 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
 
 
 def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_kl, ranks,
-                     cfg: CalibrationConfig, rope, state: CalibrationState) -> None:
+                     cfg: CalibrationConfig, rope, state: CalibrationState, shard: Shard) -> None:
     """Layer ``i``'s eigenvectors (and profile) appended to ``state``."""
     d = dims_of(model.config).d
     moments = SecondMoments(model, cfg.key_mode)
     for batch in inputs.batches():
         moments(batch)
-    eig_k, eig_v = top_eigenvectors(moments.keys[i], d), top_eigenvectors(moments.values[i], d)
+    eig_k, eig_v = (top_eigenvectors(shard.sum_(m[i]), d) for m in (moments.keys, moments.values))
     device = target.device
 
     def basis_k(r):
@@ -371,8 +401,7 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
 
     specs = {which: [s for s in options if s.quantized] for which, options in (storages(cfg) or {}).items()}
     if output_kl is not None:
-        n = output_kl.base.shape[0]
-        hidden = inputs.hidden[:n]
+        hidden = inputs.hidden[:0 if output_kl.base is None else output_kl.base.shape[0]]
         prof = profile_layer_kl(layer, output_kl, i, hidden, basis_k, basis_v,
                                 key_mode=cfg.key_mode, rope=rope, ranks=ranks)
         if specs:
@@ -385,20 +414,26 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
 
             add_quant_profile(prof, layer, batch, basis_k, basis_v, specs, measure, key_mode=cfg.key_mode,
                               rotation=cfg.rotation,
-                              anchor_bits=ANCHOR_BITS if cfg.profile_storages == "anchors" else ())
+                              anchor_bits=ANCHOR_BITS if cfg.profile_storages == "anchors" else (),
+                              shard=shard)
     elif cfg.allocation == "dp":
-        prof = profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope)
+        prof = profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope, shard)
         if specs:
-            n = min(cfg.profile_sequences, target.shape[0])
+            n = shard.held(min(cfg.profile_sequences, shard.total))
             batches = list(inputs.batches(target[:n], hidden=inputs.hidden[:n]))
 
             def measure(P_k, P_v, quant):
-                return sum(float((compressed_layer_output(layer, b, P_k, P_v, key_mode=cfg.key_mode,
-                                                          rope=rope, quant=quant).double()
-                                  - b.output.double()).pow(2).sum()) for b in batches)
+                local = 0.0
+                for b in batches:
+                    y_hat = compressed_layer_output(layer, b, P_k, P_v, key_mode=cfg.key_mode, rope=rope,
+                                                    quant=quant)
+                    local += float((y_hat.double() - b.output.double()).pow(2).sum())
+                return shard.sum(local)[0]
 
-            add_quant_profile(prof, layer, batches[0], basis_k, basis_v, specs, measure,
-                              key_mode=cfg.key_mode, rotation=cfg.rotation)
+            # its first batch only tells the device (a process may hold none of the profile's sequences)
+            first = next(inputs.batches(target[:1], hidden=inputs.hidden[:1]))
+            add_quant_profile(prof, layer, first, basis_k, basis_v, specs, measure, key_mode=cfg.key_mode,
+                              rotation=cfg.rotation)
     state.eig_k.append(eig_k)
     state.eig_v.append(eig_v)
     if cfg.allocation == "dp":
@@ -406,14 +441,15 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
 
 
 def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: CalibrationConfig,
-            rope) -> LayerProfile:
-    n = min(cfg.profile_sequences, target.shape[0])
+            rope, shard: Shard) -> LayerProfile:
+    n = shard.held(min(cfg.profile_sequences, shard.total))
     batches = list(inputs.batches(target[:n], hidden=inputs.hidden[:n]))
     device = target.device
     if cfg.profile == "pca":
-        return profile_layer(layer, batches, lambda r: eig_k[..., :r].to(device),
+        prof = profile_layer(layer, batches, lambda r: eig_k[..., :r].to(device),
                              lambda r: eig_v[..., :r].to(device), key_mode=cfg.key_mode, rope=rope,
                              ranks=ranks)
+        return summed_profile(prof, shard)
     data = concat_batches(batches)
     full_v, full_k = eig_v.to(device), eig_k.to(device)
     settings = refine_settings(cfg)
@@ -423,6 +459,17 @@ def profile(layer, inputs: LayerInputs, target, eig_k, eig_v, ranks, cfg: Calibr
                                  rope=rope, settings=settings, seed=cfg.seed).P_v for r in ranks}
     return profile_layer(layer, batches, refined_k.__getitem__, refined_v.__getitem__, key_mode=cfg.key_mode,
                          rope=rope, ranks=ranks)
+
+
+def summed_profile(prof: LayerProfile, shard: Shard) -> LayerProfile:
+    """``prof``'s sums (squared errors and their references) over every process's sequences."""
+    if not shard.active:
+        return prof
+    n = len(prof.k)
+    sums = shard.sum(*prof.k, *prof.v, prof.sq_output, prof.sq_update)
+    prof.k, prof.v = list(sums[:n]), list(sums[n:2 * n])
+    prof.sq_output, prof.sq_update = sums[-2:]
+    return prof
 
 
 def refine_settings(cfg: CalibrationConfig, quant: tuple = NO_QUANT) -> RefineSettings:
@@ -439,19 +486,21 @@ def concat_batches(batches: list[LayerBatch]) -> LayerBatch:
 
 
 def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
-                progress: Path | None) -> None:
+                progress: Path | None, shard: Shard | None = None) -> None:
     """Bases at the allocated ranks, layer by layer: PCA, refined on the Stiefel manifold for ``stiefel``.
 
     ``sequential`` feeds each layer the output of the compressed layers before it, with the uncompressed
     model's output of that layer as the target; ``independent`` feeds every layer the uncompressed inputs.
     Finished layers (``state.keys``) are reused, not recomputed, so a resumed run gives the same result.
+    ``seqs`` are the sequences this process holds of ``shard``'s (default: all).
     """
+    shard = Shard(0, 1, len(seqs)) if shard is None else shard
     rope = rope_spec(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
     # PCA bases come from the first pass whatever the order: only refinement needs the compressed inputs.
     sequential = cfg.order == "sequential" and cfg.method == "stiefel"
     compressed_hidden = inputs.hidden if sequential else None
-    bar = PhaseProgress(2, f"{cfg.method} layers", inputs.num_layers)
+    bar = PhaseProgress(2, f"{cfg.method} layers", inputs.num_layers, shard.leader)
     try:
         for i in range(inputs.num_layers):
             layer, target = inputs.layers[i], inputs.run()
@@ -462,20 +511,20 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
             done = i < len(state.keys)
             if not done:
                 bar.begin(i)
-                P_k, P_v = fit_layer(layer, data, state, i, cfg, rope)
+                P_k, P_v = fit_layer(layer, data, state, i, cfg, rope, shard)
                 state.keys.append(P_k.cpu())
                 state.values.append(P_v.cpu())
                 # Reported errors are on the uncompressed model's inputs, comparable across methods and orders
                 # (and with `stiefkv eval`); the chained error adds the drift of the compressed layers before.
-                error = {"layer": i} | layer_error(layer, inputs, target, inputs.hidden, P_k, P_v, cfg,
-                                                   rope, quant_of(state, i)).as_dict()
+                error = {"layer": i} | summed(layer_error(layer, inputs, target, inputs.hidden, P_k, P_v, cfg,
+                                                          rope, quant_of(state, i)), shard).as_dict()
             if sequential:
                 compressed_hidden, chained = compressed_outputs(layer, inputs, x, target, state.keys[i],
                                                                 state.values[i], cfg, rope,
                                                                 quant_of(state, i))
                 check_finite(compressed_hidden, f"layer {i} with compressed keys and values")
                 if not done:
-                    error["rel_error_chained"] = round(chained.rel_error, 6)
+                    error["rel_error_chained"] = round(summed(chained, shard).rel_error, 6)
             if not done:
                 state.errors.append(error)
                 state.save(progress)
@@ -485,7 +534,8 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
         bar.close()
 
 
-def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: CalibrationConfig, rope):
+def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: CalibrationConfig, rope,
+              shard: Shard | None = None):
     rk, rv = state.ranks[i]
     device = data.hidden.device
     # Copies, never views: at full rank a slice is the whole eigenvector tensor, and a basis sharing its
@@ -498,7 +548,7 @@ def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: Cal
     if cfg.method == "stiefel" and cfg.steps > 0:
         # Per-layer seed: a resumed run draws the same minibatches for the layers it still has to do.
         result = refine_layer(layer, data, P_k, P_v, key_mode=cfg.key_mode, rope=rope,
-                              settings=refine_settings(cfg, quant), seed=cfg.seed * 100_003 + i)
+                              settings=refine_settings(cfg, quant), seed=cfg.seed * 100_003 + i, shard=shard)
         state.refine.append({"layer": i, "holdout_start": result.holdout_start,
                              "holdout_best": result.holdout_best, "steps": result.steps_run})
         P_k, P_v = result.P_k, result.P_v
@@ -525,6 +575,14 @@ def rotated_basis(layer, data: LayerBatch, P: torch.Tensor, spec: QuantSpec, whi
     state.refine.append({"layer": i, "rotation": which, "quant_error_start": result.error_start,
                          "quant_error_best": result.error_best})
     return torch.matmul(P, result.R)
+
+
+def summed(stats: ErrorStats, shard: Shard) -> ErrorStats:
+    """``stats`` over every process's sequences."""
+    if shard.active:
+        sq_err, sq_ref, cos_sum, tokens = shard.sum(stats.sq_err, stats.sq_ref, stats.cos_sum, stats.tokens)
+        stats = ErrorStats(sq_err, sq_ref, cos_sum, int(tokens))
+    return stats
 
 
 def quant_of(state: CalibrationState, i: int) -> tuple[QuantSpec, QuantSpec]:

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stiefkv.calibrate.distributed import SINGLE, Shard
 from stiefkv.kernels import RopeSpec
 from stiefkv.layers import LayerBatch, compressed_layer_output, project_qkv, rotate_with
 from stiefkv.quant import FLOAT, LAYOUTS, QUANT_BITS, QuantSpec, fake_quant
@@ -127,6 +128,8 @@ def layer_latent_input(layer, batch: LayerBatch, which: str, *, key_mode: str) -
 @torch.no_grad()
 def latent_noise(x: torch.Tensor, P: torch.Tensor, spec: QuantSpec, rotation: bool = True) -> float:
     """``Σ ‖ẑ − z‖²``: the quantization error of the latents ``z`` of ``x`` ``[B, G, N, d]`` through ``P``."""
+    if x.shape[0] == 0:  # a process of a distributed run that holds none of these sequences
+        return 0.0
     z = torch.matmul(x, storage_basis(P, spec, rotation))
     return float((fake_quant(z, spec) - z).double().pow(2).sum())
 
@@ -163,15 +166,15 @@ def _family(spec: QuantSpec) -> tuple:
 def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bases_v,
                       specs: dict[str, list[QuantSpec]],
                       measure, *, key_mode: str, rotation: bool = True,
-                      anchor_bits: tuple[int, ...] = ()) -> LayerProfile:
+                      anchor_bits: tuple[int, ...] = (), shard: Shard = SINGLE) -> LayerProfile:
     """Extend ``prof`` to every storage in ``specs[which]`` at every rank, for keys (``k``) and values (``v``)
     (see the module's docstring).
 
     ``measure(P_k, P_v, quant)`` is the profile's error with those bases and storage. For a ``kl`` profile
     only full rank is measured — with ``anchor_bits`` (two widths), only for those widths of each layout where
     both are candidates, the other widths predicted from their latent noise (:func:`predict_storage_kl`) —
-    and lower ranks are predicted from the latent noise on ``batch``. Otherwise every rank of every storage
-    is measured.
+    and lower ranks are predicted from the latent noise on ``batch``, summed over ``shard``'s processes.
+    Otherwise every rank of every storage is measured.
     """
     G, d, _ = bases_k(prof.ranks[-1]).shape
     full = torch.eye(d, device=batch.hidden.device).expand(G, d, d)
@@ -188,8 +191,9 @@ def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bas
                 table[str(spec)] = [error_at(r, spec) for r in prof.ranks]
             continue
         x = layer_latent_input(layer, batch, which, key_mode=key_mode)
-        noise = {spec: [latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
-                 for spec in specs[which]}
+        local = torch.tensor([[latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
+                              for spec in specs[which]], dtype=torch.float64)
+        noise = dict(zip(specs[which], shard.sum_(local).tolist()))
         anchors = {spec: [s for s in specs[which] if s.bits in anchor_bits and _family(s) == _family(spec)]
                    for spec in specs[which]}
         at_full = {spec: error_at(d, spec) for spec in specs[which]
@@ -214,7 +218,7 @@ def profile_layer(layer, batches: list[LayerBatch], bases_k, bases_v, *, key_mod
                   ranks: list[int]) -> LayerProfile:
     """Profile one layer. ``bases_k(r)``/``bases_v(r)`` give the ``[G, d, r]`` basis at rank ``r``."""
     G, d, _ = bases_k(ranks[0]).shape
-    full = torch.eye(d, device=batches[0].hidden.device).expand(G, d, d)
+    full = torch.eye(d, device=bases_k(ranks[0]).device).expand(G, d, d)
     prof = LayerProfile(ranks=list(ranks), k=[0.0] * len(ranks), v=[0.0] * len(ranks))
     for b in batches:
         y = b.output.double()
@@ -236,11 +240,12 @@ class OutputKL:
     final norm and the LM head — against log-probabilities of the uncompressed model computed once.
     """
 
-    def __init__(self, model, hidden: torch.Tensor, context: LayerBatch):
+    def __init__(self, model, hidden: torch.Tensor, context: LayerBatch, shard: Shard = SINGLE):
         base = getattr(model, "model", model)
         self.layers, self.norm, self.head = base.layers, base.norm, model.lm_head
-        self.context = context
-        self.base = self.log_probs(0, hidden, None)
+        self.context, self.shard = context, shard
+        # a process of a distributed run may hold none of the held sequences: it adds nothing
+        self.base = self.log_probs(0, hidden, None) if hidden.shape[0] else None
 
     @torch.no_grad()
     def log_probs(self, start: int, hidden: torch.Tensor, replace) -> torch.Tensor:
@@ -256,8 +261,14 @@ class OutputKL:
         return torch.log_softmax(self.head(self.norm(h)).float(), dim=-1)
 
     def __call__(self, start: int, hidden: torch.Tensor, replace) -> float:
-        logp = self.log_probs(start, hidden, replace)
-        return float((self.base.exp() * (self.base - logp)).sum(-1).mean())
+        """The mean next-token KL over the held tokens of every process."""
+        total = count = 0.0
+        if self.base is not None:
+            logp = self.log_probs(start, hidden, replace)
+            kl = (self.base.exp() * (self.base - logp)).sum(-1)
+            total, count = float(kl.double().sum()), kl.numel()
+        total, count = self.shard.sum(total, count)
+        return total / count
 
 
 @torch.no_grad()

@@ -103,7 +103,10 @@ def _setup(device: str, dtype: str, seed: int, debug: bool):
 
 
 def _logging(debug: bool) -> None:
-    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO, format="%(levelname)s %(message)s")
+    level = logging.DEBUG if debug else logging.INFO
+    if int(os.environ.get("RANK", "0")) != 0:  # one of several processes (torchrun): rank 0 reports progress
+        level = logging.WARNING
+    logging.basicConfig(level=level, format="%(levelname)s %(message)s")
     for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -244,19 +247,28 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     MODEL is 'smollm2', a .gguf file, a local model folder or a Hugging Face id.
     """
     import stiefkv
+    from stiefkv.calibrate import distributed
 
     device, torch_dtype = _setup(device, dtype, seed, debug)
     settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
     partial = output.with_name(output.name + ".partial")
+    leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports
 
     def work():
         CalibrationConfig.from_kwargs(seed=seed, **settings)  # fail on bad settings before loading the model
         if plot is not None:
             require_matplotlib()
-        _check_outputs({"-o": output, "the progress file": partial, "--plot": plot}, model,
-                       data=settings.get("data"))
-        m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
-        proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
+        if leader:
+            _check_outputs({"-o": output, "the progress file": partial, "--plot": plot}, model,
+                           data=settings.get("data"))
+        dev = distributed.init_from_env(device)
+        try:
+            m, tok = stiefkv.load_model(model, device=dev, dtype=torch_dtype)
+            proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
+        finally:
+            distributed.shutdown()
+        if not leader:
+            return proj
         proj.save(output)
         partial.unlink(missing_ok=True)
         if plot is not None:
@@ -266,13 +278,14 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
         return proj
 
     def kept():
-        if not partial.is_file():
+        if not leader or not partial.is_file():
             return ""
         return f"; the progress so far is kept in {partial}: rerun with --resume to continue, or delete it"
 
     proj = _run(work, debug, hint=kept)
-    click.echo(_inspect_table(proj))
-    click.echo(f"\nwrote {output} ({proj.settings['seconds']} s)")
+    if leader:
+        click.echo(_inspect_table(proj))
+        click.echo(f"\nwrote {output} ({proj.settings['seconds']} s)")
 
 
 @main.command()

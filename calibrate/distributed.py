@@ -1,0 +1,174 @@
+"""Data-parallel calibration on ``torch.distributed``: which calibration sequences a process holds, and the
+reductions that make every process compute what one process would.
+
+A process of a run under ``torchrun --nproc-per-node N -m stiefkv calibrate …`` (or any launcher that sets
+``RANK``, ``WORLD_SIZE`` and ``LOCAL_RANK``) holds the calibration sequences ``rank, rank + N, …``: strided,
+so that the first few sequences, which the profiles use, are spread over the processes too. Every quantity the
+calibration needs from the sequences is a sum over them (second moments, squared errors and their
+references, next-token KL and its token count, quantization noise, gradients), so each process sums over
+its own sequences and an all-reduce adds the rest. Randomness (the refinement's minibatches and held-out
+slice) is drawn over the global sequence indices with the same seed in every process, and each process
+takes the drawn rows it holds. A single process goes through the same code with reductions that do
+nothing, so one process and N processes differ only in the order floating-point sums are added.
+
+The allocation is computed once, on rank 0, and broadcast; only rank 0 writes the progress file and the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import torch
+
+BACKENDS = {"cuda": "nccl", "cpu": "gloo"}
+INIT_TIMEOUT = datetime.timedelta(minutes=30)  # a rank that never arrives ends the run instead of hanging
+
+
+@dataclass(frozen=True)
+class Shard:
+    """This process's share of ``total`` calibration sequences: global rows ``rank, rank + world, …``."""
+
+    rank: int = 0
+    world: int = 1
+    total: int = 0
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    def held(self, n: int | None = None) -> int:
+        """How many of the first ``n`` global sequences (default: all) this process holds."""
+        n = self.total if n is None else n
+        return len(range(self.rank, n, self.world))
+
+    def first(self, n: int) -> Shard:
+        """The shard of the first ``n`` global sequences (held as this process's first ``held(n)`` rows)."""
+        return Shard(self.rank, self.world, n)
+
+    def local(self, rows: torch.Tensor) -> torch.Tensor:
+        """The local indices of the global ``rows`` this process holds (repeats and order kept)."""
+        mine = rows[rows % self.world == self.rank]
+        return torch.div(mine - self.rank, self.world, rounding_mode="floor")
+
+    def select(self, seqs: torch.Tensor) -> torch.Tensor:
+        return seqs[self.rank::self.world]
+
+    # --------------------------------------------------------------------------------------- reductions
+    def sum(self, *values: float) -> tuple[float, ...]:
+        """``values`` summed over all processes (float64)."""
+        if not self.active:
+            return tuple(float(v) for v in values)
+        t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
+        torch.distributed.all_reduce(t)
+        return tuple(t.tolist())
+
+    def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """``tensor`` summed over all processes, in place (moved to the backend's device and back)."""
+        if not self.active:
+            return tensor
+        t = tensor.to(_comm_device())
+        torch.distributed.all_reduce(t)
+        tensor.copy_(t)
+        return tensor
+
+    def sum_grads(self, params) -> None:
+        """Add the parameters' gradients over all processes (a process with no rows adds zeros)."""
+        if not self.active:
+            return
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+            self.sum_(p.grad)
+
+    def broadcast(self, obj):
+        """Rank 0's ``obj`` in every process (pickled)."""
+        if not self.active:
+            return obj
+        box = [obj if self.leader else None]
+        torch.distributed.broadcast_object_list(box, src=0, device=_comm_device())
+        return box[0]
+
+    def gather(self, obj) -> list:
+        """Every process's ``obj``, in rank order."""
+        if not self.active:
+            return [obj]
+        out = [None] * self.world
+        torch.distributed.all_gather_object(out, obj)
+        return out
+
+
+SINGLE = Shard()
+
+
+def _comm_device() -> torch.device:
+    if torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def launched() -> bool:
+    """Whether a launcher (torchrun) started this process as one of several."""
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def current(total: int) -> Shard:
+    """The shard of ``total`` sequences of this process: the whole set unless a process group is up."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return Shard(0, 1, total)
+    world = torch.distributed.get_world_size()
+    if world > total:
+        raise ValueError(f"{world} processes but only {total} calibration sequences: each process needs at "
+                         f"least one; use --num-sequences {world} or more, or fewer processes")
+    return Shard(torch.distributed.get_rank(), world, total)
+
+
+def init_from_env(device: str) -> str:
+    """Join the process group a launcher described (``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK``, ``MASTER_ADDR``
+    …); returns the device this process calibrates on: ``cuda:LOCAL_RANK`` for ``cuda``, the CPU with gloo.
+
+    Nothing happens without a launcher (one process) or when the group is already up.
+    """
+    if not launched() or torch.distributed.is_initialized():
+        return device
+    kind = torch.device(device).type
+    if kind not in BACKENDS:
+        raise ValueError(f"--device {device}: calibration across processes runs on cuda (NCCL) or cpu (gloo)")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    rank = os.environ.get("RANK", "?")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {device} on rank {rank}, which sees no GPU: give each process a GPU, "
+                             "or calibrate with --device cpu")
+        if local >= torch.cuda.device_count():
+            gpus = torch.cuda.device_count()
+            raise ValueError(f"rank {rank} has local rank {local} but its node has {gpus} GPU(s): start at "
+                             "most that many processes per node")
+        device = f"cuda:{local}"
+        torch.cuda.set_device(local)
+    torch.distributed.init_process_group(BACKENDS[kind], timeout=INIT_TIMEOUT)
+    return device
+
+
+def check_same(shard: Shard, what: str, value: dict) -> None:
+    """Refuse a run whose processes disagree on ``value`` (settings, model, data), naming the first keys
+    that differ and the ranks."""
+    values = shard.gather(value)
+    for rank, other in enumerate(values):
+        differ = sorted(k for k in set(value) | set(other) if values[0].get(k) != other.get(k))
+        if differ:
+            shown = ", ".join(f"{k}={values[0].get(k)!r} on rank 0, {other.get(k)!r} on rank {rank}"
+                              for k in differ[:3])
+            raise ValueError(f"the processes were started with different {what}: {shown}; start every "
+                             "process with the same command")
+
+
+def shutdown() -> None:
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()

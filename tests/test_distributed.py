@@ -1,0 +1,134 @@
+"""Calibration across processes (torch.distributed, gloo on the CPU): the shard arithmetic, and
+``torchrun -m stiefkv calibrate`` with 2 processes against 1 process on the same data."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from stiefkv.calibrate.distributed import Shard, check_same, init_from_env
+from stiefkv.projections import Projections
+from tests.utils import corpus_text, save_tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT = 240  # seconds for one launch; a hung rank fails the test instead of the suite
+
+
+def test_shards_split_the_rows_and_map_global_rows_to_local_ones():
+    total, world = 11, 3
+    shards = [Shard(r, world, total) for r in range(world)]
+    seqs = torch.arange(total)[:, None]
+    held = [s.select(seqs)[:, 0].tolist() for s in shards]
+    assert sorted(sum(held, [])) == list(range(total))
+    assert [s.held() for s in shards] == [4, 4, 3] and [s.held(2) for s in shards] == [1, 1, 0]
+    rows = torch.tensor([7, 1, 7, 3, 10, 0])  # repeats and any order, as a minibatch draws them
+    for s, mine in zip(shards, held):
+        local = s.local(rows)
+        assert [mine[i] for i in local.tolist()] == [r for r in rows.tolist() if r % world == s.rank]
+    one = Shard(0, 1, total)
+    assert not one.active and one.sum(1.5, 2) == (1.5, 2.0) and one.local(rows).tolist() == rows.tolist()
+
+
+def test_processes_that_disagree_are_named(monkeypatch):
+    shard = Shard(0, 2, 8)
+    monkeypatch.setattr(Shard, "gather", lambda self, v: [v, v | {"steps": 5}])
+    with pytest.raises(ValueError, match=r"different settings: steps=100 on rank 0, 5 on rank 1"):
+        check_same(shard, "settings", {"steps": 100, "budget": 0.5})
+
+
+def test_a_rank_without_a_gpu_is_refused(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ValueError, match="--device cuda on rank 1, which sees no GPU"):
+        init_from_env("cuda")
+    with pytest.raises(ValueError, match="runs on cuda .NCCL. or cpu .gloo."):
+        init_from_env("meta")
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    root = tmp_path_factory.mktemp("dist")
+    model = save_tiny_model(root / "model")
+    data = root / "calib.txt"
+    data.write_text(corpus_text())
+    return root, model, data
+
+
+def launch(nproc: int, args: list[str], script: Path | None = None) -> subprocess.CompletedProcess:
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
+    cmd += [str(script)] if script else ["-m", "stiefkv"]
+    return subprocess.run(cmd + args, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
+
+
+def calibrate_args(model: Path, data: Path, out: Path, extra: list[str]) -> list[str]:
+    return ["calibrate", str(model), "--data", str(data), "--num-sequences", "7", "--seq-len", "70",
+            "--steps", "6", "--step-sequences", "3", "--profile-sequences", "3", "--device", "cpu",
+            "-o", str(out)] + extra
+
+
+@pytest.mark.parametrize("extra", [["--budget", "0.1"],  # bits auto, kl profile over anchored storages
+                                   ["--budget", "0.5", "--bits", "16", "--weighting", "output"]],
+                         ids=["auto-kl", "bf16-output"])
+def test_two_processes_give_the_checkpoint_of_one(setup, extra):
+    root, model, data = setup
+    tag = "-".join(extra).replace(".", "")
+    one, two = root / f"one{tag}.safetensors", root / f"two{tag}.safetensors"
+    r1 = launch(1, calibrate_args(model, data, one, extra))
+    assert r1.returncode == 0, r1.stderr[-3000:]
+    r2 = launch(2, calibrate_args(model, data, two, extra))
+    assert r2.returncode == 0, r2.stderr[-3000:]
+    assert r2.stdout.count("wrote ") == 1  # rank 0 alone reports and writes
+    assert not (root / f"two{tag}.safetensors.partial").exists()
+    a, b = Projections.load(one), Projections.load(two)
+    assert a.ranks == b.ranks and a.specs == b.specs
+    d = a.keys[0].shape[1]
+    assert any(r < d for pair in a.ranks for r in pair)  # bases that refinement moved, not whole spaces
+    assert all(e["rel_error"] > 1e-3 for e in a.errors)
+    for x, y in zip(a.keys + a.values, b.keys + b.values):
+        assert torch.isfinite(y).all()
+        assert (x - y).abs().max() <= 1e-4
+    for ea, eb in zip(a.errors, b.errors):
+        assert ea["rel_error"] == pytest.approx(eb["rel_error"], rel=1e-3, abs=1e-6)
+
+
+def test_more_processes_than_sequences_is_refused(setup):
+    root, model, data = setup
+    r = launch(2, calibrate_args(model, data, root / "few.safetensors", []) + ["--num-sequences", "1"])
+    assert r.returncode != 0
+    assert "2 processes but only 1 calibration sequences" in r.stderr
+    assert not (root / "few.safetensors").exists()
+
+
+def test_a_failing_rank_ends_the_run_with_its_message(setup, tmp_path):
+    """Rank 1 is given settings of its own: every rank stops with the mismatch named. Then rank 1 alone reads
+    a missing data file while rank 0 waits in a collective: the launcher ends the run, with rank 1's error."""
+    root, model, data = setup
+    script = tmp_path / "per_rank.py"
+    script.write_text(
+        "import os, sys\n"
+        "from stiefkv.cli import main\n"
+        "args = sys.argv[1:]\n"
+        "if os.environ['RANK'] == '1':\n"
+        "    args += os.environ['RANK1_EXTRA'].split()\n"
+        "main(args, prog_name='stiefkv')\n")
+    args = calibrate_args(model, data, tmp_path / "x.safetensors", [])
+    os.environ["RANK1_EXTRA"] = "--steps 5"
+    try:
+        r = launch(2, args, script)
+        assert r.returncode != 0
+        assert "different settings: steps=6 on rank 0, 5 on rank 1" in r.stderr
+        os.environ["RANK1_EXTRA"] = f"--data {tmp_path / 'missing.txt'}"
+        r = launch(2, args, script)
+        assert r.returncode != 0
+        assert "missing.txt" in r.stderr
+    finally:
+        del os.environ["RANK1_EXTRA"]
+    assert not (tmp_path / "x.safetensors").exists()
