@@ -132,3 +132,33 @@ def test_a_failing_rank_ends_the_run_with_its_message(setup, tmp_path):
     finally:
         del os.environ["RANK1_EXTRA"]
     assert not (tmp_path / "x.safetensors").exists()
+
+
+def test_an_interrupted_two_process_run_resumes(setup, tmp_path):
+    """Interrupted at layer 1's bases, rank 0 keeps the progress file; ``--resume`` with 2 processes again
+    finishes it into the checkpoint of an uninterrupted 2-process run."""
+    root, model, data = setup
+    script = tmp_path / "interrupt.py"
+    script.write_text(
+        "import sys\n"
+        "import stiefkv.calibrate.pipeline as pipeline\n"
+        "real = pipeline.fit_layer\n"
+        "def fit_layer(layer, data, state, i, *args, **kwargs):\n"
+        "    if i == 1:\n"
+        "        raise KeyboardInterrupt\n"
+        "    return real(layer, data, state, i, *args, **kwargs)\n"
+        "pipeline.fit_layer = fit_layer\n"
+        "from stiefkv.cli import main\n"
+        "main(sys.argv[1:], prog_name='stiefkv')\n")
+    out, whole = tmp_path / "r.safetensors", tmp_path / "whole.safetensors"
+    extra = ["--budget", "0.1"]
+    r = launch(2, calibrate_args(model, data, out, extra), script)
+    assert r.returncode != 0 and "rerun with --resume" in r.stderr
+    assert (tmp_path / "r.safetensors.partial").is_file() and not out.exists()
+    r = launch(2, calibrate_args(model, data, out, extra) + ["--resume"])
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert launch(2, calibrate_args(model, data, whole, extra)).returncode == 0
+    a, b = Projections.load(out), Projections.load(whole)
+    assert a.ranks == b.ranks and a.specs == b.specs
+    for x, y in zip(a.keys + a.values, b.keys + b.values):
+        assert (x - y).abs().max() <= 1e-6
