@@ -126,9 +126,10 @@ def layer_latent_input(layer, batch: LayerBatch, which: str, *, key_mode: str) -
 
 
 @torch.no_grad()
-def latent_noise(x: torch.Tensor, P: torch.Tensor, spec: QuantSpec, rotation: bool = True) -> float:
-    """``Σ ‖ẑ − z‖²``: the quantization error of the latents ``z`` of ``x`` ``[B, G, N, d]`` through ``P``."""
-    if x.shape[0] == 0:  # a process of a distributed run that holds none of these sequences
+def latent_noise(x: torch.Tensor | None, P: torch.Tensor, spec: QuantSpec, rotation: bool = True) -> float:
+    """``Σ ‖ẑ − z‖²``: the quantization error of the latents ``z`` of ``x`` ``[B, G, N, d]`` through ``P``
+    (0 for no ``x``)."""
+    if x is None:  # a process of a distributed run that holds none of these sequences
         return 0.0
     z = torch.matmul(x, storage_basis(P, spec, rotation))
     return float((fake_quant(z, spec) - z).double().pow(2).sum())
@@ -190,7 +191,7 @@ def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bas
             for spec in specs[which]:
                 table[str(spec)] = [error_at(r, spec) for r in prof.ranks]
             continue
-        x = layer_latent_input(layer, batch, which, key_mode=key_mode)
+        x = layer_latent_input(layer, batch, which, key_mode=key_mode) if batch.hidden.shape[0] else None
         local = torch.tensor([[latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
                               for spec in specs[which]], dtype=torch.float64)
         noise = dict(zip(specs[which], shard.sum_(local).tolist()))
