@@ -24,9 +24,40 @@ def causal_mask(n: int, dtype: torch.dtype, device) -> torch.Tensor:
     return mask[None, None]
 
 
+def module_device(module: nn.Module) -> torch.device:
+    return next(module.parameters()).device
+
+
+class Context:
+    """The attention context of ``N``-token sequences (rotary embeddings, causal mask, positions), made once
+    per device the model's layers sit on (:func:`stiefkv.place_layers` spreads them over several)."""
+
+    def __init__(self, model: nn.Module, n: int, dtype: torch.dtype):
+        self.rotary = getattr(model, "model", model).rotary_emb
+        self.n, self.dtype, self.made = n, dtype, {}
+
+    @torch.no_grad()
+    def on(self, device: torch.device):
+        """``(position_embeddings, attention_mask, position_ids)`` on ``device``."""
+        if device not in self.made:
+            src = module_device_or_none(self.rotary) or device  # computed where the rotary module is
+            probe = torch.zeros(1, 1, device=src, dtype=self.dtype)  # gives the tables' dtype
+            cos, sin = self.rotary(probe, torch.arange(self.n, device=src)[None])
+            self.made[device] = ((cos.to(device), sin.to(device)), causal_mask(self.n, self.dtype, device),
+                                 torch.arange(self.n, device=device)[None])
+        return self.made[device]
+
+
+def module_device_or_none(module: nn.Module) -> torch.device | None:
+    """The device of ``module``'s first parameter or buffer (None for a module holding neither)."""
+    for t in [*module.parameters(), *module.buffers()]:
+        return t.device
+    return None
+
+
 class LayerInputs:
     """The calibration set's hidden states at one decoder layer's input, moved through the model layer by
-    layer.
+    layer — and from device to device where the layers are spread over several.
 
     Parameters
     ----------
@@ -40,16 +71,32 @@ class LayerInputs:
         self.layers = decoder_layers(model)
         self.batch_size = batch_size
         base = getattr(model, "model", model)
-        device = next(model.parameters()).device
+        device = module_device(base.embed_tokens)
         S, N = sequences.shape
         with torch.no_grad():
             self.hidden = torch.cat([base.embed_tokens(sequences[i:i + batch_size].to(device))
                                      for i in range(0, S, batch_size)])
-            self.position_ids = torch.arange(N, device=device)[None]
-            self.position_embeddings = base.rotary_emb(self.hidden[:1], self.position_ids)
-        self.attention_mask = causal_mask(N, self.hidden.dtype, device)
+        self.context = Context(model, N, self.hidden.dtype)
         self.layer_idx = 0
         self.num_layers = text_config(model.config).num_hidden_layers
+        self.hidden = self.hidden.to(self.device)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the current layer sits (its inputs are moved there)."""
+        return module_device(self.layers[self.layer_idx])
+
+    @property
+    def position_embeddings(self):
+        return self.context.on(self.device)[0]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self.context.on(self.device)[1]
+
+    @property
+    def position_ids(self) -> torch.Tensor:
+        return self.context.on(self.device)[2]
 
     def batches(self, targets: torch.Tensor | None = None,
                 hidden: torch.Tensor | None = None) -> Iterator[LayerBatch]:
@@ -74,6 +121,6 @@ class LayerInputs:
         return torch.cat(outs)
 
     def advance(self, next_hidden: torch.Tensor) -> None:
-        """Move to the next layer, whose inputs are ``next_hidden``."""
-        self.hidden = next_hidden
+        """Move to the next layer, whose inputs are ``next_hidden`` (moved to its device)."""
         self.layer_idx += 1
+        self.hidden = next_hidden.to(self.device) if self.layer_idx < self.num_layers else next_hidden

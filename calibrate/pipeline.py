@@ -41,7 +41,7 @@ from stiefkv.calibrate.state import CalibrationState
 from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
 from stiefkv.layers import NO_QUANT
-from stiefkv.models import arch_of, check_context, dims_of, fingerprint, rope_spec
+from stiefkv.models import arch_of, check_context, dims_of, fingerprint, layer_devices, rope_spec
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
 from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, QuantSpec
 
@@ -214,11 +214,17 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
         cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
     check_budget(cfg, dims)
     check_context(model.config, cfg.seq_len, "seq_len")
+    if sequences is None and cfg.data == "self" and len(layer_devices(model)) > 1:
+        raise ValueError("--data self samples text with the whole model's forward, which does not run over "
+                         "layers placed on several devices: calibrate on text (--data wikitext2 or a file)")
     if sequences is None:
         seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
                                      seq_len=cfg.seq_len, seed=cfg.seed)
     fp = fingerprint(model)
     shard = distributed.current(len(seqs))
+    if shard.active and len(layer_devices(model)) > 1:
+        raise ValueError("a model placed over several devices calibrates in one process: run it without "
+                         "torchrun, or give each process the whole model")
     if shard.active:
         check_distributed(shard, cfg, fp, seqs)
         progress = progress if shard.leader else None
@@ -365,7 +371,7 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
     output_kl = None
     if cfg.allocation == "dp" and cfg.weighting == "kl":
         n = shard.held(min(KL_SEQUENCES, cfg.profile_sequences, shard.total))
-        output_kl = OutputKL(model, inputs.hidden[:n], next(inputs.batches()), shard)
+        output_kl = OutputKL(model, inputs.hidden[:n], inputs.context, shard)
         if output_kl.base is not None:
             check_finite(output_kl.base, "the output (LM head)")
     bar = PhaseProgress(1, "profiles" if cfg.allocation == "dp" else "PCA", inputs.num_layers, shard.leader)
@@ -405,8 +411,7 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
         prof = profile_layer_kl(layer, output_kl, i, hidden, basis_k, basis_v,
                                 key_mode=cfg.key_mode, rope=rope, ranks=ranks)
         if specs:
-            c = output_kl.context
-            batch = LayerBatch(i, hidden, hidden, c.position_embeddings, c.attention_mask, c.position_ids)
+            batch = LayerBatch(i, hidden, hidden, *output_kl.context.on(hidden.device))
 
             def measure(P_k, P_v, quant):
                 return max(0.0, output_kl(i, hidden, lambda b: compressed_layer_output(
@@ -505,7 +510,7 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
         for i in range(inputs.num_layers):
             layer, target = inputs.layers[i], inputs.run()
             check_finite(target, f"layer {i}")
-            x = compressed_hidden if sequential else inputs.hidden
+            x = compressed_hidden.to(inputs.device) if sequential else inputs.hidden
             data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask,
                               inputs.position_ids)
             done = i < len(state.keys)

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from stiefkv.calibrate.collect import Context, module_device
 from stiefkv.calibrate.distributed import SINGLE, Shard
 from stiefkv.kernels import RopeSpec
 from stiefkv.layers import LayerBatch, compressed_layer_output, project_qkv, rotate_with
@@ -241,7 +242,7 @@ class OutputKL:
     final norm and the LM head — against log-probabilities of the uncompressed model computed once.
     """
 
-    def __init__(self, model, hidden: torch.Tensor, context: LayerBatch, shard: Shard = SINGLE):
+    def __init__(self, model, hidden: torch.Tensor, context: Context, shard: Shard = SINGLE):
         base = getattr(model, "model", model)
         self.layers, self.norm, self.head = base.layers, base.norm, model.lm_head
         self.context, self.shard = context, shard
@@ -250,16 +251,18 @@ class OutputKL:
 
     @torch.no_grad()
     def log_probs(self, start: int, hidden: torch.Tensor, replace) -> torch.Tensor:
-        c = self.context
         h = hidden
         for j in range(start, len(self.layers)):
+            device = module_device(self.layers[j])
+            pe, mask, ids = self.context.on(device)
+            h = h.to(device)
             if j == start and replace is not None:
-                h = replace(LayerBatch(j, h, h, c.position_embeddings, c.attention_mask, c.position_ids))
+                h = replace(LayerBatch(j, h, h, pe, mask, ids))
             else:
-                out = self.layers[j](h, attention_mask=c.attention_mask, position_ids=c.position_ids,
-                                     position_embeddings=c.position_embeddings)
+                out = self.layers[j](h, attention_mask=mask, position_ids=ids, position_embeddings=pe)
                 h = out[0] if isinstance(out, tuple) else out
-        return torch.log_softmax(self.head(self.norm(h)).float(), dim=-1)
+        h = self.norm(h.to(module_device(self.norm)))
+        return torch.log_softmax(self.head(h.to(module_device(self.head))).float(), dim=-1)
 
     def __call__(self, start: int, hidden: torch.Tensor, replace) -> float:
         """The mean next-token KL over the held tokens of every process."""

@@ -244,12 +244,16 @@ def main():
 def calibrate(model, output, resume, plot, device, dtype, seed, debug, **settings):
     """Learn key/value bases for MODEL and write a projection checkpoint.
 
-    MODEL is 'smollm2', a .gguf file, a local model folder or a Hugging Face id.
+    MODEL is 'smollm2', a .gguf file, a local model folder or a Hugging Face id. A list of devices
+    (--device cuda:0,cuda:1) spreads a model too large for one of them over all, layer by layer.
     """
     import stiefkv
     from stiefkv.calibrate import distributed
 
-    device, torch_dtype = _setup(device, dtype, seed, debug)
+    devices = device.split(",") if "," in device else None
+    device, torch_dtype = _setup(devices[0] if devices else device, dtype, seed, debug)
+    if devices:
+        devices = [_setup(d, dtype, seed, debug)[0] for d in devices]
     settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
     partial = output.with_name(output.name + ".partial")
     leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports
@@ -261,9 +265,14 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
         if leader:
             _check_outputs({"-o": output, "the progress file": partial, "--plot": plot}, model,
                            data=settings.get("data"))
-        dev = distributed.init_from_env(device)
+        if devices and distributed.launched():
+            raise ValueError(f"--device {','.join(devices)} places one model over several devices in one "
+                             "process; under torchrun give each process one device")
+        dev = distributed.init_from_env(device) if not devices else "cpu"
         try:
             m, tok = stiefkv.load_model(model, device=dev, dtype=torch_dtype)
+            if devices:
+                stiefkv.place_layers(m, devices)
             proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
         finally:
             distributed.shutdown()

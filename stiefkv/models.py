@@ -310,6 +310,39 @@ def resolve_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def place_layers(model: nn.Module, devices) -> nn.Module:
+    """Spread ``model``'s decoder layers over ``devices`` in contiguous blocks of nearly equal size, for
+    calibrating a model larger than one device: the token embedding and rotary tables go with the first
+    block, the final norm and the LM head with the last (a tied embedding follows the LM head). The
+    calibration pipeline moves each layer's activations to that layer's device; the model's own
+    ``forward`` (and so ``generate``) is not made to work across them. Returns ``model``."""
+    devices = [resolve_device(d) for d in devices]
+    if not devices:
+        raise ValueError("place_layers needs at least one device")
+    layers = decoder_layers(model)
+    if len(devices) > len(layers):
+        raise ValueError(f"{len(devices)} devices for {len(layers)} layers: give at most one device per "
+                         "layer")
+    base = getattr(model, "model", model)
+    for i, layer in enumerate(layers):
+        layer.to(devices[i * len(devices) // len(layers)])
+    base.embed_tokens.to(devices[0])
+    base.rotary_emb.to(devices[0])
+    base.norm.to(devices[-1])
+    model.lm_head.to(devices[-1])
+    return model
+
+
+def layer_devices(model: nn.Module) -> list[torch.device]:
+    """The distinct devices ``model``'s decoder layers sit on, in layer order."""
+    seen = []
+    for layer in decoder_layers(model):
+        device = next(layer.parameters()).device
+        if device not in seen:
+            seen.append(device)
+    return seen
+
+
 def max_positions(config) -> int | None:
     """The model's number of positions (``max_position_embeddings``), None where the config has none."""
     value = getattr(text_config(config), "max_position_embeddings", None)

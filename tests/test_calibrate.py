@@ -226,7 +226,7 @@ def test_kl_profile_measures_the_whole_model():
 
     model = tiny_model("llama", layers=3)
     inputs, data = layer_data(model, n=3)
-    kl = OutputKL(model, inputs.hidden, next(inputs.batches()))
+    kl = OutputKL(model, inputs.hidden, inputs.context)
     # the tail from layer 0 with nothing replaced is the model itself: zero KL
     assert abs(kl(0, inputs.hidden, None)) < 1e-6
     moments = SecondMoments(model, "pre_rope")

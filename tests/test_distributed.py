@@ -166,3 +166,45 @@ def test_an_interrupted_two_process_run_resumes(setup, tmp_path):
     assert a.ranks == b.ranks and a.specs == b.specs
     for x, y in zip(a.keys + a.values, b.keys + b.values):
         assert (x - y).abs().max() <= 1e-6
+
+
+# ------------------------------------------------------------------------- one model over several devices
+CALIB = {"num_sequences": 5, "seq_len": 70, "steps": 6, "step_sequences": 2, "profile_sequences": 2,
+         "budget": 0.1, "seed": 3}
+
+
+def calibrate_tiny(devices: list[str] | None, data: Path):
+    import stiefkv
+    from tests.tiny import tiny_model
+    from tests.utils import CharTokenizer
+
+    model = tiny_model(layers=3)
+    if devices:
+        stiefkv.place_layers(model, devices)
+    return stiefkv.calibrate(model, CharTokenizer(), data=str(data), **CALIB)
+
+
+def test_placing_layers_is_checked_and_leaves_a_one_device_calibration_unchanged(setup, monkeypatch):
+    import stiefkv
+    import stiefkv.calibrate.pipeline as pipeline
+    from tests.tiny import tiny_model
+
+    _, _, data = setup
+    a, b = calibrate_tiny(None, data), calibrate_tiny(["cpu", "cpu"], data)
+    assert a.ranks == b.ranks and all(torch.equal(x, y) for x, y in zip(a.keys + a.values, b.keys + b.values))
+    with pytest.raises(ValueError, match="4 devices for 3 layers"):
+        stiefkv.place_layers(tiny_model(layers=3), ["cpu"] * 4)
+    monkeypatch.setattr(pipeline, "layer_devices", lambda m: [torch.device("cpu"), torch.device("cuda", 0)])
+    with pytest.raises(ValueError, match="--data self samples text with the whole model's forward"):
+        stiefkv.calibrate(tiny_model(layers=3), None, data="self", **CALIB)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (layers over a GPU and the CPU)")
+def test_layers_over_a_gpu_and_the_cpu_calibrate_as_on_one_device(setup):
+    """The first layers on the GPU, the rest and the LM head on the CPU: activations cross between them in
+    the profiles' model tails and the layer-by-layer passes. Float32 on both (no TF32)."""
+    _, _, data = setup
+    a, b = calibrate_tiny(None, data), calibrate_tiny(["cuda:0", "cpu"], data)
+    assert a.ranks == b.ranks and a.specs == b.specs
+    for x, y in zip(a.keys + a.values, b.keys + b.values):
+        assert (x - y.cpu()).abs().max() <= 1e-3
