@@ -39,6 +39,12 @@ def top_eigenvectors(moment: torch.Tensor, rank: int) -> torch.Tensor:
     _, vecs = torch.linalg.eigh(moment.double())  # ascending eigenvalues
     basis = vecs.flip(-1)[..., :rank]
     q, r = torch.linalg.qr(basis)  # re-orthonormalise after the float64 → float32 cast's rounding
+    q = q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]
+    # An eigenvector's sign is arbitrary, and eigh picks it differently on a GPU and a CPU: each column's
+    # largest entry is made positive, so that a layer gets the same basis on any device (the rotation of
+    # per-token storage mixes columns, so the signs matter once quantized).
+    top = torch.gather(q, -2, q.abs().argmax(-2, keepdim=True))
+    q = q * torch.where(top < 0, -1.0, 1.0).to(q.dtype)
     # Row-major like a basis read back from a checkpoint: CPU matmuls round differently per memory layout,
     # and a resumed calibration must reproduce an uninterrupted one bit for bit.
-    return (q * torch.sign(torch.diagonal(r, dim1=-2, dim2=-1))[..., None, :]).float().contiguous()
+    return q.float().contiguous()

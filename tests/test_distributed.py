@@ -62,7 +62,8 @@ def setup(tmp_path_factory):
 
 
 def launch(nproc: int, args: list[str], script: Path | None = None) -> subprocess.CompletedProcess:
-    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = os.environ | {"OMP_NUM_THREADS": "1", "PYTHONPATH": path}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"]
     cmd += [str(script)] if script else ["-m", "stiefkv"]
     return subprocess.run(cmd + args, capture_output=True, text=True, timeout=TIMEOUT, env=env, cwd=ROOT)
@@ -208,3 +209,26 @@ def test_layers_over_a_gpu_and_the_cpu_calibrate_as_on_one_device(setup):
     assert a.ranks == b.ranks and a.specs == b.specs
     for x, y in zip(a.keys + a.values, b.keys + b.values):
         assert (x - y.cpu()).abs().max() <= 1e-3
+
+
+def test_eigenvector_signs_do_not_depend_on_the_solver():
+    """eigh may return any sign per eigenvector (it differs between a GPU and a CPU): the bases do not."""
+    from stiefkv.calibrate.pca import top_eigenvectors
+
+    x = torch.randn(3, 200, 13, dtype=torch.float64)
+    moment = x.transpose(1, 2) @ x
+    flip = torch.tensor([1.0, -1.0] * 6 + [-1.0], dtype=torch.float64)
+    real_eigh = torch.linalg.eigh
+
+    def flipped_eigh(m):
+        vals, vecs = real_eigh(m)
+        return vals, vecs * flip
+
+    a = top_eigenvectors(moment, 7)
+    torch.linalg.eigh = flipped_eigh
+    try:
+        b = top_eigenvectors(moment, 7)
+    finally:
+        torch.linalg.eigh = real_eigh
+    assert torch.equal(a, b)
+    assert (a.gather(-2, a.abs().argmax(-2, keepdim=True)) > 0).all()  # each column's largest entry
