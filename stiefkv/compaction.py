@@ -1,0 +1,125 @@
+"""Attention-matching compaction of a block of cached tokens (the token axis; DESIGN.md, Compaction).
+
+A block of ``T`` keys and values of one KV head becomes ``t ≪ T`` entries ``(C_k, β, C_v)`` that, for a set
+of reference queries ``q``, reproduce both the block's attention output and its attention mass:
+
+- output: ``softmax(q C_kᵀ·s + β) C_v ≈ softmax(q Kᵀ·s) V``;
+- mass: ``Σ_j exp(q·c_j·s + β_j) ≈ Σ_j exp(q·k_j·s)``.
+
+Reproducing both makes attention over the compacted block concatenated with any other tokens reproduce
+attention over the original block with them: the block enters the softmax only through its mass and its
+mass-weighted output. Three steps, after Zweiger et al., "Fast KV Compaction via Attention Matching"
+(arXiv 2602.16284):
+
+1. keys ``C_k`` are chosen from the block: those with the highest attention of the reference queries
+   (``attention``), or greedily by orthogonal matching pursuit on the masses (``omp``);
+2. ``w = exp(β) ≥ 0`` by non-negative least squares on the masses, each query's mass relative to itself;
+3. ``C_v`` by ridge-regularised least squares on the outputs, pulled towards the chosen keys' own values.
+
+Everything here is per KV head on plain tensors (the PyTorch reference; float64 for the fits). The
+queries of the ``H / G`` query heads that share a KV head are all reference queries of that head.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from scipy.optimize import nnls
+
+SELECTIONS = ("attention", "omp")
+MIN_WEIGHT = 1e-12  # a key NNLS gives no weight gets β = log of this: present, but it never wins attention
+DEFAULT_RIDGE = 1e-3  # × the mean diagonal of AᵀA: keeps C_v near the chosen values where A says little
+
+
+@dataclass
+class Compacted:
+    """One KV head's compacted block: ``index`` ``[t]`` of the chosen keys in the block (so ``C_k`` are the
+    block's keys there, and their positions are the block's), ``beta`` ``[t]``, ``values`` ``[t, d_v]``."""
+
+    index: torch.Tensor
+    beta: torch.Tensor
+    values: torch.Tensor
+
+
+def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(q·k·s − m_q)`` ``[m, T]`` and the row maxima ``m_q`` ``[m]`` (float64)."""
+    s = (queries.double() @ keys.double().T) * scale
+    top = s.amax(-1, keepdim=True)
+    return torch.exp(s - top), top.squeeze(-1)
+
+
+def _select_attention(E: torch.Tensor, mass: torch.Tensor, t: int) -> torch.Tensor:
+    """The ``t`` keys with the highest mean attention probability over the reference queries."""
+    return torch.topk((E / mass[:, None]).mean(0), t).indices.sort().values
+
+
+def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int) -> torch.Tensor:
+    """Greedy orthogonal matching pursuit on the relative masses: each step adds the key whose column best
+    explains what the chosen ones leave of every query's mass, then refits their weights (NNLS)."""
+    A = (E / mass[:, None]).numpy()
+    target = np.ones(A.shape[0])
+    norms = np.linalg.norm(A, axis=0) + 1e-300
+    chosen: list[int] = []
+    residual = target.copy()
+    for _ in range(t):
+        score = (A.T @ residual) / norms
+        score[chosen] = -np.inf
+        chosen.append(int(np.argmax(score)))
+        w, _ = nnls(A[:, chosen], target)
+        residual = target - A[:, chosen] @ w
+    return torch.tensor(sorted(chosen))
+
+
+def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
+    """``w ≥ 0`` with ``Σ_j w_j E_qj ≈ mass_q`` relative to each query's mass (NNLS)."""
+    A = (E_sel / mass[:, None]).numpy()
+    w, _ = nnls(A, np.ones(A.shape[0]))
+    return torch.from_numpy(w)
+
+
+def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
+                 selection: str = "attention", fit_beta: bool = True, refit_values: bool = True,
+                 ridge: float = DEFAULT_RIDGE) -> Compacted:
+    """Compact one KV head's block ``keys`` ``[T, d]``, ``values`` ``[T, d_v]`` to ``t`` entries for the
+    reference ``queries`` ``[m, d]`` (logits ``q·k·scale``). ``fit_beta=False`` keeps β = 0;
+    ``refit_values=False`` keeps the chosen keys' own values."""
+    T = keys.shape[0]
+    if selection not in SELECTIONS:
+        raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
+    if not 1 <= t <= T:
+        raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
+    E, _ = _logits(queries, keys, scale)
+    mass = E.sum(-1)
+    index = (_select_attention if selection == "attention" else _select_omp)(E, mass, t)
+    E_sel = E[:, index]
+    w = _fit_weights(E_sel, mass) if fit_beta else torch.ones(t, dtype=torch.float64)
+    w = w.clamp(min=MIN_WEIGHT)
+    chosen = values.double()[index]
+    if refit_values:
+        A = E_sel * w / (E_sel * w).sum(-1, keepdim=True)  # the compacted block's attention [m, t]
+        target = (E @ values.double()) / mass[:, None]  # the block's output [m, d_v]
+        gram = A.T @ A
+        lam = ridge * float(gram.diagonal().mean())
+        eye = torch.eye(t, dtype=torch.float64)
+        chosen = torch.linalg.solve(gram + lam * eye, A.T @ target + lam * chosen)
+    return Compacted(index, torch.log(w).to(keys.dtype), chosen.to(values.dtype))
+
+
+def compacted_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float,
+                        beta: torch.Tensor | None = None) -> torch.Tensor:
+    """``softmax(q kᵀ·scale + β) v`` ``[m, d_v]``: attention over a (compacted) block, β = 0 where None."""
+    s = (queries.double() @ keys.double().T) * scale
+    if beta is not None:
+        s = s + beta.double()
+    return torch.softmax(s, -1) @ values.double()
+
+
+def log_mass(queries: torch.Tensor, keys: torch.Tensor, *, scale: float,
+             beta: torch.Tensor | None = None) -> torch.Tensor:
+    """``log Σ_j exp(q·k_j·scale + β_j)`` ``[m]``: a block's attention mass for each query."""
+    s = (queries.double() @ keys.double().T) * scale
+    if beta is not None:
+        s = s + beta.double()
+    return torch.logsumexp(s, -1)
