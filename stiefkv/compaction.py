@@ -123,3 +123,45 @@ def log_mass(queries: torch.Tensor, keys: torch.Tensor, *, scale: float,
     if beta is not None:
         s = s + beta.double()
     return torch.logsumexp(s, -1)
+
+
+# ------------------------------------------------------------------------------------------- a whole layer
+METHODS = ("am", "attention", "recent", "sink")  # AM, and the eviction baselines of the same harness
+SINK_TOKENS = 4  # StreamingLLM's attention sinks
+
+
+def choose_and_fit(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
+                   method: str = "am", **options) -> Compacted:
+    """One KV head's block compacted by ``method``: ``am`` (:func:`compact_head` with ``options``), or an
+    eviction that keeps ``t`` tokens as they are (β = 0): ``attention`` (the most-attended by the reference
+    queries, as SnapKV does), ``recent`` (the newest), ``sink`` (the first :data:`SINK_TOKENS` and the newest,
+    as StreamingLLM does)."""
+    T = keys.shape[0]
+    if method == "am":
+        return compact_head(keys, values, queries, t, scale=scale, **options)
+    if method == "attention":
+        return compact_head(keys, values, queries, t, scale=scale, fit_beta=False, refit_values=False)
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if not 1 <= t <= T:
+        raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
+    sinks = min(SINK_TOKENS, t - 1) if method == "sink" else 0
+    index = torch.cat([torch.arange(sinks), torch.arange(T - (t - sinks), T)])
+    return Compacted(index, torch.zeros(t, dtype=keys.dtype), values[index])
+
+
+def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
+                  method: str = "am", **options):
+    """Every KV head of one layer: ``keys`` ``[B, G, T, d]``, ``values`` ``[B, G, T, d_v]``, reference
+    ``queries`` ``[B, H, m, d]`` (the ``H / G`` query heads of a KV head are all its reference queries).
+    Returns the kept keys ``[B, G, t, d]``, their β ``[B, G, t]``, the fitted values ``[B, G, t, d_v]`` and
+    the kept indices ``[B, G, t]`` (positions are the block's at those indices)."""
+    B, G = keys.shape[:2]
+    per = queries.shape[1] // G
+    out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1), t,
+                           scale=scale, method=method, **options) for g in range(G)] for b in range(B)]
+    index = torch.stack([torch.stack([c.index for c in row]) for row in out]).to(keys.device)
+    kept = torch.gather(keys, 2, index[..., None].expand(-1, -1, -1, keys.shape[-1]))
+    beta = torch.stack([torch.stack([c.beta for c in row]) for row in out]).to(keys.device)
+    fitted = torch.stack([torch.stack([c.values for c in row]) for row in out]).to(values.device)
+    return kept, beta, fitted, index

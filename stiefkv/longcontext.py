@@ -1,0 +1,156 @@
+"""Compressed-context perplexity: prefill ``C`` tokens, compact their cache, score the next ``S`` tokens in
+one forward on top of it (DESIGN.md, Evaluation protocol), against the same chunk uncompressed.
+
+The uncompressed model's own cache is compacted here (:func:`stiefkv.compaction.compact_layer`): its keys are
+after RoPE, so a kept key keeps the rotation of its position, and the scored tokens continue at positions
+``C …``. β reaches attention as a 4-D additive mask ``[B, H, S, t + S]`` (transformers passes a 4-D mask to
+attention as it is): β on the compacted entries of each KV head's query heads, the causal mask on the new
+tokens. The reference queries are the context's own over its last ``window`` tokens.
+
+Scored tokens: the ``S − 1`` tokens the second forward predicts (the first scored position's prediction comes
+from the prefill, the same with and without compaction).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from stiefkv.cache import cache_keyword
+from stiefkv.compaction import METHODS, compact_layer
+from stiefkv.layers import project_qkv, rotate_with
+from stiefkv.models import check_context, decoder_layers
+
+DEFAULT_WINDOW = 64  # reference queries: the context's last tokens
+
+
+@dataclass
+class CompactedResult:
+    """Mean NLL of the scored tokens with the compacted and the full context, over ``chunks`` chunks."""
+
+    method: str
+    keep: float
+    context: int
+    score: int
+    chunks: int
+    tokens: int
+    ppl: float
+    ppl_full: float
+    kept_tokens: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@torch.no_grad()
+def prefill_with_queries(model, ids: torch.Tensor, window: int):
+    """The model's cache after ``ids`` ``[B, C]``, and per layer the rotated queries ``[B, H, w, d]`` of the
+    last ``window`` positions."""
+    queries: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(decoder_layers(model)):
+        def grab(module, args, kwargs, i=i):
+            x = kwargs["hidden_states"][:, -window:]
+            cos, sin = kwargs["position_embeddings"]
+            q, _, _ = project_qkv(module, x, keys=False, values=False)
+            queries[i] = rotate_with(q, cos[:, -window:], sin[:, -window:])
+        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        cache = DynamicCache()
+        model(ids, use_cache=True, **{cache_keyword(model): cache})
+    finally:
+        for h in hooks:
+            h.remove()
+    return cache, [queries[i] for i in range(len(queries))]
+
+
+def compacted(model, cache, queries: list[torch.Tensor], t: int, method: str, **options):
+    """A new cache holding each layer's block compacted to ``t`` entries, and the layers' β ``[B, G, t]``."""
+    new, betas = DynamicCache(), []
+    for i, (layer, q) in enumerate(zip(decoder_layers(model), queries)):
+        k, v = cache.layers[i].keys, cache.layers[i].values
+        kept, beta, fitted, _ = compact_layer(k, v, q, t, scale=layer.self_attn.scaling, method=method,
+                                              **options)
+        new.update(kept.to(k.dtype), fitted.to(v.dtype), i)
+        betas.append(beta)
+    return new, betas
+
+
+def bias_mask(beta: torch.Tensor, heads: int, n_new: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, H, n_new, t + n_new]``: β of each KV head's entries for its query heads, then the causal mask."""
+    B, G, t = beta.shape
+    low = torch.finfo(dtype).min
+    front = beta.repeat_interleave(heads // G, 1)[:, :, None, :].expand(B, heads, n_new, t)
+    causal = torch.full((n_new, n_new), low, dtype=dtype, device=beta.device).triu(1)
+    return torch.cat([front.to(dtype), causal.expand(B, heads, n_new, n_new)], -1)
+
+
+@torch.no_grad()
+def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, *,
+              window: int = DEFAULT_WINDOW, **options) -> tuple[float, float, int, int]:
+    """Summed NLL of the scored tokens of ``ids`` ``[1, C + S]`` with the context compacted by ``method`` and
+    uncompressed; their count; and the kept tokens per head."""
+    n = ids.shape[1]
+    full = model(ids).logits[:, context:-1].float()
+    targets = ids[:, context + 1:]
+    nll_full = torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="sum")
+    cache, queries = prefill_with_queries(model, ids[:, :context], window)
+    t = max(1, round(keep * context))
+    cache, betas = compacted(model, cache, queries, t, method, **options)
+    heads = model.config.num_attention_heads
+    dtype = next(model.parameters()).dtype
+    positions = torch.arange(context, n, device=ids.device)[None]
+    masks = [bias_mask(b, heads, n - context, dtype) for b in betas]
+    if any(not torch.equal(m, masks[0]) for m in masks[1:]):
+        logits = _forward_with_layer_masks(model, ids[:, context:], cache, positions, masks)
+    else:
+        logits = model(ids[:, context:], position_ids=positions, attention_mask=masks[0],
+                       **{cache_keyword(model): cache}).logits
+    logits = logits[:, :-1].float()
+    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    return float(nll), float(nll_full), targets.numel(), t
+
+
+def _forward_with_layer_masks(model, ids, cache, positions, masks):
+    """The model's forward where each layer's attention adds its own mask (β differs by layer)."""
+    hooks = []
+    for layer, mask in zip(decoder_layers(model), masks):
+        def swap(module, args, kwargs, mask=mask):
+            kwargs["attention_mask"] = mask
+            return args, kwargs
+        hooks.append(layer.self_attn.register_forward_pre_hook(swap, with_kwargs=True))
+    try:
+        return model(ids, position_ids=positions, attention_mask=masks[0],
+                     **{cache_keyword(model): cache}).logits
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 512, keep: float = 0.1,
+                       method: str = "am", chunks: int | None = None, data: str = "wikitext2",
+                       window: int = DEFAULT_WINDOW, **options) -> CompactedResult:
+    """Compressed-context perplexity over non-overlapping chunks of ``context + score`` test tokens."""
+    from stiefkv.evaluate import load_test_windows
+
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep must be in (0, 1], got {keep}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if context < 2 or score < 2:
+        raise ValueError(f"need a context and a scored span of ≥ 2 tokens each, got {context} and {score}")
+    check_context(model.config, context + score, "context + score")
+    device = next(model.parameters()).device
+    windows = load_test_windows(tokenizer, data=data, window=context + score, limit=chunks)
+    nll = nll_full = 0.0
+    tokens = kept = 0
+    for w in tqdm(windows, desc=f"compacted context {method} keep {keep:g}", unit="chunk"):
+        a, b, n, kept = chunk_nll(model, w[None].to(device), context, keep, method,
+                                  window=min(window, context), **options)
+        nll, nll_full, tokens = nll + a, nll_full + b, tokens + n
+    ppl = float(torch.exp(torch.tensor(nll / tokens)))
+    ppl_full = float(torch.exp(torch.tensor(nll_full / tokens)))
+    return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept)
