@@ -80,3 +80,36 @@ def test_bad_compaction_requests_are_refused():
             compact_head(keys, values, q, t, scale=0.4)
     with pytest.raises(ValueError, match="selection must be one of attention, omp"):
         compact_head(keys, values, q, 3, scale=0.4, selection="norm")
+
+
+# ----------------------------------------------------------------------------- compressed-context perplexity
+def test_a_cache_kept_whole_scores_as_the_full_forward_and_beta_reaches_attention():
+    """Keeping every token (β = 0) through the compacted path gives the full forward's NLL: positions, the
+    rebuilt cache and the 4-D mask are right; AM's per-layer β masks run; the mask puts each KV head's β
+    before its query heads' causal block."""
+    from stiefkv.longcontext import bias_mask, chunk_nll
+    from tests.tiny import tiny_model
+
+    model = tiny_model(layers=2)
+    ids = torch.randint(3, 97, (1, 61), generator=torch.Generator().manual_seed(5))
+    nll, full, n, t = chunk_nll(model, ids, 37, 1.0, "recent", window=9)
+    assert t == 37 and n == 23 and math.isfinite(nll)
+    assert nll == pytest.approx(full, rel=1e-5)
+    nll_am, _, _, t = chunk_nll(model, ids, 37, 0.3, "am", window=9)
+    assert t == 11 and math.isfinite(nll_am)
+    mask = bias_mask(torch.tensor([[[0.5, -1.0], [2.0, 0.0]]]), heads=6, n_new=3, dtype=torch.float32)
+    assert mask.shape == (1, 6, 3, 5)
+    assert mask[0, 2, 1, :2].tolist() == [0.5, -1.0] and mask[0, 3, 0, :2].tolist() == [2.0, 0.0]
+    assert mask[0, 0, 0, 3] == torch.finfo(torch.float32).min and mask[0, 0, 2, 4] == 0
+
+
+def test_bad_compressed_context_requests_are_refused():
+    from stiefkv.longcontext import evaluate_compacted
+    from tests.tiny import tiny_model
+
+    model = tiny_model(layers=1)
+    for keep in (0.0, 1.5):
+        with pytest.raises(ValueError, match="keep must be in"):
+            evaluate_compacted(model, None, keep=keep)
+    with pytest.raises(ValueError, match="method must be one of am, attention, recent, sink"):
+        evaluate_compacted(model, None, method="knorm")
