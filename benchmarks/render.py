@@ -815,6 +815,19 @@ def runs(res: Results) -> str:
                  rows)
 
 
+# ------------------------------------------------------------------------------------- compaction (issue 15)
+def compaction(res: Results) -> str:
+    """Compressed-context perplexity rows (``bench_compaction.py``): one per method and setting."""
+    head = ["method", "C", "keep", "chunks", "PPL", "ΔPPL", "s"]
+    out = []
+    for r in res.cases("compaction"):
+        where = r["case"].split()[-1]  # cpu or cuda
+        out.append([r["method"], str(r["context"]), f"{r['keep']:g}", f"{r['chunks']} {where}",
+                    f"{r['ppl']:.2f} ({r['ppl_full']:.2f})", f"{100 * (r['ppl'] / r['ppl_full'] - 1):+.1f} %",
+                    f"{r['seconds']:.0f}"])
+    return table(head, out)
+
+
 BLOCKS: dict[str, Callable[[Results], str]] = {
     "claims": claims,
     "quality": quality,
@@ -831,6 +844,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "pareto": pareto,
     "pareto-variants": pareto_variants,
     "pareto-through-cache": pareto_through_cache,
+    "compaction": compaction,
 }
 
 

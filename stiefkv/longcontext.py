@@ -5,7 +5,8 @@ The uncompressed model's own cache is compacted here (:func:`stiefkv.compaction.
 after RoPE, so a kept key keeps the rotation of its position, and the scored tokens continue at positions
 ``C …``. β reaches attention as a 4-D additive mask ``[B, H, S, t + S]`` (transformers passes a 4-D mask to
 attention as it is): β on the compacted entries of each KV head's query heads, the causal mask on the new
-tokens. The reference queries are the context's own over its last ``window`` tokens.
+tokens. The reference queries are the context's own over its last ``window`` tokens, rotated as if they
+came after the context (:func:`prefill_with_queries`).
 
 Scored tokens: the ``S − 1`` tokens the second forward predicts (the first scored position's prediction comes
 from the prefill, the same with and without compaction).
@@ -24,7 +25,7 @@ from stiefkv.compaction import METHODS, compact_layer
 from stiefkv.layers import project_qkv, rotate_with
 from stiefkv.models import check_context, decoder_layers
 
-DEFAULT_WINDOW = 64  # reference queries: the context's last tokens
+DEFAULT_WINDOW = 1024  # reference queries: the context's last tokens (all of a shorter one), shifted after it
 
 
 @dataclass
@@ -46,17 +47,22 @@ class CompactedResult:
 
 
 @torch.no_grad()
-def prefill_with_queries(model, ids: torch.Tensor, window: int):
+def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = True):
     """The model's cache after ``ids`` ``[B, C]``, and per layer the rotated queries ``[B, H, w, d]`` of the
-    last ``window`` positions."""
+    last ``window`` positions. With ``shift`` they are rotated ``window`` positions later, after the whole
+    context, as the queries that will read the compacted block are: every context key is then in their
+    past (a query inside the window would see keys after its own position, at negative distances)."""
     queries: dict[int, torch.Tensor] = {}
     hooks = []
+    C = ids.shape[1]
+    where = torch.arange(C - window, C, device=ids.device)[None] + (window if shift else 0)
+    probe = torch.zeros(1, 1, device=ids.device, dtype=next(model.parameters()).dtype)
+    cos, sin = getattr(model, "model", model).rotary_emb(probe, where)
     for i, layer in enumerate(decoder_layers(model)):
         def grab(module, args, kwargs, i=i):
             x = kwargs["hidden_states"][:, -window:]
-            cos, sin = kwargs["position_embeddings"]
             q, _, _ = project_qkv(module, x, keys=False, values=False)
-            queries[i] = rotate_with(q, cos[:, -window:], sin[:, -window:])
+            queries[i] = rotate_with(q, cos, sin)
         hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
     try:
         cache = DynamicCache()

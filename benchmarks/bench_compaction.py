@@ -1,0 +1,65 @@
+"""Compressed-context perplexity of attention-matching compaction and the eviction baselines, one run.
+
+Each chunk of WikiText-2 test is ``context + score`` tokens: the context is prefilled, its cache compacted
+to ``keep`` of its tokens per KV head (``stiefkv.longcontext``), and the next ``score`` tokens are scored in
+one forward on top of it, against the same chunk uncompressed. Methods: ``am`` (attention matching, with its
+variants by ``--variants``), and the evictions ``attention`` (SnapKV-like: the most-attended keys of the
+same reference queries), ``sink`` (StreamingLLM: 4 first + newest), ``recent`` (newest). One row per method
+to ``benchmarks/results/compaction.jsonl``.
+
+    python benchmarks/bench_compaction.py smollm2 --context 1024 --chunks 3 --device cpu
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import utils  # benchmarks/utils.py: the script's folder is first on sys.path
+
+import stiefkv
+from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted
+
+RESULTS = Path(__file__).resolve().parent / "results" / "compaction.jsonl"
+VARIANTS = {"am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
+            "am no-refit": {"refit_values": False}}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("model")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--score", type=int, default=512)
+    ap.add_argument("--keep", type=float, default=0.1)
+    ap.add_argument("--chunks", type=int, default=None, help="first N chunks (default: all)")
+    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
+    ap.add_argument("--methods", default="am,attention,sink,recent")
+    ap.add_argument("--variants", default="", help=f"comma-separated AM variants of {', '.join(VARIANTS)}")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--out", type=Path, default=RESULTS)
+    args = ap.parse_args()
+    print(utils.header(), flush=True)
+    torch.set_grad_enabled(False)
+    model, tok = stiefkv.load_model(args.model, device=args.device)
+    runs = [(m, {}) for m in args.methods.split(",") if m] + [
+        (v, VARIANTS[v]) for v in args.variants.split(",") if v]
+    for name, options in runs:
+        t0 = time.perf_counter()
+        r = evaluate_compacted(model, tok, context=args.context, score=args.score, keep=args.keep,
+                               method=name.split()[0], chunks=args.chunks, window=args.window, **options)
+        row = {"bench": "compaction", "case": f"{name} C{args.context} keep{args.keep:g}"
+               + (f" chunks{args.chunks}" if args.chunks else "") + f" {args.device}",
+               **r.as_dict(), "method": name, "options": options, "window": args.window,
+               "seconds": time.perf_counter() - t0, "remeasured": True, "provenance": utils.provenance()}
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        with args.out.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+        print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}), {r.kept_tokens} of "
+              f"{args.context} tokens kept, {row['seconds']:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
