@@ -366,12 +366,22 @@ def _inspect_table(proj) -> str:
               help="Also report each layer's attention KL between the original and compressed attention at a "
                    "long context (StreamKL on CUDA; memory linear in the context).")
 @click.option("--kl-context", type=int, default=8192, show_default=True, help="Tokens for --attention-kl.")
+@click.option("--compact", type=float, default=None,
+              help="Compressed-context perplexity instead: prefill --context tokens, compact their cache to "
+                   "this fraction per KV head (--compact-method), score the next 512 tokens on top, against "
+                   "the same chunks uncompressed (the uncompressed model's own cache; --windows = chunks).")
+@click.option("--context", type=int, default=4096, show_default=True, help="Context tokens for --compact.")
+@click.option("--compact-method", type=click.Choice(["am", "attention", "sink", "recent"]), default="am",
+              show_default=True,
+              help="am = attention matching (keys, β and values fitted); attention / sink / recent = evict "
+                   "all but the most-attended / 4 first and newest / newest tokens.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options
 def evaluate(model, projections, baseline, data, window, windows, batch_size, backend, attention_kl,
-             kl_context, json_path, device, dtype, seed, debug):
-    """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL."""
+             kl_context, compact, context, compact_method, json_path, device, dtype, seed, debug):
+    """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL (or, with
+    --compact, the perplexity after a compacted context)."""
     import stiefkv
     from stiefkv.evaluate import attention_kl_per_layer, format_table
     from stiefkv.evaluate import evaluate as run_eval
@@ -391,6 +401,16 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         raise UserError("give --projections or --baseline, not both")
     if attention_kl and projections is None:
         raise UserError("--attention-kl compares with compressed attention: give --projections")
+    if compact is not None:
+        if not 0 < compact <= 1:
+            raise UserError(f"--compact must be in (0, 1] (the fraction of context tokens kept), got "
+                            f"{compact}")
+        if projections is not None or baseline is not None or attention_kl:
+            raise UserError("--compact compacts the uncompressed model's own cache (compacting a latent or "
+                            "quantized cache is not built yet): drop --projections, --baseline and "
+                            "--attention-kl")
+        if context < 2:
+            raise UserError(f"--context must be ≥ 2, got {context}")
     to_stdout = json_path is not None and str(json_path) == "-"
 
     def work():
@@ -406,6 +426,14 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         if baseline in TRANSFORMERS_BASELINES:
             require_quanto(baseline)  # before the model loads
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
+        if compact is not None:
+            from stiefkv.longcontext import evaluate_compacted
+
+            result = evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
+                                        chunks=windows, data=data)
+            if json_path is not None and not to_stdout:
+                json_path.write_text(json.dumps(result.as_dict(), indent=2))
+            return result
         check_context(m.config, window, "--window")
         if baseline in TRANSFORMERS_BASELINES:
             return evaluate_through_cache(m, tok, lambda: transformers_quantized_cache(m, baseline),
@@ -428,7 +456,12 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
     if to_stdout:
         click.echo(json.dumps(result.as_dict(), indent=2))
         return
-    click.echo(format_table(result))
+    if compact is not None:
+        from stiefkv.longcontext import format_compacted
+
+        click.echo(format_compacted(result))
+    else:
+        click.echo(format_table(result))
     if json_path is not None:
         click.echo(f"\nwrote {json_path}")
 

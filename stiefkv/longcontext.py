@@ -160,3 +160,14 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     ppl = float(torch.exp(torch.tensor(nll / tokens)))
     ppl_full = float(torch.exp(torch.tensor(nll_full / tokens)))
     return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept)
+
+
+def format_compacted(r: CompactedResult) -> str:
+    """A markdown table of one compressed-context result."""
+    delta = 100 * (r.ppl / r.ppl_full - 1)
+    return "\n".join([
+        "| method | context | kept per head | chunks | scored tokens | PPL | uncompressed | ΔPPL |",
+        "|---|---|---|---|---|---|---|---|",
+        f"| {r.method} | {r.context} | {r.kept_tokens} ({r.keep:g}) | {r.chunks} | {r.tokens} "
+        f"| {r.ppl:.3f} | {r.ppl_full:.3f} | {delta:+.1f} % |",
+    ])

@@ -142,3 +142,25 @@ def test_stiefel_dp_smoke_on_real_model(smollm2, tmp_path, monkeypatch):
     assert resumed.ranks == ours.ranks
     for a, b in zip(resumed.keys + resumed.values, ours.keys + ours.values):
         assert torch.equal(a, b)
+
+
+def test_cli_compressed_context_perplexity(tmp_path):
+    """`stiefkv eval --compact`: one chunk of 256 context tokens compacted to a tenth, 511 tokens scored; the
+    JSON and the table agree, and a cache kept whole scores as the uncompressed chunk."""
+    runner = CliRunner()
+    out = tmp_path / "c.json"
+    r = runner.invoke(main, ["eval", "smollm2", "--compact", "0.1", "--context", "256", "--windows", "1",
+                             "--compact-method", "attention", "--json", str(out)])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(out.read_text())
+    assert doc["kept_tokens"] == 26 and doc["tokens"] == 511 and doc["chunks"] == 1
+    assert doc["ppl"] > doc["ppl_full"] > 1 and f"{doc['ppl']:.3f}" in r.output
+    r = runner.invoke(main, ["eval", "smollm2", "--compact", "1", "--context", "256", "--windows", "1",
+                             "--compact-method", "recent", "--json", "-"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output[r.output.index("{"):])
+    assert doc["ppl"] == pytest.approx(doc["ppl_full"], rel=1e-4)
+    for args, message in ((["--compact", "1.5"], "--compact must be in (0, 1]"),
+                          (["--compact", "0.1", "--baseline", "kivi4"], "compacting a latent or quantized")):
+        r = runner.invoke(main, ["eval", "smollm2", *args])
+        assert r.exit_code == 2 and message in r.output, r.output
