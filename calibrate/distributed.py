@@ -170,5 +170,10 @@ def check_same(shard: Shard, what: str, value: dict) -> None:
 
 
 def shutdown() -> None:
+    """Leave the process group once every process is done: a gloo process that tears its group down while
+    another still uses it can abort ("terminate called without an active exception"). Call it only on
+    success; after an error the process just exits (a barrier there would wait for processes the launcher
+    is stopping)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.barrier()
         torch.distributed.destroy_process_group()

@@ -269,13 +269,11 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             raise ValueError(f"--device {','.join(devices)} places one model over several devices in one "
                              "process; under torchrun give each process one device")
         dev = distributed.init_from_env(device) if not devices else "cpu"
-        try:
-            m, tok = stiefkv.load_model(model, device=dev, dtype=torch_dtype)
-            if devices:
-                stiefkv.place_layers(m, devices)
-            proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
-        finally:
-            distributed.shutdown()
+        m, tok = stiefkv.load_model(model, device=dev, dtype=torch_dtype)
+        if devices:
+            stiefkv.place_layers(m, devices)
+        proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
+        distributed.shutdown()
         if not leader:
             return proj
         proj.save(output)
