@@ -56,19 +56,26 @@ def _select_attention(E: torch.Tensor, mass: torch.Tensor, t: int) -> torch.Tens
 
 
 def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int) -> torch.Tensor:
-    """Greedy orthogonal matching pursuit on the relative masses: each step adds the key whose column best
-    explains what the chosen ones leave of every query's mass, then refits their weights (NNLS)."""
-    A = (E / mass[:, None]).numpy()
-    target = np.ones(A.shape[0])
-    norms = np.linalg.norm(A, axis=0) + 1e-300
-    chosen: list[int] = []
-    residual = target.copy()
-    for _ in range(t):
+    """Orthogonal matching pursuit on the relative masses: each step adds the key whose column best explains
+    what the chosen ones leave of every query's mass (the residual after projecting onto their span, kept by
+    Gram–Schmidt: O(m·t) per step, no solve). The weights are fitted afterwards (:func:`_fit_weights`)."""
+    A = E / mass[:, None]  # [m, T]
+    norms = A.norm(dim=0).clamp_min(1e-300)
+    residual = torch.ones(A.shape[0], dtype=A.dtype)
+    basis = torch.empty(A.shape[0], t, dtype=A.dtype)
+    taken = torch.zeros(A.shape[1], dtype=torch.bool)
+    chosen = []
+    for k in range(t):
         score = (A.T @ residual) / norms
-        score[chosen] = -np.inf
-        chosen.append(int(np.argmax(score)))
-        w, _ = nnls(A[:, chosen], target)
-        residual = target - A[:, chosen] @ w
+        score[taken] = -torch.inf
+        j = int(score.argmax())
+        chosen.append(j)
+        taken[j] = True
+        q = A[:, j] - basis[:, :k] @ (basis[:, :k].T @ A[:, j])
+        q = q - basis[:, :k] @ (basis[:, :k].T @ q)  # twice: Gram–Schmidt loses orthogonality once
+        q = q / q.norm().clamp_min(1e-300)
+        basis[:, k] = q
+        residual = residual - q * (q @ residual)
     return torch.tensor(sorted(chosen))
 
 
