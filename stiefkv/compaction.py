@@ -133,25 +133,29 @@ def log_mass(queries: torch.Tensor, keys: torch.Tensor, *, scale: float,
 
 
 # ------------------------------------------------------------------------------------------- a whole layer
-METHODS = ("am", "attention", "recent", "sink")  # AM, and the eviction baselines of the same harness
+METHODS = ("am", "attention", "tova", "knorm", "sink", "recent")  # AM, and evictions in the same harness
 SINK_TOKENS = 4  # StreamingLLM's attention sinks
 
 
 def choose_and_fit(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
                    method: str = "am", **options) -> Compacted:
     """One KV head's block compacted by ``method``: ``am`` (:func:`compact_head` with ``options``), or an
-    eviction that keeps ``t`` tokens as they are (β = 0): ``attention`` (the most-attended by the reference
-    queries, as SnapKV does), ``recent`` (the newest), ``sink`` (the first :data:`SINK_TOKENS` and the newest,
-    as StreamingLLM does)."""
+    eviction that keeps ``t`` tokens as they are (β = 0), with kvpress's scores: ``attention`` (the
+    most-attended by the reference queries, as SnapKV does) and ``tova`` (the same, for the queries of the
+    last token only: the caller passes those), ``knorm`` (the keys of smallest norm), ``recent`` (the
+    newest), ``sink`` (the first :data:`SINK_TOKENS` and the newest, as StreamingLLM does)."""
     T = keys.shape[0]
     if method == "am":
         return compact_head(keys, values, queries, t, scale=scale, **options)
-    if method == "attention":
+    if method in ("attention", "tova"):
         return compact_head(keys, values, queries, t, scale=scale, fit_beta=False, refit_values=False)
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     if not 1 <= t <= T:
         raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
+    if method == "knorm":
+        index = torch.topk(-keys.float().norm(dim=-1), t).indices.sort().values.cpu()
+        return Compacted(index, torch.zeros(t, dtype=keys.dtype), values[index.to(values.device)])
     sinks = min(SINK_TOKENS, t - 1) if method == "sink" else 0
     index = torch.cat([torch.arange(sinks), torch.arange(T - (t - sinks), T)])
     return Compacted(index, torch.zeros(t, dtype=keys.dtype), values[index])

@@ -103,7 +103,9 @@ def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, 
     full = model(ids).logits[:, context:-1].float()
     targets = ids[:, context + 1:]
     nll_full = torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="sum")
-    cache, queries = prefill_with_queries(model, ids[:, :context], window)
+    # TOVA scores with the last token's own query; the others read the window rotated after the context
+    tova = method == "tova"
+    cache, queries = prefill_with_queries(model, ids[:, :context], 1 if tova else window, shift=not tova)
     t = max(1, round(keep * context))
     cache, betas = compacted(model, cache, queries, t, method, **options)
     heads = model.config.num_attention_heads

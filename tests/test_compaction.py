@@ -111,5 +111,21 @@ def test_bad_compressed_context_requests_are_refused():
     for keep in (0.0, 1.5):
         with pytest.raises(ValueError, match="keep must be in"):
             evaluate_compacted(model, None, keep=keep)
-    with pytest.raises(ValueError, match="method must be one of am, attention, recent, sink"):
-        evaluate_compacted(model, None, method="knorm")
+    with pytest.raises(ValueError, match="method must be one of am, attention, tova, knorm, sink, recent"):
+        evaluate_compacted(model, None, method="expected")
+
+
+def test_evictions_keep_what_their_scores_say():
+    from stiefkv.compaction import SINK_TOKENS, choose_and_fit
+
+    keys, values, queries = block(6, 41, 8, 5)
+    norms = keys.norm(dim=-1)
+    c = choose_and_fit(keys, values, queries(16), 7, scale=0.35, method="knorm")
+    assert set(c.index.tolist()) == set(torch.topk(-norms, 7).indices.tolist())
+    assert torch.equal(c.values, values[c.index]) and not c.beta.any()
+    c = choose_and_fit(keys, values, queries(16), 7, scale=0.35, method="sink")
+    assert c.index.tolist() == list(range(SINK_TOKENS)) + [38, 39, 40]
+    q = queries(1)
+    c = choose_and_fit(keys, values, q, 7, scale=0.35, method="tova")
+    attention = torch.softmax(q.double() @ keys.double().T * 0.35, -1)[0]
+    assert set(c.index.tolist()) == set(torch.topk(attention, 7).indices.tolist())
