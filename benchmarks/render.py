@@ -818,11 +818,12 @@ def runs(res: Results) -> str:
 # ------------------------------------------------------------------------------------- compaction (issue 15)
 def compaction(res: Results) -> str:
     """Compressed-context perplexity rows (``bench_compaction.py``): one per method and setting."""
-    head = ["method", "C", "keep", "chunks", "PPL", "ΔPPL", "s"]
+    head = ["method", "C", "chunks", "PPL", "ΔPPL", "s"]
     out = []
     for r in res.cases("compaction"):
         where = r["case"].split()[-1]  # cpu or cuda
-        out.append([r["method"], str(r["context"]), f"{r['keep']:g}", f"{r['chunks']} {where}",
+        label = r["method"] + ("" if r["keep"] == 0.1 else f" keep {r['keep']:g}")  # the prose says 0.1
+        out.append([label, str(r["context"]), f"{r['chunks']} {where}",
                     f"{r['ppl']:.2f} ({r['ppl_full']:.2f})", f"{100 * (r['ppl'] / r['ppl_full'] - 1):+.1f} %",
                     f"{r['seconds']:.0f}"])
     return table(head, out)
