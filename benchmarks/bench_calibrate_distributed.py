@@ -10,25 +10,21 @@ its 32) with 128 random sequences × 2048 tokens and the calibration defaults. R
 broadcasts them, so every process holds the same model. The phases are timed around the pipeline's own
 functions (CUDA synchronised, all processes waiting for each other): the first pass (PCA and the ``kl``
 profiles), the allocation, the second pass (Stiefel refinement). Random weights say nothing about quality.
-Rank 0 appends one row to ``benchmarks/results/calibrate_distributed.jsonl``.
+Rank 0 appends one row to ``benchmarks/results/calibrate_distributed.jsonl`` (``STIEFKV_RESULTS_DIR``
+elsewhere).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import stiefkv
 import stiefkv.calibrate.pipeline as pipeline
 from stiefkv.calibrate import distributed
-
-RESULTS = Path(__file__).resolve().parent / "results" / "calibrate_distributed.jsonl"
 
 
 def synced(everyone: bool = True) -> float:
@@ -51,36 +47,23 @@ def timed(seconds: dict, name: str, fn, everyone: bool = True):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--sequences", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    utils.add_llama_shape_args(ap)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,bits=16")
-    ap.add_argument("--out", type=Path, default=RESULTS, help="the JSONL file rank 0 appends its row to")
     args = ap.parse_args()
     device = distributed.init_from_env(args.device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     leader = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
     if leader:
         print(utils.header(), flush=True)
-    config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
-                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
-                         num_key_value_heads=args.kv_heads, max_position_embeddings=8192)
-    torch.manual_seed(0)
-    with torch.device(device):
-        model = LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
+    model = utils.random_llama(args, device, getattr(torch, args.dtype))
     if world > 1:
         for p in model.parameters():  # rank 0's weights everywhere
             torch.distributed.broadcast(p.data, src=0)
-    seqs = torch.randint(0, config.vocab_size, (args.sequences, args.seq_len),
+    seqs = torch.randint(0, model.config.vocab_size, (args.sequences, args.seq_len),
                          generator=torch.Generator().manual_seed(0))
-    extra = dict(kv.split("=") for kv in args.extra.split(",") if kv)
-    extra = {k: (float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in extra.items()}
+    extra = utils.calibration_keywords(args.extra)
     seconds: dict[str, float] = {}
     for name in ("first_pass", "second_pass"):
         setattr(pipeline, name, timed(seconds, name, getattr(pipeline, name)))
@@ -99,18 +82,14 @@ def main() -> None:
     if not leader:
         return
     row = {
-        "bench": "calibrate_distributed",
         "case": f"L{args.layers} D{args.hidden} H{args.heads} G{args.kv_heads} "
                 f"{args.sequences}x{args.seq_len} {args.dtype} {args.extra}".strip() + f" world{world}",
         "world": world, "layers": args.layers, "sequences": args.sequences, "seq_len": args.seq_len,
         "dtype": args.dtype, "extra": extra, "seconds": total,
         "phases": {k: round(v, 2) for k, v in seconds.items()}, "peak_gib_rank0": peak,
         "ranks": [list(r) for r in proj.ranks], "storage": [[str(q) for q in p] for p in proj.specs],
-        "provenance": utils.provenance(),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    with args.out.open("a") as f:
-        f.write(json.dumps(row) + "\n")
+    utils.write_rows("calibrate_distributed", row)
     print(f"{row['case']}: {total:.1f} s; phases {row['phases']}; peak {peak} GiB", flush=True)
 
 

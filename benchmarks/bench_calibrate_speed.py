@@ -18,7 +18,6 @@ import time
 
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
-from transformers import LlamaConfig, LlamaForCausalLM
 
 import stiefkv
 
@@ -27,37 +26,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None,
                     help="a real model (smollm2, a .gguf, a folder) instead of random weights")
-    ap.add_argument("--layers", type=int, default=32)
-    ap.add_argument("--hidden", type=int, default=4096)
-    ap.add_argument("--heads", type=int, default=32)
-    ap.add_argument("--kv-heads", type=int, default=8)
-    ap.add_argument("--intermediate", type=int, default=14336)
-    ap.add_argument("--sequences", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=2048)
+    utils.add_llama_shape_args(ap)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,method=pca")
     args = ap.parse_args()
     print(utils.header(), flush=True)
-    torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=32000,
-        hidden_size=args.hidden,
-        intermediate_size=args.intermediate,
-        num_hidden_layers=args.layers,
-        num_attention_heads=args.heads,
-        num_key_value_heads=args.kv_heads,
-        max_position_embeddings=8192,
-    )
     tok = seqs = None
     if args.model:
         model, tok = stiefkv.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     else:
-        with torch.device(args.device):
-            model = LlamaForCausalLM(config).to(getattr(torch, args.dtype)).eval()
-        seqs = torch.randint(0, config.vocab_size, (args.sequences, args.seq_len))
-    extra = dict(kv.split("=") for kv in args.extra.split(",") if kv)
-    extra = {k: (float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in extra.items()}
+        model = utils.random_llama(args, args.device, getattr(torch, args.dtype))
+        seqs = torch.randint(0, model.config.vocab_size, (args.sequences, args.seq_len))
+    extra = utils.calibration_keywords(args.extra)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()

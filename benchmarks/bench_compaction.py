@@ -5,7 +5,7 @@ to ``keep`` of its tokens per KV head (``stiefkv.longcontext``), and the next ``
 one forward on top of it, against the same chunk uncompressed. Methods: ``am`` (attention matching, with its
 variants by ``--variants``), and the evictions ``attention`` (SnapKV-like: the most-attended keys of the
 same reference queries), ``sink`` (StreamingLLM: 4 first + newest), ``recent`` (newest). One row per method
-to ``benchmarks/results/compaction.jsonl``.
+to ``benchmarks/results/compaction.jsonl`` (``STIEFKV_RESULTS_DIR`` elsewhere).
 
     python benchmarks/bench_compaction.py smollm2 --context 1024 --chunks 3 --device cpu
 """
@@ -13,9 +13,7 @@ to ``benchmarks/results/compaction.jsonl``.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
@@ -23,7 +21,6 @@ import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 import stiefkv
 from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted
 
-RESULTS = Path(__file__).resolve().parent / "results" / "compaction.jsonl"
 VARIANTS = {"am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
             "am no-refit": {"refit_values": False}}
 
@@ -39,7 +36,6 @@ def main() -> None:
     ap.add_argument("--methods", default="am,attention,sink,recent")
     ap.add_argument("--variants", default="", help=f"comma-separated AM variants of {', '.join(VARIANTS)}")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--out", type=Path, default=RESULTS)
     args = ap.parse_args()
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
@@ -50,13 +46,11 @@ def main() -> None:
         t0 = time.perf_counter()
         r = evaluate_compacted(model, tok, context=args.context, score=args.score, keep=args.keep,
                                method=name.split()[0], chunks=args.chunks, window=args.window, **options)
-        row = {"bench": "compaction", "case": f"{name} C{args.context} keep{args.keep:g}"
+        row = {"case": f"{name} C{args.context} keep{args.keep:g}"
                + (f" chunks{args.chunks}" if args.chunks else "") + f" {args.device}",
                **r.as_dict(), "method": name, "options": options, "window": args.window,
-               "seconds": time.perf_counter() - t0, "remeasured": True, "provenance": utils.provenance()}
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        with args.out.open("a") as f:
-            f.write(json.dumps(row) + "\n")
+               "seconds": time.perf_counter() - t0}
+        utils.write_rows("compaction", row)
         print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}), {r.kept_tokens} of "
               f"{args.context} tokens kept, {row['seconds']:.0f} s", flush=True)
 

@@ -312,3 +312,33 @@ def rope_spec(d: int, *, theta: float = 500000.0, scaling: float = 1.0, device="
 def shape_name(B: int, N: int) -> str:
     """``4x128k`` for B = 4, N = 131072."""
     return f"{B}x{N // 1024}k" if N % 1024 == 0 else f"{B}x{N}"
+
+
+# ------------------------------------------------------------------------------- calibration benchmarks
+def add_llama_shape_args(ap) -> None:
+    """``--layers … --seq-len``: a random Llama's shapes (Llama-3-8B's by default) and its calibration set."""
+    ap.add_argument("--layers", type=int, default=32)
+    ap.add_argument("--hidden", type=int, default=4096)
+    ap.add_argument("--heads", type=int, default=32)
+    ap.add_argument("--kv-heads", type=int, default=8)
+    ap.add_argument("--intermediate", type=int, default=14336)
+    ap.add_argument("--sequences", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=2048)
+
+
+def random_llama(args, device, dtype: torch.dtype):
+    """A Llama of ``args``' shapes (:func:`add_llama_shape_args`), random weights (seed 0), on ``device``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=32000, hidden_size=args.hidden, intermediate_size=args.intermediate,
+                         num_hidden_layers=args.layers, num_attention_heads=args.heads,
+                         num_key_value_heads=args.kv_heads, max_position_embeddings=8192)
+    torch.manual_seed(0)
+    with torch.device(device):
+        return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def calibration_keywords(text: str) -> dict:
+    """``steps=20,lr=0.005,method=pca`` → keyword arguments of ``stiefkv.calibrate`` (numbers parsed)."""
+    pairs = dict(kv.split("=") for kv in text.split(",") if kv)
+    return {k: (float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in pairs.items()}

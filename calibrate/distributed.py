@@ -48,10 +48,6 @@ class Shard:
         n = self.total if n is None else n
         return len(range(self.rank, n, self.world))
 
-    def first(self, n: int) -> Shard:
-        """The shard of the first ``n`` global sequences (held as this process's first ``held(n)`` rows)."""
-        return Shard(self.rank, self.world, n)
-
     def local(self, rows: torch.Tensor) -> torch.Tensor:
         """The local indices of the global ``rows`` this process holds (repeats and order kept)."""
         mine = rows[rows % self.world == self.rank]

@@ -222,11 +222,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
                                      seq_len=cfg.seq_len, seed=cfg.seed)
     fp = fingerprint(model)
     shard = distributed.current(len(seqs))
-    if shard.active and len(layer_devices(model)) > 1:
-        raise ValueError("a model placed over several devices calibrates in one process: run it without "
-                         "torchrun, or give each process the whole model")
     if shard.active:
-        check_distributed(shard, cfg, fp, seqs)
+        check_distributed(shard, model, cfg, fp, seqs)
         progress = progress if shard.leader else None
     state = shard.broadcast(initial_state(progress, resume, cfg, fp) if shard.leader else None)
     local = shard.select(seqs)
@@ -258,9 +255,12 @@ def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, f
     return CalibrationState(settings=asdict(cfg), fingerprint=fp)
 
 
-def check_distributed(shard: Shard, cfg: CalibrationConfig, fp: dict, seqs: torch.Tensor) -> None:
+def check_distributed(shard: Shard, model, cfg: CalibrationConfig, fp: dict, seqs: torch.Tensor) -> None:
     """Refuse settings a distributed run cannot honour, and processes that disagree on settings, model or
     data."""
+    if len(layer_devices(model)) > 1:
+        raise ValueError("a model placed over several devices calibrates in one process: run it without "
+                         "torchrun, or give each process the whole model")
     if cfg.learn_rotation or (cfg.allocation == "dp" and cfg.profile == "stiefel"):
         what = "learn_rotation" if cfg.learn_rotation else "profile 'stiefel'"
         raise ValueError(f"{what} runs in one process only; calibrate without it, or in one process")

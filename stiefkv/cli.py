@@ -250,10 +250,8 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     import stiefkv
     from stiefkv.calibrate import distributed
 
-    devices = device.split(",") if "," in device else None
+    devices = device.split(",") if "," in device else None  # place_layers checks each
     device, torch_dtype = _setup(devices[0] if devices else device, dtype, seed, debug)
-    if devices:
-        devices = [_setup(d, dtype, seed, debug)[0] for d in devices]
     settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
     partial = output.with_name(output.name + ".partial")
     leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports

@@ -112,18 +112,14 @@ def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, 
     dtype = next(model.parameters()).dtype
     positions = torch.arange(context, n, device=ids.device)[None]
     masks = [bias_mask(b, heads, n - context, dtype) for b in betas]
-    if any(not torch.equal(m, masks[0]) for m in masks[1:]):
-        logits = _forward_with_layer_masks(model, ids[:, context:], cache, positions, masks)
-    else:
-        logits = model(ids[:, context:], position_ids=positions, attention_mask=masks[0],
-                       **{cache_keyword(model): cache}).logits
-    logits = logits[:, :-1].float()
+    logits = _forward_with_layer_masks(model, ids[:, context:], cache, positions, masks)[:, :-1].float()
     nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
     return float(nll), float(nll_full), targets.numel(), t
 
 
 def _forward_with_layer_masks(model, ids, cache, positions, masks):
-    """The model's forward where each layer's attention adds its own mask (β differs by layer)."""
+    """The model's forward where each layer's attention adds its own mask (β differs by layer; the model
+    is handed the first, so that it builds none of its own)."""
     hooks = []
     for layer, mask in zip(decoder_layers(model), masks):
         def swap(module, args, kwargs, mask=mask):
