@@ -21,8 +21,19 @@ import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 import stiefkv
 from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted
 
-VARIANTS = {"am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
-            "am no-refit": {"refit_values": False}}
+GLOBAL = {"allocation": "global", "pooling": "rms", "solver": "projected"}
+VARIANTS = {
+    "am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
+    "am no-refit": {"refit_values": False}, "am rms": {"pooling": "rms"}, "am max": {"pooling": "max"},
+    "am global": {"allocation": "global"}, "am global rms": {"allocation": "global", "pooling": "rms"},
+    "am global rms projected": GLOBAL, "am global rms omp": {**GLOBAL, "selection": "omp"},
+    "am global rms no-beta": {**GLOBAL, "fit_beta": False},
+    "am global rms no-refit": {**GLOBAL, "refit_values": False},
+    "am layers rms": {**GLOBAL, "allocation": "layers"},
+    "am layers-max rms": {**GLOBAL, "allocation": "layers-max"},
+    "attention global": {"allocation": "global"},
+    "attention global rms": {"allocation": "global", "pooling": "rms"},
+}
 
 
 def main() -> None:
@@ -52,7 +63,8 @@ def main() -> None:
                "seconds": time.perf_counter() - t0}
         utils.write_rows("compaction", row)
         print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}), {r.kept_tokens} of "
-              f"{args.context} tokens kept, {row['seconds']:.0f} s", flush=True)
+              f"{args.context} tokens kept ({r.held_tokens:.0f} held), {r.chunks} chunks, "
+              f"{row['seconds']:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

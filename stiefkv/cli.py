@@ -367,11 +367,12 @@ def _inspect_table(proj) -> str:
                    "this fraction per KV head (--compact-method), score the next 512 tokens on top, against "
                    "the same chunks uncompressed (the uncompressed model's own cache; --windows = chunks).")
 @click.option("--context", type=int, default=4096, show_default=True, help="Context tokens for --compact.")
-@click.option("--compact-method", type=click.Choice(["am", "attention", "tova", "knorm", "sink", "recent"]),
+@click.option("--compact-method", type=click.Choice(["am", "attention", "knorm", "snapkv", "tova", "streaming_llm",
+                                                    "expected_attention", "recent", "random"]),
               default="am", show_default=True,
-              help="am = attention matching (keys, β and values fitted); the others evict all but the "
-                   "most-attended (attention: by the context's last queries; tova: by its last token's), the "
-                   "smallest keys (knorm), the 4 first and newest (sink), or the newest tokens (recent).")
+              help="am = attention matching (keys, β and values fitted); attention evicts all but the keys "
+                   "the same reference queries attend to most; the others are kvpress's presses, scored as "
+                   "kvpress defines them (stiefkv/presses.py).")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options

@@ -50,20 +50,36 @@ def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[to
     return torch.exp(s - top), top.squeeze(-1)
 
 
-def _select_attention(E: torch.Tensor, mass: torch.Tensor, t: int) -> torch.Tensor:
-    """The ``t`` keys with the highest mean attention probability over the reference queries."""
-    return torch.topk((E / mass[:, None]).mean(0), t).indices.sort().values
+POOLINGS = ("mean", "rms", "max")
 
 
-def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int) -> torch.Tensor:
+def key_scores(E: torch.Tensor, mass: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
+    """Each key's attention probability over the reference queries, pooled by ``pooling`` ``[T]``."""
+    P = E / mass[:, None]
+    if pooling == "mean":
+        return P.mean(0)
+    if pooling == "rms":
+        return P.square().mean(0).sqrt()
+    if pooling == "max":
+        return P.amax(0)
+    raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
+
+
+def _select_attention(E: torch.Tensor, mass: torch.Tensor, t: int, pooling: str = "mean") -> torch.Tensor:
+    """The ``t`` keys with the highest attention probability over the reference queries, pooled by
+    ``pooling``."""
+    return torch.topk(key_scores(E, mass, pooling), t).indices.sort().values
+
+
+def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int, pooling: str = "mean") -> torch.Tensor:
     """Orthogonal matching pursuit on the relative masses: each step adds the key whose column best explains
     what the chosen ones leave of every query's mass (the residual after projecting onto their span, kept by
     Gram–Schmidt: O(m·t) per step, no solve). The weights are fitted afterwards (:func:`_fit_weights`)."""
     A = E / mass[:, None]  # [m, T]
     norms = A.norm(dim=0).clamp_min(1e-300)
-    residual = torch.ones(A.shape[0], dtype=A.dtype)
-    basis = torch.empty(A.shape[0], t, dtype=A.dtype)
-    taken = torch.zeros(A.shape[1], dtype=torch.bool)
+    residual = torch.ones(A.shape[0], dtype=A.dtype, device=A.device)
+    basis = torch.empty(A.shape[0], t, dtype=A.dtype, device=A.device)
+    taken = torch.zeros(A.shape[1], dtype=torch.bool, device=A.device)
     chosen = []
     for k in range(t):
         score = (A.T @ residual) / norms
@@ -76,19 +92,48 @@ def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int) -> torch.Tensor:
         q = q / q.norm().clamp_min(1e-300)
         basis[:, k] = q
         residual = residual - q * (q @ residual)
-    return torch.tensor(sorted(chosen))
+    return torch.tensor(sorted(chosen), device=A.device)
 
 
-def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor) -> torch.Tensor:
-    """``w ≥ 0`` with ``Σ_j w_j E_qj ≈ mass_q`` relative to each query's mass (NNLS)."""
-    A = (E_sel / mass[:, None]).numpy()
-    w, _ = nnls(A, np.ones(A.shape[0]))
-    return torch.from_numpy(w)
+SOLVERS = ("nnls", "projected")
+
+
+def _largest_eigenvalue(gram: torch.Tensor, steps: int = 30) -> float:
+    """Power iteration on a symmetric positive semi-definite matrix, from the all-ones vector (the
+    Gram matrices here are non-negative, so it starts inside the leading eigenvector's cone); a little
+    above the estimate, so that a step of its inverse stays stable."""
+    v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
+    for _ in range(steps):
+        v = gram @ v
+        v = v / v.norm().clamp_min(1e-300)
+    return 1.05 * float(v @ (gram @ v))
+PROJECTED_STEPS = 50
+
+
+def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor, solver: str = "nnls") -> torch.Tensor:
+    """``w ≥ 0`` with ``Σ_j w_j E_qj ≈ mass_q`` relative to each query's mass: scipy's active-set NNLS
+    (exact; slow for thousands of keys), or ``projected``: clamped least squares, then projected gradient
+    steps (on the tensors' device; the reference code's way)."""
+    A = E_sel / mass[:, None]
+    if solver == "nnls":
+        w, _ = nnls(A.cpu().numpy(), np.ones(A.shape[0]))
+        return torch.from_numpy(w).to(A.device)
+    if solver != "projected":
+        raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
+    ones = torch.ones(A.shape[0], dtype=A.dtype, device=A.device)
+    gram, rhs = A.T @ A, A.T @ ones
+    lam = 1e-9 * float(gram.diagonal().mean())
+    eye = torch.eye(gram.shape[0], dtype=A.dtype, device=A.device)
+    w = torch.linalg.solve(gram + lam * eye, rhs).clamp_min(0)
+    step = 1 / _largest_eigenvalue(gram)
+    for _ in range(PROJECTED_STEPS):
+        w = (w - step * (gram @ w - rhs)).clamp_min(0)
+    return w
 
 
 def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
                  selection: str = "attention", fit_beta: bool = True, refit_values: bool = True,
-                 ridge: float = DEFAULT_RIDGE) -> Compacted:
+                 ridge: float = DEFAULT_RIDGE, pooling: str = "mean", solver: str = "nnls") -> Compacted:
     """Compact one KV head's block ``keys`` ``[T, d]``, ``values`` ``[T, d_v]`` to ``t`` entries for the
     reference ``queries`` ``[m, d]`` (logits ``q·k·scale``). ``fit_beta=False`` keeps β = 0;
     ``refit_values=False`` keeps the chosen keys' own values."""
@@ -99,9 +144,10 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
         raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
     E, _ = _logits(queries, keys, scale)
     mass = E.sum(-1)
-    index = (_select_attention if selection == "attention" else _select_omp)(E, mass, t)
+    index = (_select_attention if selection == "attention" else _select_omp)(E, mass, t, pooling)
     E_sel = E[:, index]
-    w = _fit_weights(E_sel, mass) if fit_beta else torch.ones(t, dtype=torch.float64)
+    w = _fit_weights(E_sel, mass, solver) if fit_beta else torch.ones(t, dtype=torch.float64,
+                                                                        device=E.device)
     w = w.clamp(min=MIN_WEIGHT)
     chosen = values.double()[index]
     if refit_values:
@@ -109,7 +155,7 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
         target = (E @ values.double()) / mass[:, None]  # the block's output [m, d_v]
         gram = A.T @ A
         lam = ridge * float(gram.diagonal().mean())
-        eye = torch.eye(t, dtype=torch.float64)
+        eye = torch.eye(t, dtype=torch.float64, device=E.device)
         chosen = torch.linalg.solve(gram + lam * eye, A.T @ target + lam * chosen)
     return Compacted(index, torch.log(w).to(keys.dtype), chosen.to(values.dtype))
 
@@ -133,46 +179,99 @@ def log_mass(queries: torch.Tensor, keys: torch.Tensor, *, scale: float,
 
 
 # ------------------------------------------------------------------------------------------- a whole layer
-METHODS = ("am", "attention", "tova", "knorm", "sink", "recent")  # AM, and evictions in the same harness
-SINK_TOKENS = 4  # StreamingLLM's attention sinks
+METHODS = ("am", "attention")  # AM, and eviction by the same reference queries' attention (as SnapKV does)
 
 
 def choose_and_fit(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
                    method: str = "am", **options) -> Compacted:
-    """One KV head's block compacted by ``method``: ``am`` (:func:`compact_head` with ``options``), or an
-    eviction that keeps ``t`` tokens as they are (β = 0), with kvpress's scores: ``attention`` (the
-    most-attended by the reference queries, as SnapKV does) and ``tova`` (the same, for the queries of the
-    last token only: the caller passes those), ``knorm`` (the keys of smallest norm), ``recent`` (the
-    newest), ``sink`` (the first :data:`SINK_TOKENS` and the newest, as StreamingLLM does)."""
-    T = keys.shape[0]
+    """One KV head's block compacted by ``method``: ``am`` (:func:`compact_head` with ``options``), or
+    ``attention``, which keeps the ``t`` tokens of highest attention (pooled by ``options``' ``pooling``)
+    as they are (β = 0). kvpress's presses are in :mod:`stiefkv.presses`."""
     if method == "am":
         return compact_head(keys, values, queries, t, scale=scale, **options)
-    if method in ("attention", "tova"):
-        return compact_head(keys, values, queries, t, scale=scale, fit_beta=False, refit_values=False)
-    if method not in METHODS:
-        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    if not 1 <= t <= T:
-        raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
-    if method == "knorm":
-        index = torch.topk(-keys.float().norm(dim=-1), t).indices.sort().values.cpu()
-        return Compacted(index, torch.zeros(t, dtype=keys.dtype), values[index.to(values.device)])
-    sinks = min(SINK_TOKENS, t - 1) if method == "sink" else 0
-    index = torch.cat([torch.arange(sinks), torch.arange(T - (t - sinks), T)])
-    return Compacted(index, torch.zeros(t, dtype=keys.dtype), values[index])
+    if method == "attention":
+        return compact_head(keys, values, queries, t, scale=scale, fit_beta=False, refit_values=False,
+                            pooling=options.get("pooling", "mean"))
+    raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
-def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
+PAD_BETA = -1e4  # β of padding entries (heads of one layer kept to different counts): never attended
+
+
+def _padded(c: Compacted, n: int) -> Compacted:
+    """``c`` padded to ``n`` entries that attention never reads (β = :data:`PAD_BETA`, zero values)."""
+    extra = n - c.index.numel()
+    if extra == 0:
+        return c
+    return Compacted(torch.cat([c.index, c.index[-1:].expand(extra)]),
+                     torch.cat([c.beta, c.beta.new_full((extra,), PAD_BETA)]),
+                     torch.cat([c.values, c.values.new_zeros(extra, c.values.shape[-1])]))
+
+
+def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t, *, scale: float,
                   method: str = "am", **options):
     """Every KV head of one layer: ``keys`` ``[B, G, T, d]``, ``values`` ``[B, G, T, d_v]``, reference
     ``queries`` ``[B, H, m, d]`` (the ``H / G`` query heads of a KV head are all its reference queries).
-    Returns the kept keys ``[B, G, t, d]``, their β ``[B, G, t]``, the fitted values ``[B, G, t, d_v]`` and
-    the kept indices ``[B, G, t]`` (positions are the block's at those indices)."""
+    ``t`` is the entries kept per head, one count or a ``[B, G]`` tensor of them (heads kept to fewer
+    entries are padded with entries attention never reads). Returns the kept keys ``[B, G, t, d]``, their
+    β ``[B, G, t]``, the fitted values ``[B, G, t, d_v]`` and the kept indices ``[B, G, t]`` (positions are
+    the block's at those indices)."""
     B, G = keys.shape[:2]
     per = queries.shape[1] // G
-    out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1), t,
-                           scale=scale, method=method, **options) for g in range(G)] for b in range(B)]
+    budget = torch.as_tensor(t).expand(B, G)
+    out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1),
+                           int(budget[b, g]), scale=scale, method=method, **options)
+            for g in range(G)] for b in range(B)]
+    n = int(budget.max())
+    out = [[_padded(c, n) for c in row] for row in out]
     index = torch.stack([torch.stack([c.index for c in row]) for row in out]).to(keys.device)
     kept = torch.gather(keys, 2, index[..., None].expand(-1, -1, -1, keys.shape[-1]))
     beta = torch.stack([torch.stack([c.beta for c in row]) for row in out]).to(keys.device)
     fitted = torch.stack([torch.stack([c.values for c in row]) for row in out]).to(values.device)
     return kept, beta, fitted, index
+
+
+def global_budgets(keys: list[torch.Tensor], queries: list[torch.Tensor], t: int, *, scales: list[float],
+                   pooling: str = "mean", floor: int = 1, heads: str = "each") -> list[torch.Tensor]:
+    """Per layer ``[B, G]`` counts from the keys of highest attention (``pooling``) across every layer and
+    head of a batch row, at least ``floor`` each, ``t`` per head on average:
+
+    - ``heads="each"``: each head its own count (a dense cache pads a layer's heads to the largest);
+    - ``"mean"``: each layer's heads its mean count;
+    - ``"max"``: each layer's heads its largest count, the cut lowered until that stores ``t`` per head on
+      average (what a dense cache holds under ``"each"``, with the padding filled by keys)."""
+    per_layer = []
+    for k, q, scale in zip(keys, queries, scales):
+        B, G, T = k.shape[:3]
+        per = q.shape[1] // G
+        rows = []
+        for b in range(B):
+            row = []
+            for g in range(G):
+                E, _ = _logits(q[b, g * per:(g + 1) * per].flatten(0, 1), k[b, g], scale)
+                row.append(key_scores(E, E.sum(-1), pooling))
+            rows.append(torch.stack(row))
+        per_layer.append(torch.stack(rows))  # [B, G, T]
+    allk = torch.stack(per_layer, 1)  # [B, L, G, T]
+    B, L, G, T = allk.shape
+    total = t * L * G
+    ranked = allk.flatten(1).sort(-1, descending=True).values  # [B, L·G·T]
+
+    def counts_at(n: int) -> torch.Tensor:  # [B, L, G]: each head's keys among the n best of its row
+        return (allk >= ranked[:, n - 1, None, None, None]).sum(-1)
+
+    if heads == "max":
+        lo, hi = 1, ranked.shape[1]  # the largest n whose per-layer maxima store ≤ total
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if int(counts_at(mid).amax(-1).sum(-1).max()) * G <= total:
+                lo = mid
+            else:
+                hi = mid - 1
+        counts = counts_at(lo).amax(-1, keepdim=True).expand(B, L, G)
+    else:
+        counts = counts_at(total)
+        if heads == "mean":
+            counts = (counts.sum(-1, keepdim=True).double() / G).round().long().expand(B, L, G)
+    counts = counts.clamp(floor, T)
+    return [counts[:, i] for i in range(L)]

@@ -92,11 +92,16 @@ def test_a_cache_kept_whole_scores_as_the_full_forward_and_beta_reaches_attentio
 
     model = tiny_model(layers=2)
     ids = torch.randint(3, 97, (1, 61), generator=torch.Generator().manual_seed(5))
-    nll, full, n, t = chunk_nll(model, ids, 37, 1.0, "recent", window=9)
-    assert t == 37 and n == 23 and math.isfinite(nll)
+    nll, full, n, t, held = chunk_nll(model, ids, 37, 1.0, "recent", window=9)
+    assert t == 37 and held == 37 and n == 23 and math.isfinite(nll)
     assert nll == pytest.approx(full, rel=1e-5)
-    nll_am, _, _, t = chunk_nll(model, ids, 37, 0.3, "am", window=9)
-    assert t == 11 and math.isfinite(nll_am)
+    nll_am, _, _, t, held = chunk_nll(model, ids, 37, 0.3, "am", window=9)
+    assert t == 11 and held == 11 and math.isfinite(nll_am)
+    # heads kept to different counts are padded to their layer's largest: more is held than kept
+    nll_g, _, _, t, held = chunk_nll(model, ids, 37, 0.3, "am", window=9, allocation="global", pooling="rms")
+    assert t == 11 and held >= 11 and math.isfinite(nll_g)
+    nll_m, _, _, t, held = chunk_nll(model, ids, 37, 0.3, "am", window=9, allocation="layers-max")
+    assert held <= 11 and math.isfinite(nll_m)
     mask = bias_mask(torch.tensor([[[0.5, -1.0], [2.0, 0.0]]]), heads=6, n_new=3, dtype=torch.float32)
     assert mask.shape == (1, 6, 3, 5)
     assert mask[0, 2, 1, :2].tolist() == [0.5, -1.0] and mask[0, 3, 0, :2].tolist() == [2.0, 0.0]
@@ -111,21 +116,113 @@ def test_bad_compressed_context_requests_are_refused():
     for keep in (0.0, 1.5):
         with pytest.raises(ValueError, match="keep must be in"):
             evaluate_compacted(model, None, keep=keep)
-    with pytest.raises(ValueError, match="method must be one of am, attention, tova, knorm, sink, recent"):
+    with pytest.raises(ValueError, match="method must be one of am, attention, knorm, snapkv"):
         evaluate_compacted(model, None, method="expected")
+    with pytest.raises(ValueError, match="allocation must be one of uniform, global"):
+        evaluate_compacted(model, None, allocation="heads")
 
 
-def test_evictions_keep_what_their_scores_say():
-    from stiefkv.compaction import SINK_TOKENS, choose_and_fit
+# ------------------------------------------------------------------------ kvpress's presses, from definitions
+def layer_cache(seed: int, B: int, G: int, H: int, T: int, d: int):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(B, G, T, d, generator=g), torch.randn(B, G, T, d, generator=g),
+            torch.randn(B, H, T, d, generator=g))
 
-    keys, values, queries = block(6, 41, 8, 5)
-    norms = keys.norm(dim=-1)
-    c = choose_and_fit(keys, values, queries(16), 7, scale=0.35, method="knorm")
-    assert set(c.index.tolist()) == set(torch.topk(-norms, 7).indices.tolist())
-    assert torch.equal(c.values, values[c.index]) and not c.beta.any()
-    c = choose_and_fit(keys, values, queries(16), 7, scale=0.35, method="sink")
-    assert c.index.tolist() == list(range(SINK_TOKENS)) + [38, 39, 40]
-    q = queries(1)
-    c = choose_and_fit(keys, values, q, 7, scale=0.35, method="tova")
-    attention = torch.softmax(q.double() @ keys.double().T * 0.35, -1)[0]
-    assert set(c.index.tolist()) == set(torch.topk(attention, 7).indices.tolist())
+
+def test_presses_keep_what_their_definitions_say():
+    """Each press against a per-head loop written from kvpress's description (B 2, G 3, H 9, T 83)."""
+    from stiefkv import presses
+
+    B, G, H, T, d, t, scale = 2, 3, 9, 83, 10, 17, 0.31
+    keys, values, q = layer_cache(6, B, G, H, T, d)
+    kept, vals, index = presses.evict(keys, values, presses.knorm(keys), t)
+    for b in range(B):
+        for g in range(G):
+            want = torch.topk(-keys[b, g].norm(dim=-1), t).indices.sort().values
+            assert torch.equal(index[b, g], want)
+            assert torch.equal(kept[b, g], keys[b, g, want]) and torch.equal(vals[b, g], values[b, g, want])
+    _, _, index = presses.evict(keys, values, presses.streaming_llm(keys), t)
+    assert index[1, 2].tolist() == list(range(presses.SINKS)) + list(range(T - t + presses.SINKS, T))
+    _, _, index = presses.evict(keys, values, presses.recent(keys), t)
+    assert index[0, 1].tolist() == list(range(T - t, T))
+
+    w = 8  # SnapKV: the window's mean causal attention over older keys, pooled by 5, averaged per group
+    window = q[:, :, -w:]
+    scores = presses.snapkv(keys, window, scale, window=w)
+    for b in range(B):
+        for g in range(G):
+            per_head = []
+            for h in range(g * H // G, (g + 1) * H // G):
+                rows = []
+                for i in range(w):
+                    visible = T - w + i + 1
+                    p = torch.softmax(window[b, h, i] @ keys[b, g, :visible].T * scale, -1)
+                    rows.append(torch.cat([p, torch.zeros(T - visible)])[: T - w])
+                m = torch.stack(rows).mean(0)
+                padded = torch.cat([torch.zeros(2), m, torch.zeros(2)])
+                per_head.append(torch.stack([padded[j:j + 5].sum() / 5 for j in range(T - w)]))
+            want = torch.stack(per_head).mean(0)
+            torch.testing.assert_close(scores[b, g, :-w], want, atol=1e-6, rtol=1e-5)
+            assert (scores[b, g, -w:] > scores[b, g, :-w].max()).all()
+
+    last = q[:, :, -1:]  # TOVA: the last query's attention, averaged per group
+    scores = presses.tova(keys, last, scale)
+    for g in range(G):
+        want = torch.stack([torch.softmax(last[0, h, 0] @ keys[0, g].T * scale, -1)
+                            for h in range(g * 3, g * 3 + 3)]).mean(0)
+        torch.testing.assert_close(scores[0, g], want, atol=1e-6, rtol=1e-5)
+
+
+def test_expected_attention_averages_the_future_rotation():
+    """The averaged rotation is the mean of RoPE over the positions; the scores are the softmax of
+    μ·k/√d + kᵀΣk/(2d) over the non-sink keys, averaged per group, times ‖v‖, with the sinks kept."""
+    from stiefkv import presses
+    from stiefkv.layers import rotate_with
+
+    B, G, H, T, d = 1, 2, 6, 47, 8
+    keys, values, q = layer_cache(7, B, G, H, T, d)
+    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    pos = torch.arange(50, 61, dtype=torch.float64)
+    angles = torch.cat([pos[:, None] * inv] * 2, -1)
+    cos, sin = angles.cos(), angles.sin()
+    R = presses.averaged_rotation(cos, sin)
+    x = torch.randn(3, d, dtype=torch.float64)
+    rotated = rotate_with(x[None, :, None].expand(1, 3, len(pos), d), cos[None], sin[None])  # each at each
+    torch.testing.assert_close(rotated[0].mean(1), x @ R.T)
+    scores = presses.expected_attention(keys, values, q, R)
+    assert (scores[..., : presses.SINKS] > scores[..., presses.SINKS:].max()).all()
+    for g in range(G):
+        per = []
+        for h in range(g * 3, g * 3 + 3):
+            qs = q[0, h].double()
+            mu, cov = qs.mean(0) @ R.T, R @ torch.cov(qs.T, correction=0) @ R.T
+            k = keys[0, g, presses.SINKS:].double()
+            per.append(torch.softmax(k @ mu / math.sqrt(d) + ((k @ cov) * k).sum(-1) / (2 * d), -1))
+        want = torch.stack(per).mean(0) * values[0, g, presses.SINKS:].double().norm(dim=-1)
+        torch.testing.assert_close(scores[0, g, presses.SINKS:].double(), want, atol=1e-6, rtol=1e-4)
+
+
+def test_per_head_budgets_pad_with_entries_attention_never_reads():
+    """A layer whose heads keep different counts: each head's compacted block equals compacting it alone,
+    the padding changes no attention output, and the global counts sum to the budget."""
+    from stiefkv.compaction import compact_head, compact_layer, compacted_attention, global_budgets
+
+    B, G, H, T, d, scale = 1, 3, 6, 53, 9, 0.33
+    keys, values, q = layer_cache(8, B, G, H, T, d)
+    budget = torch.tensor([[5, 12, 7]])
+    kept, beta, fitted, index = compact_layer(keys, values, q, budget, scale=scale)
+    assert kept.shape == (1, 3, 12, d) and beta.shape == (1, 3, 12)
+    for g in range(G):
+        n = int(budget[0, g])
+        alone = compact_head(keys[0, g], values[0, g], q[0, 2 * g:2 * g + 2].flatten(0, 1), n, scale=scale)
+        assert torch.equal(index[0, g, :n], alone.index)
+        probe = q[0, 2 * g]
+        full = compacted_attention(probe, kept[0, g], fitted[0, g], scale=scale, beta=beta[0, g])
+        own = compacted_attention(probe, keys[0, g, alone.index], alone.values, scale=scale, beta=alone.beta)
+        torch.testing.assert_close(full, own, atol=1e-6, rtol=1e-5)
+    ks, qs = [keys, keys.flip(2)], [q, q * 1.7]
+    each = global_budgets(ks, qs, 11, scales=[scale, scale], pooling="rms")
+    assert sum(int(c.sum()) for c in each) == 11 * 2 * G
+    most = global_budgets(ks, qs, 11, scales=[scale, scale], pooling="rms", heads="max")
+    assert all(bool((c == c[:, :1]).all()) for c in most)
+    assert sum(int(c[0, 0]) for c in most) * G <= 11 * 2 * G
