@@ -23,7 +23,7 @@ from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted
 
 GLOBAL = {"allocation": "global", "pooling": "rms", "solver": "projected"}
 VARIANTS = {
-    "am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
+    "am": {}, "am projected": {"solver": "projected"}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
     "am no-refit": {"refit_values": False}, "am rms": {"pooling": "rms"}, "am max": {"pooling": "max"},
     "am global": {"allocation": "global"}, "am global rms": {"allocation": "global", "pooling": "rms"},
     "am global rms projected": GLOBAL, "am global rms omp": {**GLOBAL, "selection": "omp"},
