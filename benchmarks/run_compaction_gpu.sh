@@ -12,13 +12,14 @@ pids=()
 while [ $# -ge 3 ]; do
   name=$1; methods=$2; variants=$3; shift 3
   (
-    IFS=,
-    for m in $methods; do
+    for m in ${methods//,/ }; do
       # shellcheck disable=SC2086  # COMMON is a word list on purpose
       STIEFKV_RESULTS_DIR="$R/$name" python3 -u benchmarks/bench_compaction.py "$M" $COMMON --methods "$m" \
         --variants "" >> "$R/$name.log" 2>&1
     done
-    for v in $variants; do
+    IFS=$'\n'
+    for v in $(tr , '\n' <<< "$variants"); do
+      unset IFS
       # shellcheck disable=SC2086
       STIEFKV_RESULTS_DIR="$R/$name" python3 -u benchmarks/bench_compaction.py "$M" $COMMON --methods "" \
         --variants "$v" >> "$R/$name.log" 2>&1
