@@ -45,14 +45,14 @@ def main() -> None:
     ap.add_argument("--chunks", type=int, default=None, help="first N chunks (default: all)")
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
     ap.add_argument("--methods", default="am,attention,sink,recent")
-    ap.add_argument("--variants", default="", help=f"comma-separated AM variants of {', '.join(VARIANTS)}")
+    ap.add_argument("--variants", default="", help=f"comma-separated variants of {', '.join(VARIANTS)} ('_' for ' ')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
     model, tok = stiefkv.load_model(args.model, device=args.device)
     runs = [(m, {}) for m in args.methods.split(",") if m] + [
-        (v, VARIANTS[v]) for v in args.variants.split(",") if v]
+        (v, VARIANTS[v]) for v in args.variants.replace("_", " ").split(",") if v]
     for name, options in runs:
         t0 = time.perf_counter()
         r = evaluate_compacted(model, tok, context=args.context, score=args.score, keep=args.keep,
