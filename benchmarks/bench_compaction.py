@@ -3,9 +3,9 @@
 Each chunk of WikiText-2 test is ``context + score`` tokens: the context is prefilled, its cache compacted
 to ``keep`` of its tokens per KV head (``stiefkv.longcontext``), and the next ``score`` tokens are scored in
 one forward on top of it, against the same chunk uncompressed. Methods: ``am`` (attention matching, with its
-variants by ``--variants``), and the evictions ``attention`` (SnapKV-like: the most-attended keys of the
-same reference queries), ``sink`` (StreamingLLM: 4 first + newest), ``recent`` (newest). One row per method
-to ``benchmarks/results/compaction.jsonl`` (``STIEFKV_RESULTS_DIR`` elsewhere).
+variants by ``--variants``), the eviction ``attention`` (the most-attended keys of the same reference
+queries), and kvpress's presses (``stiefkv.presses``). One row per method, with the options it ran with, to
+``benchmarks/results/compaction.jsonl`` (``STIEFKV_RESULTS_DIR`` elsewhere).
 
     python benchmarks/bench_compaction.py smollm2 --context 1024 --chunks 3 --device cpu
 """
@@ -19,20 +19,19 @@ import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 import stiefkv
+from stiefkv.compaction import METHODS as AM_METHODS
+from stiefkv.compaction import effective_options
 from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted
 
-GLOBAL = {"allocation": "global", "pooling": "rms", "solver": "projected"}
+# variants of AM's defaults (stiefkv.compaction.AM_DEFAULTS), and of the eviction by the same queries
 VARIANTS = {
-    "am": {}, "am projected": {"solver": "projected"}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
-    "am no-refit": {"refit_values": False}, "am rms": {"pooling": "rms"}, "am max": {"pooling": "max"},
-    "am global": {"allocation": "global"}, "am global rms": {"allocation": "global", "pooling": "rms"},
-    "am global rms projected": GLOBAL, "am global rms omp": {**GLOBAL, "selection": "omp"},
-    "am global rms no-beta": {**GLOBAL, "fit_beta": False},
-    "am global rms no-refit": {**GLOBAL, "refit_values": False},
-    "am layers rms": {**GLOBAL, "allocation": "layers"},
-    "am layers-max rms": {**GLOBAL, "allocation": "layers-max"},
-    "attention global": {"allocation": "global"},
+    "am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
+    "am no-refit": {"refit_values": False}, "am global": {"allocation": "global"},
+    "am layers": {"allocation": "layers"}, "am uniform": {"allocation": "uniform"},
+    "am mean": {"pooling": "mean"}, "am nnls": {"solver": "nnls"},
+    "am first": {"allocation": "uniform", "pooling": "mean", "solver": "nnls"},  # the first harness's AM
     "attention global rms": {"allocation": "global", "pooling": "rms"},
+    "attention layers-max rms": {"allocation": "layers-max", "pooling": "rms"},
 }
 
 
@@ -44,8 +43,10 @@ def main() -> None:
     ap.add_argument("--keep", type=float, default=0.1)
     ap.add_argument("--chunks", type=int, default=None, help="first N chunks (default: all)")
     ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    ap.add_argument("--methods", default="am,attention,sink,recent")
-    ap.add_argument("--variants", default="", help=f"comma-separated variants of {', '.join(VARIANTS)} ('_' for ' ')")
+    ap.add_argument("--methods",
+                    default="am,attention,expected_attention,snapkv,streaming_llm,tova,knorm")
+    ap.add_argument("--variants", default="",
+                    help=f"comma-separated variants of {', '.join(VARIANTS)} ('_' for ' ')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
     print(utils.header(), flush=True)
@@ -59,7 +60,9 @@ def main() -> None:
                                method=name.split()[0], chunks=args.chunks, window=args.window, **options)
         row = {"case": f"{name} C{args.context} keep{args.keep:g}"
                + (f" chunks{args.chunks}" if args.chunks else "") + f" {args.device}",
-               **r.as_dict(), "method": name, "options": options, "window": args.window,
+               **r.as_dict(), "method": name,
+               "options": (effective_options(name.split()[0], options)
+                           if name.split()[0] in AM_METHODS else {}), "window": args.window,
                "seconds": time.perf_counter() - t0}
         utils.write_rows("compaction", row)
         print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}), {r.kept_tokens} of "

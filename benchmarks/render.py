@@ -87,11 +87,14 @@ class Results:
             self.used[id(rows[-1])] = (name, rows[-1])
         return rows[-1] if rows else None
 
-    def cases(self, name: str, table: str | None = None) -> list[dict]:
-        """One picked row per case of ``table``, in the order the cases first appear in the file."""
+    def cases(self, name: str, table: str | None = None,
+              only: Callable[[str], bool] | None = None) -> list[dict]:
+        """One picked row per case of ``table`` (and for which ``only`` holds), in the order the cases first
+        appear in the file."""
         seen = []
         for r in self.rows(name):
-            if (table is None or r.get("table") == table) and r.get("case") not in seen:
+            if (table is None or r.get("table") == table) and r.get("case") not in seen and (
+                    only is None or only(r.get("case", ""))):
                 seen.append(r.get("case"))
         return [self.pick(name, case, table) for case in seen]
 
@@ -254,7 +257,28 @@ def claims(res: Results) -> str:
         [g],
     )
     pareto_claims(res, claim)
+    compaction_claims(res, claim)
     return table(["claim", "value", "target", "status", "row (file · case)"], out)
+
+
+def compaction_claims(res: Results, claim) -> None:
+    """Issue 15: AM's ΔPPL against the best kvpress press's at C 4096, keep 0.1, on the whole test set."""
+    from stiefkv.presses import PRESSES
+
+    rows = [r for r in res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+            if r["context"] == 4096 and r["keep"] == 0.1]
+    am = next((r for r in reversed(rows) if compaction_label(r) == "am (default)"), None)
+    pressed = [r for r in rows if r["method"] in PRESSES]
+    best = min(pressed, key=lambda r: r["ppl"] - r["ppl_full"]) if pressed else None
+    ratio = (am["ppl"] - am["ppl_full"]) / (best["ppl"] - best["ppl_full"]) if am and best else None
+    claim(
+        "Compaction, C 4096, keep 0.1, SmolLM2: AM's ΔPPL / the best kvpress press's",
+        f"{ratio:.2f}× ({am['ppl'] - am['ppl_full']:+.2f} / {best['method']} "
+        f"{best['ppl'] - best['ppl_full']:+.2f})" if ratio is not None else "",
+        "≤ 0.5×",
+        ratio is not None and ratio <= 0.5,
+        [am, best],
+    )
 
 
 # ------------------------------------------------------------------------------------------------ quality
@@ -816,17 +840,41 @@ def runs(res: Results) -> str:
 
 
 # ------------------------------------------------------------------------------------- compaction (issue 15)
+def compaction_label(r: dict) -> str:
+    """A row's method, with AM's options where they differ from the defaults of the current code."""
+    from stiefkv.compaction import AM_DEFAULTS
+
+    method = r["method"].split()[0]
+    options = r.get("options") or {}
+    if method not in ("am", "attention"):
+        return method
+    base = AM_DEFAULTS if method == "am" else {"allocation": "uniform", "pooling": "mean"}
+    changed = [f"{k} {v}" if not isinstance(v, bool) else f"{'' if v else 'no '}{k}"
+               for k, v in sorted(options.items()) if base.get(k, True if isinstance(v, bool) else None) != v]
+    return f"{method} ({', '.join(changed)})" if changed else f"{method} (default)"
+
+
 def compaction(res: Results) -> str:
-    """Compressed-context perplexity rows (``bench_compaction.py``): one per method and setting."""
-    head = ["method", "C", "chunks", "PPL", "ΔPPL", "s"]
+    """Compressed-context perplexity rows on the GPU (``bench_compaction.py``, every chunk of the test set),
+    ΔPPL beside the best kvpress press's of the same context and keep. CPU rows (a few chunks) are in the
+    notes."""
+    from stiefkv.presses import PRESSES
+
+    rows = res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+    best: dict[tuple, float] = {}
+    for r in rows:
+        if r["method"] in PRESSES:
+            key = (r["context"], r["keep"])
+            best[key] = min(best.get(key, float("inf")), r["ppl"] - r["ppl_full"])
     out = []
-    for r in res.cases("compaction"):
-        where = r["case"].split()[-1]  # cpu or cuda
-        label = r["method"] + ("" if r["keep"] == 0.1 else f" keep {r['keep']:g}")  # the prose says 0.1
-        out.append([label, str(r["context"]), f"{r['chunks']} {where}",
-                    f"{r['ppl']:.2f} ({r['ppl_full']:.2f})", f"{100 * (r['ppl'] / r['ppl_full'] - 1):+.1f} %",
-                    f"{r['seconds']:.0f}"])
-    return table(head, out)
+    for r in sorted(rows, key=lambda r: (r["context"], r["keep"], r["ppl"])):
+        delta = r["ppl"] - r["ppl_full"]
+        ref = best.get((r["context"], r["keep"]))
+        out.append([compaction_label(r), str(r["context"]), f"{r['keep']:g}", f"{r['held_tokens']:.0f}",
+                    str(r["chunks"]), f"{r['ppl']:.2f} ({r['ppl_full']:.2f})", f"{delta:+.2f}",
+                    f"{delta / ref:.2f}×" if ref else "–", f"{r['seconds']:.0f}"])
+    return table(["method", "C", "keep", "held / head", "chunks", "PPL (uncompr.)", "ΔPPL", "/ best press",
+                  "s"], out)
 
 
 BLOCKS: dict[str, Callable[[Results], str]] = {

@@ -180,6 +180,19 @@ def log_mass(queries: torch.Tensor, keys: torch.Tensor, *, scale: float,
 
 # ------------------------------------------------------------------------------------------- a whole layer
 METHODS = ("am", "attention")  # AM, and eviction by the same reference queries' attention (as SnapKV does)
+ALLOCATIONS = ("uniform", "global", "layers", "layers-max")
+# AM's measured defaults (docs/notes/compaction.md; BENCHMARKS.md §5): per-layer counts from the keys of
+# highest RMS attention across all layers and heads, weights fitted by projected gradient. The eviction ``attention``
+# keeps SnapKV's shape: the same count for every head, keys by mean attention.
+AM_DEFAULTS = {"allocation": "layers-max", "pooling": "rms", "solver": "projected"}
+
+
+def effective_options(method: str, options: dict) -> dict:
+    """``options`` over ``method``'s defaults (``allocation`` among them), checked."""
+    merged = {**(AM_DEFAULTS if method == "am" else {"allocation": "uniform"}), **options}
+    if merged["allocation"] not in ALLOCATIONS:
+        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}; got {merged['allocation']!r}")
+    return merged
 
 
 def choose_and_fit(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,

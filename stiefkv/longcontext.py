@@ -23,13 +23,12 @@ from transformers import DynamicCache
 from stiefkv import presses
 from stiefkv.cache import cache_keyword
 from stiefkv.compaction import METHODS as AM_METHODS
-from stiefkv.compaction import compact_layer, global_budgets
+from stiefkv.compaction import compact_layer, effective_options, global_budgets
 from stiefkv.layers import project_qkv, rotate_with
 from stiefkv.models import check_context, decoder_layers
 
 DEFAULT_WINDOW = 1024  # reference queries: the context's last tokens (all of a shorter one), shifted after it
 METHODS = AM_METHODS + presses.PRESSES
-ALLOCATIONS = ("uniform", "global", "layers", "layers-max")
 HEADS = {"global": "each", "layers": "mean", "layers-max": "max"}  # global_budgets' heads= per allocation
 
 
@@ -80,16 +79,18 @@ def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = Tr
     return cache, [queries[i] for i in range(len(queries))]
 
 
-def compacted(model, cache, queries: list[torch.Tensor], t: int, method: str, allocation: str = "uniform",
-              **options):
+def compacted(model, cache, queries: list[torch.Tensor], t: int, method: str, **options):
     """A new cache holding each layer's block compacted to ``t`` entries per KV head on average, and the
-    layers' β ``[B, G, t_layer]``. ``allocation``: ``uniform`` (``t`` for every head), ``global`` (the keys
+    layers' β ``[B, G, t_layer]``. ``options`` over :data:`~stiefkv.compaction.AM_DEFAULTS` for ``am``;
+    ``allocation``: ``uniform`` (``t`` for every head), ``global`` (the keys
     of highest attention across all layers and heads: heads differ, padded to their layer's largest),
     ``layers`` (the same counts pooled per layer, equal for its heads: no padding), ``layers-max`` (each
     layer's largest head count for all its heads, at the cut that stores ``t`` per head on average)."""
     layers = decoder_layers(model)
     if method in presses.PRESSES:
         return _pressed(model, cache, queries, t, method)
+    options = effective_options(method, options)
+    allocation = options.pop("allocation")
     budgets = [t] * len(layers)
     if allocation != "uniform":
         budgets = global_budgets([cache.layers[i].keys for i in range(len(layers))], queries, t,
@@ -201,9 +202,8 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
         raise ValueError(f"keep must be in (0, 1], got {keep}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
-    allocation = options.get("allocation", "uniform")
-    if allocation not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}; got {allocation!r}")
+    if method in AM_METHODS:
+        effective_options(method, options)
     if context <= presses.SNAPKV_WINDOW and method == "snapkv":
         raise ValueError(f"snapkv needs a context longer than its window of {presses.SNAPKV_WINDOW} tokens")
     if context < 2 or score < 2:
