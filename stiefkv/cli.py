@@ -33,6 +33,10 @@ DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
 log = logging.getLogger("stiefkv")
 
+# compressed-context perplexity: AM, eviction by its queries, and kvpress's presses (stiefkv.presses)
+COMPACT_METHODS = ["am", "attention", "knorm", "snapkv", "tova", "streaming_llm", "expected_attention",
+                   "recent", "random"]
+
 
 class UserError(click.ClickException):
     exit_code = 2
@@ -367,8 +371,7 @@ def _inspect_table(proj) -> str:
                    "this fraction per KV head (--compact-method), score the next 512 tokens on top, against "
                    "the same chunks uncompressed (the uncompressed model's own cache; --windows = chunks).")
 @click.option("--context", type=int, default=4096, show_default=True, help="Context tokens for --compact.")
-@click.option("--compact-method", type=click.Choice(["am", "attention", "knorm", "snapkv", "tova",
-                                                    "streaming_llm", "expected_attention", "recent", "random"]),
+@click.option("--compact-method", type=click.Choice(COMPACT_METHODS),
               default="am", show_default=True,
               help="am = attention matching (keys, β and values fitted); attention evicts all but the keys "
                    "the same reference queries attend to most; the others are kvpress's presses, scored as "

@@ -182,8 +182,8 @@ def log_mass(queries: torch.Tensor, keys: torch.Tensor, *, scale: float,
 METHODS = ("am", "attention")  # AM, and eviction by the same reference queries' attention (as SnapKV does)
 ALLOCATIONS = ("uniform", "global", "layers", "layers-max")
 # AM's measured defaults (docs/notes/compaction.md; BENCHMARKS.md §5): per-layer counts from the keys of
-# highest RMS attention across all layers and heads, weights fitted by projected gradient. The eviction ``attention``
-# keeps SnapKV's shape: the same count for every head, keys by mean attention.
+# highest RMS attention across all layers and heads, weights fitted by projected gradient. The eviction
+# ``attention`` keeps SnapKV's shape: the same count for every head, keys by mean attention.
 AM_DEFAULTS = {"allocation": "layers-max", "pooling": "rms", "solver": "projected"}
 
 
