@@ -15,14 +15,16 @@ import logging
 from . import calibrate  # light: the package is callable and imports its pipeline on first call
 from .attention import LowRankAttention, compressed, load, unload
 from .cache import LatentCache
+from .compacted import CompactedCache, compact, prefill
 from .models import load_model, place_layers
 from .projections import CheckpointError, Projections
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
-    "CalibrationConfig", "CheckpointError", "LatentCache", "LowRankAttention", "Projections", "calibrate",
-    "compressed", "load", "load_model", "place_layers", "unload",
+    "CalibrationConfig", "CheckpointError", "CompactedCache", "LatentCache", "LowRankAttention",
+    "Projections", "calibrate", "compact", "compressed", "load", "load_model", "place_layers", "prefill",
+    "unload",
 ]
 __version__ = "0.1.0"
 

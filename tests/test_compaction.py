@@ -87,7 +87,8 @@ def test_a_cache_kept_whole_scores_as_the_full_forward_and_beta_reaches_attentio
     """Keeping every token (β = 0) through the compacted path gives the full forward's NLL: positions, the
     rebuilt cache and the 4-D mask are right; AM's per-layer β masks run; the mask puts each KV head's β
     before its query heads' causal block."""
-    from stiefkv.longcontext import bias_mask, chunk_nll
+    from stiefkv.compacted import CompactedCache
+    from stiefkv.longcontext import chunk_nll
     from tests.tiny import tiny_model
 
     model = tiny_model(layers=2)
@@ -102,10 +103,16 @@ def test_a_cache_kept_whole_scores_as_the_full_forward_and_beta_reaches_attentio
     assert t == 11 and held >= 11 and math.isfinite(nll_g)
     nll_m, _, _, t, held = chunk_nll(model, ids, 37, 0.3, "am", window=9, allocation="layers-max")
     assert held <= 11 and math.isfinite(nll_m)
-    mask = bias_mask(torch.tensor([[[0.5, -1.0], [2.0, 0.0]]]), heads=6, n_new=3, dtype=torch.float32)
-    assert mask.shape == (1, 6, 3, 5)
+    cache = CompactedCache(40)  # 2 entries standing for 40 tokens, then 4 appended
+    beta = torch.tensor([[[0.5, -1.0], [2.0, 0.0]]])
+    cache.add_layer(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), beta)
+    cache.update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), 0)
+    assert cache.get_seq_length() == 44
+    mask = cache.mask(0, new=3, heads=6, dtype=torch.float32)
+    assert mask.shape == (1, 6, 3, 9)
     assert mask[0, 2, 1, :2].tolist() == [0.5, -1.0] and mask[0, 3, 0, :2].tolist() == [2.0, 0.0]
-    assert mask[0, 0, 0, 3] == torch.finfo(torch.float32).min and mask[0, 0, 2, 4] == 0
+    assert not mask[:, :, :, 2:6].any()
+    assert mask[0, 0, 0, 7] == torch.finfo(torch.float32).min and mask[0, 0, 2, 8] == 0
 
 
 def test_bad_compressed_context_requests_are_refused():
@@ -226,3 +233,85 @@ def test_per_head_budgets_pad_with_entries_attention_never_reads():
     most = global_budgets(ks, qs, 11, scales=[scale, scale], pooling="rms", heads="max")
     assert all(bool((c == c[:, :1]).all()) for c in most)
     assert sum(int(c[0, 0]) for c in most) * G <= 11 * 2 * G
+
+
+# ---------------------------------------------------------------------------------- stiefkv.compact, generate
+def tiny_prompt(seed: int, n: int):
+    from tests.tiny import tiny_model
+
+    model = tiny_model(layers=2)
+    ids = torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+    return model, ids
+
+
+def test_a_compacted_cache_continues_at_the_original_positions_in_forward_and_generate():
+    """Keeping every token by eviction reproduces the uncompressed continuation exactly (positions, masks
+    and cache length right in a multi-token forward and in greedy generate); AM at a tenth generates and
+    reports the original length."""
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+
+    model, ids = tiny_prompt(9, 67)
+    C = 53
+    key = cache_keyword(model)
+    full = model(ids).logits[:, C:]
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=1.0,
+                            method="attention", allocation="uniform")
+    assert isinstance(cache, stiefkv.CompactedCache) and cache.get_seq_length() == C
+    out = model(ids[:, C:], **{key: cache}).logits
+    torch.testing.assert_close(out, full, atol=1e-5, rtol=1e-4)
+    assert cache.get_seq_length() == 67
+
+    new = 9
+    want = model.generate(ids[:, :C + 1], max_new_tokens=new, do_sample=False)
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=1.0,
+                            method="attention", allocation="uniform")
+    got = model.generate(ids[:, :C + 1], past_key_values=cache, max_new_tokens=new, do_sample=False)
+    assert torch.equal(got, want)
+
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.1)
+    assert sum(cache.prefix) <= round(0.1 * C) * 2
+    got = model.generate(ids[:, :C + 1], past_key_values=cache, max_new_tokens=new, do_sample=False)
+    assert got.shape == (1, C + 1 + new) and cache.get_seq_length() == C + new
+
+
+def test_bad_compact_requests_are_refused():
+    from transformers import DynamicCache
+
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from tests.tiny import tiny_model
+
+    model, ids = tiny_prompt(10, 20)
+    cache = stiefkv.prefill(model, ids, window=8)
+    for keep in (0.0, 1.2):
+        with pytest.raises(ValueError, match="keep must be in"):
+            stiefkv.compact(model, cache, keep=keep)
+    with pytest.raises(ValueError, match="method must be one of am, attention"):
+        stiefkv.compact(model, cache, method="snapkv")
+    with pytest.raises(ValueError, match="the cache is empty"):
+        stiefkv.compact(model, DynamicCache())
+    with pytest.raises(ValueError, match="does not belong to this model"):
+        stiefkv.compact(tiny_model(layers=3), cache)
+    with pytest.raises(ValueError, match="too few to compact"):
+        stiefkv.compact(model, _one_token_cache(model, ids))
+    with pytest.raises(ValueError, match="reference queries"):
+        plain = DynamicCache()
+        model(ids, **{cache_keyword(model): plain})
+        stiefkv.compact(model, plain)
+    with pytest.raises(ValueError, match="compacted already"):
+        stiefkv.compact(model, stiefkv.compact(model, cache))
+    with pytest.raises(ValueError, match="allocation must be one of"):
+        stiefkv.compact(model, cache, allocation="heads")
+    with pytest.raises(ValueError, match="at least 2 tokens"):
+        stiefkv.prefill(model, ids[0])
+
+
+def _one_token_cache(model, ids):
+    from transformers import DynamicCache
+
+    from stiefkv.cache import cache_keyword
+    cache = DynamicCache()
+    model(ids[:, :1], **{cache_keyword(model): cache})
+    cache.reference_queries = []
+    return cache

@@ -1,0 +1,240 @@
+"""A prompt's cache compacted along the token axis, served by the uncompressed model (DESIGN.md, Compaction).
+
+>>> cache = stiefkv.prefill(model, prompt_ids)                          # doctest: +SKIP
+>>> cache = stiefkv.compact(model, cache, keep=0.1)                      # doctest: +SKIP
+>>> model.generate(torch.cat([prompt_ids, question_ids], 1), past_key_values=cache)   # doctest: +SKIP
+
+:func:`prefill` runs the prompt and keeps, beside its ``DynamicCache``, the reference queries compaction
+fits to (the prompt's last ``window`` queries, rotated as if they came after it). :func:`compact` returns a
+:class:`CompactedCache`: per layer, the compacted entries form a prefix (keys at their original positions,
+their β, fitted values); later tokens append behind it. The cache reports the prompt's original length, so
+``generate`` and a plain forward continue at the right positions. β reaches attention through each layer's
+attention mask, set by a pre-hook that :func:`compact` installs once on the model's attention modules; it
+acts only when the cache passed is a :class:`CompactedCache`.
+
+Rows of a batch must be unpadded: compaction has no notion of padding.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from stiefkv import presses
+from stiefkv.cache import cache_keyword
+from stiefkv.compaction import METHODS, compact_layer, effective_options, global_budgets
+from stiefkv.layers import project_qkv, rotate_with
+from stiefkv.models import decoder_layers
+
+HOOKS = "_stiefkv_compacted_hooks"
+DEFAULT_WINDOW = 1024  # reference queries: the prompt's last tokens (all of a shorter one), shifted after it
+HEADS = {"global": "each", "layers": "mean", "layers-max": "max"}  # global_budgets' heads= per allocation
+
+
+class CompactedCache(DynamicCache):
+    """A ``DynamicCache`` whose first ``prefix[i]`` entries of layer ``i`` are a compacted block with
+    additive logit biases ``beta[i]`` ``[B, G, prefix[i]]``, standing for ``length`` original tokens."""
+
+    def __init__(self, length: int):
+        super().__init__()
+        self.length = length
+        self.prefix: list[int] = []
+        self.beta: list[torch.Tensor] = []
+
+    def add_layer(self, keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor) -> None:
+        i = len(self.prefix)
+        self.update(keys, values, i)
+        self.prefix.append(keys.shape[2])
+        self.beta.append(beta)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The original length plus the tokens appended since: where the next position starts."""
+        held = super().get_seq_length(layer_idx)
+        if layer_idx >= len(self.prefix):
+            return held
+        return self.length + held - self.prefix[layer_idx]
+
+    def mask(self, layer_idx: int, new: int, heads: int, dtype: torch.dtype) -> torch.Tensor:
+        """The additive mask ``[B, heads, new, held + new]`` of ``new`` tokens about to enter layer
+        ``layer_idx``: β on the compacted prefix (each KV head's for its query heads), 0 on the tokens
+        appended since, causal among the new."""
+        beta = self.beta[layer_idx]
+        B, G, t = beta.shape
+        held = self.layers[layer_idx].get_seq_length()
+        low = torch.finfo(dtype).min
+        front = beta.to(dtype).repeat_interleave(heads // G, 1)[:, :, None, :].expand(B, heads, new, t)
+        middle = torch.zeros(B, heads, new, held - t, dtype=dtype, device=beta.device)
+        causal = torch.full((new, new), low, dtype=dtype, device=beta.device).triu(1)
+        return torch.cat([front, middle, causal.expand(B, heads, new, new)], -1)
+
+
+def _cache_argument(kwargs: dict):
+    for name in ("cache", "past_key_values", "past_key_value"):  # renamed across transformers versions
+        if kwargs.get(name) is not None:
+            return kwargs[name]
+    return None
+
+
+def install_hooks(model) -> None:
+    """Once per model: a pre-hook on each attention module that, when the cache is a
+    :class:`CompactedCache`, replaces the attention mask by the cache's own for that layer."""
+    if getattr(model, HOOKS, None):
+        return
+    heads = model.config.num_attention_heads
+    handles = []
+    for i, layer in enumerate(decoder_layers(model)):
+        def use_beta(module, args, kwargs, i=i):
+            cache = _cache_argument(kwargs)
+            if not isinstance(cache, CompactedCache) or i >= len(cache.prefix):
+                return None
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
+            return args, kwargs
+        handles.append(layer.self_attn.register_forward_pre_hook(use_beta, with_kwargs=True))
+    setattr(model, HOOKS, handles)
+
+
+# ---------------------------------------------------------------------------------------------- the prompt
+@torch.no_grad()
+def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = True, rotate: bool = True):
+    """The model's cache after ``ids`` ``[B, C]``, and per layer the rotated queries ``[B, H, w, d]`` of the
+    last ``window`` positions. With ``shift`` they are rotated ``window`` positions later, after the whole
+    context, as the queries that will read the compacted block are: every context key is then in their
+    past (a query inside the window would see keys after its own position, at negative distances).
+    ``rotate=False`` gives them before RoPE."""
+    queries: dict[int, torch.Tensor] = {}
+    hooks = []
+    C = ids.shape[1]
+    where = torch.arange(C - window, C, device=ids.device)[None] + (window if shift else 0)
+    probe = torch.zeros(1, 1, device=ids.device, dtype=next(model.parameters()).dtype)
+    cos, sin = getattr(model, "model", model).rotary_emb(probe, where)
+    for i, layer in enumerate(decoder_layers(model)):
+        def grab(module, args, kwargs, i=i):
+            x = kwargs["hidden_states"][:, -window:]
+            q, _, _ = project_qkv(module, x, keys=False, values=False)
+            queries[i] = rotate_with(q, cos, sin) if rotate else q
+        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        cache = DynamicCache()
+        model(ids, use_cache=True, **{cache_keyword(model): cache})
+    finally:
+        for h in hooks:
+            h.remove()
+    return cache, [queries[i] for i in range(len(queries))]
+
+
+def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW) -> DynamicCache:
+    """Run the prompt ``ids`` ``[B, C]`` (unpadded rows) and return its ``DynamicCache``, holding as
+    ``reference_queries`` the queries :func:`compact` fits to: the prompt's last ``window`` (all of a
+    shorter one), rotated as if they came after it."""
+    if ids.ndim != 2 or ids.shape[1] < 2:
+        raise ValueError(f"prefill takes token ids [batch, tokens] of at least 2 tokens; got shape "
+                         f"{tuple(ids.shape)}")
+    cache, queries = prefill_with_queries(model, ids, min(window, ids.shape[1]))
+    cache.reference_queries = queries
+    return cache
+
+
+# --------------------------------------------------------------------------------------------- compaction
+def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **options) -> CompactedCache:
+    """A :class:`CompactedCache` of ``cache``'s layers compacted to ``t`` entries per KV head on average by
+    ``method``: AM or the eviction ``attention`` (``options`` over
+    :data:`~stiefkv.compaction.AM_DEFAULTS` for ``am``), or a kvpress press. ``allocation``: ``uniform``
+    (``t`` for every head), ``global`` (the keys of highest attention across all layers and heads: heads
+    differ, padded to their layer's largest), ``layers`` (those counts pooled per layer, equal for its heads:
+    no padding), ``layers-max`` (each layer's largest head count for all its heads, at the cut that stores
+    ``t`` per head on average)."""
+    if method in presses.PRESSES:
+        return _pressed(model, cache, queries, t, method)
+    layers = decoder_layers(model)
+    options = effective_options(method, options)
+    allocation = options.pop("allocation")
+    budgets = [t] * len(layers)
+    if allocation != "uniform":
+        budgets = global_budgets([cache.layers[i].keys for i in range(len(layers))], queries, t,
+                                 scales=[la.self_attn.scaling for la in layers],
+                                 pooling=options.get("pooling", "mean"), heads=HEADS[allocation])
+    new = CompactedCache(cache.layers[0].keys.shape[2])
+    for i, (layer, q) in enumerate(zip(layers, queries)):
+        k, v = cache.layers[i].keys, cache.layers[i].values
+        kept, beta, fitted, _ = compact_layer(k, v, q, budgets[i], scale=layer.self_attn.scaling,
+                                              method=method, **options)
+        new.add_layer(kept.to(k.dtype), fitted.to(v.dtype), beta)
+    install_hooks(model)
+    return new
+
+
+def _pressed(model, cache, queries: list[torch.Tensor], t: int, method: str) -> CompactedCache:
+    """Every layer evicted to ``t`` tokens per KV head by kvpress's ``method`` (:mod:`stiefkv.presses`)."""
+    new = CompactedCache(cache.layers[0].keys.shape[2])
+    rotation = None
+    if method == "expected_attention":
+        C = cache.layers[0].keys.shape[2]
+        probe = torch.zeros(1, 1, dtype=torch.float32, device=cache.layers[0].keys.device)
+        where = torch.arange(C, C + presses.FUTURE, device=probe.device)[None]
+        cos, sin = getattr(model, "model", model).rotary_emb(probe, where)
+        rotation = presses.averaged_rotation(cos[0].double(), sin[0].double())
+    for i, (layer, q) in enumerate(zip(decoder_layers(model), queries)):
+        k, v = cache.layers[i].keys, cache.layers[i].values
+        scale = layer.self_attn.scaling
+        scores = {"knorm": lambda: presses.knorm(k), "snapkv": lambda: presses.snapkv(k, q, scale),
+                  "tova": lambda: presses.tova(k, q, scale),
+                  "streaming_llm": lambda: presses.streaming_llm(k),
+                  "expected_attention": lambda: presses.expected_attention(k, v, q, rotation),
+                  "recent": lambda: presses.recent(k), "random": lambda: presses.random_scores(k, seed=i),
+                  }[method]()
+        kept, vals, _ = presses.evict(k, v, scores, t)
+        new.add_layer(kept, vals, torch.zeros(kept.shape[:3], dtype=k.dtype, device=k.device))
+    install_hooks(model)
+    return new
+
+
+def check_cache(model, cache) -> int:
+    """The prompt length of ``cache``, a prefilled ``DynamicCache`` of ``model``; a clear error otherwise."""
+    from stiefkv.cache import LatentCache
+
+    if isinstance(cache, LatentCache):
+        raise ValueError("compacting a stiefkv.LatentCache (a model served by stiefkv.load) is not built "
+                         "yet: compact the uncompressed model's DynamicCache")
+    if isinstance(cache, CompactedCache):
+        raise ValueError("this cache is compacted already: compact the prompt's cache once")
+    if not isinstance(cache, DynamicCache):
+        raise ValueError(f"compact takes the DynamicCache of a prefilled prompt; got {type(cache).__name__}")
+    layers = decoder_layers(model)
+    held = [la for la in cache.layers if getattr(la, "keys", None) is not None and la.keys.numel()]
+    if not held:
+        raise ValueError("the cache is empty: prefill the prompt first (stiefkv.prefill(model, ids))")
+    cfg = model.config
+    G = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    shape = tuple(held[0].keys.shape)
+    if len(held) != len(layers) or shape[1] != G or shape[3] != d:
+        raise ValueError(f"the cache does not belong to this model: it holds {len(held)} layers of keys "
+                         f"{list(shape)}, the model has {len(layers)} layers of {G} KV heads × {d}")
+    return shape[2]
+
+
+def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: list[torch.Tensor] | None = None,
+            **options) -> CompactedCache:
+    """Compact a prefilled prompt's cache to ``keep`` of its tokens per KV head (on average over layers and
+    heads) by attention matching (``method="am"``) or eviction by the same queries (``"attention"``).
+
+    ``queries``: per layer ``[B, H, m, d]`` rotated reference queries; by default those :func:`prefill`
+    kept on the cache. ``options``: ``selection`` (``attention`` | ``omp``), ``fit_beta``,
+    ``refit_values``, ``allocation``, ``pooling``, ``solver``, ``ridge`` (defaults:
+    :data:`~stiefkv.compaction.AM_DEFAULTS`). The result continues with ``model(ids, past_key_values=...)``
+    or ``model.generate(...)`` at the prompt's original positions."""
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep must be in (0, 1] (the fraction of the prompt's tokens kept), got {keep}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)} (kvpress's presses are baselines of "
+                         f"stiefkv eval --compact); got {method!r}")
+    T = check_cache(model, cache)
+    if T < 2:
+        raise ValueError(f"the cache holds {T} token: too few to compact (at least 2)")
+    queries = queries if queries is not None else getattr(cache, "reference_queries", None)
+    if queries is None:
+        raise ValueError("compact needs the prompt's reference queries: prefill with "
+                         "stiefkv.prefill(model, ids), or pass queries=")
+    effective_options(method, options)
+    return build(model, cache, queries, max(1, round(keep * T)), method, **options)
