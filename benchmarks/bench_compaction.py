@@ -21,7 +21,7 @@ import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 import stiefkv
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
-from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted
+from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted, evaluate_retrieval
 
 # variants of AM's defaults (stiefkv.compaction.AM_DEFAULTS), and of the eviction by the same queries
 VARIANTS = {
@@ -48,6 +48,10 @@ def main() -> None:
     ap.add_argument("--variants", default="",
                     help=f"comma-separated variants of {', '.join(VARIANTS)} ('_' for ' ')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--task", choices=["ppl", "retrieval"], default="ppl",
+                    help="compressed-context perplexity, or pass-key retrieval (rows to retrieval.jsonl)")
+    ap.add_argument("--samples", type=int, default=20, help="pass-key prompts (--task retrieval)")
+    ap.add_argument("--seed", type=int, default=0, help="of the pass-key prompts")
     args = ap.parse_args()
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
@@ -55,6 +59,9 @@ def main() -> None:
     runs = [(m, {}) for m in args.methods.split(",") if m] + [
         (v, VARIANTS[v]) for v in args.variants.replace("_", " ").split(",") if v]
     for name, options in runs:
+        if args.task == "retrieval":
+            retrieval_row(model, tok, args, name, options)
+            continue
         t0 = time.perf_counter()
         r = evaluate_compacted(model, tok, context=args.context, score=args.score, keep=args.keep,
                                method=name.split()[0], chunks=args.chunks, window=args.window, **options)
@@ -68,6 +75,20 @@ def main() -> None:
         print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}), {r.kept_tokens} of "
               f"{args.context} tokens kept ({r.held_tokens:.0f} held), {r.chunks} chunks, "
               f"{row['seconds']:.0f} s", flush=True)
+
+
+def retrieval_row(model, tok, args, name: str, options: dict) -> None:
+    t0 = time.perf_counter()
+    method = name.split()[0]
+    r = evaluate_retrieval(model, tok, context=args.context, keep=args.keep, method=method,
+                           samples=args.samples, seed=args.seed, window=args.window, **options)
+    row = {"case": f"{name} passkey C{args.context} keep{args.keep:g} n{args.samples} {args.device}",
+           **r.as_dict(), "method": name,
+           "options": effective_options(method, options) if method in AM_METHODS else {},
+           "window": args.window, "seconds": time.perf_counter() - t0}
+    utils.write_rows("retrieval", row)
+    print(f"{row['case']}: accuracy {r.accuracy:.2f} (uncompressed {r.accuracy_full:.2f}), "
+          f"{row['seconds']:.0f} s", flush=True)
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ from the prefill, the same with and without compaction).
 
 from __future__ import annotations
 
+import random
 from dataclasses import asdict, dataclass
 
 import torch
@@ -120,3 +121,84 @@ def format_compacted(r: CompactedResult) -> str:
         f"| {r.method} | {r.context} | {r.kept_tokens} ({r.keep:g}) | {r.chunks} | {r.tokens} "
         f"| {r.ppl:.3f} | {r.ppl_full:.3f} | {delta:+.1f} % |",
     ])
+
+
+# --------------------------------------------------------------------------------------- synthetic retrieval
+FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
+INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
+QUESTION = " What is the pass key? The pass key is"
+ANSWER_TOKENS = 7
+
+
+@dataclass
+class RetrievalResult:
+    """Pass-key accuracy after a compacted context and after the full one, on the same ``samples``."""
+
+    method: str
+    keep: float
+    context: int
+    samples: int
+    seed: int
+    accuracy: float
+    accuracy_full: float
+    kept_tokens: int
+    held_tokens: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def passkey_sample(tokenizer, context: int, rng: random.Random) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """A ``context``-token prompt of filler with a five-digit pass key at a random depth (from ``rng``), the
+    question that follows it, and the key: ``(context ids [C], question ids [q], key)``."""
+    key = str(rng.randint(10000, 99999))
+    encode = lambda text: list(tokenizer(text, add_special_tokens=False)["input_ids"])  # noqa: E731
+    intro, needle = encode(INTRO), encode(f"The pass key is {key}. Remember it. {key} is the pass key. ")
+    fill = encode(FILLER)
+    n = context - len(intro) - len(needle)
+    if n < len(fill):
+        raise ValueError(f"a pass-key prompt needs more than {context} tokens of context")
+    body = (fill * (n // len(fill) + 1))[:n]
+    depth = rng.randrange(0, n // len(fill) + 1) * len(fill)  # between two filler passages
+    ids = intro + body[:depth] + needle + body[depth:]
+    return torch.tensor(ids[:context]), torch.tensor(encode(QUESTION)), key
+
+
+@torch.no_grad()
+def retrieve(model, tokenizer, ctx: torch.Tensor, question: torch.Tensor, keep: float | None, method: str, *,
+             window: int = DEFAULT_WINDOW, **options) -> tuple[str, int, float]:
+    """The greedy answer after ``ctx`` compacted by ``method`` (or whole when ``keep`` is None), with the
+    entries kept and held per head."""
+    device = next(model.parameters()).device
+    ids = torch.cat([ctx, question])[None].to(device)
+    C = ctx.numel()
+    kwargs, kept, held = {}, C, float(C)
+    if keep is not None:
+        cache, queries = prefill_with_queries(model, ids[:, :C], **_queries_for(method, C, window))
+        kept = max(1, round(keep * C))
+        cache = build(model, cache, queries, kept, method, **options)
+        held = sum(cache.prefix) / len(cache.prefix)
+        kwargs["past_key_values"] = cache
+    out = model.generate(ids, max_new_tokens=ANSWER_TOKENS, do_sample=False, **kwargs)
+    return tokenizer.decode(out[0, ids.shape[1]:]), kept, held
+
+
+def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0.1, method: str = "am",
+                       samples: int = 20, seed: int = 0, window: int = DEFAULT_WINDOW,
+                       **options) -> RetrievalResult:
+    """Pass-key retrieval accuracy over ``samples`` prompts drawn from ``seed``: compacted and whole."""
+    if not 0 < keep <= 1:
+        raise ValueError(f"keep must be in (0, 1], got {keep}")
+    if method not in METHODS:
+        raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    check_context(model.config, context + 32, "context + question")
+    rng = random.Random(seed)
+    right = right_full = 0
+    kept, held = 0, 0.0
+    for _ in tqdm(range(samples), desc=f"pass key {method} keep {keep:g}", unit="prompt"):
+        ctx, question, key = passkey_sample(tokenizer, context, rng)
+        answer, kept, h = retrieve(model, tokenizer, ctx, question, keep, method, window=window, **options)
+        full, _, _ = retrieve(model, tokenizer, ctx, question, None, method)
+        right, right_full, held = right + (key in answer), right_full + (key in full), held + h / samples
+    return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
+                           held)

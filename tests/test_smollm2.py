@@ -164,3 +164,21 @@ def test_cli_compressed_context_perplexity(tmp_path):
                           (["--compact", "0.1", "--baseline", "kivi4"], "compacting a latent or quantized")):
         r = runner.invoke(main, ["eval", "smollm2", *args])
         assert r.exit_code == 2 and message in r.output, r.output
+
+
+def test_the_pass_key_prompt_is_drawn_from_its_seed_and_the_model_finds_the_key(smollm2):
+    """The retrieval prompt: exactly C tokens, the key inside, the same prompt from the same seed; the
+    uncompressed model answers it, and a compacted context gives an answer through the same generate."""
+    import random
+
+    from stiefkv.longcontext import passkey_sample, retrieve
+
+    model, tok = smollm2
+    ctx, question, key = passkey_sample(tok, 400, random.Random(3))
+    again, _, key2 = passkey_sample(tok, 400, random.Random(3))
+    assert ctx.numel() == 400 and torch.equal(ctx, again) and key == key2
+    assert key in tok.decode(ctx) and "pass key" in tok.decode(question)
+    answer, kept, _ = retrieve(model, tok, ctx, question, None, "am")
+    assert key in answer and kept == 400
+    answer, kept, held = retrieve(model, tok, ctx, question, 0.25, "am", window=64)
+    assert kept == 100 and held <= 100 and answer.strip()
