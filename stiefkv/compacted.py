@@ -123,16 +123,66 @@ def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = Tr
     return cache, [queries[i] for i in range(len(queries))]
 
 
-def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW) -> DynamicCache:
+def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_study: int = 0,
+            seed: int = 0) -> DynamicCache:
     """Run the prompt ``ids`` ``[B, C]`` (unpadded rows) and return its ``DynamicCache``, holding as
     ``reference_queries`` the queries :func:`compact` fits to: the prompt's last ``window`` (all of a
-    shorter one), rotated as if they came after it."""
+    shorter one; 0 for none), rotated as if they came after it, and with ``self_study`` > 0 the queries of
+    that many tokens the model then samples itself (from ``seed``), at their own positions."""
     if ids.ndim != 2 or ids.shape[1] < 2:
         raise ValueError(f"prefill takes token ids [batch, tokens] of at least 2 tokens; got shape "
                          f"{tuple(ids.shape)}")
-    cache, queries = prefill_with_queries(model, ids, min(window, ids.shape[1]))
+    if window < 0 or self_study < 0 or window + self_study == 0:
+        raise ValueError(f"window and self_study count reference queries: ≥ 0, not both 0; got {window} "
+                         f"and {self_study}")
+    cache, queries = prefill_with_queries(model, ids, max(1, min(window, ids.shape[1])))
+    if self_study:
+        studied = study_queries(model, ids, cache, self_study, seed)
+        queries = studied if window == 0 else [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
     cache.reference_queries = queries
     return cache
+
+
+@torch.no_grad()
+def study_queries(model, ids: torch.Tensor, cache, tokens: int, seed: int) -> list[torch.Tensor]:
+    """Per layer the rotated queries ``[B, H, tokens, d]`` of a continuation of ``ids`` the model samples
+    itself on top of ``cache`` (which holds the prompt's keys and values as they were afterwards)."""
+    C = ids.shape[1]
+    grabbed: dict[int, list[torch.Tensor]] = {}
+    state = {}
+    hooks = []
+    for i, layer in enumerate(decoder_layers(model)):
+        def grab(module, args, kwargs, i=i):
+            q, _, _ = project_qkv(module, kwargs["hidden_states"], keys=False, values=False)
+            grabbed.setdefault(i, []).append(rotate_with(q, *state["rope"]))
+        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    g = torch.Generator(device=ids.device).manual_seed(seed)
+    probe = torch.zeros(1, 1, device=ids.device, dtype=next(model.parameters()).dtype)
+    key = cache_keyword(model)
+    last = [(la.keys[:, :, C - 1:], la.values[:, :, C - 1:]) for la in cache.layers]  # restored exactly
+    try:
+        token = ids[:, -1:]
+        for j in range(tokens + 1):  # the first step re-reads the prompt's last token: its query is not kept
+            where = torch.full((1, 1), C - 1 + j, device=ids.device)
+            state["rope"] = getattr(model, "model", model).rotary_emb(probe, where)
+            if j == 0:
+                _truncate(cache, C - 1)
+            logits = model(token, position_ids=where.expand(ids.shape[0], 1), **{key: cache}).logits[:, -1]
+            token = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
+    finally:
+        for h in hooks:
+            h.remove()
+        _truncate(cache, C - 1)
+        for layer, (k, v) in zip(cache.layers, last):
+            layer.keys, layer.values = torch.cat([layer.keys, k], 2), torch.cat([layer.values, v], 2)
+    return [torch.cat(grabbed[i][1:], 2) for i in range(len(grabbed))]
+
+
+def _truncate(cache, n: int) -> None:
+    """Keep the first ``n`` tokens of every layer (``DynamicCache.crop``'s argument changed meaning in
+    transformers 5.24)."""
+    for layer in cache.layers:
+        layer.keys, layer.values = layer.keys[:, :, :n], layer.values[:, :, :n]
 
 
 # --------------------------------------------------------------------------------------------- compaction

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from stiefkv import presses
 from stiefkv.cache import cache_keyword
-from stiefkv.compacted import DEFAULT_WINDOW, build, prefill_with_queries
+from stiefkv.compacted import DEFAULT_WINDOW, build, prefill_with_queries, study_queries
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
 from stiefkv.models import check_context
@@ -70,7 +70,11 @@ def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, 
     full = model(ids).logits[:, context:-1].float()
     targets = ids[:, context + 1:]
     nll_full = torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="sum")
+    study = options.pop("self_study", 0)
     cache, queries = prefill_with_queries(model, ids[:, :context], **_queries_for(method, context, window))
+    if study and method in AM_METHODS:  # the model's own continuation's queries beside the prompt's
+        studied = study_queries(model, ids[:, :context], cache, study, seed=0)
+        queries = [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
     t = max(1, round(keep * context))
     cache = build(model, cache, queries, t, method, **options)
     positions = torch.arange(context, n, device=ids.device)[None]

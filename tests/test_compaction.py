@@ -275,6 +275,24 @@ def test_a_compacted_cache_continues_at_the_original_positions_in_forward_and_ge
     assert got.shape == (1, C + 1 + new) and cache.get_seq_length() == C + new
 
 
+def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_cache_as_it_was():
+    import stiefkv
+
+    model, ids = tiny_prompt(11, 40)
+    plain = stiefkv.prefill(model, ids, window=16)
+    studied = stiefkv.prefill(model, ids, window=16, self_study=7, seed=2)
+    again = stiefkv.prefill(model, ids, window=16, self_study=7, seed=2)
+    only = stiefkv.prefill(model, ids, window=0, self_study=7, seed=2)
+    for a, b, c, d in zip(plain.reference_queries, studied.reference_queries, again.reference_queries,
+                          only.reference_queries):
+        assert b.shape[2] == 23 and d.shape[2] == 7 and torch.isfinite(b).all()
+        assert torch.equal(b[:, :, :16], a) and torch.equal(b, c) and torch.equal(b[:, :, 16:], d)
+    for la, lb in zip(plain.layers, studied.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    assert studied.get_seq_length() == 40
+    assert stiefkv.compact(model, studied, keep=0.2).get_seq_length() == 40
+
+
 def test_bad_compact_requests_are_refused():
     from transformers import DynamicCache
 
@@ -305,6 +323,8 @@ def test_bad_compact_requests_are_refused():
         stiefkv.compact(model, cache, allocation="heads")
     with pytest.raises(ValueError, match="at least 2 tokens"):
         stiefkv.prefill(model, ids[0])
+    with pytest.raises(ValueError, match="not both 0"):
+        stiefkv.prefill(model, ids, window=0)
 
 
 def _one_token_cache(model, ids):
