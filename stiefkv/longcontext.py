@@ -132,6 +132,7 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
 QUESTION = " What is the pass key? The pass key is"
 ANSWER_TOKENS = 7
+_FULL_ANSWERS: dict[tuple, bool] = {}  # (model, context, seed, sample) → the uncompressed model answered
 
 
 @dataclass
@@ -182,7 +183,7 @@ def retrieve(model, tokenizer, ctx: torch.Tensor, question: torch.Tensor, keep: 
         kept = max(1, round(keep * C))
         cache = build(model, cache, queries, kept, method, **options)
         held = sum(cache.prefix) / len(cache.prefix)
-        kwargs["past_key_values"] = cache
+        kwargs[cache_keyword(model)] = cache
     out = model.generate(ids, max_new_tokens=ANSWER_TOKENS, do_sample=False, **kwargs)
     return tokenizer.decode(out[0, ids.shape[1]:]), kept, held
 
@@ -199,10 +200,12 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
     rng = random.Random(seed)
     right = right_full = 0
     kept, held = 0, 0.0
-    for _ in tqdm(range(samples), desc=f"pass key {method} keep {keep:g}", unit="prompt"):
+    for i in tqdm(range(samples), desc=f"pass key {method} keep {keep:g}", unit="prompt"):
         ctx, question, key = passkey_sample(tokenizer, context, rng)
         answer, kept, h = retrieve(model, tokenizer, ctx, question, keep, method, window=window, **options)
-        full, _, _ = retrieve(model, tokenizer, ctx, question, None, method)
-        right, right_full, held = right + (key in answer), right_full + (key in full), held + h / samples
+        memo = (id(model), context, seed, i)  # the whole context's answer is the same for every method
+        if memo not in _FULL_ANSWERS:
+            _FULL_ANSWERS[memo] = key in retrieve(model, tokenizer, ctx, question, None, method)[0]
+        right, right_full, held = right + (key in answer), right_full + _FULL_ANSWERS[memo], held + h / samples
     return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
                            held)

@@ -8,7 +8,8 @@ kvpress's ``ScorerPress`` does. Each scorer takes one layer's cache ``keys``, ``
 - ``knorm``: the negated key norm (KnormPress);
 - ``snapkv``: the mean attention of the last ``window`` queries over the older keys, average-pooled along
   the tokens, averaged over the query heads of a KV head; the window itself always kept (SnapKVPress);
-- ``tova``: the last token's attention, averaged over the query heads of a KV head (TOVAPress);
+- ``tova``: the last token's attention averaged over all query heads, the same for every KV head, the last
+  token always kept (TOVAPress);
 - ``streaming_llm``: the first :data:`SINKS` tokens and the newest (StreamingLLMPress);
 - ``expected_attention``: the attention the next ``future`` positions' queries are expected to pay, from the
   mean and covariance of the prompt's queries before RoPE and the RoPE rotation averaged over those
@@ -62,10 +63,14 @@ def snapkv(keys: torch.Tensor, queries: torch.Tensor, scale: float, window: int 
 
 
 def tova(keys: torch.Tensor, last_query: torch.Tensor, scale: float) -> torch.Tensor:
-    """``last_query`` ``[B, H, 1, d]``: the prompt's last query at its own position."""
+    """``last_query`` ``[B, H, 1, d]``: the prompt's last query at its own position. As kvpress does, the
+    attention is averaged over all query heads (every KV head keeps the same tokens) and the last token is
+    always kept."""
     H = last_query.shape[1]
+    B, G, T, _ = keys.shape
     logits = (last_query.float() @ _repeat(keys, H).float().transpose(-1, -2)) * scale
-    return _grouped_mean(torch.softmax(logits, -1)[..., 0, :], keys.shape[1])
+    scores = torch.softmax(logits, -1)[..., 0, :-1].mean(1, keepdim=True).expand(B, G, T - 1)
+    return F.pad(scores, (0, 1), value=float(scores.max()) + 1)
 
 
 def recent(keys: torch.Tensor) -> torch.Tensor:
