@@ -206,6 +206,7 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
         memo = (id(model), context, seed, i)  # the whole context's answer is the same for every method
         if memo not in _FULL_ANSWERS:
             _FULL_ANSWERS[memo] = key in retrieve(model, tokenizer, ctx, question, None, method)[0]
-        right, right_full, held = right + (key in answer), right_full + _FULL_ANSWERS[memo], held + h / samples
+        right, right_full = right + (key in answer), right_full + _FULL_ANSWERS[memo]
+        held += h / samples
     return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
                            held)

@@ -174,7 +174,8 @@ def test_presses_keep_what_their_definitions_say():
 
     last = q[:, :, -1:]  # TOVA: the last query's attention averaged over all heads, the last token kept
     scores = presses.tova(keys, last, scale)
-    want = torch.stack([torch.softmax(last[0, h, 0] @ keys[0, h // 3].T * scale, -1) for h in range(H)]).mean(0)
+    want = torch.stack([torch.softmax(last[0, h, 0] @ keys[0, h // 3].T * scale, -1)
+                        for h in range(H)]).mean(0)
     for g in range(G):
         torch.testing.assert_close(scores[0, g, :-1], want[:-1], atol=1e-6, rtol=1e-5)
         assert scores[0, g, -1] > scores[0, g, :-1].max()

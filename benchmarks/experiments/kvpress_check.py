@@ -2,8 +2,8 @@
 
 kvpress 0.5.5 pins ``transformers<5.3``, so it runs in its own environment (transformers 5.2, the same torch):
 
-    python3 -m venv /tmp/kvenv && /tmp/kvenv/bin/pip install torch==2.13.0 transformers==5.2.0 gguf accelerate \\
-        "datasets>=2.21" "fire>=0.6,<0.7" "pandas>=2.2.2,<3" "peft>=0.20" "cachetools>=5.5.2,<6"
+    python3 -m venv /tmp/kvenv && /tmp/kvenv/bin/pip install torch==2.13.0 transformers==5.2.0 gguf \\
+        accelerate "datasets>=2.21" "fire>=0.6,<0.7" "pandas>=2.2.2,<3" "peft>=0.20" "cachetools>=5.5.2,<6"
     /tmp/kvenv/bin/pip install --no-deps kvpress==0.5.5
     /tmp/kvenv/bin/python benchmarks/experiments/kvpress_check.py kvpress GGUF /tmp/kv.pt --chunks 3
     .venv/bin/python benchmarks/experiments/kvpress_check.py stiefkv GGUF /tmp/kv.pt
