@@ -44,8 +44,8 @@ class Compacted:
 
 
 def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp(q·k·s − m_q)`` ``[m, T]`` and the row maxima ``m_q`` ``[m]`` (float64)."""
-    s = (queries.double() @ keys.double().T) * scale
+    """``exp(q·k·s − m_q)`` ``[..., m, T]`` and the row maxima ``m_q`` ``[..., m]`` (float64)."""
+    s = (queries.double() @ keys.double().transpose(-1, -2)) * scale
     top = s.amax(-1, keepdim=True)
     return torch.exp(s - top), top.squeeze(-1)
 
@@ -54,21 +54,21 @@ POOLINGS = ("mean", "rms", "max")
 
 
 def key_scores(E: torch.Tensor, mass: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
-    """Each key's attention probability over the reference queries, pooled by ``pooling`` ``[T]``."""
-    P = E / mass[:, None]
+    """Each key's attention probability over the reference queries, pooled by ``pooling`` ``[..., T]``."""
+    P = E / mass[..., None]
     if pooling == "mean":
-        return P.mean(0)
+        return P.mean(-2)
     if pooling == "rms":
-        return P.square().mean(0).sqrt()
+        return P.square().mean(-2).sqrt()
     if pooling == "max":
-        return P.amax(0)
+        return P.amax(-2)
     raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
 
 
 def _select_attention(E: torch.Tensor, mass: torch.Tensor, t: int, pooling: str = "mean") -> torch.Tensor:
     """The ``t`` keys with the highest attention probability over the reference queries, pooled by
     ``pooling``."""
-    return torch.topk(key_scores(E, mass, pooling), t).indices.sort().values
+    return torch.topk(key_scores(E, mass, pooling), t).indices.sort(-1).values
 
 
 def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int, pooling: str = "mean") -> torch.Tensor:
@@ -98,15 +98,29 @@ def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int, pooling: str = "mea
 SOLVERS = ("nnls", "projected")
 
 
-def _largest_eigenvalue(gram: torch.Tensor, steps: int = 30) -> float:
-    """Power iteration on a symmetric positive semi-definite matrix, from the all-ones vector (the
-    Gram matrices here are non-negative, so it starts inside the leading eigenvector's cone); a little
-    above the estimate, so that a step of its inverse stays stable."""
-    v = torch.ones(gram.shape[0], dtype=gram.dtype, device=gram.device)
+def _largest_eigenvalue(gram: torch.Tensor, steps: int = 30) -> torch.Tensor:
+    """Power iteration on symmetric positive semi-definite matrices ``[..., n, n]``, from the all-ones
+    vector (the Gram matrices here are non-negative, so it starts inside the leading eigenvector's cone); a
+    little above the estimate ``[...]``, so that a step of its inverse stays stable."""
+    v = torch.ones(gram.shape[:-1], dtype=gram.dtype, device=gram.device)
     for _ in range(steps):
-        v = gram @ v
-        v = v / v.norm().clamp_min(1e-300)
-    return 1.05 * float(v @ (gram @ v))
+        v = (gram @ v[..., None])[..., 0]
+        v = v / v.norm(dim=-1, keepdim=True).clamp_min(1e-300)
+    return 1.05 * (v * (gram @ v[..., None])[..., 0]).sum(-1)
+
+
+def _fit_projected(A: torch.Tensor) -> torch.Tensor:
+    """``w ≥ 0`` ``[..., t]`` with ``A w ≈ 1`` for ``A`` ``[..., m, t]``: clamped least squares, then
+    :data:`PROJECTED_STEPS` projected gradient steps, batched over the leading dimensions."""
+    gram = A.transpose(-1, -2) @ A
+    rhs = A.sum(-2)
+    lam = 1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1)
+    eye = torch.eye(gram.shape[-1], dtype=A.dtype, device=A.device)
+    w = torch.linalg.solve(gram + lam[..., None, None] * eye, rhs).clamp_min(0)
+    step = (1 / _largest_eigenvalue(gram))[..., None]
+    for _ in range(PROJECTED_STEPS):
+        w = (w - step * ((gram @ w[..., None])[..., 0] - rhs)).clamp_min(0)
+    return w
 PROJECTED_STEPS = 50
 
 
@@ -120,15 +134,7 @@ def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor, solver: str = "nnls") 
         return torch.from_numpy(w).to(A.device)
     if solver != "projected":
         raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
-    ones = torch.ones(A.shape[0], dtype=A.dtype, device=A.device)
-    gram, rhs = A.T @ A, A.T @ ones
-    lam = 1e-9 * float(gram.diagonal().mean())
-    eye = torch.eye(gram.shape[0], dtype=A.dtype, device=A.device)
-    w = torch.linalg.solve(gram + lam * eye, rhs).clamp_min(0)
-    step = 1 / _largest_eigenvalue(gram)
-    for _ in range(PROJECTED_STEPS):
-        w = (w - step * (gram @ w - rhs)).clamp_min(0)
-    return w
+    return _fit_projected(A)
 
 
 def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
@@ -142,6 +148,9 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
         raise ValueError(f"selection must be one of {', '.join(SELECTIONS)}; got {selection!r}")
     if not 1 <= t <= T:
         raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
+    if selection == "attention" and (solver == "projected" or not fit_beta):
+        return Compacted(*compact_heads(keys, values, queries, t, scale=scale, fit_beta=fit_beta,
+                                        refit_values=refit_values, ridge=ridge, pooling=pooling))
     E, _ = _logits(queries, keys, scale)
     mass = E.sum(-1)
     index = (_select_attention if selection == "attention" else _select_omp)(E, mass, t, pooling)
@@ -158,6 +167,34 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
         eye = torch.eye(t, dtype=torch.float64, device=E.device)
         chosen = torch.linalg.solve(gram + lam * eye, A.T @ target + lam * chosen)
     return Compacted(index, torch.log(w).to(keys.dtype), chosen.to(values.dtype))
+
+
+def compact_heads(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
+                  fit_beta: bool = True, refit_values: bool = True, ridge: float = DEFAULT_RIDGE,
+                  pooling: str = "mean") -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`compact_head` with ``selection="attention"`` and ``solver="projected"`` for many heads at once:
+    ``keys`` ``[..., T, d]``, ``values`` ``[..., T, d_v]``, ``queries`` ``[..., m, d]``, the same ``t`` for
+    all. Returns the indices ``[..., t]``, β ``[..., t]`` and the values ``[..., t, d_v]``."""
+    T = keys.shape[-2]
+    if not 1 <= t <= T:
+        raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
+    E, _ = _logits(queries, keys, scale)
+    mass = E.sum(-1)
+    index = _select_attention(E, mass, t, pooling)  # [..., t]
+    E_sel = E.gather(-1, index[..., None, :].expand(*E.shape[:-1], t))
+    w = _fit_projected(E_sel / mass[..., None]) if fit_beta else torch.ones_like(E_sel[..., 0, :])
+    w = w.clamp(min=MIN_WEIGHT)
+    V = values.double()
+    chosen = V.gather(-2, index[..., None].expand(*index.shape, V.shape[-1]))
+    if refit_values:
+        A = E_sel * w[..., None, :]
+        A = A / A.sum(-1, keepdim=True)
+        target = (E @ V) / mass[..., None]
+        gram = A.transpose(-1, -2) @ A
+        lam = (ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1))[..., None, None]
+        eye = torch.eye(t, dtype=torch.float64, device=E.device)
+        chosen = torch.linalg.solve(gram + lam * eye, A.transpose(-1, -2) @ target + lam * chosen)
+    return index, torch.log(w).to(keys.dtype), chosen.to(values.dtype)
 
 
 def compacted_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float,
@@ -232,6 +269,10 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     B, G = keys.shape[:2]
     per = queries.shape[1] // G
     budget = torch.as_tensor(t).expand(B, G)
+    if _batchable(budget, method, options):
+        if method == "attention":  # keeps the chosen tokens as they are
+            options = {"pooling": options.get("pooling", "mean"), "fit_beta": False, "refit_values": False}
+        return _compact_layer_batched(keys, values, queries, int(budget[0, 0]), scale=scale, **options)
     out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1),
                            int(budget[b, g]), scale=scale, method=method, **options)
             for g in range(G)] for b in range(B)]
@@ -241,6 +282,42 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     kept = torch.gather(keys, 2, index[..., None].expand(-1, -1, -1, keys.shape[-1]))
     beta = torch.stack([torch.stack([c.beta for c in row]) for row in out]).to(keys.device)
     fitted = torch.stack([torch.stack([c.values for c in row]) for row in out]).to(values.device)
+    return kept, beta, fitted, index
+
+
+BATCH_BYTES = 2 << 30  # float64 logits held at once when heads are compacted together
+
+
+def _batchable(budget: torch.Tensor, method: str, options: dict) -> bool:
+    """Every head keeps the same count and the fit has a batched form (attention selection, projected
+    weights or none)."""
+    if not bool((budget == budget.flatten()[0]).all()) or method not in METHODS:
+        return False
+    if method == "attention":
+        return True
+    return (options.get("selection", "attention") == "attention"
+            and (options.get("solver", "nnls") == "projected" or options.get("fit_beta") is False))
+
+
+def _group_queries(queries: torch.Tensor, G: int) -> torch.Tensor:
+    """``[B, H, m, d]`` → ``[B, G, (H/G)·m, d]``: each KV head's query heads' queries together."""
+    B, H, m, d = queries.shape
+    return queries.reshape(B, G, H // G, m, d).flatten(2, 3)
+
+
+def _compact_layer_batched(keys, values, queries, t: int, *, scale: float, selection: str = "attention",
+                           solver: str = "projected", fit_beta: bool = True, refit_values: bool = True,
+                           ridge: float = DEFAULT_RIDGE, pooling: str = "mean"):
+    """:func:`compact_layer` for a common count, every head at once (in slices of heads whose float64
+    logits fit :data:`BATCH_BYTES`)."""
+    B, G, T, _ = keys.shape
+    q = _group_queries(queries, G)
+    step = max(1, BATCH_BYTES // (q.shape[2] * T * 8 * B))
+    parts = [compact_heads(keys[:, g:g + step], values[:, g:g + step], q[:, g:g + step], t, scale=scale,
+                           fit_beta=fit_beta, refit_values=refit_values, ridge=ridge, pooling=pooling)
+             for g in range(0, G, step)]
+    index, beta, fitted = (torch.cat(x, 1) for x in zip(*parts))
+    kept = torch.gather(keys, 2, index[..., None].expand(-1, -1, -1, keys.shape[-1]))
     return kept, beta, fitted, index
 
 
@@ -256,15 +333,13 @@ def global_budgets(keys: list[torch.Tensor], queries: list[torch.Tensor], t: int
     per_layer = []
     for k, q, scale in zip(keys, queries, scales):
         B, G, T = k.shape[:3]
-        per = q.shape[1] // G
-        rows = []
-        for b in range(B):
-            row = []
-            for g in range(G):
-                E, _ = _logits(q[b, g * per:(g + 1) * per].flatten(0, 1), k[b, g], scale)
-                row.append(key_scores(E, E.sum(-1), pooling))
-            rows.append(torch.stack(row))
-        per_layer.append(torch.stack(rows))  # [B, G, T]
+        q = _group_queries(q, G)
+        step = max(1, BATCH_BYTES // (q.shape[2] * T * 8 * B))
+        scores = []
+        for g in range(0, G, step):
+            E, _ = _logits(q[:, g:g + step], k[:, g:g + step], scale)
+            scores.append(key_scores(E, E.sum(-1), pooling))
+        per_layer.append(torch.cat(scores, 1))  # [B, G, T]
     allk = torch.stack(per_layer, 1)  # [B, L, G, T]
     B, L, G, T = allk.shape
     total = t * L * G

@@ -72,6 +72,27 @@ def test_attention_matching_beats_eviction_on_held_out_queries(seed, T, t):
     assert omp[1] < evict[1], (omp, evict)  # OMP chooses for the masses
 
 
+@pytest.mark.parametrize("seed,T,t", [(5, 89, 17), (6, 140, 31)])
+def test_the_projected_weight_fit_matches_exact_nnls(seed, T, t):
+    """Clamped least squares + projected gradient against scipy's exact NNLS on the same chosen keys: the
+    mass residual within 2 % (and well below keeping β = 0)."""
+    from stiefkv.compaction import _fit_weights, _logits, _select_attention
+
+    keys, _, queries = block(seed, T, 16, 5)
+    E, _ = _logits(queries(200), keys, 0.25)
+    mass = E.sum(-1)
+    E_sel = E[:, _select_attention(E, mass, t, "rms")]
+
+    def residual(w):
+        assert torch.isfinite(w).all() and (w >= 0).all()
+        return float(((E_sel @ w) / mass - 1).norm())
+
+    exact = residual(_fit_weights(E_sel, mass, "nnls"))
+    projected = residual(_fit_weights(E_sel, mass, "projected"))
+    assert projected <= 1.02 * exact + 1e-9, (projected, exact)
+    assert projected < 0.75 * residual(torch.ones(t, dtype=torch.float64))
+
+
 def test_bad_compaction_requests_are_refused():
     keys, values, queries = block(4, 9, 6, 5)
     q = queries(8)
@@ -208,6 +229,27 @@ def test_expected_attention_averages_the_future_rotation():
             per.append(torch.softmax(k @ mu / math.sqrt(d) + ((k @ cov) * k).sum(-1) / (2 * d), -1))
         want = torch.stack(per).mean(0) * values[0, g, presses.SINKS:].double().norm(dim=-1)
         torch.testing.assert_close(scores[0, g, presses.SINKS:].double(), want, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize("B,G,H,T,t", [(1, 3, 9, 71, 13), (2, 2, 8, 45, 7)])
+def test_heads_compacted_together_equal_heads_compacted_one_by_one(B, G, H, T, t):
+    """The batched layer path (a common count, attention selection, projected fit) against compact_head
+    per head: the same keys, β and values (float32 in, float64 inside: 1e-5)."""
+    from stiefkv.compaction import choose_and_fit, compact_layer
+
+    d, scale = 11, 0.29
+    keys, values, q = layer_cache(12 + B, B, G, H, T, d)
+    options = {"pooling": "rms", "solver": "projected"}
+    kept, beta, fitted, index = compact_layer(keys, values, q, t, scale=scale, **options)
+    per = H // G
+    for b in range(B):
+        for g in range(G):
+            c = choose_and_fit(keys[b, g], values[b, g], q[b, g * per:(g + 1) * per].flatten(0, 1), t,
+                               scale=scale, method="am", **options)
+            assert torch.equal(index[b, g], c.index)
+            torch.testing.assert_close(beta[b, g], c.beta, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(fitted[b, g], c.values, atol=1e-5, rtol=1e-5)
+            assert torch.isfinite(fitted[b, g]).all()
 
 
 def test_per_head_budgets_pad_with_entries_attention_never_reads():
