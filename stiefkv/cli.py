@@ -371,6 +371,10 @@ def _inspect_table(proj) -> str:
                    "this fraction per KV head (--compact-method), score the next 512 tokens on top, against "
                    "the same chunks uncompressed (the uncompressed model's own cache; --windows = chunks).")
 @click.option("--context", type=int, default=4096, show_default=True, help="Context tokens for --compact.")
+@click.option("--passkey", type=int, default=None, metavar="N",
+              help="With --compact: pass-key retrieval instead of perplexity, over N prompts of --context "
+                   "tokens drawn from --seed (filler with a five-digit key at a random depth), answered "
+                   "after the compacted context and after the whole one.")
 @click.option("--compact-method", type=click.Choice(COMPACT_METHODS),
               default="am", show_default=True,
               help="am = attention matching (keys, β and values fitted); attention evicts all but the keys "
@@ -380,7 +384,7 @@ def _inspect_table(proj) -> str:
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options
 def evaluate(model, projections, baseline, data, window, windows, batch_size, backend, attention_kl,
-             kl_context, compact, context, compact_method, json_path, device, dtype, seed, debug):
+             kl_context, compact, context, passkey, compact_method, json_path, device, dtype, seed, debug):
     """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL (or, with
     --compact, the perplexity after a compacted context)."""
     import stiefkv
@@ -412,6 +416,9 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                             "--attention-kl")
         if context < 2:
             raise UserError(f"--context must be ≥ 2, got {context}")
+    if passkey is not None and (compact is None or passkey < 1):
+        raise UserError("--passkey N (N ≥ 1 prompts) measures retrieval after a compacted context: give "
+                        f"--compact too (got --passkey {passkey}, --compact {compact})")
     to_stdout = json_path is not None and str(json_path) == "-"
 
     def work():
@@ -428,10 +435,14 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
             require_quanto(baseline)  # before the model loads
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
         if compact is not None:
-            from stiefkv.longcontext import evaluate_compacted
+            from stiefkv.longcontext import evaluate_compacted, evaluate_retrieval
 
-            result = evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
-                                        chunks=windows, data=data)
+            if passkey is not None:
+                result = evaluate_retrieval(m, tok, context=context, keep=compact, method=compact_method,
+                                            samples=passkey, seed=seed)
+            else:
+                result = evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
+                                            chunks=windows, data=data)
             if json_path is not None and not to_stdout:
                 json_path.write_text(json.dumps(result.as_dict(), indent=2))
             return result
@@ -458,9 +469,9 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         click.echo(json.dumps(result.as_dict(), indent=2))
         return
     if compact is not None:
-        from stiefkv.longcontext import format_compacted
+        from stiefkv.longcontext import format_compacted, format_retrieval
 
-        click.echo(format_compacted(result))
+        click.echo(format_retrieval(result) if passkey is not None else format_compacted(result))
     else:
         click.echo(format_table(result))
     if json_path is not None:

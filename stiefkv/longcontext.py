@@ -210,3 +210,13 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
         held += h / samples
     return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
                            held)
+
+
+def format_retrieval(r: RetrievalResult) -> str:
+    """A markdown table of one pass-key result."""
+    return "\n".join([
+        "| method | context | kept per head | prompts (seed) | accuracy | uncompressed |",
+        "|---|---|---|---|---|---|",
+        f"| {r.method} | {r.context} | {r.kept_tokens} ({r.keep:g}) | {r.samples} ({r.seed}) "
+        f"| {r.accuracy:.2f} | {r.accuracy_full:.2f} |",
+    ])

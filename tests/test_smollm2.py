@@ -160,8 +160,14 @@ def test_cli_compressed_context_perplexity(tmp_path):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output[r.output.index("{"):])
     assert doc["ppl"] == pytest.approx(doc["ppl_full"], rel=1e-4)
+    r = runner.invoke(main, ["eval", "smollm2", "--compact", "0.5", "--context", "300", "--passkey", "2",
+                             "--json", "-"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output[r.output.index("{"):])
+    assert doc["samples"] == 2 and doc["accuracy_full"] == 1.0 and 0 <= doc["accuracy"] <= 1
     for args, message in ((["--compact", "1.5"], "--compact must be in (0, 1]"),
-                          (["--compact", "0.1", "--baseline", "kivi4"], "compacting a latent or quantized")):
+                          (["--compact", "0.1", "--baseline", "kivi4"], "compacting a latent or quantized"),
+                          (["--passkey", "3"], "give --compact too")):
         r = runner.invoke(main, ["eval", "smollm2", *args])
         assert r.exit_code == 2 and message in r.output, r.output
 
