@@ -30,7 +30,9 @@ VARIANTS = {
     "am layers": {"allocation": "layers"}, "am uniform": {"allocation": "uniform"},
     "am mean": {"pooling": "mean"}, "am nnls": {"solver": "nnls"},
     "am first": {"allocation": "uniform", "pooling": "mean", "solver": "nnls"},  # the first harness's AM
-    "am study256": {"self_study": 256}, "attention study256": {"self_study": 256},
+    "am study256": {"self_study": 256}, "am repeat": {"repeat": (8192, 1)},
+    "am repeat2": {"repeat": (8192, 2)}, "am repeat4": {"repeat": (8192, 4)},
+    "attention study256": {"self_study": 256},
     "attention global rms": {"allocation": "global", "pooling": "rms"},
     "attention layers-max rms": {"allocation": "layers-max", "pooling": "rms"},
 }

@@ -178,6 +178,33 @@ def study_queries(model, ids: torch.Tensor, cache, tokens: int, seed: int) -> li
     return [torch.cat(grabbed[i][1:], 2) for i in range(len(grabbed))]
 
 
+@torch.no_grad()
+def repeat_queries(model, ids: torch.Tensor, cache, tokens: int, every: int = 1) -> list[torch.Tensor]:
+    """Per layer the rotated queries ``[B, H, ⌈tokens/every⌉, d]`` of the prompt's last ``tokens`` read again
+    right after it, at positions ``C …`` on top of ``cache`` (restored exactly afterwards): a second reading
+    looks back at every token of the first, so the block's keys all meet queries that want them. Every
+    ``every``-th query is kept."""
+    C = ids.shape[1]
+    n = min(tokens, C)
+    grabbed: dict[int, torch.Tensor] = {}
+    where = torch.arange(C, C + n, device=ids.device)[None]
+    probe = torch.zeros(1, 1, device=ids.device, dtype=next(model.parameters()).dtype)
+    cos, sin = getattr(model, "model", model).rotary_emb(probe, where)
+    hooks = []
+    for i, layer in enumerate(decoder_layers(model)):
+        def grab(module, args, kwargs, i=i):
+            q, _, _ = project_qkv(module, kwargs["hidden_states"], keys=False, values=False)
+            grabbed[i] = rotate_with(q, cos, sin)[:, :, ::every]
+        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        model(ids[:, C - n:], position_ids=where.expand(ids.shape[0], n), **{cache_keyword(model): cache})
+    finally:
+        for h in hooks:
+            h.remove()
+        _truncate(cache, C)
+    return [grabbed[i] for i in range(len(grabbed))]
+
+
 def _truncate(cache, n: int) -> None:
     """Keep the first ``n`` tokens of every layer (``DynamicCache.crop``'s argument changed meaning in
     transformers 5.24)."""

@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 
 from stiefkv import presses
 from stiefkv.cache import cache_keyword
-from stiefkv.compacted import DEFAULT_WINDOW, build, prefill_with_queries, study_queries
+from stiefkv.compacted import DEFAULT_WINDOW, build, prefill_with_queries, repeat_queries, study_queries
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
 from stiefkv.models import check_context
@@ -61,6 +61,21 @@ def _queries_for(method: str, context: int, window: int) -> dict:
     return dict(window=1, shift=False)  # reads none: the smallest capture
 
 
+def _reference(model, ids: torch.Tensor, method: str, window: int, options: dict):
+    """The prompt's cache and the reference queries ``method`` reads; for AM and its eviction, with the
+    options ``self_study=N`` (the queries of N sampled tokens added) and ``repeat=(N, every)`` (the queries
+    of the last N prompt tokens read again instead of the window's), popped from ``options``."""
+    study = options.pop("self_study", 0)
+    repeat = options.pop("repeat", None)
+    cache, queries = prefill_with_queries(model, ids, **_queries_for(method, ids.shape[1], window))
+    if method in AM_METHODS and repeat:
+        queries = repeat_queries(model, ids, cache, *repeat)
+    if method in AM_METHODS and study:
+        studied = study_queries(model, ids, cache, study, seed=0)
+        queries = [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
+    return cache, queries
+
+
 @torch.no_grad()
 def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, *,
               window: int = DEFAULT_WINDOW, **options) -> tuple[float, float, int, int, float]:
@@ -70,11 +85,7 @@ def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, 
     full = model(ids).logits[:, context:-1].float()
     targets = ids[:, context + 1:]
     nll_full = torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="sum")
-    study = options.pop("self_study", 0)
-    cache, queries = prefill_with_queries(model, ids[:, :context], **_queries_for(method, context, window))
-    if study and method in AM_METHODS:  # the model's own continuation's queries beside the prompt's
-        studied = study_queries(model, ids[:, :context], cache, study, seed=0)
-        queries = [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
+    cache, queries = _reference(model, ids[:, :context], method, window, options)
     t = max(1, round(keep * context))
     cache = build(model, cache, queries, t, method, **options)
     positions = torch.arange(context, n, device=ids.device)[None]
@@ -179,7 +190,8 @@ def retrieve(model, tokenizer, ctx: torch.Tensor, question: torch.Tensor, keep: 
     C = ctx.numel()
     kwargs, kept, held = {}, C, float(C)
     if keep is not None:
-        cache, queries = prefill_with_queries(model, ids[:, :C], **_queries_for(method, C, window))
+        cache, queries = _reference(model, ids[:, :C], method, window, dict(options))
+        options = {k: v for k, v in options.items() if k not in ("self_study", "repeat")}
         kept = max(1, round(keep * C))
         cache = build(model, cache, queries, kept, method, **options)
         held = sum(cache.prefix) / len(cache.prefix)

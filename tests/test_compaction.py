@@ -335,6 +335,14 @@ def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_ca
     assert studied.get_seq_length() == 40
     assert stiefkv.compact(model, studied, keep=0.2).get_seq_length() == 40
 
+    from stiefkv.compacted import repeat_queries
+
+    again = repeat_queries(model, ids, plain, 25, every=3)  # the last 25 tokens read again, every 3rd query
+    assert all(q.shape[2] == 9 and torch.isfinite(q).all() for q in again)
+    fresh = stiefkv.prefill(model, ids, window=16)
+    for la, lb in zip(plain.layers, fresh.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+
 
 def test_bad_compact_requests_are_refused():
     from transformers import DynamicCache
