@@ -279,7 +279,8 @@ def compaction_claims(res: Results, claim) -> None:
         ratio is not None and ratio <= 0.5,
         [am, best],
     )
-    rows = [r for r in res.cases("retrieval") if r["method"] == "am" and r["keep"] == 0.1]
+    rows = [r for r in res.cases("retrieval", only=lambda case: case.startswith("am passkey"))
+            if r["keep"] == 0.1]
     r = max(rows, key=lambda r: (r["context"] == 4096, r["samples"])) if rows else None
     claim(
         f"Pass key, C {r['context'] if r else 4096}, keep 0.1: AM / uncompressed accuracy "
