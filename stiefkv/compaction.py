@@ -109,6 +109,16 @@ def _largest_eigenvalue(gram: torch.Tensor, steps: int = 30) -> torch.Tensor:
     return 1.05 * (v * (gram @ v[..., None])[..., 0]).sum(-1)
 
 
+def _solve(M: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``torch.linalg.solve`` over leading batch dimensions. On the CPU one matrix at a time: a batched LU
+    there runs MKL's threaded ``getrf`` inside torch's own parallel loop over the batch, and that nesting
+    deadlocks at times (seen in the test suite: ``mkl_lapack_thread_team_ctxt_get_ithr_team``)."""
+    if M.device.type != "cpu" or M.dim() == 2:
+        return torch.linalg.solve(M, b)
+    flat_M, flat_b = M.reshape(-1, *M.shape[-2:]), b.reshape(-1, *b.shape[M.dim() - 2:])
+    return torch.stack([torch.linalg.solve(m, v) for m, v in zip(flat_M, flat_b)]).reshape(b.shape)
+
+
 def _fit_projected(A: torch.Tensor) -> torch.Tensor:
     """``w ≥ 0`` ``[..., t]`` with ``A w ≈ 1`` for ``A`` ``[..., m, t]``: clamped least squares, then
     :data:`PROJECTED_STEPS` projected gradient steps, batched over the leading dimensions."""
@@ -116,7 +126,7 @@ def _fit_projected(A: torch.Tensor) -> torch.Tensor:
     rhs = A.sum(-2)
     lam = 1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1)
     eye = torch.eye(gram.shape[-1], dtype=A.dtype, device=A.device)
-    w = torch.linalg.solve(gram + lam[..., None, None] * eye, rhs).clamp_min(0)
+    w = _solve(gram + lam[..., None, None] * eye, rhs).clamp_min(0)
     step = (1 / _largest_eigenvalue(gram))[..., None]
     for _ in range(PROJECTED_STEPS):
         w = (w - step * ((gram @ w[..., None])[..., 0] - rhs)).clamp_min(0)
@@ -193,7 +203,7 @@ def compact_heads(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
         gram = A.transpose(-1, -2) @ A
         lam = (ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1))[..., None, None]
         eye = torch.eye(t, dtype=torch.float64, device=E.device)
-        chosen = torch.linalg.solve(gram + lam * eye, A.transpose(-1, -2) @ target + lam * chosen)
+        chosen = _solve(gram + lam * eye, A.transpose(-1, -2) @ target + lam * chosen)
     return index, torch.log(w).to(keys.dtype), chosen.to(values.dtype)
 
 
