@@ -17,6 +17,8 @@ Rows of a batch must be unpadded: compaction has no notion of padding.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from transformers import DynamicCache
 
@@ -95,6 +97,29 @@ def install_hooks(model) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- the prompt
+@contextmanager
+def _queries_seen(model, take):
+    """While inside, every attention module hands ``take(layer, q)`` its queries before RoPE
+    ``[B, H, n, d]`` (computed from the layer's input, as the module itself will)."""
+    hooks = []
+    for i, layer in enumerate(decoder_layers(model)):
+        def grab(module, args, kwargs, i=i):
+            q, _, _ = project_qkv(module, kwargs["hidden_states"], keys=False, values=False)
+            take(i, q)
+        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    try:
+        yield
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def _rope(model, positions: torch.Tensor):
+    """``cos, sin`` ``[1, n, d]`` of the model's rotary embedding at ``positions`` ``[1, n]``."""
+    probe = torch.zeros(1, 1, device=positions.device, dtype=next(model.parameters()).dtype)
+    return getattr(model, "model", model).rotary_emb(probe, positions)
+
+
 @torch.no_grad()
 def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = True, rotate: bool = True):
     """The model's cache after ``ids`` ``[B, C]``, and per layer the rotated queries ``[B, H, w, d]`` of the
@@ -103,23 +128,16 @@ def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = Tr
     past (a query inside the window would see keys after its own position, at negative distances).
     ``rotate=False`` gives them before RoPE."""
     queries: dict[int, torch.Tensor] = {}
-    hooks = []
     C = ids.shape[1]
-    where = torch.arange(C - window, C, device=ids.device)[None] + (window if shift else 0)
-    probe = torch.zeros(1, 1, device=ids.device, dtype=next(model.parameters()).dtype)
-    cos, sin = getattr(model, "model", model).rotary_emb(probe, where)
-    for i, layer in enumerate(decoder_layers(model)):
-        def grab(module, args, kwargs, i=i):
-            x = kwargs["hidden_states"][:, -window:]
-            q, _, _ = project_qkv(module, x, keys=False, values=False)
-            queries[i] = rotate_with(q, cos, sin) if rotate else q
-        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
-    try:
-        cache = DynamicCache()
+    cos, sin = _rope(model, torch.arange(C - window, C, device=ids.device)[None] + (window if shift else 0))
+
+    def take(i, q):
+        q = q[:, :, -window:]
+        queries[i] = rotate_with(q, cos, sin) if rotate else q
+
+    cache = DynamicCache()
+    with _queries_seen(model, take):
         model(ids, use_cache=True, **{cache_keyword(model): cache})
-    finally:
-        for h in hooks:
-            h.remove()
     return cache, [queries[i] for i in range(len(queries))]
 
 
@@ -150,28 +168,22 @@ def study_queries(model, ids: torch.Tensor, cache, tokens: int, seed: int) -> li
     C = ids.shape[1]
     grabbed: dict[int, list[torch.Tensor]] = {}
     state = {}
-    hooks = []
-    for i, layer in enumerate(decoder_layers(model)):
-        def grab(module, args, kwargs, i=i):
-            q, _, _ = project_qkv(module, kwargs["hidden_states"], keys=False, values=False)
-            grabbed.setdefault(i, []).append(rotate_with(q, *state["rope"]))
-        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
     g = torch.Generator(device=ids.device).manual_seed(seed)
-    probe = torch.zeros(1, 1, device=ids.device, dtype=next(model.parameters()).dtype)
     key = cache_keyword(model)
     last = [(la.keys[:, :, C - 1:], la.values[:, :, C - 1:]) for la in cache.layers]  # restored exactly
+    def take(i, q):
+        grabbed.setdefault(i, []).append(rotate_with(q, *state["rope"]))
+
     try:
-        token = ids[:, -1:]
-        for j in range(tokens + 1):  # the first step re-reads the prompt's last token: its query is not kept
-            where = torch.full((1, 1), C - 1 + j, device=ids.device)
-            state["rope"] = getattr(model, "model", model).rotary_emb(probe, where)
-            if j == 0:
-                _truncate(cache, C - 1)
-            logits = model(token, position_ids=where.expand(ids.shape[0], 1), **{key: cache}).logits[:, -1]
-            token = torch.multinomial(torch.softmax(logits.float(), -1), 1, generator=g)
+        with _queries_seen(model, take):
+            token = ids[:, -1:]
+            _truncate(cache, C - 1)
+            for j in range(tokens + 1):  # step 0 re-reads the prompt's last token: its query is dropped
+                where = torch.full((1, 1), C - 1 + j, device=ids.device)
+                state["rope"] = _rope(model, where)
+                out = model(token, position_ids=where.expand(ids.shape[0], 1), **{key: cache})
+                token = torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1, generator=g)
     finally:
-        for h in hooks:
-            h.remove()
         _truncate(cache, C - 1)
         for layer, (k, v) in zip(cache.layers, last):
             layer.keys, layer.values = torch.cat([layer.keys, k], 2), torch.cat([layer.values, v], 2)
@@ -188,19 +200,14 @@ def repeat_queries(model, ids: torch.Tensor, cache, tokens: int, every: int = 1)
     n = min(tokens, C)
     grabbed: dict[int, torch.Tensor] = {}
     where = torch.arange(C, C + n, device=ids.device)[None]
-    probe = torch.zeros(1, 1, device=ids.device, dtype=next(model.parameters()).dtype)
-    cos, sin = getattr(model, "model", model).rotary_emb(probe, where)
-    hooks = []
-    for i, layer in enumerate(decoder_layers(model)):
-        def grab(module, args, kwargs, i=i):
-            q, _, _ = project_qkv(module, kwargs["hidden_states"], keys=False, values=False)
-            grabbed[i] = rotate_with(q, cos, sin)[:, :, ::every]
-        hooks.append(layer.self_attn.register_forward_pre_hook(grab, with_kwargs=True))
+    cos, sin = _rope(model, where)
+    def take(i, q):
+        grabbed[i] = rotate_with(q, cos, sin)[:, :, ::every]
+
     try:
-        model(ids[:, C - n:], position_ids=where.expand(ids.shape[0], n), **{cache_keyword(model): cache})
+        with _queries_seen(model, take):
+            model(ids[:, C - n:], position_ids=where.expand(ids.shape[0], n), **{cache_keyword(model): cache})
     finally:
-        for h in hooks:
-            h.remove()
         _truncate(cache, C)
     return [grabbed[i] for i in range(len(grabbed))]
 
@@ -247,9 +254,7 @@ def _pressed(model, cache, queries: list[torch.Tensor], t: int, method: str) -> 
     rotation = None
     if method == "expected_attention":
         C = cache.layers[0].keys.shape[2]
-        probe = torch.zeros(1, 1, dtype=torch.float32, device=cache.layers[0].keys.device)
-        where = torch.arange(C, C + presses.FUTURE, device=probe.device)[None]
-        cos, sin = getattr(model, "model", model).rotary_emb(probe, where)
+        cos, sin = _rope(model, torch.arange(C, C + presses.FUTURE, device=cache.layers[0].keys.device)[None])
         rotation = presses.averaged_rotation(cos[0].double(), sin[0].double())
     for i, (layer, q) in enumerate(zip(decoder_layers(model), queries)):
         k, v = cache.layers[i].keys, cache.layers[i].values

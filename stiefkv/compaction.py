@@ -16,8 +16,9 @@ mass-weighted output. Three steps, after Zweiger et al., "Fast KV Compaction via
 2. ``w = exp(β) ≥ 0`` by non-negative least squares on the masses, each query's mass relative to itself;
 3. ``C_v`` by ridge-regularised least squares on the outputs, pulled towards the chosen keys' own values.
 
-Everything here is per KV head on plain tensors (the PyTorch reference; float64 for the fits). The
-queries of the ``H / G`` query heads that share a KV head are all reference queries of that head.
+Everything here works on plain tensors (the PyTorch reference; float64 for the fits), one KV head at a time
+or, for the default fit, all heads of a layer at once. The queries of the ``H / G`` query heads that share
+a KV head are all reference queries of that head.
 """
 
 from __future__ import annotations
@@ -96,6 +97,7 @@ def _select_omp(E: torch.Tensor, mass: torch.Tensor, t: int, pooling: str = "mea
 
 
 SOLVERS = ("nnls", "projected")
+PROJECTED_STEPS = 50
 
 
 def _largest_eigenvalue(gram: torch.Tensor, steps: int = 30) -> torch.Tensor:
@@ -131,7 +133,6 @@ def _fit_projected(A: torch.Tensor) -> torch.Tensor:
     for _ in range(PROJECTED_STEPS):
         w = (w - step * ((gram @ w[..., None])[..., 0] - rhs)).clamp_min(0)
     return w
-PROJECTED_STEPS = 50
 
 
 def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor, solver: str = "nnls") -> torch.Tensor:
@@ -145,6 +146,19 @@ def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor, solver: str = "nnls") 
     if solver != "projected":
         raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
     return _fit_projected(A)
+
+
+def _refit_values(E: torch.Tensor, mass: torch.Tensor, E_sel: torch.Tensor, w: torch.Tensor,
+                  V: torch.Tensor, chosen: torch.Tensor, ridge: float) -> torch.Tensor:
+    """``C_v`` ``[..., t, d_v]`` by ridge least squares: the compacted block's attention ``A`` ``[..., m, t]``
+    times ``C_v`` ≈ the block's output, pulled towards ``chosen`` (the kept keys' own values)."""
+    A = E_sel * w[..., None, :]
+    A = A / A.sum(-1, keepdim=True)
+    target = (E @ V) / mass[..., None]
+    gram = A.transpose(-1, -2) @ A
+    lam = (ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1))[..., None, None]
+    eye = torch.eye(gram.shape[-1], dtype=torch.float64, device=E.device)
+    return _solve(gram + lam * eye, A.transpose(-1, -2) @ target + lam * chosen)
 
 
 def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
@@ -170,12 +184,7 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
     w = w.clamp(min=MIN_WEIGHT)
     chosen = values.double()[index]
     if refit_values:
-        A = E_sel * w / (E_sel * w).sum(-1, keepdim=True)  # the compacted block's attention [m, t]
-        target = (E @ values.double()) / mass[:, None]  # the block's output [m, d_v]
-        gram = A.T @ A
-        lam = ridge * float(gram.diagonal().mean())
-        eye = torch.eye(t, dtype=torch.float64, device=E.device)
-        chosen = torch.linalg.solve(gram + lam * eye, A.T @ target + lam * chosen)
+        chosen = _refit_values(E, mass, E_sel, w, values.double(), chosen, ridge)
     return Compacted(index, torch.log(w).to(keys.dtype), chosen.to(values.dtype))
 
 
@@ -197,13 +206,7 @@ def compact_heads(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     V = values.double()
     chosen = V.gather(-2, index[..., None].expand(*index.shape, V.shape[-1]))
     if refit_values:
-        A = E_sel * w[..., None, :]
-        A = A / A.sum(-1, keepdim=True)
-        target = (E @ V) / mass[..., None]
-        gram = A.transpose(-1, -2) @ A
-        lam = (ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1))[..., None, None]
-        eye = torch.eye(t, dtype=torch.float64, device=E.device)
-        chosen = _solve(gram + lam * eye, A.transpose(-1, -2) @ target + lam * chosen)
+        chosen = _refit_values(E, mass, E_sel, w, V, chosen, ridge)
     return index, torch.log(w).to(keys.dtype), chosen.to(values.dtype)
 
 

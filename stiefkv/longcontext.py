@@ -14,6 +14,7 @@ from the prefill, the same with and without compaction).
 from __future__ import annotations
 
 import random
+import weakref
 from dataclasses import asdict, dataclass
 
 import torch
@@ -62,9 +63,10 @@ def _queries_for(method: str, context: int, window: int) -> dict:
 
 
 def _reference(model, ids: torch.Tensor, method: str, window: int, options: dict):
-    """The prompt's cache and the reference queries ``method`` reads; for AM and its eviction, with the
-    options ``self_study=N`` (the queries of N sampled tokens added) and ``repeat=(N, every)`` (the queries
-    of the last N prompt tokens read again instead of the window's), popped from ``options``."""
+    """The prompt's cache, the reference queries ``method`` reads, and ``options`` less the two that shape
+    them (for AM and its eviction): ``self_study=N`` (the queries of N sampled tokens added) and
+    ``repeat=(N, every)`` (the queries of the last N prompt tokens read again instead of the window's)."""
+    options = dict(options)
     study = options.pop("self_study", 0)
     repeat = options.pop("repeat", None)
     cache, queries = prefill_with_queries(model, ids, **_queries_for(method, ids.shape[1], window))
@@ -73,7 +75,7 @@ def _reference(model, ids: torch.Tensor, method: str, window: int, options: dict
     if method in AM_METHODS and study:
         studied = study_queries(model, ids, cache, study, seed=0)
         queries = [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
-    return cache, queries
+    return cache, queries, options
 
 
 @torch.no_grad()
@@ -85,7 +87,7 @@ def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, 
     full = model(ids).logits[:, context:-1].float()
     targets = ids[:, context + 1:]
     nll_full = torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="sum")
-    cache, queries = _reference(model, ids[:, :context], method, window, options)
+    cache, queries, options = _reference(model, ids[:, :context], method, window, options)
     t = max(1, round(keep * context))
     cache = build(model, cache, queries, t, method, **options)
     positions = torch.arange(context, n, device=ids.device)[None]
@@ -143,7 +145,9 @@ FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. Th
 INTRO = "There is an important pass key hidden inside a lot of irrelevant text. Find it and memorize it. "
 QUESTION = " What is the pass key? The pass key is"
 ANSWER_TOKENS = 7
-_FULL_ANSWERS: dict[tuple, bool] = {}  # (model, context, seed, sample) → the uncompressed model answered
+# model → {(context, seed, sample): the uncompressed model answered}; weak, so that a new model never meets
+# an old one's answers under a reused id
+_FULL_ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -190,8 +194,7 @@ def retrieve(model, tokenizer, ctx: torch.Tensor, question: torch.Tensor, keep: 
     C = ctx.numel()
     kwargs, kept, held = {}, C, float(C)
     if keep is not None:
-        cache, queries = _reference(model, ids[:, :C], method, window, dict(options))
-        options = {k: v for k, v in options.items() if k not in ("self_study", "repeat")}
+        cache, queries, options = _reference(model, ids[:, :C], method, window, options)
         kept = max(1, round(keep * C))
         cache = build(model, cache, queries, kept, method, **options)
         held = sum(cache.prefix) / len(cache.prefix)
@@ -215,10 +218,10 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
     for i in tqdm(range(samples), desc=f"pass key {method} keep {keep:g}", unit="prompt"):
         ctx, question, key = passkey_sample(tokenizer, context, rng)
         answer, kept, h = retrieve(model, tokenizer, ctx, question, keep, method, window=window, **options)
-        memo = (id(model), context, seed, i)  # the whole context's answer is the same for every method
-        if memo not in _FULL_ANSWERS:
-            _FULL_ANSWERS[memo] = key in retrieve(model, tokenizer, ctx, question, None, method)[0]
-        right, right_full = right + (key in answer), right_full + _FULL_ANSWERS[memo]
+        memo = _FULL_ANSWERS.setdefault(model, {})  # the whole context's answer is the same for every method
+        if (context, seed, i) not in memo:
+            memo[context, seed, i] = key in retrieve(model, tokenizer, ctx, question, None, method)[0]
+        right, right_full = right + (key in answer), right_full + memo[context, seed, i]
         held += h / samples
     return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
                            held)
