@@ -28,11 +28,17 @@ VARIANTS = {
     "am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
     "am no-refit": {"refit_values": False}, "am global": {"allocation": "global"},
     "am layers": {"allocation": "layers"}, "am uniform": {"allocation": "uniform"},
-    "am mean": {"pooling": "mean"}, "am nnls": {"solver": "nnls"},
+    "am mean": {"pooling": "mean"}, "am max": {"pooling": "max"}, "am nnls": {"solver": "nnls"},
+    "am global max": {"allocation": "global", "pooling": "max"},
     "am first": {"allocation": "uniform", "pooling": "mean", "solver": "nnls"},  # the first harness's AM
     "am study256": {"self_study": 256}, "am repeat": {"repeat": (8192, 1)},
     "am repeat2": {"repeat": (8192, 2)}, "am repeat4": {"repeat": (8192, 4)},
     "attention study256": {"self_study": 256},
+    # self-study after a generic instruction about the text (never the task's question), greedy
+    "am facts64": {"self_study": 64, "study_prompt": "\n\nSummarize the key facts of the text above.\n",
+                   "study_greedy": True},
+    "am recite64": {"self_study": 64, "study_prompt": "\n\nRepeat the text above word for word:\n",
+                    "study_greedy": True},
     "attention global rms": {"allocation": "global", "pooling": "rms"},
     "attention layers-max rms": {"allocation": "layers-max", "pooling": "rms"},
 }
@@ -67,9 +73,10 @@ def main() -> None:
             continue
         t0 = time.perf_counter()
         r = evaluate_compacted(model, tok, context=args.context, score=args.score, keep=args.keep,
-                               method=name.split()[0], chunks=args.chunks, window=args.window, **options)
+                               method=name.split()[0], chunks=args.chunks, window=args.window,
+                               **_tokenized(tok, options))
         row = {"case": f"{name} C{args.context} keep{args.keep:g}"
-               + (f" chunks{args.chunks}" if args.chunks else "") + f" {args.device}",
+               + (f" chunks{args.chunks}" if args.chunks else "") + _window(args) + f" {args.device}",
                **r.as_dict(), "method": name,
                "options": (effective_options(name.split()[0], options)
                            if name.split()[0] in AM_METHODS else {}), "window": args.window,
@@ -80,12 +87,26 @@ def main() -> None:
               f"{row['seconds']:.0f} s", flush=True)
 
 
+def _tokenized(tok, options: dict) -> dict:
+    """``options`` with a study prompt's text as token ids (rows keep the text)."""
+    if isinstance(options.get("study_prompt"), str):
+        ids = tok(options["study_prompt"], add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+        return {**options, "study_prompt": ids}
+    return options
+
+
+def _window(args) -> str:
+    return f" w{args.window}" if args.window != DEFAULT_WINDOW else ""
+
+
 def retrieval_row(model, tok, args, name: str, options: dict) -> None:
     t0 = time.perf_counter()
     method = name.split()[0]
     r = evaluate_retrieval(model, tok, context=args.context, keep=args.keep, method=method,
-                           samples=args.samples, seed=args.seed, window=args.window, **options)
-    row = {"case": f"{name} passkey C{args.context} keep{args.keep:g} n{args.samples} {args.device}",
+                           samples=args.samples, seed=args.seed, window=args.window,
+                           **_tokenized(tok, options))
+    row = {"case": f"{name} passkey C{args.context} keep{args.keep:g} n{args.samples}{_window(args)} "
+                   f"{args.device}",
            **r.as_dict(), "method": name,
            "options": effective_options(method, options) if method in AM_METHODS else {},
            "window": args.window, "seconds": time.perf_counter() - t0}

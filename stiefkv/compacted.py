@@ -162,32 +162,43 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
 
 
 @torch.no_grad()
-def study_queries(model, ids: torch.Tensor, cache, tokens: int, seed: int) -> list[torch.Tensor]:
-    """Per layer the rotated queries ``[B, H, tokens, d]`` of a continuation of ``ids`` the model samples
-    itself on top of ``cache`` (which holds the prompt's keys and values as they were afterwards)."""
+def study_queries(model, ids: torch.Tensor, cache, tokens: int, seed: int, prompt: torch.Tensor | None = None,
+                  greedy: bool = False) -> list[torch.Tensor]:
+    """Per layer the rotated queries ``[B, H, n, d]`` of a continuation of ``ids`` the model writes itself on
+    top of ``cache`` (which holds the prompt's keys and values as they were afterwards): ``prompt`` ``[p]``
+    (a generic instruction about the text, read first; its queries are kept too) and ``tokens`` tokens
+    sampled from ``seed`` (argmax with ``greedy``). ``n`` is ``p + tokens``."""
     C = ids.shape[1]
+    B = ids.shape[0]
     grabbed: dict[int, list[torch.Tensor]] = {}
     state = {}
     g = torch.Generator(device=ids.device).manual_seed(seed)
     key = cache_keyword(model)
     last = [(la.keys[:, :, C - 1:], la.values[:, :, C - 1:]) for la in cache.layers]  # restored exactly
     def take(i, q):
-        grabbed.setdefault(i, []).append(rotate_with(q, *state["rope"]))
+        grabbed.setdefault(i, []).append(rotate_with(q, *state["rope"])[:, :, state["skip"]:])
 
+    # step 0 re-reads the prompt's last token (its query is dropped) and the instruction
+    head = ids[:, -1:]
+    if prompt is not None:
+        head = torch.cat([head, prompt.to(ids.device)[None].expand(B, -1)], 1)
     try:
         with _queries_seen(model, take):
-            token = ids[:, -1:]
+            token, at = head, C - 1
             _truncate(cache, C - 1)
-            for j in range(tokens + 1):  # step 0 re-reads the prompt's last token: its query is dropped
-                where = torch.full((1, 1), C - 1 + j, device=ids.device)
-                state["rope"] = _rope(model, where)
-                out = model(token, position_ids=where.expand(ids.shape[0], 1), **{key: cache})
-                token = torch.multinomial(torch.softmax(out.logits[:, -1].float(), -1), 1, generator=g)
+            for j in range(tokens + 1):
+                where = torch.arange(at, at + token.shape[1], device=ids.device)[None]
+                state["rope"], state["skip"] = _rope(model, where), int(j == 0)
+                out = model(token, position_ids=where.expand(B, -1), **{key: cache})
+                at += token.shape[1]
+                logits = out.logits[:, -1].float()
+                token = (logits.argmax(-1, keepdim=True) if greedy else
+                         torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
     finally:
         _truncate(cache, C - 1)
         for layer, (k, v) in zip(cache.layers, last):
             layer.keys, layer.values = torch.cat([layer.keys, k], 2), torch.cat([layer.values, v], 2)
-    return [torch.cat(grabbed[i][1:], 2) for i in range(len(grabbed))]
+    return [torch.cat(grabbed[i], 2) for i in range(len(grabbed))]
 
 
 @torch.no_grad()

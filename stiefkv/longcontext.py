@@ -64,16 +64,19 @@ def _queries_for(method: str, context: int, window: int) -> dict:
 
 def _reference(model, ids: torch.Tensor, method: str, window: int, options: dict):
     """The prompt's cache, the reference queries ``method`` reads, and ``options`` less the two that shape
-    them (for AM and its eviction): ``self_study=N`` (the queries of N sampled tokens added) and
+    them (for AM and its eviction): ``self_study=N`` (the queries of N sampled tokens added; after
+    ``study_prompt``, ids of an instruction, if given; argmax tokens with ``study_greedy``) and
     ``repeat=(N, every)`` (the queries of the last N prompt tokens read again instead of the window's)."""
     options = dict(options)
     study = options.pop("self_study", 0)
+    ask = options.pop("study_prompt", None)
+    greedy = options.pop("study_greedy", False)
     repeat = options.pop("repeat", None)
     cache, queries = prefill_with_queries(model, ids, **_queries_for(method, ids.shape[1], window))
     if method in AM_METHODS and repeat:
         queries = repeat_queries(model, ids, cache, *repeat)
     if method in AM_METHODS and study:
-        studied = study_queries(model, ids, cache, study, seed=0)
+        studied = study_queries(model, ids, cache, study, seed=0, prompt=ask, greedy=greedy)
         queries = [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
     return cache, queries, options
 
