@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
@@ -61,6 +62,8 @@ def main() -> None:
                     help="compressed-context perplexity, or pass-key retrieval (rows to retrieval.jsonl)")
     ap.add_argument("--samples", type=int, default=20, help="pass-key prompts (--task retrieval)")
     ap.add_argument("--seed", type=int, default=0, help="of the pass-key prompts")
+    ap.add_argument("--projections", default=None,
+                    help="a checkpoint: compact the served model's latent cache (ranks × tokens)")
     args = ap.parse_args()
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
@@ -74,15 +77,17 @@ def main() -> None:
         t0 = time.perf_counter()
         r = evaluate_compacted(model, tok, context=args.context, score=args.score, keep=args.keep,
                                method=name.split()[0], chunks=args.chunks, window=args.window,
-                               **_tokenized(tok, options))
+                               projections=args.projections, **_tokenized(tok, options))
         row = {"case": f"{name} C{args.context} keep{args.keep:g}"
-               + (f" chunks{args.chunks}" if args.chunks else "") + _window(args) + f" {args.device}",
+               + (f" chunks{args.chunks}" if args.chunks else "") + _window(args)
+               + (f" {Path(args.projections).stem}" if args.projections else "") + f" {args.device}",
                **r.as_dict(), "method": name,
                "options": (effective_options(name.split()[0], options)
                            if name.split()[0] in AM_METHODS else {}), "window": args.window,
                "seconds": time.perf_counter() - t0}
         utils.write_rows("compaction", row)
-        print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}), {r.kept_tokens} of "
+        print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}, served whole {r.ppl_ranks}, "
+              f"bytes {r.bytes_fraction:.4f}), {r.kept_tokens} of "
               f"{args.context} tokens kept ({r.held_tokens:.0f} held), {r.chunks} chunks, "
               f"{row['seconds']:.0f} s", flush=True)
 

@@ -89,8 +89,9 @@ def lowrank_attention(
     z_k : ``[B, G, Nk, r_k]`` and z_v : ``[B, G, Nk, r_v]`` key and value latents (``H % G == 0``).
     P_k : ``[G, d, r_k]`` and P_v : ``[G, d, r_v]`` orthonormal bases; ``P_v=None`` returns the output in
         latent space ``[B, H, Nq, r_v]`` (for a ``P_v`` folded into ``o_proj``).
-    key_mode : ``"pre_rope"`` (keys rebuilt as ``P_k z_k`` and rotated at ``positions`` ``[B, Nk]`` with
-        ``rope``) or ``"post_rope"`` (attention in ``r_k`` dimensions on ``P_kᵀ q``).
+    key_mode : ``"pre_rope"`` (keys rebuilt as ``P_k z_k`` and rotated at ``positions`` ``[B, Nk]``, or
+        ``[B, G, Nk]`` per KV head, with ``rope``) or ``"post_rope"`` (attention in ``r_k`` dimensions on
+        ``P_kᵀ q``).
     bias : ``[B, G, Nk]`` additive logit bias per key (compacted tokens).
     causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
     lengths : ``[B]`` real keys per row, right-aligned (left padding); all real when ``None``.

@@ -248,7 +248,7 @@ def _lowrank_attn_fwd(
     stride_vb, stride_vg, stride_vn, stride_vr,
     stride_pkg, stride_pkd, stride_pkr,
     stride_pvg, stride_pvd, stride_pvr,
-    stride_posb, stride_posn,
+    stride_posb, stride_posg, stride_posn,
     stride_bb, stride_bg, stride_bn,
     stride_ob, stride_oh, stride_on, stride_od,
     n_q, n_k, n_kv_heads, rows_pad, qk_scale, rope_scaling,
@@ -325,7 +325,7 @@ def _lowrank_attn_fwd(
 
     ZK_bg = ZK + b * stride_kb + g * stride_kg
     ZV_bg = ZV + b * stride_vb + g * stride_vg
-    POS_b = POS + b * stride_posb
+    POS_b = POS + b * stride_posb + g * stride_posg
     BIAS_bg = BIAS + b * stride_bb + g * stride_bg
     acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -430,8 +430,9 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
     if key_mode == "pre_rope":
         if positions is None or rope is None:
             raise ValueError("key_mode='pre_rope' needs the key positions and the rope spec")
-        if tuple(positions.shape) != (B, Nk):
-            raise ValueError(f"positions must be [B={B}, Nk={Nk}], got {tuple(positions.shape)}")
+        if tuple(positions.shape) not in ((B, Nk), (B, G, Nk)):
+            raise ValueError(f"positions must be [B={B}, Nk={Nk}] or per KV head [B={B}, G={G}, Nk={Nk}], "
+                             f"got {tuple(positions.shape)}")
         if rope.inv_freq.numel() != d // 2:
             raise ValueError(f"rope.inv_freq must have d/2={d // 2} entries, got {rope.inv_freq.numel()}")
     if bias is not None and tuple(bias.shape) != (B, G, Nk):
@@ -472,7 +473,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     else:
         part_o = part_ml = locks = z_k  # unused
     dot_prec = "ieee" if z_k.dtype == torch.float32 else "tf32"
-    pos_strides = (pos.stride(0), pos.stride(1)) if pre else (0, 0)
+    # shared positions [B, Nk] are read per KV head with a zero head stride
+    pos_strides = (0, 0, 0)
+    if pre:
+        pos_strides = (pos.stride(0), 0, pos.stride(1)) if pos.dim() == 2 else pos.stride()
     bias_strides = (bias.stride(0), bias.stride(1), bias.stride(2)) if bias is not None else (0, 0, 0)
     pv_strides = pv.stride()
     out_strides = out.stride()
@@ -521,8 +525,8 @@ def lowrank_attention(
     q : ``[B, H, Nq, d]`` rotated queries. z_k : ``[B, G, Nk, r_k]``, z_v : ``[B, G, Nk, r_v]`` latents
         (bf16, fp16 or fp32; any strides). P_k : ``[G, d, r_k]``, P_v : ``[G, d, r_v]`` or ``None`` (latent
         output ``[B, H, Nq, r_v]``).
-    key_mode, positions ``[B, Nk]``, rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``, scale : as the
-        reference.
+    key_mode, positions ``[B, Nk]`` (or ``[B, G, Nk]``), rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``,
+        scale : as the reference.
     num_splits, block_n, num_warps, num_stages, fast_sincos : tuning overrides (tests, benchmarks); ``None``
         picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
         ``fast_sincos`` (``pre_rope``): the hardware sin/cos (:func:`_sincos_fast`) instead of the

@@ -35,7 +35,8 @@ def rebuild_keys(
     """Keys ``[B, G, N, d]`` (float32) from latents ``z_k`` ``[B, G, N, r_k]`` and bases ``P_k``
     ``[G, d, r_k]``.
 
-    ``pre_rope`` rotates the rebuilt key at its position ``positions`` ``[B, N]``; ``post_rope`` latents
+    ``pre_rope`` rotates the rebuilt key at its position ``positions`` ``[B, N]`` (or per KV head,
+    ``[B, G, N]``: a compacted cache keeps different tokens per head); ``post_rope`` latents
     were taken after the rotation, so the rebuilt key is already rotated.
     """
     keys = torch.einsum("bgnr,gdr->bgnd", z_k.float(), P_k.float())
@@ -43,8 +44,10 @@ def rebuild_keys(
         return keys
     if positions is None or rope is None:
         raise ValueError("key_mode='pre_rope' needs the key positions and the rope spec")
-    cos, sin = rope_cos_sin(positions, rope)  # [B, N, d/2]
-    return rotate(keys, cos[:, None], sin[:, None])
+    cos, sin = rope_cos_sin(positions, rope)  # [B, N, d/2] or [B, G, N, d/2]
+    if positions.dim() == 2:
+        cos, sin = cos[:, None], sin[:, None]
+    return rotate(keys, cos, sin)
 
 
 def key_padding_mask(lengths: torch.Tensor | None, batch: int, n_keys: int, device) -> torch.Tensor:
@@ -81,7 +84,7 @@ def lowrank_attention(
     z_v : ``[B, G, Nk, r_v]`` value latents, ``z_v = P_vᵀ v``.
     P_k : ``[G, d, r_k]`` and P_v : ``[G, d, r_v]`` orthonormal bases. ``P_v=None`` returns the attention
         output in latent space ``[B, H, Nq, r_v]`` (for a ``P_v`` folded into ``o_proj``).
-    positions : ``[B, Nk]`` integer key positions (``pre_rope`` only).
+    positions : ``[B, Nk]`` integer key positions, or ``[B, G, Nk]`` per KV head (``pre_rope`` only).
     rope : :class:`RopeSpec` (``pre_rope`` only).
     bias : ``[B, G, Nk]`` additive logit bias per key (compacted tokens); zero when ``None``.
     causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
@@ -111,7 +114,7 @@ def lowrank_attention(
         keys = rebuild_keys(z_k, P_k, key_mode=key_mode, positions=positions, rope=rope)
     if exact is not None:
         tail_keys = exact.z_k.float() if key_mode == "post_rope" else rebuild_keys(
-            exact.z_k, P_k, key_mode=key_mode, positions=positions[:, Nk - exact.z_k.shape[2]:], rope=rope)
+            exact.z_k, P_k, key_mode=key_mode, positions=positions[..., Nk - exact.z_k.shape[2]:], rope=rope)
         out = _banded_attention(qf, keys, z_v.float(), tail_keys, exact, lengths=lengths, bias=bias,
                                 causal=causal, scale=scale)
     elif causal and Nq == Nk and bias is None and lengths is None:

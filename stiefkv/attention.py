@@ -125,8 +125,10 @@ class LowRankAttention(nn.Module):
             z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
         exact = exact_band(self.quant, N, (z_k, z_v), tails)
+        bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
         out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(z_k.dtype), None, key_mode=self.key_mode,
                                         positions=positions, rope=self.rope, causal=True, lengths=lengths,
+                                        bias=bias,
                                         scale=self.scaling, exact=exact, backend=self.backend)
         out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
         return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None

@@ -39,18 +39,68 @@ class LatentCache(_dynamic_cache_class()):
     positions : ``[B, N]`` int32 position of every cached token (shared by all layers), or None when empty.
     lengths : ``[B]`` int32 real (unpadded) keys per row, as of the last forward, or None when nothing is
         padded. Computed once per forward, at layer 0, from the model's attention mask.
+    length : after :func:`stiefkv.compact`, the prompt tokens its compacted prefix stands for (None before).
+        The prefix differs per layer and KV head, so a compacted cache keeps, per layer, ``head_positions``
+        ``[B, G, N]`` and ``beta`` ``[B, G, N]`` (the logit bias: the fitted β on the prefix, 0 behind it)
+        instead of ``positions``, and reports ``length`` plus the tokens appended since as its length.
     """
 
     def __init__(self):
         super().__init__()
         self.positions: torch.Tensor | None = None
         self.lengths: torch.Tensor | None = None
+        self.length: int | None = None
+        self.prefix: list[int] = []
+        self.head_positions: list[torch.Tensor] = []
+        self.beta: list[torch.Tensor] = []
+
+    @property
+    def compacted(self) -> bool:
+        return self.length is not None
+
+    def add_compacted_layer(self, z_k: torch.Tensor, z_v: torch.Tensor, positions: torch.Tensor,
+                            beta: torch.Tensor, quant: tuple[QuantSpec, QuantSpec] | None = None) -> None:
+        """Append the next layer of a compacted prefix: latents ``[B, G, t, r]`` at ``positions``
+        ``[B, G, t]`` with logit biases ``beta`` ``[B, G, t]``, stored as ``quant`` (as the model stores its
+        latents). Set :attr:`length` first."""
+        if self.length is None:
+            raise ValueError("set the cache's length (the tokens the prefix stands for) before its layers")
+        i = len(self.prefix)
+        if quant is not None and any(q.quantized for q in quant):
+            while len(self.layers) <= i:
+                self.layers.append(_dynamic_layer_class()())
+            self.layers[i] = QuantizedLatentLayer(*quant)
+        self.update(z_k, z_v, i)
+        self.exact_tails(i)  # the prefix is read as stored, like any cached token
+        self.prefix.append(z_k.shape[2])
+        self.head_positions.append(positions.to(torch.int32))
+        self.beta.append(beta.to(z_k.dtype))
+
+    def read_layer(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_idx``'s cached ``z_k, z_v`` ``[B, G, N, r]`` as attention reads them."""
+        layer = self.layers[layer_idx]
+        if isinstance(layer, QuantizedLatentLayer):
+            return tuple(s.read(dtype) for s in layer.stores)
+        return layer.keys.to(dtype), layer.values.to(dtype)
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens cached; for a compacted cache, the prompt's original length plus those appended since
+        (where the next position starts)."""
+        held = super().get_seq_length(layer_idx)
+        if self.length is None or layer_idx >= len(self.prefix):
+            return held
+        return self.length + held - self.prefix[layer_idx]
+
+    def bias(self, layer_idx: int) -> torch.Tensor | None:
+        """The logit bias ``[B, G, N]`` of layer ``layer_idx``'s cached tokens (None: no compaction)."""
+        return self.beta[layer_idx] if self.length is not None else None
 
     @property
     def nbytes(self) -> int:
         """Bytes held: every layer's latents (codes, scales, lows and float windows of quantized ones), the
         positions and the lengths."""
-        total = sum(t.nbytes for t in (self.positions, self.lengths) if t is not None)
+        total = sum(t.nbytes for t in (self.positions, self.lengths, *self.head_positions, *self.beta)
+                    if t is not None)
         for layer in self.layers:
             if isinstance(layer, QuantizedLatentLayer):
                 total += layer.nbytes
@@ -77,12 +127,36 @@ class LatentCache(_dynamic_cache_class()):
                                      "quantized layer cannot continue them (use a new cache)")
                 self.layers[layer_idx] = QuantizedLatentLayer(*quant)
         z_k, z_v = self.update(z_k, z_v, layer_idx)
+        if self.length is not None:
+            return z_k, z_v, self._extend_compacted(layer_idx, positions, z_k.shape[2]), self._unpadded(
+                attention_mask)
         if layer_idx == 0:
             positions = positions.to(torch.int32)
             old = self.positions
             self.positions = positions if old is None else torch.cat([old, positions], 1)
             self.lengths = lengths_from_mask(attention_mask, z_k.shape[0], z_k.shape[2])
         return z_k, z_v, self.positions, self.lengths
+
+    def _extend_compacted(self, i: int, positions: torch.Tensor, held: int) -> torch.Tensor:
+        """Layer ``i``'s per-head positions after tokens at ``positions`` ``[B, n]`` were appended (β 0)."""
+        B, G = self.head_positions[i].shape[:2]
+        n = held - self.head_positions[i].shape[2]
+        new = positions[:, -n:].to(torch.int32)[:, None].expand(B, G, n)
+        self.head_positions[i] = torch.cat([self.head_positions[i], new], 2)
+        self.beta[i] = torch.cat([self.beta[i], self.beta[i].new_zeros(B, G, n)], 2)
+        return self.head_positions[i]
+
+    @staticmethod
+    def _unpadded(mask: torch.Tensor | None) -> None:
+        """None (no padding), after checking the model's mask hides no key from the last query. The mask is
+        sized by layer 0's count, which other layers of a compacted cache do not share: only padding is
+        read from it, and causality comes from the kernels."""
+        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
+            row = mask[:, 0, -1]
+            visible = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+            if not bool(visible.all()):
+                raise ValueError("a compacted cache holds unpadded rows only; continue it without padding")
+        return None
 
     def exact_tails(self, layer_idx: int):
         """The key and value latents the last update of a quantized layer saw exact, each as ``(z, index of
@@ -97,12 +171,20 @@ class LatentCache(_dynamic_cache_class()):
         return tails
 
     # The positions and lengths must follow every batch or length edit transformers makes to the layers.
+    def _compacted_rows(self, fn) -> None:
+        self.head_positions = [fn(t) for t in self.head_positions]
+        self.beta = [fn(t) for t in self.beta]
+
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
         self.positions = _rows(self.positions, beam_idx)
         self.lengths = _rows(self.lengths, beam_idx)
+        self._compacted_rows(lambda t: _rows(t, beam_idx))
 
     def crop(self, max_length: int):
+        if self.length is not None:
+            raise ValueError("a compacted LatentCache cannot be cropped (its layers hold different numbers "
+                             "of entries); compact the prompt again from a fresh prefill")
         super().crop(max_length)
         if self.positions is not None:
             self.positions = self.positions[:, : self.get_seq_length()]
@@ -114,15 +196,18 @@ class LatentCache(_dynamic_cache_class()):
             t = getattr(self, name)
             if t is not None:
                 setattr(self, name, t.repeat_interleave(repeats, dim=0))
+        self._compacted_rows(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor):
         super().batch_select_indices(indices)
         self.positions = _rows(self.positions, indices)
         self.lengths = _rows(self.lengths, indices)
+        self._compacted_rows(lambda t: _rows(t, indices))
 
     def reset(self):
         super().reset()
-        self.positions = self.lengths = None
+        self.positions = self.lengths = self.length = None
+        self.prefix, self.head_positions, self.beta = [], [], []
 
 
 def _dynamic_layer_class():

@@ -12,6 +12,9 @@ their β, fitted values); later tokens append behind it. The cache reports the p
 attention mask, set by a pre-hook that :func:`compact` installs once on the model's attention modules; it
 acts only when the cache passed is a :class:`CompactedCache`.
 
+On a model served by :func:`stiefkv.load` the same calls compact its :class:`~stiefkv.cache.LatentCache`
+(:func:`_build_latent`): positions and β per layer and KV head, β through the kernels' ``bias``.
+
 Rows of a batch must be unpadded: compaction has no notion of padding.
 """
 
@@ -23,8 +26,9 @@ import torch
 from transformers import DynamicCache
 
 from stiefkv import presses
-from stiefkv.cache import cache_keyword
+from stiefkv.cache import LatentCache, cache_keyword
 from stiefkv.compaction import METHODS, compact_layer, effective_options, global_budgets
+from stiefkv.kernels import reference
 from stiefkv.layers import project_qkv, rotate_with
 from stiefkv.models import decoder_layers
 
@@ -135,10 +139,24 @@ def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = Tr
         q = q[:, :, -window:]
         queries[i] = rotate_with(q, cos, sin) if rotate else q
 
-    cache = DynamicCache()
+    cache = _new_cache(model)
     with _queries_seen(model, take):
         model(ids, use_cache=True, **{cache_keyword(model): cache})
     return cache, [queries[i] for i in range(len(queries))]
+
+
+def _new_cache(model):
+    """The cache the model's own forward would make: a :class:`~stiefkv.cache.LatentCache` on a model
+    served by :func:`stiefkv.load`, a ``DynamicCache`` otherwise."""
+    from stiefkv.attention import is_compressed
+
+    return LatentCache() if is_compressed(model) else DynamicCache()
+
+
+def _refuse_latent(cache, what: str) -> None:
+    if isinstance(cache, LatentCache):
+        raise ValueError(f"{what} on a stiefkv.LatentCache is not built (its quantized layers cannot be "
+                         "rewound exactly): use the prompt's own queries (window=) on a served model")
 
 
 def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_study: int = 0,
@@ -155,6 +173,7 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
                          f"and {self_study}")
     cache, queries = prefill_with_queries(model, ids, max(1, min(window, ids.shape[1])))
     if self_study:
+        _refuse_latent(cache, "self-study")
         studied = study_queries(model, ids, cache, self_study, seed)
         queries = studied if window == 0 else [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
     cache.reference_queries = queries
@@ -168,6 +187,7 @@ def study_queries(model, ids: torch.Tensor, cache, tokens: int, seed: int, promp
     top of ``cache`` (which holds the prompt's keys and values as they were afterwards): ``prompt`` ``[p]``
     (a generic instruction about the text, read first; its queries are kept too) and ``tokens`` tokens
     sampled from ``seed`` (argmax with ``greedy``). ``n`` is ``p + tokens``."""
+    _refuse_latent(cache, "self-study")
     C = ids.shape[1]
     B = ids.shape[0]
     grabbed: dict[int, list[torch.Tensor]] = {}
@@ -207,6 +227,7 @@ def repeat_queries(model, ids: torch.Tensor, cache, tokens: int, every: int = 1)
     right after it, at positions ``C …`` on top of ``cache`` (restored exactly afterwards): a second reading
     looks back at every token of the first, so the block's keys all meet queries that want them. Every
     ``every``-th query is kept."""
+    _refuse_latent(cache, "reading the prompt again")
     C = ids.shape[1]
     n = min(tokens, C)
     grabbed: dict[int, torch.Tensor] = {}
@@ -239,16 +260,15 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     differ, padded to their layer's largest), ``layers`` (those counts pooled per layer, equal for its heads:
     no padding), ``layers-max`` (each layer's largest head count for all its heads, at the cut that stores
     ``t`` per head on average)."""
+    if isinstance(cache, LatentCache):
+        return _build_latent(model, cache, queries, t, method, **options)
     if method in presses.PRESSES:
         return _pressed(model, cache, queries, t, method)
     layers = decoder_layers(model)
     options = effective_options(method, options)
     allocation = options.pop("allocation")
-    budgets = [t] * len(layers)
-    if allocation != "uniform":
-        budgets = global_budgets([cache.layers[i].keys for i in range(len(layers))], queries, t,
-                                 scales=[la.self_attn.scaling for la in layers],
-                                 pooling=options.get("pooling", "mean"), heads=HEADS[allocation])
+    budgets = _budgets(layers, [cache.layers[i].keys for i in range(len(layers))], queries, t, allocation,
+                       options)
     new = CompactedCache(cache.layers[0].keys.shape[2])
     for i, (layer, q) in enumerate(zip(layers, queries)):
         k, v = cache.layers[i].keys, cache.layers[i].values
@@ -256,6 +276,50 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
                                               method=method, **options)
         new.add_layer(kept.to(k.dtype), fitted.to(v.dtype), beta)
     install_hooks(model)
+    return new
+
+
+def _budgets(layers, keys: list[torch.Tensor], queries: list[torch.Tensor], t: int, allocation: str,
+             options: dict) -> list:
+    """Per layer the entries each KV head keeps (:func:`~stiefkv.compaction.global_budgets`)."""
+    if allocation == "uniform":
+        return [t] * len(layers)
+    return global_budgets(keys, queries, t, scales=[la.self_attn.scaling for la in layers],
+                          pooling=options.get("pooling", "mean"), heads=HEADS[allocation])
+
+
+def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int, method: str,
+                  **options) -> LatentCache:
+    """:func:`build` for a served model's :class:`~stiefkv.cache.LatentCache`: the keys are scored and chosen
+    as attention sees them (rebuilt from the latents, rotated at their positions), and each kept entry keeps
+    its latent and position; the values are fitted in the latent space (``P_v`` is orthonormal, so a fit
+    there is the fit of the full values restricted to the subspace). The prefix is stored as the model
+    stores latents (quantized layers quantize it again)."""
+    if method in presses.PRESSES:
+        raise ValueError(f"kvpress's {method!r} is a baseline for the uncompressed model's cache; a "
+                         f"stiefkv.LatentCache is compacted by {' or '.join(repr(m) for m in METHODS)}")
+    layers = decoder_layers(model)
+    options = effective_options(method, options)
+    allocation = options.pop("allocation")
+    T = cache.get_seq_length()
+    dtype = next(model.parameters()).dtype
+    latents = [cache.read_layer(i, dtype) for i in range(len(layers))]
+    B, G = latents[0][0].shape[:2]
+    positions = cache.positions[:, None].expand(B, G, T)
+    keys = [reference.rebuild_keys(z_k, la.self_attn.P_k, key_mode=la.self_attn.key_mode,
+                                   positions=cache.positions, rope=la.self_attn.rope)
+            for (z_k, _), la in zip(latents, layers)]
+    budgets = _budgets(layers, keys, queries, t, allocation, options)
+    new = LatentCache()
+    new.length = T
+    for i, (layer, q) in enumerate(zip(layers, queries)):
+        z_k, z_v = latents[i]
+        _, beta, fitted, index = compact_layer(keys[i], z_v, q, budgets[i], scale=layer.self_attn.scaling,
+                                               method=method, **options)
+        keys[i] = None  # what the later layers' fits need at most: one layer's rebuilt keys
+        kept = torch.gather(z_k, 2, index[..., None].expand(-1, -1, -1, z_k.shape[-1]))
+        new.add_compacted_layer(kept, fitted.to(z_v.dtype), torch.gather(positions, 2, index), beta,
+                                quant=layer.self_attn.quant)
     return new
 
 
@@ -283,34 +347,48 @@ def _pressed(model, cache, queries: list[torch.Tensor], t: int, method: str) -> 
 
 
 def check_cache(model, cache) -> int:
-    """The prompt length of ``cache``, a prefilled ``DynamicCache`` of ``model``; a clear error otherwise."""
-    from stiefkv.cache import LatentCache
+    """The prompt length of ``cache``, a prefilled ``DynamicCache`` of ``model`` (or the
+    :class:`~stiefkv.cache.LatentCache` of a model served by :func:`stiefkv.load`); a clear error
+    otherwise."""
+    from stiefkv.attention import is_compressed
 
-    if isinstance(cache, LatentCache):
-        raise ValueError("compacting a stiefkv.LatentCache (a model served by stiefkv.load) is not built "
-                         "yet: compact the uncompressed model's DynamicCache")
-    if isinstance(cache, CompactedCache):
+    latent = isinstance(cache, LatentCache)
+    if isinstance(cache, CompactedCache) or (latent and cache.compacted):
         raise ValueError("this cache is compacted already: compact the prompt's cache once")
     if not isinstance(cache, DynamicCache):
         raise ValueError(f"compact takes the DynamicCache of a prefilled prompt; got {type(cache).__name__}")
+    if latent != is_compressed(model):
+        raise ValueError("the cache does not belong to this model: a model served by stiefkv.load keeps a "
+                         "stiefkv.LatentCache, any other model a DynamicCache; prefill with "
+                         "stiefkv.prefill(model, ids) on the model you compact for")
     layers = decoder_layers(model)
-    held = [la for la in cache.layers if getattr(la, "keys", None) is not None and la.keys.numel()]
+    held = [la for la in cache.layers if la.get_seq_length()]
     if not held:
         raise ValueError("the cache is empty: prefill the prompt first (stiefkv.prefill(model, ids))")
+    if latent:
+        if cache.lengths is not None:
+            raise ValueError("compaction has no notion of padding: prefill unpadded rows")
+        shape = tuple(cache.read_layer(0, torch.float32)[0].shape)
+    else:
+        shape = tuple(held[0].keys.shape)
     cfg = model.config
     G = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    shape = tuple(held[0].keys.shape)
-    if len(held) != len(layers) or shape[1] != G or shape[3] != d:
+    ok = len(held) == len(layers) and shape[1] == G and (latent or shape[3] == d)
+    if not ok:
         raise ValueError(f"the cache does not belong to this model: it holds {len(held)} layers of keys "
                          f"{list(shape)}, the model has {len(layers)} layers of {G} KV heads × {d}")
-    return shape[2]
+    return cache.get_seq_length() if latent else shape[2]
 
 
 def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: list[torch.Tensor] | None = None,
-            **options) -> CompactedCache:
+            **options) -> CompactedCache | LatentCache:
     """Compact a prefilled prompt's cache to ``keep`` of its tokens per KV head (on average over layers and
     heads) by attention matching (``method="am"``) or eviction by the same queries (``"attention"``).
+
+    The uncompressed model's ``DynamicCache`` becomes a :class:`CompactedCache`; the
+    :class:`~stiefkv.cache.LatentCache` of a model served by :func:`stiefkv.load` (bf16 or quantized
+    latents, either key mode) a compacted ``LatentCache``, whose β reaches the kernels as their ``bias``.
 
     ``queries``: per layer ``[B, H, m, d]`` rotated reference queries; by default those :func:`prefill`
     kept on the cache. ``options``: ``selection`` (``attention`` | ``omp``), ``fit_beta``,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import random
 import weakref
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 
 import torch
@@ -44,6 +45,9 @@ class CompactedResult:
     ppl_full: float
     kept_tokens: int  # entries kept per KV head, on average over layers and heads
     held_tokens: float  # entries stored per KV head, with the padding of heads kept to fewer than others
+    projections: str | None = None  # the served model's checkpoint (its latent cache compacted), or None
+    ppl_ranks: float | None = None  # with projections: the served model with the whole context
+    bytes_fraction: float | None = None  # the compacted context's bytes / its bf16 cache's
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -81,30 +85,53 @@ def _reference(model, ids: torch.Tensor, method: str, window: int, options: dict
     return cache, queries, options
 
 
+def _nll(logits: torch.Tensor, targets: torch.Tensor) -> float:
+    return float(torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), targets.flatten(),
+                                                   reduction="sum"))
+
+
 @torch.no_grad()
 def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, *,
-              window: int = DEFAULT_WINDOW, **options) -> tuple[float, float, int, int, float]:
+              window: int = DEFAULT_WINDOW, served=None, **options) -> tuple:
     """Summed NLL of the scored tokens of ``ids`` ``[1, C + S]`` with the context compacted by ``method`` and
-    uncompressed; their count; the entries kept per head, and those stored with padding."""
+    uncompressed; their count; the entries kept per head, and those stored with padding; with ``served``
+    (a :class:`~stiefkv.attention.Switch`) the served model's latent cache is compacted, and the summed NLL
+    of the served model with the whole context comes last (else None)."""
     n = ids.shape[1]
-    full = model(ids).logits[:, context:-1].float()
     targets = ids[:, context + 1:]
-    nll_full = torch.nn.functional.cross_entropy(full.flatten(0, 1), targets.flatten(), reduction="sum")
-    cache, queries, options = _reference(model, ids[:, :context], method, window, options)
-    t = max(1, round(keep * context))
-    cache = build(model, cache, queries, t, method, **options)
-    positions = torch.arange(context, n, device=ids.device)[None]
-    logits = model(ids[:, context:], position_ids=positions, **{cache_keyword(model): cache}).logits
-    logits = logits[:, :-1].float()
-    nll = torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(), reduction="sum")
+    nll_full = _nll(model(ids).logits[:, context:-1], targets)
+    nll_ranks = None
+    with served if served is not None else nullcontext():
+        if served is not None:
+            nll_ranks = _nll(model(ids).logits[:, context:-1], targets)
+        cache, queries, options = _reference(model, ids[:, :context], method, window, options)
+        t = max(1, round(keep * context))
+        cache = build(model, cache, queries, t, method, **options)
+        positions = torch.arange(context, n, device=ids.device)[None]
+        logits = model(ids[:, context:], position_ids=positions, **{cache_keyword(model): cache}).logits
+    nll = _nll(logits[:, :-1], targets)
     held = sum(cache.prefix) / len(cache.prefix)
-    return float(nll), float(nll_full), targets.numel(), t, held
+    return nll, nll_full, targets.numel(), t, held, nll_ranks
+
+
+def entry_bytes(model, proj=None) -> tuple[float, float]:
+    """Bytes of one compacted entry (a kept token, every layer and KV head: its latents or bf16 keys and
+    values, its int32 position and bf16 β per head) and of one token of the bf16 cache."""
+    from stiefkv.models import dims_of
+    from stiefkv.projections import POSITION_BYTES
+
+    dims = dims_of(model.config)
+    full = dims.L * dims.G * 2 * dims.d * 2
+    stored = full if proj is None else proj.kv_bytes_per_token() - POSITION_BYTES
+    return stored + dims.L * dims.G * (4 + 2), full
 
 
 def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 512, keep: float = 0.1,
                        method: str = "am", chunks: int | None = None, data: str = "wikitext2",
-                       window: int = DEFAULT_WINDOW, **options) -> CompactedResult:
-    """Compressed-context perplexity over non-overlapping chunks of ``context + score`` test tokens."""
+                       window: int = DEFAULT_WINDOW, projections=None, **options) -> CompactedResult:
+    """Compressed-context perplexity over non-overlapping chunks of ``context + score`` test tokens. With
+    ``projections`` (:class:`~stiefkv.Projections` or a checkpoint path) the served model's latent cache is
+    compacted (ranks, bits and tokens composed), against the same uncompressed reference."""
     from stiefkv.evaluate import load_test_windows
 
     if not 0 < keep <= 1:
@@ -120,16 +147,36 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     check_context(model.config, context + score, "context + score")
     device = next(model.parameters()).device
     windows = load_test_windows(tokenizer, data=data, window=context + score, limit=chunks)
-    nll = nll_full = 0.0
+    proj, served, name = _served(model, projections, method)
+    nll = nll_full = nll_ranks = 0.0
     tokens = kept = 0
     held = 0.0
     for w in tqdm(windows, desc=f"compacted context {method} keep {keep:g}", unit="chunk"):
-        a, b, n, kept, h = chunk_nll(model, w[None].to(device), context, keep, method, window=window,
-                                     **options)
+        a, b, n, kept, h, r = chunk_nll(model, w[None].to(device), context, keep, method, window=window,
+                                        served=served, **options)
         nll, nll_full, tokens, held = nll + a, nll_full + b, tokens + n, held + h / len(windows)
+        nll_ranks += r or 0.0
     ppl = float(torch.exp(torch.tensor(nll / tokens)))
     ppl_full = float(torch.exp(torch.tensor(nll_full / tokens)))
-    return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept, held)
+    ppl_ranks = float(torch.exp(torch.tensor(nll_ranks / tokens))) if served is not None else None
+    entry, full = entry_bytes(model, proj)
+    return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept, held,
+                           name, ppl_ranks, held * entry / (context * full))
+
+
+def _served(model, projections, method: str):
+    """``(Projections, Switch, name)`` for ``projections`` (None: the uncompressed model's own cache)."""
+    if projections is None:
+        return None, None, None
+    from stiefkv.attention import Switch
+    from stiefkv.projections import Projections
+
+    if method not in AM_METHODS:
+        raise ValueError(f"kvpress's {method!r} compacts the uncompressed model's cache; with projections "
+                         f"use {' or '.join(AM_METHODS)}")
+    proj = projections if isinstance(projections, Projections) else Projections.load(projections)
+    name = None if isinstance(projections, Projections) else str(projections)
+    return proj, Switch(model, proj), name or proj.method
 
 
 def format_compacted(r: CompactedResult) -> str:

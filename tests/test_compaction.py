@@ -114,15 +114,16 @@ def test_a_cache_kept_whole_scores_as_the_full_forward_and_beta_reaches_attentio
 
     model = tiny_model(layers=2)
     ids = torch.randint(3, 97, (1, 61), generator=torch.Generator().manual_seed(5))
-    nll, full, n, t, held = chunk_nll(model, ids, 37, 1.0, "recent", window=9)
+    nll, full, n, t, held, _ = chunk_nll(model, ids, 37, 1.0, "recent", window=9)
     assert t == 37 and held == 37 and n == 23 and math.isfinite(nll)
     assert nll == pytest.approx(full, rel=1e-5)
-    nll_am, _, _, t, held = chunk_nll(model, ids, 37, 0.3, "am", window=9)
+    nll_am, _, _, t, held, _ = chunk_nll(model, ids, 37, 0.3, "am", window=9)
     assert t == 11 and held == 11 and math.isfinite(nll_am)
     # heads kept to different counts are padded to their layer's largest: more is held than kept
-    nll_g, _, _, t, held = chunk_nll(model, ids, 37, 0.3, "am", window=9, allocation="global", pooling="rms")
+    nll_g, _, _, t, held, _ = chunk_nll(model, ids, 37, 0.3, "am", window=9, allocation="global",
+                                        pooling="rms")
     assert t == 11 and held >= 11 and math.isfinite(nll_g)
-    nll_m, _, _, t, held = chunk_nll(model, ids, 37, 0.3, "am", window=9, allocation="layers-max")
+    nll_m, _, _, t, held, _ = chunk_nll(model, ids, 37, 0.3, "am", window=9, allocation="layers-max")
     assert held <= 11 and math.isfinite(nll_m)
     cache = CompactedCache(40)  # 2 entries standing for 40 tokens, then 4 appended
     beta = torch.tensor([[[0.5, -1.0], [2.0, 0.0]]])

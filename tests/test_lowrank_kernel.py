@@ -125,6 +125,26 @@ def test_decode_positions_with_gaps(num_splits, dtype):
     check(args, kwargs, key_mode="pre_rope", num_splits=num_splits, what="gapped positions")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("path, Nq, splits", [("decode", 1, 1), ("decode_split", 1, 3), ("chunk", 5, 1)])
+def test_positions_per_kv_head(path, Nq, splits, dtype):
+    """Positions ``[B, G, Nk]``, each KV head its own (a compacted cache keeps different tokens per head),
+    with β through the bias: each head's keys rotate at that head's positions. A shared ``[B, Nk]`` tensor
+    broadcast to every head gives the answer of the 2-D form."""
+    B, G, Nk = 2, 3, 83
+    args, kwargs = make_inputs(B, 9, G, Nq, Nk, 64, 24, 40, dtype, padded=False)
+    kwargs["positions"] = torch.stack([torch.randperm(4000)[:Nk].sort().values for _ in range(B * G)]
+                                      ).view(B, G, Nk).to(DEVICE)
+    check(args, kwargs, key_mode="pre_rope", num_splits=splits, what=f"per-head positions {path}")
+    shared = torch.randint(0, 4000, (B, Nk), device=DEVICE)
+    with torch.no_grad():
+        a = lk.lowrank_attention(*args, **dict(kwargs, positions=shared), key_mode="pre_rope",
+                                 num_splits=splits)
+        b = lk.lowrank_attention(*args, **dict(kwargs, positions=shared[:, None].expand(B, G, Nk)),
+                                 key_mode="pre_rope", num_splits=splits)
+    assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_far_positions(num_splits):
     """Keys at positions past 120k: the in-kernel rotation must match the reference's fp32 angles there."""

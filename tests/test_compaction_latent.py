@@ -1,0 +1,147 @@
+"""Compaction of a served model's LatentCache (stiefkv.compact on a model prepared by stiefkv.load).
+
+The reference is the uncompressed model's compaction: with identity bases the served model is the plain
+model, so compacting its LatentCache (positions and β per layer and KV head, β through the kernels' bias)
+must give the logits of compacting the plain model's DynamicCache. With real ranks (odd, not powers of
+two) and quantized latents, keeping every token reproduces the uncompacted cache's continuation.
+Tolerances: float32 throughout (atol 1e-4 on logits of a tiny model; int4 latents re-quantized 1e-3).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import stiefkv
+from stiefkv.attention import compressed
+from stiefkv.cache import LatentCache, cache_keyword
+from stiefkv.models import dims_of, fingerprint
+from stiefkv.quant import QuantSpec
+from tests.tiny import random_projections, tiny_model
+
+
+def prompt(seed: int, n: int, **kwargs):
+    model = tiny_model(layers=3, **kwargs)
+    ids = torch.randint(3, 97, (1, n), generator=torch.Generator().manual_seed(seed))
+    return model, ids
+
+
+def identity(model, key_mode: str) -> stiefkv.Projections:
+    dims = dims_of(model.config)
+    eye = torch.eye(dims.d).expand(dims.G, dims.d, dims.d).contiguous()
+    return stiefkv.Projections(keys=[eye] * dims.L, values=[eye] * dims.L, key_mode=key_mode,
+                               fingerprint=fingerprint(model), budget=1.0, method="identity")
+
+
+def continuation(model, cache, ids, C: int) -> torch.Tensor:
+    out = model(ids[:, C:], position_ids=torch.arange(C, ids.shape[1])[None], **{cache_keyword(model): cache})
+    logits = out.logits
+    assert torch.isfinite(logits).all()
+    return logits
+
+
+@pytest.mark.parametrize("allocation", ["layers-max", "global"])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_latent_compaction_with_identity_bases_is_the_uncompressed_models(key_mode, allocation):
+    torch.manual_seed(0)
+    model, ids = prompt(3, 71)
+    C = 59
+    plain = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3,
+                            allocation=allocation)
+    want = continuation(model, plain, ids, C)
+    with compressed(model, identity(model, key_mode)):
+        cache = stiefkv.prefill(model, ids[:, :C], window=16)
+        assert isinstance(cache, LatentCache)
+        latent = stiefkv.compact(model, cache, keep=0.3, allocation=allocation)
+        assert isinstance(latent, LatentCache) and latent.compacted and latent.get_seq_length() == C
+        assert latent.prefix == plain.prefix
+        got = continuation(model, latent, ids, C)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert latent.get_seq_length() == ids.shape[1]
+    # the heads of a layer kept different tokens: positions really are per KV head
+    assert any(not torch.equal(p[:, 0], p[:, 1]) for p in latent.head_positions)
+    # β reached attention: the prefix carries non-zero biases, the appended tokens zero
+    assert any(float(b[..., :n].abs().max()) > 1e-3 for b, n in zip(latent.beta, latent.prefix))
+    assert all(float(b[..., n:].abs().max()) == 0 for b, n in zip(latent.beta, latent.prefix))
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_keeping_every_token_of_a_low_rank_cache_continues_as_the_uncompacted(key_mode):
+    model, ids = prompt(4, 50)
+    C, new = 41, 6
+    proj = random_projections(model, 11, 13, key_mode=key_mode)
+    with compressed(model, proj):
+        whole = stiefkv.prefill(model, ids[:, :C], window=12)
+        want = continuation(model, whole, ids, C)
+        kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
+                               method="attention", allocation="uniform")
+        torch.testing.assert_close(continuation(model, kept, ids, C), want, atol=1e-4, rtol=1e-4)
+
+        key = cache_keyword(model)
+        greedy = model.generate(ids[:, :C + 1], max_new_tokens=new, do_sample=False)
+        kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
+                               method="attention", allocation="uniform")
+        assert torch.equal(model.generate(ids[:, :C + 1], **{key: kept}, max_new_tokens=new,
+                                          do_sample=False), greedy)
+
+        small = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=0.2)
+        before = small.nbytes
+        got = model.generate(ids[:, :C + 1], **{key: small}, max_new_tokens=new, do_sample=False)
+        assert got.shape == (1, C + 1 + new) and small.get_seq_length() == C + new
+        assert before < whole.nbytes / 3
+
+
+def test_quantized_latents_are_compacted_and_stored_quantized_again():
+    model, ids = prompt(5, 150)
+    C = 140
+    proj = random_projections(model, 9, 15)
+    proj.quant = [(QuantSpec(4, "token"), QuantSpec(4, "token"))] * dims_of(model.config).L
+    with compressed(model, proj):
+        whole = stiefkv.prefill(model, ids[:, :C], window=12)
+        want = continuation(model, whole, ids, C)
+        kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
+                               method="attention", allocation="uniform")
+        torch.testing.assert_close(continuation(model, kept, ids, C), want, atol=1e-3, rtol=1e-3)
+        small = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=0.25)
+        assert small.nbytes < whole.nbytes / 2
+        assert torch.isfinite(continuation(model, small, ids, C)).all()
+
+
+def test_bad_latent_compaction_requests_are_refused():
+    from stiefkv.compacted import build
+
+    model, ids = prompt(6, 30)
+    proj = random_projections(model, 8, 8)
+    plain_cache = stiefkv.prefill(model, ids, window=8)
+    with compressed(model, proj):
+        cache = stiefkv.prefill(model, ids, window=8)
+        with pytest.raises(ValueError, match="does not belong to this model"):
+            stiefkv.compact(model, plain_cache)
+        with pytest.raises(ValueError, match="baseline for the uncompressed model"):
+            build(model, cache, cache.reference_queries, 5, "snapkv")
+        with pytest.raises(ValueError, match="self-study on a stiefkv.LatentCache"):
+            stiefkv.prefill(model, ids, window=8, self_study=3)
+        done = stiefkv.compact(model, cache, keep=0.5)
+        with pytest.raises(ValueError, match="compacted already"):
+            stiefkv.compact(model, done)
+        with pytest.raises(ValueError, match="cannot be cropped"):
+            done.crop(10)
+    with pytest.raises(ValueError, match="does not belong to this model"):
+        stiefkv.compact(model, cache)
+
+
+def test_compressed_context_perplexity_of_a_served_model():
+    """``chunk_nll`` with a served model compacts its latent cache: with identity bases it scores what the
+    plain model's compaction scores, and the served model's whole-context NLL is the plain model's."""
+    from stiefkv.attention import Switch
+    from stiefkv.longcontext import chunk_nll, entry_bytes
+
+    model, ids = prompt(7, 60)
+    plain = chunk_nll(model, ids, 45, 0.3, "am", window=9)
+    served = chunk_nll(model, ids, 45, 0.3, "am", window=9, served=Switch(model, identity(model, "pre_rope")))
+    assert plain[5] is None and served[2:5] == plain[2:5]
+    assert served[0] == pytest.approx(plain[0], rel=1e-4) and served[5] == pytest.approx(plain[1], rel=1e-4)
+    proj = random_projections(model, 8, 12)
+    entry, full = entry_bytes(model, proj)
+    dims = dims_of(model.config)
+    assert full == dims.L * dims.G * 2 * dims.d * 2 and entry < full / 2
