@@ -266,7 +266,8 @@ def compaction_claims(res: Results, claim) -> None:
     from stiefkv.presses import PRESSES
 
     rows = [r for r in res.cases("compaction", only=lambda case: case.endswith(" cuda"))
-            if r["context"] == 4096 and r["keep"] == 0.1]
+            if r["context"] == 4096 and r["keep"] == 0.1 and not r.get("projections")
+            and " chunks" not in r["case"]]
     am = next((r for r in reversed(rows) if compaction_label(r) == "am (default)"), None)
     pressed = [r for r in rows if r["method"] in PRESSES]
     best = min(pressed, key=lambda r: r["ppl"] - r["ppl_full"]) if pressed else None
@@ -279,6 +280,25 @@ def compaction_claims(res: Results, claim) -> None:
         ratio is not None and ratio <= 0.5,
         [am, best],
     )
+    served, best = composed_rows(res)
+    for r in (r for r in served if r.get("projections")):
+        ratio = (r["ppl"] - r["ppl_full"]) / (best["ppl"] - best["ppl_full"]) if best else None
+        claim(
+            f"Compaction (keep 0.1) × `{Path(r['projections']).stem}` ({r['bytes_fraction']:.3f} of the bf16 "
+            f"bytes), C 4096, {r['chunks']} chunks: ΔPPL / the best press's alone",
+            f"{ratio:.2f}× ({r['ppl'] - r['ppl_full']:+.2f} / {best['method']} "
+            f"{best['ppl'] - best['ppl_full']:+.2f})" if ratio is not None else "",
+            "≤ 1×",
+            ratio is not None and ratio <= 1,
+            [r, best],
+        )
+    speed = [r for r in res.cases("compaction_speed", only=lambda case: case.endswith(" cuda"))
+             if r["tokens"] == 32768 and r["shape"] == "llama3-8b"]
+    if speed:
+        r = speed[-1]
+        claim("Compaction of 32k tokens, Llama-3-8B shapes, all layers, H200 (AM defaults)",
+              f"{r['seconds']:.2f} s (peak +{r['peak_gib_above_inputs']:.1f} GiB)", "≤ 2 s",
+              r["seconds"] <= 2, [r])
     from stiefkv.compacted import DEFAULT_WINDOW
 
     rows = [r for r in res.cases("retrieval", only=lambda case: case.startswith("am "))
@@ -826,7 +846,7 @@ def pareto_claims(res: Results, claim) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ provenance
-COMMAND_CHARS = 64  # a longer command is cut here (each row keeps it whole)
+COMMAND_CHARS = 40  # a longer command is cut here (each row keeps it whole)
 
 
 def runs(res: Results) -> str:
@@ -877,7 +897,8 @@ def compaction(res: Results) -> str:
     notes."""
     from stiefkv.presses import PRESSES
 
-    rows = res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+    rows = [r for r in res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+            if not r.get("projections") and " chunks" not in r["case"]]
     best: dict[tuple, float] = {}
     for r in rows:
         if r["method"] in PRESSES:
@@ -892,6 +913,35 @@ def compaction(res: Results) -> str:
                     f"{delta / ref:.2f}×" if ref else "–", f"{r['seconds']:.0f}"])
     return table(["method", "C", "keep", "held / head", "chunks", "PPL (uncompr.)", "ΔPPL", "/ best press",
                   "s"], out)
+
+
+def composed_rows(res: Results) -> tuple[list[dict], dict | None]:
+    """The GPU rows of a served model's compacted latent cache, and the best press of their chunks."""
+    from stiefkv.presses import PRESSES
+
+    rows = res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+    served = [r for r in rows if r.get("projections")]
+    same = [r for r in rows if served and r["chunks"] == served[-1]["chunks"] and r["context"] == 4096]
+    pressed = [r for r in same if r["method"] in PRESSES]
+    return served + [r for r in same if not r.get("projections")], (
+        min(pressed, key=lambda r: r["ppl"] - r["ppl_full"]) if pressed else None)
+
+
+def compaction_composed(res: Results) -> str:
+    """Tokens × ranks or bits: the served model's latent cache compacted, beside AM and the best press on
+    the same chunks."""
+    rows, best = composed_rows(res)
+    ref = best["ppl"] - best["ppl_full"] if best else None
+    out = []
+    for r in rows:
+        delta = r["ppl"] - r["ppl_full"]
+        served = Path(r["projections"]).stem if r.get("projections") else "uncompressed"
+        whole = f"{r['ppl_ranks']:.2f}" if r.get("ppl_ranks") else "–"
+        fraction = f"{r['bytes_fraction']:.3f}" if r.get("bytes_fraction") else "–"
+        out.append([compaction_label(r), served, fraction, whole, f"{r['ppl']:.2f} ({r['ppl_full']:.2f})",
+                    f"{delta:+.2f}", f"{delta / ref:.2f}×" if ref else "–"])
+    return table(["method", "cache", "bytes / bf16", "PPL whole ctx", "PPL (uncompr.)", "ΔPPL",
+                  "/ best press"], out)
 
 
 BLOCKS: dict[str, Callable[[Results], str]] = {
@@ -911,6 +961,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "pareto-variants": pareto_variants,
     "pareto-through-cache": pareto_through_cache,
     "compaction": compaction,
+    "compaction-composed": compaction_composed,
 }
 
 

@@ -410,10 +410,13 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         if not 0 < compact <= 1:
             raise UserError(f"--compact must be in (0, 1] (the fraction of context tokens kept), got "
                             f"{compact}")
-        if projections is not None or baseline is not None or attention_kl:
-            raise UserError("--compact compacts the uncompressed model's own cache (compacting a latent or "
-                            "quantized cache is not built yet): drop --projections, --baseline and "
-                            "--attention-kl")
+        if baseline is not None or attention_kl:
+            raise UserError("--compact compacts the uncompressed model's cache, or with --projections the "
+                            "served model's latent cache: drop --baseline and --attention-kl")
+        if projections is not None and (passkey is not None or compact_method not in ("am", "attention")):
+            raise UserError("--compact with --projections measures perplexity with --compact-method am or "
+                            "attention (pass-key retrieval and kvpress's presses run on the uncompressed "
+                            "model): drop --passkey, or --projections")
         if context < 2:
             raise UserError(f"--context must be ≥ 2, got {context}")
     if passkey is not None and (compact is None or passkey < 1):
@@ -442,7 +445,7 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                                             samples=passkey, seed=seed)
             else:
                 result = evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
-                                            chunks=windows, data=data)
+                                            chunks=windows, data=data, projections=proj)
             if json_path is not None and not to_stdout:
                 json_path.write_text(json.dumps(result.as_dict(), indent=2))
             return result

@@ -160,11 +160,15 @@ def _refuse_latent(cache, what: str) -> None:
 
 
 def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_study: int = 0,
-            seed: int = 0) -> DynamicCache:
+            seed: int = 0, study_prompt: torch.Tensor | None = None,
+            study_greedy: bool = False) -> DynamicCache:
     """Run the prompt ``ids`` ``[B, C]`` (unpadded rows) and return its ``DynamicCache``, holding as
     ``reference_queries`` the queries :func:`compact` fits to: the prompt's last ``window`` (all of a
     shorter one; 0 for none), rotated as if they came after it, and with ``self_study`` > 0 the queries of
-    that many tokens the model then samples itself (from ``seed``), at their own positions."""
+    that many tokens the model then samples itself (from ``seed``; argmax with ``study_greedy``), at their
+    own positions, after reading ``study_prompt`` (ids ``[p]`` of a generic instruction about the text, such
+    as "Repeat the text above", whose queries are added too) when given. For retrieval, ``window`` = the
+    prompt's length and an instruction keep far more of a hidden fact (docs/notes/compaction.md)."""
     if ids.ndim != 2 or ids.shape[1] < 2:
         raise ValueError(f"prefill takes token ids [batch, tokens] of at least 2 tokens; got shape "
                          f"{tuple(ids.shape)}")
@@ -174,7 +178,7 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     cache, queries = prefill_with_queries(model, ids, max(1, min(window, ids.shape[1])))
     if self_study:
         _refuse_latent(cache, "self-study")
-        studied = study_queries(model, ids, cache, self_study, seed)
+        studied = study_queries(model, ids, cache, self_study, seed, prompt=study_prompt, greedy=study_greedy)
         queries = studied if window == 0 else [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
     cache.reference_queries = queries
     return cache

@@ -331,6 +331,13 @@ def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_ca
                           only.reference_queries):
         assert b.shape[2] == 23 and d.shape[2] == 7 and torch.isfinite(b).all()
         assert torch.equal(b[:, :, :16], a) and torch.equal(b, c) and torch.equal(b[:, :, 16:], d)
+    ask = torch.tensor([5, 6, 7])  # an instruction read before greedy tokens: its 3 queries are kept too
+    told = stiefkv.prefill(model, ids, window=0, self_study=4, study_prompt=ask, study_greedy=True)
+    again = stiefkv.prefill(model, ids, window=0, self_study=4, study_prompt=ask, study_greedy=True, seed=9)
+    assert all(q.shape[2] == 7 and torch.equal(q, r) for q, r in zip(told.reference_queries,
+                                                                      again.reference_queries))
+    for la, lb in zip(plain.layers, told.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
     for la, lb in zip(plain.layers, studied.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
     assert studied.get_seq_length() == 40

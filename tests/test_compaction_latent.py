@@ -40,6 +40,17 @@ def continuation(model, cache, ids, C: int) -> torch.Tensor:
     return logits
 
 
+def kept_whole(model, ids, C: int, tol: float) -> LatentCache:
+    """Check that compacting the served model's cache while keeping every token continues as the
+    uncompacted cache does; returns the uncompacted cache."""
+    whole = stiefkv.prefill(model, ids[:, :C], window=12)
+    want = continuation(model, whole, ids, C)
+    kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
+                           method="attention", allocation="uniform")
+    torch.testing.assert_close(continuation(model, kept, ids, C), want, atol=tol, rtol=tol)
+    return whole
+
+
 @pytest.mark.parametrize("allocation", ["layers-max", "global"])
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_latent_compaction_with_identity_bases_is_the_uncompressed_models(key_mode, allocation):
@@ -71,11 +82,7 @@ def test_keeping_every_token_of_a_low_rank_cache_continues_as_the_uncompacted(ke
     C, new = 41, 6
     proj = random_projections(model, 11, 13, key_mode=key_mode)
     with compressed(model, proj):
-        whole = stiefkv.prefill(model, ids[:, :C], window=12)
-        want = continuation(model, whole, ids, C)
-        kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
-                               method="attention", allocation="uniform")
-        torch.testing.assert_close(continuation(model, kept, ids, C), want, atol=1e-4, rtol=1e-4)
+        whole = kept_whole(model, ids, C, tol=1e-4)
 
         key = cache_keyword(model)
         greedy = model.generate(ids[:, :C + 1], max_new_tokens=new, do_sample=False)
@@ -97,11 +104,7 @@ def test_quantized_latents_are_compacted_and_stored_quantized_again():
     proj = random_projections(model, 9, 15)
     proj.quant = [(QuantSpec(4, "token"), QuantSpec(4, "token"))] * dims_of(model.config).L
     with compressed(model, proj):
-        whole = stiefkv.prefill(model, ids[:, :C], window=12)
-        want = continuation(model, whole, ids, C)
-        kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
-                               method="attention", allocation="uniform")
-        torch.testing.assert_close(continuation(model, kept, ids, C), want, atol=1e-3, rtol=1e-3)
+        whole = kept_whole(model, ids, C, tol=1e-3)
         small = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=0.25)
         assert small.nbytes < whole.nbytes / 2
         assert torch.isfinite(continuation(model, small, ids, C)).all()

@@ -166,7 +166,9 @@ def test_cli_compressed_context_perplexity(tmp_path):
     doc = json.loads(r.output[r.output.index("{"):])
     assert doc["samples"] == 2 and doc["accuracy_full"] == 1.0 and 0 <= doc["accuracy"] <= 1
     for args, message in ((["--compact", "1.5"], "--compact must be in (0, 1]"),
-                          (["--compact", "0.1", "--baseline", "kivi4"], "compacting a latent or quantized"),
+                          (["--compact", "0.1", "--baseline", "kivi4"], "drop --baseline"),
+                          (["--compact", "0.1", "--projections", __file__, "--passkey", "2"],
+                           "drop --passkey"),
                           (["--passkey", "3"], "give --compact too")):
         r = runner.invoke(main, ["eval", "smollm2", *args])
         assert r.exit_code == 2 and message in r.output, r.output
