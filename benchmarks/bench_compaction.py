@@ -31,6 +31,7 @@ VARIANTS = {
     "am layers": {"allocation": "layers"}, "am uniform": {"allocation": "uniform"},
     "am mean": {"pooling": "mean"}, "am max": {"pooling": "max"}, "am nnls": {"solver": "nnls"},
     "am global max": {"allocation": "global", "pooling": "max"},
+    "am block1024": {"block": 1024}, "am block2048": {"block": 2048}, "am block4096": {"block": 4096},
     "am first": {"allocation": "uniform", "pooling": "mean", "solver": "nnls"},  # the first harness's AM
     "am study256": {"self_study": 256}, "am repeat": {"repeat": (8192, 1)},
     "am repeat2": {"repeat": (8192, 2)}, "am repeat4": {"repeat": (8192, 4)},

@@ -3,9 +3,9 @@ of Llama-3-8B shapes in ≤ 2 s on the H200).
 
 Random keys, values and reference queries at the model's shapes stand in for a prefilled cache (the time
 does not depend on the weights): per layer ``[1, G, T, d]`` keys and values and ``[1, H, window, d]``
-queries, bf16 on the device. Timed: :func:`stiefkv.compaction.global_budgets` over every layer and
-:func:`stiefkv.compaction.compact_layer` per layer with AM's defaults (``stiefkv.compact`` minus the
-prefill), synchronised, the best of ``--repeat`` after one warm-up; and the peak memory above the inputs.
+queries, bf16 on the device. Timed: :func:`stiefkv.compaction.compact_layers` (what ``stiefkv.compact``
+runs after the prefill) with AM's defaults (``--block`` another block), synchronised, the best of
+``--repeat`` after one warm-up; and the peak memory above the inputs.
 One row per length to ``benchmarks/results/compaction_speed.jsonl``.
 
     python benchmarks/bench_compaction_speed.py --lengths 4096,8192,16384,32768 --device cuda
@@ -19,12 +19,11 @@ import time
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-from stiefkv.compaction import AM_DEFAULTS, compact_layer, global_budgets
+from stiefkv.compaction import AM_DEFAULTS, compact_layers
 
 SHAPES = {"llama3-8b": dict(layers=32, heads=32, kv_heads=8, head_dim=128),
           "smollm2": dict(layers=30, heads=9, kv_heads=3, head_dim=64),
           "tiny": dict(layers=2, heads=4, kv_heads=2, head_dim=16)}
-HEADS = {"global": "each", "layers": "mean", "layers-max": "max"}
 
 
 def synced(device: str) -> float:
@@ -33,13 +32,9 @@ def synced(device: str) -> float:
     return time.perf_counter()
 
 
-def compact_all(keys, values, queries, t: int, scale: float) -> None:
-    options = dict(AM_DEFAULTS)
-    allocation = options.pop("allocation")
-    budgets = global_budgets(keys, queries, t, scales=[scale] * len(keys), pooling=options["pooling"],
-                             heads=HEADS[allocation])
-    for k, v, q, b in zip(keys, values, queries, budgets):
-        compact_layer(k, v, q, b, scale=scale, **options)
+def compact_all(keys, values, queries, t: int, scale: float, **options) -> None:
+    for _ in compact_layers(list(keys), values, queries, t, scales=[scale] * len(keys), **options):
+        pass
 
 
 def main() -> None:
@@ -50,12 +45,16 @@ def main() -> None:
     ap.add_argument("--window", type=int, default=1024)
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--block", default="default",
+                    help="AM's block in tokens: 'default' (AM_DEFAULTS), 'none' (the whole layer), or N")
     args = ap.parse_args()
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
     s = SHAPES[args.shape]
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     g = torch.Generator(device=args.device).manual_seed(0)
+    options = {} if args.block == "default" else {"block": None if args.block == "none" else int(args.block)}
+    label = "" if args.block == "default" else f" block {args.block}"
     for T in (int(x) for x in args.lengths.split(",")):
         make = lambda *shape: torch.randn(*shape, generator=g, device=args.device, dtype=dtype)  # noqa: E731
         keys = [make(1, s["kv_heads"], T, s["head_dim"]) for _ in range(s["layers"])]
@@ -69,12 +68,12 @@ def main() -> None:
         times = []
         for _ in range(args.repeat + 1):
             t0 = synced(args.device)
-            compact_all(keys, values, queries, t, scale)
+            compact_all(keys, values, queries, t, scale, **options)
             times.append(synced(args.device) - t0)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if args.device.startswith("cuda") else None
-        row = {"case": f"{args.shape} T{T} keep{args.keep:g} {args.device}", "shape": args.shape, "tokens": T,
-               "keep": args.keep, "window": args.window, "options": AM_DEFAULTS, "seconds": min(times[1:]),
-               "seconds_all": times, "peak_gib_above_inputs": peak}
+        row = {"case": f"{args.shape} T{T} keep{args.keep:g}{label} {args.device}", "shape": args.shape,
+               "tokens": T, "keep": args.keep, "window": args.window, "options": {**AM_DEFAULTS, **options},
+               "seconds": min(times[1:]), "seconds_all": times, "peak_gib_above_inputs": peak}
         utils.write_rows("compaction_speed", row)
         print(f"{row['case']}: {row['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in times)}), "
               f"peak {peak if peak is None else f'{peak:.1f} GiB'}", flush=True)

@@ -27,14 +27,13 @@ from transformers import DynamicCache
 
 from stiefkv import presses
 from stiefkv.cache import LatentCache, cache_keyword
-from stiefkv.compaction import METHODS, compact_layer, effective_options, global_budgets
+from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import project_qkv, rotate_with
 from stiefkv.models import decoder_layers
 
 HOOKS = "_stiefkv_compacted_hooks"
 DEFAULT_WINDOW = 1024  # reference queries: the prompt's last tokens (all of a shorter one), shifted after it
-HEADS = {"global": "each", "layers": "mean", "layers-max": "max"}  # global_budgets' heads= per allocation
 
 
 class CompactedCache(DynamicCache):
@@ -269,27 +268,15 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     if method in presses.PRESSES:
         return _pressed(model, cache, queries, t, method)
     layers = decoder_layers(model)
-    options = effective_options(method, options)
-    allocation = options.pop("allocation")
-    budgets = _budgets(layers, [cache.layers[i].keys for i in range(len(layers))], queries, t, allocation,
-                       options)
     new = CompactedCache(cache.layers[0].keys.shape[2])
-    for i, (layer, q) in enumerate(zip(layers, queries)):
-        k, v = cache.layers[i].keys, cache.layers[i].values
-        kept, beta, fitted, _ = compact_layer(k, v, q, budgets[i], scale=layer.self_attn.scaling,
-                                              method=method, **options)
-        new.add_layer(kept.to(k.dtype), fitted.to(v.dtype), beta)
+    keys = [cache.layers[i].keys for i in range(len(layers))]
+    values = [cache.layers[i].values for i in range(len(layers))]
+    scales = [la.self_attn.scaling for la in layers]
+    for i, (kept, beta, fitted, _) in enumerate(compact_layers(keys, values, queries, t, scales=scales,
+                                                               method=method, **options)):
+        new.add_layer(kept.to(keys[i].dtype), fitted.to(values[i].dtype), beta)
     install_hooks(model)
     return new
-
-
-def _budgets(layers, keys: list[torch.Tensor], queries: list[torch.Tensor], t: int, allocation: str,
-             options: dict) -> list:
-    """Per layer the entries each KV head keeps (:func:`~stiefkv.compaction.global_budgets`)."""
-    if allocation == "uniform":
-        return [t] * len(layers)
-    return global_budgets(keys, queries, t, scales=[la.self_attn.scaling for la in layers],
-                          pooling=options.get("pooling", "mean"), heads=HEADS[allocation])
 
 
 def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int, method: str,
@@ -303,8 +290,6 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
         raise ValueError(f"kvpress's {method!r} is a baseline for the uncompressed model's cache; a "
                          f"stiefkv.LatentCache is compacted by {' or '.join(repr(m) for m in METHODS)}")
     layers = decoder_layers(model)
-    options = effective_options(method, options)
-    allocation = options.pop("allocation")
     T = cache.get_seq_length()
     dtype = next(model.parameters()).dtype
     latents = [cache.read_layer(i, dtype) for i in range(len(layers))]
@@ -313,14 +298,12 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     keys = [reference.rebuild_keys(z_k, la.self_attn.P_k, key_mode=la.self_attn.key_mode,
                                    positions=cache.positions, rope=la.self_attn.rope)
             for (z_k, _), la in zip(latents, layers)]
-    budgets = _budgets(layers, keys, queries, t, allocation, options)
     new = LatentCache()
     new.length = T
-    for i, (layer, q) in enumerate(zip(layers, queries)):
+    fits = compact_layers(keys, [z_v for _, z_v in latents], queries, t, method=method,
+                          scales=[la.self_attn.scaling for la in layers], **options)
+    for i, (layer, (_, beta, fitted, index)) in enumerate(zip(layers, fits)):
         z_k, z_v = latents[i]
-        _, beta, fitted, index = compact_layer(keys[i], z_v, q, budgets[i], scale=layer.self_attn.scaling,
-                                               method=method, **options)
-        keys[i] = None  # what the later layers' fits need at most: one layer's rebuilt keys
         kept = torch.gather(z_k, 2, index[..., None].expand(-1, -1, -1, z_k.shape[-1]))
         new.add_compacted_layer(kept, fitted.to(z_v.dtype), torch.gather(positions, 2, index), beta,
                                 quant=layer.self_attn.quant)
@@ -396,7 +379,8 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
 
     ``queries``: per layer ``[B, H, m, d]`` rotated reference queries; by default those :func:`prefill`
     kept on the cache. ``options``: ``selection`` (``attention`` | ``omp``), ``fit_beta``,
-    ``refit_values``, ``allocation``, ``pooling``, ``solver``, ``ridge`` (defaults:
+    ``refit_values``, ``allocation``, ``pooling``, ``solver``, ``ridge``, ``block`` (longer layers are
+    compacted in blocks of that many tokens; None for whole layers) (defaults:
     :data:`~stiefkv.compaction.AM_DEFAULTS`). The result continues with ``model(ids, past_key_values=...)``
     or ``model.generate(...)`` at the prompt's original positions."""
     if not 0 < keep <= 1:

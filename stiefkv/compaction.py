@@ -207,6 +207,16 @@ def compact_heads(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     E, _ = _logits(queries, keys, scale)
     mass = E.sum(-1)
     index = _select_attention(E, mass, t, pooling)  # [..., t]
+    return (index, *_fit_chosen(E, mass, index, values, fit_beta=fit_beta, refit_values=refit_values,
+                                ridge=ridge, dtype=keys.dtype))
+
+
+def _fit_chosen(E: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, values: torch.Tensor, *,
+                fit_beta: bool, refit_values: bool, ridge: float, dtype: torch.dtype):
+    """β ``[..., t]`` and values ``[..., t, d_v]`` of the keys at ``index`` ``[..., t]`` of a block whose
+    logits are ``E`` ``[..., m, T]`` (``exp`` less any per-query shift: the fit is relative to each
+    query's ``mass``, so β does not depend on the shift)."""
+    t = index.shape[-1]
     E_sel = E.gather(-1, index[..., None, :].expand(*E.shape[:-1], t))
     w = _fit_projected(E_sel / mass[..., None]) if fit_beta else torch.ones_like(E_sel[..., 0, :])
     w = w.clamp(min=MIN_WEIGHT)
@@ -214,7 +224,50 @@ def compact_heads(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     chosen = V.gather(-2, index[..., None].expand(*index.shape, V.shape[-1]))
     if refit_values:
         chosen = _refit_values(E, mass, E_sel, w, V, chosen, ridge)
-    return index, torch.log(w).to(keys.dtype), chosen.to(values.dtype)
+    return torch.log(w).to(dtype), chosen.to(values.dtype)
+
+
+def block_counts(scores: torch.Tensor, t: int, block: int) -> list[int]:
+    """Entries per block of ``block`` tokens for heads keeping ``t`` of ``T`` keys by ``scores``
+    ``[..., T]``: each block's share of every head's top ``t``, averaged over heads, at least 1 per block,
+    rounded to sum ``t`` (largest remainders)."""
+    T = scores.shape[-1]
+    starts = list(range(0, T, block))
+    top = torch.zeros_like(scores, dtype=torch.float64).scatter_(-1, scores.topk(t, -1).indices, 1.0)
+    share = torch.stack([top[..., s:s + block].sum(-1) for s in starts], -1).flatten(0, -2).mean(0)
+    sizes = [min(block, T - s) for s in starts]
+    floor = [max(1, min(size, int(x))) for x, size in zip(share.tolist(), sizes)]
+    order = sorted(range(len(starts)), key=lambda i: float(share[i]) - int(share[i]), reverse=True)
+    while sum(floor) < t:  # hand the remainder to the largest fractions, never past a block's size
+        grew = False
+        for i in order:
+            if sum(floor) < t and floor[i] < sizes[i]:
+                floor[i] += 1
+                grew = True
+        if not grew:
+            break
+    while sum(floor) > t:  # the floor of 1 per block overshot: take back from the largest counts
+        i = max(range(len(floor)), key=lambda i: floor[i])
+        floor[i] -= 1
+    return floor
+
+
+def compact_heads_blocked(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, *, scale: float,
+                          scores: torch.Tensor, counts: list[int], block: int, fit_beta: bool = True,
+                          refit_values: bool = True, ridge: float = DEFAULT_RIDGE):
+    """:func:`compact_heads` on consecutive blocks of ``block`` tokens, each compacted on its own to its
+    entry of ``counts`` (the compacted blocks, joined, reproduce the whole: each keeps its mass and its
+    output). Keys are chosen by the whole layer's ``scores`` ``[..., T]``; the fits see one block at a
+    time, so their cost, quadratic and cubic in the entries kept, falls by the number of blocks."""
+    parts = []
+    for s, n in zip(range(0, keys.shape[-2], block), counts):
+        k, v, sc = keys[..., s:s + block, :], values[..., s:s + block, :], scores[..., s:s + block]
+        E, _ = _logits(queries, k, scale)
+        index = sc.topk(n, -1).indices.sort(-1).values
+        parts.append((index + s, *_fit_chosen(E, E.sum(-1), index, v, fit_beta=fit_beta,
+                                              refit_values=refit_values, ridge=ridge, dtype=keys.dtype)))
+    index, beta, fitted = zip(*parts)
+    return torch.cat(index, -1), torch.cat(beta, -1), torch.cat(fitted, -2)
 
 
 def compacted_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float,
@@ -239,9 +292,11 @@ def log_mass(queries: torch.Tensor, keys: torch.Tensor, *, scale: float,
 METHODS = ("am", "attention")  # AM, and eviction by the same reference queries' attention (as SnapKV does)
 ALLOCATIONS = ("uniform", "global", "layers", "layers-max")
 # AM's measured defaults (docs/notes/compaction.md; BENCHMARKS.md §5): per-layer counts from the keys of
-# highest RMS attention across all layers and heads, weights fitted by projected gradient. The eviction
-# ``attention`` keeps SnapKV's shape: the same count for every head, keys by mean attention.
-AM_DEFAULTS = {"allocation": "layers-max", "pooling": "rms", "solver": "projected"}
+# highest RMS attention across all layers and heads, weights fitted by projected gradient, layers longer
+# than 4096 tokens fitted in blocks of 4096 (C 4096, 3 CPU chunks: blocks of 2048 cost +0.004 PPL, of 1024
+# +0.06; the fits' cost falls with the number of blocks). The eviction ``attention`` keeps SnapKV's shape:
+# the same count for every head, keys by mean attention.
+AM_DEFAULTS = {"allocation": "layers-max", "pooling": "rms", "solver": "projected", "block": 4096}
 
 
 def effective_options(method: str, options: dict) -> dict:
@@ -285,14 +340,20 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     ``t`` is the entries kept per head, one count or a ``[B, G]`` tensor of them (heads kept to fewer
     entries are padded with entries attention never reads). Returns the kept keys ``[B, G, t, d]``, their
     β ``[B, G, t]``, the fitted values ``[B, G, t, d_v]`` and the kept indices ``[B, G, t]`` (positions are
-    the block's at those indices)."""
+    the block's at those indices).
+
+    ``block`` (AM, a count common to the heads): a layer of more tokens is compacted in blocks of that many
+    (:func:`compact_heads_blocked`). ``scores``: the layer's :func:`layer_scores`, when already computed."""
     B, G = keys.shape[:2]
     per = queries.shape[1] // G
     budget = torch.as_tensor(t).expand(B, G)
+    options = dict(options)
+    scores, block = options.pop("scores", None), options.pop("block", None)
     if _batchable(budget, method, options):
         if method == "attention":  # keeps the chosen tokens as they are
             options = {"pooling": options.get("pooling", "mean"), "fit_beta": False, "refit_values": False}
-        return _compact_layer_batched(keys, values, queries, int(budget[0, 0]), scale=scale, **options)
+        return _compact_layer_batched(keys, values, queries, int(budget[0, 0]), scale=scale,
+                                      block=block if method == "am" else None, scores=scores, **options)
     out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1),
                            int(budget[b, g]), scale=scale, method=method, **options)
             for g in range(G)] for b in range(B)]
@@ -303,6 +364,30 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     beta = torch.stack([torch.stack([c.beta for c in row]) for row in out]).to(keys.device)
     fitted = torch.stack([torch.stack([c.values for c in row]) for row in out]).to(values.device)
     return kept, beta, fitted, index
+
+
+HEADS = {"global": "each", "layers": "mean", "layers-max": "max"}  # global_budgets' heads= per allocation
+
+
+def compact_layers(keys: list[torch.Tensor], values: list[torch.Tensor], queries: list[torch.Tensor],
+                   t: int, *, scales: list[float], method: str = "am", **options):
+    """Every layer of a model's cache compacted to ``t`` entries per KV head on average: yields
+    :func:`compact_layer`'s results layer by layer, with the counts of ``options``' ``allocation`` (over
+    ``method``'s defaults). Each layer's key scores are computed once, for the allocation and the fit, and
+    each entry of ``keys`` is let go (set to None) once its layer is done."""
+    options = effective_options(method, options)
+    allocation = options.pop("allocation")
+    L = len(keys)
+    budgets, scores = [t] * L, [None] * L
+    if allocation != "uniform":
+        pooling = options.get("pooling", "mean")
+        scores = [layer_scores(k, q, s, pooling) for k, q, s in zip(keys, queries, scales)]
+        budgets = global_budgets(keys, queries, t, scales=scales, pooling=pooling, heads=HEADS[allocation],
+                                 scores=scores)
+    for i in range(L):
+        yield compact_layer(keys[i], values[i], queries[i], budgets[i], scale=scales[i], method=method,
+                            scores=scores[i], **options)
+        keys[i] = scores[i] = None
 
 
 BATCH_BYTES = 2 << 30  # float64 logits held at once when heads are compacted together
@@ -327,39 +412,61 @@ def _group_queries(queries: torch.Tensor, G: int) -> torch.Tensor:
 
 def _compact_layer_batched(keys, values, queries, t: int, *, scale: float, selection: str = "attention",
                            solver: str = "projected", fit_beta: bool = True, refit_values: bool = True,
-                           ridge: float = DEFAULT_RIDGE, pooling: str = "mean"):
+                           ridge: float = DEFAULT_RIDGE, pooling: str = "mean", block: int | None = None,
+                           scores: torch.Tensor | None = None):
     """:func:`compact_layer` for a common count, every head at once (in slices of heads whose float64
-    logits fit :data:`BATCH_BYTES`)."""
+    logits fit :data:`BATCH_BYTES`); a layer longer than ``block`` tokens in blocks
+    (:func:`compact_heads_blocked`), chosen by ``scores`` ``[B, G, T]`` (computed here when not given)."""
     B, G, T, _ = keys.shape
+    if not 1 <= t <= T:
+        raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
     q = _group_queries(queries, G)
-    step = max(1, BATCH_BYTES // (q.shape[2] * T * 8 * B))
-    parts = [compact_heads(keys[:, g:g + step], values[:, g:g + step], q[:, g:g + step], t, scale=scale,
-                           fit_beta=fit_beta, refit_values=refit_values, ridge=ridge, pooling=pooling)
-             for g in range(0, G, step)]
+    blocked = block is not None and T > block
+    step = max(1, BATCH_BYTES // (q.shape[2] * min(T, block or T) * 8 * B))
+    if blocked:
+        if scores is None:
+            scores = layer_scores(keys, queries, scale, pooling)
+        counts = block_counts(scores, t, block)
+        parts = [compact_heads_blocked(keys[:, g:g + step], values[:, g:g + step], q[:, g:g + step],
+                                       scale=scale, scores=scores[:, g:g + step], counts=counts, block=block,
+                                       fit_beta=fit_beta, refit_values=refit_values, ridge=ridge)
+                 for g in range(0, G, step)]
+    else:
+        parts = [compact_heads(keys[:, g:g + step], values[:, g:g + step], q[:, g:g + step], t, scale=scale,
+                               fit_beta=fit_beta, refit_values=refit_values, ridge=ridge, pooling=pooling)
+                 for g in range(0, G, step)]
     index, beta, fitted = (torch.cat(x, 1) for x in zip(*parts))
     kept = torch.gather(keys, 2, index[..., None].expand(-1, -1, -1, keys.shape[-1]))
     return kept, beta, fitted, index
 
 
+def layer_scores(keys: torch.Tensor, queries: torch.Tensor, scale: float, pooling: str) -> torch.Tensor:
+    """Every key's attention from the reference queries, pooled by ``pooling`` ``[B, G, T]``, for one layer's
+    ``keys`` ``[B, G, T, d]`` and ``queries`` ``[B, H, m, d]`` (in slices of heads, as the fits)."""
+    B, G, T = keys.shape[:3]
+    q = _group_queries(queries, G)
+    step = max(1, BATCH_BYTES // (q.shape[2] * T * 8 * B))
+    out = []
+    for g in range(0, G, step):
+        E, _ = _logits(q[:, g:g + step], keys[:, g:g + step], scale)
+        out.append(key_scores(E, E.sum(-1), pooling))
+    return torch.cat(out, 1)
+
+
 def global_budgets(keys: list[torch.Tensor], queries: list[torch.Tensor], t: int, *, scales: list[float],
-                   pooling: str = "mean", floor: int = 1, heads: str = "each") -> list[torch.Tensor]:
+                   pooling: str = "mean", floor: int = 1, heads: str = "each",
+                   scores: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Per layer ``[B, G]`` counts from the keys of highest attention (``pooling``) across every layer and
     head of a batch row, at least ``floor`` each, ``t`` per head on average:
 
     - ``heads="each"``: each head its own count (a dense cache pads a layer's heads to the largest);
     - ``"mean"``: each layer's heads its mean count;
     - ``"max"``: each layer's heads its largest count, the cut lowered until that stores ``t`` per head on
-      average (what a dense cache holds under ``"each"``, with the padding filled by keys)."""
-    per_layer = []
-    for k, q, scale in zip(keys, queries, scales):
-        B, G, T = k.shape[:3]
-        q = _group_queries(q, G)
-        step = max(1, BATCH_BYTES // (q.shape[2] * T * 8 * B))
-        scores = []
-        for g in range(0, G, step):
-            E, _ = _logits(q[:, g:g + step], k[:, g:g + step], scale)
-            scores.append(key_scores(E, E.sum(-1), pooling))
-        per_layer.append(torch.cat(scores, 1))  # [B, G, T]
+      average (what a dense cache holds under ``"each"``, with the padding filled by keys).
+
+    ``scores``: the layers' :func:`layer_scores`, when already computed."""
+    per_layer = scores if scores is not None else [layer_scores(k, q, scale, pooling)
+                                                   for k, q, scale in zip(keys, queries, scales)]
     allk = torch.stack(per_layer, 1)  # [B, L, G, T]
     B, L, G, T = allk.shape
     total = t * L * G

@@ -51,19 +51,20 @@ def kept_whole(model, ids, C: int, tol: float) -> LatentCache:
     return whole
 
 
-@pytest.mark.parametrize("allocation", ["layers-max", "global"])
+@pytest.mark.parametrize("allocation, block", [("layers-max", 4096), ("layers-max", 23), ("global", 4096)])
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-def test_latent_compaction_with_identity_bases_is_the_uncompressed_models(key_mode, allocation):
+def test_latent_compaction_with_identity_bases_is_the_uncompressed_models(key_mode, allocation, block):
+    """Also in blocks of 23 tokens (3 blocks of the 59-token prompt)."""
     torch.manual_seed(0)
     model, ids = prompt(3, 71)
     C = 59
     plain = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3,
-                            allocation=allocation)
+                            allocation=allocation, block=block)
     want = continuation(model, plain, ids, C)
     with compressed(model, identity(model, key_mode)):
         cache = stiefkv.prefill(model, ids[:, :C], window=16)
         assert isinstance(cache, LatentCache)
-        latent = stiefkv.compact(model, cache, keep=0.3, allocation=allocation)
+        latent = stiefkv.compact(model, cache, keep=0.3, allocation=allocation, block=block)
         assert isinstance(latent, LatentCache) and latent.compacted and latent.get_seq_length() == C
         assert latent.prefix == plain.prefix
         got = continuation(model, latent, ids, C)
