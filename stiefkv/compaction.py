@@ -261,6 +261,8 @@ def compact_heads_blocked(keys: torch.Tensor, values: torch.Tensor, queries: tor
     time, so their cost, quadratic and cubic in the entries kept, falls by the number of blocks."""
     parts = []
     for s, n in zip(range(0, keys.shape[-2], block), counts):
+        if n == 0:  # fewer entries than blocks: this block is dropped
+            continue
         k, v, sc = keys[..., s:s + block, :], values[..., s:s + block, :], scores[..., s:s + block]
         E, _ = _logits(queries, k, scale)
         index = sc.topk(n, -1).indices.sort(-1).values

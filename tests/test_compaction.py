@@ -445,3 +445,5 @@ def test_a_layer_compacted_in_blocks_reproduces_its_attention(B, G, H, T, t, blo
     assert all(math.isfinite(x) for x in blocked + plain + evicted)
     assert blocked[0] < evicted[0] and blocked[1] < 0.7 * evicted[1], (blocked, evicted)
     assert blocked[0] < 1.5 * plain[0] + 0.02, (blocked, plain)
+    few = compact_layer(keys, values, q, 2, scale=scale, block=block, **options)  # fewer entries than blocks
+    assert few[3].shape == (B, G, 2) and torch.isfinite(few[2]).all()
