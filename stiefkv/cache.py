@@ -128,8 +128,8 @@ class LatentCache(_dynamic_cache_class()):
                 self.layers[layer_idx] = QuantizedLatentLayer(*quant)
         z_k, z_v = self.update(z_k, z_v, layer_idx)
         if self.length is not None:
-            return z_k, z_v, self._extend_compacted(layer_idx, positions, z_k.shape[2]), self._unpadded(
-                attention_mask)
+            _refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
+            return z_k, z_v, self._extend_compacted(layer_idx, positions, z_k.shape[2]), None
         if layer_idx == 0:
             positions = positions.to(torch.int32)
             old = self.positions
@@ -145,18 +145,6 @@ class LatentCache(_dynamic_cache_class()):
         self.head_positions[i] = torch.cat([self.head_positions[i], new], 2)
         self.beta[i] = torch.cat([self.beta[i], self.beta[i].new_zeros(B, G, n)], 2)
         return self.head_positions[i]
-
-    @staticmethod
-    def _unpadded(mask: torch.Tensor | None) -> None:
-        """None (no padding), after checking the model's mask hides no key from the last query. The mask is
-        sized by layer 0's count, which other layers of a compacted cache do not share: only padding is
-        read from it, and causality comes from the kernels."""
-        if isinstance(mask, torch.Tensor) and mask.dim() == 4:
-            row = mask[:, 0, -1]
-            visible = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
-            if not bool(visible.all()):
-                raise ValueError("a compacted cache holds unpadded rows only; continue it without padding")
-        return None
 
     def exact_tails(self, layer_idx: int):
         """The key and value latents the last update of a quantized layer saw exact, each as ``(z, index of
@@ -388,6 +376,19 @@ def as_latent_cache(cache) -> LatentCache | None:
     )
 
 
+def _visible(row: torch.Tensor) -> torch.Tensor:
+    """Where a boolean or additive mask row lets a key through."""
+    return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
+
+
+def _refuse_padding(mask: torch.Tensor | None) -> None:
+    """A clear error when the model's 4-D mask hides a key from the last query (padding). For a compacted
+    cache only padding is read from the mask: it is sized by layer 0's count, which the other layers do
+    not share, and causality comes from the kernels."""
+    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not bool(_visible(mask[:, 0, -1]).all()):
+        raise ValueError("a compacted cache holds unpadded rows only; continue it without padding")
+
+
 def lengths_from_mask(mask: torch.Tensor | None, batch: int, n_keys: int) -> torch.Tensor | None:
     """Real keys per row ``[B]`` from the model's 4-D attention mask, or None when nothing is padded.
 
@@ -397,9 +398,7 @@ def lengths_from_mask(mask: torch.Tensor | None, batch: int, n_keys: int) -> tor
         return None
     if not isinstance(mask, torch.Tensor) or mask.dim() != 4:
         raise ValueError(f"LowRankAttention needs a 4-D tensor attention mask, got {type(mask).__name__}")
-    row = mask[:, 0, -1, -n_keys:]
-    visible = row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
-    visible = visible.expand(batch, n_keys)
+    visible = _visible(mask[:, 0, -1, -n_keys:]).expand(batch, n_keys)
     lengths = visible.sum(dim=-1)
     if not torch.equal(visible, reference.key_padding_mask(lengths, batch, n_keys, visible.device)):
         raise ValueError(

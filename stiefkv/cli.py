@@ -413,7 +413,9 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         if baseline is not None or attention_kl:
             raise UserError("--compact compacts the uncompressed model's cache, or with --projections the "
                             "served model's latent cache: drop --baseline and --attention-kl")
-        if projections is not None and (passkey is not None or compact_method not in ("am", "attention")):
+        from stiefkv.compaction import METHODS as AM_METHODS
+
+        if projections is not None and (passkey is not None or compact_method not in AM_METHODS):
             raise UserError("--compact with --projections measures perplexity with --compact-method am or "
                             "attention (pass-key retrieval and kvpress's presses run on the uncompressed "
                             "model): drop --passkey, or --projections")

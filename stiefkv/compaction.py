@@ -406,6 +406,11 @@ def _batchable(budget: torch.Tensor, method: str, options: dict) -> bool:
             and (options.get("solver", "nnls") == "projected" or options.get("fit_beta") is False))
 
 
+def _heads_per_slice(m: int, T: int, B: int) -> int:
+    """KV heads whose float64 logits ``[B, m, T]`` fit :data:`BATCH_BYTES` together (at least one)."""
+    return max(1, BATCH_BYTES // (m * T * 8 * B))
+
+
 def _group_queries(queries: torch.Tensor, G: int) -> torch.Tensor:
     """``[B, H, m, d]`` → ``[B, G, (H/G)·m, d]``: each KV head's query heads' queries together."""
     B, H, m, d = queries.shape
@@ -424,7 +429,7 @@ def _compact_layer_batched(keys, values, queries, t: int, *, scale: float, selec
         raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
     q = _group_queries(queries, G)
     blocked = block is not None and T > block
-    step = max(1, BATCH_BYTES // (q.shape[2] * min(T, block or T) * 8 * B))
+    step = _heads_per_slice(q.shape[2], min(T, block or T), B)
     if blocked:
         if scores is None:
             scores = layer_scores(keys, queries, scale, pooling)
@@ -447,7 +452,7 @@ def layer_scores(keys: torch.Tensor, queries: torch.Tensor, scale: float, poolin
     ``keys`` ``[B, G, T, d]`` and ``queries`` ``[B, H, m, d]`` (in slices of heads, as the fits)."""
     B, G, T = keys.shape[:3]
     q = _group_queries(queries, G)
-    step = max(1, BATCH_BYTES // (q.shape[2] * T * 8 * B))
+    step = _heads_per_slice(q.shape[2], T, B)
     out = []
     for g in range(0, G, step):
         E, _ = _logits(q[:, g:g + step], keys[:, g:g + step], scale)

@@ -114,15 +114,16 @@ def chunk_nll(model, ids: torch.Tensor, context: int, keep: float, method: str, 
     return nll, nll_full, targets.numel(), t, held, nll_ranks
 
 
-def entry_bytes(model, proj=None) -> tuple[float, float]:
+def entry_bytes(model, proj=None, entries: int = 2048) -> tuple[float, float]:
     """Bytes of one compacted entry (a kept token, every layer and KV head: its latents or bf16 keys and
-    values, its int32 position and bf16 β per head) and of one token of the bf16 cache."""
+    values, its int32 position and bf16 β per head) in a cache of ``entries`` of them (quantized latents
+    keep their newest few exact), and of one token of the bf16 cache."""
     from stiefkv.models import dims_of
     from stiefkv.projections import POSITION_BYTES
 
     dims = dims_of(model.config)
     full = dims.L * dims.G * 2 * dims.d * 2
-    stored = full if proj is None else proj.kv_bytes_per_token() - POSITION_BYTES
+    stored = full if proj is None else proj.kv_bytes_per_token(entries) - POSITION_BYTES
     return stored + dims.L * dims.G * (4 + 2), full
 
 
@@ -159,7 +160,7 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     ppl = float(torch.exp(torch.tensor(nll / tokens)))
     ppl_full = float(torch.exp(torch.tensor(nll_full / tokens)))
     ppl_ranks = float(torch.exp(torch.tensor(nll_ranks / tokens))) if served is not None else None
-    entry, full = entry_bytes(model, proj)
+    entry, full = entry_bytes(model, proj, max(1, round(held)))
     return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept, held,
                            name, ppl_ranks, held * entry / (context * full))
 
