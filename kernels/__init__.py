@@ -77,6 +77,7 @@ def lowrank_attention(
     bias: torch.Tensor | None = None,
     causal: bool = True,
     lengths: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
     scale: float | None = None,
     exact: ExactTail | None = None,
     backend: str = "auto",
@@ -95,6 +96,10 @@ def lowrank_attention(
     bias : ``[B, G, Nk]`` additive logit bias per key (compacted tokens).
     causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
     lengths : ``[B]`` real keys per row, right-aligned (left padding); all real when ``None``.
+    n_valid : one int32 on the inputs' device: only the first ``n_valid`` of the ``Nk`` key slots hold
+        keys (a preallocated static cache); ``Nk`` and ``lengths`` above then count those. The kernel reads
+        it from device memory (a captured graph replays with the count of the moment); the reference reads
+        it back to the host.
     scale : softmax scale, ``d**-0.5`` by default.
     exact : :class:`ExactTail`, for a forward of many queries over quantized latents: each query reads its
         recent keys exact, as decoding them one by one would. The kernel has no such band: with ``exact``
@@ -113,7 +118,7 @@ def lowrank_attention(
     tensors = (q, z_k, z_v, P_k, P_v, bias)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
-                  lengths=lengths, scale=scale)
+                  lengths=lengths, n_valid=n_valid, scale=scale)
     if exact is not None:
         return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, exact=exact, **kwargs)
     if _use_kernel(backend, q.device, needs_grad=needs_grad):

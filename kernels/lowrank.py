@@ -242,7 +242,7 @@ def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _lowrank_attn_fwd(
-    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, OUT, PART_O, PART_ML, LOCKS,
+    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, NVALID, OUT, PART_O, PART_ML, LOCKS,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kg, stride_kn, stride_kr,
     stride_vb, stride_vg, stride_vn, stride_vr,
@@ -256,8 +256,8 @@ def _lowrank_attn_fwd(
     R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -265,7 +265,9 @@ def _lowrank_attn_fwd(
     ``PART_ML [2, B·G, S, rows_pad]`` (contiguous, fp32) and takes a ticket from ``LOCKS [B·G, m_blocks]``
     (int32, zeroed); the last of the ``S`` programs of a tile merges them (:func:`_merge_splits`) and writes
     ``OUT``, which saves the second launch that a separate merge kernel costs on the host. Without ``SPLIT``
-    the epilogue writes ``OUT`` directly."""
+    the epilogue writes ``OUT`` directly. With ``HAS_NVALID`` the cache's key count is read from ``NVALID``
+    (device memory: a static cache's filled slots, which a captured graph cannot pass by value); the key
+    tensors are larger and their slots from it on are never read."""
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -276,6 +278,8 @@ def _lowrank_attn_fwd(
     b = pid_bg // n_kv_heads
     g = pid_bg % n_kv_heads
     offs_m, q_idx, head, row_ok = _query_rows(pid_m, n_q, GROUP, BLOCK_M)
+    if HAS_NVALID:
+        n_k = tl.load(NVALID).to(tl.int32)
 
     # Visible keys: [kv_lo, kv_hi) for the tile; [kv_lo, full_hi) is seen by every row of it.
     kv_lo = 0
@@ -404,7 +408,7 @@ def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, to
     return F.pad(z, (0, pad)), (F.pad(P, (0, pad)) if P is not None else None)
 
 
-def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
+def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid=None) -> None:
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
     if q.dim() != 4 or z_k.dim() != 4 or z_v.dim() != 4:
@@ -439,6 +443,10 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
         raise ValueError(f"bias must be [B={B}, G={G}, Nk={Nk}], got {tuple(bias.shape)}")
     if lengths is not None and tuple(lengths.shape) != (B,):
         raise ValueError(f"lengths must be [B={B}], got {tuple(lengths.shape)}")
+    if n_valid is not None and (n_valid.numel() != 1 or n_valid.dtype != torch.int32
+                                or n_valid.device != q.device):
+        raise ValueError(f"n_valid must be one int32 on the queries' device ({q.device}), got "
+                         f"{tuple(n_valid.shape)} {n_valid.dtype} on {n_valid.device}")
     # Batch and head offsets are int64 in the kernels; offsets along the keys of one (row, head) are int32.
     if max(Nk * z_k.stride(2), Nk * z_v.stride(2), q.shape[2] * q.stride(2)) >= 2**31:
         raise ValueError("one (batch row, head) of the cache spans more than 2**31 elements; split the call")
@@ -449,7 +457,7 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
                            "backend takes the reference where a gradient is needed")
 
 
-def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, scale, cfg):
+def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg):
     B, H, Nq, d = q.shape
     G, Nk, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
     r_v = z_v.shape[3]
@@ -466,6 +474,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     pv = P_v if P_v is not None else P_k  # placeholder pointer when the latent output is returned
     lens = lengths.to(q.device, torch.int32).contiguous() if lengths is not None else z_k
     bias_t = bias if bias is not None else z_k
+    n_valid_t = n_valid if n_valid is not None else z_k
     if splits > 1:
         part_o = torch.empty(B * G, splits, rows_pad, r_v_p2, device=q.device, dtype=torch.float32)
         part_ml = torch.empty(2, B * G, splits, rows_pad, device=q.device, dtype=torch.float32)
@@ -481,14 +490,15 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     pv_strides = pv.stride()
     out_strides = out.stride()
     _lowrank_attn_fwd[(m_blocks, B * G, splits)](
-        q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, out, part_o, part_ml, locks,
+        q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, n_valid_t, out, part_o, part_ml, locks,
         *q.stride(), *z_k.stride(), *z_v.stride(), *P_k.stride(), *pv_strides,
         *pos_strides, *bias_strides, *out_strides,
         Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
         BLOCK_M=block_m, BLOCK_N=block_n,
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None,
-        HAS_LENS=lengths is not None, HAS_PV=P_v is not None, SPLIT=splits > 1,
+        HAS_LENS=lengths is not None, HAS_NVALID=n_valid is not None, HAS_PV=P_v is not None,
+        SPLIT=splits > 1,
         FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
         UPCAST=interpreting() and z_k.dtype == torch.bfloat16,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -510,6 +520,7 @@ def lowrank_attention(
     bias: torch.Tensor | None = None,
     causal: bool = True,
     lengths: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
     scale: float | None = None,
     num_splits: int | None = None,
     block_n: int | None = None,
@@ -526,7 +537,8 @@ def lowrank_attention(
         (bf16, fp16 or fp32; any strides). P_k : ``[G, d, r_k]``, P_v : ``[G, d, r_v]`` or ``None`` (latent
         output ``[B, H, Nq, r_v]``).
     key_mode, positions ``[B, Nk]`` (or ``[B, G, Nk]``), rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``,
-        scale : as the reference.
+        n_valid, scale : as the reference; ``n_valid`` is read by the kernel from device memory, never by
+        the host (graph capture).
     num_splits, block_n, num_warps, num_stages, fast_sincos : tuning overrides (tests, benchmarks); ``None``
         picks the defaults of :func:`_default_config`. ``num_splits > 1`` is honoured for decode only.
         ``fast_sincos`` (``pre_rope``): the hardware sin/cos (:func:`_sincos_fast`) instead of the
@@ -540,7 +552,7 @@ def lowrank_attention(
     if not q.is_cuda and not interpreting():
         raise RuntimeError("the Triton low-rank attention runs on CUDA tensors (or on the CPU under "
                            "TRITON_INTERPRET=1); stiefkv.kernels.lowrank_attention picks the reference here")
-    _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths)
+    _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid)
     B, H, Nq, d = q.shape
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
@@ -561,7 +573,8 @@ def lowrank_attention(
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1
     scale = d**-0.5 if scale is None else float(scale)
-    out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, scale, cfg)
+    out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale,
+                  cfg)
     if P_v is None and z_v.shape[3] != r_v:  # latent output of a padded value rank
         out = out[..., :r_v].contiguous()
     return out

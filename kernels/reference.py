@@ -72,6 +72,7 @@ def lowrank_attention(
     bias: torch.Tensor | None = None,
     causal: bool = True,
     lengths: torch.Tensor | None = None,
+    n_valid: torch.Tensor | None = None,
     scale: float | None = None,
     exact: ExactTail | None = None,
 ) -> torch.Tensor:
@@ -89,6 +90,8 @@ def lowrank_attention(
     bias : ``[B, G, Nk]`` additive logit bias per key (compacted tokens); zero when ``None``.
     causal : query ``i`` sits at key index ``Nk − Nq + i`` and sees keys up to it.
     lengths : ``[B]`` real keys per row, right-aligned (left padding); all real when ``None``.
+    n_valid : one integer tensor: only the first ``n_valid`` key slots hold keys (a static cache); read
+        back to the host here, and everything above then counts those keys.
     scale : softmax scale, ``d**-0.5`` by default.
     exact : :class:`ExactTail`: query ``i`` reads keys (values) from ``key_from[i]`` (``value_from[i]``) on
         from its exact latents instead of the quantized ones.
@@ -99,6 +102,11 @@ def lowrank_attention(
     """
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    if n_valid is not None:
+        n = int(n_valid.reshape(-1)[0])
+        z_k, z_v = z_k[:, :, :n], z_v[:, :, :n]
+        positions = positions[..., :n] if positions is not None else None
+        bias = bias[..., :n] if bias is not None else None
     B, H, Nq, d = q.shape
     G, Nk = z_k.shape[1], z_k.shape[2]
     if H % G:

@@ -18,13 +18,15 @@ from .cache import LatentCache
 from .compacted import CompactedCache, compact, prefill
 from .models import load_model, place_layers
 from .projections import CheckpointError, Projections
+from .serve import generate
+from .static_cache import StaticLatentCache
 
 logging.getLogger(__name__).addHandler(logging.NullHandler())
 
 __all__ = [
     "CalibrationConfig", "CheckpointError", "CompactedCache", "LatentCache", "LowRankAttention",
-    "Projections", "calibrate", "compact", "compressed", "load", "load_model", "place_layers", "prefill",
-    "unload",
+    "Projections", "StaticLatentCache", "calibrate", "compact", "compressed", "generate", "load",
+    "load_model", "place_layers", "prefill", "unload",
 ]
 __version__ = "0.1.0"
 

@@ -30,6 +30,7 @@ from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
 from stiefkv.quant import FLOAT, QuantSpec, fake_quant
+from stiefkv.static_cache import StaticLatentCache
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +127,10 @@ class LowRankAttention(nn.Module):
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
         exact = exact_band(self.quant, N, (z_k, z_v), tails)
         bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
+        n_valid = getattr(cache, "n_valid", None)  # a static cache's filled slots, on the device
         out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(z_k.dtype), None, key_mode=self.key_mode,
                                         positions=positions, rope=self.rope, causal=True, lengths=lengths,
-                                        bias=bias,
+                                        bias=bias, n_valid=n_valid,
                                         scale=self.scaling, exact=exact, backend=self.backend)
         out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
         return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None
@@ -323,22 +325,57 @@ def _latent_cache_hook(module: nn.Module, args, kwargs):
 
 
 def _wrap_prepare_cache(model: nn.Module, original):
-    """``generate`` makes its ``DynamicCache`` in ``_prepare_cache_for_generation``; transformers has no
-    registry for cache classes, so this instance's method is wrapped (undone by :func:`unload`) to put a
-    :class:`LatentCache` in its place. A cache passed by the user is left as it is (and checked by the
-    forward). ``tests/test_cache.py`` fails if transformers stops calling the method this way."""
-    DynamicCache = type(LatentCache()).__mro__[1]
+    """``generate`` makes its ``DynamicCache`` (or, with ``cache_implementation="static"``, its
+    ``StaticCache``) in ``_prepare_cache_for_generation``; transformers has no registry for cache classes, so
+    this instance's method is wrapped (undone by :func:`unload`) to put a :class:`LatentCache` (a
+    :class:`~stiefkv.static_cache.StaticLatentCache` of the same batch and length) in its place. A cache
+    passed by the user is left as it is (and checked by the forward). ``tests/test_cache.py`` fails if
+    transformers stops calling the method this way."""
+    from transformers import DynamicCache, StaticCache
 
     def prepare(*args, **kwargs):
         result = original(model, *args, **kwargs)
         for obj in list(args) + list(kwargs.values()):
-            if isinstance(obj, dict):
-                for key in ("cache", "past_key_values"):
-                    if type(obj.get(key)) is DynamicCache and obj[key].get_seq_length() == 0:
-                        obj[key] = LatentCache()
+            if not isinstance(obj, dict):
+                continue
+            for key in ("cache", "past_key_values"):
+                made = obj.get(key)
+                if type(made) is DynamicCache and made.get_seq_length() == 0:
+                    obj[key] = LatentCache()
+                elif type(made) is StaticCache and not getattr(made, "_is_user_defined", False):
+                    batch = _static_batch(made, args, kwargs)
+                    obj[key] = StaticLatentCache(model, batch, _static_length(made))
         return result
 
     return prepare
+
+
+def _static_length(made) -> int:
+    """Slots per row of transformers' ``StaticCache`` (its accessors differ between versions)."""
+    reads = (lambda: made.get_max_length(), lambda: made.max_cache_len, lambda: made.layers[0].max_cache_len)
+    for get in reads:
+        try:
+            length = get()
+        except (AttributeError, IndexError, TypeError):
+            continue
+        if length:
+            return int(length)
+    raise ValueError("could not read the length transformers sized its StaticCache for; pass "
+                     "cache=stiefkv.StaticLatentCache(model, batch_size, max_length) to generate instead")
+
+
+def _static_batch(made, args, kwargs) -> int:
+    """The batch transformers sized its ``StaticCache`` for (``_prepare_cache_for_generation``'s
+    ``batch_size`` times the beams or returned sequences), before the cache has seen a tensor."""
+    batch = getattr(made, "max_batch_size", None)
+    if batch:
+        return int(batch)
+    config, batch = (args + (None, None, None, None))[0], kwargs.get("batch_size")
+    if batch is None and len(args) >= 4:
+        batch = args[3]
+    config = kwargs.get("generation_config", config)
+    copies = max(getattr(config, "num_beams", 1) or 1, getattr(config, "num_return_sequences", 1) or 1)
+    return int(batch) * copies
 
 
 def _wrap_save(model: nn.Module, original):

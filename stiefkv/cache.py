@@ -45,6 +45,8 @@ class LatentCache(_dynamic_cache_class()):
         instead of ``positions``, and reports ``length`` plus the tokens appended since as its length.
     """
 
+    n_valid = None  # a static cache's filled slots (a device tensor); here every cached key is valid
+
     def __init__(self):
         super().__init__()
         self.positions: torch.Tensor | None = None
@@ -371,8 +373,8 @@ def as_latent_cache(cache) -> LatentCache | None:
     raise ValueError(
         "a model served by stiefkv.load keeps its keys and values as latents in a stiefkv.LatentCache; "
         f"got a {type(cache).__name__}. Pass cache=stiefkv.LatentCache() (or past_key_values=), or no "
-        "cache at all: generate and use_cache=True create one. (cache_implementation='static' and "
-        "'quantized' are not supported.)"
+        "cache at all: generate and use_cache=True create one (cache_implementation='static' makes a "
+        "stiefkv StaticLatentCache; 'quantized' is not supported)."
     )
 
 

@@ -264,3 +264,48 @@ def test_realistic_sizes_gpu(case, key_mode):
     if key_mode == "pre_rope":
         check(args, kwargs, key_mode=key_mode, num_splits=splits, fast_sincos=False,
               what=f"{name} polynomial sin/cos")
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("path, Nq, splits, padded", [
+    ("decode", 1, 1, True), ("decode_split", 1, 3, True), ("chunk", 19, 1, True),
+    ("chunk_unpadded", 7, 1, False)])
+def test_valid_count_from_device(path, Nq, splits, padded, key_mode):
+    """A static cache's buffers hold ``Nk`` slots of which the first ``n_valid`` (a device int32) are keys:
+    the kernel reads the count from memory and gives what the reference gives on those keys alone. The
+    unfilled slots hold NaN, which any read of them would spread."""
+    B, G, n, slots = 2, 3, 53, 90
+    args, kwargs = make_inputs(B, 6, G, Nq, n, 64, 24, 40, torch.float32, padded=padded)
+    q, z_k, z_v, P_k, P_v = args
+    expected_args = args
+    big = [torch.full((B, G, slots, z.shape[3]), float("nan"), device=DEVICE) for z in (z_k, z_v)]
+    big[0][:, :, :n], big[1][:, :, :n] = z_k, z_v
+    pos = torch.zeros(B, slots, dtype=kwargs["positions"].dtype, device=DEVICE)
+    pos[:, :n] = kwargs["positions"]
+    bias = torch.full((B, G, slots), float("nan"), device=DEVICE)
+    bias[..., :n] = kwargs["bias"]
+    n_valid = torch.tensor([n], dtype=torch.int32, device=DEVICE)
+    static = dict(kwargs, positions=pos, bias=bias, n_valid=n_valid, key_mode=key_mode)
+    with torch.no_grad():
+        out = lk.lowrank_attention(q, *big, P_k, P_v, **static, num_splits=splits)
+        expected = reference(*expected_args, **kwargs, key_mode=key_mode)
+        from_reference = reference(q, *big, P_k, P_v, **static)
+    assert_close(out, expected, atol=1e-4, rtol=1e-4, what=f"n_valid {path} {key_mode}")
+    assert_close(from_reference, expected, atol=1e-5, rtol=1e-5, what="reference with n_valid")
+    n_valid.fill_(n - 4)  # the same launch reads the new count: nothing was baked in on the host
+    with torch.no_grad():
+        out = lk.lowrank_attention(q, *big, P_k, P_v, **static, num_splits=splits)
+        cut = dict(kwargs, positions=kwargs["positions"][:, : n - 4], bias=kwargs["bias"][..., : n - 4],
+                   key_mode=key_mode)
+        if kwargs["lengths"] is not None:
+            cut["lengths"] = (kwargs["lengths"] - 4).clamp(min=0)
+            static["lengths"] = cut["lengths"]
+            out = lk.lowrank_attention(q, *big, P_k, P_v, **static, num_splits=splits)
+        expected = reference(q, z_k[:, :, : n - 4], z_v[:, :, : n - 4], P_k, P_v, **cut)
+    assert_close(out, expected, atol=1e-4, rtol=1e-4, what=f"n_valid moved {path} {key_mode}")
+
+
+def test_valid_count_bad_input():
+    args, kwargs = make_inputs(1, 2, 1, 1, 20, 32, 16, 16, torch.float32, padded=False)
+    with pytest.raises(ValueError, match="n_valid must be one int32"):
+        lk.lowrank_attention(*args, **kwargs, n_valid=torch.tensor([3, 4], dtype=torch.int32))

@@ -1,0 +1,228 @@
+"""Fast greedy generation: chunked prefill into a static cache, then a CUDA-graph-captured decode step.
+
+:func:`generate` is StiefKV's own serving path. The prompt is written into a preallocated cache chunk by
+chunk (``prefill_chunk`` tokens at a time, logits for the last token only), so the cache, not prefill
+transients, sets the peak memory: no layer's keys and values, no MLP activation and no logit matrix ever
+exist for the whole prompt at once. The decode step of the whole model — embedding, every decoder layer,
+the last norm, the head, the argmax and the bookkeeping of the next step — is captured once as a CUDA
+graph and replayed for every token, with no host work or synchronisation between tokens: the kernels read
+the cache's length from device memory.
+
+On a model prepared by :func:`stiefkv.load` the cache is a :class:`~stiefkv.static_cache.StaticLatentCache`.
+An uncompressed model gets transformers' ``StaticCache`` under the same chunking and the same capture, so
+that the two are compared on equal terms (``benchmarks/bench_serve.py``).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from stiefkv.cache import cache_keyword
+from stiefkv.models import decoder_layers
+from stiefkv.static_cache import StaticLatentCache
+
+CAPTURE = ("auto", True, False)
+
+
+def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
+             attention_mask: torch.Tensor | None = None, max_length: int | None = None,
+             prefill_chunk: int = 2048, capture: bool | str = "auto", eos_token_id: int | None = None,
+             pad_token_id: int | None = None) -> torch.Tensor:
+    """Greedy generation of ``max_new_tokens`` tokens per row; returns ``[B, N + max_new_tokens]`` ids.
+
+    Parameters
+    ----------
+    model : a causal LM, served by :func:`stiefkv.load` (latent cache) or not (transformers' static cache).
+    input_ids : ``[B, N]`` prompt, left-padded where ``attention_mask`` says so.
+    max_new_tokens : tokens to generate per row (≥ 1).
+    attention_mask : ``[B, N]`` 0/1, left padding only; None for none.
+    max_length : slots the cache is allocated for; ``N + max_new_tokens`` by default.
+    prefill_chunk : prompt tokens per prefill forward.
+    capture : ``"auto"`` captures the decode step as a CUDA graph on CUDA and runs it eagerly elsewhere;
+        True demands the capture (CUDA only), False runs eagerly. Both give the same tokens.
+    eos_token_id, pad_token_id : tokens after a row's first ``eos_token_id`` become ``pad_token_id`` (the
+        steps still run: a captured loop does not stop early).
+    """
+    B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture)
+    device = input_ids.device
+    max_length = N + max_new_tokens if max_length is None else int(max_length)
+    if max_length < N + max_new_tokens:
+        raise ValueError(f"max_length={max_length} cannot hold the prompt ({N}) and {max_new_tokens} new "
+                         f"tokens; raise it to at least {N + max_new_tokens}")
+    runner = Runner(model, make_cache(model, B, max_length), attention_mask)
+    positions = _positions(attention_mask, B, N, device)
+    with torch.inference_mode():
+        logits = runner.prefill(input_ids, positions, prefill_chunk)
+        tokens = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
+        tokens[:, 0] = logits.argmax(-1)
+        if max_new_tokens > 1:
+            state = DecodeState(tokens, positions[:, -1:] + 1, N)
+            graph = capture is True or (capture == "auto" and device.type == "cuda")
+            (runner.decode_captured if graph else runner.decode_eager)(state, max_new_tokens - 1)
+    if eos_token_id is not None:
+        tokens = _pad_after_eos(tokens, eos_token_id, eos_token_id if pad_token_id is None else pad_token_id)
+    return torch.cat([input_ids, tokens], 1)
+
+
+def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture) -> tuple[int, int]:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids must be a [batch, tokens] tensor with at least one token, got "
+                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be ≥ 1, got {max_new_tokens}")
+    if prefill_chunk < 1:
+        raise ValueError(f"prefill_chunk must be ≥ 1, got {prefill_chunk}")
+    if capture not in CAPTURE:
+        raise ValueError(f"capture must be one of {CAPTURE}, got {capture!r}")
+    if capture is True and input_ids.device.type != "cuda":
+        raise ValueError(f"capture=True records a CUDA graph and needs the model and ids on a CUDA device; "
+                         f"they are on {input_ids.device}. Use capture='auto' (eager here) or False")
+    if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
+        raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
+                         f"{tuple(input_ids.shape)}")
+    devices = {p.device for p in model.parameters()}
+    if capture is True and len(devices) > 1:
+        raise ValueError(f"capture=True needs the whole model on one device; it spans "
+                         f"{sorted(map(str, devices))}")
+    return input_ids.shape
+
+
+def _positions(mask: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:
+    """Token positions ``[B, N]``: counted from each row's first real token (transformers' convention for
+    left padding: padding sits at 0)."""
+    if mask is None:
+        return torch.arange(N, device=device)[None].expand(B, N).contiguous()
+    return (mask.long().cumsum(1) - 1).clamp(min=0).to(device)
+
+
+def _pad_after_eos(tokens: torch.Tensor, eos: int, pad: int) -> torch.Tensor:
+    done = (tokens == eos).long().cumsum(1)
+    after = (done - (tokens == eos).long()) > 0  # strictly after the first eos
+    return tokens.masked_fill(after, pad)
+
+
+def make_cache(model: nn.Module, batch: int, max_length: int):
+    """A :class:`StaticLatentCache` for a served model, transformers' ``StaticCache`` for any other."""
+    if any(hasattr(layer.self_attn, "P_k") for layer in decoder_layers(model)):
+        return StaticLatentCache(model, batch, max_length)
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=max_length)
+    cache.stiefkv_batch = batch
+    return cache
+
+
+class DecodeState:
+    """What a decode step reads and writes, at fixed addresses: the tokens so far, the next token's input
+    id and position, its slot, and the index of the next output column."""
+
+    def __init__(self, tokens: torch.Tensor, positions: torch.Tensor, slot: int):
+        self.tokens = tokens
+        self.ids = tokens[:, :1].clone()
+        self.positions = positions.clone()
+        self.slot = torch.full((1,), slot, dtype=torch.long, device=tokens.device)
+        self.column = torch.ones(1, dtype=torch.long, device=tokens.device)
+
+
+class Runner:
+    """The model's decoder stack run directly (embedding, rotary tables, layers, norm, head), as transformers'
+    forward does but without its host-side mask and cache logic, which a captured graph cannot replay."""
+
+    def __init__(self, model: nn.Module, cache, attention_mask: torch.Tensor | None):
+        self.model, self.cache = model, cache
+        self.base = getattr(model, "model", model)
+        self.layers = decoder_layers(model)
+        self.keyword = cache_keyword(self.layers[0])
+        self.latent = isinstance(cache, StaticLatentCache)
+        device = input_device(model)
+        self.starts = None
+        if self.latent:
+            cache.set_padding(attention_mask)
+        elif attention_mask is not None and not bool(attention_mask.bool().all()):
+            self.starts = (~attention_mask.bool()).sum(1).to(device)
+        self.max_length = cache.max_length if self.latent else _max_len(cache)
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, V]`` of the last of ``ids`` ``[B, n]`` (at ``positions``, written at ``slots``)."""
+        h = self.base.embed_tokens(ids)
+        embeddings = self.base.rotary_emb(h, positions)
+        mask = None if self.latent else self._mask(slots, h.dtype)
+        for layer in self.layers:
+            out = layer(h, attention_mask=mask, position_embeddings=embeddings, position_ids=positions,
+                        use_cache=True, cache_position=slots, **{self.keyword: self.cache})
+            h = out[0] if isinstance(out, tuple) else out
+        return self.model.lm_head(self.base.norm(h[:, -1:]))[:, -1]
+
+    def _mask(self, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The additive ``[B, 1, n, max_length]`` mask of transformers' static cache: query ``i`` (slot
+        ``slots[i]``) sees the slots up to its own, from its row's first real one."""
+        j = torch.arange(self.max_length, device=slots.device)
+        visible = j[None, None, None, :] <= slots[None, None, :, None]
+        if self.starts is not None:
+            visible = visible & (j[None, None, None, :] >= self.starts[:, None, None, None])
+        zero = torch.zeros((), dtype=dtype, device=slots.device)
+        return torch.where(visible, zero, torch.finfo(dtype).min)
+
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, chunk: int) -> torch.Tensor:
+        N = ids.shape[1]
+        logits = None
+        for lo in range(0, N, chunk):
+            hi = min(N, lo + chunk)
+            slots = torch.arange(lo, hi, device=ids.device)
+            logits = self.forward(ids[:, lo:hi], positions[:, lo:hi], slots)
+        return logits
+
+    def step(self, state: DecodeState) -> None:
+        """One decode step, all on the device: the next token from the current one, written to its column;
+        then the inputs of the following step."""
+        logits = self.forward(state.ids, state.positions, state.slot)
+        nxt = logits.argmax(-1, keepdim=True)
+        state.tokens.index_copy_(1, state.column, nxt)
+        state.ids.copy_(nxt)
+        state.positions.add_(1)
+        state.slot.add_(1)
+        state.column.add_(1)
+
+    def decode_eager(self, state: DecodeState, steps: int) -> None:
+        for _ in range(steps):
+            self.step(state)
+
+    def decode_captured(self, state: DecodeState, steps: int) -> None:
+        """The first step runs eagerly (see :meth:`capture`); every later step replays the captured one."""
+        self.capture(state)
+        self.replay(steps - 1)
+
+    def capture(self, state: DecodeState) -> None:
+        """Run one step eagerly on a side stream (it compiles the kernels and sets up the libraries, as
+        capture requires), then record the next step as :attr:`graph` without running it."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            self.step(state)
+        torch.cuda.current_stream().wait_stream(stream)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.step(state)
+
+    def replay(self, steps: int) -> None:
+        """``steps`` decode steps by replaying the captured one, with no host work in between."""
+        if steps <= 0:
+            return
+        if self.latent:
+            self.cache.check_room(steps)
+        for _ in range(steps):
+            self.graph.replay()
+        if self.latent:
+            self.cache.advance(steps)
+
+
+def _max_len(cache) -> int:
+    from stiefkv.attention import _static_length
+
+    return _static_length(cache)
+
+
+def input_device(model: nn.Module) -> torch.device:
+    return model.get_input_embeddings().weight.device

@@ -1,0 +1,159 @@
+"""Serving from a static cache: ``StaticLatentCache``, chunked prefill and graph-captured decode
+(``stiefkv.generate``), and ``model.generate(cache_implementation="static")`` on a served model.
+
+The reference is transformers' own greedy ``generate`` with the dynamic cache: every path here must give its
+tokens exactly (GQA 3, ranks 11 and 13, left padding, prefill chunks that do not divide the prompt).
+"""
+
+import pytest
+import torch
+
+import stiefkv
+from stiefkv.static_cache import CacheOverflowError, StaticLatentCache
+from tests.tiny import random_projections, tiny_model
+
+GREEDY = dict(do_sample=False, eos_token_id=None, pad_token_id=0)
+on_gpu = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def prompt(batch=3, n=19, seed=0, padded=True, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(2, 97, (batch, n), generator=g)
+    mask = torch.ones_like(ids)
+    if padded:
+        mask[1, :4] = 0
+        mask[-1, :7] = 0
+    return ids.to(device), mask.to(device)
+
+
+def served(key_mode="pre_rope", backend="auto", device="cpu", dtype=torch.float32, head_dim=24):
+    model = tiny_model("llama", heads=6, kv_heads=2, dtype=dtype, head_dim=head_dim).to(device)
+    return stiefkv.load(model, random_projections(model, 11, 13, key_mode), backend=backend)
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("chunk", [5, 4096])
+def test_generate_matches_transformers_greedy(key_mode, chunk):
+    model = served(key_mode)
+    ids, mask = prompt()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=9, **GREEDY)
+    ours = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=9, prefill_chunk=chunk)
+    assert torch.equal(ours, expected)
+
+
+def test_transformers_static_generate_uses_the_static_latent_cache():
+    model = served()
+    ids, mask = prompt()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=7, **GREEDY)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=7, cache_implementation="static",
+                         return_dict_in_generate=True, **GREEDY)
+    cache = getattr(out, "cache", None) or out.past_key_values
+    assert isinstance(cache, StaticLatentCache)
+    assert cache.max_length >= 19 + 6 and cache.seen == 19 + 6  # the last token is not fed back
+    assert torch.equal(out.sequences, expected)
+
+
+def test_uncompressed_model_takes_transformers_static_cache():
+    """The baseline of the serving benchmark: the same chunking and loop over an uncompressed model."""
+    model = tiny_model("llama", heads=6, kv_heads=2)
+    ids, mask = prompt()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
+    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=8, prefill_chunk=6),
+                       expected)
+
+
+def test_eos_pads_the_rest_of_the_row():
+    model = served()
+    ids, mask = prompt(padded=False)
+    free = stiefkv.generate(model, ids, max_new_tokens=8)[:, 19:]
+    eos = int(free[0, 2])
+    out = stiefkv.generate(model, ids, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)[:, 19:]
+    for row, row_free in zip(out, free):
+        hits = (row_free == eos).nonzero()
+        cut = int(hits[0]) + 1 if len(hits) else 8
+        assert torch.equal(row[:cut], row_free[:cut]) and bool((row[cut:] == 0).all())
+
+
+def test_static_cache_bytes_and_counters():
+    model = served()
+    cache = StaticLatentCache(model, 3, 40)
+    L, G = 2, 2
+    assert cache.nbytes == L * 3 * G * 40 * (11 + 13) * 4 + 3 * 40 * 4 + 4
+    ids, mask = prompt()
+    model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
+    assert cache.seen == 19 and int(cache.filled) == 19 and cache.get_seq_length() == 19
+    assert cache.starts.tolist() == [0, 4, 7]
+    assert torch.equal(cache.positions[1, :19].long(), torch.arange(19))  # a plain forward counts padding
+
+
+def test_static_cache_continues_like_the_dynamic_one():
+    """A forward of several tokens on top of a static cache (a prefill chunk) gives the dynamic cache's
+    logits."""
+    model = served()
+    ids, _ = prompt(padded=False)
+    static, dynamic = StaticLatentCache(model, 3, 30), stiefkv.LatentCache()
+    for cache in (static, dynamic):
+        model(ids[:, :12], past_key_values=cache, use_cache=True)
+    a = model(ids[:, 12:], past_key_values=static, use_cache=True).logits
+    b = model(ids[:, 12:], past_key_values=dynamic, use_cache=True).logits
+    torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_bad_input():
+    model = served()
+    ids, mask = prompt()
+    with pytest.raises(ValueError, match="cannot hold the prompt"):
+        stiefkv.generate(model, ids, max_new_tokens=5, max_length=20)
+    cache = StaticLatentCache(model, 3, 20)
+    model(ids, past_key_values=cache, use_cache=True)
+    with pytest.raises(CacheOverflowError, match="holds 20 tokens per row and already has 19; 2 more"):
+        model(ids[:, :2], past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="needs the model and ids on a CUDA device"):
+        stiefkv.generate(model, ids, max_new_tokens=3, capture=True)
+    right = torch.ones_like(ids)
+    right[0, -3:] = 0
+    with pytest.raises(ValueError, match="left-padded batches only"):
+        stiefkv.generate(model, ids, attention_mask=right, max_new_tokens=3)
+    with pytest.raises(ValueError, match="allocated for batch 3"):
+        model(ids[:2], past_key_values=StaticLatentCache(model, 3, 30), use_cache=True)
+    with pytest.raises(ValueError, match="prepare the model with stiefkv.load"):
+        StaticLatentCache(tiny_model("llama"), 1, 8)
+    with pytest.raises(ValueError, match="max_new_tokens must be"):
+        stiefkv.generate(model, ids, max_new_tokens=0)
+
+
+def test_quantized_latents_are_refused_with_a_clear_error():
+    from stiefkv.quant import QuantSpec
+
+    model = tiny_model("llama", heads=6, kv_heads=2)
+    proj = random_projections(model, 11, 13)
+    proj.quant = [(QuantSpec(4, "token"), QuantSpec(4, "token"))] * len(proj.keys)
+    stiefkv.load(model, proj)
+    with pytest.raises(ValueError, match="float latents only"):
+        StaticLatentCache(model, 1, 8)
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_triton_kernels_read_the_filled_count(key_mode):
+    """The served model on the Triton kernels (interpreted on the CPU, compiled on CUDA) over a static cache:
+    the kernels take the key count from ``filled`` and give the reference's tokens."""
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    ids, mask = prompt(batch=2, n=11, device=device)
+    outs = {}
+    for backend in ("triton", "reference"):
+        model = served(key_mode, backend=backend, device=device, head_dim=32)  # the kernel's smallest
+        outs[backend] = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=4, prefill_chunk=4,
+                                         capture=False)
+    assert torch.equal(outs["triton"], outs["reference"])
+
+
+@on_gpu
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_captured_decode_gives_the_eager_tokens(key_mode):
+    for model in (served(key_mode, device="cuda", dtype=torch.bfloat16),
+                  tiny_model("llama", heads=6, kv_heads=2, dtype=torch.bfloat16).cuda()):
+        ids, mask = prompt(device="cuda")
+        eager = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=12, capture=False)
+        graph = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=12, capture=True)
+        assert torch.equal(graph, eager)
