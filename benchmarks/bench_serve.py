@@ -1,0 +1,197 @@
+"""End-to-end serving: decode tokens/s and memory of ``stiefkv.generate`` (static latent cache, chunked
+prefill, CUDA-graph-captured decode) against the same model uncompressed under the same chunking and the
+same capture (transformers' ``StaticCache``, SDPA), and against plain ``generate``.
+
+Random weights at real shapes (``--shape 1b`` Llama-3.2-1B, ``8b`` Llama-3-8B); random orthonormal bases of
+rank ``budget·d`` (speed does not depend on their quality). For each (batch, context):
+
+1. the uncompressed model: allocate its static cache, prefill in chunks (timed), capture its decode step;
+2. the served model (``stiefkv.load``) likewise, with a :class:`~stiefkv.StaticLatentCache`;
+3. ``--rounds`` rounds alternating the two: ``--new-tokens`` replays each, timed with a device sync around
+   them (host and device together: what a user waits for); tokens/s is summed over the batch, and the
+   speed-up is the median of the rounds' ratios;
+4. ``--plain``: the uncompressed model's plain ``generate`` (dynamic cache, eager), decode tokens/s as the
+   difference of ``1 + n`` and 1 new tokens.
+
+Memory: the cache's bytes, and the peak allocated above the weights during its prefill and first steps.
+One row per (shape, batch, context) goes to ``benchmarks/results/serve.jsonl``; ``--tiny`` runs a tiny model
+on the CPU eagerly (a smoke test; writes no row).
+
+    python benchmarks/bench_serve.py --shape 8b --cases 8x16384 [--key-mode pre_rope] [--budget 0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+
+import torch
+import utils  # benchmarks/utils.py: the script's folder is first on sys.path
+from bench_generate import LLAMA_1B, TINY, random_projections
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import stiefkv
+from stiefkv.serve import DecodeState, Runner, make_cache
+
+LLAMA_8B = {
+    "vocab_size": 128256,
+    "hidden_size": 4096,
+    "intermediate_size": 14336,
+    "num_hidden_layers": 32,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 8,
+    "head_dim": 128,
+    "max_position_embeddings": 131072,
+    "tie_word_embeddings": False,
+}
+SHAPES = {"1b": ("Llama-3.2-1B", LLAMA_1B), "8b": ("Llama-3-8B", LLAMA_8B), "tiny": ("tiny", TINY)}
+GIB = 2**30
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class Served:
+    """One model's cache, prefilled and with its decode step captured, ready to replay."""
+
+    def __init__(self, model, ids, max_length: int, chunk: int, capture: bool):
+        device = ids.device
+        B, N = ids.shape
+        sync(device)
+        base = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        self.runner = Runner(model, make_cache(model, B, max_length), None)
+        self.cache_bytes = _cache_bytes(self.runner.cache)
+        positions = torch.arange(N, device=device)[None].expand(B, N)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            logits = self.runner.prefill(ids, positions, chunk)
+            sync(device)
+            self.prefill_s = time.perf_counter() - start
+            self.tokens = torch.empty(B, max_length - N, dtype=torch.long, device=device)
+            self.tokens[:, 0] = logits.argmax(-1)
+            self.state = DecodeState(self.tokens, positions[:, -1:] + 1, N)
+            self.capture = capture
+            if capture:
+                self.runner.capture(self.state)
+            else:
+                self.runner.step(self.state)
+        sync(device)
+        self.peak_gib = ((torch.cuda.max_memory_allocated() - base) / GIB) if device.type == "cuda" else 0.0
+        self.batch = B
+
+    def decode_tps(self, steps: int) -> float:
+        device = self.tokens.device
+        sync(device)
+        start = time.perf_counter()
+        with torch.inference_mode():
+            if self.capture:
+                self.runner.replay(steps)
+            else:
+                self.runner.decode_eager(self.state, steps)
+        sync(device)
+        return self.batch * steps / (time.perf_counter() - start)
+
+
+def _cache_bytes(cache) -> int:
+    if hasattr(cache, "nbytes"):
+        return int(cache.nbytes)
+    return int(sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values)
+                   if isinstance(t, torch.Tensor)))
+
+
+def plain_generate_tps(model, ids, new_tokens: int) -> float:
+    def once(n):
+        sync(ids.device)
+        start = time.perf_counter()
+        model.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+        sync(ids.device)
+        return time.perf_counter() - start
+
+    once(2)  # warm-up
+    return ids.shape[0] * new_tokens / (once(1 + new_tokens) - once(1))
+
+
+def run_case(model, proj, B: int, N: int, args, device) -> dict:
+    torch.manual_seed(0)
+    ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
+    steps = 2 + (args.rounds + 1) * args.new_tokens  # capture's warm-up step, then the replays
+    capture = device.type == "cuda"
+    full = Served(model, ids, N + steps, args.chunk, capture)
+    stiefkv.load(model, proj, backend="reference" if device.type == "cpu" else "auto")
+    low = Served(model, ids, N + steps, args.chunk, capture)
+    stiefkv.unload(model)
+    full.decode_tps(args.new_tokens)  # one more warm-up round each
+    low.decode_tps(args.new_tokens)
+    full_tps, low_tps = [], []
+    for _ in range(args.rounds):
+        full_tps.append(full.decode_tps(args.new_tokens))
+        low_tps.append(low.decode_tps(args.new_tokens))
+    ratios = [lo / fu for fu, lo in zip(full_tps, low_tps, strict=True)]
+    same = bool(torch.equal(full.tokens[:, :1], low.tokens[:, :1])) if args.budget >= 1 else None
+    row = {
+        "case": f"serve {args.shape} {args.key_mode} B{B} ctx{N}",
+        "model": f"{SHAPES[args.shape][0]} shapes, random weights",
+        "key_mode": args.key_mode, "budget": args.budget, "achieved_budget": proj.achieved_budget,
+        "batch": B, "context": N, "new_tokens": args.new_tokens, "rounds": args.rounds,
+        "prefill_chunk": args.chunk, "capture": "cuda graph (stiefkv.generate's)" if capture else "eager",
+        "full_tps": full_tps, "stiefkv_tps": low_tps, "ratios": ratios,
+        "full_tps_median": statistics.median(full_tps), "stiefkv_tps_median": statistics.median(low_tps),
+        "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
+        "full_prefill_s": full.prefill_s, "stiefkv_prefill_s": low.prefill_s,
+        "full_cache_gib": full.cache_bytes / GIB, "stiefkv_cache_gib": low.cache_bytes / GIB,
+        "full_peak_above_weights_gib": full.peak_gib, "stiefkv_peak_above_weights_gib": low.peak_gib,
+        "first_token_same": same,
+    }
+    del full, low
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    if args.plain:
+        with torch.inference_mode():
+            row["plain_generate_tps"] = plain_generate_tps(model, ids, args.new_tokens)
+        row["ratio_vs_plain"] = row["stiefkv_tps_median"] / row["plain_generate_tps"]
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    parser.add_argument("--cases", nargs="+", default=["8x16384"], help="BATCHxCONTEXT, e.g. 1x32768 8x16384")
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
+    parser.add_argument("--new-tokens", type=int, default=64)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
+    parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test; no row)")
+    args = parser.parse_args()
+    if args.tiny:
+        args.shape = "tiny"
+    print(utils.header(), flush=True)
+    device = torch.device("cpu" if args.tiny else "cuda")
+    dtype = torch.float32 if args.tiny else torch.bfloat16
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
+    proj = random_projections(model, args.budget, args.key_mode)
+    for case in args.cases:
+        B, N = (int(x) for x in case.lower().split("x"))
+        row = run_case(model, proj, B, N, args, device)
+        if not args.tiny:
+            utils.write_rows("serve", row)
+        print(f"{row['case']}: full {row['full_tps_median']:.0f} tok/s, StiefKV {row['stiefkv_tps_median']:.0f} "
+              f"tok/s, {row['ratio_median']:.2f}x ({row['ratio_min']:.2f}-{row['ratio_max']:.2f}); prefill "
+              f"{row['full_prefill_s']:.2f} / {row['stiefkv_prefill_s']:.2f} s; cache "
+              f"{row['full_cache_gib']:.2f} / {row['stiefkv_cache_gib']:.2f} GiB; peak above weights "
+              f"{row['full_peak_above_weights_gib']:.2f} / {row['stiefkv_peak_above_weights_gib']:.2f} GiB"
+              + (f"; plain generate {row['plain_generate_tps']:.0f} tok/s" if args.plain else ""), flush=True)
+
+
+if __name__ == "__main__":
+    main()
