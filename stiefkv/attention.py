@@ -343,7 +343,7 @@ def _wrap_prepare_cache(model: nn.Module, original):
                 if type(made) is DynamicCache and made.get_seq_length() == 0:
                     obj[key] = LatentCache()
                 elif type(made) is StaticCache and not getattr(made, "_is_user_defined", False):
-                    batch = _static_batch(made, args, kwargs)
+                    batch = _static_batch(original, model, args, kwargs)
                     obj[key] = StaticLatentCache(model, batch, _static_length(made))
         return result
 
@@ -364,16 +364,17 @@ def _static_length(made) -> int:
                      "cache=stiefkv.StaticLatentCache(model, batch_size, max_length) to generate instead")
 
 
-def _static_batch(made, args, kwargs) -> int:
-    """The batch transformers sized its ``StaticCache`` for (``_prepare_cache_for_generation``'s
-    ``batch_size`` times the beams or returned sequences), before the cache has seen a tensor."""
-    batch = getattr(made, "max_batch_size", None)
-    if batch:
-        return int(batch)
-    config, batch = (args + (None, None, None, None))[0], kwargs.get("batch_size")
-    if batch is None and len(args) >= 4:
-        batch = args[3]
-    config = kwargs.get("generation_config", config)
+def _static_batch(original, model, args, kwargs) -> int:
+    """The batch transformers sized its ``StaticCache`` for: ``_prepare_cache_for_generation``'s
+    ``batch_size`` times the beams or returned sequences (the cache itself does not know it before its first
+    tensor; transformers 5.17's ``max_batch_size`` then answers -1)."""
+    import inspect
+
+    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
+    config, batch = bound.get("generation_config"), bound.get("batch_size")
+    if batch is None:
+        raise ValueError("could not read the batch transformers sized its StaticCache for; pass "
+                         "cache=stiefkv.StaticLatentCache(model, batch_size, max_length) to generate instead")
     copies = max(getattr(config, "num_beams", 1) or 1, getattr(config, "num_return_sequences", 1) or 1)
     return int(batch) * copies
 
