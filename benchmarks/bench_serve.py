@@ -183,6 +183,63 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
     return row
 
 
+def trial(model, proj, B: int, N: int, args, device) -> dict | None:
+    """Serve ``B`` rows of ``N`` tokens (prefill, capture, ``--new-tokens`` decode steps) with ``proj``
+    (None: the uncompressed model on transformers' static cache); None when it runs out of memory."""
+    ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
+    served = None
+    try:
+        if proj is not None:
+            stiefkv.load(model, proj)
+        served = Served(model, ids, N + 2 + 2 * args.new_tokens, args.chunk, True)
+        served.decode_tps(args.new_tokens)
+        return {"batch": B, "tps": served.decode_tps(args.new_tokens), "peak_gib": served.peak_gib,
+                "cache_gib": served.cache_bytes / GIB}
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        if proj is not None:
+            stiefkv.unload(model)
+        del served, ids
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def capacity(model, caches: dict, args, device) -> list[dict]:
+    """The largest batch at ``--context`` tokens that serves under ``--cap-gib`` (weights included), for
+    each cache, and the decode tokens/s there. The search starts from the batch one row's peak predicts,
+    then walks up while it fits and down while it does not: the answer is a batch that ran and the next one
+    that did not."""
+    cap = args.cap_gib * GIB
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    weights = torch.cuda.memory_allocated() / GIB
+    rows = []
+    for name, proj in caches.items():
+        one = trial(model, proj, 1, args.context, args, device)
+        if one is None:
+            rows.append({"cache": name, "batch": 0})
+            continue
+        B = max(1, int((args.cap_gib - weights) / one["peak_gib"]))
+        runs = {1: one}
+        while B not in runs or runs[B] is not None:
+            runs[B] = runs.get(B) or trial(model, proj, B, args.context, args, device)
+            if runs[B] is None:
+                break
+            B += 1
+        while runs.get(B) is None and B > 1:
+            B -= 1
+            if B not in runs:
+                runs[B] = trial(model, proj, B, args.context, args, device)
+        best = runs[B]
+        rows.append({"cache": name, "batch": B, "tokens": B * args.context, "tps": best["tps"],
+                     "peak_gib": best["peak_gib"], "cache_gib": best["cache_gib"], "weights_gib": weights,
+                     "refused_batch": B + 1, "trials": sorted(runs)})
+        print(f"capacity {name}: batch {B} at {args.context} tokens under {args.cap_gib} GiB, "
+              f"{best['tps']:.0f} tok/s", flush=True)
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
@@ -194,6 +251,10 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test; no row)")
+    parser.add_argument("--capacity", action="store_true",
+                        help="the largest batch at --context under --cap-gib, per cache (CUDA)")
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--cap-gib", type=float, default=40.0)
     args = parser.parse_args()
     if args.tiny:
         args.shape = "tiny"
@@ -204,6 +265,18 @@ def main() -> None:
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
     proj = random_projections(model, args.budget, args.key_mode)
+    if args.capacity:
+        caches = {"uncompressed (our kernels)": identity_projections(model), f"stiefkv {args.budget:g}": proj}
+        rows = capacity(model, caches, args, device)
+        base = rows[0]
+        for row in rows:
+            row.update(case=f"capacity {args.shape} {args.key_mode} ctx{args.context} cap{args.cap_gib:g}",
+                       model=f"{SHAPES[args.shape][0]} shapes, random weights", context=args.context,
+                       cap_gib=args.cap_gib, new_tokens=args.new_tokens, key_mode=args.key_mode,
+                       capacity_ratio=row["batch"] / base["batch"] if base["batch"] else None,
+                       tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
+        utils.write_rows("serve_capacity", rows)
+        return
     for case in args.cases:
         B, N = (int(x) for x in case.lower().split("x"))
         row = run_case(model, proj, B, N, args, device)
