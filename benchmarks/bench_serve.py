@@ -211,8 +211,9 @@ def capacity(model, caches: dict, args, device) -> list[dict]:
     then walks up while it fits and down while it does not: the answer is a batch that ran and the next one
     that did not."""
     cap = args.cap_gib * GIB
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    index = torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(cap / total, index)
     weights = torch.cuda.memory_allocated() / GIB
     rows = []
     for name, proj in caches.items():

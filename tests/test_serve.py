@@ -151,7 +151,7 @@ def test_triton_kernels_read_the_filled_count(key_mode):
 @on_gpu
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_captured_decode_gives_the_eager_tokens(key_mode):
-    for model in (served(key_mode, device="cuda", dtype=torch.bfloat16),
+    for model in (served(key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
                   tiny_model("llama", heads=6, kv_heads=2, dtype=torch.bfloat16).cuda()):
         ids, mask = prompt(device="cuda")
         eager = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=12, capture=False)
