@@ -18,15 +18,15 @@ import logging
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, RopeSpec
+from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec
 from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
 
 BACKENDS = ("auto", "triton", "reference")
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "KEY_MODES", "ExactTail", "RopeSpec", "attention_kl", "attention_kl_reference",
-           "lowrank_attention", "lowrank_attention_reference", "triton_available"]
+__all__ = ["BACKENDS", "KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec", "attention_kl",
+           "attention_kl_reference", "lowrank_attention", "lowrank_attention_reference", "triton_available"]
 
 
 @functools.cache
@@ -87,7 +87,8 @@ def lowrank_attention(
     Parameters
     ----------
     q : ``[B, H, Nq, d]`` queries, already rotated at their positions.
-    z_k : ``[B, G, Nk, r_k]`` and z_v : ``[B, G, Nk, r_v]`` key and value latents (``H % G == 0``).
+    z_k : ``[B, G, Nk, r_k]`` and z_v : ``[B, G, Nk, r_v]`` key and value latents (``H % G == 0``), float or
+        :class:`QuantizedLatents` (int8/int4 codes the kernel dequantizes in registers).
     P_k : ``[G, d, r_k]`` and P_v : ``[G, d, r_v]`` orthonormal bases; ``P_v=None`` returns the output in
         latent space ``[B, H, Nq, r_v]`` (for a ``P_v`` folded into ``o_proj``).
     key_mode : ``"pre_rope"`` (keys rebuilt as ``P_k z_k`` and rotated at ``positions`` ``[B, Nk]``, or
@@ -115,7 +116,7 @@ def lowrank_attention(
     ``"triton"`` refuses such inputs. See ``lowrank.py`` for what the kernel supports (power-of-two head
     dims ≥ 32, GQA groups ≤ 16); outside that it raises ``ValueError`` rather than falling back.
     """
-    tensors = (q, z_k, z_v, P_k, P_v, bias)
+    tensors = (q, P_k, P_v, bias, *(z for z in (z_k, z_v) if isinstance(z, torch.Tensor)))
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
                   lengths=lengths, n_valid=n_valid, scale=scale)

@@ -48,6 +48,48 @@ class ExactTail(NamedTuple):
     value_from: torch.Tensor
 
 
+class QuantizedLatents(NamedTuple):
+    """Latents ``[B, G, N, rank]`` stored as unsigned codes, per token over groups of :data:`QUANT_GROUP`
+    channels (``stiefkv.quant``'s ``token`` layout): ``z = code · scale + low``.
+
+    ``codes`` ``[B, G, N, ceil(rank / 8) · bits]`` uint8, eight codes in ``bits`` bytes, code ``i`` at bit
+    ``bits · i`` (``stiefkv.quant.pack``); ``scale`` and ``low`` ``[B, G, N, ceil(rank / QUANT_GROUP)]``
+    float16; ``bits`` 8 or 4 (the widths the kernel reads; the reference reads 2 and 3 as well).
+    """
+
+    codes: torch.Tensor
+    scale: torch.Tensor
+    low: torch.Tensor
+    bits: int
+    rank: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((*self.codes.shape[:3], self.rank))
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """``[B, G, N, rank]`` in ``dtype`` (computed in float32), as the kernel dequantizes in registers."""
+        b = self.codes.to(torch.int64).unflatten(-1, (-1, self.bits))
+        word = (b << (torch.arange(self.bits, device=b.device) * 8)).sum(-1, keepdim=True)
+        codes = (word >> (torch.arange(8, device=b.device) * self.bits)) & ((1 << self.bits) - 1)
+        codes = codes.flatten(-2)[..., : self.rank].float()
+        scale = self.scale.float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
+        low = self.low.float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
+        return (codes * scale + low).to(dtype)
+
+
+QUANT_GROUP = 64
+
+
+def as_float_latents(z, dtype: torch.dtype) -> torch.Tensor:
+    """``z`` itself, or :class:`QuantizedLatents` dequantized to ``dtype``."""
+    return z.dequantize(dtype) if isinstance(z, QuantizedLatents) else z
+
+
 def interpreting() -> bool:
     """Whether Triton runs kernels in its CPU interpreter (``TRITON_INTERPRET=1``).
 

@@ -37,7 +37,16 @@ from triton.language.extra import libdevice
 
 # Absolute imports: benchmarks/experiments/ablate_decode.py imports edited copies of this file from outside
 # the package, where a relative import has no package to resolve against.
-from stiefkv.kernels._common import KEY_MODES, LOG2E, MIN_DOT, RopeSpec, interpreting, padded_dim
+from stiefkv.kernels import _common
+from stiefkv.kernels._common import (
+    KEY_MODES,
+    LOG2E,
+    MIN_DOT,
+    QuantizedLatents,
+    RopeSpec,
+    interpreting,
+    padded_dim,
+)
 
 # Module globals that a jit function reads must be constexprs.
 _LOG2E = tl.constexpr(LOG2E)
@@ -50,6 +59,9 @@ TWO_PI_HI = tl.constexpr(6.2831854820251465)
 TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
 DECODE_BLOCK_M = MIN_DOT  # the smallest tl.dot tile; a decode tile holds one query's GQA group
+QUANT_GROUP = tl.constexpr(_common.QUANT_GROUP)  # channels per scale of quantized latents
+KERNEL_BITS = (8, 4)  # code widths the kernel dequantizes
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MERGE_UNROLL = tl.constexpr(4)  # splits merged per iteration of _merge_splits
 
 
@@ -113,6 +125,40 @@ def _load_rows(ptrs, offs_n, hi, offs_r, R: tl.constexpr, R_P2: tl.constexpr, MA
 
 
 @triton.jit
+def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
+                 R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
+                 BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """A ``[BLOCK_N, R_P2]`` tile of latents in ``DTYPE``: float latents as stored (:func:`_load_rows`), or
+    codes dequantized in registers (``BITS`` 8 or 4; token layout): ``z = code · scale + low``, one fp16
+    scale and low per token and group of :data:`QUANT_GROUP` channels. int4 codes are packed two to a byte,
+    channel ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``):
+    the two nibble tiles are interleaved back by a join. Channels ``≥ R`` read as 0."""
+    offs_r = tl.arange(0, R_P2)
+    if BITS == 16:
+        return _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
+                          R, R_P2, MASK_N)
+    ok_r = offs_r < R
+    if MASK_N:
+        ok = (offs_n < hi)[:, None] & ok_r[None, :]
+    else:
+        ok = tl.broadcast_to(ok_r[None, :], [BLOCK_N, R_P2])
+    if BITS == 8:
+        codes = tl.load(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, mask=ok, other=0)
+    else:
+        HALF_R: tl.constexpr = R_P2 // 2
+        offs_b = tl.arange(0, HALF_R)
+        ok_b = (offs_b < (R + 1) // 2)[None, :]
+        if MASK_N:
+            ok_b = ok_b & (offs_n < hi)[:, None]
+        packed = tl.load(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, mask=ok_b, other=0)
+        codes = tl.join(packed & 15, packed >> 4).reshape(BLOCK_N, R_P2)
+    group_ptrs = offs_n[:, None] * stride_sn + (offs_r // QUANT_GROUP)[None, :] * stride_sg
+    scale = tl.load(S + group_ptrs, mask=ok, other=0.0).to(tl.float32)
+    low = tl.load(L + group_ptrs, mask=ok, other=0.0).to(tl.float32)
+    return (codes.to(tl.float32) * scale + low).to(DTYPE)
+
+
+@triton.jit
 def _query_rows(pid_m, n_q, GROUP: tl.constexpr, BLOCK_M: tl.constexpr):
     """Rows ``m = i·GROUP + s`` of query tile ``pid_m``: ``(offs_m, query i, head-in-group s, valid)``."""
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -134,24 +180,24 @@ def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: 
 @triton.jit
 def _attend_range(
     acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
-    ZK, ZV, POS, BIAS,
+    ZK, ZV, POS, BIAS, SK, LK, SV, LV,
     stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+    stride_skn, stride_skg, stride_svn, stride_svg,
     HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
-    UPCAST: tl.constexpr,
+    UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
-    ``ZK``/``ZV``/``POS``/``BIAS`` already point at this (batch row, KV head)."""
+    ``ZK``/``ZV``/``POS``/``BIAS`` (and the scales and lows ``SK``, ``LK``, ``SV``, ``LV`` of quantized
+    latents) already point at this (batch row, KV head)."""
     HALF: tl.constexpr = HEAD_DIM // 2
     offs_nt = tl.arange(0, BLOCK_N)
-    offs_rk = tl.arange(0, R_K_P2)
-    offs_rv = tl.arange(0, R_V_P2)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
-        zk_ptrs = ZK + offs_n[:, None] * stride_kn + offs_rk[None, :] * stride_kr
-        z = _load_rows(zk_ptrs, offs_n, end, offs_rk, R_K, R_K_P2, MASKED)  # [BLOCK_N, R_K_P2]
+        z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                         R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE)  # [BLOCK_N, R_K_P2]
         if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
             if MASKED:
                 pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
@@ -182,8 +228,8 @@ def _attend_range(
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= (n_k - n_q + q_idx)[:, None])
             s = tl.where(visible, s, float("-inf"))
-        zv_ptrs = ZV + offs_n[:, None] * stride_vn + offs_rv[None, :] * stride_vr
-        v = _load_rows(zv_ptrs, offs_n, end, offs_rv, R_V, R_V_P2, MASKED)  # [BLOCK_N, R_V_P2]
+        v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
+                         R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE)  # [BLOCK_N, R_V_P2]
         acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     return acc, l_i, m_i
 
@@ -242,10 +288,12 @@ def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _lowrank_attn_fwd(
-    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, NVALID, OUT, PART_O, PART_ML, LOCKS,
+    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, NVALID, OUT, PART_O, PART_ML, LOCKS, SK, LK, SV, LV,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kg, stride_kn, stride_kr,
     stride_vb, stride_vg, stride_vn, stride_vr,
+    stride_skb, stride_skg, stride_skn, stride_skgr,
+    stride_svb, stride_svg, stride_svn, stride_svgr,
     stride_pkg, stride_pkd, stride_pkr,
     stride_pvg, stride_pvd, stride_pvr,
     stride_posb, stride_posg, stride_posn,
@@ -257,7 +305,8 @@ def _lowrank_attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
+    DTYPE: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -267,7 +316,10 @@ def _lowrank_attn_fwd(
     ``OUT``, which saves the second launch that a separate merge kernel costs on the host. Without ``SPLIT``
     the epilogue writes ``OUT`` directly. With ``HAS_NVALID`` the cache's key count is read from ``NVALID``
     (device memory: a static cache's filled slots, which a captured graph cannot pass by value); the key
-    tensors are larger and their slots from it on are never read."""
+    tensors are larger and their slots from it on are never read. ``K_BITS``/``V_BITS`` 8 or 4: ``ZK``/``ZV``
+    hold codes (uint8) with their scales and lows at ``SK``, ``LK`` / ``SV``, ``LV`` ``[B, G, N, groups]``,
+    dequantized in registers; 16: float latents. ``DTYPE``: the latents' dtype (of the queries for codes),
+    in which the tiles meet the tensor cores."""
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -297,7 +349,6 @@ def _lowrank_attn_fwd(
     mid = lo + tl.maximum(tl.minimum(hi, full_hi) - lo, 0) // BLOCK_N * BLOCK_N
 
     # Queries, scaled by scale·log2(e) once: pre_rope keeps both halves of q; post_rope projects q' = P_kᵀ q.
-    DTYPE = ZK.dtype.element_ty
     Q_rows = Q + b * stride_qb + (g * GROUP + head).to(tl.int64) * stride_qh + q_idx.to(tl.int64) * stride_qn
     offs_rk = tl.arange(0, R_K_P2)
     PK_g = PK + g * stride_pkg
@@ -331,20 +382,26 @@ def _lowrank_attn_fwd(
     ZV_bg = ZV + b * stride_vb + g * stride_vg
     POS_b = POS + b * stride_posb + g * stride_posg
     BIAS_bg = BIAS + b * stride_bb + g * stride_bg
+    SK_bg, LK_bg = SK + b * stride_skb + g * stride_skg, LK + b * stride_skb + g * stride_skg
+    SV_bg, LV_bg = SV + b * stride_svb + g * stride_svg, LV + b * stride_svb + g * stride_svg
     acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
-        ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
+        stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
-        DOT_PREC, UPCAST,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
-        ZK_bg, ZV_bg, POS_b, BIAS_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
+        stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
-        DOT_PREC, UPCAST,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -408,6 +465,41 @@ def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, to
     return F.pad(z, (0, pad)), (F.pad(P, (0, pad)) if P is not None else None)
 
 
+def _pad_codes(z: QuantizedLatents, P: torch.Tensor | None) -> tuple[QuantizedLatents, torch.Tensor | None]:
+    """:func:`_pad_rank` for codes: bytes up to the padded width (zero codes), scale and low groups up to
+    the groups it spans (zeros: those channels read as 0); other padded channels read as their group's low,
+    against zero rows of the basis."""
+    width = padded_dim(z.rank)
+    nbytes = width if z.bits == 8 else width // 2
+    groups = -(-width // _common.QUANT_GROUP)
+    codes = F.pad(z.codes[..., :nbytes], (0, max(0, nbytes - z.codes.shape[-1])))
+    scale = F.pad(z.scale, (0, groups - z.scale.shape[-1]))
+    low = F.pad(z.low, (0, groups - z.low.shape[-1]))
+    P = F.pad(P, (0, width - z.rank)) if P is not None else None
+    return QuantizedLatents(codes, scale, low, z.bits, width), P
+
+
+def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tensor:
+    """Refuse codes the kernel cannot read; return a meta tensor of the latents' shape in the queries'
+    dtype for the shared checks."""
+    if z.bits not in KERNEL_BITS:
+        raise ValueError(f"{name}: the kernel reads {' or '.join(map(str, KERNEL_BITS))}-bit codes, got "
+                         f"{z.bits}; dequantize them (QuantizedLatents.dequantize) or use the reference")
+    B, G, N, r = z.shape
+    groups = -(-r // _common.QUANT_GROUP)
+    if z.codes.dtype != torch.uint8 or z.codes.dim() != 4 or z.codes.shape[3] < -(-r * z.bits // 8):
+        raise ValueError(f"{name}.codes must be uint8 [B, G, N, ≥ {-(-r * z.bits // 8)}] for rank {r}, got "
+                         f"{z.codes.dtype} {tuple(z.codes.shape)}")
+    for part in ("scale", "low"):
+        t = getattr(z, part)
+        if tuple(t.shape) != (B, G, N, groups) or t.dtype != torch.float16:
+            raise ValueError(f"{name}.{part} must be float16 [B, G, N, {groups}], got {t.dtype} "
+                             f"{tuple(t.shape)}")
+    if z.codes.stride(3) != 1:
+        raise ValueError(f"{name}.codes must be contiguous along a token's bytes")
+    return torch.empty(B, G, N, r, device="meta", dtype=q.dtype)
+
+
 def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid=None) -> None:
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
@@ -469,6 +561,15 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     r_k_p2, r_v_p2 = padded_dim(r_k), padded_dim(r_v)
     out = torch.empty(B, H, Nq, d if P_v is not None else r_v, device=q.device, dtype=q.dtype)
     pre = key_mode == "pre_rope"
+    k_codes, v_codes = isinstance(z_k, QuantizedLatents), isinstance(z_v, QuantizedLatents)
+    dtype = q.dtype if k_codes else z_k.dtype
+    sk, lk = (z_k.scale, z_k.low) if k_codes else (P_k, P_k)  # placeholders for float latents
+    sv, lv = (z_v.scale, z_v.low) if v_codes else (P_k, P_k)
+    k_bits, v_bits = (z_k.bits if k_codes else 16), (z_v.bits if v_codes else 16)
+    sk_strides = z_k.scale.stride() if k_codes else (0, 0, 0, 0)
+    sv_strides = z_v.scale.stride() if v_codes else (0, 0, 0, 0)
+    z_k = z_k.codes if k_codes else z_k
+    z_v = z_v.codes if v_codes else z_v
     pos = positions if pre else z_k
     inv_freq = rope.inv_freq.to(q.device, torch.float32).contiguous() if pre else z_k
     pv = P_v if P_v is not None else P_k  # placeholder pointer when the latent output is returned
@@ -481,7 +582,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         locks = torch.zeros(B * G * m_blocks, device=q.device, dtype=torch.int32)
     else:
         part_o = part_ml = locks = z_k  # unused
-    dot_prec = "ieee" if z_k.dtype == torch.float32 else "tf32"
+    dot_prec = "ieee" if dtype == torch.float32 else "tf32"
     # shared positions [B, Nk] are read per KV head with a zero head stride
     pos_strides = (0, 0, 0)
     if pre:
@@ -491,7 +592,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     out_strides = out.stride()
     _lowrank_attn_fwd[(m_blocks, B * G, splits)](
         q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, n_valid_t, out, part_o, part_ml, locks,
-        *q.stride(), *z_k.stride(), *z_v.stride(), *P_k.stride(), *pv_strides,
+        sk, lk, sv, lv,
+        *q.stride(), *z_k.stride(), *z_v.stride(), *sk_strides, *sv_strides, *P_k.stride(), *pv_strides,
         *pos_strides, *bias_strides, *out_strides,
         Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
@@ -500,7 +602,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         HAS_LENS=lengths is not None, HAS_NVALID=n_valid is not None, HAS_PV=P_v is not None,
         SPLIT=splits > 1,
         FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
-        UPCAST=interpreting() and z_k.dtype == torch.bfloat16,
+        UPCAST=interpreting() and dtype == torch.bfloat16,
+        K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -534,8 +637,9 @@ def lowrank_attention(
     Parameters
     ----------
     q : ``[B, H, Nq, d]`` rotated queries. z_k : ``[B, G, Nk, r_k]``, z_v : ``[B, G, Nk, r_v]`` latents
-        (bf16, fp16 or fp32; any strides). P_k : ``[G, d, r_k]``, P_v : ``[G, d, r_v]`` or ``None`` (latent
-        output ``[B, H, Nq, r_v]``).
+        (bf16, fp16 or fp32; any strides), or either as :class:`QuantizedLatents` (int8 or int4 codes,
+        dequantized in registers to the queries' dtype). P_k : ``[G, d, r_k]``, P_v : ``[G, d, r_v]`` or
+        ``None`` (latent output ``[B, H, Nq, r_v]``).
     key_mode, positions ``[B, Nk]`` (or ``[B, G, Nk]``), rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``,
         n_valid, scale : as the reference; ``n_valid`` is read by the kernel from device memory, never by
         the host (graph capture).
@@ -552,16 +656,18 @@ def lowrank_attention(
     if not q.is_cuda and not interpreting():
         raise RuntimeError("the Triton low-rank attention runs on CUDA tensors (or on the CPU under "
                            "TRITON_INTERPRET=1); stiefkv.kernels.lowrank_attention picks the reference here")
-    _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid)
+    k_meta = _check_codes(z_k, "z_k", q) if isinstance(z_k, QuantizedLatents) else z_k
+    v_meta = _check_codes(z_v, "z_v", q) if isinstance(z_v, QuantizedLatents) else z_v
+    _check_inputs(q, k_meta, v_meta, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid)
     B, H, Nq, d = q.shape
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
     r_v = z_v.shape[3]
     if n_rows > DECODE_BLOCK_M:  # prefill: see _pad_rank
         if z_k.shape[3] != padded_dim(z_k.shape[3]):
-            z_k, P_k = _pad_rank(z_k, P_k)
+            z_k, P_k = (_pad_codes if isinstance(z_k, QuantizedLatents) else _pad_rank)(z_k, P_k)
         if r_v != padded_dim(r_v):
-            z_v, P_v = _pad_rank(z_v, P_v)
+            z_v, P_v = (_pad_codes if isinstance(z_v, QuantizedLatents) else _pad_rank)(z_v, P_v)
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "

@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, RopeSpec
+from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, as_float_latents
 
-__all__ = ["KEY_MODES", "ExactTail", "RopeSpec", "attention_kl", "key_padding_mask", "lowrank_attention",
-           "rebuild_keys", "rope_cos_sin", "rotate"]
+__all__ = ["KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec", "attention_kl", "key_padding_mask",
+           "lowrank_attention", "rebuild_keys", "rope_cos_sin", "rotate"]
 
 
 def rope_cos_sin(positions: torch.Tensor, rope: RopeSpec) -> tuple[torch.Tensor, torch.Tensor]:
@@ -82,7 +82,8 @@ def lowrank_attention(
     ----------
     q : ``[B, H, Nq, d]`` queries, already rotated at their positions (as the model computes them).
     z_k : ``[B, G, Nk, r_k]`` key latents, ``z_k = P_kᵀ k`` (``k`` before or after RoPE per ``key_mode``).
-    z_v : ``[B, G, Nk, r_v]`` value latents, ``z_v = P_vᵀ v``.
+    z_v : ``[B, G, Nk, r_v]`` value latents, ``z_v = P_vᵀ v``. Either may be :class:`QuantizedLatents`
+        (dequantized here to the queries' dtype, as the kernel does in registers).
     P_k : ``[G, d, r_k]`` and P_v : ``[G, d, r_v]`` orthonormal bases. ``P_v=None`` returns the attention
         output in latent space ``[B, H, Nq, r_v]`` (for a ``P_v`` folded into ``o_proj``).
     positions : ``[B, Nk]`` integer key positions, or ``[B, G, Nk]`` per KV head (``pre_rope`` only).
@@ -102,6 +103,7 @@ def lowrank_attention(
     """
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
     if n_valid is not None:
         n = int(n_valid.reshape(-1)[0])
         z_k, z_v = z_k[:, :, :n], z_v[:, :, :n]

@@ -309,3 +309,61 @@ def test_valid_count_bad_input():
     args, kwargs = make_inputs(1, 2, 1, 1, 20, 32, 16, 16, torch.float32, padded=False)
     with pytest.raises(ValueError, match="n_valid must be one int32"):
         lk.lowrank_attention(*args, **kwargs, n_valid=torch.tensor([3, 4], dtype=torch.int32))
+
+
+def quantize_latents(z: torch.Tensor, bits: int):
+    """``z`` in ``stiefkv.quant``'s token layout, as the kernels read it."""
+    from stiefkv.kernels import QuantizedLatents
+    from stiefkv.quant import QuantSpec, quantize
+
+    qz = quantize(z.float().cpu(), QuantSpec(bits, "token"))
+    return QuantizedLatents(qz.codes.to(z.device), qz.scale.to(z.device), qz.low.to(z.device), bits, qz.rank)
+
+
+# (path, B, H, G, Nq, Nk, r_k, r_v, splits): ranks below, at and across a 64-channel scale group, odd ones
+QUANT_CASES = [
+    ("decode", 2, 8, 2, 1, 77, 24, 40, 1),
+    ("decode_split", 2, 6, 3, 1, 150, 64, 72, 3),
+    ("prefill", 1, 4, 2, 37, 37, 40, 24, 1),
+    ("prefill_chunk", 2, 6, 2, 19, 61, 72, 32, 1),
+]
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c[0]}-G{c[3]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
+def test_quantized_latents_match_the_reference(case, key_mode, bits):
+    """int8 and packed int4 codes (token layout, fp16 scales), dequantized in registers, against the reference
+    on the dequantized latents (bf16 queries; the reference's dequantization checked against
+    ``stiefkv.quant``'s)."""
+    from stiefkv.quant import QuantSpec, dequantize, quantize
+
+    path, B, H, G, Nq, Nk, r_k, r_v, splits = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
+    expected_zk = dequantize(quantize(z_k.float().cpu(), QuantSpec(bits, "token")), torch.bfloat16)
+    assert torch.equal(qk.dequantize(torch.bfloat16).cpu(), expected_zk)
+    for pv in (P_v, None):
+        with torch.no_grad():
+            out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits)
+            expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
+                                 key_mode=key_mode, **kwargs)
+        atol, rtol = TOL[torch.bfloat16]
+        what = f"int{bits} {path} {key_mode} P_v={pv is not None}"
+        assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+    # mixed: quantized keys over float values
+    with torch.no_grad():
+        out = lk.lowrank_attention(q, qk, z_v, P_k, P_v, key_mode=key_mode, **kwargs, num_splits=splits)
+        expected = reference(q, qk, z_v, P_k, P_v, key_mode=key_mode, **kwargs)
+    assert_close(out, expected, atol=atol, rtol=rtol, what=f"int{bits} keys, bf16 values")
+
+
+def test_quantized_latents_bad_input():
+    args, kwargs = make_inputs(1, 2, 1, 1, 20, 32, 16, 16, torch.bfloat16, padded=False)
+    q, z_k, z_v, P_k, P_v = args
+    qk = quantize_latents(z_k, 4)
+    with pytest.raises(ValueError, match="reads 8 or 4-bit codes, got 3"):
+        lk.lowrank_attention(q, quantize_latents(z_k, 3), z_v, P_k, P_v, **kwargs)
+    with pytest.raises(ValueError, match="scale must be float16"):
+        lk.lowrank_attention(q, qk._replace(scale=qk.scale.float()), z_v, P_k, P_v, **kwargs)
