@@ -59,8 +59,8 @@ def kernel_calls(monkeypatch):
 
 
 def test_public_api():
-    assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "ExactTail", "RopeSpec", "attention_kl",
-                                    "attention_kl_reference", "lowrank_attention",
+    assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec",
+                                    "attention_kl", "attention_kl_reference", "lowrank_attention",
                                     "lowrank_attention_reference", "triton_available"}
     assert kernels.BACKENDS == ("auto", "triton", "reference")
     assert kernels.KEY_MODES == ("pre_rope", "post_rope")
