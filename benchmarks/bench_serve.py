@@ -37,6 +37,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import stiefkv
 from stiefkv.models import dims_of, fingerprint
+from stiefkv.quant import QuantSpec
 from stiefkv.serve import DecodeState, Runner, make_cache
 
 LLAMA_8B = {
@@ -131,6 +132,10 @@ def identity_projections(model) -> stiefkv.Projections:
                                fingerprint=fingerprint(model), budget=1.0, method="identity")
 
 
+def cache_label(args) -> str:
+    return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "")
+
+
 def run_case(model, proj, B: int, N: int, args, device) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
@@ -154,9 +159,11 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
     full, kernel, low = served["full"], served["full_kernel"], served["stiefkv"]
     full_tps, low_tps = tps["full"], tps["stiefkv"]
     row = {
-        "case": f"serve {args.shape} {args.key_mode} B{B} ctx{N}",
+        "case": f"serve {args.shape} {args.key_mode} {cache_label(args)[8:]} B{B} ctx{N}",
         "model": f"{SHAPES[args.shape][0]} shapes, random weights",
         "key_mode": args.key_mode, "budget": args.budget, "achieved_budget": proj.achieved_budget,
+        "bits": args.bits, "cache": cache_label(args),
+        "bytes_ratio": low.cache_bytes / full.cache_bytes,
         "batch": B, "context": N, "new_tokens": args.new_tokens, "rounds": args.rounds,
         "prefill_chunk": args.chunk, "capture": "cuda graph (stiefkv.generate's)" if capture else "eager",
         "full_tps": full_tps, "full_kernel_tps": tps["full_kernel"], "stiefkv_tps": low_tps, "ratios": ratios,
@@ -245,7 +252,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--cases", nargs="+", default=["8x16384"], help="BATCHxCONTEXT, e.g. 1x32768 8x16384")
-    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--budget", type=float, default=0.5, help="ranks as a fraction of the head dim")
+    parser.add_argument("--bits", type=int, default=16, choices=[16, 8, 4],
+                        help="latent codes (token layout, fp16 scale and low per 64 channels) for K and V")
     parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
@@ -266,12 +275,16 @@ def main() -> None:
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
     proj = random_projections(model, args.budget, args.key_mode)
+    if args.bits < 16:
+        proj.quant = [(QuantSpec(args.bits, "token"), QuantSpec(args.bits, "token"))] * len(proj.keys)
+    label = cache_label(args)
     if args.capacity:
-        caches = {"uncompressed (our kernels)": identity_projections(model), f"stiefkv {args.budget:g}": proj}
+        caches = {"uncompressed (our kernels)": identity_projections(model), label: proj}
         rows = capacity(model, caches, args, device)
         base = rows[0]
         for row in rows:
-            row.update(case=f"capacity {args.shape} {args.key_mode} ctx{args.context} cap{args.cap_gib:g}",
+            row.update(case=f"capacity {args.shape} {args.key_mode} {label.removeprefix('stiefkv ')} "
+                            f"ctx{args.context} cap{args.cap_gib:g}",
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", context=args.context,
                        cap_gib=args.cap_gib, new_tokens=args.new_tokens, key_mode=args.key_mode,
                        capacity_ratio=row["batch"] / base["batch"] if base["batch"] else None,

@@ -125,10 +125,12 @@ class LowRankAttention(nn.Module):
         else:
             z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
-        exact = exact_band(self.quant, N, (z_k, z_v), tails)
-        bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
         n_valid = getattr(cache, "n_valid", None)  # a static cache's filled slots, on the device
-        out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(z_k.dtype), None, key_mode=self.key_mode,
+        # a static cache quantizes every token as it is written: no query reads an exact band
+        exact = exact_band(self.quant, N, (z_k, z_v), tails) if n_valid is None else None
+        bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
+        dtype = getattr(z_k, "dtype", q.dtype)  # codes of a static cache dequantize to the queries' dtype
+        out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(dtype), None, key_mode=self.key_mode,
                                         positions=positions, rope=self.rope, causal=True, lengths=lengths,
                                         bias=bias, n_valid=n_valid,
                                         scale=self.scaling, exact=exact, backend=self.backend)

@@ -17,7 +17,9 @@ import torch
 from torch import nn
 
 from stiefkv.cache import LatentCache, lengths_from_mask
+from stiefkv.kernels import QuantizedLatents
 from stiefkv.models import decoder_layers
+from stiefkv.quant import GROUP, QuantSpec, packed_bytes, quantize
 
 
 def _capturing(device: torch.device) -> bool:
@@ -25,12 +27,58 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+class CodeBuffer:
+    """One latent of one layer stored quantized in the static cache: codes ``[B, G, L, bytes]`` and fp16
+    scale and low ``[B, G, L, groups]`` (``spec``'s token layout), written token by token as they arrive and
+    read by the kernels as :class:`~stiefkv.kernels.QuantizedLatents`."""
+
+    def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, device):
+        self.spec, self.rank = spec, rank
+        groups = -(-rank // GROUP)
+        self.codes = torch.zeros(B, G, L, packed_bytes(rank, spec.bits), dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(B, G, L, groups, dtype=torch.float16, device=device)
+        self.low = torch.zeros(B, G, L, groups, dtype=torch.float16, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
+
+    def write(self, slots: torch.Tensor, z: torch.Tensor) -> None:
+        q = quantize(z, self.spec)
+        self.codes.index_copy_(2, slots, q.codes)
+        self.scale.index_copy_(2, slots, q.scale)
+        self.low.index_copy_(2, slots, q.low)
+
+    def latents(self) -> QuantizedLatents:
+        return QuantizedLatents(self.codes, self.scale, self.low, self.spec.bits, self.rank)
+
+    def rows(self, index: torch.Tensor) -> None:
+        for t in (self.codes, self.scale, self.low):
+            t.copy_(t.index_select(0, index.to(t.device)))
+
+
+def _check_spec(spec: QuantSpec, layer: int, which: str) -> None:
+    """The static cache stores what the kernels read: codes per token (``token`` layout), every token
+    quantized as it is written."""
+    if spec.layout != "token" or spec.recent:
+        raise ValueError(
+            f"layer {layer} stores its {which} as {spec}; the static cache holds the token layout with no "
+            "exact recent window (int8/int4-token, read by the kernels in place). Use the dynamic "
+            "LatentCache for this checkpoint, or one calibrated with token-layout bits")
+
+
+def _as_float(buf, dtype: torch.dtype) -> torch.Tensor:
+    return buf.latents().dequantize(dtype) if isinstance(buf, CodeBuffer) else buf.to(dtype)
+
+
 class CacheOverflowError(ValueError):
     """A static cache asked to hold more tokens than it was allocated for."""
 
 
 class StaticLatentCache(LatentCache):
-    """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device.
+    """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device: float, or codes of
+    the checkpoint's bits in the token layout (:class:`CodeBuffer`; the kernels dequantize them in
+    registers).
 
     Parameters
     ----------
@@ -58,17 +106,17 @@ class StaticLatentCache(LatentCache):
             if not hasattr(attn, "P_k"):
                 raise ValueError("StaticLatentCache holds a served model's latents; prepare the model with "
                                  "stiefkv.load(model, ckpt) first")
-            if any(spec.quantized for spec in attn.quant):
-                raise ValueError(f"layer {i} stores its latents quantized; the static cache holds float "
-                                 "latents only (fused kernels over quantized latents are not built yet): use "
-                                 "the dynamic LatentCache, or a checkpoint made with --bits 16")
             device, dtype = attn.q_proj.weight.device, attn.q_proj.weight.dtype
             G = attn.P_k.shape[0]
-            self.keys_buf.append(torch.zeros(self.rows, G, self.max_length, attn.P_k.shape[2],
-                                             device=device, dtype=dtype))
-            self.values_buf.append(torch.zeros(self.rows, G, self.max_length, attn.P_v.shape[2],
-                                               device=device, dtype=dtype))
-        first = self.keys_buf[0].device
+            for which, spec, P, bufs in (("keys", attn.quant[0], attn.P_k, self.keys_buf),
+                                         ("values", attn.quant[1], attn.P_v, self.values_buf)):
+                if spec.quantized:
+                    _check_spec(spec, i, which)
+                    bufs.append(CodeBuffer(spec, self.rows, G, self.max_length, P.shape[2], device))
+                else:
+                    bufs.append(torch.zeros(self.rows, G, self.max_length, P.shape[2], device=device,
+                                            dtype=dtype))
+        first = decoder_layers(model)[0].self_attn.q_proj.weight.device
         self.positions = torch.zeros(self.rows, self.max_length, dtype=torch.int32, device=first)
         self.filled = torch.zeros(1, dtype=torch.int32, device=first)
         self.starts: torch.Tensor | None = None
@@ -87,8 +135,8 @@ class StaticLatentCache(LatentCache):
     @property
     def nbytes(self) -> int:
         """Bytes allocated: every layer's buffers (at their full length), positions and counters."""
-        tensors = [*self.keys_buf, *self.values_buf, self.positions, self.filled, self.starts, self.lengths]
-        return int(sum(t.nbytes for t in tensors if t is not None))
+        held = [*self.keys_buf, *self.values_buf, self.positions, self.filled, self.starts, self.lengths]
+        return int(sum(t.nbytes for t in held if t is not None))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return self.seen
@@ -110,7 +158,8 @@ class StaticLatentCache(LatentCache):
 
     def read_layer(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.seen
-        return (self.keys_buf[layer_idx][:, :, :n].to(dtype), self.values_buf[layer_idx][:, :, :n].to(dtype))
+        return tuple(_as_float(buf, dtype)[:, :, :n] for buf in (self.keys_buf[layer_idx],
+                                                                  self.values_buf[layer_idx]))
 
     # ------------------------------------------------------------------ writing
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
@@ -156,12 +205,18 @@ class StaticLatentCache(LatentCache):
             self.filled.add_(n)
             self.lengths = self._lengths(attention_mask)
         slots = self._slots.to(z_k.device)
-        self.keys_buf[layer_idx].index_copy_(2, slots, z_k.to(self.keys_buf[layer_idx].dtype))
-        self.values_buf[layer_idx].index_copy_(2, slots, z_v.to(self.values_buf[layer_idx].dtype))
+        read = []
+        for buf, z in ((self.keys_buf[layer_idx], z_k), (self.values_buf[layer_idx], z_v)):
+            if isinstance(buf, CodeBuffer):
+                buf.write(slots, z)
+                read.append(buf.latents())
+            else:
+                buf.index_copy_(2, slots, z.to(buf.dtype))
+                read.append(buf)
         lengths = self.lengths
         if lengths is not None and lengths.device != z_k.device:
             lengths = lengths.to(z_k.device)
-        return self.keys_buf[layer_idx], self.values_buf[layer_idx], self.positions.to(z_k.device), lengths
+        return read[0], read[1], self.positions.to(z_k.device), lengths
 
     def _lengths(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         if attention_mask is not None:  # transformers' 4-D mask over the filled slots (eager only)
@@ -174,7 +229,10 @@ class StaticLatentCache(LatentCache):
     # ------------------------------------------------------------------ edits transformers makes
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for buf in (*self.keys_buf, *self.values_buf):
-            buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
+            if isinstance(buf, CodeBuffer):
+                buf.rows(beam_idx)
+            else:
+                buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
         self.positions.copy_(self.positions.index_select(0, beam_idx.to(self.positions.device)))
         if self.starts is not None:
             self.starts = self.starts.index_select(0, beam_idx.to(self.starts.device))

@@ -122,27 +122,19 @@ def test_bad_input():
         stiefkv.generate(model, ids, max_new_tokens=0)
 
 
-def test_quantized_latents_are_refused_with_a_clear_error():
-    from stiefkv.quant import QuantSpec
-
-    model = tiny_model("llama", heads=6, kv_heads=2)
-    proj = random_projections(model, 11, 13)
-    proj.quant = [(QuantSpec(4, "token"), QuantSpec(4, "token"))] * len(proj.keys)
-    stiefkv.load(model, proj)
-    with pytest.raises(ValueError, match="float latents only"):
-        StaticLatentCache(model, 1, 8)
-
-
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-def test_triton_kernels_read_the_filled_count(key_mode):
-    """The served model on the Triton kernels (interpreted on the CPU, compiled on CUDA) over a static cache:
-    the kernels take the key count from ``filled`` and give the reference's tokens."""
+@pytest.mark.parametrize("bits", [None, (8, 4)], ids=["bf16", "int8-int4"])
+def test_triton_kernels_read_the_filled_count(key_mode, bits):
+    """The served model on the Triton kernels (interpreted on the CPU, compiled on CUDA) over a static cache
+    of float latents or of codes: the kernels take the key count from ``filled`` (and dequantize codes in
+    registers) and give the reference's tokens."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     ids, mask = prompt(batch=2, n=11, device=device)
     outs = {}
     for backend in ("triton", "reference"):
-        model = served(key_mode, backend=backend, device=device, head_dim=32)  # the kernel's smallest
+        kw = dict(key_mode=key_mode, backend=backend, device=device, head_dim=32)  # the kernel's smallest
+        model = served(**kw) if bits is None else quantized_served(bits, **kw)
         outs[backend] = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=4, prefill_chunk=4,
                                          capture=False)
     assert torch.equal(outs["triton"], outs["reference"])
@@ -152,8 +144,42 @@ def test_triton_kernels_read_the_filled_count(key_mode):
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_captured_decode_gives_the_eager_tokens(key_mode):
     for model in (served(key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
+                  quantized_served((8, 4), key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
                   tiny_model("llama", heads=6, kv_heads=2, dtype=torch.bfloat16).cuda()):
         ids, mask = prompt(device="cuda")
         eager = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=12, capture=False)
         graph = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=12, capture=True)
         assert torch.equal(graph, eager)
+
+
+def quantized_served(bits=(8, 4), key_mode="pre_rope", backend="auto", device="cpu", dtype=torch.float32,
+                     head_dim=24, recent=0):
+    from stiefkv.quant import QuantSpec
+
+    model = tiny_model("llama", heads=6, kv_heads=2, dtype=dtype, head_dim=head_dim).to(device)
+    proj = random_projections(model, 11, 13, key_mode)
+    proj.quant = [(QuantSpec(bits[0], "token", recent=recent), QuantSpec(bits[1], "token", recent=recent))
+                  ] * len(proj.keys)
+    return stiefkv.load(model, proj, backend=backend)
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_static_cache_of_codes_matches_the_dynamic_quantized_cache(key_mode):
+    """Token-layout int8 keys and int4 values with no exact window: the static cache writes each token's codes
+    as it arrives, as the dynamic cache does, so greedy tokens agree; its bytes are the codes, scales and
+    lows of every slot."""
+    model = quantized_served(key_mode=key_mode)
+    ids, mask = prompt()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
+    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=8, prefill_chunk=6),
+                       expected)
+    cache = StaticLatentCache(model, 3, 40)
+    # codes padded to 8-code words (int8: 16 bytes for 11 channels, int4: 8 for 13), one fp16 scale and low
+    per_slot = (16 + 4) + (8 + 4)
+    L, B, G = 2, 3, 2
+    assert cache.nbytes == L * B * G * 40 * per_slot + B * 40 * 4 + 4
+
+
+def test_static_cache_refuses_layouts_it_cannot_hold():
+    with pytest.raises(ValueError, match="no exact recent window"):
+        StaticLatentCache(quantized_served(recent=16), 1, 8)
