@@ -13,7 +13,10 @@ per measurement, by table:
 - ``prefill``: 8k tokens, causal, against full-rank SDPA;
 - ``fold``: ``P_v`` in the kernel's epilogue versus folded into ``o_proj`` (``P_v=None`` and an ``o_proj``
   whose input dimension is ``H·r_v``), each followed by its ``o_proj`` matmul;
-- ``host``: host time of one decode call at the 1B model's shapes (d = 64, r = 32), against SDPA's.
+- ``host``: host time of one decode call at the 1B model's shapes (d = 64, r = 32), against SDPA's;
+- ``quant``: decode over int8 and int4 codes (token layout, fp16 scale and low per 64 channels,
+  dequantized in registers) at the decode shapes and 50 % ranks, both key modes, against SDPA; bytes read
+  (codes, scales, lows, positions) and the read bandwidth against the copy's.
 
 Decode times are device times from CUDA-graph replay with an L2 flush before every call
 (:func:`utils.graph_ms`); prefill and ``fold`` use ``do_bench`` (:func:`utils.bench_ms`). Random data.
@@ -47,7 +50,8 @@ SWEEP = [
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "splits": 2},
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "splits": 0.5},
 ]
-TABLES = ("decode", "prefill", "sweep", "fold", "host")
+TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
+QUANT_BITS = (8, 4)
 DTYPE = torch.bfloat16
 NAME = "attention"
 DEVICE = "cuda"  # the CPU smoke test (tests/test_benchmarks.py) sets "cpu" under TRITON_INTERPRET=1
@@ -153,6 +157,41 @@ def decode_rows(shapes, copy: float) -> None:
                     )
             del x
             empty_cache()
+
+
+def quantized(z: torch.Tensor, bits: int):
+    from stiefkv.kernels import QuantizedLatents
+    from stiefkv.quant import QuantSpec, quantize
+
+    q = quantize(z, QuantSpec(bits, "token"))
+    return QuantizedLatents(q.codes, q.scale, q.low, bits, q.rank)
+
+
+def quant_rows(shapes, copy: float) -> None:
+    r = BUDGETS["50%"]
+    for B, N in shapes:
+        sdpa = sdpa_decode_ms(B, N)
+        x = latent_inputs(B, 1, N, r)
+        for bits in QUANT_BITS:
+            xq = dict(x, z_k=quantized(x["z_k"], bits), z_v=quantized(x["z_v"], bits))
+            n = sum(t.nbytes for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low))
+            with torch.no_grad():
+                for mode in MODES:
+                    ms = utils.graph_ms(kernel_call(xq, mode))
+                    read = n + (x["positions"].nbytes if mode == "pre_rope" else 0)
+                    row = case_fields(B, N, "50%", mode) | {
+                        "case": f"decode {utils.shape_name(B, N)} r{r} int{bits} {mode}",
+                        "table": "quant", "bits": bits, "sdpa_ms": sdpa, "kernel_ms": ms, "bytes": read,
+                        "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
+                        "read_tbs": read / ms["p50"] / 1e9, "config": default_config(B, N, mode, r),
+                    }
+                    utils.write_rows(NAME, row)
+                    print(f"{row['case']}: SDPA {sdpa['p50']:.4f} ms, kernel {ms['p50']:.4f} ms "
+                          f"({ms['p50'] / sdpa['p50']:.3f}x), reads {row['read_tbs']:.2f} TB/s "
+                          f"(copy {copy:.2f})", flush=True)
+            del xq
+        del x
+        empty_cache()
 
 
 def sweep_rows(shapes) -> None:
@@ -311,11 +350,15 @@ def main() -> None:
     torch.manual_seed(0)
     print(utils.header(), flush=True)
     shapes = DECODE_SHAPES[::3] if args.quick else DECODE_SHAPES
-    if "decode" in args.tables:
+    copy = None
+    if "decode" in args.tables or "quant" in args.tables:
         copy = utils.copy_tbs()
         utils.write_rows(NAME, {"case": "copy", "table": "copy", "bytes": 2 * 2**31, "copy_tbs": copy})
         print(f"device-to-device copy: {copy:.2f} TB/s (bytes read + written)", flush=True)
+    if "decode" in args.tables:
         decode_rows(shapes, copy)
+    if "quant" in args.tables:
+        quant_rows(shapes, copy)
     if "prefill" in args.tables:
         prefill_rows()
     if "sweep" in args.tables:

@@ -214,9 +214,9 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
 
 def capacity(model, caches: dict, args, device) -> list[dict]:
     """The largest batch at ``--context`` tokens that serves under ``--cap-gib`` (weights included), for
-    each cache, and the decode tokens/s there. The search starts from the batch one row's peak predicts,
-    then walks up while it fits and down while it does not: the answer is a batch that ran and the next one
-    that did not."""
+    each cache, and the decode tokens/s there. The search starts from the batch that the peaks of one and
+    two rows predict, then walks up while it fits and down while it does not: the answer is a batch that ran
+    and the next one that did not."""
     cap = args.cap_gib * GIB
     index = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
@@ -224,12 +224,15 @@ def capacity(model, caches: dict, args, device) -> list[dict]:
     weights = torch.cuda.memory_allocated() / GIB
     rows = []
     for name, proj in caches.items():
-        one = trial(model, proj, 1, args.context, args, device)
-        if one is None:
+        runs = {1: trial(model, proj, 1, args.context, args, device)}
+        if runs[1] is None:
             rows.append({"cache": name, "batch": 0})
             continue
-        B = max(1, int((args.cap_gib - weights) / one["peak_gib"]))
-        runs = {1: one}
+        runs[2] = trial(model, proj, 2, args.context, args, device)
+        # the peak is a fixed part (a prefill chunk's activations) plus a part per row: two points give both
+        per_row = runs[1]["peak_gib"] if runs[2] is None else runs[2]["peak_gib"] - runs[1]["peak_gib"]
+        fixed = runs[1]["peak_gib"] - per_row
+        B = max(1, int((args.cap_gib - weights - fixed) / per_row))
         while B not in runs or runs[B] is not None:
             runs[B] = runs.get(B) or trial(model, proj, B, args.context, args, device)
             if runs[B] is None:
