@@ -132,7 +132,8 @@ def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
     codes dequantized in registers (``BITS`` 8 or 4; token layout): ``z = code · scale + low``, one fp16
     scale and low per token and group of :data:`QUANT_GROUP` channels. int4 codes are packed two to a byte,
     channel ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``):
-    the two nibble tiles are interleaved back by a join. Channels ``≥ R`` read as 0."""
+    the two nibble tiles are interleaved back by a join. Channels ``≥ R`` read as their group's low (the
+    basis rows they meet are 0); keys ``≥ hi`` as 0."""
     offs_r = tl.arange(0, R_P2)
     if BITS == 16:
         return _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
@@ -152,10 +153,28 @@ def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
             ok_b = ok_b & (offs_n < hi)[:, None]
         packed = tl.load(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, mask=ok_b, other=0)
         codes = tl.join(packed & 15, packed >> 4).reshape(BLOCK_N, R_P2)
-    group_ptrs = offs_n[:, None] * stride_sn + (offs_r // QUANT_GROUP)[None, :] * stride_sg
-    scale = tl.load(S + group_ptrs, mask=ok, other=0.0).to(tl.float32)
-    low = tl.load(L + group_ptrs, mask=ok, other=0.0).to(tl.float32)
-    return (codes.to(tl.float32) * scale + low).to(DTYPE)
+    # one scale and low per token and group, loaded once and broadcast over the group's channels (a load per
+    # channel read 8x the codes' bytes in scales: 0.25 TB/s at int4 on the H200)
+    NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+    if NG == 1:
+        if MASK_N:
+            scale = tl.load(S + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
+            low = tl.load(L + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
+        else:
+            scale = tl.load(S + offs_n * stride_sn).to(tl.float32)
+            low = tl.load(L + offs_n * stride_sn).to(tl.float32)
+        z = codes.to(tl.float32) * scale[:, None] + low[:, None]
+    else:
+        offs_g = tl.arange(0, NG)
+        ok_g = (offs_g < (R + QUANT_GROUP - 1) // QUANT_GROUP)[None, :]
+        if MASK_N:
+            ok_g = ok_g & (offs_n < hi)[:, None]
+        group_ptrs = offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sg
+        scale = tl.load(S + group_ptrs, mask=ok_g, other=0.0).to(tl.float32)
+        low = tl.load(L + group_ptrs, mask=ok_g, other=0.0).to(tl.float32)
+        z = codes.to(tl.float32).reshape(BLOCK_N, NG, QUANT_GROUP) * scale[:, :, None] + low[:, :, None]
+        z = z.reshape(BLOCK_N, R_P2)
+    return z.to(DTYPE)
 
 
 @triton.jit
