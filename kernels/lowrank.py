@@ -129,15 +129,28 @@ def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                  R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
                  BITS: tl.constexpr, DTYPE: tl.constexpr):
     """A ``[BLOCK_N, R_P2]`` tile of latents in ``DTYPE``: float latents as stored (:func:`_load_rows`), or
-    codes dequantized in registers (``BITS`` 8 or 4; token layout): ``z = code · scale + low``, one fp16
+    codes dequantized in registers (:func:`_load_codes`). One branch each, no early return: the compiler
+    (unlike the interpreter) generates the code after a ``return`` inside a constexpr ``if``."""
+    offs_r = tl.arange(0, R_P2)
+    if BITS == 16:
+        z = _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
+                       R, R_P2, MASK_N)
+    else:
+        z = _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2, BLOCK_N,
+                        MASK_N, BITS, DTYPE)
+    return z
+
+
+@triton.jit
+def _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
+                R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
+                BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Codes (``BITS`` 8 or 4; token layout) dequantized in registers: ``z = code · scale + low``, one fp16
     scale and low per token and group of :data:`QUANT_GROUP` channels. int4 codes are packed two to a byte,
     channel ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``):
     the two nibble tiles are interleaved back by a join. Channels ``≥ R`` read as their group's low (the
     basis rows they meet are 0); keys ``≥ hi`` as 0."""
     offs_r = tl.arange(0, R_P2)
-    if BITS == 16:
-        return _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
-                          R, R_P2, MASK_N)
     ok_r = offs_r < R
     if MASK_N:
         ok = (offs_n < hi)[:, None] & ok_r[None, :]
