@@ -150,21 +150,17 @@ def _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
     channel ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``):
     the two nibble tiles are interleaved back by a join. Channels ``≥ R`` read as their group's low (the
     basis rows they meet are 0); keys ``≥ hi`` as 0."""
-    offs_r = tl.arange(0, R_P2)
-    ok_r = offs_r < R
-    if MASK_N:
-        ok = (offs_n < hi)[:, None] & ok_r[None, :]
-    else:
-        ok = tl.broadcast_to(ok_r[None, :], [BLOCK_N, R_P2])
+    # Column masks only where the rank is not a power of two: prefill pads the codes (see _pad_codes) because
+    # column-masked loads in 128-row prefill tiles read out of bounds on the H200 (triton 3.6), as for floats.
     if BITS == 8:
-        codes = tl.load(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, mask=ok, other=0)
+        offs_r = tl.arange(0, R_P2)
+        codes = _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
+                           R, R_P2, MASK_N)
     else:
         HALF_R: tl.constexpr = R_P2 // 2
         offs_b = tl.arange(0, HALF_R)
-        ok_b = (offs_b < (R + 1) // 2)[None, :]
-        if MASK_N:
-            ok_b = ok_b & (offs_n < hi)[:, None]
-        packed = tl.load(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, mask=ok_b, other=0)
+        packed = _load_rows(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, offs_n, hi, offs_b,
+                            (R + 1) // 2, HALF_R, MASK_N)
         codes = tl.join(packed & 15, packed >> 4).reshape(BLOCK_N, R_P2)
     # one scale and low per token and group, loaded once and broadcast over the group's channels (a load per
     # channel read 8x the codes' bytes in scales: 0.25 TB/s at int4 on the H200)
@@ -179,12 +175,10 @@ def _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
         z = codes.to(tl.float32) * scale[:, None] + low[:, None]
     else:
         offs_g = tl.arange(0, NG)
-        ok_g = (offs_g < (R + QUANT_GROUP - 1) // QUANT_GROUP)[None, :]
-        if MASK_N:
-            ok_g = ok_g & (offs_n < hi)[:, None]
         group_ptrs = offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sg
-        scale = tl.load(S + group_ptrs, mask=ok_g, other=0.0).to(tl.float32)
-        low = tl.load(L + group_ptrs, mask=ok_g, other=0.0).to(tl.float32)
+        N_GROUPS: tl.constexpr = (R + QUANT_GROUP - 1) // QUANT_GROUP
+        scale = _load_rows(S + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
+        low = _load_rows(L + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
         z = codes.to(tl.float32).reshape(BLOCK_N, NG, QUANT_GROUP) * scale[:, :, None] + low[:, :, None]
         z = z.reshape(BLOCK_N, R_P2)
     return z.to(DTYPE)
