@@ -44,6 +44,7 @@ from stiefkv.kernels._common import (
     MIN_DOT,
     QuantizedLatents,
     RopeSpec,
+    as_float_latents,
     interpreting,
     padded_dim,
 )
@@ -689,6 +690,12 @@ def lowrank_attention(
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
     r_v = z_v.shape[3]
+    if n_rows > DECODE_BLOCK_M and not interpreting():
+        # Prefill over codes dequantizes first on the GPU: the in-register path is exact under the
+        # interpreter, but a post_rope int8 prefill (ranks 40/24 padded to 64/32) hit an illegal memory access
+        # on the H200 (triton 3.6, 2026-12-01) that the device time left could not locate. Decode reads codes
+        # in place (checked on the GPU against the reference).
+        z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
     if n_rows > DECODE_BLOCK_M:  # prefill: see _pad_rank
         if z_k.shape[3] != padded_dim(z_k.shape[3]):
             z_k, P_k = (_pad_codes if isinstance(z_k, QuantizedLatents) else _pad_rank)(z_k, P_k)
