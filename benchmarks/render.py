@@ -258,6 +258,7 @@ def claims(res: Results) -> str:
     )
     pareto_claims(res, claim)
     compaction_claims(res, claim)
+    serve_claims(res, claim)
     return table(["claim", "value", "target", "status", "row (file · case)"], out)
 
 
@@ -294,13 +295,17 @@ def compaction_claims(res: Results, claim) -> None:
         )
     speed = [r for r in res.cases("compaction_speed", only=lambda case: case.endswith(" cuda"))
              if r["tokens"] == 32768 and r["shape"] == "llama3-8b"]
-    if speed:
-        r = speed[-1]
-        block = r["options"].get("block")
-        claim(f"Compaction of 32k tokens, Llama-3-8B shapes, all layers, H200 (AM, "
-              f"{f'blocks of {block}' if block else 'whole-layer fits: the default before blocks'})",
-              f"{r['seconds']:.2f} s (peak +{r['peak_gib_above_inputs']:.1f} GiB)", "≤ 2 s",
-              r["seconds"] <= 2, [r])
+    from stiefkv.compaction import AM_DEFAULTS
+
+    default = [r for r in speed if r["options"].get("block") == AM_DEFAULTS["block"]]
+    if default:
+        r, best = default[-1], min(speed, key=lambda x: x["seconds"])
+        block = best["options"].get("block")
+        other = f"blocks of {block}" if block else "whole layers"
+        claim(f"Compaction of 32k tokens, Llama-3-8B shapes, all layers, H200 (AM defaults, blocks of "
+              f"{AM_DEFAULTS['block']}; best of the sweep beside it)",
+              f"{r['seconds']:.2f} s (peak +{r['peak_gib_above_inputs']:.1f} GiB; best "
+              f"{best['seconds']:.2f} s, {other})", "≤ 2 s", r["seconds"] <= 2, [r, best])
     from stiefkv.compacted import DEFAULT_WINDOW
 
     rows = [r for r in res.cases("retrieval", only=lambda case: case.startswith("am "))
@@ -600,6 +605,90 @@ def generate(res: Results) -> str:
         "re-measured",
     ]
     return table(head, out)
+
+
+def serve(res: Results) -> str:
+    out = []
+    for r in res.cases("serve"):
+        out.append([
+            r["model"].split(" shapes")[0], r["key_mode"], r.get("cache", f"stiefkv {r['budget']:g}")[8:],
+            f"{r['batch']}×{r['context'] // 1024}k", f"{r['full_tps_median']:.0f}",
+            f"{r['full_kernel_tps_median']:.0f}", f"{r['stiefkv_tps_median']:.0f}",
+            f"{r['ratio_median']:.2f}× ({r['ratio_min']:.2f}–{r['ratio_max']:.2f})",
+            f"{r['full_cache_gib']:.2f} / {r['stiefkv_cache_gib']:.2f}",
+            f"{r['full_peak_above_weights_gib']:.2f} / {r['stiefkv_peak_above_weights_gib']:.2f}",
+            f"{r['full_prefill_s']:.2f} / {r['stiefkv_prefill_s']:.2f}",
+        ])
+    if not out:
+        return "_No `serve` row yet._"
+    head = ["shapes", "key mode", "StiefKV cache", "B×ctx", "transformers static tok/s",
+            "full rank, our kernels tok/s", "StiefKV tok/s", "StiefKV / faster full (range)",
+            "cache GiB full / StiefKV", "peak above weights GiB", "prefill s full / StiefKV"]
+    return table(head, out)
+
+
+def serve_capacity(res: Results) -> str:
+    out = []
+    for case in dict.fromkeys(r["case"] for r in res.rows("serve_capacity")):
+        rows = [r for r in res.rows("serve_capacity") if r["case"] == case]
+        run = rows[-1]["provenance"]["run_id"]
+        for r in (r for r in rows if r["provenance"]["run_id"] == run):
+            res.used[id(r)] = ("serve_capacity", r)
+            out.append([r["cache"], str(r["batch"]), f"{r['tokens']:,}", f"{r['tps']:.0f}",
+                        f"{r['capacity_ratio']:.2f}×", f"{r['tps_ratio']:.2f}×", f"{r['peak_gib']:.2f}",
+                        str(r["refused_batch"])])
+    if not out:
+        return "_No capacity row yet._"
+    head = ["cache", "largest batch at 32k", "tokens", "decode tok/s there", "capacity / uncompressed",
+            "tok/s / uncompressed", "peak above weights GiB", "refused batch"]
+    return table(head, out)
+
+
+def decode_quant(res: Results) -> str:
+    out = []
+    for r in res.cases("attention", "quant"):
+        k, sd = p50(r["kernel_ms"]), p50(r["sdpa_ms"])
+        out.append([utils.shape_name(r["B"], r["N"]).replace("x", "×"), f"int{r['bits']}", r["key_mode"],
+                    f"{sd:.4f}", f"{k:.4f}", f"{k / sd:.3f}", f"{r['read_tbs']:.2f}",
+                    f"{r['read_tbs'] / r['copy_tbs']:.0%}"])
+    if not out:
+        return "_No quantized decode row yet._"
+    return table(["B×ctx", "codes", "key mode", "SDPA ms", "kernel ms", "kernel / SDPA", "read TB/s",
+                  "% of copy"], out)
+
+
+def serve_claims(res: Results, claim) -> None:
+    pre = res.pick("serve", "serve 8b pre_rope B8 ctx16384")
+    post = res.pick("serve", "serve 8b post_rope B8 ctx16384")
+    claim("Serving decode tok/s, 50 % ranks `pre_rope` / the faster uncompressed path, Llama-3-8B shapes, "
+          "8×16k, both graph-captured",
+          f"{pre['ratio_median']:.2f}× (`post_rope`: {post['ratio_median']:.2f}×)" if pre and post else "",
+          "≥ 1.3×", pre is not None and pre["ratio_median"] >= 1.3, [pre, post])
+    cap = [r for r in res.rows("serve_capacity") if "0.5 " in r["case"] or r["case"].endswith("cap40")]
+    if cap:
+        run = cap[-1]["provenance"]["run_id"]
+        pair = [r for r in cap if r["provenance"]["run_id"] == run]
+        low = pair[-1]
+        for r in pair:
+            res.used[id(r)] = ("serve_capacity", r)
+        claim("Capacity in tokens at 32k under 40 GiB, 50 % ranks / uncompressed (Llama-3-8B shapes)",
+              f"{low['capacity_ratio']:.2f}× ({low['batch']} vs {pair[0]['batch']} rows)", "≥ 1.9×",
+              low["capacity_ratio"] >= 1.9, [low])
+        claim("… decode tok/s at each one's capacity, 50 % / uncompressed", f"{low['tps_ratio']:.2f}×",
+              "≥ 1.8×", low["tps_ratio"] >= 1.8, [low])
+    claim("Capacity and tok/s at capacity with 12.5 % (ranks × bits)", "", "≥ 6× and ≥ 4×", None, [None])
+    decode = {r["case"]: r for r in res.cases("attention", "decode")}
+    pre_k = [decode.get(f"decode {s} r64 pre_rope") for s in ("16x16k", "4x128k")]
+    ratios = [p50(r["kernel_ms"]) / p50(r["sdpa_ms"]) for r in pre_k if r]
+    claim("`pre_rope` 50 % decode kernel / SDPA at 16×16k and 4×128k",
+          " and ".join(f"{x:.2f}×" for x in ratios), "≤ 0.75×", all(x <= 0.75 for x in ratios), pre_k)
+    q = res.pick("attention", "decode 4x128k r64 int4 post_rope", "quant")
+    claim("int4-latent `post_rope` 50 % decode kernel / SDPA at 4×128k",
+          f"{p50(q['kernel_ms']) / p50(q['sdpa_ms']):.2f}×" if q else "", "≤ 0.25×",
+          q is not None and p50(q["kernel_ms"]) / p50(q["sdpa_ms"]) <= 0.25, [q])
+    claim("… int4 latents read at this share of the copy bandwidth",
+          f"{q['read_tbs'] / q['copy_tbs']:.0%}" if q else "", "≥ 80 %",
+          q is not None and q["read_tbs"] / q["copy_tbs"] >= 0.8, [q])
 
 
 # ------------------------------------------------------------------------------------------------ StreamKL
@@ -957,6 +1046,9 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "host": host,
     "decode-1b": decode_1b,
     "generate": generate,
+    "serve": serve,
+    "serve-capacity": serve_capacity,
+    "decode-quant": decode_quant,
     "streamkl": streamkl,
     "streamkl-compiled": streamkl_compiled,
     "pareto": pareto,

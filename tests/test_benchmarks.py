@@ -77,7 +77,9 @@ def test_render_refuses_unknown_blocks(tmp_path):
 def test_benchmarks_md_is_rendered_from_the_committed_rows():
     text = render.DOC.read_text()
     assert render.render(text, render.Results(utils.RESULTS)) == text, "run: python benchmarks/render.py"
-    assert len(text.encode()) <= 42_000  # a results document, not a log: history goes to docs/notes/
+    # a results document, not a log: history goes to docs/notes/ (raised from 42 000 for §3 serving, after
+    # the settled kernel questions moved to docs/notes/kernel-tries.md)
+    assert len(text.encode()) <= 46_000
 
 
 def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
