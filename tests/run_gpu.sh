@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The CUDA tests, compiled, on a GPU machine (the device tool's image: torch 2.11, triton 3.6, transformers
 # 5.17, no geoopt): the kernels (StreamKL's small and odd shapes included), the kernels' public dispatch, and
-# serving (cache protocol, generate with Triton against the reference, the import rules, quantized latents).
+# serving (cache protocol, generate with Triton against the reference, the import rules, quantized latents, the static
+# cache and captured decode).
 #   usage: tests/run_gpu.sh [LOG_DIR]      (the log is also printed)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -14,5 +15,5 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
   | tee -a "$LOG"
 python3 -m pytest -q -ra -p no:cacheprovider "${workers[@]}" --durations=15 tests/test_streamkl.py \
-  tests/test_lowrank_kernel.py tests/test_kernels_api.py tests/test_inference.py tests/test_cache.py \
+  tests/test_lowrank_kernel.py tests/test_kernels_api.py tests/test_inference.py tests/test_cache.py tests/test_serve.py \
   tests/test_architecture.py tests/test_quant.py 2>&1 | tee -a "$LOG"
