@@ -125,7 +125,7 @@ class LowRankAttention(nn.Module):
         else:
             z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
-        n_valid = getattr(cache, "n_valid", None)  # a static cache's filled slots, on the device
+        n_valid = cache.valid_count(q.device) if cache is not None else None  # a static cache's slots
         # a static cache quantizes every token as it is written: no query reads an exact band
         exact = exact_band(self.quant, N, (z_k, z_v), tails) if n_valid is None else None
         bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix

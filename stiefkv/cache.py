@@ -45,7 +45,10 @@ class LatentCache(_dynamic_cache_class()):
         instead of ``positions``, and reports ``length`` plus the tokens appended since as its length.
     """
 
-    n_valid = None  # a static cache's filled slots (a device tensor); here every cached key is valid
+    def valid_count(self, device: torch.device) -> torch.Tensor | None:
+        """The number of filled key slots as a device tensor on ``device`` (a static cache's; None here:
+        every cached key is valid)."""
+        return None
 
     def __init__(self):
         super().__init__()

@@ -31,6 +31,7 @@ from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import project_qkv, rotate_with
 from stiefkv.models import decoder_layers
+from stiefkv.static_cache import StaticLatentCache
 
 HOOKS = "_stiefkv_compacted_hooks"
 DEFAULT_WINDOW = 1024  # reference queries: the prompt's last tokens (all of a shorter one), shifted after it
@@ -340,6 +341,9 @@ def check_cache(model, cache) -> int:
     from stiefkv.attention import is_compressed
 
     latent = isinstance(cache, LatentCache)
+    if isinstance(cache, StaticLatentCache):
+        raise ValueError("compaction rewrites the cache's layers and a StaticLatentCache keeps its buffers "
+                         "fixed: prefill with stiefkv.prefill(model, ids) (a dynamic LatentCache) to compact")
     if isinstance(cache, CompactedCache) or (latent and cache.compacted):
         raise ValueError("this cache is compacted already: compact the prompt's cache once")
     if not isinstance(cache, DynamicCache):

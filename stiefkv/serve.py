@@ -39,8 +39,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     attention_mask : ``[B, N]`` 0/1, left padding only; None for none.
     max_length : slots the cache is allocated for; ``N + max_new_tokens`` by default.
     prefill_chunk : prompt tokens per prefill forward.
-    capture : ``"auto"`` captures the decode step as a CUDA graph on CUDA and runs it eagerly elsewhere;
-        True demands the capture (CUDA only), False runs eagerly. Both give the same tokens.
+    capture : ``"auto"`` captures the decode step as a CUDA graph on CUDA (a model on one device) and runs it
+        eagerly elsewhere; True demands the capture, False runs eagerly. Both give the same tokens.
     eos_token_id, pad_token_id : tokens after a row's first ``eos_token_id`` become ``pad_token_id`` (the
         steps still run: a captured loop does not stop early).
     """
@@ -58,7 +58,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         tokens[:, 0] = logits.argmax(-1)
         if max_new_tokens > 1:
             state = DecodeState(tokens, positions[:, -1:] + 1, N)
-            graph = capture is True or (capture == "auto" and device.type == "cuda")
+            graph = capture is True or (capture == "auto" and device.type == "cuda" and _one_device(model))
             (runner.decode_captured if graph else runner.decode_eager)(state, max_new_tokens - 1)
     if eos_token_id is not None:
         tokens = _pad_after_eos(tokens, eos_token_id, eos_token_id if pad_token_id is None else pad_token_id)
@@ -81,11 +81,14 @@ def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk,
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
                          f"{tuple(input_ids.shape)}")
-    devices = {p.device for p in model.parameters()}
-    if capture is True and len(devices) > 1:
-        raise ValueError(f"capture=True needs the whole model on one device; it spans "
-                         f"{sorted(map(str, devices))}")
+    if capture is True and not _one_device(model):
+        devices = sorted({str(p.device) for p in model.parameters()})
+        raise ValueError(f"capture=True needs the whole model on one device; it spans {devices}")
     return input_ids.shape
+
+
+def _one_device(model: nn.Module) -> bool:
+    return len({p.device for p in model.parameters()}) == 1
 
 
 def _positions(mask: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:

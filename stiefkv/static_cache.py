@@ -124,9 +124,10 @@ class StaticLatentCache(LatentCache):
         self._slots: torch.Tensor | None = None
 
     # ------------------------------------------------------------------ what attention reads
-    @property
-    def n_valid(self) -> torch.Tensor:
-        return self.filled
+    def valid_count(self, device: torch.device) -> torch.Tensor:
+        """``filled`` on ``device``: a model placed across devices reads it on each layer's (a copy per
+        layer there; the same tensor on one device)."""
+        return self.filled if self.filled.device == device else self.filled.to(device)
 
     @property
     def is_compileable(self) -> bool:

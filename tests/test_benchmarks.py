@@ -118,3 +118,15 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
     assert rows[2]["best"]["config"]["num_splits"] >= 1
     table = render.decode(render.Results(results))
     assert "| 1×300 | 50% | post_rope |" in table
+
+
+def test_bench_serve_runs_on_a_tiny_model():
+    """bench_serve.py end to end on the CPU (eager, the reference): the three caches, one line each."""
+    import subprocess
+
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--cases", "2x40",
+                          "--new-tokens", "3", "--rounds", "1", "--chunk", "16", "--bits", "8"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("serve tiny pre_rope 0.5 int8 B2 ctx40: transformers static") and "StiefKV" in line

@@ -120,6 +120,8 @@ def test_bad_input():
         StaticLatentCache(tiny_model("llama"), 1, 8)
     with pytest.raises(ValueError, match="max_new_tokens must be"):
         stiefkv.generate(model, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="a StaticLatentCache keeps its buffers fixed"):
+        stiefkv.compact(model, cache, keep=0.5)
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
