@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# Serving on one H200 (device tool, kind nvidia-h200): random weights at real shapes, no model to carry.
+# Rows go to $STIEFKV_RESULTS_DIR (default $OUT) as each measurement finishes; every step's output is
+# appended to $STIEFKV_RESULTS_DIR/run.log (see run_speed_gpu.sh for the provenance variables to pass).
+#   usage: run_serve_gpu.sh STEP...    (steps, run in the order given:)
+#     tests      the CUDA tests of the kernels over codes and of the static cache / captured decode
+#     quant      bench_attention.py --tables quant (decode over int8/int4 codes against SDPA, 4 shapes)
+#     serve      bench_serve.py, Llama-3-8B shapes, 8x16k, 50 % ranks: bf16 both key modes, int8 and int4
+#     serve_all  bench_serve.py, 8b and 1b, the three batch x context cases, pre_rope bf16
+#     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16, and 12.5 % (r 56 x int4)
+set -u
+export STIEFKV_RESULTS_DIR=${STIEFKV_RESULTS_DIR:-$OUT}
+export PYTHONUNBUFFERED=1
+mkdir -p "$STIEFKV_RESULTS_DIR"
+LOG=$STIEFKV_RESULTS_DIR/run.log
+{
+  nvidia-smi --query-gpu=name,driver_version --format=csv
+  if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl; fi
+  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || echo "editable install failed"
+} >> "$LOG" 2>&1
+step() {  # step NAME CMD...: run CMD, appending to the log with its start, end and exit status
+  local name=$1; shift
+  echo "=== $(date -u +%T) start $name: $*" >> "$LOG"
+  local rc=0
+  "$@" >> "$LOG" 2>&1 || rc=$?
+  echo "=== $(date -u +%T) end $name rc=$rc" >> "$LOG"
+}
+serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
+for s in "$@"; do
+  case $s in
+    tests) step tests python3 -m pytest -q -ra -p no:cacheprovider tests/test_serve.py \
+             tests/test_lowrank_kernel.py -k "quantized or valid or serve or static or captured or filled" ;;
+    quant) step quant python3 benchmarks/bench_attention.py --tables quant ;;
+    serve)
+      serve --shape 8b --cases 8x16384 --key-mode pre_rope
+      serve --shape 8b --cases 8x16384 --key-mode post_rope
+      serve --shape 8b --cases 8x16384 --key-mode post_rope --bits 8
+      serve --shape 8b --cases 8x16384 --key-mode post_rope --bits 4 ;;
+    serve_all)
+      serve --shape 8b --cases 8x16384 1x32768 32x8192
+      serve --shape 1b --cases 8x16384 1x32768 32x8192 ;;
+    capacity)
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
+    *) echo "unknown step $s" >> "$LOG" ;;
+  esac
+done
+tail -n 60 "$LOG"
