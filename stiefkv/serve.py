@@ -27,7 +27,7 @@ CAPTURE = ("auto", True, False)
 
 def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
              attention_mask: torch.Tensor | None = None, max_length: int | None = None,
-             prefill_chunk: int = 2048, capture: bool | str = "auto", eos_token_id: int | None = None,
+             prefill_chunk: int = 2048, capture: bool | str = "auto", eos_token_id="model",
              pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy generation of ``max_new_tokens`` tokens per row; returns ``[B, N + max_new_tokens]`` ids.
 
@@ -41,8 +41,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     prefill_chunk : prompt tokens per prefill forward.
     capture : ``"auto"`` captures the decode step as a CUDA graph on CUDA (a model on one device) and runs it
         eagerly elsewhere; True demands the capture, False runs eagerly. Both give the same tokens.
-    eos_token_id, pad_token_id : tokens after a row's first ``eos_token_id`` become ``pad_token_id`` (the
-        steps still run: a captured loop does not stop early).
+    eos_token_id, pad_token_id : tokens after a row's first end token become ``pad_token_id`` (the steps
+        still run: a captured loop does not stop early). ``"model"`` takes the model's generation config
+        (its first end token, and its pad token or else the end token), as ``generate`` does; None keeps
+        every token.
     """
     B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture)
     device = input_ids.device
@@ -60,6 +62,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
             state = DecodeState(tokens, positions[:, -1:] + 1, N)
             graph = capture is True or (capture == "auto" and device.type == "cuda" and _one_device(model))
             (runner.decode_captured if graph else runner.decode_eager)(state, max_new_tokens - 1)
+    if eos_token_id == "model":
+        eos_token_id, pad_token_id = _model_end_tokens(model, pad_token_id)
     if eos_token_id is not None:
         tokens = _pad_after_eos(tokens, eos_token_id, eos_token_id if pad_token_id is None else pad_token_id)
     return torch.cat([input_ids, tokens], 1)
@@ -97,6 +101,15 @@ def _positions(mask: torch.Tensor | None, B: int, N: int, device) -> torch.Tenso
     if mask is None:
         return torch.arange(N, device=device)[None].expand(B, N).contiguous()
     return (mask.long().cumsum(1) - 1).clamp(min=0).to(device)
+
+
+def _model_end_tokens(model: nn.Module, pad: int | None) -> tuple[int | None, int | None]:
+    config = getattr(model, "generation_config", None)
+    eos = getattr(config, "eos_token_id", None)
+    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
+    if pad is None:
+        pad = getattr(config, "pad_token_id", None)
+    return (int(eos) if eos is not None else None), pad
 
 
 def _pad_after_eos(tokens: torch.Tensor, eos: int, pad: int) -> torch.Tensor:

@@ -37,7 +37,8 @@ def test_generate_matches_transformers_greedy(key_mode, chunk):
     model = served(key_mode)
     ids, mask = prompt()
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=9, **GREEDY)
-    ours = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=9, prefill_chunk=chunk)
+    ours = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=9, prefill_chunk=chunk,
+                            eos_token_id=None)
     assert torch.equal(ours, expected)
 
 
@@ -58,20 +59,23 @@ def test_uncompressed_model_takes_transformers_static_cache():
     model = tiny_model("llama", heads=6, kv_heads=2)
     ids, mask = prompt()
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
-    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=8, prefill_chunk=6),
-                       expected)
+    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=8, prefill_chunk=6,
+                                        eos_token_id=None), expected)
 
 
 def test_eos_pads_the_rest_of_the_row():
     model = served()
     ids, mask = prompt(padded=False)
-    free = stiefkv.generate(model, ids, max_new_tokens=8)[:, 19:]
+    free = stiefkv.generate(model, ids, max_new_tokens=8, eos_token_id=None)[:, 19:]
     eos = int(free[0, 2])
     out = stiefkv.generate(model, ids, max_new_tokens=8, eos_token_id=eos, pad_token_id=0)[:, 19:]
     for row, row_free in zip(out, free):
         hits = (row_free == eos).nonzero()
         cut = int(hits[0]) + 1 if len(hits) else 8
         assert torch.equal(row[:cut], row_free[:cut]) and bool((row[cut:] == 0).all())
+    # by default the end and pad tokens of the model's generation config, as generate takes them
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = eos, 0
+    assert torch.equal(stiefkv.generate(model, ids, max_new_tokens=8)[:, 19:], out)
 
 
 def test_static_cache_bytes_and_counters():
@@ -173,8 +177,8 @@ def test_static_cache_of_codes_matches_the_dynamic_quantized_cache(key_mode):
     model = quantized_served(key_mode=key_mode)
     ids, mask = prompt()
     expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, **GREEDY)
-    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=8, prefill_chunk=6),
-                       expected)
+    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=8, prefill_chunk=6,
+                                        eos_token_id=None), expected)
     cache = StaticLatentCache(model, 3, 40)
     # codes padded to 8-code words (int8: 16 bytes for 11 channels, int4: 8 for 13), one fp16 scale and low
     per_slot = (16 + 4) + (8 + 4)
