@@ -16,7 +16,8 @@ per measurement, by table:
 - ``host``: host time of one decode call at the 1B model's shapes (d = 64, r = 32), against SDPA's;
 - ``quant``: decode over int8 and int4 codes (token layout, fp16 scale and low per 64 channels,
   dequantized in registers) at the decode shapes and 50 % ranks, both key modes, against SDPA; bytes read
-  (codes, scales, lows, positions) and the read bandwidth against the copy's.
+  (codes, scales, lows, positions) and the read bandwidth against the copy's; beside it the candidate that
+  folds the scales into logits and probabilities (``fold_scales=True``).
 
 Decode times are device times from CUDA-graph replay with an L2 flush before every call
 (:func:`utils.graph_ms`); prefill and ``fold`` use ``do_bench`` (:func:`utils.bench_ms`). Random data.
@@ -178,12 +179,14 @@ def quant_rows(shapes, copy: float) -> None:
             with torch.no_grad():
                 for mode in MODES:
                     ms = utils.graph_ms(kernel_call(xq, mode))
+                    fold = utils.graph_ms(kernel_call(xq, mode, fold_scales=True))  # the candidate
                     read = n + (x["positions"].nbytes if mode == "pre_rope" else 0)
                     row = case_fields(B, N, "50%", mode) | {
                         "case": f"decode {utils.shape_name(B, N)} r{r} int{bits} {mode}",
                         "table": "quant", "bits": bits, "sdpa_ms": sdpa, "kernel_ms": ms, "bytes": read,
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
                         "read_tbs": read / ms["p50"] / 1e9, "config": default_config(B, N, mode, r),
+                        "fold_scales_ms": fold,
                     }
                     utils.write_rows(NAME, row)
                     print(f"{row['case']}: SDPA {sdpa['p50']:.4f} ms, kernel {ms['p50']:.4f} ms "

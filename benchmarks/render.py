@@ -648,13 +648,14 @@ def decode_quant(res: Results) -> str:
     out = []
     for r in res.cases("attention", "quant"):
         k, sd = p50(r["kernel_ms"]), p50(r["sdpa_ms"])
+        fold = p50(r.get("fold_scales_ms"))
         out.append([utils.shape_name(r["B"], r["N"]).replace("x", "×"), f"int{r['bits']}", r["key_mode"],
                     f"{sd:.4f}", f"{k:.4f}", f"{k / sd:.3f}", f"{r['read_tbs']:.2f}",
-                    f"{r['read_tbs'] / r['copy_tbs']:.0%}"])
+                    f"{r['read_tbs'] / r['copy_tbs']:.0%}", fmt(fold)])
     if not out:
         return "_No quantized decode row yet._"
     return table(["B×ctx", "codes", "key mode", "SDPA ms", "kernel ms", "kernel / SDPA", "read TB/s",
-                  "% of copy"], out)
+                  "% of copy", "scales folded ms"], out)
 
 
 def serve_claims(res: Results, claim) -> None:

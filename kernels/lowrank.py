@@ -143,16 +143,15 @@ def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
 
 
 @triton.jit
-def _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
-                R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                BITS: tl.constexpr, DTYPE: tl.constexpr):
-    """Codes (``BITS`` 8 or 4; token layout) dequantized in registers: ``z = code · scale + low``, one fp16
-    scale and low per token and group of :data:`QUANT_GROUP` channels. int4 codes are packed two to a byte,
-    channel ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``):
-    the two nibble tiles are interleaved back by a join. Channels ``≥ R`` read as their group's low (the
-    basis rows they meet are 0); keys ``≥ hi`` as 0."""
-    # Column masks only where the rank is not a power of two: prefill pads the codes (see _pad_codes) because
-    # column-masked loads in 128-row prefill tiles read out of bounds on the H200 (triton 3.6), as for floats.
+def _code_tile(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr,
+               MASK_N: tl.constexpr, BITS: tl.constexpr):
+    """The ``[BLOCK_N, R_P2]`` codes (uint8 values; ``BITS`` 8 or 4, token layout) of a key tile; keys
+    ``≥ hi`` and channels ``≥ R`` read as 0. int4 codes are packed two to a byte, channel ``2j`` in the low
+    nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``): the two nibble tiles are
+    interleaved back by a join.
+    Column masks only where the rank is not a power of two: prefill pads the codes (see _pad_codes)
+    because column-masked loads in 128-row prefill tiles read out of bounds on the H200 (triton 3.6), as
+    for floats."""
     if BITS == 8:
         offs_r = tl.arange(0, R_P2)
         codes = _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
@@ -163,16 +162,33 @@ def _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
         packed = _load_rows(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, offs_n, hi, offs_b,
                             (R + 1) // 2, HALF_R, MASK_N)
         codes = tl.join(packed & 15, packed >> 4).reshape(BLOCK_N, R_P2)
-    # one scale and low per token and group, loaded once and broadcast over the group's channels (a load per
-    # channel read 8x the codes' bytes in scales: 0.25 TB/s at int4 on the H200)
+    return codes
+
+
+@triton.jit
+def _token_scales(S, L, offs_n, hi, stride_sn, MASK_N: tl.constexpr):
+    """The fp32 scale and low ``[BLOCK_N]`` of each key of a tile whose latents fit one scale group."""
+    if MASK_N:
+        scale = tl.load(S + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
+        low = tl.load(L + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
+    else:
+        scale = tl.load(S + offs_n * stride_sn).to(tl.float32)
+        low = tl.load(L + offs_n * stride_sn).to(tl.float32)
+    return scale, low
+
+
+@triton.jit
+def _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
+                R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
+                BITS: tl.constexpr, DTYPE: tl.constexpr):
+    """Codes dequantized in registers: ``z = code · scale + low``, one fp16 scale and low per token and
+    group of :data:`QUANT_GROUP` channels, loaded once and broadcast over the group's channels (a load per
+    channel read 8x the codes' bytes in scales: 0.25 TB/s at int4 on the H200). Channels ``≥ R`` read as
+    their group's low (the basis rows they meet are 0); keys ``≥ hi`` as 0."""
+    codes = _code_tile(Z, offs_n, hi, stride_n, stride_r, R, R_P2, BLOCK_N, MASK_N, BITS)
     NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
     if NG == 1:
-        if MASK_N:
-            scale = tl.load(S + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
-            low = tl.load(L + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
-        else:
-            scale = tl.load(S + offs_n * stride_sn).to(tl.float32)
-            low = tl.load(L + offs_n * stride_sn).to(tl.float32)
+        scale, low = _token_scales(S, L, offs_n, hi, stride_sn, MASK_N)
         z = codes.to(tl.float32) * scale[:, None] + low[:, None]
     else:
         offs_g = tl.arange(0, NG)
@@ -205,6 +221,39 @@ def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: 
 
 
 @triton.jit
+def _key_logits(q1, q2, p1t, p2t, inv_freq, offs_n, end, ZK, SK, LK, POS, stride_kn, stride_kr, stride_skn,
+                stride_skg, stride_posn, HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_K_P2: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, MASKED: tl.constexpr,
+                FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """The logits ``[BLOCK_M, BLOCK_N]`` of the query tile against one tile of key latents (float, or codes
+    dequantized): ``pre_rope`` rebuilds and rotates the keys, once for all the group's query heads."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                     R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE)  # [BLOCK_N, R_K_P2]
+    if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
+        if MASKED:
+            pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
+        else:
+            pos = tl.load(POS + offs_n * stride_posn)
+        angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+        if FAST_SINCOS:
+            sin, cos = _sincos_fast(angle)
+        else:
+            sin, cos = _sincos(angle)
+        zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+        a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
+        a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
+        k1 = (a1 * cos - a2 * sin).to(z.dtype)
+        k2 = (a2 * cos + a1 * sin).to(z.dtype)
+        s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+        s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
+    else:  # post_rope: the projected queries meet the latents directly
+        s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+    return s
+
+
+@triton.jit
 def _attend_range(
     acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS, SK, LK, SV, LV,
@@ -214,36 +263,29 @@ def _attend_range(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
+    q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
     ``ZK``/``ZV``/``POS``/``BIAS`` (and the scales and lows ``SK``, ``LK``, ``SV``, ``LV`` of quantized
-    latents) already point at this (batch row, KV head)."""
-    HALF: tl.constexpr = HEAD_DIM // 2
+    latents) already point at this (batch row, KV head). ``FOLD_K`` (``post_rope`` codes in one scale group)
+    and ``FOLD_V`` (value codes in one group) apply each token's scale and low to the logits or to the
+    probabilities instead of dequantizing the tile: ``s = (q'·code)·scale + (Σ q')·low`` (``q1sum`` is
+    ``Σ q'`` per row) and ``acc += (p·scale) code + Σ_j p_j·low_j``."""
     offs_nt = tl.arange(0, BLOCK_N)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
-        z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                         R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE)  # [BLOCK_N, R_K_P2]
-        if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
-            if MASKED:
-                pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
-            else:
-                pos = tl.load(POS + offs_n * stride_posn)
-            angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
-            if FAST_SINCOS:
-                sin, cos = _sincos_fast(angle)
-            else:
-                sin, cos = _sincos(angle)
-            zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
-            a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
-            a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
-            k1 = (a1 * cos - a2 * sin).to(z.dtype)
-            k2 = (a2 * cos + a1 * sin).to(z.dtype)
-            s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
-            s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
-        else:  # post_rope: the projected queries meet the latents directly
-            s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+        if FOLD_K:
+            codes = _code_tile(ZK, offs_n, end, stride_kn, stride_kr, R_K, R_K_P2, BLOCK_N, MASKED, K_BITS)
+            scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED)
+            # codes pass through fp32: the interpreter casts uint8 straight to bf16 wrongly (triton 3.9)
+            k = codes.to(tl.float32).to(DTYPE)
+            s = _dot(q1, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+            s = s * scale[None, :] + q1sum[:, None] * low[None, :]
+        else:
+            s = _key_logits(q1, q2, p1t, p2t, inv_freq, offs_n, end, ZK, SK, LK, POS, stride_kn, stride_kr,
+                            stride_skn, stride_skg, stride_posn, HEAD_DIM, R_K, R_K_P2, BLOCK_M, BLOCK_N,
+                            KEY_MODE, MASKED, FAST_SINCOS, DOT_PREC, UPCAST, K_BITS, DTYPE)
         if HAS_BIAS:
             if MASKED:
                 bias = tl.load(BIAS + offs_n * stride_bn, mask=offs_n < end, other=0.0)
@@ -255,9 +297,21 @@ def _attend_range(
             if CAUSAL:
                 visible = visible & (offs_n[None, :] <= (n_k - n_q + q_idx)[:, None])
             s = tl.where(visible, s, float("-inf"))
-        v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                         R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE)  # [BLOCK_N, R_V_P2]
-        acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
+        if FOLD_V:
+            codes = _code_tile(ZV, offs_n, end, stride_vn, stride_vr, R_V, R_V_P2, BLOCK_N, MASKED, V_BITS)
+            scale, low = _token_scales(SV, LV, offs_n, end, stride_svn, MASKED)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            v = codes.to(tl.float32).to(DTYPE)
+            acc = _dot((p * scale[None, :]).to(DTYPE), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+            acc += tl.sum(p * low[None, :], 1)[:, None]
+            m_i = m_new
+        else:
+            v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
+                             R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE)  # [BLOCK_N, R_V_P2]
+            acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     return acc, l_i, m_i
 
 
@@ -333,7 +387,7 @@ def _lowrank_attn_fwd(
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    DTYPE: tl.constexpr,
+    DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -380,6 +434,7 @@ def _lowrank_attn_fwd(
     offs_rk = tl.arange(0, R_K_P2)
     PK_g = PK + g * stride_pkg
     inv_freq = tl.zeros([HALF], dtype=tl.float32)
+    q1sum = tl.zeros([BLOCK_M], dtype=tl.float32)
     if KEY_MODE == 0:
         offs_h = tl.arange(0, HALF)
         q1 = tl.load(Q_rows[:, None] + offs_h[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
@@ -401,6 +456,7 @@ def _lowrank_attn_fwd(
         pk = tl.load(pk_ptrs, mask=(offs_rk < R_K)[None, :], other=0.0).to(DTYPE)  # [d, R_K_P2]
         q1 = _dot(q.to(DTYPE), pk, tl.zeros([BLOCK_M, R_K_P2], dtype=tl.float32), DOT_PREC, UPCAST)
         q1 = (q1 * qk_scale).to(DTYPE)
+        q1sum = tl.sum(q1.to(tl.float32), 1)  # Σ q' per row, for the folded lows (FOLD_K)
         q2 = q1
         p1t = pk
         p2t = pk
@@ -420,7 +476,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -428,7 +484,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -631,6 +687,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
         UPCAST=interpreting() and dtype == torch.bfloat16,
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
+        FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP,
+        FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -657,6 +715,7 @@ def lowrank_attention(
     num_warps: int | None = None,
     num_stages: int | None = None,
     fast_sincos: bool | None = None,
+    fold_scales: bool = False,
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
@@ -675,6 +734,9 @@ def lowrank_attention(
         ``fast_sincos`` (``pre_rope``): the hardware sin/cos (:func:`_sincos_fast`) instead of the
         polynomial one; on by default on CUDA (19-29 % less decode time on the H200,
         docs/notes/kernel-tries.md), off under the interpreter, which has no hardware sin/cos.
+        ``fold_scales`` (codes in one scale group): apply the scales and lows to the logits (``post_rope``
+        keys) and to the probabilities (values) instead of dequantizing each tile; a candidate, off until
+        measured on the GPU.
 
     Returns
     -------
@@ -708,7 +770,8 @@ def lowrank_attention(
     if fast_sincos is None:
         fast_sincos = not interpreting()
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
-    cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos))
+    cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
+               fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1
     scale = d**-0.5 if scale is None else float(scale)

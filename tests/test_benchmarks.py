@@ -113,6 +113,7 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
     rows = utils.read_rows(results / "attention.jsonl")
     assert [r["table"] for r in rows] == ["decode"] * 2 + ["sweep"] * 2 + ["prefill"] * 3 + ["quant"] * 4
     assert rows[-1]["case"] == "decode 1x300 r16 int4 pre_rope" and rows[-1]["bytes"] > 0
+    assert rows[-1]["fold_scales_ms"]["p50"] == 2.0
     assert rows[0]["case"] == "decode 1x300 r16 post_rope" and rows[0]["sdpa_ms"]["p50"] == 2.0
     assert rows[1]["poly_sincos_ms"] is not None and rows[0]["poly_sincos_ms"] is None
     assert rows[2]["best"]["config"]["num_splits"] >= 1

@@ -333,8 +333,9 @@ QUANT_CASES = [
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c[0]}-G{c[3]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
 def test_quantized_latents_match_the_reference(case, key_mode, bits):
-    """int8 and packed int4 codes (token layout, fp16 scales), dequantized in registers, against the reference
-    on the dequantized latents (bf16 queries; the reference's dequantization checked against
+    """int8 and packed int4 codes (token layout, fp16 scales), dequantized in registers or with the scales
+    folded into logits and probabilities (``fold_scales``: ranks within one scale group), against the
+    reference on the dequantized latents (bf16 queries; the reference's dequantization checked against
     ``stiefkv.quant``'s)."""
     from stiefkv.quant import QuantSpec, dequantize, quantize
 
@@ -344,15 +345,19 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
     expected_zk = dequantize(quantize(z_k.float().cpu(), QuantSpec(bits, "token")), torch.bfloat16)
     assert torch.equal(qk.dequantize(torch.bfloat16).cpu(), expected_zk)
-    for pv in (P_v, None):
+    for pv, fold in ((P_v, False), (None, False), (P_v, True), (None, True)):
         with torch.no_grad():
-            out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits)
+            out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,
+                                       fold_scales=fold)
             expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
                                  key_mode=key_mode, **kwargs)
         atol, rtol = TOL[torch.bfloat16]
-        what = f"int{bits} {path} {key_mode} P_v={pv is not None}"
+        if fold:  # two bf16 roundings apart: the reference rounds the latents, the fold rounds p·scale
+            atol, rtol = 2 * atol, 2 * rtol
+        what = f"int{bits} {path} {key_mode} P_v={pv is not None} fold={fold}"
         assert_close(out, expected, atol=atol, rtol=rtol, what=what)
     # mixed: quantized keys over float values
+    atol, rtol = TOL[torch.bfloat16]
     with torch.no_grad():
         out = lk.lowrank_attention(q, qk, z_v, P_k, P_v, key_mode=key_mode, **kwargs, num_splits=splits)
         expected = reference(q, qk, z_v, P_k, P_v, key_mode=key_mode, **kwargs)
