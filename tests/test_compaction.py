@@ -350,6 +350,15 @@ def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_ca
     fresh = stiefkv.prefill(model, ids, window=16)
     for la, lb in zip(plain.layers, fresh.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    # prefill(repeat=N): those queries instead of the window's, the cache as without them
+    read = stiefkv.prefill(model, ids, repeat=25)
+    expected = repeat_queries(model, ids, stiefkv.prefill(model, ids), 25)
+    assert all(torch.equal(q, r) for q, r in zip(read.reference_queries, expected))
+    for la, lb in zip(plain.layers, read.layers):
+        assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
+    assert stiefkv.compact(model, read, keep=0.2).get_seq_length() == 40
+    with pytest.raises(ValueError, match="past the model's 512; repeat at most 212 tokens"):
+        stiefkv.prefill(model, torch.randint(2, 97, (1, 300)), repeat=300)
 
 
 def test_bad_compact_requests_are_refused():
@@ -382,7 +391,7 @@ def test_bad_compact_requests_are_refused():
         stiefkv.compact(model, cache, allocation="heads")
     with pytest.raises(ValueError, match="at least 2 tokens"):
         stiefkv.prefill(model, ids[0])
-    with pytest.raises(ValueError, match="not both 0"):
+    with pytest.raises(ValueError, match="not all 0"):
         stiefkv.prefill(model, ids, window=0)
 
 
