@@ -170,8 +170,8 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     as "Repeat the text above", whose queries are added too) when given. ``repeat`` > 0 takes instead of the
     window's the queries of the prompt's last ``repeat`` tokens read a second time right after it (positions
     ``C …``, within the model's): every key then meets queries that look back for it. For retrieval this
-    is what keeps a hidden fact (a pass key at C 4096, keep 0.1: 5 of 5 against 0.30 for the window;
-    docs/notes/compaction.md), at the price of a second prefill and more reference queries."""
+    is what keeps a hidden fact (a pass key at C 4096, keep 0.1: 10 of 10 on the CPU, against 0.30 for the
+    window; docs/notes/compaction.md), at the price of a second prefill and more reference queries."""
     if ids.ndim != 2 or ids.shape[1] < 2:
         raise ValueError(f"prefill takes token ids [batch, tokens] of at least 2 tokens; got shape "
                          f"{tuple(ids.shape)}")
