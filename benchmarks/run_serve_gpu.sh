@@ -9,22 +9,7 @@
 #     serve_all  bench_serve.py, 8b and 1b, the issue's three batch x context cases, pre_rope bf16
 #     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16, and 12.5 % (r 56 x int4)
 set -u
-export STIEFKV_RESULTS_DIR=${STIEFKV_RESULTS_DIR:-$OUT}
-export PYTHONUNBUFFERED=1
-mkdir -p "$STIEFKV_RESULTS_DIR"
-LOG=$STIEFKV_RESULTS_DIR/run.log
-{
-  nvidia-smi --query-gpu=name,driver_version --format=csv
-  if [ -d .whl ]; then python3 -m pip install -q --no-index --no-deps --no-compile .whl/*.whl; fi
-  python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . || echo "editable install failed"
-} >> "$LOG" 2>&1
-step() {  # step NAME CMD...: run CMD, appending to the log with its start, end and exit status
-  local name=$1; shift
-  echo "=== $(date -u +%T) start $name: $*" >> "$LOG"
-  local rc=0
-  "$@" >> "$LOG" 2>&1 || rc=$?
-  echo "=== $(date -u +%T) end $name rc=$rc" >> "$LOG"
-}
+source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
 for s in "$@"; do
   case $s in

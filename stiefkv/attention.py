@@ -30,7 +30,7 @@ from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
 from stiefkv.quant import FLOAT, QuantSpec, fake_quant
-from stiefkv.static_cache import StaticLatentCache
+from stiefkv.static_cache import StaticLatentCache, transformers_static_length
 
 log = logging.getLogger(__name__)
 
@@ -346,24 +346,10 @@ def _wrap_prepare_cache(model: nn.Module, original):
                     obj[key] = LatentCache()
                 elif type(made) is StaticCache and not getattr(made, "_is_user_defined", False):
                     batch = _static_batch(original, model, args, kwargs)
-                    obj[key] = StaticLatentCache(model, batch, _static_length(made))
+                    obj[key] = StaticLatentCache(model, batch, transformers_static_length(made))
         return result
 
     return prepare
-
-
-def _static_length(made) -> int:
-    """Slots per row of transformers' ``StaticCache`` (its accessors differ between versions)."""
-    reads = (lambda: made.get_max_length(), lambda: made.max_cache_len, lambda: made.layers[0].max_cache_len)
-    for get in reads:
-        try:
-            length = get()
-        except (AttributeError, IndexError, TypeError):
-            continue
-        if length:
-            return int(length)
-    raise ValueError("could not read the length transformers sized its StaticCache for; pass "
-                     "cache=stiefkv.StaticLatentCache(model, batch_size, max_length) to generate instead")
 
 
 def _static_batch(original, model, args, kwargs) -> int:

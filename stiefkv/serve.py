@@ -20,7 +20,7 @@ from torch import nn
 
 from stiefkv.cache import cache_keyword
 from stiefkv.models import decoder_layers
-from stiefkv.static_cache import StaticLatentCache
+from stiefkv.static_cache import StaticLatentCache, transformers_static_length
 
 CAPTURE = ("auto", True, False)
 
@@ -157,7 +157,7 @@ class Runner:
             cache.set_padding(attention_mask)
         elif attention_mask is not None and not bool(attention_mask.bool().all()):
             self.starts = (~attention_mask.bool()).sum(1).to(device)
-        self.max_length = cache.max_length if self.latent else _max_len(cache)
+        self.max_length = cache.max_length if self.latent else transformers_static_length(cache)
         self.graph: torch.cuda.CUDAGraph | None = None
 
     def forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
@@ -232,12 +232,6 @@ class Runner:
             self.graph.replay()
         if self.latent:
             self.cache.advance(steps)
-
-
-def _max_len(cache) -> int:
-    from stiefkv.attention import _static_length
-
-    return _static_length(cache)
 
 
 def input_device(model: nn.Module) -> torch.device:

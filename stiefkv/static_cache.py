@@ -75,6 +75,20 @@ class CacheOverflowError(ValueError):
     """A static cache asked to hold more tokens than it was allocated for."""
 
 
+def transformers_static_length(made) -> int:
+    """Slots per row of transformers' ``StaticCache`` (its accessors differ between versions)."""
+    reads = (lambda: made.get_max_length(), lambda: made.max_cache_len, lambda: made.layers[0].max_cache_len)
+    for get in reads:
+        try:
+            length = get()
+        except (AttributeError, IndexError, TypeError):
+            continue
+        if length:
+            return int(length)
+    raise ValueError("could not read the length transformers sized its StaticCache for; pass "
+                     "cache=stiefkv.StaticLatentCache(model, batch_size, max_length) to generate instead")
+
+
 class StaticLatentCache(LatentCache):
     """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device: float, or codes of
     the checkpoint's bits in the token layout (:class:`CodeBuffer`; the kernels dequantize them in
