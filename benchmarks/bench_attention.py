@@ -14,10 +14,12 @@ per measurement, by table:
 - ``fold``: ``P_v`` in the kernel's epilogue versus folded into ``o_proj`` (``P_v=None`` and an ``o_proj``
   whose input dimension is ``H·r_v``), each followed by its ``o_proj`` matmul;
 - ``host``: host time of one decode call at the 1B model's shapes (d = 64, r = 32), against SDPA's;
-- ``quant``: decode over int8 and int4 codes (token layout, fp16 scale and low per 64 channels,
-  dequantized in registers) at the decode shapes and 50 % ranks, both key modes, against SDPA; bytes read
-  (codes, scales, lows, positions) and the read bandwidth against the copy's; beside it the candidate that
-  folds the scales into logits and probabilities (``fold_scales=True``).
+- ``quant``: decode over bf16 latents and int8 and int4 codes (token layout, fp16 scale and low per 64
+  channels, dequantized in registers) at the decode shapes and 50 % ranks, both key modes, against SDPA;
+  bytes read (latents or codes, scales, lows, positions) and the read bandwidth against the copy's; beside
+  the default, the configurations of ``QUANT_SWEEP``: the candidates that read each tile one iteration
+  ahead (``prefetch=True``) and that fold the scales into logits and probabilities
+  (``fold_scales=True``), more key splits, other tiles, warps and stages.
 
 Decode times are device times from CUDA-graph replay with an L2 flush before every call
 (:func:`utils.graph_ms`); prefill and ``fold`` use ``do_bench`` (:func:`utils.bench_ms`). Random data.
@@ -51,8 +53,22 @@ SWEEP = [
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "splits": 2},
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "splits": 0.5},
 ]
+# Tried beside the default of each quant row ("splits" multiplies the default number of key splits).
+QUANT_SWEEP = [
+    {"prefetch": True},
+    {"fold_scales": True},
+    {"splits": 2},
+    {"splits": 4},
+    {"prefetch": True, "splits": 2},
+    {"block_n": 32},
+    {"block_n": 128},
+    {"block_n": 128, "prefetch": True},
+    {"num_warps": 8},
+    {"num_stages": 2},
+    {"num_stages": 4},
+]
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
-QUANT_BITS = (8, 4)
+QUANT_BITS = (16, 8, 4)
 DTYPE = torch.bfloat16
 NAME = "attention"
 DEVICE = "cuda"  # the CPU smoke test (tests/test_benchmarks.py) sets "cpu" under TRITON_INTERPRET=1
@@ -169,30 +185,50 @@ def quantized(z: torch.Tensor, bits: int):
 
 
 def quant_rows(shapes, copy: float) -> None:
+    """Decode over bf16 latents and int8/int4 codes at 50 % ranks: the default configuration and each of
+    :data:`QUANT_SWEEP` (the candidates prefetch and fold_scales, key splits, tiles, warps, stages), in
+    the same run as SDPA on the same shape."""
     r = BUDGETS["50%"]
     for B, N in shapes:
         sdpa = sdpa_decode_ms(B, N)
         x = latent_inputs(B, 1, N, r)
         for bits in QUANT_BITS:
-            xq = dict(x, z_k=quantized(x["z_k"], bits), z_v=quantized(x["z_v"], bits))
-            n = sum(t.nbytes for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low))
+            xq = x if bits == 16 else dict(x, z_k=quantized(x["z_k"], bits), z_v=quantized(x["z_v"], bits))
+            parts = (x["z_k"], x["z_v"]) if bits == 16 else [
+                t for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low)]
+            n = sum(t.nbytes for t in parts)
             with torch.no_grad():
                 for mode in MODES:
+                    default = default_config(B, N, mode, r)
                     ms = utils.graph_ms(kernel_call(xq, mode))
-                    fold = utils.graph_ms(kernel_call(xq, mode, fold_scales=True))  # the candidate
+                    tried = []
+                    for cfg in QUANT_SWEEP:
+                        cfg = dict(cfg)
+                        if cfg.get("fold_scales") and bits == 16:
+                            continue
+                        cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
+                        t = utils.graph_ms(kernel_call(xq, mode, **cfg))
+                        tried.append({"config": cfg, "kernel_ms": t})
+                    best = min([{"config": default, "kernel_ms": ms}, *tried],
+                               key=lambda t: t["kernel_ms"]["p50"])
+                    fold = next((t["kernel_ms"] for t in tried if t["config"].get("fold_scales")
+                                 and len(t["config"]) == 2), None)
                     read = n + (x["positions"].nbytes if mode == "pre_rope" else 0)
+                    name = "bf16" if bits == 16 else f"int{bits}"
                     row = case_fields(B, N, "50%", mode) | {
-                        "case": f"decode {utils.shape_name(B, N)} r{r} int{bits} {mode}",
+                        "case": f"decode {utils.shape_name(B, N)} r{r} {name} {mode}",
                         "table": "quant", "bits": bits, "sdpa_ms": sdpa, "kernel_ms": ms, "bytes": read,
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
-                        "read_tbs": read / ms["p50"] / 1e9, "config": default_config(B, N, mode, r),
-                        "fold_scales_ms": fold,
+                        "read_tbs": read / ms["p50"] / 1e9, "config": default,
+                        "fold_scales_ms": fold, "sweep": tried, "best": best,
                     }
                     utils.write_rows(NAME, row)
                     print(f"{row['case']}: SDPA {sdpa['p50']:.4f} ms, kernel {ms['p50']:.4f} ms "
                           f"({ms['p50'] / sdpa['p50']:.3f}x), reads {row['read_tbs']:.2f} TB/s "
-                          f"(copy {copy:.2f})", flush=True)
-            del xq
+                          f"(copy {copy:.2f}); best {best['kernel_ms']['p50']:.4f} ms at {best['config']}",
+                          flush=True)
+            if bits != 16:
+                del xq
         del x
         empty_cache()
 

@@ -644,18 +644,35 @@ def serve_capacity(res: Results) -> str:
     return table(head, out)
 
 
+def config_change(cfg: dict, default: dict) -> str:
+    """What a swept configuration changes from the default, e.g. ``prefetch, S=16``."""
+    names = {"block_n": "N", "num_warps": "W", "num_stages": "st", "num_splits": "S"}
+    parts = [k for k in ("prefetch", "fold_scales") if cfg.get(k)]
+    parts += [f"{names[k]}={v}" for k, v in cfg.items() if k in names and v != default.get(k)]
+    return ", ".join(parts) or "default"
+
+
 def decode_quant(res: Results) -> str:
     out = []
     for r in res.cases("attention", "quant"):
         k, sd = p50(r["kernel_ms"]), p50(r["sdpa_ms"])
         fold = p50(r.get("fold_scales_ms"))
-        out.append([utils.shape_name(r["B"], r["N"]).replace("x", "×"), f"int{r['bits']}", r["key_mode"],
+        ahead = next((p50(t["kernel_ms"]) for t in r.get("sweep", []) if t["config"].get("prefetch")
+                      and t["config"]["num_splits"] == r["config"]["num_splits"] and len(t["config"]) == 2),
+                     None)
+        best = "–"
+        if r.get("best"):
+            b = r["best"]
+            best = f"{p50(b['kernel_ms']):.4f} ({config_change(b['config'], r['config'])}), " \
+                   f"{p50(b['kernel_ms']) / sd:.3f}"
+        codes = "bf16" if r["bits"] == 16 else f"int{r['bits']}"
+        out.append([utils.shape_name(r["B"], r["N"]).replace("x", "×"), codes, r["key_mode"],
                     f"{sd:.4f}", f"{k:.4f}", f"{k / sd:.3f}", f"{r['read_tbs']:.2f}",
-                    f"{r['read_tbs'] / r['copy_tbs']:.0%}", fmt(fold)])
+                    f"{r['read_tbs'] / r['copy_tbs']:.0%}", fmt(ahead), fmt(fold), best])
     if not out:
         return "_No quantized decode row yet._"
-    return table(["B×ctx", "codes", "key mode", "SDPA ms", "kernel ms", "kernel / SDPA", "read TB/s",
-                  "% of copy", "scales folded ms"], out)
+    return table(["B×ctx", "latents", "key mode", "SDPA ms", "kernel ms", "kernel / SDPA", "read TB/s",
+                  "% of copy", "prefetch ms", "scales folded ms", "best of sweep ms (change), / SDPA"], out)
 
 
 def serve_claims(res: Results, claim) -> None:

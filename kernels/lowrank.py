@@ -126,43 +126,96 @@ def _load_rows(ptrs, offs_n, hi, offs_r, R: tl.constexpr, R_P2: tl.constexpr, MA
 
 
 @triton.jit
+def _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr,
+                 BITS: tl.constexpr):
+    """The stored rows of a latent tile: ``[BLOCK_N, R_P2]`` floats or int8 codes, ``[BLOCK_N, R_P2 / 2]``
+    packed int4 codes; keys ``≥ hi`` (when ``MASK_N``) and channels ``≥ R`` read as 0. Column masks only
+    where the rank is not a power of two: prefill pads the latents (_pad_rank, _pad_codes) because
+    column-masked loads in 128-row prefill tiles read out of bounds on the H200 (triton 3.6)."""
+    W: tl.constexpr = R_P2 // 2 if BITS == 4 else R_P2
+    W_R: tl.constexpr = (R + 1) // 2 if BITS == 4 else R
+    offs_b = tl.arange(0, W)
+    return _load_rows(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, offs_n, hi, offs_b,
+                      W_R, W, MASK_N)
+
+
+@triton.jit
+def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
+                  R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
+                  BITS: tl.constexpr):
+    """The memory reads of a latent tile, nothing computed: ``(raw, scale, low)``, ``raw`` from
+    :func:`_fetch_bytes` and, for codes, the fp32 scales and lows (``[BLOCK_N]`` for one scale group,
+    ``[BLOCK_N, NG]`` for more; unused zeros for floats). Split from :func:`_decode_latent` so that a loop
+    can issue the next tile's reads before it computes on this one (``PREFETCH``)."""
+    raw = _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R, R_P2, MASK_N, BITS)
+    NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+    if BITS == 16:
+        scale = tl.zeros([BLOCK_N], dtype=tl.float32)
+        low = scale
+    elif NG == 1:
+        scale, low = _token_scales(S, L, offs_n, hi, stride_sn, MASK_N)
+    else:
+        offs_g = tl.arange(0, NG)
+        group_ptrs = offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sg
+        N_GROUPS: tl.constexpr = (R + QUANT_GROUP - 1) // QUANT_GROUP
+        scale = _load_rows(S + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
+        low = _load_rows(L + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
+    return raw, scale, low
+
+
+@triton.jit
+def _unpack_codes(raw, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr):
+    """Codes ``[BLOCK_N, R_P2]`` (uint8 values) from the stored bytes: int8 as they are; int4 packed two to
+    a byte, channel ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one
+    (``stiefkv.quant.pack``), interleaved back by a join."""
+    if BITS == 8:
+        codes = raw
+    else:
+        codes = tl.join(raw & 15, raw >> 4).reshape(BLOCK_N, R_P2)
+    return codes
+
+
+@triton.jit
+def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+                   DTYPE: tl.constexpr):
+    """The tile of :func:`_fetch_latent` in ``DTYPE``: float rows as loaded, or ``code · scale + low`` in
+    registers, one fp16 scale and low per token and group of :data:`QUANT_GROUP` channels broadcast over the
+    group (a load per channel read 8x the codes' bytes in scales: 0.25 TB/s at int4 on the H200). Padded
+    channels read as their group's low (the basis rows they meet are 0); masked keys as 0. Codes pass
+    through fp32: the interpreter casts uint8 straight to bf16 wrongly (triton 3.9)."""
+    if BITS == 16:
+        z = raw
+    else:
+        codes = _unpack_codes(raw, R_P2, BLOCK_N, BITS).to(tl.float32)
+        NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+        if NG == 1:
+            z = codes * scale[:, None] + low[:, None]
+        else:
+            z = codes.reshape(BLOCK_N, NG, QUANT_GROUP) * scale[:, :, None] + low[:, :, None]
+            z = z.reshape(BLOCK_N, R_P2)
+        z = z.to(DTYPE)
+    return z
+
+
+@triton.jit
 def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                  R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
                  BITS: tl.constexpr, DTYPE: tl.constexpr):
-    """A ``[BLOCK_N, R_P2]`` tile of latents in ``DTYPE``: float latents as stored (:func:`_load_rows`), or
-    codes dequantized in registers (:func:`_load_codes`). One branch each, no early return: the compiler
-    (unlike the interpreter) generates the code after a ``return`` inside a constexpr ``if``."""
-    offs_r = tl.arange(0, R_P2)
-    if BITS == 16:
-        z = _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
-                       R, R_P2, MASK_N)
-    else:
-        z = _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2, BLOCK_N,
-                        MASK_N, BITS, DTYPE)
-    return z
+    """A ``[BLOCK_N, R_P2]`` tile of latents in ``DTYPE``, read and decoded at once. No early return in the
+    helpers: the compiler (unlike the interpreter) generates the code after a ``return`` inside a constexpr
+    ``if``."""
+    raw, scale, low = _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2,
+                                    BLOCK_N, MASK_N, BITS)
+    return _decode_latent(raw, scale, low, R_P2, BLOCK_N, BITS, DTYPE)
 
 
 @triton.jit
 def _code_tile(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr,
                MASK_N: tl.constexpr, BITS: tl.constexpr):
-    """The ``[BLOCK_N, R_P2]`` codes (uint8 values; ``BITS`` 8 or 4, token layout) of a key tile; keys
-    ``≥ hi`` and channels ``≥ R`` read as 0. int4 codes are packed two to a byte, channel ``2j`` in the low
-    nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``): the two nibble tiles are
-    interleaved back by a join.
-    Column masks only where the rank is not a power of two: prefill pads the codes (see _pad_codes)
-    because column-masked loads in 128-row prefill tiles read out of bounds on the H200 (triton 3.6), as
-    for floats."""
-    if BITS == 8:
-        offs_r = tl.arange(0, R_P2)
-        codes = _load_rows(Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r, offs_n, hi, offs_r,
-                           R, R_P2, MASK_N)
-    else:
-        HALF_R: tl.constexpr = R_P2 // 2
-        offs_b = tl.arange(0, HALF_R)
-        packed = _load_rows(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, offs_n, hi, offs_b,
-                            (R + 1) // 2, HALF_R, MASK_N)
-        codes = tl.join(packed & 15, packed >> 4).reshape(BLOCK_N, R_P2)
-    return codes
+    """The ``[BLOCK_N, R_P2]`` codes (uint8 values; ``BITS`` 8 or 4, token layout) of a tile, without their
+    scales (``fold_scales``)."""
+    raw = _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R, R_P2, MASK_N, BITS)
+    return _unpack_codes(raw, R_P2, BLOCK_N, BITS)
 
 
 @triton.jit
@@ -175,30 +228,6 @@ def _token_scales(S, L, offs_n, hi, stride_sn, MASK_N: tl.constexpr):
         scale = tl.load(S + offs_n * stride_sn).to(tl.float32)
         low = tl.load(L + offs_n * stride_sn).to(tl.float32)
     return scale, low
-
-
-@triton.jit
-def _load_codes(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
-                R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                BITS: tl.constexpr, DTYPE: tl.constexpr):
-    """Codes dequantized in registers: ``z = code · scale + low``, one fp16 scale and low per token and
-    group of :data:`QUANT_GROUP` channels, loaded once and broadcast over the group's channels (a load per
-    channel read 8x the codes' bytes in scales: 0.25 TB/s at int4 on the H200). Channels ``≥ R`` read as
-    their group's low (the basis rows they meet are 0); keys ``≥ hi`` as 0."""
-    codes = _code_tile(Z, offs_n, hi, stride_n, stride_r, R, R_P2, BLOCK_N, MASK_N, BITS)
-    NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
-    if NG == 1:
-        scale, low = _token_scales(S, L, offs_n, hi, stride_sn, MASK_N)
-        z = codes.to(tl.float32) * scale[:, None] + low[:, None]
-    else:
-        offs_g = tl.arange(0, NG)
-        group_ptrs = offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sg
-        N_GROUPS: tl.constexpr = (R + QUANT_GROUP - 1) // QUANT_GROUP
-        scale = _load_rows(S + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
-        low = _load_rows(L + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
-        z = codes.to(tl.float32).reshape(BLOCK_N, NG, QUANT_GROUP) * scale[:, :, None] + low[:, :, None]
-        z = z.reshape(BLOCK_N, R_P2)
-    return z.to(DTYPE)
 
 
 @triton.jit
@@ -221,21 +250,27 @@ def _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC: tl.constexpr, UPCAST: 
 
 
 @triton.jit
-def _key_logits(q1, q2, p1t, p2t, inv_freq, offs_n, end, ZK, SK, LK, POS, stride_kn, stride_kr, stride_skn,
-                stride_skg, stride_posn, HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_K_P2: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, MASKED: tl.constexpr,
-                FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr,
-                DTYPE: tl.constexpr):
-    """The logits ``[BLOCK_M, BLOCK_N]`` of the query tile against one tile of key latents (float, or codes
-    dequantized): ``pre_rope`` rebuilds and rotates the keys, once for all the group's query heads."""
-    HALF: tl.constexpr = HEAD_DIM // 2
-    z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                     R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE)  # [BLOCK_N, R_K_P2]
-    if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
+def _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr,
+               MASKED: tl.constexpr):
+    """The positions ``[BLOCK_N]`` of a key tile (``pre_rope``; zeros for ``post_rope``, which has none)."""
+    if KEY_MODE == 0:
         if MASKED:
             pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < end, other=0)
         else:
             pos = tl.load(POS + offs_n * stride_posn)
+    else:
+        pos = tl.zeros([BLOCK_N], dtype=tl.int32)
+    return pos
+
+
+@triton.jit
+def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, FAST_SINCOS: tl.constexpr,
+                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The logits ``[BLOCK_M, BLOCK_N]`` of the query tile against a tile ``z`` of key latents at
+    positions ``pos``: ``pre_rope`` rebuilds and rotates the keys, once for all the group's query heads."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
         angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
         if FAST_SINCOS:
             sin, cos = _sincos_fast(angle)
@@ -263,7 +298,7 @@ def _attend_range(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
-    q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
+    q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -271,21 +306,43 @@ def _attend_range(
     latents) already point at this (batch row, KV head). ``FOLD_K`` (``post_rope`` codes in one scale group)
     and ``FOLD_V`` (value codes in one group) apply each token's scale and low to the logits or to the
     probabilities instead of dequantizing the tile: ``s = (q'·code)·scale + (Σ q')·low`` (``q1sum`` is
-    ``Σ q'`` per row) and ``acc += (p·scale) code + Σ_j p_j·low_j``."""
+    ``Σ q'`` per row) and ``acc += (p·scale) code + Σ_j p_j·low_j``. ``PREFETCH`` (not with a fold) reads
+    the next tile's latents, scales, lows and positions before this tile's compute, a register double
+    buffer: the pipeliner stages the float tiles that feed a dot, but the small scale and position loads of
+    a tile were left in its critical path; its reads past ``end`` are masked."""
     offs_nt = tl.arange(0, BLOCK_N)
+    if PREFETCH:
+        kr, ks, kl = _fetch_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
+                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS)
+        kp = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+        vr, vs, vl = _fetch_latent(ZV, SV, LV, start + offs_nt, end, stride_vn, stride_vr, stride_svn,
+                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
-        if FOLD_K:
+        if PREFETCH:
+            z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE)
+            pos = kp
+            v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE)
+            nxt = offs_n + BLOCK_N
+            kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                                       R_K, R_K_P2, BLOCK_N, True, K_BITS)
+            kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+            vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
+                                       R_V, R_V_P2, BLOCK_N, True, V_BITS)
+            s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
+                            FAST_SINCOS, DOT_PREC, UPCAST)
+        elif FOLD_K:
             codes = _code_tile(ZK, offs_n, end, stride_kn, stride_kr, R_K, R_K_P2, BLOCK_N, MASKED, K_BITS)
             scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED)
-            # codes pass through fp32: the interpreter casts uint8 straight to bf16 wrongly (triton 3.9)
-            k = codes.to(tl.float32).to(DTYPE)
+            k = codes.to(tl.float32).to(DTYPE)  # through fp32: see _decode_latent
             s = _dot(q1, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
             s = s * scale[None, :] + q1sum[:, None] * low[None, :]
         else:
-            s = _key_logits(q1, q2, p1t, p2t, inv_freq, offs_n, end, ZK, SK, LK, POS, stride_kn, stride_kr,
-                            stride_skn, stride_skg, stride_posn, HEAD_DIM, R_K, R_K_P2, BLOCK_M, BLOCK_N,
-                            KEY_MODE, MASKED, FAST_SINCOS, DOT_PREC, UPCAST, K_BITS, DTYPE)
+            z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                             R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE)  # [BLOCK_N, R_K_P2]
+            pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
+            s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
+                            FAST_SINCOS, DOT_PREC, UPCAST)
         if HAS_BIAS:
             if MASKED:
                 bias = tl.load(BIAS + offs_n * stride_bn, mask=offs_n < end, other=0.0)
@@ -309,8 +366,9 @@ def _attend_range(
             acc += tl.sum(p * low[None, :], 1)[:, None]
             m_i = m_new
         else:
-            v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                             R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE)  # [BLOCK_N, R_V_P2]
+            if not PREFETCH:
+                v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
+                                 R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE)  # [BLOCK_N, R_V_P2]
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     return acc, l_i, m_i
 
@@ -387,7 +445,7 @@ def _lowrank_attn_fwd(
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
     HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
-    DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr,
+    DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -476,7 +534,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -484,7 +542,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -689,6 +747,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
         FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP,
+        PREFETCH=bool(cfg.get("prefetch")),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
@@ -716,6 +775,7 @@ def lowrank_attention(
     num_stages: int | None = None,
     fast_sincos: bool | None = None,
     fold_scales: bool = False,
+    prefetch: bool = False,
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
@@ -737,6 +797,8 @@ def lowrank_attention(
         ``fold_scales`` (codes in one scale group): apply the scales and lows to the logits (``post_rope``
         keys) and to the probabilities (values) instead of dequantizing each tile; a candidate, off until
         measured on the GPU.
+        ``prefetch``: read each key and value tile (latents or codes, scales, lows, positions) one tile ahead
+        in registers (not with ``fold_scales``); a candidate, off until measured on the GPU.
 
     Returns
     -------
@@ -770,8 +832,10 @@ def lowrank_attention(
     if fast_sincos is None:
         fast_sincos = not interpreting()
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
+    if prefetch and fold_scales:
+        raise ValueError("prefetch and fold_scales are two candidates for the same loop; pick one")
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
-               fold_scales=fold_scales)
+               fold_scales=fold_scales, prefetch=prefetch)
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1
     scale = d**-0.5 if scale is None else float(scale)

@@ -103,6 +103,7 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
         "D_HEAD": 32,
         "BUDGETS": {"50%": 16},
         "SWEEP": ba.SWEEP[:1],
+        "QUANT_SWEEP": [{"prefetch": True}, {"fold_scales": True}],
     }.items():
         monkeypatch.setattr(ba, name, value)
     with torch.no_grad():
@@ -111,9 +112,12 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
         ba.prefill_rows(n=48)
         ba.quant_rows([(1, 300)], copy=4.0)
     rows = utils.read_rows(results / "attention.jsonl")
-    assert [r["table"] for r in rows] == ["decode"] * 2 + ["sweep"] * 2 + ["prefill"] * 3 + ["quant"] * 4
+    assert [r["table"] for r in rows] == ["decode"] * 2 + ["sweep"] * 2 + ["prefill"] * 3 + ["quant"] * 6
     assert rows[-1]["case"] == "decode 1x300 r16 int4 pre_rope" and rows[-1]["bytes"] > 0
-    assert rows[-1]["fold_scales_ms"]["p50"] == 2.0
+    assert rows[-1]["fold_scales_ms"]["p50"] == 2.0 and rows[-1]["best"]["kernel_ms"]["p50"] == 2.0
+    assert rows[-6]["case"] == "decode 1x300 r16 bf16 post_rope" and rows[-6]["fold_scales_ms"] is None
+    assert [t["config"].get("prefetch") for t in rows[-6]["sweep"]] == [True]
+    assert "| 1×300 | bf16 | post_rope |" in render.decode_quant(render.Results(results))
     assert rows[0]["case"] == "decode 1x300 r16 post_rope" and rows[0]["sdpa_ms"]["p50"] == 2.0
     assert rows[1]["poly_sincos_ms"] is not None and rows[0]["poly_sincos_ms"] is None
     assert rows[2]["best"]["config"]["num_splits"] >= 1

@@ -90,6 +90,16 @@ def test_matches_reference(case, key_mode, dtype):
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", CASES[::2] + CASES[5:6],
+                         ids=lambda c: f"{c[0]}-q{c[4]}k{c[5]}-r{c[7]}_{c[8]}")
+def test_prefetch_matches_reference(case, key_mode):
+    """The candidate that reads each tile one iteration ahead gives the same attention (bf16)."""
+    path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, torch.bfloat16, padded=padded, bias=bias, pv=pv)
+    check(args, kwargs, key_mode=key_mode, num_splits=splits, prefetch=True, what=f"prefetch {path}")
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_not_causal_and_shuffled_positions(key_mode):
     """Non-causal prefill (every query sees every real key) with positions that are not contiguous, as
     after compaction: each key is rotated at its own stored position, not at its index."""
@@ -160,15 +170,17 @@ def _fenced(t):
     return view
 
 
+@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("Nq,splits", [(1, 3), (19, 1)], ids=["decode_split", "prefill"])
-def test_no_reads_outside_the_inputs(key_mode, Nq, splits):
+def test_no_reads_outside_the_inputs(key_mode, Nq, splits, prefetch):
     """Every float input sits between NaN fences; a rank-padded tile or a ragged key tile that read past
-    its tensor would turn the output NaN (assert_close fails on NaN)."""
+    its tensor (or a tile read ahead past the last one) would turn the output NaN (assert_close fails on
+    NaN)."""
     args, kwargs = make_inputs(2, 12, 3, Nq, 70, 64, 56, 24, torch.bfloat16)
     args = tuple(_fenced(t) if t is not None else None for t in args)
     kwargs = dict(kwargs, bias=_fenced(kwargs["bias"]))
-    check(args, kwargs, key_mode=key_mode, num_splits=splits, what="fenced inputs")
+    check(args, kwargs, key_mode=key_mode, num_splits=splits, prefetch=prefetch, what="fenced inputs")
 
 
 def test_more_queries_than_keys():
@@ -345,16 +357,18 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
     expected_zk = dequantize(quantize(z_k.float().cpu(), QuantSpec(bits, "token")), torch.bfloat16)
     assert torch.equal(qk.dequantize(torch.bfloat16).cpu(), expected_zk)
-    for pv, fold in ((P_v, False), (None, False), (P_v, True), (None, True)):
+    variants = [(P_v, False, False), (None, False, False), (P_v, True, False), (None, True, False),
+                (P_v, False, True)]
+    for pv, fold, ahead in variants:
         with torch.no_grad():
             out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,
-                                       fold_scales=fold)
+                                       fold_scales=fold, prefetch=ahead)
             expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
                                  key_mode=key_mode, **kwargs)
         atol, rtol = TOL[torch.bfloat16]
         if fold:  # two bf16 roundings apart: the reference rounds the latents, the fold rounds p·scale
             atol, rtol = 2 * atol, 2 * rtol
-        what = f"int{bits} {path} {key_mode} P_v={pv is not None} fold={fold}"
+        what = f"int{bits} {path} {key_mode} P_v={pv is not None} fold={fold} prefetch={ahead}"
         assert_close(out, expected, atol=atol, rtol=rtol, what=what)
     # mixed: quantized keys over float values
     atol, rtol = TOL[torch.bfloat16]
