@@ -798,7 +798,8 @@ def lowrank_attention(
         keys) and to the probabilities (values) instead of dequantizing each tile; a candidate, off until
         measured on the GPU.
         ``prefetch``: read each key and value tile (latents or codes, scales, lows, positions) one tile ahead
-        in registers (not with ``fold_scales``); a candidate, off until measured on the GPU.
+        in registers (not with ``fold_scales``); decode only, like ``num_splits``; a candidate, off until
+        measured on the GPU.
 
     Returns
     -------
@@ -837,7 +838,11 @@ def lowrank_attention(
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales, prefetch=prefetch)
     if n_rows > cfg["block_m"]:
+        # Prefill tiles (128 rows, wgmma) take neither: a register-built tile transposed into the logits'
+        # dot hit an illegal memory access on the H200 (triton 3.6, prefetch=True, post_rope r 16,
+        # 2026-12-01), as the codes' prefill did (above).
         cfg["num_splits"] = 1
+        cfg["prefetch"] = False
     scale = d**-0.5 if scale is None else float(scale)
     out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale,
                   cfg)
