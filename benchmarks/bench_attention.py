@@ -56,13 +56,15 @@ SWEEP = [
 # Tried beside the default of each quant row ("splits" multiplies the default number of key splits).
 QUANT_SWEEP = [
     {"prefetch": True},
+    {"prefetch": False},
+    {"prefetch": False, "block_n": 64},  # the default for codes before 2026-12-01
     {"fold_scales": True},
+    {"fold_scales": True, "block_n": 128},
     {"splits": 2},
     {"splits": 4},
-    {"prefetch": True, "splits": 2},
-    {"block_n": 32},
+    {"block_n": 64},
     {"block_n": 128},
-    {"block_n": 128, "prefetch": True},
+    {"block_n": 128, "prefetch": True, "splits": 2},
     {"num_warps": 8},
     {"num_stages": 2},
     {"num_stages": 4},
@@ -116,9 +118,10 @@ def sdpa_decode_ms(B: int, N: int) -> dict:
     return utils.graph_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
 
 
-def default_config(B: int, N: int, mode: str, r: int) -> dict:
-    cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r)
-    return {k: cfg[k] for k in ("block_n", "num_warps", "num_stages", "num_splits")}
+def default_config(B: int, N: int, mode: str, r: int, codes: bool = False) -> dict:
+    cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, codes)
+    keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if codes else ())
+    return {k: cfg[k] for k in keys}
 
 
 def case_fields(B: int, N: int, budget: str, mode: str) -> dict:
@@ -199,7 +202,7 @@ def quant_rows(shapes, copy: float) -> None:
             n = sum(t.nbytes for t in parts)
             with torch.no_grad():
                 for mode in MODES:
-                    default = default_config(B, N, mode, r)
+                    default = default_config(B, N, mode, r, codes=bits < 16)
                     ms = utils.graph_ms(kernel_call(xq, mode))
                     tried = []
                     for cfg in QUANT_SWEEP:
@@ -211,8 +214,7 @@ def quant_rows(shapes, copy: float) -> None:
                         tried.append({"config": cfg, "kernel_ms": t})
                     best = min([{"config": default, "kernel_ms": ms}, *tried],
                                key=lambda t: t["kernel_ms"]["p50"])
-                    fold = next((t["kernel_ms"] for t in tried if t["config"].get("fold_scales")
-                                 and len(t["config"]) == 2), None)
+                    fold = next((t["kernel_ms"] for t in tried if t["config"].get("fold_scales")), None)
                     read = n + (x["positions"].nbytes if mode == "pre_rope" else 0)
                     name = "bf16" if bits == 16 else f"int{bits}"
                     row = case_fields(B, N, "50%", mode) | {

@@ -652,14 +652,22 @@ def config_change(cfg: dict, default: dict) -> str:
     return ", ".join(parts) or "default"
 
 
+def swept(r: dict, **change) -> float | None:
+    """p50 ms of the sweep entry of row ``r`` that changes exactly ``change`` (at the default splits)."""
+    for t in r.get("sweep", []):
+        c = dict(t["config"])
+        if c.pop("num_splits") == r["config"]["num_splits"] and c == change:
+            return p50(t["kernel_ms"])
+    return None
+
+
 def decode_quant(res: Results) -> str:
     out = []
     for r in res.cases("attention", "quant"):
         k, sd = p50(r["kernel_ms"]), p50(r["sdpa_ms"])
         fold = p50(r.get("fold_scales_ms"))
-        ahead = next((p50(t["kernel_ms"]) for t in r.get("sweep", []) if t["config"].get("prefetch")
-                      and t["config"]["num_splits"] == r["config"]["num_splits"] and len(t["config"]) == 2),
-                     None)
+        codes = r["bits"] < 16
+        ahead, behind = (swept(r, prefetch=True), swept(r, prefetch=False)) if codes else (None, None)
         best = "–"
         if r.get("best"):
             b = r["best"]
@@ -668,11 +676,12 @@ def decode_quant(res: Results) -> str:
         codes = "bf16" if r["bits"] == 16 else f"int{r['bits']}"
         out.append([utils.shape_name(r["B"], r["N"]).replace("x", "×"), codes, r["key_mode"],
                     f"{sd:.4f}", f"{k:.4f}", f"{k / sd:.3f}", f"{r['read_tbs']:.2f}",
-                    f"{r['read_tbs'] / r['copy_tbs']:.0%}", fmt(ahead), fmt(fold), best])
+                    f"{r['read_tbs'] / r['copy_tbs']:.0%}", fmt(ahead), fmt(behind), fmt(fold), best])
     if not out:
         return "_No quantized decode row yet._"
     return table(["B×ctx", "latents", "key mode", "SDPA ms", "kernel ms", "kernel / SDPA", "read TB/s",
-                  "% of copy", "prefetch ms", "scales folded ms", "best of sweep ms (change), / SDPA"], out)
+                  "% of copy", "prefetch ms", "no prefetch ms", "scales folded ms",
+                  "best of sweep ms (change), / SDPA"], out)
 
 
 def serve_claims(res: Results, claim) -> None:

@@ -102,7 +102,7 @@ def _sincos_fast(x):
 @triton.jit
 def _dot(a, b, acc, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """``acc + a @ b`` with fp32 accumulation. ``UPCAST`` feeds the (already rounded) operands as fp32: the
-    Triton interpreter multiplies bf16 operands wrongly (triton 3.9), so the CPU tests set it for bf16."""
+    Triton interpreter multiplies bf16 operands wrongly (triton 3.9), so it is set under the interpreter."""
     if UPCAST:
         return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
     return tl.dot(a, b, acc, input_precision=DOT_PREC)
@@ -176,24 +176,34 @@ def _unpack_codes(raw, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.const
 
 
 @triton.jit
+def _codes_to_half(codes):
+    """uint8 codes as exact fp16 values without an int-to-float conversion (quarter rate on the H200, and
+    the largest part of the int8 decode loop's issue slots): ``0x6400 | c`` is the fp16 number
+    ``1024 + c``."""
+    return (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+
+
+@triton.jit
 def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
                    DTYPE: tl.constexpr):
-    """The tile of :func:`_fetch_latent` in ``DTYPE``: float rows as loaded, or ``code · scale + low`` in
-    registers, one fp16 scale and low per token and group of :data:`QUANT_GROUP` channels broadcast over the
-    group (a load per channel read 8x the codes' bytes in scales: 0.25 TB/s at int4 on the H200). Padded
-    channels read as their group's low (the basis rows they meet are 0); masked keys as 0. Codes pass
-    through fp32: the interpreter casts uint8 straight to bf16 wrongly (triton 3.9)."""
+    """The tile of :func:`_fetch_latent` for the tensor cores: float rows as loaded, or codes as fp16
+    ``code · scale + low`` in registers, one fp16 scale and low per token and group of :data:`QUANT_GROUP`
+    channels broadcast over the group (a load per channel read 8x the codes' bytes in scales: 0.25 TB/s at
+    int4 on the H200). fp16, not the queries' bf16: the scale and low are fp16 already, so the latents are
+    in fp16's range, and its 11-bit significand rounds them less (``DTYPE`` is fp16 wherever the keys are
+    codes). Padded channels read as their group's low (the basis rows they meet are 0); masked keys as 0."""
     if BITS == 16:
         z = raw
     else:
-        codes = _unpack_codes(raw, R_P2, BLOCK_N, BITS).to(tl.float32)
+        codes = _codes_to_half(_unpack_codes(raw, R_P2, BLOCK_N, BITS))
         NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+        s16 = scale.to(tl.float16)
+        l16 = low.to(tl.float16)
         if NG == 1:
-            z = codes * scale[:, None] + low[:, None]
+            z = codes * s16[:, None] + l16[:, None]
         else:
-            z = codes.reshape(BLOCK_N, NG, QUANT_GROUP) * scale[:, :, None] + low[:, :, None]
+            z = codes.reshape(BLOCK_N, NG, QUANT_GROUP) * s16[:, :, None] + l16[:, :, None]
             z = z.reshape(BLOCK_N, R_P2)
-        z = z.to(DTYPE)
     return z
 
 
@@ -457,7 +467,7 @@ def _lowrank_attn_fwd(
     (device memory: a static cache's filled slots, which a captured graph cannot pass by value); the key
     tensors are larger and their slots from it on are never read. ``K_BITS``/``V_BITS`` 8 or 4: ``ZK``/``ZV``
     hold codes (uint8) with their scales and lows at ``SK``, ``LK`` / ``SV``, ``LV`` ``[B, G, N, groups]``,
-    dequantized in registers; 16: float latents. ``DTYPE``: the latents' dtype (of the queries for codes),
+    dequantized in registers; 16: float latents. ``DTYPE``: the latents' dtype (fp16 for key codes),
     in which the tiles meet the tensor cores."""
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
@@ -575,7 +585,8 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on the CPU: pretend to be an H200 so the heuristics stay the same
 
 
-def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64) -> dict:
+def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
+                    codes: bool = False) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
     and splits each row's keys so that ``programs × splits`` stays at or just under two programs per SM, at
     ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
@@ -583,13 +594,17 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     run a third program, a second partial wave), and this rule picked the fastest measured split count
     at all four benchmark shapes at 50 %, for both key modes. Key tiles of 128 at ranks ≤ 32: the fastest
     tile at all four shapes at 25 % in both key modes in the H200 sweep of 2026-11-30 (8-24 % faster
-    than 64), while 64 stays within 3 % of the best at 50 %."""
+    than 64), while 64 stays within 3 % of the best at 50 %. Decode over codes (``codes``) reads tiles of 128
+    keys one iteration ahead (``prefetch``): the fastest of the sweep at all four shapes, both key modes,
+    int8 and int4, on the H200 (2026-12-01; 0.38 against 0.47 ms for int4 ``post_rope`` at 4×128k), while
+    over bf16 latents prefetching was 5-20 % slower (it bypasses the pipeliner's asynchronous copies)."""
     if n_rows <= DECODE_BLOCK_M:
         splits = 1
         if programs < 2 * n_sms:
             splits = max(1, min(2 * n_sms // programs, triton.cdiv(n_k, 256)))
-        block_n = 128 if r_k <= 32 else 64
-        return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3)
+        block_n = 128 if r_k <= 32 or codes else 64
+        return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
+                    prefetch=codes)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -703,7 +718,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     out = torch.empty(B, H, Nq, d if P_v is not None else r_v, device=q.device, dtype=q.dtype)
     pre = key_mode == "pre_rope"
     k_codes, v_codes = isinstance(z_k, QuantizedLatents), isinstance(z_v, QuantizedLatents)
-    dtype = q.dtype if k_codes else z_k.dtype
+    dtype = torch.float16 if k_codes else z_k.dtype  # the tensor cores' dtype: see _decode_latent
     sk, lk = (z_k.scale, z_k.low) if k_codes else (P_k, P_k)  # placeholders for float latents
     sv, lv = (z_v.scale, z_v.low) if v_codes else (P_k, P_k)
     k_bits, v_bits = (z_k.bits if k_codes else 16), (z_v.bits if v_codes else 16)
@@ -743,7 +758,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         HAS_LENS=lengths is not None, HAS_NVALID=n_valid is not None, HAS_PV=P_v is not None,
         SPLIT=splits > 1,
         FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
-        UPCAST=interpreting() and dtype == torch.bfloat16,
+        UPCAST=interpreting(),  # every dot: a bf16 value tile may meet fp16 key codes
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
         FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP,
@@ -775,7 +790,7 @@ def lowrank_attention(
     num_stages: int | None = None,
     fast_sincos: bool | None = None,
     fold_scales: bool = False,
-    prefetch: bool = False,
+    prefetch: bool | None = None,
 ) -> torch.Tensor:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
@@ -798,8 +813,8 @@ def lowrank_attention(
         keys) and to the probabilities (values) instead of dequantizing each tile; a candidate, off until
         measured on the GPU.
         ``prefetch``: read each key and value tile (latents or codes, scales, lows, positions) one tile ahead
-        in registers (not with ``fold_scales``); decode only, like ``num_splits``; a candidate, off until
-        measured on the GPU.
+        in registers (not with ``fold_scales``); decode only, like ``num_splits``; ``None``: on for codes
+        (see :func:`_default_config`).
 
     Returns
     -------
@@ -826,7 +841,8 @@ def lowrank_attention(
             z_k, P_k = (_pad_codes if isinstance(z_k, QuantizedLatents) else _pad_rank)(z_k, P_k)
         if r_v != padded_dim(r_v):
             z_v, P_v = (_pad_codes if isinstance(z_v, QuantizedLatents) else _pad_rank)(z_v, P_v)
-    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3])
+    codes = isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
+    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes)
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
                          "sin/cos")
@@ -835,13 +851,17 @@ def lowrank_attention(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if prefetch and fold_scales:
         raise ValueError("prefetch and fold_scales are two candidates for the same loop; pick one")
+    if fold_scales:
+        prefetch = False
+    overrides["prefetch"] = prefetch
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
-               fold_scales=fold_scales, prefetch=prefetch)
+               fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
-        # Prefill tiles (128 rows, wgmma) take neither: a register-built tile transposed into the logits'
-        # dot hit an illegal memory access on the H200 (triton 3.6, prefetch=True, post_rope r 16,
-        # 2026-12-01), as the codes' prefill did (above).
         cfg["num_splits"] = 1
+    if n_rows > DECODE_BLOCK_M:
+        # Prefill tiles (128 rows, wgmma) do not prefetch: a register-built tile transposed into the logits'
+        # dot hit an illegal memory access on the H200 (triton 3.6, prefetch=True, post_rope, r 16 and
+        # r 56/24 at 76 and 150 rows, 2026-12-01), as the codes' prefill did (above).
         cfg["prefetch"] = False
     scale = d**-0.5 if scale is None else float(scale)
     out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale,

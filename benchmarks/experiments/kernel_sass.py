@@ -55,6 +55,11 @@ POINTERS = {
     "PART_O": "fp32",
     "PART_ML": "fp32",
     "LOCKS": "i32",
+    "NVALID": "i32",
+    "SK": "fp16",
+    "LK": "fp16",
+    "SV": "fp16",
+    "LV": "fp16",
 }
 
 
@@ -68,6 +73,9 @@ def compile_decode(
     d: int = 128,
     group: int = 4,
     fn=None,
+    bits: int = 16,
+    prefetch: bool = False,
+    fold: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
@@ -90,12 +98,22 @@ def compile_decode(
         "FAST_SINCOS": fast_sincos,
         "DOT_PREC": "tf32",
         "UPCAST": False,
+        "HAS_NVALID": False,
+        "K_BITS": bits,
+        "V_BITS": bits,
+        "DTYPE": lk.tl.float16 if bits < 16 else lk.tl.bfloat16,  # as _launch picks it
+        "FOLD_K": fold and key_mode == "post_rope",
+        "FOLD_V": fold,
+        "PREFETCH": prefetch,
     }
-    const.update({name: 1 for name in UNIT_STRIDES})
+    const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
+    const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
     sig = {}
     for name in fn.arg_names:
         if name in const:
             sig[name] = "constexpr"
+        elif name in ("ZK", "ZV") and bits < 16:
+            sig[name] = "*u8"
         elif name in POINTERS:
             sig[name] = "*" + POINTERS[name]
         else:
@@ -159,6 +177,8 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--codes", action="store_true",
+                    help="post_rope over bf16 latents, int8 and int4 codes: plain, prefetched, folded")
     args = ap.parse_args()
     print(
         f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
@@ -171,6 +191,17 @@ def main() -> None:
         "tiles unmasked / masked, then the split merge) | top of the unmasked loop |"
     )
     print("|---|---|---|---|---|---|")
+    if args.codes:
+        for bits in (16, 8, 4):
+            for prefetch, fold in ((False, False), (True, False), (False, True)):
+                if fold and bits == 16:
+                    continue
+                kernel = compile_decode("post_rope", args.r, args.block_n, args.warps, args.stages, False,
+                                        bits=bits, prefetch=prefetch, fold=fold)
+                name = f"post_rope {'bf16' if bits == 16 else f'int{bits}'}" \
+                    + (" prefetch" if prefetch else "") + (" fold" if fold else "")
+                print(f"| {name} " + report(kernel), flush=True)
+        return
     for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)
         name = key_mode + (" fast_sincos" if fast else "")
