@@ -585,6 +585,25 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on the CPU: pretend to be an H200 so the heuristics stay the same
 
 
+def _decode_splits(programs: int, n_k: int, n_sms: int) -> int:
+    """Key splits per decode program (at ≥ 256 keys a split). Below one program per SM: two programs per SM,
+    rounded down (33, 4, 2, 8 splits at the four benchmark shapes; 9 instead of 8 at 4×128k took 0.42
+    against 0.27 ms on the H200). Between one and two per SM, where that rule gives 1: the count of 1-4
+    that fills its last round of ``n_sms`` programs best, ties to the fewest. 176 programs (22 rows × 8
+    heads) ran as one round and a third, so the SMs with two programs set the time; 3 splits make four
+    full rounds."""
+    most = max(1, triton.cdiv(n_k, 256))
+    if programs >= 2 * n_sms:
+        return 1
+    if programs <= n_sms:
+        return max(1, min(2 * n_sms // programs, most))
+
+    def filled(s: int) -> float:
+        return programs * s / (triton.cdiv(programs * s, n_sms) * n_sms)
+
+    return max(range(1, min(4, most) + 1), key=lambda s: (filled(s), -s))
+
+
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
                     codes: bool = False) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
@@ -599,9 +618,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     int8 and int4, on the H200 (2026-12-01; 0.38 against 0.47 ms for int4 ``post_rope`` at 4×128k), while
     over bf16 latents prefetching was 5-20 % slower (it bypasses the pipeliner's asynchronous copies)."""
     if n_rows <= DECODE_BLOCK_M:
-        splits = 1
-        if programs < 2 * n_sms:
-            splits = max(1, min(2 * n_sms // programs, triton.cdiv(n_k, 256)))
+        splits = _decode_splits(programs, n_k, n_sms)
         block_n = 128 if r_k <= 32 or codes else 64
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes)

@@ -386,3 +386,17 @@ def test_quantized_latents_bad_input():
         lk.lowrank_attention(q, quantize_latents(z_k, 3), z_v, P_k, P_v, **kwargs)
     with pytest.raises(ValueError, match="scale must be float16"):
         lk.lowrank_attention(q, qk._replace(scale=qk.scale.float()), z_v, P_k, P_v, **kwargs)
+
+
+def test_decode_splits():
+    """Split counts: the four benchmark shapes keep their measured counts, rounds between one and two
+    programs per SM are filled, enough programs take none, and a short cache is not split past 256 keys."""
+    from stiefkv.kernels.lowrank import _decode_splits
+
+    sms = 132
+    assert [_decode_splits(p, n, sms) for p, n in [(8, 32768), (64, 8192), (128, 16384), (32, 131072)]] == \
+        [33, 4, 2, 8]
+    assert _decode_splits(176, 32768, sms) == 3  # 528 programs: four full rounds
+    assert _decode_splits(300, 32768, sms) == 1
+    assert _decode_splits(8, 600, sms) == 3  # ceil(600 / 256)
+    assert _decode_splits(176, 300, sms) == 2
