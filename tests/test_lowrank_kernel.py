@@ -400,3 +400,19 @@ def test_decode_splits():
     assert _decode_splits(300, 32768, sms) == 1
     assert _decode_splits(8, 600, sms) == 3  # ceil(600 / 256)
     assert _decode_splits(176, 300, sms) == 2
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_dequantize_in_slices_matches_stiefkv_quant(bits):
+    """QuantizedLatents.dequantize, a few tokens at a time (a slice that does not divide N), gives
+    stiefkv.quant's dequantization exactly, on a rank across two scale groups."""
+    from stiefkv.kernels import QuantizedLatents
+    from stiefkv.quant import QuantSpec, dequantize, quantize
+
+    z = torch.randn(2, 3, 23, 70) * 4
+    qz = quantize(z, QuantSpec(bits, "token"))
+    latents = QuantizedLatents(qz.codes, qz.scale, qz.low, bits, qz.rank)
+    expected = dequantize(qz, torch.float32)
+    got = latents.dequantize(torch.float32, tokens=5)
+    assert torch.isfinite(got).all() and torch.equal(got, expected)
+    assert torch.equal(latents.dequantize(torch.bfloat16), expected.to(torch.bfloat16))
