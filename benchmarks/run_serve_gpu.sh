@@ -8,13 +8,15 @@
 #     serve      bench_serve.py, Llama-3-8B shapes, 8x16k, 50 % ranks: bf16 both key modes, int8 and int4
 #     serve_all  bench_serve.py, 8b and 1b, the issue's three batch x context cases, pre_rope bf16
 #     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16, and 12.5 % (r 56 x int4)
+#     capacity12 the 12.5 % capacity run alone (about 3 minutes)
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
 for s in "$@"; do
   case $s in
     tests) step tests python3 -m pytest -q -ra -p no:cacheprovider tests/test_serve.py \
-             tests/test_lowrank_kernel.py -k "quantized or valid or serve or static or captured or filled" ;;
+             tests/test_lowrank_kernel.py \
+             -k "quantized or valid or serve or static or captured or filled or prefetch or no_reads" ;;
     quant) step quant python3 benchmarks/bench_attention.py --tables quant ;;
     serve)
       serve --shape 8b --cases 8x16384 --key-mode pre_rope
@@ -26,6 +28,8 @@ for s in "$@"; do
       serve --shape 1b --cases 8x16384 1x32768 32x8192 ;;
     capacity)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
+    capacity12)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
