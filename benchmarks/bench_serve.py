@@ -212,6 +212,92 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
         torch.cuda.empty_cache()
 
 
+def fill_synthetic(cache, n: int) -> None:
+    """Make a fresh static latent cache hold ``n`` tokens of random latents (codes: random bytes, small
+    scales) at positions ``0..n-1`` without a prefill, in place (no transient beyond one buffer's)."""
+    for bufs in (cache.keys_buf, cache.values_buf):
+        for buf in bufs:
+            if hasattr(buf, "codes"):
+                buf.codes[:, :, :n].random_(0, 256)
+                buf.scale[:, :, :n].fill_(0.01)
+                buf.low[:, :, :n].fill_(-1.0)
+            else:
+                buf[:, :, :n].normal_()
+    cache.positions[:, :n] = torch.arange(n, device=cache.positions.device, dtype=torch.int32)
+    cache.filled.fill_(n)
+    cache.seen = n
+
+
+def context_trial(model, proj, N: int, args, device) -> dict | None:
+    """One row holding ``N`` tokens (written directly, :func:`fill_synthetic`: a prefill of a million
+    tokens is tens of minutes of attention), its decode step captured and replayed ``--new-tokens`` times;
+    None when it runs out of memory."""
+    runner = None
+    try:
+        stiefkv.load(model, proj)
+        sync(device)
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        runner = Runner(model, make_cache(model, 1, N + 2 + 2 * args.new_tokens), None)
+        fill_synthetic(runner.cache, N)
+        tokens = torch.zeros(1, 2 + 2 * args.new_tokens, dtype=torch.long, device=device)
+        state = DecodeState(tokens, torch.full((1, 1), N, device=device), N)
+        with torch.inference_mode():
+            runner.capture(state)
+            runner.replay(args.new_tokens // 2)  # warm
+            sync(device)
+            start = time.perf_counter()
+            runner.replay(args.new_tokens)
+            sync(device)
+            tps = args.new_tokens / (time.perf_counter() - start)
+        return {"context": N, "tps": tps, "peak_gib": (torch.cuda.max_memory_allocated() - base) / GIB,
+                "cache_gib": _cache_bytes(runner.cache) / GIB}
+    except torch.cuda.OutOfMemoryError:
+        return None
+    finally:
+        stiefkv.unload(model)
+        del runner
+        gc.collect()
+        torch.cuda.empty_cache()
+
+
+def context_capacity(model, caches: dict, args, device, step: int = 4096) -> list[dict]:
+    """The longest context (a multiple of ``step``) one row holds and decodes under ``--cap-gib``, per
+    cache: predicted from the bytes and peak of a ``step``-token trial, then walked up while it fits and
+    down while it does not."""
+    cap = args.cap_gib * GIB
+    index = torch.cuda.current_device()
+    torch.cuda.set_per_process_memory_fraction(cap / torch.cuda.get_device_properties(index).total_memory,
+                                               index)
+    weights = torch.cuda.memory_allocated() / GIB
+    rows = []
+    for name, proj in caches.items():
+        small = context_trial(model, proj, step, args, device)
+        if small is None:
+            rows.append({"cache": name, "batch": 1, "context": 0})
+            continue
+        per_token = small["cache_gib"] / (step + 2 + 2 * args.new_tokens)
+        fixed = small["peak_gib"] - small["cache_gib"]
+        N = max(step, int((args.cap_gib - weights - fixed) / per_token) // step * step)
+        runs = {step: small}
+        while N not in runs or runs[N] is not None:
+            runs[N] = runs.get(N) or context_trial(model, proj, N, args, device)
+            if runs[N] is None:
+                break
+            N += step
+        while runs.get(N) is None and N > step:
+            N -= step
+            if N not in runs:
+                runs[N] = context_trial(model, proj, N, args, device)
+        best = runs[N]
+        rows.append({"cache": name, "batch": 1, "context": N, "tokens": N, "tps": best["tps"],
+                     "peak_gib": best["peak_gib"], "cache_gib": best["cache_gib"], "weights_gib": weights,
+                     "refused_context": N + step, "trials": sorted(runs)})
+        print(f"context capacity {name}: {N} tokens in one row under {args.cap_gib} GiB, "
+              f"{best['tps']:.0f} tok/s", flush=True)
+    return rows
+
+
 def capacity(model, caches: dict, args, device) -> list[dict]:
     """The largest batch at ``--context`` tokens that serves under ``--cap-gib`` (weights included), for
     each cache, and the decode tokens/s there. The search starts from the batch that the peaks of one and
@@ -266,6 +352,9 @@ def main() -> None:
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test; no row)")
     parser.add_argument("--capacity", action="store_true",
                         help="the largest batch at --context under --cap-gib, per cache (CUDA)")
+    parser.add_argument("--context-capacity", action="store_true",
+                        help="the longest context one row holds under --cap-gib, per cache (CUDA; the cache "
+                             "filled directly, not prefilled)")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cap-gib", type=float, default=40.0)
     args = parser.parse_args()
@@ -281,17 +370,20 @@ def main() -> None:
     if args.bits < 16:
         proj.quant = [(QuantSpec(args.bits, "token"), QuantSpec(args.bits, "token"))] * len(proj.keys)
     label = cache_label(args)
-    if args.capacity:
+    if args.capacity or args.context_capacity:
         caches = {"uncompressed (our kernels)": identity_projections(model), label: proj}
-        rows = capacity(model, caches, args, device)
+        by_context = args.context_capacity
+        rows = (context_capacity if by_context else capacity)(model, caches, args, device)
         base = rows[0]
         for row in rows:
-            row.update(case=f"capacity {args.shape} {args.key_mode} {label.removeprefix('stiefkv ')} "
-                            f"ctx{args.context} cap{args.cap_gib:g}",
-                       model=f"{SHAPES[args.shape][0]} shapes, random weights", context=args.context,
-                       cap_gib=args.cap_gib, new_tokens=args.new_tokens, key_mode=args.key_mode,
-                       capacity_ratio=row["batch"] / base["batch"] if base["batch"] else None,
+            kind = "capacity-context" if by_context else "capacity"
+            row.update(case=f"{kind} {args.shape} {args.key_mode} {label.removeprefix('stiefkv ')} "
+                            f"{'B1' if by_context else f'ctx{args.context}'} cap{args.cap_gib:g}",
+                       model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
+                       new_tokens=args.new_tokens, key_mode=args.key_mode, chunk=args.chunk,
+                       capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
+            row.setdefault("context", args.context)
         utils.write_rows("serve_capacity", rows)
         return
     for case in args.cases:

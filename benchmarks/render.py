@@ -636,13 +636,15 @@ def serve_capacity(res: Results) -> str:
         run = rows[-1]["provenance"]["run_id"]
         for r in (r for r in rows if r["provenance"]["run_id"] == run):
             res.used[id(r)] = ("serve_capacity", r)
-            out.append([r["cache"], str(r["batch"]), f"{r['tokens']:,}", f"{r['tps']:.0f}",
-                        f"{r['capacity_ratio']:.2f}×", f"{r['tps_ratio']:.2f}×", f"{r['peak_gib']:.2f}",
-                        str(r["refused_batch"])])
+            refused = (f"{r['refused_batch']} × {r['context'] // 1024}k" if "refused_batch" in r
+                       else f"1 × {r['refused_context'] // 1024}k")
+            out.append([r["cache"], f"{r['batch']} × {r['context'] // 1024}k", f"{r['tokens']:,}",
+                        f"{r['tps']:.0f}", f"{r['capacity_ratio']:.2f}×", f"{r['tps_ratio']:.2f}×",
+                        f"{r['peak_gib']:.2f}", refused])
     if not out:
         return "_No capacity row yet._"
-    head = ["cache", "largest batch at 32k", "tokens", "decode tok/s there", "capacity / uncompressed",
-            "tok/s / uncompressed", "peak above weights GiB", "refused batch"]
+    head = ["cache", "largest batch × context", "tokens", "tok/s there", "tokens / uncompr.",
+            "tok/s / uncompr.", "peak GiB above weights", "refused"]
     return table(head, out)
 
 

@@ -9,6 +9,7 @@
 #     serve_all  bench_serve.py, 8b and 1b, the issue's three batch x context cases, pre_rope bf16
 #     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16, and 12.5 % (r 56 x int4)
 #     capacity12 the 12.5 % capacity run alone (about 3 minutes)
+#     context    bench_serve.py --context-capacity (one row, the cache filled directly): 50 % and 12.5 %
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
@@ -29,6 +30,9 @@ for s in "$@"; do
     capacity)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
+    context)
+      serve --shape 8b --context-capacity --cap-gib 40 --new-tokens 32
+      serve --shape 8b --context-capacity --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
     capacity12)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
     *) echo "unknown step $s" >> "$LOG" ;;

@@ -135,3 +135,35 @@ def test_bench_serve_runs_on_a_tiny_model():
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("serve tiny pre_rope 0.5 int8 B2 ctx40: transformers static") and "StiefKV" in line
+
+
+@pytest.mark.parametrize("bits", [16, 8])
+def test_context_capacity_fill_is_what_a_prefill_leaves(bits):
+    """bench_serve.fill_synthetic (the context-capacity trials' cache, written without a prefill) leaves the
+    counters a prefill of the same length leaves, and a decode step reads it and advances them."""
+    import bench_serve as bs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import stiefkv
+    from stiefkv.quant import QuantSpec
+    from stiefkv.serve import DecodeState, Runner, make_cache
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**bs.TINY)).eval()
+    proj = bs.random_projections(model, 0.5, "pre_rope")
+    if bits < 16:
+        proj.quant = [(QuantSpec(bits, "token"), QuantSpec(bits, "token"))] * len(proj.keys)
+    stiefkv.load(model, proj)
+    try:
+        runner = Runner(model, make_cache(model, 1, 40), None)
+        bs.fill_synthetic(runner.cache, 33)
+        assert runner.cache.seen == 33 and int(runner.cache.filled) == 33
+        assert torch.equal(runner.cache.positions[0, :33], torch.arange(33, dtype=torch.int32))
+        state = DecodeState(torch.zeros(1, 4, dtype=torch.long), torch.full((1, 1), 33), 33)
+        with torch.inference_mode():
+            logits = runner.forward(state.ids, state.positions, state.slot)
+            runner.step(state)
+        assert torch.isfinite(logits).all()
+        assert runner.cache.seen == 35 and int(runner.cache.filled) == 35
+    finally:
+        stiefkv.unload(model)
