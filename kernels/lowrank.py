@@ -344,7 +344,7 @@ def _attend_range(
         elif FOLD_K:
             codes = _code_tile(ZK, offs_n, end, stride_kn, stride_kr, R_K, R_K_P2, BLOCK_N, MASKED, K_BITS)
             scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED)
-            k = codes.to(tl.float32).to(DTYPE)  # through fp32: see _decode_latent
+            k = _codes_to_half(codes)
             s = _dot(q1, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
             s = s * scale[None, :] + q1sum[:, None] * low[None, :]
         else:
@@ -371,8 +371,10 @@ def _attend_range(
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
             l_i = l_i * alpha + tl.sum(p, 1)
-            v = codes.to(tl.float32).to(DTYPE)
-            acc = _dot((p * scale[None, :]).to(DTYPE), v, acc * alpha[:, None], DOT_PREC, UPCAST)
+            # bf16, not fp16: p·scale can fall below fp16's normal range (scales of 1e-3 and less);
+            # codes ≤ 255 are exact in bf16. Through fp32: the interpreter casts uint8 to bf16 as 0.
+            v = codes.to(tl.float32).to(tl.bfloat16)
+            acc = _dot((p * scale[None, :]).to(tl.bfloat16), v, acc * alpha[:, None], DOT_PREC, UPCAST)
             acc += tl.sum(p * low[None, :], 1)[:, None]
             m_i = m_new
         else:
@@ -827,8 +829,9 @@ def lowrank_attention(
         polynomial one; on by default on CUDA (19-29 % less decode time on the H200,
         docs/notes/kernel-tries.md), off under the interpreter, which has no hardware sin/cos.
         ``fold_scales`` (codes in one scale group): apply the scales and lows to the logits (``post_rope``
-        keys) and to the probabilities (values) instead of dequantizing each tile; a candidate, off until
-        measured on the GPU.
+        keys) and to the probabilities (values) instead of dequantizing each tile; a candidate, off: slower
+        than the default at every shape on the H200 (2026-12-01, with int-to-float key codes; its keys now
+        take the fp16 bit trick, not measured since).
         ``prefetch``: read each key and value tile (latents or codes, scales, lows, positions) one tile ahead
         in registers (not with ``fold_scales``); decode only, like ``num_splits``; ``None``: on for codes
         (see :func:`_default_config`).
