@@ -19,7 +19,7 @@ from torch import nn
 from stiefkv.cache import LatentCache, lengths_from_mask
 from stiefkv.kernels import QuantizedLatents
 from stiefkv.models import decoder_layers
-from stiefkv.quant import GROUP, QuantSpec, packed_bytes, quantize
+from stiefkv.quant import GROUP, Quantized, QuantSpec, dequantize, packed_bytes, quantize, quantized_length
 
 
 def _capturing(device: torch.device) -> bool:
@@ -57,14 +57,116 @@ class CodeBuffer:
             t.copy_(t.index_select(0, index.to(t.device)))
 
 
-def _check_spec(spec: QuantSpec, layer: int, which: str) -> None:
-    """The static cache stores what the kernels read: codes per token (``token`` layout), every token
-    quantized as it is written."""
-    if spec.layout != "token" or spec.recent:
-        raise ValueError(
-            f"layer {layer} stores its {which} as {spec}; the static cache holds the token layout with no "
-            "exact recent window (int8/int4-token, read by the kernels in place). Use the dynamic "
-            "LatentCache for this checkpoint, or one calibrated with token-layout bits")
+def kernel_readable(spec: QuantSpec) -> bool:
+    """Codes the kernels read in place: int8 or int4 per token, every token quantized as it is written."""
+    return spec.layout == "token" and not spec.recent and spec.bits in (8, 4)
+
+
+class WindowedCodes:
+    """One latent of one layer stored as any :class:`~stiefkv.quant.QuantSpec` says: codes for the tokens a
+    dynamic :class:`~stiefkv.cache.LatentStore` would hold quantized (all but the ``recent`` newest, and for
+    ``channel`` but a group still filling: :func:`~stiefkv.quant.quantized_length`), and the exact latents of
+    the newest ``recent + GROUP`` tokens in a ring. Attention reads it dequantized, the exact tokens laid
+    over their codes; the kernels then read it as floats (correct, not fast).
+
+    A forward of one token (decode) uses device counters only, so that it can be captured: it quantizes the
+    token (``token``) or the group (``channel``) that this token makes due, from the ring, with a masked
+    write where none is due. A forward of several tokens (prefill) uses the host's count."""
+
+    def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, dtype: torch.dtype, device):
+        self.spec, self.rank, self.length = spec, rank, L
+        self.window = spec.recent + GROUP  # ≥ the exact tokens ever held (recent + a filling group) + 1
+        self.padded = -(-L // GROUP) * GROUP  # the channel layout dequantizes whole groups
+        width = packed_bytes(rank, spec.bits)
+        groups = (B, G, self.padded, -(-rank // GROUP)) if spec.layout == "token" else (
+            B, G, self.padded // GROUP, rank)
+        self.codes = torch.zeros(B, G, self.padded, width, dtype=torch.uint8, device=device)
+        self.scale = torch.zeros(groups, dtype=torch.float16, device=device)
+        self.low = torch.zeros(groups, dtype=torch.float16, device=device)
+        self.ring = torch.zeros(B, G, self.window, rank, dtype=dtype, device=device)
+        self.tail: tuple[torch.Tensor, int] | None = None  # a prefill's exact latents and their first index
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for t in (self.codes, self.scale, self.low, self.ring))
+
+    def _store(self, slots: torch.Tensor, q: Quantized) -> None:
+        """Codes of the tokens at ``slots`` (whole groups of them for ``channel``)."""
+        self.codes.index_copy_(2, slots, q.codes)
+        groups = slots if self.spec.layout == "token" else slots[::GROUP] // GROUP
+        self.scale.index_copy_(2, groups, q.scale)
+        self.low.index_copy_(2, groups, q.low)
+
+    def write_many(self, start: int, z: torch.Tensor) -> None:
+        """Tokens ``z`` ``[B, G, n, r]`` at slots ``start …`` (host count): quantize what they make due."""
+        n, device = z.shape[2], z.device
+        held, due = quantized_length(start, self.spec), quantized_length(start + n, self.spec)
+        before = self.ring.index_select(2, torch.arange(held, start, device=device) % self.window)
+        exact = torch.cat([before, z.to(self.ring.dtype)], 2)  # tokens held … start + n − 1
+        self.tail = (exact, held)
+        if due > held:
+            codes = quantize(exact[:, :, : due - held], self.spec)
+            self._store(torch.arange(held, due, device=device), codes)
+        keep = torch.arange(max(held, start + n - self.window), start + n, device=device)
+        self.ring.index_copy_(2, keep % self.window, exact[:, :, keep - held])
+
+    def write_one(self, slot: torch.Tensor, z: torch.Tensor) -> None:
+        """Token ``z`` ``[B, G, 1, r]`` at ``slot`` (``[1]`` long on the device), with no host count."""
+        self.tail = None
+        self.ring.index_copy_(2, slot % self.window, z.to(self.ring.dtype))
+        if self.spec.layout == "token":
+            token = slot - self.spec.recent  # the token this one pushes out of the window
+            q = quantize(self.ring.index_select(2, token % self.window), self.spec)
+            # before it is due (token < 0) slot 0 gets codes no one reads: it is exact until it is due
+            self._store(token.clamp(min=0), q)
+            return
+        end = slot + 1 - self.spec.recent  # a group is due when this many tokens are quantizable
+        first = (end - GROUP).clamp(min=0)
+        slots = first + torch.arange(GROUP, device=slot.device)
+        q = quantize(self.ring.index_select(2, slots % self.window), self.spec)
+        due = (end > 0) & (end % GROUP == 0)
+        group = first // GROUP
+        self.codes.index_copy_(2, slots, torch.where(due, q.codes, self.codes.index_select(2, slots)))
+        self.scale.index_copy_(2, group, torch.where(due, q.scale, self.scale.index_select(2, group)))
+        self.low.index_copy_(2, group, torch.where(due, q.low, self.low.index_select(2, group)))
+
+    def read(self, filled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Every slot's latent ``[B, G, L, r]`` in ``dtype``: codes dequantized, and the exact tokens (of the
+        ``filled`` ``[1]`` on the device) laid over them. Slots past ``filled`` hold no token."""
+        z = self.dequantized(dtype)
+        index = torch.arange(self.window, device=filled.device)
+        # ring entry i holds the newest slot ≡ i (mod window) below filled
+        newest = filled - 1 - (filled - 1 - index) % self.window
+        exact = (newest >= 0) & (newest >= quantized_length(filled, self.spec))
+        z.index_copy_(2, torch.where(exact, newest, self.padded), self.ring.to(dtype))
+        return z[:, :, : self.length]
+
+    def dequantized(self, dtype: torch.dtype, tokens: int = 2048) -> torch.Tensor:
+        """Every slot's codes dequantized ``[B, G, padded + 1, r]`` (a last zero slot), ``tokens`` (a
+        multiple of the group) at a time: unpacking goes through int64, 8× the codes' bytes."""
+        B, G = self.codes.shape[:2]
+        z = torch.zeros(B, G, self.padded + 1, self.rank, dtype=dtype, device=self.codes.device)
+        per_group = 1 if self.spec.layout == "token" else GROUP
+        for lo in range(0, self.padded, tokens):
+            hi = min(self.padded, lo + tokens)
+            groups = slice(lo // per_group, hi // per_group)
+            part = Quantized(self.codes[:, :, lo:hi], self.scale[:, :, groups], self.low[:, :, groups],
+                             self.spec.bits, self.spec.layout, self.rank)
+            z[:, :, lo:hi] = dequantize(part, dtype)
+        return z
+
+    def rows(self, index: torch.Tensor) -> None:
+        for t in (self.codes, self.scale, self.low, self.ring):
+            t.copy_(t.index_select(0, index.to(t.device)))
+
+
+def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
+    """The first ``n`` slots as float latents (codes dequantized to ``dtype``: the exact band such a forward
+    reads goes to the reference, which takes floats)."""
+    if isinstance(z, QuantizedLatents):
+        return QuantizedLatents(z.codes[:, :, :n], z.scale[:, :, :n], z.low[:, :, :n], z.bits,
+                                z.rank).dequantize(dtype)
+    return z[:, :, :n]
 
 
 def _as_float(buf, dtype: torch.dtype) -> torch.Tensor:
@@ -90,9 +192,10 @@ def transformers_static_length(made) -> int:
 
 
 class StaticLatentCache(LatentCache):
-    """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device: float, or codes of
-    the checkpoint's bits in the token layout (:class:`CodeBuffer`; the kernels dequantize them in
-    registers).
+    """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device: float; int8/int4
+    codes per token with no exact window (:class:`CodeBuffer`; the kernels dequantize them in registers);
+    or any other storage of the checkpoint (:class:`WindowedCodes`: exact recent tokens, channel layout,
+    2-3 bits; read dequantized).
 
     Parameters
     ----------
@@ -122,11 +225,12 @@ class StaticLatentCache(LatentCache):
                                  "stiefkv.load(model, ckpt) first")
             device, dtype = attn.q_proj.weight.device, attn.q_proj.weight.dtype
             G = attn.P_k.shape[0]
-            for which, spec, P, bufs in (("keys", attn.quant[0], attn.P_k, self.keys_buf),
-                                         ("values", attn.quant[1], attn.P_v, self.values_buf)):
-                if spec.quantized:
-                    _check_spec(spec, i, which)
+            for spec, P, bufs in ((attn.quant[0], attn.P_k, self.keys_buf),
+                                  (attn.quant[1], attn.P_v, self.values_buf)):
+                if spec.quantized and kernel_readable(spec):
                     bufs.append(CodeBuffer(spec, self.rows, G, self.max_length, P.shape[2], device))
+                elif spec.quantized:
+                    bufs.append(WindowedCodes(spec, self.rows, G, self.max_length, P.shape[2], dtype, device))
                 else:
                     bufs.append(torch.zeros(self.rows, G, self.max_length, P.shape[2], device=device,
                                             dtype=dtype))
@@ -136,11 +240,20 @@ class StaticLatentCache(LatentCache):
         self.starts: torch.Tensor | None = None
         self.seen = 0  # host count of filled slots, for transformers; never read by a captured step
         self._slots: torch.Tensor | None = None
+        # Stores that attention reads dequantized (an exact window, a channel layout, 2 or 3 bits): a forward
+        # of several tokens then reads every layer cut to the tokens held, with the exact band a dynamic
+        # cache gives it (no n_valid), and decode reads them whole with the exact tokens laid over.
+        self.windowed = any(isinstance(b, WindowedCodes) for b in (*self.keys_buf, *self.values_buf))
+        self._cut = False  # this forward reads the layers cut to `seen`
+        self._tails: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ what attention reads
-    def valid_count(self, device: torch.device) -> torch.Tensor:
+    def valid_count(self, device: torch.device) -> torch.Tensor | None:
         """``filled`` on ``device``: a model placed across devices reads it on each layer's (a copy per
-        layer there; the same tensor on one device)."""
+        layer there; the same tensor on one device). None in a forward that reads the layers cut to the
+        tokens held."""
+        if self._cut:
+            return None
         return self.filled if self.filled.device == device else self.filled.to(device)
 
     @property
@@ -169,12 +282,19 @@ class StaticLatentCache(LatentCache):
         return self.seen + n, 0
 
     def exact_tails(self, layer_idx: int):
-        return None  # float latents only: read as they are
+        """In a forward of several tokens over windowed stores, each latent's exact latents from the first
+        token it holds exact, as ``(z, index)`` (the dynamic cache's); None otherwise (read as stored)."""
+        return self._tails.pop(layer_idx, None) if self._cut else None
 
     def read_layer(self, layer_idx: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         n = self.seen
-        return tuple(_as_float(buf, dtype)[:, :, :n] for buf in (self.keys_buf[layer_idx],
-                                                                  self.values_buf[layer_idx]))
+        return tuple(self._read(buf, dtype)[:, :, :n] for buf in (self.keys_buf[layer_idx],
+                                                                   self.values_buf[layer_idx]))
+
+    def _read(self, buf, dtype: torch.dtype) -> torch.Tensor:
+        if isinstance(buf, WindowedCodes):
+            return buf.read(self.filled.to(buf.ring.device), dtype)
+        return _as_float(buf, dtype)
 
     # ------------------------------------------------------------------ writing
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
@@ -212,26 +332,42 @@ class StaticLatentCache(LatentCache):
         if z_k.shape[0] != self.rows:
             raise ValueError(f"the static cache was allocated for batch {self.rows}, got {z_k.shape[0]}")
         if layer_idx == 0:
+            self._start = self.seen  # the host's count before this forward (not read under capture)
             if not _capturing(z_k.device):
                 self.check_room(n)
                 self.seen += n
+            self._cut = self.windowed and n > 1
             self._slots = self.filled.long() + torch.arange(n, device=self.filled.device)
             self.positions.index_copy_(1, self._slots, positions.to(torch.int32))
             self.filled.add_(n)
             self.lengths = self._lengths(attention_mask)
         slots = self._slots.to(z_k.device)
-        read = []
+        read, tails = [], []
         for buf, z in ((self.keys_buf[layer_idx], z_k), (self.values_buf[layer_idx], z_v)):
-            if isinstance(buf, CodeBuffer):
+            if isinstance(buf, WindowedCodes):
+                if n > 1:
+                    buf.write_many(self._start, z)
+                else:
+                    buf.write_one(slots, z)
+                tails.append(buf.tail or (z, self._start))
+                read.append(buf.read(self.filled.to(z.device), z.dtype))
+            elif isinstance(buf, CodeBuffer):
                 buf.write(slots, z)
+                tails.append((z, self._start))
                 read.append(buf.latents())
             else:
                 buf.index_copy_(2, slots, z.to(buf.dtype))
+                tails.append((z, self._start))
                 read.append(buf)
         lengths = self.lengths
         if lengths is not None and lengths.device != z_k.device:
             lengths = lengths.to(z_k.device)
-        return read[0], read[1], self.positions.to(z_k.device), lengths
+        positions = self.positions.to(z_k.device)
+        if self._cut:  # every layer cut to the tokens held, as a dynamic cache hands them over
+            self._tails[layer_idx] = tuple(tails)
+            read = [_cut(z, self.seen, z_k.dtype) for z in read]
+            positions = positions[:, : self.seen]
+        return read[0], read[1], positions, lengths
 
     def _lengths(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         if attention_mask is not None:  # transformers' 4-D mask over the filled slots (eager only)
@@ -244,7 +380,7 @@ class StaticLatentCache(LatentCache):
     # ------------------------------------------------------------------ edits transformers makes
     def reorder_cache(self, beam_idx: torch.LongTensor):
         for buf in (*self.keys_buf, *self.values_buf):
-            if isinstance(buf, CodeBuffer):
+            if isinstance(buf, (CodeBuffer, WindowedCodes)):
                 buf.rows(beam_idx)
             else:
                 buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
@@ -253,6 +389,9 @@ class StaticLatentCache(LatentCache):
             self.starts = self.starts.index_select(0, beam_idx.to(self.starts.device))
 
     def crop(self, max_length: int):
+        if self.windowed:
+            raise ValueError("a static cache with an exact window or channel-layout codes cannot be cropped "
+                             "(the tokens cut would have to come back exact); use the dynamic LatentCache")
         keep = self.seen + max_length if max_length <= 0 else min(max_length, self.seen)
         self.seen = keep
         self.filled.fill_(keep)

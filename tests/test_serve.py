@@ -151,6 +151,7 @@ def test_triton_kernels_read_the_filled_count(key_mode, bits):
 def test_captured_decode_gives_the_eager_tokens(key_mode):
     for model in (served(key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
                   quantized_served((8, 4), key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
+                  windowed_served(*WINDOWED[0], key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
                   tiny_model("llama", heads=6, kv_heads=2, dtype=torch.bfloat16).cuda()):
         ids, mask = prompt(device="cuda")
         eager = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=12, capture=False)
@@ -186,6 +187,72 @@ def test_static_cache_of_codes_matches_the_dynamic_quantized_cache(key_mode):
     assert cache.nbytes == L * B * G * 40 * per_slot + B * 40 * 4 + 4
 
 
-def test_static_cache_refuses_layouts_it_cannot_hold():
-    with pytest.raises(ValueError, match="no exact recent window"):
-        StaticLatentCache(quantized_served(recent=16), 1, 8)
+def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device="cpu", dtype=torch.float32,
+                    head_dim=24):
+    from stiefkv.quant import QuantSpec
+
+    model = tiny_model("llama", heads=6, kv_heads=2, dtype=dtype, head_dim=head_dim).to(device)
+    proj = random_projections(model, 11, 13, key_mode)
+    proj.quant = [(QuantSpec.parse(key_spec), QuantSpec.parse(value_spec))] * len(proj.keys)
+    return stiefkv.load(model, proj)
+
+
+# what --bits auto picks (channel keys, exact recent tokens, 2-3 bits); a kernel-readable latent beside one
+WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-token"),
+            ("int3-channel-mse", "int2-token")]
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("specs", WINDOWED, ids=lambda s: "_".join(s))
+def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
+    """Exact recent windows, channel-layout groups and 2-3-bit codes in the static cache: a prefill in two
+    chunks (the second across a 64-token group) and 80 decode steps (across more groups) give the dynamic
+    cache's logits at every step, left padding included; the exact band of a chunk and the exact tokens
+    laid over the codes in decode are what make them agree."""
+    model = windowed_served(*specs, key_mode)
+    ids, mask = prompt(batch=2, n=150, seed=1)
+    static, dynamic = StaticLatentCache(model, 2, 240), stiefkv.LatentCache()
+    assert static.windowed
+
+    def run(cache, tokens, upto):
+        return model(tokens, attention_mask=mask[:, :upto], past_key_values=cache, use_cache=True).logits
+
+    for lo, hi in ((0, 61), (61, 150)):
+        a, b = run(static, ids[:, lo:hi], hi), run(dynamic, ids[:, lo:hi], hi)
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+    token = b[:, -1:].argmax(-1)
+    for step in range(80):
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        a, b = run(static, token, mask.shape[1]), run(dynamic, token, mask.shape[1])
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+        token = b[:, -1:].argmax(-1)
+    assert static.seen == 230
+
+
+@pytest.mark.parametrize("specs", WINDOWED[:1], ids=lambda s: "_".join(s))
+def test_generate_with_any_layout_matches_transformers(specs):
+    model = windowed_served(*specs)
+    ids, mask = prompt(batch=3, n=70)
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=40, **GREEDY)
+    for chunk in (23, 4096):
+        assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=40,
+                                            prefill_chunk=chunk, eos_token_id=None), expected)
+    out = model.generate(ids, attention_mask=mask, max_new_tokens=40, cache_implementation="static",
+                         return_dict_in_generate=True, **GREEDY)
+    assert isinstance(getattr(out, "cache", None) or out.past_key_values, StaticLatentCache)
+    assert torch.equal(out.sequences, expected)
+
+
+def test_windowed_static_cache_bytes_and_crop():
+    """Codes, scales and lows of every slot (whole groups for the channel layout) plus the exact ring of
+    recent + 64 tokens; a crop, which would need cut tokens back exact, is refused."""
+    model = windowed_served("int2-channel-r16", "int3-token-r16")
+    cache = StaticLatentCache(model, 3, 100)
+    slots, rank_k, rank_v = 128, 11, 13  # 100 slots in whole groups of 64
+    # codes in 8-code words of `bits` bytes: int2 11 codes in 4 bytes, int3 13 in 6; fp16 scale and low per
+    # group (channel: per 64 slots and channel; token: per slot); an fp32 ring of 16 + 64 exact tokens
+    keys = slots * 4 + 2 * 2 * (slots // 64) * rank_k + 80 * rank_k * 4
+    values = slots * 6 + 2 * 2 * slots + 80 * rank_v * 4
+    assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 100 * 4 + 4
+    with pytest.raises(ValueError, match="cannot be cropped"):
+        cache.crop(10)
