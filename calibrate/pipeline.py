@@ -40,6 +40,7 @@ from stiefkv.calibrate.rotation import learn_rotation
 from stiefkv.calibrate.state import CalibrationState
 from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
+from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.layers import NO_QUANT
 from stiefkv.models import arch_of, check_context, dims_of, fingerprint, layer_devices, rope_spec
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
@@ -77,6 +78,10 @@ class CalibrationConfig:
         ``output`` and ``update`` profiles measure every storage at every rank either way.
     recent : the newest tokens every quantized latent keeps exact (KIVI's residual; their bytes are counted,
         in a cache of 2048 tokens). Each query then reads its own recent keys exact, as in decoding.
+    kernel_storage : choose only storages the fused kernels read in place during decode — int8 or int4 per
+        token, no exact window (``recent`` must be 0 or left at its default) — besides bf16: what
+        :func:`stiefkv.generate` serves fastest, at some quality per byte (the channel layout and the
+        window are what ``auto`` otherwise uses at low budgets).
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
         dominant channel over all, so one scale per token fits them).
     quant_aware : refine the bases with the quantizer in the loss (straight-through gradient).
@@ -132,6 +137,7 @@ class CalibrationConfig:
     rotation: bool = True
     quant_aware: bool = False
     learn_rotation: bool = False
+    kernel_storage: bool = False
 
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
@@ -150,6 +156,14 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
         if not isinstance(self.recent, int) or self.recent < 0:
             raise ValueError(f"recent must be an integer ≥ 0 (tokens kept exact), got {self.recent!r}")
+        if self.kernel_storage:
+            widths = " or ".join(map(str, KERNEL_BITS))
+            if self.bits not in ("auto", "16", *map(str, KERNEL_BITS)):
+                raise ValueError(f"kernel_storage keeps codes the kernels read ({widths} bits, or auto among "
+                                 f"them); got bits {self.bits}")
+            if self.recent not in (0, DEFAULT_RECENT):
+                raise ValueError(f"kernel_storage keeps no exact recent tokens (the kernels read codes "
+                                 f"only); got recent {self.recent}: leave it at its default or set 0")
         for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences",
                      "step_sequences"):
             if getattr(self, name) < 1:
@@ -275,6 +289,9 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
     if cfg.bits == "16" or cfg.allocation == "uniform":
         return None
     bf16 = [FLOAT] if cfg.bits == "auto" else []
+    if cfg.kernel_storage:  # what the decode kernel reads in place: int8/int4 per token, no window
+        widths = KERNEL_BITS if cfg.bits == "auto" else (int(cfg.bits),)
+        return {which: [QuantSpec(b, "token") for b in widths] + bf16 for which in ("k", "v")}
     return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which), cfg.recent) + bf16
             for which in ("k", "v")}
 

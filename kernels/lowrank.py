@@ -61,7 +61,7 @@ TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
 DECODE_BLOCK_M = MIN_DOT  # the smallest tl.dot tile; a decode tile holds one query's GQA group
 QUANT_GROUP = tl.constexpr(_common.QUANT_GROUP)  # channels per scale of quantized latents
-KERNEL_BITS = (8, 4)  # code widths the kernel dequantizes
+KERNEL_BITS = _common.KERNEL_BITS
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MERGE_UNROLL = tl.constexpr(4)  # splits merged per iteration of _merge_splits
 

@@ -195,6 +195,10 @@ def main():
 @click.option("--recent", type=click.IntRange(min=0), default=DEFAULTS["recent"], show_default=True,
               help="The newest tokens every quantized latent keeps exact (as KIVI does); their bytes count "
                    "against the budget.")
+@click.option("--kernel-storage", is_flag=True, default=DEFAULTS["kernel_storage"],
+              help="Choose only storages the fused decode kernel reads in place (int8/int4 per token, no "
+                   "exact window; bf16 too with --bits auto): the fastest serving, at some quality per "
+                   "byte.")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
               help="stiefel = PCA start refined on the Stiefel manifold against the decoder-layer output; "
                    "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")

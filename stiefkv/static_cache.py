@@ -18,6 +18,7 @@ from torch import nn
 
 from stiefkv.cache import LatentCache, lengths_from_mask
 from stiefkv.kernels import QuantizedLatents
+from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.models import decoder_layers
 from stiefkv.quant import GROUP, Quantized, QuantSpec, dequantize, packed_bytes, quantize, quantized_length
 
@@ -59,7 +60,7 @@ class CodeBuffer:
 
 def kernel_readable(spec: QuantSpec) -> bool:
     """Codes the kernels read in place: int8 or int4 per token, every token quantized as it is written."""
-    return spec.layout == "token" and not spec.recent and spec.bits in (8, 4)
+    return spec.layout == "token" and not spec.recent and spec.bits in KERNEL_BITS
 
 
 class WindowedCodes:

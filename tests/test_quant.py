@@ -804,3 +804,31 @@ def test_kl_profile_measures_only_the_anchor_widths_and_predicts_the_rest():
     add_quant_profile(LayerProfile(ranks=[8, d], k=[0.3, 0.0], v=[0.2, 0.0], metric="kl"), layer, batch,
                       lambda r: eye[..., :r], lambda r: eye[..., :r], specs, measure, key_mode="pre_rope")
     assert len(calls) == 2 * len(specs["k"])
+
+
+def test_kernel_storage_chooses_what_the_kernels_read(corpus, tmp_path, monkeypatch):
+    """kernel_storage: every quantized latent int8 or int4 per token with no exact window, in budget; the
+    static cache then holds no windowed store. Widths the kernels cannot read and an exact window are
+    refused, from Python and from the CLI (exit 2, nothing written)."""
+    pytest.importorskip("geoopt")
+    from stiefkv.cli import main
+    from stiefkv.static_cache import StaticLatentCache
+
+    common = {"data": str(corpus), "num_sequences": 6, "seq_len": 70, "seed": 1, "steps": 4,
+              "step_sequences": 2, "profile_sequences": 2}
+    for bits in ("auto", 4):
+        proj = stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.2, bits=bits, kernel_storage=True,
+                                 **common)
+        assert proj.kv_bytes_per_token() <= 0.2 * 2 * 2 * 2 * 24 * 2 + 1e-9
+        specs = [s for pair in proj.specs for s in pair if s.quantized]
+        assert specs and all(s.layout == "token" and not s.recent and s.bits in (8, 4) for s in specs)
+        model = stiefkv.load(tiny_model(), proj)
+        assert not StaticLatentCache(model, 1, 16).windowed
+    for kwargs, message in (({"bits": 3}, "kernels read \\(8 or 4 bits"), ({"recent": 8}, "no exact recent")):
+        with pytest.raises(ValueError, match=message):
+            stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.2, kernel_storage=True, **kwargs,
+                              **common)
+    monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
+    out = tmp_path / "k.safetensors"
+    result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), "--kernel-storage", "--bits", "2"])
+    assert result.exit_code == 2 and "got bits 2" in result.output and not out.exists(), result.output
