@@ -81,7 +81,8 @@ def lowrank_attention(
     scale: float | None = None,
     exact: ExactTail | None = None,
     backend: str = "auto",
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache: ``softmax(scale·q kᵀ + bias) z_v``, then ``P_v`` times that.
 
     Parameters
@@ -107,6 +108,9 @@ def lowrank_attention(
         every backend runs the reference (decode needs none: its one query reads the cache as it is).
     backend : ``"auto"`` (the kernel for CUDA inputs that need no gradient, else the reference),
         ``"triton"`` (the kernel; on the CPU only under ``TRITON_INTERPRET=1``) or ``"reference"``.
+    return_lse : also return each row's log-sum-exp of its scaled, biased logits ``[B, H, Nq]`` (float32,
+        −inf where no key is visible): two attentions over disjoint keys merge by it (the exact recent
+        tokens of a static cache beside its codes).
 
     Returns
     -------
@@ -119,7 +123,7 @@ def lowrank_attention(
     tensors = (q, P_k, P_v, bias, *(z for z in (z_k, z_v) if isinstance(z, torch.Tensor)))
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
-                  lengths=lengths, n_valid=n_valid, scale=scale)
+                  lengths=lengths, n_valid=n_valid, scale=scale, return_lse=return_lse)
     if exact is not None:
         return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, exact=exact, **kwargs)
     if _use_kernel(backend, q.device, needs_grad=needs_grad):

@@ -51,6 +51,7 @@ from stiefkv.kernels._common import (
 
 # Module globals that a jit function reads must be constexprs.
 _LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(0.6931471805599453)
 # π/2 split for the Cody–Waite reduction: HI is π/2 rounded to fp32, LO the rest (used through fma).
 PIO2_HI = tl.constexpr(1.5707963705062866)
 PIO2_LO = tl.constexpr(-4.371139000186243e-08)
@@ -433,13 +434,21 @@ def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
             acc = acc * alpha[:, None] + acc_s * beta[:, None]
             l_i = l_i * alpha + l_s * beta
             m_i = m_new
-    return acc, l_i
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _store_lse(LSE_rows, m_i, l_i, row_ok):
+    """Each row's log-sum-exp of its scaled logits (natural log; ``m`` and ``ℓ`` are in base 2), −inf for a
+    row that saw no key: what a caller needs to merge this attention with another over other keys."""
+    lse = tl.where(l_i > 0.0, (m_i + tl.log2(tl.where(l_i > 0.0, l_i, 1.0))) * _LN2, float("-inf"))
+    tl.store(LSE_rows, lse, mask=row_ok)
 
 
 # ----------------------------------------------------------------------------------------------- kernels
 @triton.jit
 def _lowrank_attn_fwd(
-    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, NVALID, OUT, PART_O, PART_ML, LOCKS, SK, LK, SV, LV,
+    Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, NVALID, OUT, PART_O, PART_ML, LOCKS, SK, LK, SV, LV, LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kg, stride_kn, stride_kr,
     stride_vb, stride_vg, stride_vn, stride_vr,
@@ -450,6 +459,7 @@ def _lowrank_attn_fwd(
     stride_posb, stride_posg, stride_posn,
     stride_bb, stride_bg, stride_bn,
     stride_ob, stride_oh, stride_on, stride_od,
+    stride_lb, stride_lh, stride_ln,
     n_q, n_k, n_kv_heads, rows_pad, qk_scale, rope_scaling,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
@@ -458,6 +468,7 @@ def _lowrank_attn_fwd(
     HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
+    HAS_LSE: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -559,6 +570,8 @@ def _lowrank_attn_fwd(
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
         + q_idx.to(tl.int64) * stride_on
+    LSE_rows = LSE + b * stride_lb + (g * GROUP + head).to(tl.int64) * stride_lh \
+        + q_idx.to(tl.int64) * stride_ln
     if SPLIT:
         part_row = (pid_bg * n_splits + pid_s) * rows_pad + offs_m  # int64
         offs_rv = tl.arange(0, R_V_P2)
@@ -571,13 +584,17 @@ def _lowrank_attn_fwd(
         tl.debug_barrier()
         ticket = tl.atomic_add(LOCKS + pid_bg * tl.num_programs(0) + pid_m, 1, sem="acq_rel")
         if ticket == n_splits - 1:
-            acc, l_i = _merge_splits(PART_O, PART_ML, pid_bg * n_splits * rows_pad + offs_m, n_splits,
-                                     rows_pad, n_l, R_V_P2, BLOCK_M)
+            acc, l_i, m_i = _merge_splits(PART_O, PART_ML, pid_bg * n_splits * rows_pad + offs_m, n_splits,
+                                          rows_pad, n_l, R_V_P2, BLOCK_M)
             _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
                             HEAD_DIM, R_V, R_V_P2, HAS_PV)
+            if HAS_LSE:
+                _store_lse(LSE_rows, m_i, l_i, row_ok)
     else:
         _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
                         HEAD_DIM, R_V, R_V_P2, HAS_PV)
+        if HAS_LSE:
+            _store_lse(LSE_rows, m_i, l_i, row_ok)
 
 
 # ----------------------------------------------------------------------------------------- host launcher
@@ -724,7 +741,8 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
                            "backend takes the reference where a gradient is needed")
 
 
-def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg):
+def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg,
+            return_lse=False):
     B, H, Nq, d = q.shape
     G, Nk, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
     r_v = z_v.shape[3]
@@ -735,6 +753,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     rows_pad = m_blocks * block_m
     r_k_p2, r_v_p2 = padded_dim(r_k), padded_dim(r_v)
     out = torch.empty(B, H, Nq, d if P_v is not None else r_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32) if return_lse else out
     pre = key_mode == "pre_rope"
     k_codes, v_codes = isinstance(z_k, QuantizedLatents), isinstance(z_v, QuantizedLatents)
     dtype = torch.float16 if k_codes else z_k.dtype  # the tensor cores' dtype: see _decode_latent
@@ -767,9 +786,9 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     out_strides = out.stride()
     _lowrank_attn_fwd[(m_blocks, B * G, splits)](
         q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, n_valid_t, out, part_o, part_ml, locks,
-        sk, lk, sv, lv,
+        sk, lk, sv, lv, lse,
         *q.stride(), *z_k.stride(), *z_v.stride(), *sk_strides, *sv_strides, *P_k.stride(), *pv_strides,
-        *pos_strides, *bias_strides, *out_strides,
+        *pos_strides, *bias_strides, *out_strides, *(lse.stride()[:3] if return_lse else (0, 0, 0)),
         Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
         BLOCK_M=block_m, BLOCK_N=block_n,
@@ -781,10 +800,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
         FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP,
-        PREFETCH=bool(cfg.get("prefetch")),
+        PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return out
+    return (out, lse) if return_lse else out
 
 
 # ------------------------------------------------------------------------------------------------ function
@@ -810,7 +829,8 @@ def lowrank_attention(
     fast_sincos: bool | None = None,
     fold_scales: bool = False,
     prefetch: bool | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
 
@@ -838,7 +858,9 @@ def lowrank_attention(
 
     Returns
     -------
-    ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``; a row with no visible key is 0.
+    ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``; a row with no visible key is 0. With
+    ``return_lse``, also each row's log-sum-exp of its scaled logits ``[B, H, Nq]`` (float32, −inf for a row
+    with no visible key), to merge it with attention over other keys.
     """
     if not q.is_cuda and not interpreting():
         raise RuntimeError("the Triton low-rank attention runs on CUDA tensors (or on the CPU under "
@@ -885,7 +907,8 @@ def lowrank_attention(
         cfg["prefetch"] = False
     scale = d**-0.5 if scale is None else float(scale)
     out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale,
-                  cfg)
+                  cfg, return_lse)
+    out, lse = out if return_lse else (out, None)
     if P_v is None and z_v.shape[3] != r_v:  # latent output of a padded value rank
         out = out[..., :r_v].contiguous()
-    return out
+    return (out, lse) if return_lse else out

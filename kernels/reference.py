@@ -75,7 +75,8 @@ def lowrank_attention(
     n_valid: torch.Tensor | None = None,
     scale: float | None = None,
     exact: ExactTail | None = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache.
 
     Parameters
@@ -96,11 +97,15 @@ def lowrank_attention(
     scale : softmax scale, ``d**-0.5`` by default.
     exact : :class:`ExactTail`: query ``i`` reads keys (values) from ``key_from[i]`` (``value_from[i]``) on
         from its exact latents instead of the quantized ones.
+    return_lse : also return each row's log-sum-exp of its scaled, biased, masked logits ``[B, H, Nq]``
+        (float32; −inf for a row with no visible key). Not with ``exact``.
 
     Returns
     -------
     ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``. A query row with no visible key returns 0.
     """
+    if return_lse and exact is not None:
+        raise ValueError("return_lse is for attention over plain keys; an exact band has none to merge")
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
     z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
@@ -138,7 +143,24 @@ def lowrank_attention(
     out = out.nan_to_num(0.0)  # rows with no visible key
     if P_v is not None:
         out = torch.einsum("bgsqr,gdr->bgsqd", out.view(B, G, H // G, Nq, -1), P_v.float())
-    return out.reshape(B, H, Nq, -1).to(q.dtype)
+    out = out.reshape(B, H, Nq, -1).to(q.dtype)
+    if return_lse:
+        return out, _logsumexp(qf, keys, lengths=lengths, bias=bias, causal=causal, scale=scale)
+    return out
+
+
+def _logsumexp(qf, keys, *, lengths, bias, causal: bool, scale: float) -> torch.Tensor:
+    """``log Σ_j exp(scale·q·k_j + bias_j)`` over each row's visible keys ``[B, H, Nq]`` (−inf: none)."""
+    B, H, Nq, _ = qf.shape
+    G, Nk = keys.shape[1], keys.shape[2]
+    logits = torch.einsum("bhqr,bhkr->bhqk", qf, keys.float().repeat_interleave(H // G, dim=1)) * scale
+    visible = key_padding_mask(lengths, B, Nk, qf.device)[:, None, None, :]
+    if causal:
+        q_idx = torch.arange(Nq, device=qf.device) + (Nk - Nq)
+        visible = visible & (torch.arange(Nk, device=qf.device)[None, :] <= q_idx[:, None])
+    if bias is not None:
+        logits = logits + bias.float().repeat_interleave(H // G, dim=1)[:, :, None, :]
+    return torch.logsumexp(logits.masked_fill(~visible, float("-inf")), -1)
 
 
 def _masked_attention(qf, keys, values, *, lengths, bias, causal: bool, scale: float) -> torch.Tensor:

@@ -30,7 +30,7 @@ from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
 from stiefkv.quant import FLOAT, QuantSpec, fake_quant
-from stiefkv.static_cache import StaticLatentCache, transformers_static_length
+from stiefkv.static_cache import RingSplit, StaticLatentCache, transformers_static_length
 
 log = logging.getLogger(__name__)
 
@@ -121,6 +121,10 @@ class LowRankAttention(nn.Module):
         if cache is not None:
             z_k, z_v, positions, lengths = cache.update_layer(z_k, z_v, self.layer_idx, positions,
                                                               attention_mask, quant=self.quant)
+            if isinstance(z_k, RingSplit):  # a static cache's codes beside its exact window
+                out = self._attend_split(q, z_k, positions)
+                out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
+                return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None
             tails = cache.exact_tails(self.layer_idx) or tails
         else:
             z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
@@ -136,6 +140,22 @@ class LowRankAttention(nn.Module):
                                         scale=self.scaling, exact=exact, backend=self.backend)
         out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
         return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None
+
+
+    def _attend_split(self, q: torch.Tensor, split: RingSplit, positions: torch.Tensor) -> torch.Tensor:
+        """Decode attention over codes read in place and the exact ring beside them, merged by their
+        log-sum-exp: ``o = (e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂})``, the softmax over both key sets."""
+        common = dict(key_mode=self.key_mode, rope=self.rope, scale=self.scaling, backend=self.backend,
+                      return_lse=True)
+        o1, l1 = kernels.lowrank_attention(q, split.codes_k, split.codes_v, self.key_basis(q.dtype), None,
+                                           positions=positions, lengths=split.codes_lengths,
+                                           n_valid=split.n_codes, causal=True, **common)
+        o2, l2 = kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
+                                           None, positions=split.ring_positions, bias=split.ring_bias,
+                                           causal=False, **common)
+        top = torch.maximum(l1, l2)  # the ring always holds the new token: l2, hence top, is finite
+        w1, w2 = (l1 - top).exp()[..., None], (l2 - top).exp()[..., None]
+        return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 
 
 class FoldedKV(NamedTuple):

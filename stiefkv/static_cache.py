@@ -13,6 +13,8 @@ It serves ``model.generate(..., cache_implementation="static")`` on a model prep
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import nn
 
@@ -68,7 +70,8 @@ class WindowedCodes:
     dynamic :class:`~stiefkv.cache.LatentStore` would hold quantized (all but the ``recent`` newest, and for
     ``channel`` but a group still filling: :func:`~stiefkv.quant.quantized_length`), and the exact latents of
     the newest ``recent + GROUP`` tokens in a ring. Attention reads it dequantized, the exact tokens laid
-    over their codes; the kernels then read it as floats (correct, not fast).
+    over their codes (correct, not fast); int8/int4 per-token keys and values behind one window decode
+    instead through :class:`RingSplit` (codes read in place beside the ring).
 
     A forward of one token (decode) uses device counters only, so that it can be captured: it quantizes the
     token (``token``) or the group (``channel``) that this token makes due, from the ring, with a masked
@@ -131,16 +134,26 @@ class WindowedCodes:
         self.scale.index_copy_(2, group, torch.where(due, q.scale, self.scale.index_select(2, group)))
         self.low.index_copy_(2, group, torch.where(due, q.low, self.low.index_select(2, group)))
 
+    def ring_slots(self, filled: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The slot each ring entry holds ``[window]`` (the newest ≡ its index mod the window, below
+        ``filled``) and whether that slot is a token held exact."""
+        index = torch.arange(self.window, device=filled.device)
+        newest = filled - 1 - (filled - 1 - index) % self.window
+        return newest, (newest >= 0) & (newest >= quantized_length(filled, self.spec))
+
     def read(self, filled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Every slot's latent ``[B, G, L, r]`` in ``dtype``: codes dequantized, and the exact tokens (of the
         ``filled`` ``[1]`` on the device) laid over them. Slots past ``filled`` hold no token."""
         z = self.dequantized(dtype)
-        index = torch.arange(self.window, device=filled.device)
-        # ring entry i holds the newest slot ≡ i (mod window) below filled
-        newest = filled - 1 - (filled - 1 - index) % self.window
-        exact = (newest >= 0) & (newest >= quantized_length(filled, self.spec))
+        newest, exact = self.ring_slots(filled)
         z.index_copy_(2, torch.where(exact, newest, self.padded), self.ring.to(dtype))
         return z[:, :, : self.length]
+
+    def latents(self) -> QuantizedLatents:
+        """The codes of every slot as the kernels read them (token layout, 8 or 4 bits)."""
+        n = self.length
+        return QuantizedLatents(self.codes[:, :, :n], self.scale[:, :, :n], self.low[:, :, :n],
+                                self.spec.bits, self.rank)
 
     def dequantized(self, dtype: torch.dtype, tokens: int = 2048) -> torch.Tensor:
         """Every slot's codes dequantized ``[B, G, padded + 1, r]`` (a last zero slot), ``tokens`` (a
@@ -159,6 +172,29 @@ class WindowedCodes:
     def rows(self, index: torch.Tensor) -> None:
         for t in (self.codes, self.scale, self.low, self.ring):
             t.copy_(t.index_select(0, index.to(t.device)))
+
+
+class RingSplit(NamedTuple):
+    """A decode step's view of a layer whose keys and values are int8/int4 codes per token behind the same
+    exact window: the codes of the tokens held quantized (the first ``n_codes`` slots, read in place by the
+    kernels) and the ring of exact tokens, each entry at its position, with a bias that hides entries holding
+    no exact token (or left padding). Attention over the two merges by their log-sum-exp."""
+
+    codes_k: QuantizedLatents
+    codes_v: QuantizedLatents
+    n_codes: torch.Tensor  # [1] int32: slots held as codes
+    codes_lengths: torch.Tensor | None  # [B] real slots among them (left padding), None without padding
+    ring_k: torch.Tensor  # [B, G, window, r_k]
+    ring_v: torch.Tensor  # [B, G, window, r_v]
+    ring_positions: torch.Tensor  # [B, window] int32
+    ring_bias: torch.Tensor  # [B, G, window]: 0 for an exact token, −inf otherwise
+
+
+def splittable(k: "WindowedCodes", v: "WindowedCodes") -> bool:
+    """Keys and values the kernels read as codes beside one exact window: token layout, 8 or 4 bits, the
+    same number of recent tokens (so both split the tokens at the same slot)."""
+    return all(isinstance(s, WindowedCodes) and s.spec.layout == "token" and s.spec.bits in KERNEL_BITS
+               for s in (k, v)) and k.spec.recent == v.spec.recent
 
 
 def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -245,6 +281,9 @@ class StaticLatentCache(LatentCache):
         # of several tokens then reads every layer cut to the tokens held, with the exact band a dynamic
         # cache gives it (no n_valid), and decode reads them whole with the exact tokens laid over.
         self.windowed = any(isinstance(b, WindowedCodes) for b in (*self.keys_buf, *self.values_buf))
+        # layers whose decode reads codes in place beside the exact ring (RingSplit)
+        self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
+                             if splittable(k, v)}
         self._cut = False  # this forward reads the layers cut to `seen`
         self._tails: dict[int, tuple] = {}
 
@@ -343,6 +382,8 @@ class StaticLatentCache(LatentCache):
             self.filled.add_(n)
             self.lengths = self._lengths(attention_mask)
         slots = self._slots.to(z_k.device)
+        if n == 1 and layer_idx in self.split_layers:
+            return self._ring_split(layer_idx, slots, z_k, z_v), None, self.positions.to(z_k.device), None
         read, tails = [], []
         for buf, z in ((self.keys_buf[layer_idx], z_k), (self.values_buf[layer_idx], z_v)):
             if isinstance(buf, WindowedCodes):
@@ -369,6 +410,27 @@ class StaticLatentCache(LatentCache):
             read = [_cut(z, self.seen, z_k.dtype) for z in read]
             positions = positions[:, : self.seen]
         return read[0], read[1], positions, lengths
+
+    def _ring_split(self, layer_idx: int, slots: torch.Tensor, z_k: torch.Tensor,
+                    z_v: torch.Tensor) -> RingSplit:
+        """Write one token to a split layer and return its :class:`RingSplit` (device counters only)."""
+        k, v = self.keys_buf[layer_idx], self.values_buf[layer_idx]
+        k.write_one(slots, z_k)
+        v.write_one(slots, z_v)
+        filled = self.filled.to(z_k.device)
+        n_codes = quantized_length(filled, k.spec).to(torch.int32)
+        newest, exact = k.ring_slots(filled)
+        positions = self.positions.to(z_k.device).index_select(1, newest.clamp(min=0))
+        visible = exact[None, :].expand(self.rows, -1)
+        codes_lengths = None
+        if self.starts is not None:
+            starts = self.starts.to(z_k.device)
+            visible = visible & (newest[None, :] >= starts[:, None])
+            codes_lengths = (n_codes - starts).clamp(min=0)
+        zero = torch.zeros((), dtype=k.ring.dtype, device=z_k.device)
+        bias = torch.where(visible, zero, float("-inf"))[:, None, :].expand(-1, k.ring.shape[1], -1)
+        return RingSplit(k.latents(), v.latents(), n_codes, codes_lengths, k.ring, v.ring, positions,
+                         bias.contiguous())
 
     def _lengths(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         if attention_mask is not None:  # transformers' 4-D mask over the filled slots (eager only)

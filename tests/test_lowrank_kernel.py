@@ -416,3 +416,34 @@ def test_dequantize_in_slices_matches_stiefkv_quant(bits):
     got = latents.dequantize(torch.float32, tokens=5)
     assert torch.isfinite(got).all() and torch.equal(got, expected)
     assert torch.equal(latents.dequantize(torch.bfloat16), expected.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("path,Nq,splits,codes", [("decode", 1, 1, False), ("decode_split", 1, 3, False),
+                                                  ("decode_codes", 1, 2, True), ("prefill", 19, 1, False)])
+def test_log_sum_exp_matches_the_reference(path, Nq, splits, codes, key_mode):
+    """return_lse: each row's log-sum-exp of its logits (bias, padding and n_valid applied) equals the
+    reference's, and two attentions over the two halves of the keys merged by it give the whole."""
+    args, kwargs = make_inputs(2, 12, 3, Nq, 70, 64, 24, 40, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    if codes:
+        z_k, z_v = quantize_latents(z_k, 8), quantize_latents(z_v, 4)
+    n_valid = torch.tensor([66], dtype=torch.int32, device=DEVICE)
+    kwargs = dict(kwargs, key_mode=key_mode, n_valid=n_valid, lengths=None)
+    with torch.no_grad():
+        out, lse = lk.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs, num_splits=splits, return_lse=True)
+        ref_out, ref_lse = reference(q, z_k, z_v, P_k, P_v, **kwargs, return_lse=True)
+    atol, rtol = TOL[torch.bfloat16]
+    assert_close(out, ref_out, atol=atol, rtol=rtol, what=f"{path} output")
+    assert_close(lse, ref_lse, atol=2e-2, rtol=1e-3, what=f"{path} lse")
+    if Nq == 1:  # keys 0..39 and 40..65 (the second half through a zero bias, the first hidden by -inf)
+        head = dict(kwargs, n_valid=torch.tensor([40], dtype=torch.int32, device=DEVICE), bias=None)
+        tail_bias = torch.where(torch.arange(70, device=DEVICE) >= 40, 0.0, float("-inf")).expand(2, 3, 70)
+        tail = dict(kwargs, bias=tail_bias.contiguous())
+        with torch.no_grad():
+            o1, l1 = lk.lowrank_attention(q, z_k, z_v, P_k, P_v, **head, return_lse=True)
+            o2, l2 = lk.lowrank_attention(q, z_k, z_v, P_k, P_v, **tail, return_lse=True)
+        w1, w2 = (l1 - torch.maximum(l1, l2)).exp(), (l2 - torch.maximum(l1, l2)).exp()
+        merged = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
+        whole = reference(q, z_k, z_v, P_k, P_v, **dict(kwargs, bias=None))
+        assert_close(merged.to(whole.dtype), whole, atol=atol, rtol=rtol, what=f"{path} merged halves")

@@ -830,5 +830,6 @@ def test_kernel_storage_chooses_what_the_kernels_read(corpus, tmp_path, monkeypa
                               **common)
     monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
     out = tmp_path / "k.safetensors"
-    result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), "--kernel-storage", "--bits", "2"])
+    result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), "--kernel-storage", "--bits",
+                                       "2"])
     assert result.exit_code == 2 and "got bits 2" in result.output and not out.exists(), result.output

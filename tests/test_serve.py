@@ -129,18 +129,22 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-@pytest.mark.parametrize("bits", [None, (8, 4)], ids=["bf16", "int8-int4"])
+@pytest.mark.parametrize("bits", [None, (8, 4), "window"], ids=["bf16", "int8-int4", "int8-int4-r16"])
 def test_triton_kernels_read_the_filled_count(key_mode, bits):
     """The served model on the Triton kernels (interpreted on the CPU, compiled on CUDA) over a static cache
-    of float latents or of codes: the kernels take the key count from ``filled`` (and dequantize codes in
-    registers) and give the reference's tokens."""
+    of float latents, of codes, or of codes behind a 16-token exact window (the codes read in place, the
+    ring beside them, merged by log-sum-exp): the kernels take the key count from device memory (and
+    dequantize codes in registers) and give the reference's tokens."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ids, mask = prompt(batch=2, n=11, device=device)
+    ids, mask = prompt(batch=2, n=30 if bits == "window" else 11, device=device)
     outs = {}
     for backend in ("triton", "reference"):
         kw = dict(key_mode=key_mode, backend=backend, device=device, head_dim=32)  # the kernel's smallest
-        model = served(**kw) if bits is None else quantized_served(bits, **kw)
+        if bits == "window":
+            model = windowed_served(*WINDOWED[3], **kw)
+        else:
+            model = served(**kw) if bits is None else quantized_served(bits, **kw)
         outs[backend] = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=4, prefill_chunk=4,
                                          capture=False)
     assert torch.equal(outs["triton"], outs["reference"])
@@ -188,18 +192,18 @@ def test_static_cache_of_codes_matches_the_dynamic_quantized_cache(key_mode):
 
 
 def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device="cpu", dtype=torch.float32,
-                    head_dim=24):
+                    head_dim=24, backend="auto"):
     from stiefkv.quant import QuantSpec
 
     model = tiny_model("llama", heads=6, kv_heads=2, dtype=dtype, head_dim=head_dim).to(device)
     proj = random_projections(model, 11, 13, key_mode)
     proj.quant = [(QuantSpec.parse(key_spec), QuantSpec.parse(value_spec))] * len(proj.keys)
-    return stiefkv.load(model, proj)
+    return stiefkv.load(model, proj, backend=backend)
 
 
 # what --bits auto picks (channel keys, exact recent tokens, 2-3 bits); a kernel-readable latent beside one
 WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-token"),
-            ("int3-channel-mse", "int2-token")]
+            ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16")]
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -213,6 +217,8 @@ def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
     ids, mask = prompt(batch=2, n=150, seed=1)
     static, dynamic = StaticLatentCache(model, 2, 240), stiefkv.LatentCache()
     assert static.windowed
+    # int8/int4 per token behind one window: decode reads the codes in place beside the exact ring
+    assert static.split_layers == ({0, 1} if specs == WINDOWED[3] else set())
 
     def run(cache, tokens, upto):
         return model(tokens, attention_mask=mask[:, :upto], past_key_values=cache, use_cache=True).logits

@@ -60,6 +60,7 @@ POINTERS = {
     "LK": "fp16",
     "SV": "fp16",
     "LV": "fp16",
+    "LSE": "fp32",
 }
 
 
@@ -105,6 +106,7 @@ def compile_decode(
         "FOLD_K": fold and key_mode == "post_rope",
         "FOLD_V": fold,
         "PREFETCH": prefetch,
+        "HAS_LSE": False,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
