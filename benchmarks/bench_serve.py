@@ -133,7 +133,8 @@ def identity_projections(model) -> stiefkv.Projections:
 
 
 def cache_label(args) -> str:
-    return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "")
+    return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "") \
+        + (f" r{args.recent}" if args.bits < 16 and args.recent else "")
 
 
 def run_case(model, proj, B: int, N: int, args, device) -> dict:
@@ -344,6 +345,9 @@ def main() -> None:
     parser.add_argument("--budget", type=float, default=0.5, help="ranks as a fraction of the head dim")
     parser.add_argument("--bits", type=int, default=16, choices=[16, 8, 4],
                         help="latent codes (token layout, fp16 scale and low per 64 channels) for K and V")
+    parser.add_argument("--recent", type=int, default=0,
+                        help="with --bits: the newest tokens kept exact (--bits auto's default is 16; decode "
+                             "then reads the codes beside the exact ring)")
     parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
@@ -368,7 +372,8 @@ def main() -> None:
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
     proj = random_projections(model, args.budget, args.key_mode)
     if args.bits < 16:
-        proj.quant = [(QuantSpec(args.bits, "token"), QuantSpec(args.bits, "token"))] * len(proj.keys)
+        spec = QuantSpec(args.bits, "token", recent=args.recent)
+        proj.quant = [(spec, spec)] * len(proj.keys)
     label = cache_label(args)
     if args.capacity or args.context_capacity:
         caches = {"uncompressed (our kernels)": identity_projections(model), label: proj}

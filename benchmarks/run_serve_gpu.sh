@@ -10,6 +10,8 @@
 #     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16, and 12.5 % (r 56 x int4)
 #     capacity12 the 12.5 % capacity run alone (about 3 minutes)
 #     context    bench_serve.py --context-capacity (one row, the cache filled directly): 50 % and 12.5 %
+#     window     bench_serve.py 8x16k with int8 codes behind a 16-token exact window (what --bits auto keeps
+#                at 50 %: codes read in place beside the ring), both key modes
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
@@ -30,6 +32,9 @@ for s in "$@"; do
     capacity)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
+    window)
+      serve --shape 8b --cases 8x16384 --key-mode pre_rope --bits 8 --recent 16
+      serve --shape 8b --cases 8x16384 --key-mode post_rope --bits 8 --recent 16 ;;
     context)
       serve --shape 8b --context-capacity --cap-gib 40 --new-tokens 32
       serve --shape 8b --context-capacity --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;

@@ -125,16 +125,21 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
     assert "| 1×300 | 50% | post_rope |" in table
 
 
-def test_bench_serve_runs_on_a_tiny_model():
-    """bench_serve.py end to end on the CPU (eager, the reference): the three caches, one line each."""
+@pytest.mark.parametrize("recent", [0, 16])
+def test_bench_serve_runs_on_a_tiny_model(recent):
+    """bench_serve.py end to end on the CPU (eager, the reference): the three caches, one line each; int8
+    codes alone, and behind a 16-token exact window (decode reads them beside the ring)."""
     import subprocess
 
     out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--cases", "2x40",
-                          "--new-tokens", "3", "--rounds", "1", "--chunk", "16", "--bits", "8"],
+                          "--new-tokens", "3", "--rounds", "1", "--chunk", "16", "--bits", "8",
+                          "--recent", str(recent)],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
-    assert line.startswith("serve tiny pre_rope 0.5 int8 B2 ctx40: transformers static") and "StiefKV" in line
+    label = "int8 r16" if recent else "int8"
+    assert line.startswith(f"serve tiny pre_rope 0.5 {label} B2 ctx40: transformers static"), line
+    assert "StiefKV" in line
 
 
 @pytest.mark.parametrize("bits", [16, 8])
