@@ -215,13 +215,16 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
 
 def fill_synthetic(cache, n: int) -> None:
     """Make a fresh static latent cache hold ``n`` tokens of random latents (codes: random bytes, small
-    scales) at positions ``0..n-1`` without a prefill, in place (no transient beyond one buffer's)."""
+    scales and lows in every group; an exact ring: random) at positions ``0..n-1`` without a prefill, in
+    place (no transient beyond one buffer's)."""
     for bufs in (cache.keys_buf, cache.values_buf):
         for buf in bufs:
-            if hasattr(buf, "codes"):
+            if hasattr(buf, "codes"):  # CodeBuffer or WindowedCodes
                 buf.codes[:, :, :n].random_(0, 256)
-                buf.scale[:, :, :n].fill_(0.01)
-                buf.low[:, :, :n].fill_(-1.0)
+                buf.scale.fill_(0.01)
+                buf.low.fill_(-1.0)
+                if hasattr(buf, "ring"):
+                    buf.ring.normal_()
             else:
                 buf[:, :, :n].normal_()
     cache.positions[:, :n] = torch.arange(n, device=cache.positions.device, dtype=torch.int32)

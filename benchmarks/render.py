@@ -636,16 +636,23 @@ def serve_capacity(res: Results) -> str:
         run = rows[-1]["provenance"]["run_id"]
         for r in (r for r in rows if r["provenance"]["run_id"] == run):
             res.used[id(r)] = ("serve_capacity", r)
+            if not r.get("tokens"):  # nothing fit under the cap
+                out.append([r["cache"], "none fits", "0", "–", "–", "–", "–", "–"])
+                continue
             refused = (f"{r['refused_batch']} × {r['context'] // 1024}k" if "refused_batch" in r
                        else f"1 × {r['refused_context'] // 1024}k")
             out.append([r["cache"], f"{r['batch']} × {r['context'] // 1024}k", f"{r['tokens']:,}",
-                        f"{r['tps']:.0f}", f"{r['capacity_ratio']:.2f}×", f"{r['tps_ratio']:.2f}×",
+                        f"{r['tps']:.0f}", fmt_ratio(r.get("capacity_ratio")), fmt_ratio(r.get("tps_ratio")),
                         f"{r['peak_gib']:.2f}", refused])
     if not out:
         return "_No capacity row yet._"
     head = ["cache", "largest batch × context", "tokens", "tok/s there", "tokens / uncompr.",
             "tok/s / uncompr.", "peak GiB above weights", "refused"]
     return table(head, out)
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "–" if x is None else f"{x:.2f}×"
 
 
 def config_change(cfg: dict, default: dict) -> str:
@@ -697,9 +704,11 @@ def serve_claims(res: Results, claim) -> None:
           f"{pre['ratio_median']:.2f}× (`post_rope`: {post['ratio_median']:.2f}×)" if pre and post else "",
           "≥ 1.3×", pre is not None and pre["ratio_median"] >= 1.3, [pre, post])
     # the newest run whose compressed cache is 50 % bf16 ranks (a 12.5 % run has its own label)
-    runs = [r["provenance"]["run_id"] for r in res.rows("serve_capacity") if r["cache"] == "stiefkv 0.5"]
+    # batch capacity at 32k only: the context-capacity runs (case "capacity-context …") share the labels
+    batch_rows = [r for r in res.rows("serve_capacity") if r["case"].startswith("capacity ")]
+    runs = [r["provenance"]["run_id"] for r in batch_rows if r["cache"] == "stiefkv 0.5"]
     if runs:
-        pair = [r for r in res.rows("serve_capacity") if r["provenance"]["run_id"] == runs[-1]]
+        pair = [r for r in batch_rows if r["provenance"]["run_id"] == runs[-1]]
         low = next(r for r in pair if r["cache"] == "stiefkv 0.5")
         for r in pair:
             res.used[id(r)] = ("serve_capacity", r)
@@ -710,11 +719,11 @@ def serve_claims(res: Results, claim) -> None:
               "≥ 1.8×", low["tps_ratio"] >= 1.8, [low])
     # 12.5 %: ranks 56 of 128 (0.4375) × int4 codes with their fp16 scales and lows
     label = "stiefkv 0.4375 int4"
-    runs = [r["provenance"]["run_id"] for r in res.rows("serve_capacity") if r["cache"] == label]
-    low = next((r for r in res.rows("serve_capacity") if r["provenance"]["run_id"] == runs[-1]
+    runs = [r["provenance"]["run_id"] for r in batch_rows if r["cache"] == label]
+    low = next((r for r in batch_rows if r["provenance"]["run_id"] == runs[-1]
                 and r["cache"] == label), None) if runs else None
     if low:
-        base = next(r for r in res.rows("serve_capacity") if r["provenance"]["run_id"] == runs[-1]
+        base = next(r for r in batch_rows if r["provenance"]["run_id"] == runs[-1]
                     and r["capacity_ratio"] == 1.0)
         claim("Capacity in tokens at 32k under 40 GiB, 12.5 % (ranks 56 × int4) / uncompressed",
               f"{low['capacity_ratio']:.2f}× ({low['batch']} vs {base['batch']} rows)", "≥ 6×",

@@ -22,6 +22,7 @@ from stiefkv.calibrate.pca import SecondMoments, top_eigenvectors
 from stiefkv.calibrate.profile import (
     ANCHOR_BITS,
     KL_SEQUENCES,
+    MSE_BITS,
     MSE_CHOICES,
     PROFILE_STORAGES,
     WEIGHTINGS,
@@ -291,7 +292,8 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
     bf16 = [FLOAT] if cfg.bits == "auto" else []
     if cfg.kernel_storage:  # what the decode kernel reads in place: int8/int4 per token, no window
         widths = KERNEL_BITS if cfg.bits == "auto" else (int(cfg.bits),)
-        return {which: [QuantSpec(b, "token") for b in widths] + bf16 for which in ("k", "v")}
+        return {which: [QuantSpec(b, "token", mse=mse_for(cfg.mse, which) and b <= MSE_BITS) for b in widths]
+                + bf16 for which in ("k", "v")}
     return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which), cfg.recent) + bf16
             for which in ("k", "v")}
 

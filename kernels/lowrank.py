@@ -192,18 +192,22 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
     channels broadcast over the group (a load per channel read 8x the codes' bytes in scales: 0.25 TB/s at
     int4 on the H200). fp16, not the queries' bf16: the scale and low are fp16 already, so the latents are
     in fp16's range, and its 11-bit significand rounds them less (``DTYPE`` is fp16 wherever the keys are
-    codes). Padded channels read as their group's low (the basis rows they meet are 0); masked keys as 0."""
+    codes), but fp32 where ``DTYPE`` is (fp32 queries). Padded channels read as their group's low (the basis
+    rows they meet are 0); masked keys as 0."""
     if BITS == 16:
         z = raw
     else:
-        codes = _codes_to_half(_unpack_codes(raw, R_P2, BLOCK_N, BITS))
-        NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
-        s16 = scale.to(tl.float16)
-        l16 = low.to(tl.float16)
-        if NG == 1:
-            z = codes * s16[:, None] + l16[:, None]
+        if DTYPE == tl.float32:  # fp32 queries: the latents in fp32 too
+            codes = _unpack_codes(raw, R_P2, BLOCK_N, BITS).to(tl.float32)
+            scale_t, low_t = scale, low
         else:
-            z = codes.reshape(BLOCK_N, NG, QUANT_GROUP) * s16[:, :, None] + l16[:, :, None]
+            codes = _codes_to_half(_unpack_codes(raw, R_P2, BLOCK_N, BITS))
+            scale_t, low_t = scale.to(tl.float16), low.to(tl.float16)
+        NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+        if NG == 1:
+            z = codes * scale_t[:, None] + low_t[:, None]
+        else:
+            z = codes.reshape(BLOCK_N, NG, QUANT_GROUP) * scale_t[:, :, None] + low_t[:, :, None]
             z = z.reshape(BLOCK_N, R_P2)
     return z
 
@@ -756,7 +760,9 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32) if return_lse else out
     pre = key_mode == "pre_rope"
     k_codes, v_codes = isinstance(z_k, QuantizedLatents), isinstance(z_v, QuantizedLatents)
-    dtype = torch.float16 if k_codes else z_k.dtype  # the tensor cores' dtype: see _decode_latent
+    # the tensor cores' dtype: fp16 for key codes under 16-bit queries (see _decode_latent), else fp32
+    half = q.dtype in (torch.float16, torch.bfloat16)
+    dtype = (torch.float16 if half else torch.float32) if k_codes else z_k.dtype
     sk, lk = (z_k.scale, z_k.low) if k_codes else (P_k, P_k)  # placeholders for float latents
     sv, lv = (z_v.scale, z_v.low) if v_codes else (P_k, P_k)
     k_bits, v_bits = (z_k.bits if k_codes else 16), (z_v.bits if v_codes else 16)

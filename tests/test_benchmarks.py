@@ -172,3 +172,31 @@ def test_context_capacity_fill_is_what_a_prefill_leaves(bits):
         assert runner.cache.seen == 35 and int(runner.cache.filled) == 35
     finally:
         stiefkv.unload(model)
+
+
+def test_capacity_claims_read_the_batch_runs_not_the_context_runs(tmp_path):
+    """A newer context-capacity run with the same cache labels leaves the 32k batch claims on the batch run;
+    a cache that fits nowhere renders as such."""
+    import json
+    import shutil
+
+    shutil.copy(utils.RESULTS / "serve_capacity.jsonl", tmp_path / "serve_capacity.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "serve_capacity.jsonl").read_text().splitlines()]
+    newest = [r for r in rows if r["cache"] == "stiefkv 0.4375 int4"][-1]
+    base = next(r for r in rows if r["provenance"]["run_id"] == newest["provenance"]["run_id"]
+                and r["cache"] != newest["cache"])
+    fake = []
+    for r, tokens in ((base, 200_000), (newest, 0)):
+        row = dict(r, case="capacity-context 8b pre_rope 0.4375 int4 B1 cap40", batch=1, tokens=tokens,
+                   context=tokens, capacity_ratio=None, tps_ratio=None,
+                   provenance=dict(r["provenance"], run_id="later"))
+        row.pop("refused_batch")
+        row["refused_context"] = tokens + 4096
+        fake.append(row)
+    with open(tmp_path / "serve_capacity.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in fake)
+    res = render.Results(tmp_path)
+    claims = render.claims(res)
+    expected = f"{newest['capacity_ratio']:.2f}× ({newest['batch']} vs {base['batch']} rows)"
+    assert expected in claims
+    assert "none fits" in render.serve_capacity(render.Results(tmp_path))

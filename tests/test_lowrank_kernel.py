@@ -447,3 +447,23 @@ def test_log_sum_exp_matches_the_reference(path, Nq, splits, codes, key_mode):
         merged = (o1.float() * w1[..., None] + o2.float() * w2[..., None]) / (w1 + w2)[..., None]
         whole = reference(q, z_k, z_v, P_k, P_v, **dict(kwargs, bias=None))
         assert_close(merged.to(whole.dtype), whole, atol=atol, rtol=rtol, what=f"{path} merged halves")
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", QUANT_CASES[::3], ids=lambda c: c[0])
+def test_codes_under_fp32_queries_stay_fp32(case, key_mode):
+    """fp32 queries over int8 keys and int4 values (and over int8 keys beside fp32 values): the codes
+    dequantize in fp32 and every dot runs at fp32 precision, within the fp32 tolerance of the reference."""
+    path, B, H, G, Nq, Nk, r_k, r_v, splits = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.float32)
+    q, z_k, z_v, P_k, P_v = args
+    q = q * 30  # large logits: fp16 or tf32 anywhere on the way shows
+    qk, qv = quantize_latents(z_k, 8), quantize_latents(z_v, 4)
+    atol, rtol = TOL[torch.float32]
+    for values, exact_values in ((qv, qv.dequantize(torch.float32)), (z_v, z_v)):
+        with torch.no_grad():
+            out = lk.lowrank_attention(q, qk, values, P_k, P_v, key_mode=key_mode, **kwargs,
+                                       num_splits=splits)
+            expected = reference(q, qk.dequantize(torch.float32), exact_values, P_k, P_v, key_mode=key_mode,
+                                 **kwargs)
+        assert_close(out, expected, atol=atol, rtol=rtol, what=f"fp32 {path} {key_mode}")

@@ -824,6 +824,11 @@ def test_kernel_storage_chooses_what_the_kernels_read(corpus, tmp_path, monkeypa
         assert specs and all(s.layout == "token" and not s.recent and s.bits in (8, 4) for s in specs)
         model = stiefkv.load(tiny_model(), proj)
         assert not StaticLatentCache(model, 1, 16).windowed
+    from stiefkv.calibrate.pipeline import CalibrationConfig, storages
+
+    chosen = storages(CalibrationConfig(bits="4", mse="values", kernel_storage=True).validate())
+    assert [str(s) for s in chosen["k"]] == ["int4-token"]
+    assert [str(s) for s in chosen["v"]] == ["int4-token-mse"]
     for kwargs, message in (({"bits": 3}, "kernels read \\(8 or 4 bits"), ({"recent": 8}, "no exact recent")):
         with pytest.raises(ValueError, match=message):
             stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.2, kernel_storage=True, **kwargs,
