@@ -346,7 +346,7 @@ def main() -> None:
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--cases", nargs="+", default=["8x16384"], help="BATCHxCONTEXT, e.g. 1x32768 8x16384")
     parser.add_argument("--budget", type=float, default=0.5, help="ranks as a fraction of the head dim")
-    parser.add_argument("--bits", type=int, default=16, choices=[16, 8, 4],
+    parser.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 3, 2],
                         help="latent codes (token layout, fp16 scale and low per 64 channels) for K and V")
     parser.add_argument("--recent", type=int, default=0,
                         help="with --bits: the newest tokens kept exact (--bits auto's default is 16; decode "

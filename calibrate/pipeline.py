@@ -79,7 +79,7 @@ class CalibrationConfig:
         ``output`` and ``update`` profiles measure every storage at every rank either way.
     recent : the newest tokens every quantized latent keeps exact (KIVI's residual; their bytes are counted,
         in a cache of 2048 tokens). Each query then reads its own recent keys exact, as in decoding.
-    kernel_storage : choose only storages the fused kernels read in place during decode — int8 or int4 per
+    kernel_storage : choose only storages the fused kernels read in place during decode — 8 to 2 bits per
         token, no exact window (``recent`` must be 0 or left at its default) — besides bf16: what
         :func:`stiefkv.generate` serves fastest, at some quality per byte (the channel layout and the
         window are what ``auto`` otherwise uses at low budgets).
@@ -290,7 +290,7 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
     if cfg.bits == "16" or cfg.allocation == "uniform":
         return None
     bf16 = [FLOAT] if cfg.bits == "auto" else []
-    if cfg.kernel_storage:  # what the decode kernel reads in place: int8/int4 per token, no window
+    if cfg.kernel_storage:  # what the decode kernel reads in place: per token, no window
         widths = KERNEL_BITS if cfg.bits == "auto" else (int(cfg.bits),)
         return {which: [QuantSpec(b, "token", mse=mse_for(cfg.mse, which) and b <= MSE_BITS) for b in widths]
                 + bf16 for which in ("k", "v")}

@@ -89,7 +89,7 @@ def lowrank_attention(
     ----------
     q : ``[B, H, Nq, d]`` queries, already rotated at their positions.
     z_k : ``[B, G, Nk, r_k]`` and z_v : ``[B, G, Nk, r_v]`` key and value latents (``H % G == 0``), float or
-        :class:`QuantizedLatents` (int8/int4 codes the kernel dequantizes in registers).
+        :class:`QuantizedLatents` (8-, 4-, 3- or 2-bit codes the kernel dequantizes in registers).
     P_k : ``[G, d, r_k]`` and P_v : ``[G, d, r_v]`` orthonormal bases; ``P_v=None`` returns the output in
         latent space ``[B, H, Nq, r_v]`` (for a ``P_v`` folded into ``o_proj``).
     key_mode : ``"pre_rope"`` (keys rebuilt as ``P_k z_k`` and rotated at ``positions`` ``[B, Nk]``, or

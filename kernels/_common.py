@@ -99,7 +99,7 @@ def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 QUANT_GROUP = 64
-KERNEL_BITS = (8, 4)  # code widths the Triton kernels dequantize in registers
+KERNEL_BITS = (8, 4, 3, 2)  # code widths the Triton kernels dequantize in registers
 
 
 def as_float_latents(z, dtype: torch.dtype) -> torch.Tensor:

@@ -130,14 +130,28 @@ def _load_rows(ptrs, offs_n, hi, offs_r, R: tl.constexpr, R_P2: tl.constexpr, MA
 def _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr,
                  BITS: tl.constexpr):
     """The stored rows of a latent tile: ``[BLOCK_N, R_P2]`` floats or int8 codes, ``[BLOCK_N, R_P2 / 2]``
-    packed int4 codes; keys ``≥ hi`` (when ``MASK_N``) and channels ``≥ R`` read as 0. Column masks only
-    where the rank is not a power of two: prefill pads the latents (_pad_rank, _pad_codes) because
-    column-masked loads in 128-row prefill tiles read out of bounds on the H200 (triton 3.6)."""
-    W: tl.constexpr = R_P2 // 2 if BITS == 4 else R_P2
-    W_R: tl.constexpr = (R + 1) // 2 if BITS == 4 else R
-    offs_b = tl.arange(0, W)
-    return _load_rows(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, offs_n, hi, offs_b,
-                      W_R, W, MASK_N)
+    packed int4 codes, or for 3 and 2 bits ``[BLOCK_N, R_P2 / 8]`` int32 words of eight codes (``bits``
+    bytes each, little-endian: ``stiefkv.quant.pack``); keys ``≥ hi`` (when ``MASK_N``) and channels ``≥ R``
+    read as 0. Column masks only where the rank is not a power of two: prefill pads the latents
+    (_pad_rank, _pad_codes) because column-masked loads in 128-row prefill tiles read out of bounds on the
+    H200 (triton 3.6)."""
+    if BITS < 4:
+        W8: tl.constexpr = R_P2 // 8
+        W8_R: tl.constexpr = (R + 7) // 8
+        offs_w = tl.arange(0, W8)
+        base = Z + offs_n[:, None] * stride_n + (offs_w * BITS)[None, :] * stride_r
+        raw = _load_rows(base, offs_n, hi, offs_w, W8_R, W8, MASK_N).to(tl.int32)
+        raw = raw | (_load_rows(base + stride_r, offs_n, hi, offs_w, W8_R, W8, MASK_N).to(tl.int32) << 8)
+        if BITS == 3:
+            raw = raw | (_load_rows(base + 2 * stride_r, offs_n, hi, offs_w, W8_R, W8, MASK_N).to(tl.int32)
+                         << 16)
+    else:
+        W: tl.constexpr = R_P2 // 2 if BITS == 4 else R_P2
+        W_R: tl.constexpr = (R + 1) // 2 if BITS == 4 else R
+        offs_b = tl.arange(0, W)
+        raw = _load_rows(Z + offs_n[:, None] * stride_n + offs_b[None, :] * stride_r, offs_n, hi, offs_b,
+                         W_R, W, MASK_N)
+    return raw
 
 
 @triton.jit
@@ -166,13 +180,21 @@ def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
 
 @triton.jit
 def _unpack_codes(raw, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr):
-    """Codes ``[BLOCK_N, R_P2]`` (uint8 values) from the stored bytes: int8 as they are; int4 packed two to
-    a byte, channel ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one
-    (``stiefkv.quant.pack``), interleaved back by a join."""
+    """Codes ``[BLOCK_N, R_P2]`` from the stored bytes: int8 as they are; int4 packed two to a byte, channel
+    ``2j`` in the low nibble of byte ``j`` and ``2j + 1`` in the high one (``stiefkv.quant.pack``),
+    interleaved back by a join; 3 and 2 bits from words of eight (code ``i`` at bit ``bits·i``), the eight
+    shifted tiles joined so that code ``i`` of word ``w`` lands in channel ``8w + i``."""
     if BITS == 8:
         codes = raw
-    else:
+    elif BITS == 4:
         codes = tl.join(raw & 15, raw >> 4).reshape(BLOCK_N, R_P2)
+    else:
+        M: tl.constexpr = (1 << BITS) - 1
+        c0, c1, c2, c3 = raw & M, (raw >> BITS) & M, (raw >> 2 * BITS) & M, (raw >> 3 * BITS) & M
+        c4, c5 = (raw >> 4 * BITS) & M, (raw >> 5 * BITS) & M
+        c6, c7 = (raw >> 6 * BITS) & M, (raw >> 7 * BITS) & M
+        codes = tl.join(tl.join(tl.join(c0, c4), tl.join(c2, c6)),
+                        tl.join(tl.join(c1, c5), tl.join(c3, c7))).reshape(BLOCK_N, R_P2)
     return codes
 
 
@@ -666,7 +688,7 @@ def _pad_codes(z: QuantizedLatents, P: torch.Tensor | None) -> tuple[QuantizedLa
     the groups it spans (zeros: those channels read as 0); other padded channels read as their group's low,
     against zero rows of the basis."""
     width = padded_dim(z.rank)
-    nbytes = width if z.bits == 8 else width // 2
+    nbytes = width // 8 * z.bits  # eight codes in `bits` bytes (pack's words)
     groups = -(-width // _common.QUANT_GROUP)
     codes = F.pad(z.codes[..., :nbytes], (0, max(0, nbytes - z.codes.shape[-1])))
     scale = F.pad(z.scale, (0, groups - z.scale.shape[-1]))
@@ -843,7 +865,7 @@ def lowrank_attention(
     Parameters
     ----------
     q : ``[B, H, Nq, d]`` rotated queries. z_k : ``[B, G, Nk, r_k]``, z_v : ``[B, G, Nk, r_v]`` latents
-        (bf16, fp16 or fp32; any strides), or either as :class:`QuantizedLatents` (int8 or int4 codes,
+        (bf16, fp16 or fp32; any strides), or either as :class:`QuantizedLatents` (8, 4, 3 or 2-bit codes,
         dequantized in registers to the queries' dtype). P_k : ``[G, d, r_k]``, P_v : ``[G, d, r_v]`` or
         ``None`` (latent output ``[B, H, Nq, r_v]``).
     key_mode, positions ``[B, Nk]`` (or ``[B, G, Nk]``), rope, bias ``[B, G, Nk]``, causal, lengths ``[B]``,

@@ -196,7 +196,7 @@ def main():
               help="The newest tokens every quantized latent keeps exact (as KIVI does); their bytes count "
                    "against the budget.")
 @click.option("--kernel-storage", is_flag=True, default=DEFAULTS["kernel_storage"],
-              help="Choose only storages the fused decode kernel reads in place (int8/int4 per token, no "
+              help="Choose only storages the fused decode kernel reads in place (2-8 bits per token, no "
                    "exact window; bf16 too with --bits auto): the fastest serving, at some quality per "
                    "byte.")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,

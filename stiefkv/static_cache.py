@@ -61,7 +61,7 @@ class CodeBuffer:
 
 
 def kernel_readable(spec: QuantSpec) -> bool:
-    """Codes the kernels read in place: int8 or int4 per token, every token quantized as it is written."""
+    """Codes the kernels read in place: 8 to 2 bits per token, every token quantized as it is written."""
     return spec.layout == "token" and not spec.recent and spec.bits in KERNEL_BITS
 
 
@@ -70,7 +70,7 @@ class WindowedCodes:
     dynamic :class:`~stiefkv.cache.LatentStore` would hold quantized (all but the ``recent`` newest, and for
     ``channel`` but a group still filling: :func:`~stiefkv.quant.quantized_length`), and the exact latents of
     the newest ``recent + GROUP`` tokens in a ring. Attention reads it dequantized, the exact tokens laid
-    over their codes (correct, not fast); int8/int4 per-token keys and values behind one window decode
+    over their codes (correct, not fast); per-token keys and values behind one window decode
     instead through :class:`RingSplit` (codes read in place beside the ring).
 
     A forward of one token (decode) uses device counters only, so that it can be captured: it quantizes the
@@ -150,7 +150,7 @@ class WindowedCodes:
         return z[:, :, : self.length]
 
     def latents(self) -> QuantizedLatents:
-        """The codes of every slot as the kernels read them (token layout, 8 or 4 bits)."""
+        """The codes of every slot as the kernels read them (token layout, 8, 4, 3 or 2 bits)."""
         n = self.length
         return QuantizedLatents(self.codes[:, :, :n], self.scale[:, :, :n], self.low[:, :, :n],
                                 self.spec.bits, self.rank)
@@ -175,7 +175,7 @@ class WindowedCodes:
 
 
 class RingSplit(NamedTuple):
-    """A decode step's view of a layer whose keys and values are int8/int4 codes per token behind the same
+    """A decode step's view of a layer whose keys and values are codes per token behind the same
     exact window: the codes of the tokens held quantized (the first ``n_codes`` slots, read in place by the
     kernels) and the ring of exact tokens, each entry at its position, with a bias that hides entries holding
     no exact token (or left padding). Attention over the two merges by their log-sum-exp."""
@@ -191,7 +191,7 @@ class RingSplit(NamedTuple):
 
 
 def splittable(k: "WindowedCodes", v: "WindowedCodes") -> bool:
-    """Keys and values the kernels read as codes beside one exact window: token layout, 8 or 4 bits, the
+    """Keys and values the kernels read as codes beside one exact window: token layout, any width, the
     same number of recent tokens (so both split the tokens at the same slot)."""
     return all(isinstance(s, WindowedCodes) and s.spec.layout == "token" and s.spec.bits in KERNEL_BITS
                for s in (k, v)) and k.spec.recent == v.spec.recent
@@ -229,7 +229,7 @@ def transformers_static_length(made) -> int:
 
 
 class StaticLatentCache(LatentCache):
-    """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device: float; int8/int4
+    """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device: float; int8-int2
     codes per token with no exact window (:class:`CodeBuffer`; the kernels dequantize them in registers);
     or any other storage of the checkpoint (:class:`WindowedCodes`: exact recent tokens, channel layout,
     2-3 bits; read dequantized).

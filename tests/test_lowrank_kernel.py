@@ -341,7 +341,7 @@ QUANT_CASES = [
 ]
 
 
-@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c[0]}-G{c[3]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
 def test_quantized_latents_match_the_reference(case, key_mode, bits):
@@ -382,8 +382,8 @@ def test_quantized_latents_bad_input():
     args, kwargs = make_inputs(1, 2, 1, 1, 20, 32, 16, 16, torch.bfloat16, padded=False)
     q, z_k, z_v, P_k, P_v = args
     qk = quantize_latents(z_k, 4)
-    with pytest.raises(ValueError, match="reads 8 or 4-bit codes, got 3"):
-        lk.lowrank_attention(q, quantize_latents(z_k, 3), z_v, P_k, P_v, **kwargs)
+    with pytest.raises(ValueError, match="reads 8 or 4 or 3 or 2-bit codes, got 5"):
+        lk.lowrank_attention(q, qk._replace(bits=5), z_v, P_k, P_v, **kwargs)
     with pytest.raises(ValueError, match="scale must be float16"):
         lk.lowrank_attention(q, qk._replace(scale=qk.scale.float()), z_v, P_k, P_v, **kwargs)
 

@@ -20,6 +20,7 @@ from stiefkv.cache import LatentStore
 from stiefkv.calibrate.allocate import knapsack_options, smallest_budget, storage_dp
 from stiefkv.calibrate.profile import LayerProfile, spreading_rotation
 from stiefkv.evaluate import BASELINES, baseline_projections
+from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.projections import CheckpointError, Projections
 from stiefkv.quant import (
     CLIP_RATIOS,
@@ -807,9 +808,9 @@ def test_kl_profile_measures_only_the_anchor_widths_and_predicts_the_rest():
 
 
 def test_kernel_storage_chooses_what_the_kernels_read(corpus, tmp_path, monkeypatch):
-    """kernel_storage: every quantized latent int8 or int4 per token with no exact window, in budget; the
-    static cache then holds no windowed store. Widths the kernels cannot read and an exact window are
-    refused, from Python and from the CLI (exit 2, nothing written)."""
+    """kernel_storage: every quantized latent per token with no exact window, in budget; the static cache
+    then holds no windowed store. An exact window is refused, from Python and from the CLI (exit 2, nothing
+    written)."""
     pytest.importorskip("geoopt")
     from stiefkv.cli import main
     from stiefkv.static_cache import StaticLatentCache
@@ -821,7 +822,7 @@ def test_kernel_storage_chooses_what_the_kernels_read(corpus, tmp_path, monkeypa
                                  **common)
         assert proj.kv_bytes_per_token() <= 0.2 * 2 * 2 * 2 * 24 * 2 + 1e-9
         specs = [s for pair in proj.specs for s in pair if s.quantized]
-        assert specs and all(s.layout == "token" and not s.recent and s.bits in (8, 4) for s in specs)
+        assert specs and all(s.layout == "token" and not s.recent and s.bits in KERNEL_BITS for s in specs)
         model = stiefkv.load(tiny_model(), proj)
         assert not StaticLatentCache(model, 1, 16).windowed
     from stiefkv.calibrate.pipeline import CalibrationConfig, storages
@@ -829,12 +830,10 @@ def test_kernel_storage_chooses_what_the_kernels_read(corpus, tmp_path, monkeypa
     chosen = storages(CalibrationConfig(bits="4", mse="values", kernel_storage=True).validate())
     assert [str(s) for s in chosen["k"]] == ["int4-token"]
     assert [str(s) for s in chosen["v"]] == ["int4-token-mse"]
-    for kwargs, message in (({"bits": 3}, "kernels read \\(8 or 4 bits"), ({"recent": 8}, "no exact recent")):
-        with pytest.raises(ValueError, match=message):
-            stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.2, kernel_storage=True, **kwargs,
-                              **common)
+    with pytest.raises(ValueError, match="no exact recent"):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), budget=0.2, kernel_storage=True, recent=8, **common)
     monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
     out = tmp_path / "k.safetensors"
-    result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), "--kernel-storage", "--bits",
-                                       "2"])
-    assert result.exit_code == 2 and "got bits 2" in result.output and not out.exists(), result.output
+    result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), "--kernel-storage", "--recent",
+                                       "8"])
+    assert result.exit_code == 2 and "got recent 8" in result.output and not out.exists(), result.output

@@ -129,7 +129,8 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-@pytest.mark.parametrize("bits", [None, (8, 4), "window"], ids=["bf16", "int8-int4", "int8-int4-r16"])
+@pytest.mark.parametrize("bits", [None, (8, 4), (3, 2), 3, 4], ids=["bf16", "int8-int4", "int3-int2",
+                                                                    "int8-int4-r16", "int3-int2-r16"])
 def test_triton_kernels_read_the_filled_count(key_mode, bits):
     """The served model on the Triton kernels (interpreted on the CPU, compiled on CUDA) over a static cache
     of float latents, of codes, or of codes behind a 16-token exact window (the codes read in place, the
@@ -137,12 +138,13 @@ def test_triton_kernels_read_the_filled_count(key_mode, bits):
     dequantize codes in registers) and give the reference's tokens."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    ids, mask = prompt(batch=2, n=30 if bits == "window" else 11, device=device)
+    window = isinstance(bits, int)  # WINDOWED[bits]: codes behind a 16-token exact window
+    ids, mask = prompt(batch=2, n=30 if window else 11, device=device)
     outs = {}
     for backend in ("triton", "reference"):
         kw = dict(key_mode=key_mode, backend=backend, device=device, head_dim=32)  # the kernel's smallest
-        if bits == "window":
-            model = windowed_served(*WINDOWED[3], **kw)
+        if window:
+            model = windowed_served(*WINDOWED[bits], **kw)
         else:
             model = served(**kw) if bits is None else quantized_served(bits, **kw)
         outs[backend] = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=4, prefill_chunk=4,
@@ -203,7 +205,8 @@ def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device=
 
 # what --bits auto picks (channel keys, exact recent tokens, 2-3 bits); a kernel-readable latent beside one
 WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-token"),
-            ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16")]
+            ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16"),
+            ("int3-token-r16", "int2-token-r16")]
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -217,8 +220,8 @@ def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
     ids, mask = prompt(batch=2, n=150, seed=1)
     static, dynamic = StaticLatentCache(model, 2, 240), stiefkv.LatentCache()
     assert static.windowed
-    # int8/int4 per token behind one window: decode reads the codes in place beside the exact ring
-    assert static.split_layers == ({0, 1} if specs == WINDOWED[3] else set())
+    # per-token codes behind one window: decode reads them in place beside the exact ring
+    assert static.split_layers == ({0, 1} if specs in WINDOWED[3:] else set())
 
     def run(cache, tokens, upto):
         return model(tokens, attention_mask=mask[:, :upto], past_key_values=cache, use_cache=True).logits
