@@ -49,12 +49,14 @@ class ExactTail(NamedTuple):
 
 
 class QuantizedLatents(NamedTuple):
-    """Latents ``[B, G, N, rank]`` stored as unsigned codes, per token over groups of :data:`QUANT_GROUP`
-    channels (``stiefkv.quant``'s ``token`` layout): ``z = code · scale + low``.
+    """Latents ``[B, G, N, rank]`` stored as unsigned codes: ``z = code · scale + low``, per token over groups
+    of :data:`QUANT_GROUP` channels (``layout="token"``) or per channel over groups of :data:`QUANT_GROUP`
+    tokens (``"channel"``), as ``stiefkv.quant`` lays them out.
 
     ``codes`` ``[B, G, N, ceil(rank / 8) · bits]`` uint8, eight codes in ``bits`` bytes, code ``i`` at bit
-    ``bits · i`` (``stiefkv.quant.pack``); ``scale`` and ``low`` ``[B, G, N, ceil(rank / QUANT_GROUP)]``
-    float16; ``bits`` 8 or 4 (the widths the kernel reads; the reference reads 2 and 3 as well).
+    ``bits · i`` (``stiefkv.quant.pack``); ``scale`` and ``low`` float16, ``[B, G, N, ceil(rank /
+    QUANT_GROUP)]`` (token) or ``[B, G, ≥ ceil(N / QUANT_GROUP), rank]`` (channel); ``bits`` in
+    :data:`KERNEL_BITS`.
     """
 
     codes: torch.Tensor
@@ -62,6 +64,7 @@ class QuantizedLatents(NamedTuple):
     low: torch.Tensor
     bits: int
     rank: int
+    layout: str = "token"
 
     @property
     def shape(self) -> torch.Size:
@@ -77,12 +80,19 @@ class QuantizedLatents(NamedTuple):
         (unpacked whole, int4 codes of a 23-row 32k cache took 9 GiB beside an 11.5 GiB cache)."""
         B, G, N, _ = self.shape
         out = torch.empty(B, G, N, self.rank, dtype=dtype, device=self.codes.device)
+        tokens = -(-tokens // QUANT_GROUP) * QUANT_GROUP  # whole token groups per slice
         for start in range(0, N, tokens):
             part = slice(start, start + tokens)
             codes = _unpack(self.codes[:, :, part], self.bits)[..., : self.rank].float()
-            scale = self.scale[:, :, part].float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
-            low = self.low[:, :, part].float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
-            out[:, :, part] = codes * scale + low
+            if self.layout == "channel":
+                n = codes.shape[2]
+                rows = slice(start // QUANT_GROUP, -(-(start + n) // QUANT_GROUP))
+                scale = self.scale[:, :, rows].float().repeat_interleave(QUANT_GROUP, 2)[:, :, :n]
+                low = self.low[:, :, rows].float().repeat_interleave(QUANT_GROUP, 2)[:, :, :n]
+            else:
+                scale = self.scale[:, :, part].float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
+                low = self.low[:, :, part].float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
+            out[:, :, part] = codes * scale[..., : self.rank] + low[..., : self.rank]
         return out
 
 

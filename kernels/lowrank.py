@@ -157,7 +157,7 @@ def _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.co
 @triton.jit
 def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                   R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                  BITS: tl.constexpr):
+                  BITS: tl.constexpr, CH: tl.constexpr = False):
     """The memory reads of a latent tile, nothing computed: ``(raw, scale, low)``, ``raw`` from
     :func:`_fetch_bytes` and, for codes, the fp32 scales and lows (``[BLOCK_N]`` for one scale group,
     ``[BLOCK_N, NG]`` for more; unused zeros for floats). Split from :func:`_decode_latent` so that a loop
@@ -167,6 +167,11 @@ def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
     if BITS == 16:
         scale = tl.zeros([BLOCK_N], dtype=tl.float32)
         low = scale
+    elif CH:  # channel layout: one scale and low per channel and group of QUANT_GROUP tokens
+        offs_r = tl.arange(0, R_P2)
+        row_ptrs = (offs_n // QUANT_GROUP)[:, None] * stride_sn + offs_r[None, :] * stride_sg
+        scale = _load_rows(S + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
+        low = _load_rows(L + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
     elif NG == 1:
         scale, low = _token_scales(S, L, offs_n, hi, stride_sn, MASK_N)
     else:
@@ -208,7 +213,7 @@ def _codes_to_half(codes):
 
 @triton.jit
 def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
-                   DTYPE: tl.constexpr):
+                   DTYPE: tl.constexpr, CH: tl.constexpr = False):
     """The tile of :func:`_fetch_latent` for the tensor cores: float rows as loaded, or codes as fp16
     ``code · scale + low`` in registers, one fp16 scale and low per token and group of :data:`QUANT_GROUP`
     channels broadcast over the group (a load per channel read 8x the codes' bytes in scales: 0.25 TB/s at
@@ -226,7 +231,9 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
             codes = _codes_to_half(_unpack_codes(raw, R_P2, BLOCK_N, BITS))
             scale_t, low_t = scale.to(tl.float16), low.to(tl.float16)
         NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
-        if NG == 1:
+        if CH:  # a scale and low per element (per channel and token group)
+            z = codes * scale_t + low_t
+        elif NG == 1:
             z = codes * scale_t[:, None] + low_t[:, None]
         else:
             z = codes.reshape(BLOCK_N, NG, QUANT_GROUP) * scale_t[:, :, None] + low_t[:, :, None]
@@ -237,13 +244,13 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
 @triton.jit
 def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                  R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                 BITS: tl.constexpr, DTYPE: tl.constexpr):
+                 BITS: tl.constexpr, DTYPE: tl.constexpr, CH: tl.constexpr = False):
     """A ``[BLOCK_N, R_P2]`` tile of latents in ``DTYPE``, read and decoded at once. No early return in the
     helpers: the compiler (unlike the interpreter) generates the code after a ``return`` inside a constexpr
     ``if``."""
     raw, scale, low = _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2,
-                                    BLOCK_N, MASK_N, BITS)
-    return _decode_latent(raw, scale, low, R_P2, BLOCK_N, BITS, DTYPE)
+                                    BLOCK_N, MASK_N, BITS, CH)
+    return _decode_latent(raw, scale, low, R_P2, BLOCK_N, BITS, DTYPE, CH)
 
 
 @triton.jit
@@ -336,6 +343,7 @@ def _attend_range(
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
     q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
+    K_CH: tl.constexpr = False, V_CH: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -350,22 +358,22 @@ def _attend_range(
     offs_nt = tl.arange(0, BLOCK_N)
     if PREFETCH:
         kr, ks, kl = _fetch_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
-                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS)
+                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH)
         kp = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
         vr, vs, vl = _fetch_latent(ZV, SV, LV, start + offs_nt, end, stride_vn, stride_vr, stride_svn,
-                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS)
+                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
-            z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE)
+            z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH)
             pos = kp
-            v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE)
+            v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH)
             nxt = offs_n + BLOCK_N
             kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                       R_K, R_K_P2, BLOCK_N, True, K_BITS)
+                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH)
             kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, True, V_BITS)
+                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH)
             s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
                             FAST_SINCOS, DOT_PREC, UPCAST)
         elif FOLD_K:
@@ -376,7 +384,7 @@ def _attend_range(
             s = s * scale[None, :] + q1sum[:, None] * low[None, :]
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                             R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE)  # [BLOCK_N, R_K_P2]
+                             R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH)  # [BLOCK_N, R_K_P2]
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
                             FAST_SINCOS, DOT_PREC, UPCAST)
@@ -407,7 +415,7 @@ def _attend_range(
         else:
             if not PREFETCH:
                 v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                 R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE)  # [BLOCK_N, R_V_P2]
+                                 R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE, V_CH)  # [BLOCK_N, R_V_P2]
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     return acc, l_i, m_i
 
@@ -494,7 +502,7 @@ def _lowrank_attn_fwd(
     HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
-    HAS_LSE: tl.constexpr,
+    HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -583,7 +591,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -591,7 +599,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -689,12 +697,12 @@ def _pad_codes(z: QuantizedLatents, P: torch.Tensor | None) -> tuple[QuantizedLa
     against zero rows of the basis."""
     width = padded_dim(z.rank)
     nbytes = width // 8 * z.bits  # eight codes in `bits` bytes (pack's words)
-    groups = -(-width // _common.QUANT_GROUP)
+    groups = width if z.layout == "channel" else -(-width // _common.QUANT_GROUP)  # the scales' last axis
     codes = F.pad(z.codes[..., :nbytes], (0, max(0, nbytes - z.codes.shape[-1])))
     scale = F.pad(z.scale, (0, groups - z.scale.shape[-1]))
     low = F.pad(z.low, (0, groups - z.low.shape[-1]))
     P = F.pad(P, (0, width - z.rank)) if P is not None else None
-    return QuantizedLatents(codes, scale, low, z.bits, width), P
+    return QuantizedLatents(codes, scale, low, z.bits, width, z.layout), P
 
 
 def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tensor:
@@ -704,15 +712,19 @@ def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tenso
         raise ValueError(f"{name}: the kernel reads {' or '.join(map(str, KERNEL_BITS))}-bit codes, got "
                          f"{z.bits}; dequantize them (QuantizedLatents.dequantize) or use the reference")
     B, G, N, r = z.shape
-    groups = -(-r // _common.QUANT_GROUP)
+    if z.layout not in ("token", "channel"):
+        raise ValueError(f"{name}.layout must be 'token' or 'channel', got {z.layout!r}")
     if z.codes.dtype != torch.uint8 or z.codes.dim() != 4 or z.codes.shape[3] < -(-r * z.bits // 8):
         raise ValueError(f"{name}.codes must be uint8 [B, G, N, ≥ {-(-r * z.bits // 8)}] for rank {r}, got "
                          f"{z.codes.dtype} {tuple(z.codes.shape)}")
+    group = _common.QUANT_GROUP
+    shape = (B, G, N, -(-r // group)) if z.layout == "token" else (B, G, -(-N // group), r)
     for part in ("scale", "low"):
         t = getattr(z, part)
-        if tuple(t.shape) != (B, G, N, groups) or t.dtype != torch.float16:
-            raise ValueError(f"{name}.{part} must be float16 [B, G, N, {groups}], got {t.dtype} "
-                             f"{tuple(t.shape)}")
+        if tuple(t.shape[:2]) != shape[:2] or t.shape[3] != shape[3] or t.shape[2] < shape[2] \
+                or t.dtype != torch.float16:
+            raise ValueError(f"{name}.{part} must be float16 {list(shape)} ({z.layout} layout), got "
+                             f"{t.dtype} {tuple(t.shape)}")
     if z.codes.stride(3) != 1:
         raise ValueError(f"{name}.codes must be contiguous along a token's bytes")
     return torch.empty(B, G, N, r, device="meta", dtype=q.dtype)
@@ -788,6 +800,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     sk, lk = (z_k.scale, z_k.low) if k_codes else (P_k, P_k)  # placeholders for float latents
     sv, lv = (z_v.scale, z_v.low) if v_codes else (P_k, P_k)
     k_bits, v_bits = (z_k.bits if k_codes else 16), (z_v.bits if v_codes else 16)
+    k_channel = k_codes and z_k.layout == "channel"
+    v_channel = v_codes and z_v.layout == "channel"
     sk_strides = z_k.scale.stride() if k_codes else (0, 0, 0, 0)
     sv_strides = z_v.scale.stride() if v_codes else (0, 0, 0, 0)
     z_k = z_k.codes if k_codes else z_k
@@ -826,8 +840,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
         UPCAST=interpreting(),  # every dot: a bf16 value tile may meet fp16 key codes
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
-        FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP,
-        FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP,
+        FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP
+        and not k_channel,
+        FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP and not v_channel,
+        K_CH=k_channel, V_CH=v_channel,
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

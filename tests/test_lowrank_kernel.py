@@ -467,3 +467,39 @@ def test_codes_under_fp32_queries_stay_fp32(case, key_mode):
             expected = reference(q, qk.dequantize(torch.float32), exact_values, P_k, P_v, key_mode=key_mode,
                                  **kwargs)
         assert_close(out, expected, atol=atol, rtol=rtol, what=f"fp32 {path} {key_mode}")
+
+
+def channel_codes(z: torch.Tensor, bits: int, n_keys: int):
+    """``z``'s first ``n_keys`` tokens in ``stiefkv.quant``'s channel layout (a scale and low per channel and
+    group of 64 tokens), the rest of the buffer's tokens quantized too (a static cache's slots past the
+    filled count hold whatever they held)."""
+    from stiefkv.kernels import QuantizedLatents
+    from stiefkv.quant import QuantSpec, quantize
+
+    N = z.shape[2]
+    padded = torch.cat([z.float().cpu(), torch.zeros(*z.shape[:2], -N % 64, z.shape[3])], 2)
+    qz = quantize(padded, QuantSpec(bits, "channel"))
+    return QuantizedLatents(qz.codes[:, :, :N].to(z.device), qz.scale.to(z.device), qz.low.to(z.device),
+                            bits, qz.rank, "channel")
+
+
+@pytest.mark.parametrize("bits", [8, 3])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c[0]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
+def test_channel_layout_codes_match_the_reference(case, key_mode, bits):
+    """Codes with a scale and low per channel and group of 64 tokens (the keys' layout of --bits auto): read
+    in place against the reference on the dequantized latents; with n_valid inside a token group, and
+    beside per-token value codes."""
+    path, B, H, G, Nq, Nk, r_k, r_v, splits = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    ck, cv = channel_codes(z_k, bits, Nk), channel_codes(z_v, bits, Nk)
+    assert torch.equal(ck.dequantize(torch.float32).cpu(), ck.dequantize(torch.float32, tokens=64).cpu())
+    atol, rtol = TOL[torch.bfloat16]
+    for values in (cv, quantize_latents(z_v, 4)):
+        with torch.no_grad():
+            out = lk.lowrank_attention(q, ck, values, P_k, P_v, key_mode=key_mode, **kwargs,
+                                       num_splits=splits)
+            expected = reference(q, ck.dequantize(torch.bfloat16), values.dequantize(torch.bfloat16), P_k,
+                                 P_v, key_mode=key_mode, **kwargs)
+        assert_close(out, expected, atol=atol, rtol=rtol, what=f"channel int{bits} {path} {key_mode}")

@@ -107,6 +107,8 @@ def compile_decode(
         "FOLD_V": fold,
         "PREFETCH": prefetch,
         "HAS_LSE": False,
+        "K_CH": False,
+        "V_CH": False,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
