@@ -22,7 +22,16 @@ from stiefkv.cache import LatentCache, lengths_from_mask
 from stiefkv.kernels import QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.models import decoder_layers
-from stiefkv.quant import GROUP, Quantized, QuantSpec, dequantize, packed_bytes, quantize, quantized_length
+from stiefkv.quant import (
+    GROUP,
+    Quantized,
+    QuantSpec,
+    dequantize,
+    packed_bytes,
+    quantize,
+    quantized_length,
+    unpack,
+)
 
 
 def _capturing(device: torch.device) -> bool:
@@ -150,8 +159,11 @@ class WindowedCodes:
         return z[:, :, : self.length]
 
     def latents(self) -> QuantizedLatents:
-        """The codes of every slot as the kernels read them (token layout, 8, 4, 3 or 2 bits)."""
+        """The codes of every slot as the kernels read them."""
         n = self.length
+        if self.spec.layout == "channel":  # a row of scales per group of slots: all rows
+            return QuantizedLatents(self.codes[:, :, :n], self.scale, self.low, self.spec.bits, self.rank,
+                                    "channel")
         return QuantizedLatents(self.codes[:, :, :n], self.scale[:, :, :n], self.low[:, :, :n],
                                 self.spec.bits, self.rank)
 
@@ -190,11 +202,30 @@ class RingSplit(NamedTuple):
     ring_bias: torch.Tensor  # [B, G, window]: 0 for an exact token, −inf otherwise
 
 
-def splittable(k: "WindowedCodes", v: "WindowedCodes") -> bool:
-    """Keys and values the kernels read as codes beside one exact window: token layout, any width, the
-    same number of recent tokens (so both split the tokens at the same slot)."""
-    return all(isinstance(s, WindowedCodes) and s.spec.layout == "token" and s.spec.bits in KERNEL_BITS
-               for s in (k, v)) and k.spec.recent == v.spec.recent
+def splittable(k, v) -> bool:
+    """Keys and values the kernels read as codes (any layout and width), at least one behind an exact
+    window: decode splits the tokens at the first one either holds exact."""
+    stores = (k, v)
+    return all(isinstance(s, (WindowedCodes, CodeBuffer)) for s in stores) \
+        and any(isinstance(s, WindowedCodes) for s in stores)
+
+
+def _held_as_codes(store, filled: torch.Tensor) -> torch.Tensor:
+    """Slots ``store`` holds as codes once ``filled`` are written (a CodeBuffer: all)."""
+    return quantized_length(filled, store.spec) if isinstance(store, WindowedCodes) else filled
+
+
+def _codes_at(store, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The latents the codes of ``slots`` ``[W]`` stand for ``[B, G, W, r]`` (computed in float32), whatever
+    the slots hold exact: what attention reads of a token held quantized."""
+    codes = unpack(store.codes.index_select(2, slots), store.spec.bits, store.rank).float()
+    if store.spec.layout == "channel":
+        scale = store.scale.index_select(2, slots // GROUP).float()
+        low = store.low.index_select(2, slots // GROUP).float()
+    else:
+        scale = store.scale.index_select(2, slots).float().repeat_interleave(GROUP, -1)[..., : store.rank]
+        low = store.low.index_select(2, slots).float().repeat_interleave(GROUP, -1)[..., : store.rank]
+    return (codes * scale + low).to(dtype)
 
 
 def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
@@ -413,24 +444,42 @@ class StaticLatentCache(LatentCache):
 
     def _ring_split(self, layer_idx: int, slots: torch.Tensor, z_k: torch.Tensor,
                     z_v: torch.Tensor) -> RingSplit:
-        """Write one token to a split layer and return its :class:`RingSplit` (device counters only)."""
-        k, v = self.keys_buf[layer_idx], self.values_buf[layer_idx]
-        k.write_one(slots, z_k)
-        v.write_one(slots, z_v)
+        """Write one token to a split layer and return its :class:`RingSplit` (device counters only). The
+        split falls at the first slot either latent holds exact; the ring side gives each latent as the
+        dynamic cache reads it there: exact from its own ring where it holds the token exact, else its
+        codes dequantized (values per token are exact from ``f − recent``, keys per channel only from the
+        last whole group)."""
+        stores = (self.keys_buf[layer_idx], self.values_buf[layer_idx])
+        for store, z in zip(stores, (z_k, z_v)):
+            if isinstance(store, WindowedCodes):
+                store.write_one(slots, z)
+            else:
+                store.write(slots, z)
         filled = self.filled.to(z_k.device)
-        n_codes = quantized_length(filled, k.spec).to(torch.int32)
-        newest, exact = k.ring_slots(filled)
-        positions = self.positions.to(z_k.device).index_select(1, newest.clamp(min=0))
-        visible = exact[None, :].expand(self.rows, -1)
+        held = [_held_as_codes(s, filled) for s in stores]
+        n_codes = torch.minimum(*held)
+        widest = max((s for s in stores if isinstance(s, WindowedCodes)), key=lambda s: s.window)
+        newest, _ = widest.ring_slots(filled)
+        slot = newest.clamp(min=0)
+        dtype = widest.ring.dtype
+        views = []
+        for store, first_exact in zip(stores, held):
+            coded = _codes_at(store, slot, dtype)
+            if isinstance(store, WindowedCodes):
+                exact = store.ring.index_select(2, slot % store.window).to(dtype)
+                coded = torch.where((newest >= first_exact)[None, None, :, None], exact, coded)
+            views.append(coded)
+        visible = ((newest >= 0) & (newest >= n_codes))[None, :].expand(self.rows, -1)
         codes_lengths = None
         if self.starts is not None:
             starts = self.starts.to(z_k.device)
             visible = visible & (newest[None, :] >= starts[:, None])
-            codes_lengths = (n_codes - starts).clamp(min=0)
-        zero = torch.zeros((), dtype=k.ring.dtype, device=z_k.device)
-        bias = torch.where(visible, zero, float("-inf"))[:, None, :].expand(-1, k.ring.shape[1], -1)
-        return RingSplit(k.latents(), v.latents(), n_codes, codes_lengths, k.ring, v.ring, positions,
-                         bias.contiguous())
+            codes_lengths = (n_codes - starts).clamp(min=0).to(torch.int32)
+        positions = self.positions.to(z_k.device).index_select(1, slot)
+        zero = torch.zeros((), dtype=dtype, device=z_k.device)
+        bias = torch.where(visible, zero, float("-inf"))[:, None, :].expand(-1, views[0].shape[1], -1)
+        return RingSplit(stores[0].latents(), stores[1].latents(), n_codes.to(torch.int32), codes_lengths,
+                         views[0], views[1], positions, bias.contiguous())
 
     def _lengths(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         if attention_mask is not None:  # transformers' 4-D mask over the filled slots (eager only)

@@ -129,8 +129,9 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-@pytest.mark.parametrize("bits", [None, (8, 4), (3, 2), 3, 4], ids=["bf16", "int8-int4", "int3-int2",
-                                                                    "int8-int4-r16", "int3-int2-r16"])
+@pytest.mark.parametrize("bits", [None, (8, 4), (3, 2), 3, 4, 0],
+                         ids=["bf16", "int8-int4", "int3-int2", "int8-int4-r16", "int3-int2-r16",
+                              "int2-channel-int3-r16"])
 def test_triton_kernels_read_the_filled_count(key_mode, bits):
     """The served model on the Triton kernels (interpreted on the CPU, compiled on CUDA) over a static cache
     of float latents, of codes, or of codes behind a 16-token exact window (the codes read in place, the
@@ -206,7 +207,7 @@ def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device=
 # what --bits auto picks (channel keys, exact recent tokens, 2-3 bits); a kernel-readable latent beside one
 WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-token"),
             ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16"),
-            ("int3-token-r16", "int2-token-r16")]
+            ("int3-token-r16", "int2-token-r16"), ("bf16", "int3-channel-r16")]
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -220,8 +221,8 @@ def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
     ids, mask = prompt(batch=2, n=150, seed=1)
     static, dynamic = StaticLatentCache(model, 2, 240), stiefkv.LatentCache()
     assert static.windowed
-    # per-token codes behind one window: decode reads them in place beside the exact ring
-    assert static.split_layers == ({0, 1} if specs in WINDOWED[3:] else set())
+    # codes behind an exact window: decode reads them in place beside the ring (float keys: read dequantized)
+    assert static.split_layers == (set() if specs[0] == "bf16" else {0, 1})
 
     def run(cache, tokens, upto):
         return model(tokens, attention_mask=mask[:, :upto], past_key_values=cache, use_cache=True).logits
