@@ -714,8 +714,10 @@ def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tenso
     B, G, N, r = z.shape
     if z.layout not in ("token", "channel"):
         raise ValueError(f"{name}.layout must be 'token' or 'channel', got {z.layout!r}")
-    if z.codes.dtype != torch.uint8 or z.codes.dim() != 4 or z.codes.shape[3] < -(-r * z.bits // 8):
-        raise ValueError(f"{name}.codes must be uint8 [B, G, N, ≥ {-(-r * z.bits // 8)}] for rank {r}, got "
+    # the bytes the kernel reads per token: whole 8-code words below 4 bits (stiefkv.quant.pack)
+    need = -(-r // 8) * z.bits if z.bits < 4 else -(-r * z.bits // 8)
+    if z.codes.dtype != torch.uint8 or z.codes.dim() != 4 or z.codes.shape[3] < need:
+        raise ValueError(f"{name}.codes must be uint8 [B, G, N, ≥ {need}] for rank {r} at {z.bits} bits, got "
                          f"{z.codes.dtype} {tuple(z.codes.shape)}")
     group = _common.QUANT_GROUP
     shape = (B, G, N, -(-r // group)) if z.layout == "token" else (B, G, -(-N // group), r)

@@ -153,7 +153,9 @@ class LowRankAttention(nn.Module):
         o2, l2 = kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
                                            None, positions=split.ring_positions, bias=split.ring_bias,
                                            causal=False, **common)
-        top = torch.maximum(l1, l2)  # the ring always holds the new token: l2, hence top, is finite
+        # the new token is on one side or the other (the ring, or the codes once a latent holds all it has
+        # quantized): top is finite, and a side with no visible key has weight 0 and output 0
+        top = torch.maximum(l1, l2)
         w1, w2 = (l1 - top).exp()[..., None], (l2 - top).exp()[..., None]
         return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
 

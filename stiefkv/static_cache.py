@@ -79,8 +79,8 @@ class WindowedCodes:
     dynamic :class:`~stiefkv.cache.LatentStore` would hold quantized (all but the ``recent`` newest, and for
     ``channel`` but a group still filling: :func:`~stiefkv.quant.quantized_length`), and the exact latents of
     the newest ``recent + GROUP`` tokens in a ring. Attention reads it dequantized, the exact tokens laid
-    over their codes (correct, not fast); per-token keys and values behind one window decode
-    instead through :class:`RingSplit` (codes read in place beside the ring).
+    over their codes (correct, not fast), where its partner is float; beside codes it decodes through
+    :class:`RingSplit` (codes read in place beside the ring).
 
     A forward of one token (decode) uses device counters only, so that it can be captured: it quantizes the
     token (``token``) or the group (``channel``) that this token makes due, from the ring, with a masked
@@ -187,10 +187,11 @@ class WindowedCodes:
 
 
 class RingSplit(NamedTuple):
-    """A decode step's view of a layer whose keys and values are codes per token behind the same
-    exact window: the codes of the tokens held quantized (the first ``n_codes`` slots, read in place by the
-    kernels) and the ring of exact tokens, each entry at its position, with a bias that hides entries holding
-    no exact token (or left padding). Attention over the two merges by their log-sum-exp."""
+    """A decode step's view of a layer whose keys and values are codes (at least one behind an exact
+    window): the codes of the slots both hold quantized (the first ``n_codes``, read in place by the
+    kernels), and a ring view of the slots from there to the newest, each latent exact where it holds the
+    token exact and its codes dequantized where not, each entry at its position, with a bias that hides the
+    entries outside those slots (and left padding). Attention over the two merges by log-sum-exp."""
 
     codes_k: QuantizedLatents
     codes_v: QuantizedLatents
@@ -199,7 +200,7 @@ class RingSplit(NamedTuple):
     ring_k: torch.Tensor  # [B, G, window, r_k]
     ring_v: torch.Tensor  # [B, G, window, r_v]
     ring_positions: torch.Tensor  # [B, window] int32
-    ring_bias: torch.Tensor  # [B, G, window]: 0 for an exact token, −inf otherwise
+    ring_bias: torch.Tensor  # [B, G, window]: 0 for a slot in [n_codes, filled), −inf otherwise
 
 
 def splittable(k, v) -> bool:
@@ -308,7 +309,7 @@ class StaticLatentCache(LatentCache):
         self.starts: torch.Tensor | None = None
         self.seen = 0  # host count of filled slots, for transformers; never read by a captured step
         self._slots: torch.Tensor | None = None
-        # Stores that attention reads dequantized (an exact window, a channel layout, 2 or 3 bits): a forward
+        # Stores with an exact window (recent tokens, a channel group still filling): a forward
         # of several tokens then reads every layer cut to the tokens held, with the exact band a dynamic
         # cache gives it (no n_valid), and decode reads them whole with the exact tokens laid over.
         self.windowed = any(isinstance(b, WindowedCodes) for b in (*self.keys_buf, *self.values_buf))
@@ -316,6 +317,9 @@ class StaticLatentCache(LatentCache):
         self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
                              if splittable(k, v)}
         self._cut = False  # this forward reads the layers cut to `seen`
+        # decode paths whose CUDA-graph capture has run on a GPU: float latents and int8/int4 codes alone
+        self.capture_checked = not self.windowed and all(
+            b.spec.bits in (8, 4) for b in (*self.keys_buf, *self.values_buf) if isinstance(b, CodeBuffer))
         self._tails: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ what attention reads

@@ -384,6 +384,9 @@ def test_quantized_latents_bad_input():
     qk = quantize_latents(z_k, 4)
     with pytest.raises(ValueError, match="reads 8 or 4 or 3 or 2-bit codes, got 5"):
         lk.lowrank_attention(q, qk._replace(bits=5), z_v, P_k, P_v, **kwargs)
+    q3 = quantize_latents(z_k, 3)  # rank 16: two words of three bytes; one byte short is refused
+    with pytest.raises(ValueError, match=r"≥ 6\] for rank 16 at 3 bits"):
+        lk.lowrank_attention(q, q3._replace(codes=q3.codes[..., :5]), z_v, P_k, P_v, **kwargs)
     with pytest.raises(ValueError, match="scale must be float16"):
         lk.lowrank_attention(q, qk._replace(scale=qk.scale.float()), z_v, P_k, P_v, **kwargs)
 

@@ -140,7 +140,8 @@ def test_triton_kernels_read_the_filled_count(key_mode, bits):
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     window = isinstance(bits, int)  # WINDOWED[bits]: codes behind a 16-token exact window
-    ids, mask = prompt(batch=2, n=30 if window else 11, device=device)
+    # long enough that every windowed latent holds codes (channel keys: a whole group past the window)
+    ids, mask = prompt(batch=2, n=100 if window else 11, device=device)
     outs = {}
     for backend in ("triton", "reference"):
         kw = dict(key_mode=key_mode, backend=backend, device=device, head_dim=32)  # the kernel's smallest
@@ -158,6 +159,7 @@ def test_triton_kernels_read_the_filled_count(key_mode, bits):
 def test_captured_decode_gives_the_eager_tokens(key_mode):
     for model in (served(key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
                   quantized_served((8, 4), key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
+                  quantized_served((3, 2), key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
                   windowed_served(*WINDOWED[0], key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
                   tiny_model("llama", heads=6, kv_heads=2, dtype=torch.bfloat16).cuda()):
         ids, mask = prompt(device="cuda")
@@ -251,6 +253,15 @@ def test_generate_with_any_layout_matches_transformers(specs):
                          return_dict_in_generate=True, **GREEDY)
     assert isinstance(getattr(out, "cache", None) or out.past_key_values, StaticLatentCache)
     assert torch.equal(out.sequences, expected)
+
+
+def test_capture_by_default_only_where_it_ran_on_a_gpu():
+    """stiefkv.generate's capture='auto' captures float latents and int8/int4 codes; caches with an exact
+    window or 3/2-bit codes decode eagerly until their capture has run on a GPU."""
+    assert StaticLatentCache(served(), 1, 8).capture_checked
+    assert StaticLatentCache(quantized_served((8, 4)), 1, 8).capture_checked
+    assert not StaticLatentCache(quantized_served((3, 2)), 1, 8).capture_checked
+    assert not StaticLatentCache(windowed_served(*WINDOWED[3]), 1, 8).capture_checked
 
 
 def test_windowed_static_cache_bytes_and_crop():
