@@ -83,7 +83,7 @@ class QuantizedLatents(NamedTuple):
         tokens = -(-tokens // QUANT_GROUP) * QUANT_GROUP  # whole token groups per slice
         for start in range(0, N, tokens):
             part = slice(start, start + tokens)
-            codes = _unpack(self.codes[:, :, part], self.bits)[..., : self.rank].float()
+            codes = unpack(self.codes[:, :, part], self.bits, self.rank).float()
             if self.layout == "channel":
                 n = codes.shape[2]
                 rows = slice(start // QUANT_GROUP, -(-(start + n) // QUANT_GROUP))
@@ -96,16 +96,18 @@ class QuantizedLatents(NamedTuple):
         return out
 
 
-def _unpack(codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes as uint8 values from their packed bytes (``stiefkv.quant.pack``: code ``i`` at bit ``bits·i``
-    of each ``bits``-byte word of eight)."""
+def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
+    """Inverse of ``stiefkv.quant.pack``: ``[..., packed_bytes(n, bits)]`` uint8 → ``[..., n]`` int64 codes.
+    Here, beside the kernels' readers of the format, since the kernels import nothing from the rest."""
     if bits == 8:
-        return codes
-    if bits == 4:
-        return torch.stack((codes & 15, codes >> 4), -1).flatten(-2)
-    b = codes.to(torch.int64).unflatten(-1, (-1, bits))
-    word = (b << (torch.arange(bits, device=b.device) * 8)).sum(-1, keepdim=True)
-    return ((word >> (torch.arange(8, device=b.device) * bits)) & ((1 << bits) - 1)).flatten(-2)
+        return packed[..., :n].to(torch.int64)
+    if bits == 4:  # byte by byte: code 2j in the low nibble of byte j, 2j + 1 in the high one
+        return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)[..., :n].to(torch.int64)
+    b = packed.to(torch.int64).unflatten(-1, (-1, bits))
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    word = (b << byte_shifts).sum(-1, keepdim=True)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    return ((word >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :n]
 
 
 QUANT_GROUP = 64

@@ -32,6 +32,8 @@ from dataclasses import dataclass
 
 import torch
 
+from stiefkv.kernels._common import unpack  # noqa: F401  (pack's inverse, shared with the kernels)
+
 BITS = (16, 8, 4, 3, 2)
 QUANT_BITS = tuple(b for b in BITS if b < 16)
 LAYOUTS = ("token", "channel")
@@ -127,15 +129,6 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     word = (c << shifts).sum(-1, keepdim=True)
     byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
     return ((word >> byte_shifts) & 0xFF).to(torch.uint8).flatten(-2)
-
-
-def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
-    """Inverse of :func:`pack`: ``[..., packed_bytes(n, bits)]`` uint8 → ``[..., n]`` int64 codes."""
-    b = packed.to(torch.int64).unflatten(-1, (-1, bits))
-    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
-    word = (b << byte_shifts).sum(-1, keepdim=True)
-    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
-    return ((word >> shifts) & ((1 << bits) - 1)).flatten(-2)[..., :n]
 
 
 @dataclass

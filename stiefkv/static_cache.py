@@ -22,16 +22,7 @@ from stiefkv.cache import LatentCache, lengths_from_mask
 from stiefkv.kernels import QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.models import decoder_layers
-from stiefkv.quant import (
-    GROUP,
-    Quantized,
-    QuantSpec,
-    dequantize,
-    packed_bytes,
-    quantize,
-    quantized_length,
-    unpack,
-)
+from stiefkv.quant import GROUP, Quantized, QuantSpec, packed_bytes, quantize, quantized_length, unpack
 
 
 def _capturing(device: torch.device) -> bool:
@@ -153,7 +144,11 @@ class WindowedCodes:
     def read(self, filled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Every slot's latent ``[B, G, L, r]`` in ``dtype``: codes dequantized, and the exact tokens (of the
         ``filled`` ``[1]`` on the device) laid over them. Slots past ``filled`` hold no token."""
-        z = self.dequantized(dtype)
+        B, G = self.codes.shape[:2]
+        codes = QuantizedLatents(self.codes, self.scale, self.low, self.spec.bits, self.rank,
+                                 self.spec.layout)
+        # a last slot where the ring entries that hold no exact token land
+        z = torch.cat([codes.dequantize(dtype), self.ring.new_zeros(B, G, 1, self.rank, dtype=dtype)], 2)
         newest, exact = self.ring_slots(filled)
         z.index_copy_(2, torch.where(exact, newest, self.padded), self.ring.to(dtype))
         return z[:, :, : self.length]
@@ -166,20 +161,6 @@ class WindowedCodes:
                                     "channel")
         return QuantizedLatents(self.codes[:, :, :n], self.scale[:, :, :n], self.low[:, :, :n],
                                 self.spec.bits, self.rank)
-
-    def dequantized(self, dtype: torch.dtype, tokens: int = 2048) -> torch.Tensor:
-        """Every slot's codes dequantized ``[B, G, padded + 1, r]`` (a last zero slot), ``tokens`` (a
-        multiple of the group) at a time: unpacking goes through int64, 8× the codes' bytes."""
-        B, G = self.codes.shape[:2]
-        z = torch.zeros(B, G, self.padded + 1, self.rank, dtype=dtype, device=self.codes.device)
-        per_group = 1 if self.spec.layout == "token" else GROUP
-        for lo in range(0, self.padded, tokens):
-            hi = min(self.padded, lo + tokens)
-            groups = slice(lo // per_group, hi // per_group)
-            part = Quantized(self.codes[:, :, lo:hi], self.scale[:, :, groups], self.low[:, :, groups],
-                             self.spec.bits, self.spec.layout, self.rank)
-            z[:, :, lo:hi] = dequantize(part, dtype)
-        return z
 
     def rows(self, index: torch.Tensor) -> None:
         for t in (self.codes, self.scale, self.low, self.ring):
@@ -219,14 +200,14 @@ def _held_as_codes(store, filled: torch.Tensor) -> torch.Tensor:
 def _codes_at(store, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The latents the codes of ``slots`` ``[W]`` stand for ``[B, G, W, r]`` (computed in float32), whatever
     the slots hold exact: what attention reads of a token held quantized."""
-    codes = unpack(store.codes.index_select(2, slots), store.spec.bits, store.rank).float()
-    if store.spec.layout == "channel":
-        scale = store.scale.index_select(2, slots // GROUP).float()
-        low = store.low.index_select(2, slots // GROUP).float()
-    else:
-        scale = store.scale.index_select(2, slots).float().repeat_interleave(GROUP, -1)[..., : store.rank]
-        low = store.low.index_select(2, slots).float().repeat_interleave(GROUP, -1)[..., : store.rank]
-    return (codes * scale + low).to(dtype)
+    codes = store.codes.index_select(2, slots)
+    if store.spec.layout == "token":
+        return QuantizedLatents(codes, store.scale.index_select(2, slots), store.low.index_select(2, slots),
+                                store.spec.bits, store.rank).dequantize(dtype)
+    # channel: each slot takes its group's row of scales and lows, channel by channel
+    scale = store.scale.index_select(2, slots // GROUP).float()
+    low = store.low.index_select(2, slots // GROUP).float()
+    return (unpack(codes, store.spec.bits, store.rank).float() * scale + low).to(dtype)
 
 
 def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
