@@ -44,9 +44,16 @@ class Compacted:
     values: torch.Tensor
 
 
-def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``exp(q·k·s − m_q)`` ``[..., m, T]`` and the row maxima ``m_q`` ``[..., m]`` (float64)."""
-    s = (queries.double() @ keys.double().transpose(-1, -2)) * scale
+# The batched fits' logits: float32 keeps ~1e-7 of each relative mass, far inside what bf16 caches hold, at
+# half float64's bytes and with the fast exponential (float64 logits were a third of compaction's H200
+# time at 32k tokens; docs/notes/compaction.md). Everything solved from them is float64.
+FIT_LOGITS = torch.float32
+
+
+def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float,
+            dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
+    """``exp(q·k·s − m_q)`` ``[..., m, T]`` and the row maxima ``m_q`` ``[..., m]``, in ``dtype``."""
+    s = (queries.to(dtype) @ keys.to(dtype).transpose(-1, -2)) * scale
     top = s.amax(-1, keepdim=True)
     return torch.exp(s - top), top.squeeze(-1)
 
@@ -113,19 +120,34 @@ def _largest_eigenvalue(gram: torch.Tensor, steps: int = 30) -> torch.Tensor:
 
 def _solve(M: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """``M⁻¹ b`` for symmetric positive definite ``M`` ``[..., n, n]`` (a Gram matrix plus a ridge) and ``b``
-    ``[..., n]`` or ``[..., n, k]``, by Cholesky, one matrix at a time (a general solve where the
-    factorisation fails). Batched factorisations are the slow path on both devices: on the H200 they run
-    as thousands of small MAGMA-style kernels (88 % of compaction's time at 32k tokens), and on the CPU a
-    batched LU nests MKL's threaded ``getrf`` inside torch's parallel loop, which deadlocked the suite."""
+    ``[..., n]`` or ``[..., n, k]``, by Cholesky (a general solve for a matrix whose factorisation fails).
+    On CUDA the matrices are factorised together and solved by two triangular solves (cusolver's batched
+    Cholesky; ``cholesky_solve`` and one factorisation per matrix were slower on the H200, batched LU
+    slowest); on the CPU one at a time, since a batched factorisation there nests MKL's threaded LAPACK
+    inside torch's parallel loop, which deadlocked the suite."""
     vector = b.dim() == M.dim() - 1
-    flat_M = M.reshape(-1, *M.shape[-2:])
-    flat_b = (b[..., None] if vector else b).reshape(-1, M.shape[-1], b.shape[-1] if not vector else 1)
+    rhs = b[..., None] if vector else b
+    x = _solve_batched(M, rhs) if M.is_cuda else _solve_each(M, rhs)
+    return x[..., 0] if vector else x
+
+
+def _solve_batched(M: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    L, info = torch.linalg.cholesky_ex(M)
+    x = torch.linalg.solve_triangular(L, rhs, upper=False)
+    x = torch.linalg.solve_triangular(L.transpose(-1, -2), x, upper=True)
+    failed = info != 0
+    if bool(failed.any()):
+        x[failed] = torch.linalg.solve(M[failed], rhs[failed])
+    return x
+
+
+def _solve_each(M: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
+    flat_M, flat_b = M.reshape(-1, *M.shape[-2:]), rhs.reshape(-1, *rhs.shape[-2:])
     out = []
     for m, v in zip(flat_M, flat_b):
         L, info = torch.linalg.cholesky_ex(m)
         out.append(torch.cholesky_solve(v, L) if int(info) == 0 else torch.linalg.solve(m, v))
-    x = torch.stack(out)
-    return x.reshape(*b.shape[:-1], b.shape[-1]) if not vector else x.reshape(b.shape)
+    return torch.stack(out).reshape(rhs.shape)
 
 
 def _fit_projected(A: torch.Tensor) -> torch.Tensor:
@@ -161,7 +183,7 @@ def _refit_values(E: torch.Tensor, mass: torch.Tensor, E_sel: torch.Tensor, w: t
     times ``C_v`` ≈ the block's output, pulled towards ``chosen`` (the kept keys' own values)."""
     A = E_sel * w[..., None, :]
     A = A / A.sum(-1, keepdim=True)
-    target = (E @ V) / mass[..., None]
+    target = (E @ V.to(E.dtype)).double() / mass.double()[..., None]
     gram = A.transpose(-1, -2) @ A
     lam = (ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1))[..., None, None]
     eye = torch.eye(gram.shape[-1], dtype=torch.float64, device=E.device)
@@ -204,7 +226,7 @@ def compact_heads(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     T = keys.shape[-2]
     if not 1 <= t <= T:
         raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
-    E, _ = _logits(queries, keys, scale)
+    E, _ = _logits(queries, keys, scale, FIT_LOGITS)
     mass = E.sum(-1)
     index = _select_attention(E, mass, t, pooling)  # [..., t]
     return (index, *_fit_chosen(E, mass, index, values, fit_beta=fit_beta, refit_values=refit_values,
@@ -217,8 +239,8 @@ def _fit_chosen(E: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, values
     logits are ``E`` ``[..., m, T]`` (``exp`` less any per-query shift: the fit is relative to each
     query's ``mass``, so β does not depend on the shift)."""
     t = index.shape[-1]
-    E_sel = E.gather(-1, index[..., None, :].expand(*E.shape[:-1], t))
-    w = _fit_projected(E_sel / mass[..., None]) if fit_beta else torch.ones_like(E_sel[..., 0, :])
+    E_sel = E.gather(-1, index[..., None, :].expand(*E.shape[:-1], t)).double()
+    w = _fit_projected(E_sel / mass.double()[..., None]) if fit_beta else torch.ones_like(E_sel[..., 0, :])
     w = w.clamp(min=MIN_WEIGHT)
     V = values.double()
     chosen = V.gather(-2, index[..., None].expand(*index.shape, V.shape[-1]))
@@ -264,7 +286,7 @@ def compact_heads_blocked(keys: torch.Tensor, values: torch.Tensor, queries: tor
         if n == 0:  # fewer entries than blocks: this block is dropped
             continue
         k, v, sc = keys[..., s:s + block, :], values[..., s:s + block, :], scores[..., s:s + block]
-        E, _ = _logits(queries, k, scale)
+        E, _ = _logits(queries, k, scale, FIT_LOGITS)
         index = sc.topk(n, -1).indices.sort(-1).values
         parts.append((index + s, *_fit_chosen(E, E.sum(-1), index, v, fit_beta=fit_beta,
                                               refit_values=refit_values, ridge=ridge, dtype=keys.dtype)))
@@ -455,7 +477,7 @@ def layer_scores(keys: torch.Tensor, queries: torch.Tensor, scale: float, poolin
     step = _heads_per_slice(q.shape[2], T, B)
     out = []
     for g in range(0, G, step):
-        E, _ = _logits(q[:, g:g + step], keys[:, g:g + step], scale)
+        E, _ = _logits(q[:, g:g + step], keys[:, g:g + step], scale, FIT_LOGITS)
         out.append(key_scores(E, E.sum(-1), pooling))
     return torch.cat(out, 1)
 
