@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 from scipy.optimize import nnls
 
 SELECTIONS = ("attention", "omp")
@@ -150,14 +151,29 @@ def _solve_each(M: torch.Tensor, rhs: torch.Tensor) -> torch.Tensor:
     return torch.stack(out).reshape(rhs.shape)
 
 
-def _fit_projected(A: torch.Tensor) -> torch.Tensor:
+def _ridged(gram: torch.Tensor, ridge: float, pad: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``gram + λ·I`` with ``λ`` ``ridge`` × the mean diagonal over the entries that are not ``pad``
+    (``[..., t]``, True for padding, whose zero rows and columns get a unit diagonal: their solution is
+    then 0 and the other entries' is that of the unpadded system), and ``λ`` ``[..., 1, 1]``."""
+    diagonal = gram.diagonal(dim1=-2, dim2=-1)
+    if pad is None:
+        lam = ridge * diagonal.mean(-1)
+    else:
+        lam = ridge * diagonal.sum(-1) / (~pad).sum(-1).clamp_min(1)
+    eye = torch.eye(gram.shape[-1], dtype=gram.dtype, device=gram.device)
+    M = gram + lam[..., None, None] * eye
+    if pad is not None:
+        M = M + torch.diag_embed(pad.to(gram.dtype))
+    return M, lam[..., None, None]
+
+
+def _fit_projected(A: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
     """``w ≥ 0`` ``[..., t]`` with ``A w ≈ 1`` for ``A`` ``[..., m, t]``: clamped least squares, then
-    :data:`PROJECTED_STEPS` projected gradient steps, batched over the leading dimensions."""
+    :data:`PROJECTED_STEPS` projected gradient steps, batched over the leading dimensions. ``pad``
+    ``[..., t]`` marks padding columns (zero in ``A``; their weight stays 0)."""
     gram = A.transpose(-1, -2) @ A
     rhs = A.sum(-2)
-    lam = 1e-9 * gram.diagonal(dim1=-2, dim2=-1).mean(-1)
-    eye = torch.eye(gram.shape[-1], dtype=A.dtype, device=A.device)
-    w = _solve(gram + lam[..., None, None] * eye, rhs).clamp_min(0)
+    w = _solve(_ridged(gram, 1e-9, pad)[0], rhs).clamp_min(0)
     step = (1 / _largest_eigenvalue(gram))[..., None]
     for _ in range(PROJECTED_STEPS):
         w = (w - step * ((gram @ w[..., None])[..., 0] - rhs)).clamp_min(0)
@@ -177,17 +193,20 @@ def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor, solver: str = "nnls") 
     return _fit_projected(A)
 
 
-def _refit_values(E: torch.Tensor, mass: torch.Tensor, E_sel: torch.Tensor, w: torch.Tensor,
-                  V: torch.Tensor, chosen: torch.Tensor, ridge: float) -> torch.Tensor:
+def _block_output(E: torch.Tensor, mass: torch.Tensor, V: torch.Tensor) -> torch.Tensor:
+    """The block's attention output for each reference query ``[..., m, d_v]`` (float64)."""
+    return (E @ V.to(E.dtype)).double() / mass.double()[..., None]
+
+
+def _refit_values(E_sel: torch.Tensor, w: torch.Tensor, target: torch.Tensor, chosen: torch.Tensor,
+                  ridge: float, pad: torch.Tensor | None = None) -> torch.Tensor:
     """``C_v`` ``[..., t, d_v]`` by ridge least squares: the compacted block's attention ``A`` ``[..., m, t]``
-    times ``C_v`` ≈ the block's output, pulled towards ``chosen`` (the kept keys' own values)."""
+    times ``C_v`` ≈ the block's output ``target`` (:func:`_block_output`), pulled towards ``chosen`` (the
+    kept keys' own values). ``pad`` as in :func:`_fit_projected` (padding entries come out 0)."""
     A = E_sel * w[..., None, :]
     A = A / A.sum(-1, keepdim=True)
-    target = (E @ V.to(E.dtype)).double() / mass.double()[..., None]
-    gram = A.transpose(-1, -2) @ A
-    lam = (ridge * gram.diagonal(dim1=-2, dim2=-1).mean(-1))[..., None, None]
-    eye = torch.eye(gram.shape[-1], dtype=torch.float64, device=E.device)
-    return _solve(gram + lam * eye, A.transpose(-1, -2) @ target + lam * chosen)
+    M, lam = _ridged(A.transpose(-1, -2) @ A, ridge, pad)
+    return _solve(M, A.transpose(-1, -2) @ target + lam * chosen)
 
 
 def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
@@ -213,7 +232,7 @@ def compact_head(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor
     w = w.clamp(min=MIN_WEIGHT)
     chosen = values.double()[index]
     if refit_values:
-        chosen = _refit_values(E, mass, E_sel, w, values.double(), chosen, ridge)
+        chosen = _refit_values(E_sel, w, _block_output(E, mass, values), chosen, ridge)
     return Compacted(index, torch.log(w).to(keys.dtype), chosen.to(values.dtype))
 
 
@@ -238,15 +257,32 @@ def _fit_chosen(E: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, values
     """β ``[..., t]`` and values ``[..., t, d_v]`` of the keys at ``index`` ``[..., t]`` of a block whose
     logits are ``E`` ``[..., m, T]`` (``exp`` less any per-query shift: the fit is relative to each
     query's ``mass``, so β does not depend on the shift)."""
+    E_sel, chosen, target = _gathered(E, mass, index, values, refit_values)
+    w, fitted = _fit_gathered(E_sel, mass, chosen, target, fit_beta=fit_beta, ridge=ridge)
+    return torch.log(w).to(dtype), fitted.to(values.dtype)
+
+
+def _gathered(E: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
+              refit_values: bool):
+    """What the fits need of a block, in float64: the chosen keys' logits ``[..., m, t]``, their values
+    ``[..., t, d_v]``, and the block's output (None without a refit)."""
     t = index.shape[-1]
     E_sel = E.gather(-1, index[..., None, :].expand(*E.shape[:-1], t)).double()
-    w = _fit_projected(E_sel / mass.double()[..., None]) if fit_beta else torch.ones_like(E_sel[..., 0, :])
-    w = w.clamp(min=MIN_WEIGHT)
     V = values.double()
     chosen = V.gather(-2, index[..., None].expand(*index.shape, V.shape[-1]))
-    if refit_values:
-        chosen = _refit_values(E, mass, E_sel, w, V, chosen, ridge)
-    return torch.log(w).to(dtype), chosen.to(values.dtype)
+    return E_sel, chosen, _block_output(E, mass, values) if refit_values else None
+
+
+def _fit_gathered(E_sel: torch.Tensor, mass: torch.Tensor, chosen: torch.Tensor, target: torch.Tensor | None,
+                  *, fit_beta: bool, ridge: float, pad: torch.Tensor | None = None):
+    """The weights ``w`` ``[..., t]`` and values ``[..., t, d_v]`` (float64) from :func:`_gathered`'s parts;
+    ``pad`` ``[..., t]`` marks padding entries (zero logits and values)."""
+    w = (_fit_projected(E_sel / mass.double()[..., None], pad) if fit_beta
+         else torch.ones_like(E_sel[..., 0, :]))
+    w = w.clamp(min=MIN_WEIGHT)
+    if target is not None:
+        chosen = _refit_values(E_sel, w, target, chosen, ridge, pad)
+    return w, chosen
 
 
 def block_counts(scores: torch.Tensor, t: int, block: int) -> list[int]:
@@ -280,18 +316,36 @@ def compact_heads_blocked(keys: torch.Tensor, values: torch.Tensor, queries: tor
     """:func:`compact_heads` on consecutive blocks of ``block`` tokens, each compacted on its own to its
     entry of ``counts`` (the compacted blocks, joined, reproduce the whole: each keeps its mass and its
     output). Keys are chosen by the whole layer's ``scores`` ``[..., T]``; the fits see one block at a
-    time, so their cost, quadratic and cubic in the entries kept, falls by the number of blocks."""
+    time, so their cost, quadratic and cubic in the entries kept, falls by the number of blocks.
+
+    The logits are made block by block; the fits of all blocks run together, each block's entries padded
+    to the largest count (one batch of solves and projected steps per layer, not one per block: on the
+    H200 the blocks' small launches, not their arithmetic, were most of the fits' time)."""
+    starts = [(s, n) for s, n in zip(range(0, keys.shape[-2], block), counts) if n > 0]  # 0: dropped
+    widest = max(n for _, n in starts)
     parts = []
-    for s, n in zip(range(0, keys.shape[-2], block), counts):
-        if n == 0:  # fewer entries than blocks: this block is dropped
-            continue
+    for s, n in starts:
         k, v, sc = keys[..., s:s + block, :], values[..., s:s + block, :], scores[..., s:s + block]
         E, _ = _logits(queries, k, scale, FIT_LOGITS)
+        mass = E.sum(-1)
         index = sc.topk(n, -1).indices.sort(-1).values
-        parts.append((index + s, *_fit_chosen(E, E.sum(-1), index, v, fit_beta=fit_beta,
-                                              refit_values=refit_values, ridge=ridge, dtype=keys.dtype)))
-    index, beta, fitted = zip(*parts)
-    return torch.cat(index, -1), torch.cat(beta, -1), torch.cat(fitted, -2)
+        E_sel, chosen, target = _gathered(E, mass, index, v, refit_values)
+        del E
+        extra = widest - n
+        parts.append((F.pad(index + s, (0, extra)), F.pad(E_sel, (0, extra)), mass,
+                      F.pad(chosen, (0, 0, 0, extra)), target,
+                      torch.arange(widest, device=keys.device) >= n))
+    index, E_sel, mass, chosen, target, pad = zip(*parts)
+    target = torch.stack(target) if refit_values else None
+    pad = torch.stack(pad).reshape(len(starts), *[1] * (index[0].dim() - 1), widest).expand(
+        len(starts), *index[0].shape)
+    w, fitted = _fit_gathered(torch.stack(E_sel), torch.stack(mass), torch.stack(chosen), target,
+                              fit_beta=fit_beta, ridge=ridge, pad=pad)
+    beta, fitted = torch.log(w).to(keys.dtype), fitted.to(values.dtype)
+    keep = [n for _, n in starts]
+    return (torch.cat([x[..., :n] for x, n in zip(index, keep)], -1),
+            torch.cat([beta[i, ..., :n] for i, n in enumerate(keep)], -1),
+            torch.cat([fitted[i, ..., :n, :] for i, n in enumerate(keep)], -2))
 
 
 def compacted_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float,

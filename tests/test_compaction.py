@@ -456,3 +456,33 @@ def test_a_layer_compacted_in_blocks_reproduces_its_attention(B, G, H, T, t, blo
     assert blocked[0] < 1.5 * plain[0] + 0.02, (blocked, plain)
     few = compact_layer(keys, values, q, 2, scale=scale, block=block, **options)  # fewer entries than blocks
     assert few[3].shape == (B, G, 2) and torch.isfinite(few[2]).all()
+
+
+@pytest.mark.parametrize("B,G,H,T,block,counts", [(1, 3, 9, 137, 40, [3, 17, 1, 6]),
+                                                  (2, 2, 8, 97, 64, [0, 11])])
+def test_blocks_fitted_together_equal_each_block_fitted_alone(B, G, H, T, block, counts):
+    """The blocked fit pads every block to the largest count and fits them in one batch: each block's
+    keys, β and values equal fitting that block alone (counts uneven, a block dropped; float32 in, float64
+    inside: 1e-5), and padding never leaks into the result."""
+    from stiefkv.compaction import FIT_LOGITS, _fit_chosen, _group_queries, _logits, compact_heads_blocked
+
+    d, scale = 9, 0.33
+    keys, values, queries = layer_cache(60 + B, B, G, H, T, d)
+    q = _group_queries(queries[:, :, :50], G)
+    scores = torch.rand(B, G, T, generator=torch.Generator().manual_seed(3))
+    index, beta, fitted = compact_heads_blocked(keys, values, q, scale=scale, scores=scores, counts=counts,
+                                                block=block)
+    assert index.shape == (B, G, sum(counts)) and torch.isfinite(fitted).all() and torch.isfinite(beta).all()
+    at = 0
+    for s, n in zip(range(0, T, block), counts):
+        if n == 0:
+            continue
+        k, v = keys[..., s:s + block, :], values[..., s:s + block, :]
+        want_index = scores[..., s:s + block].topk(n, -1).indices.sort(-1).values
+        E, _ = _logits(q, k, scale, FIT_LOGITS)
+        want_beta, want_values = _fit_chosen(E, E.sum(-1), want_index, v, fit_beta=True, refit_values=True,
+                                             ridge=1e-3, dtype=keys.dtype)
+        assert torch.equal(index[..., at:at + n], want_index + s)
+        torch.testing.assert_close(beta[..., at:at + n], want_beta, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(fitted[..., at:at + n, :], want_values, atol=1e-5, rtol=1e-5)
+        at += n
