@@ -78,8 +78,9 @@ def test_benchmarks_md_is_rendered_from_the_committed_rows():
     text = render.DOC.read_text()
     assert render.render(text, render.Results(utils.RESULTS)) == text, "run: python benchmarks/render.py"
     # a results document, not a log: history goes to docs/notes/ (raised from 42 000 for §3 serving, after
-    # the settled kernel questions moved to docs/notes/kernel-tries.md)
-    assert len(text.encode()) <= 46_000
+    # the settled kernel questions moved to docs/notes/kernel-tries.md; to 48 000 for the capacity by
+    # context and the windowed serving rows)
+    assert len(text.encode()) <= 48_000
 
 
 def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
@@ -182,7 +183,7 @@ def test_capacity_claims_read_the_batch_runs_not_the_context_runs(tmp_path):
 
     shutil.copy(utils.RESULTS / "serve_capacity.jsonl", tmp_path / "serve_capacity.jsonl")
     rows = [json.loads(line) for line in (tmp_path / "serve_capacity.jsonl").read_text().splitlines()]
-    newest = [r for r in rows if r["cache"] == "stiefkv 0.4375 int4"][-1]
+    newest = [r for r in rows if r["cache"] == "stiefkv 0.4375 int4" and "refused_batch" in r][-1]
     base = next(r for r in rows if r["provenance"]["run_id"] == newest["provenance"]["run_id"]
                 and r["cache"] != newest["cache"])
     fake = []
