@@ -122,6 +122,16 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     Eight codes make one word of ``8 · bits`` bits (code ``i`` at bit ``bits · i``), written as ``bits``
     little-endian bytes; one scheme for 2, 3, 4 and 8 bits, exact in bytes for 3 bits too.
     """
+    if bits == 8 or bits == 4:  # byte-wise, no 64-bit words: one to three operators (decode writes a token)
+        c = codes.to(torch.uint8)
+        if c.shape[-1] % 8:
+            c = torch.nn.functional.pad(c, (0, -c.shape[-1] % 8))
+        return c if bits == 8 else c[..., 0::2] | (c[..., 1::2] << 4)
+    return _pack_words(codes, bits)
+
+
+def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack` for any width, by 64-bit words of eight codes."""
     n = codes.shape[-1]
     pad = -n % 8
     c = torch.nn.functional.pad(codes.to(torch.int64), (0, pad)).unflatten(-1, (-1, 8))

@@ -192,6 +192,18 @@ def splittable(k, v) -> bool:
         and any(isinstance(s, WindowedCodes) for s in stores)
 
 
+def _exact_past_split(store, other) -> bool:
+    """``store`` holds exact every token past the split beside ``other``, at any length: it never holds
+    more tokens as codes than ``other`` (:func:`_held_as_codes`), so its ring side needs no codes."""
+    if not isinstance(store, WindowedCodes):
+        return False
+    if isinstance(other, CodeBuffer):
+        return True
+    # f − a (token) or ⌊(f − a) / 64⌋·64 (channel) ≤ the other's count, for every f, exactly when:
+    return store.spec.recent >= other.spec.recent and (store.spec.layout == "channel"
+                                                       or other.spec.layout == "token")
+
+
 def _held_as_codes(store, filled: torch.Tensor) -> torch.Tensor:
     """Slots ``store`` holds as codes once ``filled`` are written (a CodeBuffer: all)."""
     return quantized_length(filled, store.spec) if isinstance(store, WindowedCodes) else filled
@@ -448,7 +460,10 @@ class StaticLatentCache(LatentCache):
         slot = newest.clamp(min=0)
         dtype = widest.ring.dtype
         views = []
-        for store, first_exact in zip(stores, held):
+        for store, other, first_exact in zip(stores, stores[::-1], held):
+            if _exact_past_split(store, other) and store.window == widest.window:
+                views.append(store.ring.to(dtype))  # entry i holds slot newest[i]: the ring as it lies
+                continue
             coded = _codes_at(store, slot, dtype)
             if isinstance(store, WindowedCodes):
                 exact = store.ring.index_select(2, slot % store.window).to(dtype)

@@ -28,6 +28,7 @@ from stiefkv.quant import (
     LAYOUTS,
     QUANT_BITS,
     QuantSpec,
+    _pack_words,
     dequantize,
     fake_quant,
     pack,
@@ -65,6 +66,7 @@ def test_pack_round_trip(bits, n):
     assert packed.dtype == torch.uint8
     assert packed.shape[-1] == packed_bytes(n, bits) == math.ceil(n / 8) * bits
     assert torch.equal(unpack(packed, bits, n), codes)
+    assert torch.equal(packed, _pack_words(codes, bits))  # the byte-wise 8/4-bit paths: the same bytes
 
 
 def reference_fake_quant(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:

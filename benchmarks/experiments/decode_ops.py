@@ -1,0 +1,84 @@
+"""Operators one decode step runs per layer inside the static cache's update (the write and what attention
+is handed to read), by store: a count on the CPU of the operators that compute (views left out); on CUDA
+each is a kernel of the captured graph. What an exact window adds, before a GPU profile says its cost.
+
+    python benchmarks/experiments/decode_ops.py
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+import stiefkv  # noqa: E402
+from stiefkv.quant import QuantSpec  # noqa: E402
+from stiefkv.static_cache import StaticLatentCache  # noqa: E402
+from tests.tiny import random_projections, tiny_model  # noqa: E402
+
+STORES = {"bf16": ("bf16", "bf16"), "int8 codes": ("int8-token", "int8-token"),
+          "int8 r16 (ring)": ("int8-token-r16", "int8-token-r16"),
+          "int8 r16 keys, int8 values": ("int8-token-r16", "int8-token"),
+          "int2 channel r16, int3 r16": ("int2-channel-r16", "int3-token-r16")}
+
+
+VIEWS = {f"aten::{n}" for n in ("unsqueeze", "slice", "alias", "view", "select", "expand", "as_strided",
+                                 "reshape", "transpose", "t", "permute", "squeeze", "detach", "lift_fresh",
+                                 "_unsafe_view", "empty", "empty_strided", "resolve_conj", "resolve_neg")}
+
+
+def step_ops(key_spec: str, value_spec: str) -> tuple[int, Counter]:
+    torch.manual_seed(0)
+    model = tiny_model("llama", heads=6, kv_heads=2, head_dim=24)
+    proj = random_projections(model, 11, 13, "pre_rope")
+    if key_spec != "bf16":
+        proj.quant = [(QuantSpec.parse(key_spec), QuantSpec.parse(value_spec))] * len(proj.keys)
+    model = stiefkv.load(model, proj)
+    cache = StaticLatentCache(model, 2, 400)
+    update = cache.update_layer
+
+    def traced(*args, **kwargs):
+        with torch.profiler.record_function("cache_update"):
+            return update(*args, **kwargs)
+
+    cache.update_layer = traced
+    ids = torch.randint(0, model.config.vocab_size, (2, 300))
+    with torch.inference_mode():
+        model(ids, past_key_values=cache, use_cache=True)
+        token = ids[:, -1:]
+        model(token, past_key_values=cache, use_cache=True)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            model(token, past_key_values=cache, use_cache=True)
+    ops = Counter()
+    for e in prof.events():
+        if e.name in VIEWS or not e.name.startswith("aten::") or e.cpu_parent is None:
+            continue
+        parent, inside = e.cpu_parent, False
+        while parent is not None:  # counted once: the outermost operator inside the update
+            if parent.name.startswith("aten::") and parent.name not in VIEWS:
+                break
+            inside = inside or parent.name == "cache_update"
+            parent = parent.cpu_parent
+        else:
+            if inside:
+                ops[e.name] += 1
+    return model.config.num_hidden_layers, ops
+
+
+def main() -> None:
+    base = None
+    for label, (k, v) in STORES.items():
+        layers, ops = step_ops(k, v)
+        total = sum(ops.values()) / layers
+        base = base or total
+        print(f"{label:32s} {total:5.0f} operators per layer in the cache's update "
+              f"({total - base:+.0f} against bf16)")
+        if "ring" in label:
+            print("   ", ", ".join(f"{n[6:]} {c // layers}" for n, c in ops.most_common(12)))
+
+
+if __name__ == "__main__":
+    main()
