@@ -1,0 +1,118 @@
+"""One decode step of ``stiefkv.generate`` by cache store, at real shapes without a prefill: the step's time
+(CUDA-graph replay, as ``bench_serve.py`` times it) and, from ``torch.profiler`` over eager steps, the
+kernels it launches and where their GPU time goes. For the serving notes' question: what an exact window
+(``--recent``) or codes cost a step beyond the bf16 latents' (``docs/notes/serving.md``).
+
+    python benchmarks/experiments/profile_serve_step.py --case 8x16384 [--key-mode pre_rope]
+    python benchmarks/experiments/profile_serve_step.py --tiny      # a CPU smoke run: eager, no profile
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench_serve import SHAPES, fill_synthetic, identity_projections, random_projections  # noqa: E402
+from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
+
+import stiefkv  # noqa: E402
+from stiefkv.quant import QuantSpec  # noqa: E402
+from stiefkv.serve import DecodeState, Runner, make_cache  # noqa: E402
+
+# label: (bits, recent) of both latents, None for the uncompressed cache on our kernels
+STORES = {"uncompressed (our kernels)": None, "bf16 latents": (16, 0), "int8 codes": (8, 0),
+          "int8 r16": (8, 16), "int4 codes": (4, 0), "int4 r16": (4, 16)}
+
+
+def projections(model, store, budget: float, key_mode: str):
+    if store is None:
+        return identity_projections(model)
+    proj = random_projections(model, budget, key_mode)
+    bits, recent = store
+    if bits < 16:
+        spec = QuantSpec(bits, "token", recent=recent)
+        proj.quant = [(spec, spec)] * len(proj.keys)
+    return proj
+
+
+def kernel_table(prof, steps: int, rows: int) -> tuple[int, float, list[tuple[str, int, float]]]:
+    """Kernels per step, their GPU ms per step, and the ``rows`` costliest kernel names."""
+    by_name: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_name[e.name].append(e.time_range.elapsed_us() / 1000)
+    total = sum(sum(v) for v in by_name.values()) / steps
+    count = sum(len(v) for v in by_name.values()) // steps
+    top = sorted(by_name.items(), key=lambda kv: -sum(kv[1]))[:rows]
+    return count, total, [(name[:70], len(v) // steps, sum(v) / steps) for name, v in top]
+
+
+def run(model, label: str, store, B: int, N: int, args, device) -> None:
+    stiefkv.load(model, projections(model, store, args.budget, args.key_mode))
+    runner = Runner(model, make_cache(model, B, N + 4 * args.steps + 8), None)
+    fill_synthetic(runner.cache, N)
+    tokens = torch.zeros(B, 4 * args.steps + 8, dtype=torch.long, device=device)
+    state = DecodeState(tokens, torch.full((B, 1), N, device=device), N)
+    with torch.inference_mode():
+        if device.type == "cpu":
+            start = time.perf_counter()
+            runner.decode_eager(state, 2)
+            ms = 1e3 * (time.perf_counter() - start) / 2
+            print(f"{label:28s} eager {ms:8.1f} ms/step (CPU)", flush=True)
+        else:
+            runner.decode_eager(state, 2)  # compile and warm every kernel outside the capture
+            with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+                runner.decode_eager(state, args.steps)
+                torch.cuda.synchronize()
+            runner.capture(state)
+            runner.replay(args.steps)
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            runner.replay(args.steps)
+            torch.cuda.synchronize()
+            ms = 1e3 * (time.perf_counter() - start) / args.steps
+            count, gpu_ms, top = kernel_table(prof, args.steps, args.rows)
+            print(f"{label:28s} captured {ms:7.2f} ms/step ({B / ms * 1e3:6.0f} tok/s); eager: {count} "
+                  f"kernels, {gpu_ms:.2f} ms of GPU time a step", flush=True)
+            for name, n, t in top:
+                print(f"    {t:7.3f} ms  {n:5d}×  {name}", flush=True)
+    stiefkv.unload(model)
+    del runner
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
+    ap.add_argument("--case", default="8x16384", help="BATCHxCONTEXT")
+    ap.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
+    ap.add_argument("--budget", type=float, default=0.5)
+    ap.add_argument("--stores", default=",".join(STORES), help="comma-separated labels of STORES")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rows", type=int, default=12, help="kernels listed per store")
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args()
+    if args.tiny:
+        args.shape, args.case, args.steps = "tiny", "2x300", 2
+    device = torch.device("cpu" if args.tiny else "cuda")
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(
+            torch.float32 if args.tiny else torch.bfloat16).eval()
+    B, N = (int(x) for x in args.case.lower().split("x"))
+    print(f"# {SHAPES[args.shape][0]} shapes, {B}x{N}, {args.key_mode}, budget {args.budget:g}", flush=True)
+    for label in args.stores.split(","):
+        run(model, label, STORES[label], B, N, args, device)
+
+
+if __name__ == "__main__":
+    main()
