@@ -14,7 +14,8 @@ rank ``budget·d`` (speed does not depend on their quality). For each (batch, co
    them (host and device together: what a user waits for); tokens/s is summed over the batch, and the
    speed-up is the median of the rounds' ratios;
 5. ``--plain``: the uncompressed model's plain ``generate`` (dynamic cache, eager), decode tokens/s as the
-   difference of ``1 + n`` and 1 new tokens.
+   difference of ``1 + n`` and 1 new tokens; ``--compiled``: its ``generate`` over a ``StaticCache``, which
+   transformers compiles on CUDA (the fastest path a transformers user has), timed the same way.
 
 Memory: the cache's bytes, and the peak allocated above the weights during its prefill and first steps.
 One row per (shape, batch, context) goes to ``benchmarks/results/serve.jsonl``; ``--tiny`` runs a tiny model
@@ -123,6 +124,28 @@ def plain_generate_tps(model, ids, new_tokens: int) -> float:
     return ids.shape[0] * new_tokens / (once(1 + new_tokens) - once(1))
 
 
+def compiled_generate_tps(model, ids, new_tokens: int) -> float:
+    """transformers' fastest decode for a user: ``generate`` over a ``StaticCache``, whose forward it compiles
+    itself on CUDA (``torch.compile``, its default ``CompileConfig``). One cache of one length serves every
+    call, so that one compilation serves them all; decode tokens/s as in :func:`plain_generate_tps`."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=ids.shape[1] + new_tokens + 1)
+
+    def once(n):
+        cache.reset()
+        sync(ids.device)
+        start = time.perf_counter()
+        model.generate(ids, past_key_values=cache, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                       pad_token_id=0)
+        sync(ids.device)
+        return time.perf_counter() - start
+
+    once(1 + new_tokens)  # compilation
+    once(1 + new_tokens)  # warm
+    return ids.shape[0] * new_tokens / (once(1 + new_tokens) - once(1))
+
+
 def identity_projections(model) -> stiefkv.Projections:
     """Full-rank identity bases in ``post_rope``: the uncompressed cache, served by StiefKV's kernels (the
     strongest uncompressed decode this image has: transformers' static cache attends through a dense mask)."""
@@ -188,6 +211,10 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         with torch.inference_mode():
             row["plain_generate_tps"] = plain_generate_tps(model, ids, args.new_tokens)
         row["ratio_vs_plain"] = row["stiefkv_tps_median"] / row["plain_generate_tps"]
+    if args.compiled:
+        with torch.inference_mode():
+            row["compiled_generate_tps"] = compiled_generate_tps(model, ids, args.new_tokens)
+        row["ratio_vs_compiled"] = row["stiefkv_tps_median"] / row["compiled_generate_tps"]
     return row
 
 
@@ -356,6 +383,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="also time generate over transformers' StaticCache, compiled by transformers on "
+                             "CUDA (uncompressed; the first call compiles)")
     parser.add_argument("--tiny", action="store_true", help="a tiny model on the CPU (smoke test; no row)")
     parser.add_argument("--capacity", action="store_true",
                         help="the largest batch at --context under --cap-gib, per cache (CUDA)")
@@ -412,7 +442,9 @@ def summary(row: dict, plain: bool) -> str:
             f"{row['stiefkv_cache_gib']:.2f} GiB; peak above weights "
             f"{row['full_peak_above_weights_gib']:.2f} / "
             f"{row['stiefkv_peak_above_weights_gib']:.2f} GiB"
-            + (f"; plain generate {row['plain_generate_tps']:.0f} tok/s" if plain else ""))
+            + (f"; plain generate {row['plain_generate_tps']:.0f} tok/s" if plain else "")
+            + (f"; compiled static generate {row['compiled_generate_tps']:.0f} tok/s"
+               if "compiled_generate_tps" in row else ""))
 
 
 if __name__ == "__main__":

@@ -12,6 +12,8 @@
 #     context    bench_serve.py --context-capacity (one row, the cache filled directly): 50 % and 12.5 %
 #     window     bench_serve.py 8x16k with int8 codes behind a 16-token exact window (what --bits auto keeps
 #                at 50 %: codes read in place beside the ring), both key modes
+#     compiled   bench_serve.py 8x16k, 50 % pre_rope, with transformers' compiled static-cache generate
+#                beside the captured paths (its compilation takes minutes)
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
@@ -38,6 +40,8 @@ for s in "$@"; do
     context)
       serve --shape 8b --context-capacity --cap-gib 40 --new-tokens 32
       serve --shape 8b --context-capacity --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
+    compiled)
+      serve --shape 8b --cases 8x16384 --key-mode pre_rope --compiled ;;
     capacity12)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
     *) echo "unknown step $s" >> "$LOG" ;;
