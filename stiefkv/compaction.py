@@ -45,9 +45,11 @@ class Compacted:
     values: torch.Tensor
 
 
-# The batched fits' logits: float32 keeps ~1e-7 of each relative mass, far inside what bf16 caches hold, at
-# half float64's bytes and with the fast exponential (float64 logits were a third of compaction's H200
-# time at 32k tokens; docs/notes/compaction.md). Everything solved from them is float64.
+# The batched fits' logits: float32 keeps each logit to ~1e-7 of its size (bf16 caches hold keys to 4e-3),
+# at half float64's bytes and with the fast exponential (float64 logits were a third of compaction's H200
+# time at 32k tokens; docs/notes/compaction.md). The chosen keys' exponentials and everything solved from
+# them are float64 (:func:`_chosen_logits`). Under TF32 matmuls (``set_float32_matmul_precision``) the
+# logits keep only ~1e-3 of their size: the fits degrade with them.
 FIT_LOGITS = torch.float32
 
 
@@ -205,7 +207,7 @@ def _refit_values(E_sel: torch.Tensor, w: torch.Tensor, target: torch.Tensor, ch
     times ``C_v`` ≈ the block's output ``target`` (:func:`_block_output`), pulled towards ``chosen`` (the
     kept keys' own values). ``pad`` as in :func:`_fit_projected` (padding entries come out 0)."""
     A = E_sel * w[..., None, :]
-    A = A / A.sum(-1, keepdim=True)
+    A = A / A.sum(-1, keepdim=True).clamp_min(1e-300)  # a row of zeros (a query none of them reach) drops out
     M, lam = _ridged(A.transpose(-1, -2) @ A, ridge, pad)
     return _solve(M, A.transpose(-1, -2) @ target + lam * chosen)
 
@@ -246,32 +248,42 @@ def compact_heads(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     T = keys.shape[-2]
     if not 1 <= t <= T:
         raise ValueError(f"cannot keep {t} of {T} tokens: keep between 1 and {T}")
-    E, _ = _logits(queries, keys, scale, FIT_LOGITS)
+    E, top = _logits(queries, keys, scale, FIT_LOGITS)
     mass = E.sum(-1)
     index = _select_attention(E, mass, t, pooling)  # [..., t]
-    return (index, *_fit_chosen(E, mass, index, values, fit_beta=fit_beta, refit_values=refit_values,
-                                ridge=ridge, dtype=keys.dtype))
+    return (index, *_fit_chosen(queries, keys, values, E, top, mass, index, scale=scale, fit_beta=fit_beta,
+                                refit_values=refit_values, ridge=ridge))
 
 
-def _fit_chosen(E: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, values: torch.Tensor, *,
-                fit_beta: bool, refit_values: bool, ridge: float, dtype: torch.dtype):
+def _fit_chosen(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, E: torch.Tensor,
+                top: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, *, scale: float, fit_beta: bool,
+                refit_values: bool, ridge: float):
     """β ``[..., t]`` and values ``[..., t, d_v]`` of the keys at ``index`` ``[..., t]`` of a block whose
-    logits are ``E`` ``[..., m, T]`` (``exp`` less any per-query shift: the fit is relative to each
-    query's ``mass``, so β does not depend on the shift)."""
-    E_sel, chosen, target = _gathered(E, mass, index, values, refit_values)
+    logits less each query's maximum ``top`` are ``E`` ``[..., m, T]`` (:func:`_logits`), ``mass`` their
+    sums (the fit is relative to each query's mass, so β does not depend on the shift)."""
+    E_sel, chosen, target = _gathered(queries, keys, values, E, top, mass, index, scale, refit_values)
     w, fitted = _fit_gathered(E_sel, mass, chosen, target, fit_beta=fit_beta, ridge=ridge)
-    return torch.log(w).to(dtype), fitted.to(values.dtype)
+    return torch.log(w).to(keys.dtype), fitted.to(values.dtype)
 
 
-def _gathered(E: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, values: torch.Tensor,
-              refit_values: bool):
+def _chosen_logits(queries: torch.Tensor, keys: torch.Tensor, index: torch.Tensor, top: torch.Tensor,
+                   scale: float) -> torch.Tensor:
+    """``exp(q·k·s − top)`` ``[..., m, t]`` of the keys at ``index`` ``[..., t]``, made as :func:`_logits`
+    makes them but exponentiated in float64: float32's ``exp`` is 0 from 104 below a query's best key, and a
+    query whose chosen keys all lie that far would leave the value fit a row of zeros to normalise."""
+    k = keys.gather(-2, index[..., None].expand(*index.shape, keys.shape[-1]))
+    s = (queries.to(FIT_LOGITS) * scale) @ k.to(FIT_LOGITS).transpose(-1, -2)
+    return (s - top[..., None]).double().exp_()
+
+
+def _gathered(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, E: torch.Tensor,
+              top: torch.Tensor, mass: torch.Tensor, index: torch.Tensor, scale: float, refit_values: bool):
     """What the fits need of a block, in float64: the chosen keys' logits ``[..., m, t]``, their values
     ``[..., t, d_v]``, and the block's output (None without a refit)."""
-    t = index.shape[-1]
-    E_sel = E.gather(-1, index[..., None, :].expand(*E.shape[:-1], t)).double()
     V = values.double()
     chosen = V.gather(-2, index[..., None].expand(*index.shape, V.shape[-1]))
-    return E_sel, chosen, _block_output(E, mass, values) if refit_values else None
+    return (_chosen_logits(queries, keys, index, top, scale), chosen,
+            _block_output(E, mass, values) if refit_values else None)
 
 
 def _fit_gathered(E_sel: torch.Tensor, mass: torch.Tensor, chosen: torch.Tensor, target: torch.Tensor | None,
@@ -324,29 +336,43 @@ def compact_heads_blocked(keys: torch.Tensor, values: torch.Tensor, queries: tor
     H200 the blocks' small launches, not their arithmetic, were most of the fits' time)."""
     starts = [(s, n) for s, n in zip(range(0, keys.shape[-2], block), counts) if n > 0]  # 0: dropped
     widest = max(n for _, n in starts)
+    # blocks fitted together: their chosen keys' float64 logits within BATCH_BYTES
+    together = max(1, BATCH_BYTES // (8 * queries[..., 0].numel() * widest))
+    index, beta, fitted = [], [], []
+    for first in range(0, len(starts), together):
+        group = starts[first:first + together]
+        i, b, f = _fit_blocks(keys, values, queries, scale=scale, scores=scores, block=block, group=group,
+                              widest=widest, fit_beta=fit_beta, refit_values=refit_values, ridge=ridge)
+        index += i
+        beta += b
+        fitted += f
+    return torch.cat(index, -1), torch.cat(beta, -1), torch.cat(fitted, -2)
+
+
+def _fit_blocks(keys, values, queries, *, scale: float, scores: torch.Tensor, block: int,
+                group: list[tuple[int, int]], widest: int, fit_beta: bool, refit_values: bool, ridge: float):
+    """The blocks ``group`` (first token, entries kept) fitted as one batch, their entries padded to
+    ``widest``: per block, the kept indices ``[..., n]``, β ``[..., n]`` and values ``[..., n, d_v]``."""
     parts = []
-    for s, n in starts:
+    for s, n in group:
         k, v, sc = keys[..., s:s + block, :], values[..., s:s + block, :], scores[..., s:s + block]
-        E, _ = _logits(queries, k, scale, FIT_LOGITS)
+        E, top = _logits(queries, k, scale, FIT_LOGITS)
         mass = E.sum(-1)
         index = sc.topk(n, -1).indices.sort(-1).values
-        E_sel, chosen, target = _gathered(E, mass, index, v, refit_values)
+        E_sel, chosen, target = _gathered(queries, k, v, E, top, mass, index, scale, refit_values)
         del E
         extra = widest - n
-        parts.append((F.pad(index + s, (0, extra)), F.pad(E_sel, (0, extra)), mass,
-                      F.pad(chosen, (0, 0, 0, extra)), target,
+        parts.append((index + s, F.pad(E_sel, (0, extra)), mass, F.pad(chosen, (0, 0, 0, extra)), target,
                       torch.arange(widest, device=keys.device) >= n))
     index, E_sel, mass, chosen, target, pad = zip(*parts)
     target = torch.stack(target) if refit_values else None
-    pad = torch.stack(pad).reshape(len(starts), *[1] * (index[0].dim() - 1), widest).expand(
-        len(starts), *index[0].shape)
+    shape = E_sel[0].shape[:-2]
+    pad = torch.stack(pad).reshape(len(group), *[1] * len(shape), widest).expand(len(group), *shape, widest)
     w, fitted = _fit_gathered(torch.stack(E_sel), torch.stack(mass), torch.stack(chosen), target,
                               fit_beta=fit_beta, ridge=ridge, pad=pad)
     beta, fitted = torch.log(w).to(keys.dtype), fitted.to(values.dtype)
-    keep = [n for _, n in starts]
-    return (torch.cat([x[..., :n] for x, n in zip(index, keep)], -1),
-            torch.cat([beta[i, ..., :n] for i, n in enumerate(keep)], -1),
-            torch.cat([fitted[i, ..., :n, :] for i, n in enumerate(keep)], -2))
+    return (list(index), [beta[j, ..., :n] for j, (_, n) in enumerate(group)],
+            [fitted[j, ..., :n, :] for j, (_, n) in enumerate(group)])
 
 
 def compacted_attention(queries: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, *, scale: float,
@@ -469,7 +495,7 @@ def compact_layers(keys: list[torch.Tensor], values: list[torch.Tensor], queries
         keys[i] = scores[i] = None
 
 
-BATCH_BYTES = 2 << 30  # float64 logits held at once when heads are compacted together
+BATCH_BYTES = 2 << 30  # logits held at once when heads (or blocks' chosen keys) are compacted together
 
 
 def _batchable(budget: torch.Tensor, method: str, options: dict) -> bool:
@@ -484,7 +510,8 @@ def _batchable(budget: torch.Tensor, method: str, options: dict) -> bool:
 
 
 def _heads_per_slice(m: int, T: int, B: int) -> int:
-    """KV heads whose float64 logits ``[B, m, T]`` fit :data:`BATCH_BYTES` together (at least one)."""
+    """KV heads whose logits ``[B, m, T]``, counted as float64, fit :data:`BATCH_BYTES` together (at least
+    one)."""
     return max(1, BATCH_BYTES // (m * T * 8 * B))
 
 

@@ -123,7 +123,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
     little-endian bytes; one scheme for 2, 3, 4 and 8 bits, exact in bytes for 3 bits too.
     """
     if bits == 8 or bits == 4:  # byte-wise, no 64-bit words: one to three operators (decode writes a token)
-        c = codes.to(torch.uint8)
+        c = codes.to(torch.uint8, memory_format=torch.contiguous_format, copy=True)  # never the caller's
         if c.shape[-1] % 8:
             c = torch.nn.functional.pad(c, (0, -c.shape[-1] % 8))
         return c if bits == 8 else c[..., 0::2] | (c[..., 1::2] << 4)

@@ -460,11 +460,18 @@ def test_a_layer_compacted_in_blocks_reproduces_its_attention(B, G, H, T, t, blo
 
 @pytest.mark.parametrize("B,G,H,T,block,counts", [(1, 3, 9, 137, 40, [3, 17, 1, 6]),
                                                   (2, 2, 8, 97, 64, [0, 11])])
-def test_blocks_fitted_together_equal_each_block_fitted_alone(B, G, H, T, block, counts):
-    """The blocked fit pads every block to the largest count and fits them in one batch: each block's
-    keys, β and values equal fitting that block alone (counts uneven, a block dropped; float32 in, float64
-    inside: 1e-5), and padding never leaks into the result."""
+@pytest.mark.parametrize("batch_bytes", [None, 1])
+def test_blocks_fitted_together_equal_each_block_fitted_alone(B, G, H, T, block, counts, batch_bytes,
+                                                               monkeypatch):
+    """The blocked fit pads every block to the largest count and fits them in one batch (or, past
+    BATCH_BYTES, in batches of fewer blocks): each block's keys, β and values equal fitting that block alone
+    (counts uneven, a block dropped; float32 in, float64 inside: 1e-5), and padding never leaks into the
+    result."""
+    from stiefkv import compaction
     from stiefkv.compaction import FIT_LOGITS, _fit_chosen, _group_queries, _logits, compact_heads_blocked
+
+    if batch_bytes is not None:
+        monkeypatch.setattr(compaction, "BATCH_BYTES", batch_bytes)
 
     d, scale = 9, 0.33
     keys, values, queries = layer_cache(60 + B, B, G, H, T, d)
@@ -479,10 +486,35 @@ def test_blocks_fitted_together_equal_each_block_fitted_alone(B, G, H, T, block,
             continue
         k, v = keys[..., s:s + block, :], values[..., s:s + block, :]
         want_index = scores[..., s:s + block].topk(n, -1).indices.sort(-1).values
-        E, _ = _logits(q, k, scale, FIT_LOGITS)
-        want_beta, want_values = _fit_chosen(E, E.sum(-1), want_index, v, fit_beta=True, refit_values=True,
-                                             ridge=1e-3, dtype=keys.dtype)
+        E, top = _logits(q, k, scale, FIT_LOGITS)
+        want_beta, want_values = _fit_chosen(q, k, v, E, top, E.sum(-1), want_index, scale=scale,
+                                             fit_beta=True, refit_values=True, ridge=1e-3)
         assert torch.equal(index[..., at:at + n], want_index + s)
         torch.testing.assert_close(beta[..., at:at + n], want_beta, atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(fitted[..., at:at + n, :], want_values, atol=1e-5, rtol=1e-5)
         at += n
+
+
+@pytest.mark.parametrize("gap", [60.0, 130.0])
+def test_a_query_far_above_every_chosen_key_leaves_the_fit_finite(gap):
+    """A reference query whose best key (not kept) lies ``gap`` above every kept key in logits: float32's
+    exponential is 0 there from 104 on, so the kept keys' logits are exponentiated in float64 and a row that
+    still vanishes drops out of the value fit instead of making it 0/0 (NaN)."""
+    from stiefkv.compaction import compact_heads_blocked
+
+    d, T, scale = 8, 40, 1.0
+    g = torch.Generator().manual_seed(5)
+    keys, values = torch.randn(1, 1, T, d, generator=g), torch.randn(1, 1, T, d, generator=g)
+    queries = torch.randn(1, 1, 30, d, generator=g)
+    keys[0, 0, 0] = 0.0
+    keys[0, 0, 0, 0] = gap
+    queries[..., 0] = 0.0  # key 0 is a logit of 0 to every query but the first
+    queries[0, 0, 0] = 0.0
+    queries[0, 0, 0, 0] = 1.0  # query 0: logit gap on key 0, 0 on every other key
+    scores = torch.rand(1, 1, T, generator=g)
+    scores[..., 0] = -1.0  # key 0 is never kept
+    for counts, block in (([5], T), ([2, 3], 20)):
+        index, beta, fitted = compact_heads_blocked(keys, values, queries, scale=scale, scores=scores,
+                                                    counts=counts, block=block)
+        assert 0 not in index.tolist()[0][0]
+        assert torch.isfinite(beta).all() and torch.isfinite(fitted).all(), (gap, counts)

@@ -209,7 +209,8 @@ def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device=
 # what --bits auto picks (channel keys, exact recent tokens, 2-3 bits); a kernel-readable latent beside one
 WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-token"),
             ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16"),
-            ("int3-token-r16", "int2-token-r16"), ("bf16", "int3-channel-r16")]
+            ("int3-token-r16", "int2-token-r16"), ("bf16", "int3-channel-r16"),
+            ("int4-token-r40", "int8-token-r16")]  # two windows of different lengths
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -270,11 +271,13 @@ def test_captured_decode_of_windowed_stores_gives_the_eager_tokens(specs):
 
 def test_capture_by_default_only_where_it_ran_on_a_gpu():
     """stiefkv.generate's capture='auto' captures every store whose capture has run on a GPU: float
-    latents, 8-2-bit codes and the exact windows' pairs of stores."""
+    latents, 8-2-bit codes and pairs of stores with one exact window; two windows of different lengths
+    decode eagerly until theirs has run."""
     assert StaticLatentCache(served(), 1, 8).capture_checked
     assert StaticLatentCache(quantized_served((8, 4)), 1, 8).capture_checked
     assert StaticLatentCache(quantized_served((3, 2)), 1, 8).capture_checked
-    assert all(StaticLatentCache(windowed_served(*specs), 1, 8).capture_checked for specs in WINDOWED)
+    assert all(StaticLatentCache(windowed_served(*specs), 1, 8).capture_checked for specs in WINDOWED[:-1])
+    assert not StaticLatentCache(windowed_served(*WINDOWED[-1]), 1, 8).capture_checked
 
 
 def test_windowed_static_cache_bytes_and_crop():
