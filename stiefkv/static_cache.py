@@ -141,17 +141,21 @@ class WindowedCodes:
         newest = filled - 1 - (filled - 1 - index) % self.window
         return newest, (newest >= 0) & (newest >= quantized_length(filled, self.spec))
 
-    def read(self, filled: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def read(self, filled: torch.Tensor, dtype: torch.dtype, upto: int | None = None) -> torch.Tensor:
         """Every slot's latent ``[B, G, L, r]`` in ``dtype``: codes dequantized, and the exact tokens (of the
-        ``filled`` ``[1]`` on the device) laid over them. Slots past ``filled`` hold no token."""
+        ``filled`` ``[1]`` on the device) laid over them. Slots past ``filled`` hold no token. ``upto`` (a
+        forward of several tokens, whose count the host knows: ``filled`` itself): the first ``upto`` slots
+        only, so that a prefill chunk dequantizes the tokens held, not the whole buffer."""
         B, G = self.codes.shape[:2]
-        codes = QuantizedLatents(self.codes, self.scale, self.low, self.spec.bits, self.rank,
-                                 self.spec.layout)
+        n = self.padded if upto is None else min(self.padded, -(-upto // GROUP) * GROUP)
+        rows = n if self.spec.layout == "token" else n // GROUP
+        codes = QuantizedLatents(self.codes[:, :, :n], self.scale[:, :, :rows], self.low[:, :, :rows],
+                                 self.spec.bits, self.rank, self.spec.layout)
         # a last slot where the ring entries that hold no exact token land
         z = torch.cat([codes.dequantize(dtype), self.ring.new_zeros(B, G, 1, self.rank, dtype=dtype)], 2)
         newest, exact = self.ring_slots(filled)
-        z.index_copy_(2, torch.where(exact, newest, self.padded), self.ring.to(dtype))
-        return z[:, :, : self.length]
+        z.index_copy_(2, torch.where(exact, newest, n), self.ring.to(dtype))
+        return z[:, :, : min(self.length, n)]
 
     def latents(self) -> QuantizedLatents:
         """The codes of every slot as the kernels read them."""
@@ -425,7 +429,7 @@ class StaticLatentCache(LatentCache):
                 else:
                     buf.write_one(slots, z)
                 tails.append(buf.tail or (z, self._start))
-                read.append(buf.read(self.filled.to(z.device), z.dtype))
+                read.append(buf.read(self.filled.to(z.device), z.dtype, self.seen if self._cut else None))
             elif isinstance(buf, CodeBuffer):
                 buf.write(slots, z)
                 tails.append((z, self._start))
