@@ -155,6 +155,15 @@ def identity_projections(model) -> stiefkv.Projections:
                                fingerprint=fingerprint(model), budget=1.0, method="identity")
 
 
+def with_codes(proj: stiefkv.Projections, bits: int, recent: int) -> stiefkv.Projections:
+    """``proj`` storing keys and values as ``bits``-bit codes (token layout), ``recent`` newest tokens exact;
+    as it is for 16 bits."""
+    if bits < 16:
+        spec = QuantSpec(bits, "token", recent=recent)
+        proj.quant = [(spec, spec)] * len(proj.keys)
+    return proj
+
+
 def cache_label(args) -> str:
     return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "") \
         + (f" r{args.recent}" if args.bits < 16 and args.recent else "")
@@ -403,10 +412,7 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
-    proj = random_projections(model, args.budget, args.key_mode)
-    if args.bits < 16:
-        spec = QuantSpec(args.bits, "token", recent=args.recent)
-        proj.quant = [(spec, spec)] * len(proj.keys)
+    proj = with_codes(random_projections(model, args.budget, args.key_mode), args.bits, args.recent)
     label = cache_label(args)
     if args.capacity or args.context_capacity:
         caches = {"uncompressed (our kernels)": identity_projections(model), label: proj}

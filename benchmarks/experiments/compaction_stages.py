@@ -27,16 +27,10 @@ def _sync_time(fn):
     return out, time.perf_counter() - t0
 
 
-def _solve_each(M, b):
-    """One Cholesky per matrix (the solve before batching), on any device."""
-    vector = b.dim() == M.dim() - 1
-    x = C._solve_each(M, b[..., None] if vector else b)
-    return x[..., 0] if vector else x
-
-
-# name: (the fits' logits dtype, the solve)
-VARIANTS = {"fp64-each": (torch.float64, _solve_each), "fp64": (torch.float64, C._solve),
-            "fp32-each": (torch.float32, _solve_each), "fp32": (torch.float32, C._solve)}
+# name: (the fits' logits dtype, how CUDA solves: all matrices together, or one Cholesky per matrix as before)
+VARIANTS = {"fp64-each": (torch.float64, C._solve_each), "fp64": (torch.float64, C._solve_batched),
+            "fp32-each": (torch.float32, C._solve_each), "fp32": (torch.float32, C._solve_batched)}
+DEFAULTS = (C.FIT_LOGITS, C._solve_batched)
 
 
 def run(tokens: int, keep: float, window: int, variant: str, layers: int) -> dict:
@@ -48,8 +42,7 @@ def run(tokens: int, keep: float, window: int, variant: str, layers: int) -> dic
     queries = [make(1, s["heads"], window, s["head_dim"]) for _ in range(layers)]
     scale = s["head_dim"] ** -0.5
     t = round(keep * tokens)
-    solve, C.FIT_LOGITS = VARIANTS[variant][1], VARIANTS[variant][0]
-    C._solve, default_solve = solve, C._solve
+    C.FIT_LOGITS, C._solve_batched = VARIANTS[variant]
     opts = C.effective_options("am", {})
     opts.pop("allocation")
     pooling = opts["pooling"]
@@ -62,7 +55,7 @@ def run(tokens: int, keep: float, window: int, variant: str, layers: int) -> dic
         C.compact_layer(k, v, q, b, scale=scale, scores=sc, **opts)
         for k, v, q, b, sc in zip(keys, values, queries, budgets, scores)])
     times["total"] = sum(times.values())
-    C._solve, C.FIT_LOGITS = default_solve, torch.float32
+    C.FIT_LOGITS, C._solve_batched = DEFAULTS
     return {"variant": variant, "tokens": tokens, "layers": layers,
             **{k: round(v, 3) for k, v in times.items()},
             "beta": outs[-1][1].float(), "values": outs[-1][2].float()}

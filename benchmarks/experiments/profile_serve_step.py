@@ -19,11 +19,16 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench_serve import SHAPES, fill_synthetic, identity_projections, random_projections  # noqa: E402
+from bench_serve import (  # noqa: E402
+    SHAPES,
+    fill_synthetic,
+    identity_projections,
+    random_projections,
+    with_codes,
+)
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import stiefkv  # noqa: E402
-from stiefkv.quant import QuantSpec  # noqa: E402
 from stiefkv.serve import DecodeState, Runner, make_cache  # noqa: E402
 
 # label: (bits, recent) of both latents, None for the uncompressed cache on our kernels
@@ -34,12 +39,7 @@ STORES = {"uncompressed (our kernels)": None, "bf16 latents": (16, 0), "int8 cod
 def projections(model, store, budget: float, key_mode: str):
     if store is None:
         return identity_projections(model)
-    proj = random_projections(model, budget, key_mode)
-    bits, recent = store
-    if bits < 16:
-        spec = QuantSpec(bits, "token", recent=recent)
-        proj.quant = [(spec, spec)] * len(proj.keys)
-    return proj
+    return with_codes(random_projections(model, budget, key_mode), *store)
 
 
 def kernel_table(prof, steps: int, rows: int) -> tuple[int, float, list[tuple[str, int, float]]]:
