@@ -60,11 +60,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         tokens[:, 0] = logits.argmax(-1)
         if max_new_tokens > 1:
             state = DecodeState(tokens, positions[:, -1:] + 1, N)
-            # caches whose decode capture has not yet run on a GPU (an exact window, 3/2-bit codes)
-            # decode eagerly unless asked
-            checked = getattr(runner.cache, "capture_checked", True)
-            graph = capture is True or (capture == "auto" and device.type == "cuda" and _one_device(model)
-                                        and checked)
+            graph = capture is True or (capture == "auto" and device.type == "cuda" and _one_device(model))
             (runner.decode_captured if graph else runner.decode_eager)(state, max_new_tokens - 1)
     if eos_token_id == "model":
         eos_token_id, pad_token_id = _model_end_tokens(model, pad_token_id)

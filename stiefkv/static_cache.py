@@ -316,12 +316,6 @@ class StaticLatentCache(LatentCache):
         self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
                              if splittable(k, v)}
         self._cut = False  # this forward reads the layers cut to `seen`
-        # decode capture tested on a GPU (tests/test_serve.py, the H200, 2026-12-01): float latents, 8-2-bit
-        # codes, and pairs of stores with one exact window (equal recents, or beside codes or floats);
-        # two windows of different lengths in one layer not yet
-        self.capture_checked = all(
-            not (isinstance(k, WindowedCodes) and isinstance(v, WindowedCodes)) or k.window == v.window
-            for k, v in zip(self.keys_buf, self.values_buf))
         self._tails: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ what attention reads

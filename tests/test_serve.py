@@ -268,18 +268,6 @@ def test_captured_decode_of_windowed_stores_gives_the_eager_tokens(specs):
     assert torch.equal(graph, eager)
 
 
-
-def test_capture_by_default_only_where_it_ran_on_a_gpu():
-    """stiefkv.generate's capture='auto' captures every store whose capture has run on a GPU: float
-    latents, 8-2-bit codes and pairs of stores with one exact window; two windows of different lengths
-    decode eagerly until theirs has run."""
-    assert StaticLatentCache(served(), 1, 8).capture_checked
-    assert StaticLatentCache(quantized_served((8, 4)), 1, 8).capture_checked
-    assert StaticLatentCache(quantized_served((3, 2)), 1, 8).capture_checked
-    assert all(StaticLatentCache(windowed_served(*specs), 1, 8).capture_checked for specs in WINDOWED[:-1])
-    assert not StaticLatentCache(windowed_served(*WINDOWED[-1]), 1, 8).capture_checked
-
-
 def test_windowed_static_cache_bytes_and_crop():
     """Codes, scales and lows of every slot (whole groups for the channel layout) plus the exact ring of
     recent + 64 tokens; a crop, which would need cut tokens back exact, is refused."""
