@@ -83,6 +83,9 @@ class CalibrationConfig:
         token, no exact window (``recent`` must be 0 or left at its default) — besides bf16: what
         :func:`stiefkv.generate` serves fastest, at some quality per byte (the channel layout and the
         window are what ``auto`` otherwise uses at low budgets).
+    log8 : offer, beside each per-token storage, the same codes on one 8-bit power-of-two scale per group,
+        symmetric about zero (1 byte a group instead of a float16 scale and low: 4). Their KL is predicted
+        from the per-token anchors' by quantization noise, so profiling costs no more model tails.
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
         dominant channel over all, so one scale per token fits them).
     quant_aware : refine the bases with the quantizer in the loss (straight-through gradient).
@@ -139,6 +142,7 @@ class CalibrationConfig:
     quant_aware: bool = False
     learn_rotation: bool = False
     kernel_storage: bool = False
+    log8: bool = True
 
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
@@ -294,7 +298,7 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
         widths = KERNEL_BITS if cfg.bits == "auto" else (int(cfg.bits),)
         return {which: [QuantSpec(b, "token", mse=mse_for(cfg.mse, which) and b <= MSE_BITS) for b in widths]
                 + bf16 for which in ("k", "v")}
-    return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which), cfg.recent) + bf16
+    return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which), cfg.recent, cfg.log8) + bf16
             for which in ("k", "v")}
 
 

@@ -82,13 +82,16 @@ def mse_for(mse: str, which: str) -> bool:
     return mse == "all" or (mse == "values" and which == "v")
 
 
-def storage_candidates(bits, mse: bool = False, recent: int = 0) -> list[QuantSpec]:
+def storage_candidates(bits, mse: bool = False, recent: int = 0, log8: bool = False) -> list[QuantSpec]:
     """The quantized storages a ``bits`` setting profiles: every bit width and layout for ``auto``, both
     layouts of one width for a number, none for 16; with ``mse``, those of :data:`MSE_BITS` bits and fewer
-    encode each group on its least-squared-error range; each keeps its ``recent`` newest tokens exact."""
+    encode each group on its least-squared-error range; each keeps its ``recent`` newest tokens exact. With
+    ``log8``, each per-token storage not searching its range comes with log8 scales too."""
     widths = QUANT_BITS if bits == "auto" else tuple(b for b in (int(bits),) if b < 16)
-    return [QuantSpec(b, layout, mse=mse and b <= MSE_BITS, recent=recent)
-            for b in widths for layout in LAYOUTS]
+    specs = [QuantSpec(b, layout, mse=mse and b <= MSE_BITS, recent=recent)
+             for b in widths for layout in LAYOUTS]
+    return specs + [QuantSpec(s.bits, s.layout, recent=recent, log8=True) for s in specs
+                    if log8 and s.layout == "token" and not s.mse]
 
 
 def spreading_rotation(r: int) -> torch.Tensor:
@@ -196,7 +199,9 @@ def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bas
         local = torch.tensor([[latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
                               for spec in specs[which]], dtype=torch.float64)
         noise = dict(zip(specs[which], shard.sum_(local).tolist()))
-        anchors = {spec: [s for s in specs[which] if s.bits in anchor_bits and _family(s) == _family(spec)]
+        # log8 storages are never anchors: their KL comes from the float-scaled per-token anchors'
+        anchors = {spec: [s for s in specs[which]
+                          if s.bits in anchor_bits and _family(s) == _family(spec) and not s.log8]
                    for spec in specs[which]}
         at_full = {spec: error_at(d, spec) for spec in specs[which]
                    if spec in anchors[spec] or len(anchors[spec]) < 2}

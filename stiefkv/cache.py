@@ -287,14 +287,15 @@ class LatentStore:
 
 
 def _cat_codes(a: Quantized, b: Quantized) -> Quantized:
-    return Quantized(torch.cat([a.codes, b.codes], -2), torch.cat([a.scale, b.scale], -2),
-                     torch.cat([a.low, b.low], -2), a.bits, a.layout, a.rank)
+    low = None if a.low is None else torch.cat([a.low, b.low], -2)
+    return Quantized(torch.cat([a.codes, b.codes], -2), torch.cat([a.scale, b.scale], -2), low, a.bits,
+                     a.layout, a.rank)
 
 
 def _slice_codes(q: Quantized, n: int) -> Quantized:
     groups = n if q.layout == "token" else n // GROUP
-    return Quantized(q.codes[..., :n, :], q.scale[..., :groups, :], q.low[..., :groups, :], q.bits, q.layout,
-                     q.rank)
+    low = None if q.low is None else q.low[..., :groups, :]
+    return Quantized(q.codes[..., :n, :], q.scale[..., :groups, :], low, q.bits, q.layout, q.rank)
 
 
 class QuantizedLatentLayer(_dynamic_layer_class()):

@@ -195,6 +195,9 @@ def main():
 @click.option("--recent", type=click.IntRange(min=0), default=DEFAULTS["recent"], show_default=True,
               help="The newest tokens every quantized latent keeps exact (as KIVI does); their bytes count "
                    "against the budget.")
+@click.option("--log8/--no-log8", default=DEFAULTS["log8"], show_default=True,
+              help="Offer per-token codes on one 8-bit power-of-two scale per group (symmetric, 1 byte a "
+                   "group instead of 4) beside the float16 scale and low.")
 @click.option("--kernel-storage", is_flag=True, default=DEFAULTS["kernel_storage"],
               help="Choose only storages the fused decode kernel reads in place (2-8 bits per token, no "
                    "exact window; bf16 too with --bits auto): the fastest serving, at some quality per "

@@ -14,6 +14,12 @@ therefore reads key ``j`` exact when ``j ≥`` :func:`quantized_length` ``(i + 1
 decode sees exactly that, and a forward over many tokens computes it with a band of exact keys
 (:func:`exact_from`), so that one forward scores what decoding the same tokens one by one would.
 
+A spec with ``log8`` (token layout only) quantizes each group symmetrically about zero on one 8-bit
+scale per group, a power of two in eighths of an octave (:func:`log8_scale`), and no low: one byte per
+group instead of four. At low ranks the float16 scale and low cost as much as the codes (rank 8 at 2 bits:
+2 bytes of codes, 4 of scales per head and token); latents in rotated bases (the spreading rotation) are
+near symmetric per token, so the centre the low would hold is worth less than the bytes.
+
 A spec with ``mse`` encodes each group on the range, shrunk about its midpoint by one of
 :data:`CLIP_RATIOS`, that gives the least squared error instead of the min–max range: at 2 bits this
 halves the error of Gaussian-like groups, at 3 bits it cuts a fifth. Only the encoder differs; codes, scales
@@ -40,6 +46,7 @@ LAYOUTS = ("token", "channel")
 GROUP = 64  # channels per scale (token layout) and tokens per scale (channel layout)
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2  # one float16 scale and one float16 low per group
+LOG8_OFFSET = 136  # a log8 code k is the scale 2^((k − 136) / 8): 2^-17 … 2^14.9 in steps of 2^(1/8)
 FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
 POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
 REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
@@ -56,6 +63,7 @@ class QuantSpec:
     layout: str = "token"
     mse: bool = False
     recent: int = 0
+    log8: bool = False
 
     def __post_init__(self):
         if self.bits not in BITS:
@@ -68,6 +76,10 @@ class QuantSpec:
             object.__setattr__(self, "layout", "token")
             object.__setattr__(self, "mse", False)
             object.__setattr__(self, "recent", 0)
+            object.__setattr__(self, "log8", False)
+        if self.log8 and (self.layout != "token" or self.mse):
+            raise ValueError("log8 scales quantize per token, symmetrically on the min–max range: not "
+                             f"with the {self.layout} layout{' or mse' if self.mse else ''}")
 
     @property
     def quantized(self) -> bool:
@@ -77,19 +89,19 @@ class QuantSpec:
         if not self.quantized:
             return "bf16"
         return (f"int{self.bits}-{self.layout}" + ("-mse" if self.mse else "")
-                + (f"-r{self.recent}" if self.recent else ""))
+                + ("-log8" if self.log8 else "") + (f"-r{self.recent}" if self.recent else ""))
 
     @classmethod
     def parse(cls, text: str) -> QuantSpec:
-        """``bf16``/``16`` or ``int{bits}-{layout}[-mse][-r{recent}]`` (``int4-channel``, ``int2-token-mse``,
-        ``int4-token-r64``), as :meth:`__str__` writes it."""
+        """``bf16``/``16`` or ``int{bits}-{layout}[-mse][-log8][-r{recent}]`` (``int4-channel``,
+        ``int2-token-mse``, ``int2-token-log8-r16``), as :meth:`__str__` writes it."""
         if text in ("bf16", "fp16", "16"):
             return cls()
-        m = re.fullmatch(r"int(\d+)(?:-([a-z]+))?(-mse)?(?:-r(\d+))?", text)
+        m = re.fullmatch(r"int(\d+)(?:-([a-z]+))?(-mse)?(-log8)?(?:-r(\d+))?", text)
         if m is None:
             raise ValueError(f"not a latent storage spec: {text!r} "
-                             "(expected bf16 or int{bits}-{layout}[-mse][-r{recent}])")
-        return cls(int(m[1]), m[2] or "token", m[3] is not None, int(m[4] or 0))
+                             "(expected bf16 or int{bits}-{layout}[-mse][-log8][-r{recent}])")
+        return cls(int(m[1]), m[2] or "token", m[3] is not None, int(m[5] or 0), m[4] is not None)
 
     def cache_bytes(self, rank: int, context: int = REFERENCE_CONTEXT) -> int:
         """Bytes one head's latent of ``rank`` channels holds in a cache of ``context`` tokens: codes (packed,
@@ -100,7 +112,8 @@ class QuantSpec:
         exact = (context - held) * FLOAT_BYTES * rank
         codes = held * packed_bytes(rank, self.bits)
         if self.layout == "token":
-            return codes + held * 2 * SCALE_BYTES * math.ceil(rank / GROUP) + exact
+            per_group = 1 if self.log8 else 2 * SCALE_BYTES
+            return codes + held * per_group * math.ceil(rank / GROUP) + exact
         return codes + (held // GROUP) * 2 * SCALE_BYTES * rank + exact
 
     def bytes_per_token(self, rank: int, context: int = REFERENCE_CONTEXT) -> float:
@@ -145,15 +158,20 @@ def _pack_words(codes: torch.Tensor, bits: int) -> torch.Tensor:
 class Quantized:
     """Codes and per-group ``scale``/``low`` of a ``[..., N, r]`` latent (no window: full groups only).
 
-    ``token``: ``scale``/``low`` ``[..., N, ceil(r / GROUP)]``; ``channel``: ``[..., N / GROUP, r]``.
+    ``token``: ``scale``/``low`` ``[..., N, ceil(r / GROUP)]``; ``channel``: ``[..., N / GROUP, r]``. Log8
+    scales (:func:`log8_scale`): ``scale`` holds the uint8 codes and ``low`` is None (symmetric groups).
     """
 
     codes: torch.Tensor  # [..., N, packed_bytes(r, bits)] uint8
     scale: torch.Tensor
-    low: torch.Tensor
+    low: torch.Tensor | None
     bits: int
     layout: str
     rank: int
+
+    @property
+    def log8(self) -> bool:
+        return self.low is None
 
     @property
     def length(self) -> int:
@@ -161,11 +179,49 @@ class Quantized:
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
+        return self.codes.nbytes + self.scale.nbytes + (0 if self.low is None else self.low.nbytes)
 
     def apply(self, fn) -> Quantized:
         """The same codes with ``fn`` applied to each tensor (row selection, slicing along dim 0)."""
-        return Quantized(fn(self.codes), fn(self.scale), fn(self.low), self.bits, self.layout, self.rank)
+        low = None if self.low is None else fn(self.low)
+        return Quantized(fn(self.codes), fn(self.scale), low, self.bits, self.layout, self.rank)
+
+    def float_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each group's ``scale`` and ``low`` as float32 (for log8 scales, the power of two and the
+        symmetric grid's low ``-scale · levels / 2``)."""
+        if self.low is not None:
+            return self.scale.float(), self.low.float()
+        scale = log8_scale(self.scale)
+        return scale, scale * (-((1 << self.bits) - 1) / 2)
+
+    def with_float_scales(self) -> Quantized:
+        """The same codes with float16 ``scale`` and ``low`` (what the kernels and static stores read)."""
+        if self.low is not None:
+            return self
+        scale, low = self.float_scales()
+        return Quantized(self.codes, scale.to(SCALE_DTYPE), low.to(SCALE_DTYPE), self.bits, self.layout,
+                         self.rank)
+
+
+_EIGHTHS = [2.0 ** (j / 8) for j in range(8)]  # the mantissas of log8 scales, one octave
+
+
+def log8_scale(k: torch.Tensor) -> torch.Tensor:
+    """The float32 scale ``2^((k − LOG8_OFFSET) / 8)`` of uint8 log8 codes ``k``: a mantissa from a table of
+    eight times a power of two, so every device and tensor shape gives the same bits (``exp2`` does not)."""
+    k = k.long() - LOG8_OFFSET
+    mantissa = torch.tensor(_EIGHTHS, dtype=torch.float32, device=k.device)[k % 8]
+    return torch.ldexp(mantissa, torch.div(k, 8, rounding_mode="floor").float())
+
+
+def log8_code(step: torch.Tensor) -> torch.Tensor:
+    """The uint8 log8 code of the smallest representable scale ≥ ``step`` (float32; clamped to the codes'
+    range, so a group needing a step beyond 2^14.9 clips). Exact comparisons, no logarithm."""
+    m, e = torch.frexp(step.float().clamp(min=2.0 ** -18))  # step = (2m) · 2^(e − 1), 2m in [1, 2)
+    eighths = torch.tensor(_EIGHTHS, dtype=torch.float32, device=step.device)
+    j = (eighths < 2 * m.unsqueeze(-1)).sum(-1)  # the first mantissa ≥ 2m (8: the next octave's first)
+    k = 8 * (e.long() - 1) + j + LOG8_OFFSET
+    return k.clamp_(0, 255).to(torch.uint8)
 
 
 def _group_range(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -237,7 +293,12 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> Quantized:
     elif spec.mse:
         real = (torch.arange(g.shape[-2] * GROUP, device=g.device) < r).view(g.shape[-2], GROUP)
         lo, hi = _mse_range(g, lo, hi, levels, -1, real if r % GROUP else None)
-    low, scale, step = _grid(lo, hi, levels)
+    if spec.log8:
+        scale = log8_code(torch.maximum(lo.abs(), hi.abs()) * (2 / levels))
+        step = log8_scale(scale)
+        low = step * (-levels / 2)
+    else:
+        low, scale, step = _grid(lo, hi, levels)
     codes = torch.round((g - low.float()) / step).clamp_(0, levels)
     if spec.layout == "channel":
         codes = codes.flatten(-3, -2)
@@ -245,13 +306,13 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> Quantized:
     else:
         codes = codes.flatten(-2)[..., :r]
         scale, low = scale.squeeze(-1), low.squeeze(-1)
-    return Quantized(pack(codes, spec.bits), scale, low, spec.bits, spec.layout, r)
+    return Quantized(pack(codes, spec.bits), scale, None if spec.log8 else low, spec.bits, spec.layout, r)
 
 
 def dequantize(q: Quantized, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """``[..., N, r]`` in ``dtype``: ``code · scale + low`` of each group, computed in float32."""
     codes = unpack(q.codes, q.bits, q.rank).float()
-    scale, low = q.scale.float(), q.low.float()
+    scale, low = q.float_scales()
     if q.layout == "channel":
         out = codes.unflatten(-2, (-1, GROUP)) * scale.unsqueeze(-2) + low.unsqueeze(-2)
         return out.flatten(-3, -2).to(dtype)

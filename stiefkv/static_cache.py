@@ -33,7 +33,9 @@ def _capturing(device: torch.device) -> bool:
 class CodeBuffer:
     """One latent of one layer stored quantized in the static cache: codes ``[B, G, L, bytes]`` and fp16
     scale and low ``[B, G, L, groups]`` (``spec``'s token layout), written token by token as they arrive and
-    read by the kernels as :class:`~stiefkv.kernels.QuantizedLatents`."""
+    read by the kernels as :class:`~stiefkv.kernels.QuantizedLatents`. Log8 scales are held expanded to fp16
+    scales and lows here (3 bytes a group more than the dynamic cache): the kernels do not read log8 codes
+    yet."""
 
     def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, device):
         self.spec, self.rank = spec, rank
@@ -47,7 +49,7 @@ class CodeBuffer:
         return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
 
     def write(self, slots: torch.Tensor, z: torch.Tensor) -> None:
-        q = quantize(z, self.spec)
+        q = quantize(z, self.spec).with_float_scales()
         self.codes.index_copy_(2, slots, q.codes)
         self.scale.index_copy_(2, slots, q.scale)
         self.low.index_copy_(2, slots, q.low)
@@ -109,7 +111,7 @@ class WindowedCodes:
         exact = torch.cat([before, z.to(self.ring.dtype)], 2)  # tokens held … start + n − 1
         self.tail = (exact, held)
         if due > held:
-            codes = quantize(exact[:, :, : due - held], self.spec)
+            codes = quantize(exact[:, :, : due - held], self.spec).with_float_scales()
             self._store(torch.arange(held, due, device=device), codes)
         keep = torch.arange(max(held, start + n - self.window), start + n, device=device)
         self.ring.index_copy_(2, keep % self.window, exact[:, :, keep - held])
@@ -120,14 +122,14 @@ class WindowedCodes:
         self.ring.index_copy_(2, slot % self.window, z.to(self.ring.dtype))
         if self.spec.layout == "token":
             token = slot - self.spec.recent  # the token this one pushes out of the window
-            q = quantize(self.ring.index_select(2, token % self.window), self.spec)
+            q = quantize(self.ring.index_select(2, token % self.window), self.spec).with_float_scales()
             # before it is due (token < 0) slot 0 gets codes no one reads: it is exact until it is due
             self._store(token.clamp(min=0), q)
             return
         end = slot + 1 - self.spec.recent  # a group is due when this many tokens are quantizable
         first = (end - GROUP).clamp(min=0)
         slots = first + torch.arange(GROUP, device=slot.device)
-        q = quantize(self.ring.index_select(2, slots % self.window), self.spec)
+        q = quantize(self.ring.index_select(2, slots % self.window), self.spec).with_float_scales()
         due = (end > 0) & (end % GROUP == 0)
         group = first // GROUP
         self.codes.index_copy_(2, slots, torch.where(due, q.codes, self.codes.index_select(2, slots)))

@@ -44,6 +44,8 @@ MSE_SPECS = [QuantSpec(b, layout, mse=True) for b in (4, 3, 2) for layout in LAY
 # exact recent windows shorter, longer than and not a multiple of a group
 RECENT_SPECS = [QuantSpec(4, "token", recent=7), QuantSpec(2, "channel", recent=37),
                 QuantSpec(3, "channel", recent=GROUP), QuantSpec(2, "token", mse=True, recent=70)]
+LOG8_SPECS = [QuantSpec(b, "token", log8=True) for b in QUANT_BITS] + [
+    QuantSpec(2, "token", recent=9, log8=True)]
 
 
 def gen(seed):
@@ -131,6 +133,59 @@ def test_quantizer_matches_float64_reference(spec, r):
         assert torch.equal(got[..., 2 * GROUP:, :], x[..., 2 * GROUP:, :])  # the window is untouched
 
 
+def reference_log8(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
+    """Float64 symmetric quantization per token group on the smallest scale 2^(j/8) ≥ 2·max|x| / levels."""
+    x = x.double()
+    levels = 2 ** spec.bits - 1
+    out = x.clone()
+    for c in range(0, x.shape[-1], GROUP):
+        g = x[..., c:c + GROUP]
+        need = g.abs().amax(-1, keepdim=True) * 2 / levels
+        j = torch.ceil(torch.log2(need.clamp(min=2.0 ** -18)) * 8).clamp(min=-136)
+        j = torch.where(torch.exp2(j / 8) < need, j + 1, j)
+        scale = torch.exp2(j / 8)
+        out[..., c:c + GROUP] = (torch.round(g / scale + levels / 2).clamp(0, levels) - levels / 2) * scale
+    return out
+
+
+@pytest.mark.parametrize("spec", LOG8_SPECS[:-1], ids=str)
+@pytest.mark.parametrize("r", [13, 77])
+def test_log8_quantizer_matches_float64_reference(spec, r):
+    x = latents((2, 3, 41, r), seed=r + spec.bits) * 0.03  # small latents: scales below 1
+    q = quantize(x, spec)
+    assert q.low is None and q.scale.dtype == torch.uint8
+    assert q.nbytes == q.codes.nbytes + q.scale.numel()  # one byte a group, no low
+    got, want = dequantize(q).double(), reference_log8(x, spec)
+    assert torch.isfinite(got).all()
+    scale = q.float_scales()[0].double().repeat_interleave(GROUP, -1)[..., :r]
+    # float32 dequantization (code · scale + low, the low levels/2 steps below zero) rounds to ~1e-7 of
+    # levels · scale
+    agree = (got - want).abs() <= 1e-6 * (want.abs() + (2 ** spec.bits) * scale)
+    # a value at a half step may round either way in float32: then it is one step away
+    assert agree.float().mean() >= 0.999, f"{(~agree).sum()} of {agree.numel()} differ"
+    assert ((got - want).abs()[~agree] <= scale[~agree] * (1 + 1e-6)).all()
+    assert ((got - x.double()).abs() <= scale / 2 * (1 + 1e-5) + 1e-6 * x.abs()).all()  # nothing clips
+    # the scale is the smallest code that covers the group: one code lower would clip
+    need = x.double().abs().unflatten(-1, (-1, GROUP)) if r % GROUP == 0 else None
+    if need is not None:
+        low = q.float_scales()[0].double() * 2 ** (-1 / 8)
+        assert (low < need.amax(-1) * 2 / (2 ** spec.bits - 1)).all()
+
+
+def test_log8_scales_span_small_and_large_latents_and_zero_groups():
+    for magnitude in (1e-5, 1.0, 1e3):
+        x = latents((1, 2, 9, 24), seed=3) * magnitude
+        for spec in LOG8_SPECS:
+            err = (fake_quant(x, spec) - x).abs().amax(-1)
+            rng = x.abs().amax(-1)
+            assert torch.isfinite(err).all()
+            # half a step of at most 2^(1/8) times the group's need, the steps floored at 2^-17
+            step = (rng * 2 / (2 ** spec.bits - 1) * 2 ** (1 / 8)).clamp(min=2.0 ** -17 * 2 ** (1 / 8))
+            assert (err <= step / 2 * (1 + 1e-5)).all(), (spec, magnitude)
+    zero = torch.zeros(1, 1, 5, 16)
+    assert (fake_quant(zero, LOG8_SPECS[0]).abs() <= 2.0 ** -17).all()
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
 def test_quantizer_half_dtypes(dtype, tol):
     x = latents((1, 2, GROUP, 21), seed=5, dtype=dtype)
@@ -177,8 +232,14 @@ def test_mse_encoder_never_loses_to_min_max_and_ignores_the_padding():
 
 
 def test_spec_names_round_trip():
-    for spec in SPECS + MSE_SPECS + RECENT_SPECS + [QuantSpec(16)]:
+    for spec in SPECS + MSE_SPECS + RECENT_SPECS + LOG8_SPECS + [QuantSpec(16)]:
         assert QuantSpec.parse(str(spec)) == spec
+    assert str(QuantSpec(2, "token", recent=16, log8=True)) == "int2-token-log8-r16"
+    assert QuantSpec(16, log8=True) == QuantSpec()
+    for layout, mse in (("channel", False), ("token", True)):  # log8 is symmetric, per token, min–max
+        with pytest.raises(ValueError, match="log8"):
+            QuantSpec(2, layout, mse=mse, log8=True)
+    assert QuantSpec(2, "token", log8=True).bytes_per_token(13, context=GROUP) == 2 * 2 + 1
     assert str(QuantSpec(2, "token", mse=True)) == "int2-token-mse"
     assert str(QuantSpec(2, "channel", mse=True, recent=64)) == "int2-channel-mse-r64"
     assert QuantSpec(16, "channel", mse=True, recent=9) == QuantSpec()
@@ -201,7 +262,7 @@ def test_straight_through_gradient_is_identity():
         assert torch.equal(g, torch.full_like(x, 3.0))
 
 
-@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:] + RECENT_SPECS, ids=str)
+@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:] + RECENT_SPECS + LOG8_SPECS[-2:], ids=str)
 def test_store_appends_in_chunks_as_one_quantization(spec):
     r, total = 19, 3 * GROUP + 29
     x = latents((2, 3, total, r), seed=spec.bits)
@@ -219,7 +280,7 @@ def test_store_appends_in_chunks_as_one_quantization(spec):
         assert store.length == n and torch.equal(store.read(x.dtype), before[..., :n, :])
 
 
-@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:] + RECENT_SPECS, ids=str)
+@pytest.mark.parametrize("spec", SPECS + MSE_SPECS[-2:] + RECENT_SPECS + LOG8_SPECS[-2:], ids=str)
 @pytest.mark.parametrize("r,N", [(13, 2 * GROUP), (77, 3 * GROUP + 10), (8, 100), (5, 30)])
 def test_store_bytes_equal_the_accounting(spec, r, N):
     store = LatentStore(spec)
@@ -411,8 +472,8 @@ def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
     assert back.header()["quant"][0] == ["int4-token", "int3-token"]
     plain = random_projections(model, 8, 8)
     assert plain.header()["format_version"] == 2 and "quant" not in plain.header()  # older readers take it
-    with pytest.raises(CheckpointError, match="format version 6; this StiefKV reads up to 5"):
-        _edited(tmp_path, path, lambda h: h.update(format_version=6))
+    with pytest.raises(CheckpointError, match="format version 7; this StiefKV reads up to 6"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=7))
     with pytest.raises(CheckpointError, match="'quant' in a format version 2"):
         _edited(tmp_path, path, lambda h: h.update(format_version=2))
     with pytest.raises(CheckpointError, match="bits must be one of"):
@@ -435,6 +496,15 @@ def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
     assert back.header()["quant"][0] == ["int2-channel-r64", "bf16"]
     with pytest.raises(CheckpointError, match=r"exact recent tokens \(-r\) in a format version 4 file"):
         _edited(tmp_path, path, lambda h: h.update(format_version=4))
+    # log8 scales need version 6: earlier readers would read their uint8 codes as nothing they know
+    log8 = quantized_projections(model, specs=[(QuantSpec(2, "channel", recent=16), QuantSpec(16)),
+                                               (QuantSpec(4), QuantSpec(2, "token", recent=16, log8=True))])
+    path = log8.save(tmp_path / "log8.safetensors")
+    back = Projections.load(path)
+    assert back.specs == log8.specs and back.header()["format_version"] == 6
+    assert back.header()["quant"][1] == ["int4-token", "int2-token-log8-r16"]
+    with pytest.raises(CheckpointError, match="log8 scales in a format version 5 file"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=5))
 
 
 def _edited(tmp_path, path, edit):
@@ -807,6 +877,16 @@ def test_kl_profile_measures_only_the_anchor_widths_and_predicts_the_rest():
     add_quant_profile(LayerProfile(ranks=[8, d], k=[0.3, 0.0], v=[0.2, 0.0], metric="kl"), layer, batch,
                       lambda r: eye[..., :r], lambda r: eye[..., :r], specs, measure, key_mode="pre_rope")
     assert len(calls) == 2 * len(specs["k"])
+    # log8 storages are never measured with anchors: predicted from the float-scaled per-token anchors
+    calls.clear()
+    specs = {w: storage_candidates("auto", recent=5, log8=True) for w in ("k", "v")}
+    assert sum(s.log8 for s in specs["k"]) == 4 and all(s.layout == "token" for s in specs["k"] if s.log8)
+    prof = LayerProfile(ranks=[8, d], k=[0.3, 0.0], v=[0.2, 0.0], metric="kl")
+    add_quant_profile(prof, layer, batch, lambda r: eye[..., :r], lambda r: eye[..., :r], specs, measure,
+                      key_mode="pre_rope", anchor_bits=ANCHOR_BITS)
+    assert not any("log8" in c for c in calls) and len(calls) == 8
+    full = [prof.quant["v"][f"int{b}-token-log8-r5"][-1] for b in (2, 3, 4, 8)]
+    assert all(math.isfinite(e) for e in full) and full[0] > full[1] > full[2] > full[3] >= 0
 
 
 def test_kernel_storage_chooses_what_the_kernels_read(corpus, tmp_path, monkeypatch):

@@ -210,7 +210,8 @@ def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device=
 WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-token"),
             ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16"),
             ("int3-token-r16", "int2-token-r16"), ("bf16", "int3-channel-r16"),
-            ("int4-token-r40", "int8-token-r16")]  # two windows of different lengths
+            ("int4-token-r40", "int8-token-r16"),  # two windows of different lengths
+            ("int4-token-log8", "int2-token-log8-r16")]  # log8 scales, held expanded
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
