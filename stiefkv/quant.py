@@ -46,7 +46,8 @@ LAYOUTS = ("token", "channel")
 GROUP = 64  # channels per scale (token layout) and tokens per scale (channel layout)
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2  # one float16 scale and one float16 low per group
-LOG8_OFFSET = 136  # a log8 code k is the scale 2^((k − 136) / 8): 2^-17 … 2^14.9 in steps of 2^(1/8)
+LOG8_OFFSET = 112  # a log8 code k is the scale 2^((k − 112) / 8): 2^-14 … 2^15.9 (k ≤ 239: float16's normals)
+LOG8_MAX = 239
 FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
 POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
 REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
@@ -192,7 +193,7 @@ class Quantized:
         if self.low is not None:
             return self.scale.float(), self.low.float()
         scale = log8_scale(self.scale)
-        return scale, scale * (-((1 << self.bits) - 1) / 2)
+        return scale, log8_low(scale, self.bits)
 
     def with_float_scales(self) -> Quantized:
         """The same codes with float16 ``scale`` and ``low`` (what the kernels and static stores read)."""
@@ -203,25 +204,32 @@ class Quantized:
                          self.rank)
 
 
-_EIGHTHS = [2.0 ** (j / 8) for j in range(8)]  # the mantissas of log8 scales, one octave
+# the mantissas of log8 scales over one octave, rounded to float16: every scale is then a float16 exactly,
+# so the static stores and kernels (float16 scales and lows) read what the dynamic cache does
+_EIGHTHS = torch.tensor([2.0 ** (j / 8) for j in range(8)]).half().float().tolist()
 
 
 def log8_scale(k: torch.Tensor) -> torch.Tensor:
-    """The float32 scale ``2^((k − LOG8_OFFSET) / 8)`` of uint8 log8 codes ``k``: a mantissa from a table of
-    eight times a power of two, so every device and tensor shape gives the same bits (``exp2`` does not)."""
+    """The float32 scale ``2^((k − LOG8_OFFSET) / 8)`` (its mantissa rounded to float16) of uint8 log8 codes
+    ``k``: a mantissa from a table times a power of two, so every device and shape gives the same bits."""
     k = k.long() - LOG8_OFFSET
     mantissa = torch.tensor(_EIGHTHS, dtype=torch.float32, device=k.device)[k % 8]
     return torch.ldexp(mantissa, torch.div(k, 8, rounding_mode="floor").float())
 
 
+def log8_low(scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The symmetric grid's low, ``-scale · levels / 2``, rounded to float16 as the static stores hold it."""
+    return (scale * (-((1 << bits) - 1) / 2)).to(SCALE_DTYPE).float()
+
+
 def log8_code(step: torch.Tensor) -> torch.Tensor:
     """The uint8 log8 code of the smallest representable scale ≥ ``step`` (float32; clamped to the codes'
-    range, so a group needing a step beyond 2^14.9 clips). Exact comparisons, no logarithm."""
-    m, e = torch.frexp(step.float().clamp(min=2.0 ** -18))  # step = (2m) · 2^(e − 1), 2m in [1, 2)
+    range, so a group needing a step beyond 2^15.9 clips). Exact comparisons, no logarithm."""
+    m, e = torch.frexp(step.float().clamp(min=2.0 ** -14))  # step = (2m) · 2^(e − 1), 2m in [1, 2)
     eighths = torch.tensor(_EIGHTHS, dtype=torch.float32, device=step.device)
     j = (eighths < 2 * m.unsqueeze(-1)).sum(-1)  # the first mantissa ≥ 2m (8: the next octave's first)
     k = 8 * (e.long() - 1) + j + LOG8_OFFSET
-    return k.clamp_(0, 255).to(torch.uint8)
+    return k.clamp_(0, LOG8_MAX).to(torch.uint8)
 
 
 def _group_range(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -296,7 +304,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> Quantized:
     if spec.log8:
         scale = log8_code(torch.maximum(lo.abs(), hi.abs()) * (2 / levels))
         step = log8_scale(scale)
-        low = step * (-levels / 2)
+        low = log8_low(step, spec.bits)
     else:
         low, scale, step = _grid(lo, hi, levels)
     codes = torch.round((g - low.float()) / step).clamp_(0, levels)

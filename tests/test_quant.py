@@ -134,17 +134,19 @@ def test_quantizer_matches_float64_reference(spec, r):
 
 
 def reference_log8(x: torch.Tensor, spec: QuantSpec) -> torch.Tensor:
-    """Float64 symmetric quantization per token group on the smallest scale 2^(j/8) ≥ 2·max|x| / levels."""
+    """Float64 symmetric quantization per token group on the smallest scale 2^(j/8) (mantissa rounded to
+    float16, j ≥ -112) ≥ 2·max|x| / levels, the low -scale · levels / 2 rounded to float16."""
     x = x.double()
     levels = 2 ** spec.bits - 1
+    j = torch.arange(240)
+    table = torch.tensor([2.0 ** (i / 8) for i in range(8)]).half().double()[j % 8] * 2.0 ** (j // 8 - 14)
     out = x.clone()
     for c in range(0, x.shape[-1], GROUP):
         g = x[..., c:c + GROUP]
         need = g.abs().amax(-1, keepdim=True) * 2 / levels
-        j = torch.ceil(torch.log2(need.clamp(min=2.0 ** -18)) * 8).clamp(min=-136)
-        j = torch.where(torch.exp2(j / 8) < need, j + 1, j)
-        scale = torch.exp2(j / 8)
-        out[..., c:c + GROUP] = (torch.round(g / scale + levels / 2).clamp(0, levels) - levels / 2) * scale
+        scale = table[torch.searchsorted(table, need.contiguous()).clamp(max=239)]
+        low = (-scale * levels / 2).half().double()
+        out[..., c:c + GROUP] = torch.round((g - low) / scale).clamp(0, levels) * scale + low
     return out
 
 
@@ -164,12 +166,8 @@ def test_log8_quantizer_matches_float64_reference(spec, r):
     # a value at a half step may round either way in float32: then it is one step away
     assert agree.float().mean() >= 0.999, f"{(~agree).sum()} of {agree.numel()} differ"
     assert ((got - want).abs()[~agree] <= scale[~agree] * (1 + 1e-6)).all()
-    assert ((got - x.double()).abs() <= scale / 2 * (1 + 1e-5) + 1e-6 * x.abs()).all()  # nothing clips
-    # the scale is the smallest code that covers the group: one code lower would clip
-    need = x.double().abs().unflatten(-1, (-1, GROUP)) if r % GROUP == 0 else None
-    if need is not None:
-        low = q.float_scales()[0].double() * 2 ** (-1 / 8)
-        assert (low < need.amax(-1) * 2 / (2 ** spec.bits - 1)).all()
+    # nothing clips beyond the float16 rounding of the low
+    assert ((got - x.double()).abs() <= scale / 2 * (1 + 1e-3) + 2 ** -11 * x.abs().amax()).all()
 
 
 def test_log8_scales_span_small_and_large_latents_and_zero_groups():
@@ -179,11 +177,12 @@ def test_log8_scales_span_small_and_large_latents_and_zero_groups():
             err = (fake_quant(x, spec) - x).abs().amax(-1)
             rng = x.abs().amax(-1)
             assert torch.isfinite(err).all()
-            # half a step of at most 2^(1/8) times the group's need, the steps floored at 2^-17
-            step = (rng * 2 / (2 ** spec.bits - 1) * 2 ** (1 / 8)).clamp(min=2.0 ** -17 * 2 ** (1 / 8))
-            assert (err <= step / 2 * (1 + 1e-5)).all(), (spec, magnitude)
+            # half a step of at most 2^(1/8) times the group's need (the steps floored at 2^-14), and the
+            # float16 rounding of the low
+            step = (rng * 2 / (2 ** spec.bits - 1) * 2 ** (1 / 8)).clamp(min=2.0 ** -14)
+            assert (err <= step / 2 * (1 + 1e-3) + 2 ** -11 * rng).all(), (spec, magnitude)
     zero = torch.zeros(1, 1, 5, 16)
-    assert (fake_quant(zero, LOG8_SPECS[0]).abs() <= 2.0 ** -17).all()
+    assert (fake_quant(zero, LOG8_SPECS[0]).abs() <= 2.0 ** -14).all()
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
