@@ -923,7 +923,9 @@ def pareto_variants(res: Results) -> str:
         r = res.pick("pareto", r["case"])
         if r is None or not r.get("scoring") or any(x[0] == r["case"] for x in out):
             continue  # rows scored before the band of exact keys: docs/notes/quantized-latents.md
-        default = res.pick_like("pareto", f"auto {r['budget']}", r)
+        # a variant that sets the profile itself is set against the default's (anchored) profile
+        like = {**r, "profile_storages": "anchors"} if "profile_storages" in r.get("extra", {}) else r
+        default = res.pick_like("pareto", f"auto {r['budget']}", like)
         against = f"default {default['ppl']:.2f}" if default else "–"
         if default is None:  # the equal-bytes rows: the baseline of those bytes
             scoring = {"scoring": r.get("scoring")}  # a baseline has no profile
