@@ -139,6 +139,29 @@ def latent_noise(x: torch.Tensor | None, P: torch.Tensor, spec: QuantSpec, rotat
     return float((fake_quant(z, spec) - z).double().pow(2).sum())
 
 
+@torch.no_grad()
+def latent_noises(x: torch.Tensor | None, bases: list[torch.Tensor], spec: QuantSpec,
+                  rotation: bool = True) -> list[float]:
+    """:func:`latent_noise` of every basis in ``bases`` (one per rank), in one quantization: each rank's
+    latents are padded to the widest with copies of their last channel (as a short per-token group is padded,
+    so every group's range is its own) and stacked, and the padding is left out of the sums. The same
+    numbers as one call per rank (but for the order of the summation) in a ``1/len(bases)`` of the calls,
+    which on a GPU are bound by their launches. Encoders that search the range (``mse``) see the padding:
+    one call per rank for them."""
+    if x is None:
+        return [0.0] * len(bases)
+    if spec.mse:
+        return [latent_noise(x, P, spec, rotation) for P in bases]
+    latents = [torch.matmul(x, storage_basis(P, spec, rotation)) for P in bases]
+    ranks = torch.tensor([z.shape[-1] for z in latents], device=x.device)
+    width = int(ranks.max())
+    z = torch.stack([torch.cat([z, z[..., -1:].expand(*z.shape[:-1], width - z.shape[-1])], -1)
+                     for z in latents])
+    err = (fake_quant(z, spec) - z).double().pow(2)
+    real = torch.arange(width, device=x.device) < ranks[:, None]  # [R, width]
+    return (err * real[:, None, None, None, :]).sum((1, 2, 3, 4)).tolist()
+
+
 # With profile_storages="anchors" the kl profile measures the model's KL for these widths of each layout only
 # (model tails: most of what `auto` adds to a calibration) and predicts the others from their quantization
 # noise (:func:`predict_storage_kl`).
@@ -196,7 +219,7 @@ def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bas
                 table[str(spec)] = [error_at(r, spec) for r in prof.ranks]
             continue
         x = layer_latent_input(layer, batch, which, key_mode=key_mode) if batch.hidden.shape[0] else None
-        local = torch.tensor([[latent_noise(x, basis(r), spec, rotation) for r in prof.ranks]
+        local = torch.tensor([latent_noises(x, [basis(r) for r in prof.ranks], spec, rotation)
                               for spec in specs[which]], dtype=torch.float64)
         noise = dict(zip(specs[which], shard.sum_(local).tolist()))
         # log8 storages are never anchors: their KL comes from the float-scaled per-token anchors'

@@ -838,6 +838,23 @@ def test_storage_kl_prediction_follows_the_anchors():
     assert math.isfinite(predict_storage_kl(9.0, [(4.0, 0.3), (64.0, 0.2)]))  # KL not growing: proportional
 
 
+def test_latent_noises_of_every_rank_at_once_equal_one_call_per_rank():
+    from stiefkv.calibrate.profile import latent_noise, latent_noises
+
+    g = gen(11)
+    G, d, N = 3, 128, GROUP + 21  # ranks across the 64-channel groups; a channel group still filling
+    x = latents((2, G, N, d), seed=11)
+    full = torch.linalg.qr(torch.randn(G, d, d, generator=g, dtype=torch.float64))[0].float()
+    bases = [full[..., :r] for r in (5, 40, 64, 72, 128)]
+    for spec in (QuantSpec(2, "token", recent=7), QuantSpec(3, "token", recent=7, log8=True),
+                 QuantSpec(4, "channel", recent=3), QuantSpec(2, "token", mse=True), QuantSpec(8, "token")):
+        got = latent_noises(x, bases, spec)
+        want = [latent_noise(x, P, spec) for P in bases]
+        assert all(math.isfinite(v) and v > 0 for v in got), spec
+        assert got == pytest.approx(want, rel=1e-9), spec
+    assert latent_noises(None, bases, QuantSpec(2)) == [0.0] * len(bases)
+
+
 def test_kl_profile_measures_only_the_anchor_widths_and_predicts_the_rest():
     from stiefkv.calibrate.profile import ANCHOR_BITS, add_quant_profile, storage_candidates
     from stiefkv.layers import LayerBatch
