@@ -205,15 +205,20 @@ class Quantized:
 
 
 # the mantissas of log8 scales over one octave, rounded to float16: every scale is then a float16 exactly,
-# so the static stores and kernels (float16 scales and lows) read what the dynamic cache does
+# so the static stores and kernels (float16 scales and lows) read what the dynamic cache does. Python floats,
+# not a tensor: quantizing inside a captured CUDA graph (the static cache's decode) may not copy to the device
 _EIGHTHS = torch.tensor([2.0 ** (j / 8) for j in range(8)]).half().float().tolist()
 
 
 def log8_scale(k: torch.Tensor) -> torch.Tensor:
     """The float32 scale ``2^((k − LOG8_OFFSET) / 8)`` (its mantissa rounded to float16) of uint8 log8 codes
-    ``k``: a mantissa from a table times a power of two, so every device and shape gives the same bits."""
+    ``k``: a mantissa picked from eight constants times a power of two, so every device and shape gives the
+    same bits (``exp2`` does not)."""
     k = k.long() - LOG8_OFFSET
-    mantissa = torch.tensor(_EIGHTHS, dtype=torch.float32, device=k.device)[k % 8]
+    eighth = k % 8
+    mantissa = torch.full(k.shape, _EIGHTHS[0], dtype=torch.float32, device=k.device)
+    for j in range(1, 8):
+        mantissa = torch.where(eighth == j, _EIGHTHS[j], mantissa)
     return torch.ldexp(mantissa, torch.div(k, 8, rounding_mode="floor").float())
 
 
@@ -226,8 +231,7 @@ def log8_code(step: torch.Tensor) -> torch.Tensor:
     """The uint8 log8 code of the smallest representable scale ≥ ``step`` (float32; clamped to the codes'
     range, so a group needing a step beyond 2^15.9 clips). Exact comparisons, no logarithm."""
     m, e = torch.frexp(step.float().clamp(min=2.0 ** -14))  # step = (2m) · 2^(e − 1), 2m in [1, 2)
-    eighths = torch.tensor(_EIGHTHS, dtype=torch.float32, device=step.device)
-    j = (eighths < 2 * m.unsqueeze(-1)).sum(-1)  # the first mantissa ≥ 2m (8: the next octave's first)
+    j = sum((2 * m > c).long() for c in _EIGHTHS)  # the first mantissa ≥ 2m (8: the next octave's first)
     k = 8 * (e.long() - 1) + j + LOG8_OFFSET
     return k.clamp_(0, LOG8_MAX).to(torch.uint8)
 

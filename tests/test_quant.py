@@ -185,6 +185,21 @@ def test_log8_scales_span_small_and_large_latents_and_zero_groups():
     assert (fake_quant(zero, LOG8_SPECS[0]).abs() <= 2.0 ** -14).all()
 
 
+def test_log8_quantization_copies_nothing_from_the_host(monkeypatch):
+    """The static cache quantizes inside a captured CUDA graph, where a tensor built from host data (a copy
+    to the device) is not allowed: log8 scales come from Python constants, not a tensor of them."""
+    x = latents((1, 2, 9, 24), seed=4)
+    want = [dequantize(quantize(x, spec)) for spec in LOG8_SPECS]
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("torch.tensor called while quantizing")
+
+    monkeypatch.setattr(torch, "tensor", refuse)
+    for spec, w in zip(LOG8_SPECS, want):
+        assert torch.equal(dequantize(quantize(x, spec)), w)
+        quantize(x, spec).with_float_scales()
+
+
 @pytest.mark.parametrize("dtype,tol", [(torch.bfloat16, 1e-2), (torch.float16, 1e-3)])
 def test_quantizer_half_dtypes(dtype, tol):
     x = latents((1, 2, GROUP, 21), seed=5, dtype=dtype)
