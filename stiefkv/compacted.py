@@ -296,7 +296,8 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     as attention sees them (rebuilt from the latents, rotated at their positions), and each kept entry keeps
     its latent and position; the values are fitted in the latent space (``P_v`` is orthonormal, so a fit
     there is the fit of the full values restricted to the subspace). The prefix is stored as the model
-    stores latents (quantized layers quantize it again)."""
+    stores latents (quantized layers quantize it again: the same codes for min–max storages, a second
+    rounding for log8 ones, whose scale a dequantized group can lower)."""
     if method in presses.PRESSES:
         raise ValueError(f"kvpress's {method!r} is a baseline for the uncompressed model's cache; a "
                          f"stiefkv.LatentCache is compacted by {' or '.join(repr(m) for m in METHODS)}")

@@ -99,13 +99,32 @@ def test_keeping_every_token_of_a_low_rank_cache_continues_as_the_uncompacted(ke
         assert before < whole.nbytes / 3
 
 
-def test_quantized_latents_are_compacted_and_stored_quantized_again():
+@pytest.mark.parametrize("specs", [("int4-token", "int4-token"), ("int4-token", "int2-token-r5"),
+                                   ("int3-token-log8", "int2-token-log8-r5")])
+def test_quantized_latents_are_compacted_and_stored_quantized_again(specs):
+    """Min–max codes quantize their own dequantized values to the same codes, so keeping every token
+    continues as the uncompacted cache does. Log8 codes do not (a group whose largest code is not the
+    extreme one gets a finer scale): keeping every token stores each latent quantized once more."""
+    from stiefkv.cache import LatentStore
+
     model, ids = prompt(5, 150)
     C = 140
     proj = random_projections(model, 9, 15)
-    proj.quant = [(QuantSpec(4, "token"), QuantSpec(4, "token"))] * dims_of(model.config).L
+    proj.quant = [tuple(QuantSpec.parse(s) for s in specs)] * dims_of(model.config).L
+    log8 = "log8" in specs[0]
     with compressed(model, proj):
-        whole = kept_whole(model, ids, C, tol=1e-3)
+        if not log8:
+            whole = kept_whole(model, ids, C, tol=1e-3)
+        else:
+            whole = stiefkv.prefill(model, ids[:, :C], window=12)
+            kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
+                                   method="attention", allocation="uniform")
+            for i, spec_pair in enumerate(proj.quant):
+                for spec, before, after in zip(spec_pair, whole.read_layer(i, torch.float32),
+                                               kept.read_layer(i, torch.float32)):
+                    again = LatentStore(spec)
+                    again.append(before)
+                    assert torch.equal(after, again.read(torch.float32))
         small = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=0.25)
         assert small.nbytes < whole.nbytes / 2
         assert torch.isfinite(continuation(model, small, ids, C)).all()
