@@ -139,6 +139,9 @@ def latent_noise(x: torch.Tensor | None, P: torch.Tensor, spec: QuantSpec, rotat
     return float((fake_quant(z, spec) - z).double().pow(2).sum())
 
 
+NOISE_ELEMENTS = 1 << 25  # latents quantized at once by latent_noises (its temporaries: a few times this)
+
+
 @torch.no_grad()
 def latent_noises(x: torch.Tensor | None, bases: list[torch.Tensor], spec: QuantSpec,
                   rotation: bool = True) -> list[float]:
@@ -152,14 +155,18 @@ def latent_noises(x: torch.Tensor | None, bases: list[torch.Tensor], spec: Quant
         return [0.0] * len(bases)
     if spec.mse:
         return [latent_noise(x, P, spec, rotation) for P in bases]
-    latents = [torch.matmul(x, storage_basis(P, spec, rotation)) for P in bases]
-    ranks = torch.tensor([z.shape[-1] for z in latents], device=x.device)
-    width = int(ranks.max())
-    z = torch.stack([torch.cat([z, z[..., -1:].expand(*z.shape[:-1], width - z.shape[-1])], -1)
-                     for z in latents])
-    err = (fake_quant(z, spec) - z).double().pow(2)
-    real = torch.arange(width, device=x.device) < ranks[:, None]  # [R, width]
-    return (err * real[:, None, None, None, :]).sum((1, 2, 3, 4)).tolist()
+    width = max(P.shape[-1] for P in bases)
+    per_chunk = max(1, NOISE_ELEMENTS // (x[..., :1].numel() * width))  # ranks quantized together
+    out = []
+    for first in range(0, len(bases), per_chunk):
+        latents = [torch.matmul(x, storage_basis(P, spec, rotation)) for P in bases[first:first + per_chunk]]
+        ranks = torch.tensor([z.shape[-1] for z in latents], device=x.device)
+        z = torch.stack([torch.cat([z, z[..., -1:].expand(*z.shape[:-1], width - z.shape[-1])], -1)
+                         for z in latents])
+        real = torch.arange(width, device=x.device) < ranks[:, None]  # [R, width]
+        err = (fake_quant(z, spec) - z).pow_(2).mul_(real[:, None, None, None, :])
+        out += err.sum((1, 2, 3, 4), dtype=torch.float64).tolist()
+    return out
 
 
 # With profile_storages="anchors" the kl profile measures the model's KL for these widths of each layout only

@@ -46,8 +46,8 @@ LAYOUTS = ("token", "channel")
 GROUP = 64  # channels per scale (token layout) and tokens per scale (channel layout)
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2  # one float16 scale and one float16 low per group
-LOG8_OFFSET = 112  # a log8 code k is the scale 2^((k − 112) / 8): 2^-14 … 2^15.9 (k ≤ 239: float16's normals)
-LOG8_MAX = 239
+LOG8_OFFSET = 112  # a log8 code k is the scale 2^((k − 112) / 8), from 2^-14 (float16's smallest normal)
+LOG8_NAN = 255  # the code of a group that is not finite: it dequantizes to NaN
 FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
 POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
 REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
@@ -212,14 +212,16 @@ _EIGHTHS = torch.tensor([2.0 ** (j / 8) for j in range(8)]).half().float().tolis
 
 def log8_scale(k: torch.Tensor) -> torch.Tensor:
     """The float32 scale ``2^((k − LOG8_OFFSET) / 8)`` (its mantissa rounded to float16) of uint8 log8 codes
-    ``k``: a mantissa picked from eight constants times a power of two, so every device and shape gives the
-    same bits (``exp2`` does not)."""
-    k = k.long() - LOG8_OFFSET
-    eighth = k % 8
+    ``k`` (NaN for :data:`LOG8_NAN`): a mantissa picked from eight constants times a power of two, so every
+    device and shape gives the same bits (``exp2`` does not)."""
+    k = k.long()
+    e = k - LOG8_OFFSET
+    eighth = e % 8
     mantissa = torch.full(k.shape, _EIGHTHS[0], dtype=torch.float32, device=k.device)
     for j in range(1, 8):
         mantissa = torch.where(eighth == j, _EIGHTHS[j], mantissa)
-    return torch.ldexp(mantissa, torch.div(k, 8, rounding_mode="floor").float())
+    scale = torch.ldexp(mantissa, torch.div(e, 8, rounding_mode="floor").float())
+    return torch.where(k == LOG8_NAN, float("nan"), scale)
 
 
 def log8_low(scale: torch.Tensor, bits: int) -> torch.Tensor:
@@ -227,13 +229,25 @@ def log8_low(scale: torch.Tensor, bits: int) -> torch.Tensor:
     return (scale * (-((1 << bits) - 1) / 2)).to(SCALE_DTYPE).float()
 
 
-def log8_code(step: torch.Tensor) -> torch.Tensor:
-    """The uint8 log8 code of the smallest representable scale ≥ ``step`` (float32; clamped to the codes'
-    range, so a group needing a step beyond 2^15.9 clips). Exact comparisons, no logarithm."""
+def _largest_code(bits: int) -> int:
+    """The largest log8 code whose grid's low is a finite float16 at ``bits`` bits (groups needing a larger
+    step clip, as a float16 scale and low cannot hold them either)."""
+    half = ((1 << bits) - 1) / 2
+    return max(k for k in range(LOG8_NAN)
+               if 2.0 ** ((k - LOG8_OFFSET) // 8) * _EIGHTHS[(k - LOG8_OFFSET) % 8] * half <= 65504)
+
+
+LOG8_LARGEST = {b: _largest_code(b) for b in (2, 3, 4, 8)}
+
+
+def log8_code(step: torch.Tensor, bits: int) -> torch.Tensor:
+    """The uint8 log8 code of the smallest representable scale ≥ ``step`` (float32) at ``bits`` bits: clamped
+    to :data:`LOG8_LARGEST` (a larger step clips), :data:`LOG8_NAN` where ``step`` is not finite. Exact
+    comparisons, no logarithm."""
     m, e = torch.frexp(step.float().clamp(min=2.0 ** -14))  # step = (2m) · 2^(e − 1), 2m in [1, 2)
     j = sum((2 * m > c).long() for c in _EIGHTHS)  # the first mantissa ≥ 2m (8: the next octave's first)
-    k = 8 * (e.long() - 1) + j + LOG8_OFFSET
-    return k.clamp_(0, LOG8_MAX).to(torch.uint8)
+    k = (8 * (e.long() - 1) + j + LOG8_OFFSET).clamp_(0, LOG8_LARGEST[bits])
+    return torch.where(torch.isfinite(step), k, LOG8_NAN).to(torch.uint8)
 
 
 def _group_range(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -306,7 +320,7 @@ def quantize(x: torch.Tensor, spec: QuantSpec) -> Quantized:
         real = (torch.arange(g.shape[-2] * GROUP, device=g.device) < r).view(g.shape[-2], GROUP)
         lo, hi = _mse_range(g, lo, hi, levels, -1, real if r % GROUP else None)
     if spec.log8:
-        scale = log8_code(torch.maximum(lo.abs(), hi.abs()) * (2 / levels))
+        scale = log8_code(torch.maximum(lo.abs(), hi.abs()) * (2 / levels), spec.bits)
         step = log8_scale(scale)
         low = log8_low(step, spec.bits)
     else:
