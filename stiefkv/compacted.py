@@ -26,11 +26,12 @@ import torch
 from transformers import DynamicCache
 
 from stiefkv import presses
-from stiefkv.cache import LatentCache, cache_keyword
+from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import project_qkv, rotate_with
 from stiefkv.models import decoder_layers, max_positions
+from stiefkv.quant import Quantized
 from stiefkv.static_cache import StaticLatentCache
 
 HOOKS = "_stiefkv_compacted_hooks"
@@ -296,8 +297,8 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     as attention sees them (rebuilt from the latents, rotated at their positions), and each kept entry keeps
     its latent and position; the values are fitted in the latent space (``P_v`` is orthonormal, so a fit
     there is the fit of the full values restricted to the subspace). The prefix is stored as the model
-    stores latents (quantized layers quantize it again: the same codes for min–max storages, a second
-    rounding for log8 ones, whose scale a dequantized group can lower)."""
+    stores latents (quantized layers quantize it again: the same codes for min–max storages; per-token keys
+    carry their own codes over, since a dequantized log8 group can ask for a finer scale)."""
     if method in presses.PRESSES:
         raise ValueError(f"kvpress's {method!r} is a baseline for the uncompressed model's cache; a "
                          f"stiefkv.LatentCache is compacted by {' or '.join(repr(m) for m in METHODS)}")
@@ -319,7 +320,34 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
         kept = torch.gather(z_k, 2, index[..., None].expand(-1, -1, -1, z_k.shape[-1]))
         new.add_compacted_layer(kept, fitted.to(z_v.dtype), torch.gather(positions, 2, index), beta,
                                 quant=layer.self_attn.quant)
+        _carry_key_codes(cache.layers[i], new.layers[i], index)
     return new
+
+
+def _carry_key_codes(before, after, index: torch.Tensor) -> None:
+    """Give the compacted layer ``after`` the kept keys' own codes where ``before`` held them as per-token
+    codes and ``after`` holds them quantized: quantizing dequantized log8 codes again can pick a finer scale
+    (a second rounding); min–max codes come back the same either way. ``index`` ``[B, G, t]``: the kept
+    entries' tokens in ``before``."""
+    if not isinstance(before, QuantizedLatentLayer) or not isinstance(after, QuantizedLatentLayer):
+        return
+    old, new = before.stores[0], after.stores[0]
+    if new.codes is None or old.codes is None or new.spec.layout != "token" or new.spec != old.spec:
+        return
+    held = new.codes.length
+    take = index[..., :held]
+    had = take < old.codes.length  # [B, G, held]: kept keys the old layer held as codes
+    take = take.clamp(max=old.codes.length - 1)
+
+    def carried(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+        if a is None:
+            return None
+        got = torch.gather(a, 2, take[..., None].expand(-1, -1, -1, a.shape[-1]))
+        return torch.where(had[..., None], got, b)
+
+    c = new.codes
+    new.codes = Quantized(carried(old.codes.codes, c.codes), carried(old.codes.scale, c.scale),
+                          carried(old.codes.low, c.low), c.bits, c.layout, c.rank)
 
 
 def _pressed(model, cache, queries: list[torch.Tensor], t: int, method: str) -> CompactedCache:

@@ -104,7 +104,8 @@ def test_keeping_every_token_of_a_low_rank_cache_continues_as_the_uncompacted(ke
 def test_quantized_latents_are_compacted_and_stored_quantized_again(specs):
     """Min–max codes quantize their own dequantized values to the same codes, so keeping every token
     continues as the uncompacted cache does. Log8 codes do not (a group whose largest code is not the
-    extreme one gets a finer scale): keeping every token stores each latent quantized once more."""
+    extreme one gets a finer scale): keeping every token, the keys carry their own codes over, and the
+    values are quantized once more."""
     from stiefkv.cache import LatentStore
 
     model, ids = prompt(5, 150)
@@ -119,12 +120,13 @@ def test_quantized_latents_are_compacted_and_stored_quantized_again(specs):
             whole = stiefkv.prefill(model, ids[:, :C], window=12)
             kept = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=1.0,
                                    method="attention", allocation="uniform")
-            for i, spec_pair in enumerate(proj.quant):
-                for spec, before, after in zip(spec_pair, whole.read_layer(i, torch.float32),
-                                               kept.read_layer(i, torch.float32)):
-                    again = LatentStore(spec)
-                    again.append(before)
-                    assert torch.equal(after, again.read(torch.float32))
+            for i, (_, value_spec) in enumerate(proj.quant):
+                (k0, v0), (k1, v1) = whole.read_layer(i, torch.float32), kept.read_layer(i, torch.float32)
+                assert torch.equal(k1, k0)
+                again = LatentStore(value_spec)
+                again.append(v0)
+                assert torch.equal(v1, again.read(torch.float32))
+                assert not torch.equal(v1, v0)  # (so the keys' equality is the carried codes')
         small = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=0.25)
         assert small.nbytes < whole.nbytes / 2
         assert torch.isfinite(continuation(model, small, ids, C)).all()
