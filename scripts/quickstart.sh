@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up, then the main job on the built-in default model: calibrate SmolLM2-135M at a 50 % KV budget in
 # bytes with the defaults (--bits auto: ranks, bits and layouts by one knapsack over kl profiles; Stiefel
-# refinement, sequential; on a CPU 32 × 512 calibration tokens of WikiText-2 validation, about 56 minutes
+# refinement, sequential; on a CPU 32 × 512 calibration tokens of WikiText-2 validation, about 14 minutes
 # on 2 cores) and evaluate it on the first 2 windows of
 # 2048 tokens of WikiText-2 test (the whole test set takes ~25 minutes on 2 CPU cores: WINDOWS=all; see
 # BENCHMARKS.md for whole-test-set numbers from the GPU). METHOD=pca is the PCA-uniform baseline instead (about a minute).
