@@ -171,10 +171,6 @@ class Quantized:
     rank: int
 
     @property
-    def log8(self) -> bool:
-        return self.low is None
-
-    @property
     def length(self) -> int:
         return self.codes.shape[-2]
 
@@ -229,15 +225,10 @@ def log8_low(scale: torch.Tensor, bits: int) -> torch.Tensor:
     return (scale * (-((1 << bits) - 1) / 2)).to(SCALE_DTYPE).float()
 
 
-def _largest_code(bits: int) -> int:
-    """The largest log8 code whose grid's low is a finite float16 at ``bits`` bits (groups needing a larger
-    step clip, as a float16 scale and low cannot hold them either)."""
-    half = ((1 << bits) - 1) / 2
-    return max(k for k in range(LOG8_NAN)
-               if 2.0 ** ((k - LOG8_OFFSET) // 8) * _EIGHTHS[(k - LOG8_OFFSET) % 8] * half <= 65504)
-
-
-LOG8_LARGEST = {b: _largest_code(b) for b in (2, 3, 4, 8)}
+# per width, the largest log8 code whose grid's low is a finite float16 (groups needing a larger step clip,
+# as a float16 scale and low cannot hold them either)
+LOG8_LARGEST = {b: int(torch.nonzero(log8_scale(torch.arange(LOG8_NAN)) * ((1 << b) - 1) / 2 <= 65504).max())
+                for b in (2, 3, 4, 8)}
 
 
 def log8_code(step: torch.Tensor, bits: int) -> torch.Tensor:

@@ -507,33 +507,25 @@ def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
         _edited(tmp_path, path, lambda h: h.update(format_version=2))
     with pytest.raises(CheckpointError, match="bits must be one of"):
         _edited(tmp_path, path, lambda h: h["quant"].__setitem__(0, ["int5-token", "bf16"]))
-    # an mse encoder needs version 4: version 3 readers would not know the name
-    mse = quantized_projections(model, specs=[(QuantSpec(2, "channel", mse=True), QuantSpec(16)),
-                                              (QuantSpec(4), QuantSpec(3, "token", mse=True))])
-    path = mse.save(tmp_path / "mse.safetensors")
-    back = Projections.load(path)
-    assert back.specs == mse.specs and back.header()["format_version"] == 4
-    assert back.header()["quant"][1] == ["int4-token", "int3-token-mse"]
-    with pytest.raises(CheckpointError, match="an -mse storage in a format version 3 file"):
-        _edited(tmp_path, path, lambda h: h.update(format_version=3))
-    # exact recent tokens need version 5: earlier readers would quantize them
-    recent = quantized_projections(model, specs=[(QuantSpec(2, "channel", recent=64), QuantSpec(16)),
-                                                 (QuantSpec(4), QuantSpec(3, "token", mse=True))])
-    path = recent.save(tmp_path / "recent.safetensors")
-    back = Projections.load(path)
-    assert back.specs == recent.specs and back.header()["format_version"] == 5
-    assert back.header()["quant"][0] == ["int2-channel-r64", "bf16"]
-    with pytest.raises(CheckpointError, match=r"exact recent tokens \(-r\) in a format version 4 file"):
-        _edited(tmp_path, path, lambda h: h.update(format_version=4))
-    # log8 scales need version 6: earlier readers would read their uint8 codes as nothing they know
-    log8 = quantized_projections(model, specs=[(QuantSpec(2, "channel", recent=16), QuantSpec(16)),
-                                               (QuantSpec(4), QuantSpec(2, "token", recent=16, log8=True))])
-    path = log8.save(tmp_path / "log8.safetensors")
-    back = Projections.load(path)
-    assert back.specs == log8.specs and back.header()["format_version"] == 6
-    assert back.header()["quant"][1] == ["int4-token", "int2-token-log8-r16"]
-    with pytest.raises(CheckpointError, match="log8 scales in a format version 5 file"):
-        _edited(tmp_path, path, lambda h: h.update(format_version=5))
+    # each storage feature needs the version that introduced it: earlier readers would misread it
+    mse_values = (QuantSpec(4), QuantSpec(3, "token", mse=True))
+    features = [  # (specs, version, layer, its names, how a file one version older is refused)
+        ([(QuantSpec(2, "channel", mse=True), QuantSpec(16)), mse_values],
+         4, 1, ["int4-token", "int3-token-mse"], "an -mse storage in a format version 3 file"),
+        ([(QuantSpec(2, "channel", recent=64), QuantSpec(16)), mse_values],
+         5, 0, ["int2-channel-r64", "bf16"], r"exact recent tokens \(-r\) in a format version 4 file"),
+        ([(QuantSpec(2, "channel", recent=16), QuantSpec(16)),
+          (QuantSpec(4), QuantSpec(2, "token", recent=16, log8=True))],
+         6, 1, ["int4-token", "int2-token-log8-r16"], "log8 scales in a format version 5 file"),
+    ]
+    for specs, version, layer, names, refusal in features:
+        proj = quantized_projections(model, specs=specs)
+        path = proj.save(tmp_path / f"v{version}.safetensors")
+        back = Projections.load(path)
+        assert back.specs == proj.specs and back.header()["format_version"] == version
+        assert back.header()["quant"][layer] == names
+        with pytest.raises(CheckpointError, match=refusal):
+            _edited(tmp_path, path, lambda h, v=version: h.update(format_version=v - 1))
 
 
 def _edited(tmp_path, path, edit):
