@@ -68,6 +68,11 @@ QUANT_SWEEP = [
     {"num_warps": 8},
     {"num_stages": 2},
     {"num_stages": 4},
+    # int4 only: codes met as even and odd channels (two dots), byte-packed conversion in PTX
+    {"nibbles": True},
+    {"nibbles": True, "prefetch": False},
+    {"nibbles": True, "prefetch": False, "block_n": 64},
+    {"nibbles": True, "prefetch": False, "num_stages": 4},
 ]
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
 QUANT_BITS = (16, 8, 4)
@@ -207,7 +212,7 @@ def quant_rows(shapes, copy: float) -> None:
                     tried = []
                     for cfg in QUANT_SWEEP:
                         cfg = dict(cfg)
-                        if cfg.get("fold_scales") and bits == 16:
+                        if (cfg.get("fold_scales") and bits == 16) or (cfg.get("nibbles") and bits != 4):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

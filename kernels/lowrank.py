@@ -242,6 +242,72 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
+def _nibbles_to_half(raw, ASM: tl.constexpr):
+    """Packed int4 bytes ``[..., W]`` (uint8) as two fp16 tiles of the same shape, ``1024 + code`` of the
+    low nibbles (even channels) and of the high ones (odd channels). ``ASM``: four bytes at a time in one
+    32-bit register, two masks and a shift for all eight codes and one byte permute per pair of fp16
+    results (``0x64`` above each code is ``0x6400 | c``); element-wise Triton spends a mask, a conversion
+    and a permute on every code (benchmarks/experiments/kernel_sass.py). Without it (the interpreter, which
+    runs no PTX) the same values element by element."""
+    if ASM:
+        even, odd = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 lo, hi;
+            and.b32 lo, $4, 0x0F0F0F0F;
+            shr.u32 hi, $4, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 $0, lo, 0x64646464, 0x4140;
+            prmt.b32 $1, lo, 0x64646464, 0x4342;
+            prmt.b32 $2, hi, 0x64646464, 0x4140;
+            prmt.b32 $3, hi, 0x64646464, 0x4342;
+            }
+            """,
+            constraints="=r,=r,=r,=r,r", args=[raw], dtype=(tl.float16, tl.float16), is_pure=True, pack=4)
+    else:
+        even = ((raw & 15).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        odd = ((raw >> 4).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    return even, odd
+
+
+@triton.jit
+def _decode_nibbles(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+                    ASM: tl.constexpr):
+    """Packed int4 codes (token layout) of :func:`_fetch_latent` as two ``[BLOCK_N, R_P2 / 2]`` tiles: the
+    even channels (low nibbles) and the odd ones (high nibbles), each ``code · scale + low``. Byte ``j``
+    holds channels ``2j`` and ``2j + 1`` (``stiefkv.quant.pack``), so the halves need no interleaving join:
+    the caller meets them with the even and odd halves of its other operand, two dots of half the depth."""
+    HALF_R: tl.constexpr = R_P2 // 2
+    NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+    if DTYPE == tl.float32:
+        even, odd = (raw & 15).to(tl.float32), (raw >> 4).to(tl.float32)
+        scale_t, low_t = scale, low
+    else:
+        even, odd = _nibbles_to_half(raw, ASM)
+        even, odd = even - 1024.0, odd - 1024.0
+        scale_t, low_t = scale.to(tl.float16), low.to(tl.float16)
+    if NG == 1:
+        even = even * scale_t[:, None] + low_t[:, None]
+        odd = odd * scale_t[:, None] + low_t[:, None]
+    else:  # channel 2j (and 2j + 1) lies in group 2j // QUANT_GROUP: QUANT_GROUP / 2 bytes a group
+        GB: tl.constexpr = QUANT_GROUP // 2
+        even = even.reshape(BLOCK_N, NG, GB) * scale_t[:, :, None] + low_t[:, :, None]
+        odd = odd.reshape(BLOCK_N, NG, GB) * scale_t[:, :, None] + low_t[:, :, None]
+        even, odd = even.reshape(BLOCK_N, HALF_R), odd.reshape(BLOCK_N, HALF_R)
+    return even, odd
+
+
+@triton.jit
+def _load_nibbles(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
+                  R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
+                  DTYPE: tl.constexpr, ASM: tl.constexpr):
+    """:func:`_load_latent` for :func:`_decode_nibbles`: the even and odd channel halves of an int4 tile."""
+    raw, scale, low = _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2,
+                                    BLOCK_N, MASK_N, 4, False)
+    return _decode_nibbles(raw, scale, low, R_P2, BLOCK_N, DTYPE, ASM)
+
+
+@triton.jit
 def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                  R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
                  BITS: tl.constexpr, DTYPE: tl.constexpr, CH: tl.constexpr = False):
@@ -333,6 +399,15 @@ def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOC
 
 
 @triton.jit
+def _nibble_logits(q_even, q_odd, z_even, z_odd, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """``post_rope`` logits ``[BLOCK_M, BLOCK_N]`` of the projected queries' even and odd channels against a
+    key tile's (:func:`_decode_nibbles`)."""
+    s = _dot(q_even, tl.trans(z_even), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+    return _dot(q_odd, tl.trans(z_odd), s, DOT_PREC, UPCAST)
+
+
+@triton.jit
 def _attend_range(
     acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS, SK, LK, SV, LV,
@@ -343,7 +418,8 @@ def _attend_range(
     HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
     q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
-    K_CH: tl.constexpr = False, V_CH: tl.constexpr = False,
+    K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
+    NIB_V: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -354,8 +430,13 @@ def _attend_range(
     ``Σ q'`` per row) and ``acc += (p·scale) code + Σ_j p_j·low_j``. ``PREFETCH`` (not with a fold) reads
     the next tile's latents, scales, lows and positions before this tile's compute, a register double
     buffer: the pipeliner stages the float tiles that feed a dot, but the small scale and position loads of
-    a tile were left in its critical path; its reads past ``end`` are masked."""
+    a tile were left in its critical path; its reads past ``end`` are masked. ``NIB_K`` (``post_rope``) and
+    ``NIB_V`` (int4 codes, token layout) meet a tile as its even and odd channels (:func:`_decode_nibbles`):
+    ``q1``/``q2`` are then the projected query's even and odd channels, and the values accumulate in two
+    halves joined on return."""
     offs_nt = tl.arange(0, BLOCK_N)
+    if NIB_V:
+        acc_e, acc_o = tl.split(tl.reshape(acc, [BLOCK_M, R_V_P2 // 2, 2]))
     if PREFETCH:
         kr, ks, kl = _fetch_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
                                    stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH)
@@ -365,23 +446,36 @@ def _attend_range(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
-            z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH)
+            if NIB_K:
+                ze, zo = _decode_nibbles(kr, ks, kl, R_K_P2, BLOCK_N, DTYPE, not UPCAST)
+            else:
+                z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH)
             pos = kp
-            v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH)
+            if NIB_V:
+                ve, vo = _decode_nibbles(vr, vs, vl, R_V_P2, BLOCK_N, DTYPE, not UPCAST)
+            else:
+                v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH)
             nxt = offs_n + BLOCK_N
             kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
                                        R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH)
             kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                        R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH)
-            s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
-                            FAST_SINCOS, DOT_PREC, UPCAST)
+            if NIB_K:
+                s = _nibble_logits(q1, q2, ze, zo, BLOCK_M, BLOCK_N, DOT_PREC, UPCAST)
+            else:
+                s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
+                                FAST_SINCOS, DOT_PREC, UPCAST)
         elif FOLD_K:
             codes = _code_tile(ZK, offs_n, end, stride_kn, stride_kr, R_K, R_K_P2, BLOCK_N, MASKED, K_BITS)
             scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED)
             k = _codes_to_half(codes)
             s = _dot(q1, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
             s = s * scale[None, :] + q1sum[:, None] * low[None, :]
+        elif NIB_K:
+            ze, zo = _load_nibbles(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                                   R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST)
+            s = _nibble_logits(q1, q2, ze, zo, BLOCK_M, BLOCK_N, DOT_PREC, UPCAST)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                              R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH)  # [BLOCK_N, R_K_P2]
@@ -412,11 +506,24 @@ def _attend_range(
             acc = _dot((p * scale[None, :]).to(tl.bfloat16), v, acc * alpha[:, None], DOT_PREC, UPCAST)
             acc += tl.sum(p * low[None, :], 1)[:, None]
             m_i = m_new
+        elif NIB_V:
+            if not PREFETCH:
+                ve, vo = _load_nibbles(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
+                                       R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST)
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc_e = _dot(p.to(ve.dtype), ve, acc_e * alpha[:, None], DOT_PREC, UPCAST)
+            acc_o = _dot(p.to(vo.dtype), vo, acc_o * alpha[:, None], DOT_PREC, UPCAST)
+            m_i = m_new
         else:
             if not PREFETCH:
                 v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                  R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE, V_CH)  # [BLOCK_N, R_V_P2]
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
+    if NIB_V:
+        acc = tl.join(acc_e, acc_o).reshape(BLOCK_M, R_V_P2)
     return acc, l_i, m_i
 
 
@@ -502,7 +609,7 @@ def _lowrank_attn_fwd(
     HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
-    HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr,
+    HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -562,6 +669,18 @@ def _lowrank_attn_fwd(
         p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
         p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
         inv_freq = tl.load(INV_FREQ + offs_h)
+    elif NIB_K:  # post_rope over int4 key codes met as even and odd channels: q1, q2 = q' there
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
+        offs_e = 2 * tl.arange(0, R_K_P2 // 2)
+        pk_ptrs = PK_g + offs_d[:, None] * stride_pkd + offs_e[None, :] * stride_pkr
+        pk = tl.load(pk_ptrs, mask=(offs_e < R_K)[None, :], other=0.0).to(DTYPE)  # [d, R_K_P2 / 2]
+        pk_o = tl.load(pk_ptrs + stride_pkr, mask=(offs_e + 1 < R_K)[None, :], other=0.0).to(DTYPE)
+        zero = tl.zeros([BLOCK_M, R_K_P2 // 2], dtype=tl.float32)
+        q1 = (_dot(q.to(DTYPE), pk, zero, DOT_PREC, UPCAST) * qk_scale).to(DTYPE)
+        q2 = (_dot(q.to(DTYPE), pk_o, zero, DOT_PREC, UPCAST) * qk_scale).to(DTYPE)
+        p1t = pk
+        p2t = pk
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
@@ -591,7 +710,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -599,7 +718,7 @@ def _lowrank_attn_fwd(
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
-        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -821,6 +940,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     else:
         part_o = part_ml = locks = z_k  # unused
     dot_prec = "ieee" if dtype == torch.float32 else "tf32"
+    # int4 token-layout codes met as even and odd channels (two dots; not with a fold)
+    nibbles = bool(cfg.get("nibbles")) and not cfg.get("fold_scales")
     # shared positions [B, Nk] are read per KV head with a zero head stride
     pos_strides = (0, 0, 0)
     if pre:
@@ -846,6 +967,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         and not k_channel,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP and not v_channel,
         K_CH=k_channel, V_CH=v_channel,
+        NIB_K=nibbles and k_bits == 4 and not k_channel and not pre and r_k_p2 >= 32,
+        NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -875,6 +998,7 @@ def lowrank_attention(
     fast_sincos: bool | None = None,
     fold_scales: bool = False,
     prefetch: bool | None = None,
+    nibbles: bool | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache (Triton); same contract as
@@ -901,6 +1025,9 @@ def lowrank_attention(
         ``prefetch``: read each key and value tile (latents or codes, scales, lows, positions) one tile ahead
         in registers (not with ``fold_scales``); decode only, like ``num_splits``; ``None``: on for codes
         (see :func:`_default_config`).
+        ``nibbles``: int4 codes in the token layout (values, and ``post_rope`` keys; padded ranks ≥ 32) are
+        met as their even and odd channels, the low and high nibbles of each byte, in two dots of half the
+        depth, instead of being interleaved back into one tile; ``None``: see :func:`_default_config`.
 
     Returns
     -------
@@ -942,6 +1069,7 @@ def lowrank_attention(
     if fold_scales:
         prefetch = False
     overrides["prefetch"] = prefetch
+    overrides["nibbles"] = nibbles
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:

@@ -77,6 +77,7 @@ def compile_decode(
     bits: int = 16,
     prefetch: bool = False,
     fold: bool = False,
+    nibbles: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
@@ -109,6 +110,8 @@ def compile_decode(
         "HAS_LSE": False,
         "K_CH": False,
         "V_CH": False,
+        "NIB_K": nibbles and key_mode == "post_rope",
+        "NIB_V": nibbles,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
@@ -182,7 +185,8 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--codes", action="store_true",
-                    help="post_rope over bf16 latents, int8 and int4 codes: plain, prefetched, folded")
+                    help="post_rope over bf16 latents, int8 and int4 codes: plain, prefetched, folded, and "
+                         "int4 as even and odd channels (nibbles)")
     args = ap.parse_args()
     print(
         f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
@@ -197,13 +201,15 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     if args.codes:
         for bits in (16, 8, 4):
-            for prefetch, fold in ((False, False), (True, False), (False, True)):
-                if fold and bits == 16:
+            for prefetch, fold, nib in ((False, False, False), (True, False, False), (False, True, False),
+                                        (False, False, True), (True, False, True)):
+                if (fold and bits == 16) or (nib and bits != 4):
                     continue
                 kernel = compile_decode("post_rope", args.r, args.block_n, args.warps, args.stages, False,
-                                        bits=bits, prefetch=prefetch, fold=fold)
+                                        bits=bits, prefetch=prefetch, fold=fold, nibbles=nib)
                 name = f"post_rope {'bf16' if bits == 16 else f'int{bits}'}" \
-                    + (" prefetch" if prefetch else "") + (" fold" if fold else "")
+                    + (" prefetch" if prefetch else "") + (" fold" if fold else "") \
+                    + (" nibbles" if nib else "")
                 print(f"| {name} " + report(kernel), flush=True)
         return
     for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
