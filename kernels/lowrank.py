@@ -788,12 +788,15 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     than 64), while 64 stays within 3 % of the best at 50 %. Decode over codes (``codes``) reads tiles of 128
     keys one iteration ahead (``prefetch``): the fastest of the sweep at all four shapes, both key modes,
     int8 and int4, on the H200 (2026-12-01; 0.38 against 0.47 ms for int4 ``post_rope`` at 4×128k), while
-    over bf16 latents prefetching was 5-20 % slower (it bypasses the pipeliner's asynchronous copies)."""
+    over bf16 latents prefetching was 5-20 % slower (it bypasses the pipeliner's asynchronous copies).
+    Packed int4 codes are met as even and odd channels (``nibbles``): with prefetch the fastest of the sweep
+    in all four int4 rows (1×32k and 4×128k, both key modes; ``post_rope`` 4×128k 0.357 → 0.286 ms, H200,
+    2026-12-02)."""
     if n_rows <= DECODE_BLOCK_M:
         splits = _decode_splits(programs, n_k, n_sms)
         block_n = 128 if r_k <= 32 or codes else 64
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
-                    prefetch=codes)
+                    prefetch=codes, nibbles=codes)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -1027,7 +1030,8 @@ def lowrank_attention(
         (see :func:`_default_config`).
         ``nibbles``: int4 codes in the token layout (values, and ``post_rope`` keys; padded ranks ≥ 32) are
         met as their even and odd channels, the low and high nibbles of each byte, in two dots of half the
-        depth, instead of being interleaved back into one tile; ``None``: see :func:`_default_config`.
+        depth, instead of being interleaved back into one tile; ``None``: on for decode over codes (see
+        :func:`_default_config`).
 
     Returns
     -------

@@ -507,3 +507,30 @@ def test_channel_layout_codes_match_the_reference(case, key_mode, bits):
             expected = reference(q, ck.dequantize(torch.bfloat16), values.dequantize(torch.bfloat16), P_k,
                                  P_v, key_mode=key_mode, **kwargs)
         assert_close(out, expected, atol=atol, rtol=rtol, what=f"channel int{bits} {path} {key_mode}")
+
+
+@triton.jit
+def _nibbles_probe(RAW, EVEN_ASM, ODD_ASM, EVEN, ODD, N: tl.constexpr, W: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * W + tl.arange(0, W)[None, :]
+    raw = tl.load(RAW + offs)
+    even, odd = lk._nibbles_to_half(raw, True)
+    tl.store(EVEN_ASM + offs, even)
+    tl.store(ODD_ASM + offs, odd)
+    even, odd = lk._nibbles_to_half(raw, False)
+    tl.store(EVEN + offs, even)
+    tl.store(ODD + offs, odd)
+
+
+@gpu_only
+def test_nibbles_in_ptx_match_the_elementwise_conversion():
+    """The PTX block that turns four packed int4 bytes into eight fp16 ``1024 + code`` (``nibbles``, compiled
+    only on CUDA: the interpreter runs the element-wise form) gives the element-wise form's values, every
+    byte value in every position of a 32-bit register."""
+    raw = torch.randint(0, 256, (64, 32), dtype=torch.uint8, device="cuda")
+    raw[:8] = torch.arange(256, device="cuda").view(8, 32).to(torch.uint8)
+    outs = [torch.full((64, 32), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
+    _nibbles_probe[(1,)](raw, *outs, N=64, W=32)
+    even_asm, odd_asm, even, odd = (o.float() for o in outs)
+    codes = raw.to(torch.int32)
+    assert torch.equal(even, (codes & 15).float() + 1024) and torch.equal(odd, (codes >> 4).float() + 1024)
+    assert torch.equal(even_asm, even) and torch.equal(odd_asm, odd)
