@@ -399,17 +399,36 @@ def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOC
 
 
 @triton.jit
-def _nibble_logits(q_even, q_odd, z_even, z_odd, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """``post_rope`` logits ``[BLOCK_M, BLOCK_N]`` of the projected queries' even and odd channels against a
-    key tile's (:func:`_decode_nibbles`)."""
-    s = _dot(q_even, tl.trans(z_even), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
-    return _dot(q_odd, tl.trans(z_odd), s, DOT_PREC, UPCAST)
+def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos, HEAD_DIM: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr,
+                   FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """:func:`_key_logits` of a key tile met as its even and odd channels (:func:`_decode_nibbles`):
+    ``pre_rope`` rebuilds the keys from both halves against the basis's even (``p1t``, ``p2t``) and odd
+    (``p1t_o``, ``p2t_o``) channels; ``post_rope``'s ``q1``, ``q2`` are the projected queries' even and odd
+    channels."""
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if KEY_MODE == 0:
+        angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+        if FAST_SINCOS:
+            sin, cos = _sincos_fast(angle)
+        else:
+            sin, cos = _sincos(angle)
+        zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+        a1 = _dot(z_odd, p1t_o, _dot(z_even, p1t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
+        a2 = _dot(z_odd, p2t_o, _dot(z_even, p2t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
+        k1 = (a1 * cos - a2 * sin).to(z_even.dtype)
+        k2 = (a2 * cos + a1 * sin).to(z_even.dtype)
+        s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+        s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
+    else:
+        s = _dot(q1, tl.trans(z_even), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+        s = _dot(q2, tl.trans(z_odd), s, DOT_PREC, UPCAST)
+    return s
 
 
 @triton.jit
 def _attend_range(
-    acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
+    acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS, SK, LK, SV, LV,
     stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
     stride_skn, stride_skg, stride_svn, stride_svg,
@@ -430,10 +449,10 @@ def _attend_range(
     ``Σ q'`` per row) and ``acc += (p·scale) code + Σ_j p_j·low_j``. ``PREFETCH`` (not with a fold) reads
     the next tile's latents, scales, lows and positions before this tile's compute, a register double
     buffer: the pipeliner stages the float tiles that feed a dot, but the small scale and position loads of
-    a tile were left in its critical path; its reads past ``end`` are masked. ``NIB_K`` (``post_rope``) and
-    ``NIB_V`` (int4 codes, token layout) meet a tile as its even and odd channels (:func:`_decode_nibbles`):
-    ``q1``/``q2`` are then the projected query's even and odd channels, and the values accumulate in two
-    halves joined on return."""
+    a tile were left in its critical path; its reads past ``end`` are masked. ``NIB_K`` and ``NIB_V`` (int4
+    codes, token layout) meet a tile as its even and odd channels (:func:`_decode_nibbles`): the keys against
+    the basis's (``pre_rope``: ``p1t``, ``p2t`` even, ``p1t_o``, ``p2t_o`` odd) or the projected query's
+    (``post_rope``: ``q1``, ``q2``) even and odd channels, the values into two halves joined on return."""
     offs_nt = tl.arange(0, BLOCK_N)
     if NIB_V:
         acc_e, acc_o = tl.split(tl.reshape(acc, [BLOCK_M, R_V_P2 // 2, 2]))
@@ -462,7 +481,8 @@ def _attend_range(
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                        R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH)
             if NIB_K:
-                s = _nibble_logits(q1, q2, ze, zo, BLOCK_M, BLOCK_N, DOT_PREC, UPCAST)
+                s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
+                                   BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
             else:
                 s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
                                 FAST_SINCOS, DOT_PREC, UPCAST)
@@ -475,7 +495,9 @@ def _attend_range(
         elif NIB_K:
             ze, zo = _load_nibbles(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                                    R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST)
-            s = _nibble_logits(q1, q2, ze, zo, BLOCK_M, BLOCK_N, DOT_PREC, UPCAST)
+            pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
+            s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
+                               BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                              R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH)  # [BLOCK_N, R_K_P2]
@@ -664,10 +686,22 @@ def _lowrank_attn_fwd(
         # The rope attention scaling multiplies the rotated key; it goes on the query instead, once.
         q1 = (q1.to(tl.float32) * (qk_scale * rope_scaling)).to(DTYPE)
         q2 = (q2.to(tl.float32) * (qk_scale * rope_scaling)).to(DTYPE)
-        # P1ᵀ, P2ᵀ [R_K_P2, d/2]: rows d/2 of P_k each, transposed by the pointer arithmetic.
-        p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
-        p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
-        p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
+        # P1ᵀ, P2ᵀ [R_K_P2, d/2]: rows d/2 of P_k each, transposed by the pointer arithmetic; with NIB_K their
+        # even channels ([R_K_P2 / 2, d/2]) and, in p1t_o, p2t_o, their odd ones.
+        if NIB_K:
+            offs_e = 2 * tl.arange(0, R_K_P2 // 2)
+            p1t_ptrs = PK_g + offs_e[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
+            p1t = tl.load(p1t_ptrs, mask=(offs_e < R_K)[:, None], other=0.0).to(DTYPE)
+            p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_e < R_K)[:, None], other=0.0).to(DTYPE)
+            p1t_o = tl.load(p1t_ptrs + stride_pkr, mask=(offs_e + 1 < R_K)[:, None], other=0.0).to(DTYPE)
+            p2t_o = tl.load(p1t_ptrs + stride_pkr + HALF * stride_pkd, mask=(offs_e + 1 < R_K)[:, None],
+                            other=0.0).to(DTYPE)
+        else:
+            p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
+            p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
+            p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
+            p1t_o = p1t
+            p2t_o = p2t
         inv_freq = tl.load(INV_FREQ + offs_h)
     elif NIB_K:  # post_rope over int4 key codes met as even and odd channels: q1, q2 = q' there
         offs_d = tl.arange(0, HEAD_DIM)
@@ -681,6 +715,8 @@ def _lowrank_attn_fwd(
         q2 = (_dot(q.to(DTYPE), pk_o, zero, DOT_PREC, UPCAST) * qk_scale).to(DTYPE)
         p1t = pk
         p2t = pk
+        p1t_o = pk
+        p2t_o = pk
     else:
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
@@ -694,6 +730,8 @@ def _lowrank_attn_fwd(
         q2 = q1
         p1t = pk
         p2t = pk
+        p1t_o = pk
+        p2t_o = pk
 
     ZK_bg = ZK + b * stride_kb + g * stride_kg
     ZV_bg = ZV + b * stride_vb + g * stride_vg
@@ -705,7 +743,7 @@ def _lowrank_attn_fwd(
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
@@ -713,7 +751,7 @@ def _lowrank_attn_fwd(
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
     )
     acc, l_i, m_i = _attend_range(
-        acc, l_i, m_i, q1, q2, p1t, p2t, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
+        acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
@@ -970,7 +1008,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         and not k_channel,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP and not v_channel,
         K_CH=k_channel, V_CH=v_channel,
-        NIB_K=nibbles and k_bits == 4 and not k_channel and not pre and r_k_p2 >= 32,
+        NIB_K=nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32
+        and (not pre or bool(cfg.get("nibble_rebuild"))),
         NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -1002,6 +1041,7 @@ def lowrank_attention(
     fold_scales: bool = False,
     prefetch: bool | None = None,
     nibbles: bool | None = None,
+    nibble_rebuild: bool = False,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache (Triton); same contract as
@@ -1031,7 +1071,8 @@ def lowrank_attention(
         ``nibbles``: int4 codes in the token layout (values, and ``post_rope`` keys; padded ranks ≥ 32) are
         met as their even and odd channels, the low and high nibbles of each byte, in two dots of half the
         depth, instead of being interleaved back into one tile; ``None``: on for decode over codes (see
-        :func:`_default_config`).
+        :func:`_default_config`). ``nibble_rebuild``: ``pre_rope`` keys too (the rebuild in four dots of
+        half the depth); a candidate, not yet timed on a GPU.
 
     Returns
     -------
@@ -1074,6 +1115,7 @@ def lowrank_attention(
         prefetch = False
     overrides["prefetch"] = prefetch
     overrides["nibbles"] = nibbles
+    overrides["nibble_rebuild"] = nibble_rebuild
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:

@@ -78,6 +78,7 @@ def compile_decode(
     prefetch: bool = False,
     fold: bool = False,
     nibbles: bool = False,
+    nibble_rebuild: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
@@ -110,7 +111,7 @@ def compile_decode(
         "HAS_LSE": False,
         "K_CH": False,
         "V_CH": False,
-        "NIB_K": nibbles and key_mode == "post_rope",
+        "NIB_K": nibbles and (key_mode == "post_rope" or nibble_rebuild),
         "NIB_V": nibbles,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
@@ -211,6 +212,11 @@ def main() -> None:
                     + (" prefetch" if prefetch else "") + (" fold" if fold else "") \
                     + (" nibbles" if nib else "")
                 print(f"| {name} " + report(kernel), flush=True)
+        for nib, rebuild in ((False, False), (True, False), (True, True)):  # pre_rope (fast sin/cos)
+            kernel = compile_decode("pre_rope", args.r, args.block_n, args.warps, args.stages, True, bits=4,
+                                    prefetch=True, nibbles=nib, nibble_rebuild=rebuild)
+            name = "pre_rope int4 prefetch" + (" nibbles" if nib else "") + (" rebuild" if rebuild else "")
+            print(f"| {name} " + report(kernel), flush=True)
         return
     for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)
