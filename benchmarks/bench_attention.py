@@ -74,6 +74,7 @@ QUANT_SWEEP = [
     {"nibbles": True, "prefetch": False, "block_n": 64},
     {"nibbles": True, "prefetch": False, "num_stages": 4},
     {"nibble_rebuild": True},  # pre_rope keys as nibbles too (post_rope: the default again)
+    {"nibble_fold": True},  # post_rope keys' scales on the logits (pre_rope: the default again)
 ]
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
 QUANT_BITS = (16, 8, 4)
@@ -214,7 +215,8 @@ def quant_rows(shapes, copy: float) -> None:
                     for cfg in QUANT_SWEEP:
                         cfg = dict(cfg)
                         if (cfg.get("fold_scales") and bits == 16) or \
-                                ((cfg.get("nibbles") or cfg.get("nibble_rebuild")) and bits != 4):
+                                (any(cfg.get(k) for k in ("nibbles", "nibble_rebuild", "nibble_fold"))
+                                 and bits != 4):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

@@ -438,7 +438,7 @@ def _attend_range(
     UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
     q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
-    NIB_V: tl.constexpr = False,
+    NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -452,7 +452,9 @@ def _attend_range(
     a tile were left in its critical path; its reads past ``end`` are masked. ``NIB_K`` and ``NIB_V`` (int4
     codes, token layout) meet a tile as its even and odd channels (:func:`_decode_nibbles`): the keys against
     the basis's (``pre_rope``: ``p1t``, ``p2t`` even, ``p1t_o``, ``p2t_o`` odd) or the projected query's
-    (``post_rope``: ``q1``, ``q2``) even and odd channels, the values into two halves joined on return."""
+    (``post_rope``: ``q1``, ``q2``) even and odd channels, the values into two halves joined on return.
+    ``FOLD_NIB`` (``post_rope`` int4 keys in one scale group, with ``PREFETCH``) leaves the key codes as
+    ``1024 + code`` and applies each token's scale and low to the logits (``q1sum`` is ``Σ q'``)."""
     offs_nt = tl.arange(0, BLOCK_N)
     if NIB_V:
         acc_e, acc_o = tl.split(tl.reshape(acc, [BLOCK_M, R_V_P2 // 2, 2]))
@@ -465,7 +467,12 @@ def _attend_range(
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
-            if NIB_K:
+            if FOLD_NIB:  # 1024 + code: this tile's scale and low go to the logits below
+                ze, zo = _nibbles_to_half(kr, not UPCAST)
+                if DTYPE == tl.float32:
+                    ze, zo = ze.to(tl.float32), zo.to(tl.float32)
+                k_scale, k_low = ks, kl
+            elif NIB_K:
                 ze, zo = _decode_nibbles(kr, ks, kl, R_K_P2, BLOCK_N, DTYPE, not UPCAST)
             else:
                 z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH)
@@ -483,6 +490,8 @@ def _attend_range(
             if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
+                if FOLD_NIB:  # q'·(code·scale + low) = scale·(q'·(1024 + code)) + (low − 1024·scale)·Σq'
+                    s = s * k_scale[None, :] + q1sum[:, None] * (k_low - 1024.0 * k_scale)[None, :]
             else:
                 s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
                                 FAST_SINCOS, DOT_PREC, UPCAST)
@@ -632,6 +641,7 @@ def _lowrank_attn_fwd(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
+    FOLD_NIB: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -713,6 +723,7 @@ def _lowrank_attn_fwd(
         zero = tl.zeros([BLOCK_M, R_K_P2 // 2], dtype=tl.float32)
         q1 = (_dot(q.to(DTYPE), pk, zero, DOT_PREC, UPCAST) * qk_scale).to(DTYPE)
         q2 = (_dot(q.to(DTYPE), pk_o, zero, DOT_PREC, UPCAST) * qk_scale).to(DTYPE)
+        q1sum = tl.sum(q1.to(tl.float32), 1) + tl.sum(q2.to(tl.float32), 1)  # Σ q' (FOLD_NIB)
         p1t = pk
         p2t = pk
         p1t_o = pk
@@ -749,6 +760,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
+        FOLD_NIB,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -757,6 +769,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
+        FOLD_NIB,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -1010,6 +1023,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         K_CH=k_channel, V_CH=v_channel,
         NIB_K=nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32
         and (not pre or bool(cfg.get("nibble_rebuild"))),
+        FOLD_NIB=nibbles and bool(cfg.get("nibble_fold")) and bool(cfg.get("prefetch")) and k_bits == 4
+        and not k_channel and not pre and 32 <= r_k_p2 <= _common.QUANT_GROUP,
         NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
@@ -1042,6 +1057,7 @@ def lowrank_attention(
     prefetch: bool | None = None,
     nibbles: bool | None = None,
     nibble_rebuild: bool = False,
+    nibble_fold: bool = False,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache (Triton); same contract as
@@ -1072,7 +1088,9 @@ def lowrank_attention(
         met as their even and odd channels, the low and high nibbles of each byte, in two dots of half the
         depth, instead of being interleaved back into one tile; ``None``: on for decode over codes (see
         :func:`_default_config`). ``nibble_rebuild``: ``pre_rope`` keys too (the rebuild in four dots of
-        half the depth); a candidate, not yet timed on a GPU.
+        half the depth); a candidate, not yet timed on a GPU. ``nibble_fold``: ``post_rope`` int4 keys (ranks
+        32-64, with ``prefetch``) meet the queries as ``1024 + code`` and each token's scale and low are
+        applied to its logits; a candidate, not yet timed on a GPU.
 
     Returns
     -------
@@ -1116,6 +1134,7 @@ def lowrank_attention(
     overrides["prefetch"] = prefetch
     overrides["nibbles"] = nibbles
     overrides["nibble_rebuild"] = nibble_rebuild
+    overrides["nibble_fold"] = nibble_fold
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:

@@ -357,22 +357,23 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
     expected_zk = dequantize(quantize(z_k.float().cpu(), QuantSpec(bits, "token")), torch.bfloat16)
     assert torch.equal(qk.dequantize(torch.bfloat16).cpu(), expected_zk)
-    # (P_v, fold_scales, prefetch, nibbles, nibble_rebuild)
-    variants = [(P_v, False, False, False, False), (None, False, False, False, False),
-                (P_v, True, False, False, False), (None, True, False, False, False),
-                (P_v, False, True, False, False), (P_v, False, True, True, False),
-                (None, False, False, True, True), (P_v, False, True, True, True)]
-    for pv, fold, ahead, nib, rebuild in variants:
+    # (P_v, fold_scales, prefetch, nibbles, nibble_rebuild, nibble_fold)
+    variants = [(P_v, False, False, False, False, False), (None, False, False, False, False, False),
+                (P_v, True, False, False, False, False), (None, True, False, False, False, False),
+                (P_v, False, True, False, False, False), (P_v, False, True, True, False, False),
+                (None, False, False, True, True, False), (P_v, False, True, True, True, True)]
+    for pv, fold, ahead, nib, rebuild, nib_fold in variants:
         with torch.no_grad():
             out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,
-                                       fold_scales=fold, prefetch=ahead, nibbles=nib, nibble_rebuild=rebuild)
+                                       fold_scales=fold, prefetch=ahead, nibbles=nib, nibble_rebuild=rebuild,
+                                       nibble_fold=nib_fold)
             expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
                                  key_mode=key_mode, **kwargs)
         atol, rtol = TOL[torch.bfloat16]
         if fold:  # two bf16 roundings apart: the reference rounds the latents, the fold rounds p·scale
             atol, rtol = 2 * atol, 2 * rtol
         what = (f"int{bits} {path} {key_mode} P_v={pv is not None} fold={fold} prefetch={ahead} "
-                f"nibbles={nib} rebuild={rebuild}")
+                f"nibbles={nib} rebuild={rebuild} nibble_fold={nib_fold}")
         assert_close(out, expected, atol=atol, rtol=rtol, what=what)
     # mixed: quantized keys over float values
     atol, rtol = TOL[torch.bfloat16]

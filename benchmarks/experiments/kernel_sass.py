@@ -79,6 +79,7 @@ def compile_decode(
     fold: bool = False,
     nibbles: bool = False,
     nibble_rebuild: bool = False,
+    nibble_fold: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
@@ -112,6 +113,7 @@ def compile_decode(
         "K_CH": False,
         "V_CH": False,
         "NIB_K": nibbles and (key_mode == "post_rope" or nibble_rebuild),
+        "FOLD_NIB": nibble_fold and nibbles and prefetch and key_mode == "post_rope",
         "NIB_V": nibbles,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
@@ -202,15 +204,17 @@ def main() -> None:
     print("|---|---|---|---|---|---|")
     if args.codes:
         for bits in (16, 8, 4):
-            for prefetch, fold, nib in ((False, False, False), (True, False, False), (False, True, False),
-                                        (False, False, True), (True, False, True)):
+            for prefetch, fold, nib, nib_fold in ((False, False, False, False), (True, False, False, False),
+                                                  (False, True, False, False), (False, False, True, False),
+                                                  (True, False, True, False), (True, False, True, True)):
                 if (fold and bits == 16) or (nib and bits != 4):
                     continue
                 kernel = compile_decode("post_rope", args.r, args.block_n, args.warps, args.stages, False,
-                                        bits=bits, prefetch=prefetch, fold=fold, nibbles=nib)
+                                        bits=bits, prefetch=prefetch, fold=fold, nibbles=nib,
+                                        nibble_fold=nib_fold)
                 name = f"post_rope {'bf16' if bits == 16 else f'int{bits}'}" \
                     + (" prefetch" if prefetch else "") + (" fold" if fold else "") \
-                    + (" nibbles" if nib else "")
+                    + (" nibbles" if nib else "") + (" nibble_fold" if nib_fold else "")
                 print(f"| {name} " + report(kernel), flush=True)
         for nib, rebuild in ((False, False), (True, False), (True, True)):  # pre_rope (fast sin/cos)
             kernel = compile_decode("pre_rope", args.r, args.block_n, args.warps, args.stages, True, bits=4,
