@@ -338,6 +338,8 @@ QUANT_CASES = [
     ("decode_split", 2, 6, 3, 1, 150, 64, 72, 3),
     ("prefill", 1, 4, 2, 37, 37, 40, 24, 1),
     ("prefill_chunk", 2, 6, 2, 19, 61, 72, 32, 1),
+    ("decode_odd", 1, 4, 2, 1, 90, 25, 41, 2),  # odd ranks: a last byte with one nibble, split keys
+    ("decode_narrow", 1, 4, 2, 1, 40, 13, 16, 1),  # padded ranks below 32: int4 interleaved, not split
 ]
 
 
@@ -460,15 +462,16 @@ def test_log_sum_exp_matches_the_reference(path, Nq, splits, codes, key_mode):
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", QUANT_CASES[::3], ids=lambda c: c[0])
 def test_codes_under_fp32_queries_stay_fp32(case, key_mode):
-    """fp32 queries over int8 keys and int4 values (and over int8 keys beside fp32 values): the codes
+    """fp32 queries over int8 or int4 keys and int4 values (and over those keys beside fp32 values): the codes
     dequantize in fp32 and every dot runs at fp32 precision, within the fp32 tolerance of the reference."""
     path, B, H, G, Nq, Nk, r_k, r_v, splits = case
     args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.float32)
     q, z_k, z_v, P_k, P_v = args
     q = q * 30  # large logits: fp16 or tf32 anywhere on the way shows
-    qk, qv = quantize_latents(z_k, 8), quantize_latents(z_v, 4)
+    qv = quantize_latents(z_v, 4)
     atol, rtol = TOL[torch.float32]
-    for values, exact_values in ((qv, qv.dequantize(torch.float32)), (z_v, z_v)):
+    for qk, values, exact_values in [(quantize_latents(z_k, bits), values, exact) for bits in (8, 4)
+                                     for values, exact in ((qv, qv.dequantize(torch.float32)), (z_v, z_v))]:
         with torch.no_grad():
             out = lk.lowrank_attention(q, qk, values, P_k, P_v, key_mode=key_mode, **kwargs,
                                        num_splits=splits)
@@ -491,7 +494,7 @@ def channel_codes(z: torch.Tensor, bits: int, n_keys: int):
                             bits, qz.rank, "channel")
 
 
-@pytest.mark.parametrize("bits", [8, 3])
+@pytest.mark.parametrize("bits", [8, 4, 3])
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c[0]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
 def test_channel_layout_codes_match_the_reference(case, key_mode, bits):
