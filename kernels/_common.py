@@ -48,6 +48,33 @@ class ExactTail(NamedTuple):
     value_from: torch.Tensor
 
 
+LOG8_OFFSET = 112  # a log8 code k is the scale 2^((k − 112) / 8), from 2^-14 (float16's smallest normal)
+LOG8_NAN = 255  # the code of a group that is not finite: it dequantizes to NaN
+# the mantissas of log8 scales over one octave, rounded to float16: every scale is then a float16 exactly,
+# so the static stores and kernels read what the dynamic cache does. Python floats, not a tensor:
+# quantizing inside a captured CUDA graph (the static cache's decode) may not copy to the device.
+LOG8_EIGHTHS = torch.tensor([2.0 ** (j / 8) for j in range(8)]).half().float().tolist()
+
+
+def log8_scale(k: torch.Tensor) -> torch.Tensor:
+    """The float32 scale ``2^((k − LOG8_OFFSET) / 8)`` (its mantissa rounded to float16) of uint8 log8 codes
+    ``k`` (NaN for :data:`LOG8_NAN`): a mantissa picked from eight constants times a power of two, so every
+    device and shape gives the same bits (``exp2`` does not). The kernels compute the same (``_log8``)."""
+    k = k.long()
+    e = k - LOG8_OFFSET
+    eighth = e % 8
+    mantissa = torch.full(k.shape, LOG8_EIGHTHS[0], dtype=torch.float32, device=k.device)
+    for j in range(1, 8):
+        mantissa = torch.where(eighth == j, LOG8_EIGHTHS[j], mantissa)
+    scale = torch.ldexp(mantissa, torch.div(e, 8, rounding_mode="floor").float())
+    return torch.where(k == LOG8_NAN, float("nan"), scale)
+
+
+def log8_low(scale: torch.Tensor, bits: int) -> torch.Tensor:
+    """The symmetric grid's low, ``-scale · levels / 2``, rounded to float16 as the static stores hold it."""
+    return (scale * (-((1 << bits) - 1) / 2)).to(torch.float16).float()
+
+
 class QuantizedLatents(NamedTuple):
     """Latents ``[B, G, N, rank]`` stored as unsigned codes: ``z = code · scale + low``, per token over groups
     of :data:`QUANT_GROUP` channels (``layout="token"``) or per channel over groups of :data:`QUANT_GROUP`
@@ -56,15 +83,25 @@ class QuantizedLatents(NamedTuple):
     ``codes`` ``[B, G, N, ceil(rank / 8) · bits]`` uint8, eight codes in ``bits`` bytes, code ``i`` at bit
     ``bits · i`` (``stiefkv.quant.pack``); ``scale`` and ``low`` float16, ``[B, G, N, ceil(rank /
     QUANT_GROUP)]`` (token) or ``[B, G, ≥ ceil(N / QUANT_GROUP), rank]`` (channel); ``bits`` in
-    :data:`KERNEL_BITS`.
+    :data:`KERNEL_BITS`. With ``log8`` (token layout), ``scale`` holds each group's uint8 log8 code
+    (:func:`log8_scale`; one byte a group) and ``low`` is None: the grid is symmetric, its low
+    :func:`log8_low`.
     """
 
     codes: torch.Tensor
     scale: torch.Tensor
-    low: torch.Tensor
+    low: torch.Tensor | None
     bits: int
     rank: int
     layout: str = "token"
+    log8: bool = False
+
+    def float_scales(self, rows) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 ``(scale, low)`` of the groups ``rows`` (an index along the third axis)."""
+        if self.log8:
+            scale = log8_scale(self.scale[:, :, rows])
+            return scale, log8_low(scale, self.bits)
+        return self.scale[:, :, rows].float(), self.low[:, :, rows].float()
 
     @property
     def shape(self) -> torch.Size:
@@ -86,12 +123,13 @@ class QuantizedLatents(NamedTuple):
             codes = unpack(self.codes[:, :, part], self.bits, self.rank).float()
             if self.layout == "channel":
                 n = codes.shape[2]
-                rows = slice(start // QUANT_GROUP, -(-(start + n) // QUANT_GROUP))
-                scale = self.scale[:, :, rows].float().repeat_interleave(QUANT_GROUP, 2)[:, :, :n]
-                low = self.low[:, :, rows].float().repeat_interleave(QUANT_GROUP, 2)[:, :, :n]
+                scale, low = self.float_scales(slice(start // QUANT_GROUP, -(-(start + n) // QUANT_GROUP)))
+                scale = scale.repeat_interleave(QUANT_GROUP, 2)[:, :, :n]
+                low = low.repeat_interleave(QUANT_GROUP, 2)[:, :, :n]
             else:
-                scale = self.scale[:, :, part].float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
-                low = self.low[:, :, part].float().repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
+                scale, low = self.float_scales(part)
+                scale = scale.repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
+                low = low.repeat_interleave(QUANT_GROUP, -1)[..., : self.rank]
             out[:, :, part] = codes * scale[..., : self.rank] + low[..., : self.rank]
         return out
 

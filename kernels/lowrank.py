@@ -62,6 +62,10 @@ TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
 DECODE_BLOCK_M = MIN_DOT  # the smallest tl.dot tile; a decode tile holds one query's GQA group
 QUANT_GROUP = tl.constexpr(_common.QUANT_GROUP)  # channels per scale of quantized latents
+LOG8_EXP_OFFSET = tl.constexpr(_common.LOG8_OFFSET // 8)  # log8 code k: 2^((k >> 3) − this) · eighth(k & 7)
+LOG8_NAN = tl.constexpr(_common.LOG8_NAN)
+LOG8_E1, LOG8_E2, LOG8_E3, LOG8_E4, LOG8_E5, LOG8_E6, LOG8_E7 = (tl.constexpr(m) for m in
+                                                                 _common.LOG8_EIGHTHS[1:])
 KERNEL_BITS = _common.KERNEL_BITS
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 MERGE_UNROLL = tl.constexpr(4)  # splits merged per iteration of _merge_splits
@@ -157,11 +161,12 @@ def _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.co
 @triton.jit
 def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                   R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                  BITS: tl.constexpr, CH: tl.constexpr = False):
+                  BITS: tl.constexpr, CH: tl.constexpr = False, LOG8: tl.constexpr = False):
     """The memory reads of a latent tile, nothing computed: ``(raw, scale, low)``, ``raw`` from
     :func:`_fetch_bytes` and, for codes, the fp32 scales and lows (``[BLOCK_N]`` for one scale group,
-    ``[BLOCK_N, NG]`` for more; unused zeros for floats). Split from :func:`_decode_latent` so that a loop
-    can issue the next tile's reads before it computes on this one (``PREFETCH``)."""
+    ``[BLOCK_N, NG]`` for more; unused zeros for floats), or with ``LOG8`` the groups' log8 codes (int32, in
+    both; :func:`_log8` when decoding). Split from :func:`_decode_latent` so that a loop can issue the next
+    tile's reads before it computes on this one (``PREFETCH``)."""
     raw = _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R, R_P2, MASK_N, BITS)
     NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
     if BITS == 16:
@@ -173,14 +178,45 @@ def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
         scale = _load_rows(S + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
         low = _load_rows(L + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
     elif NG == 1:
-        scale, low = _token_scales(S, L, offs_n, hi, stride_sn, MASK_N)
+        if LOG8:
+            if MASK_N:
+                scale = tl.load(S + offs_n * stride_sn, mask=offs_n < hi, other=0).to(tl.int32)
+            else:
+                scale = tl.load(S + offs_n * stride_sn).to(tl.int32)
+            low = scale
+        else:
+            scale, low = _token_scales(S, L, offs_n, hi, stride_sn, MASK_N)
     else:
         offs_g = tl.arange(0, NG)
         group_ptrs = offs_n[:, None] * stride_sn + offs_g[None, :] * stride_sg
         N_GROUPS: tl.constexpr = (R + QUANT_GROUP - 1) // QUANT_GROUP
-        scale = _load_rows(S + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
-        low = _load_rows(L + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
+        if LOG8:
+            scale = _load_rows(S + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.int32)
+            low = scale
+        else:
+            scale = _load_rows(S + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
+            low = _load_rows(L + group_ptrs, offs_n, hi, offs_g, N_GROUPS, NG, MASK_N).to(tl.float32)
     return raw, scale, low
+
+
+@triton.jit
+def _log8(k, BITS: tl.constexpr):
+    """fp32 ``(scale, low)`` of uint8 log8 codes ``k``, bit for bit those of
+    ``stiefkv.kernels._common.log8_scale`` and ``log8_low``: an eighth of an octave from eight constants
+    times a power of two built in the exponent bits (``LOG8_OFFSET`` is a multiple of 8)."""
+    k = k.to(tl.int32)
+    j = k & 7
+    m = tl.where(j == 1, LOG8_E1, 1.0)
+    m = tl.where(j == 2, LOG8_E2, m)
+    m = tl.where(j == 3, LOG8_E3, m)
+    m = tl.where(j == 4, LOG8_E4, m)
+    m = tl.where(j == 5, LOG8_E5, m)
+    m = tl.where(j == 6, LOG8_E6, m)
+    m = tl.where(j == 7, LOG8_E7, m)
+    pow2 = (((k >> 3) - LOG8_EXP_OFFSET + 127) << 23).to(tl.float32, bitcast=True)
+    scale = tl.where(k == LOG8_NAN, float("nan"), m * pow2)
+    low = (scale * (-((1 << BITS) - 1) / 2)).to(tl.float16).to(tl.float32)
+    return scale, low
 
 
 @triton.jit
@@ -213,7 +249,7 @@ def _codes_to_half(codes):
 
 @triton.jit
 def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
-                   DTYPE: tl.constexpr, CH: tl.constexpr = False):
+                   DTYPE: tl.constexpr, CH: tl.constexpr = False, LOG8: tl.constexpr = False):
     """The tile of :func:`_fetch_latent` for the tensor cores: float rows as loaded, or codes as fp16
     ``code · scale + low`` in registers, one fp16 scale and low per token and group of :data:`QUANT_GROUP`
     channels broadcast over the group (a load per channel read 8x the codes' bytes in scales: 0.25 TB/s at
@@ -224,6 +260,8 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
     if BITS == 16:
         z = raw
     else:
+        if LOG8:
+            scale, low = _log8(scale, BITS)
         if DTYPE == tl.float32:  # fp32 queries: the latents in fp32 too
             codes = _unpack_codes(raw, R_P2, BLOCK_N, BITS).to(tl.float32)
             scale_t, low_t = scale, low
@@ -272,13 +310,15 @@ def _nibbles_to_half(raw, ASM: tl.constexpr):
 
 @triton.jit
 def _decode_nibbles(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
-                    ASM: tl.constexpr):
+                    ASM: tl.constexpr, LOG8: tl.constexpr = False):
     """Packed int4 codes (token layout) of :func:`_fetch_latent` as two ``[BLOCK_N, R_P2 / 2]`` tiles: the
     even channels (low nibbles) and the odd ones (high nibbles), each ``code · scale + low``. Byte ``j``
     holds channels ``2j`` and ``2j + 1`` (``stiefkv.quant.pack``), so the halves need no interleaving join:
     the caller meets them with the even and odd halves of its other operand, two dots of half the depth."""
     HALF_R: tl.constexpr = R_P2 // 2
     NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+    if LOG8:
+        scale, low = _log8(scale, 4)
     if DTYPE == tl.float32:
         even, odd = (raw & 15).to(tl.float32), (raw >> 4).to(tl.float32)
         scale_t, low_t = scale, low
@@ -300,23 +340,24 @@ def _decode_nibbles(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _load_nibbles(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                   R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                  DTYPE: tl.constexpr, ASM: tl.constexpr):
+                  DTYPE: tl.constexpr, ASM: tl.constexpr, LOG8: tl.constexpr = False):
     """:func:`_load_latent` for :func:`_decode_nibbles`: the even and odd channel halves of an int4 tile."""
     raw, scale, low = _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2,
-                                    BLOCK_N, MASK_N, 4, False)
-    return _decode_nibbles(raw, scale, low, R_P2, BLOCK_N, DTYPE, ASM)
+                                    BLOCK_N, MASK_N, 4, False, LOG8)
+    return _decode_nibbles(raw, scale, low, R_P2, BLOCK_N, DTYPE, ASM, LOG8)
 
 
 @triton.jit
 def _load_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                  R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                 BITS: tl.constexpr, DTYPE: tl.constexpr, CH: tl.constexpr = False):
+                 BITS: tl.constexpr, DTYPE: tl.constexpr, CH: tl.constexpr = False,
+                 LOG8: tl.constexpr = False):
     """A ``[BLOCK_N, R_P2]`` tile of latents in ``DTYPE``, read and decoded at once. No early return in the
     helpers: the compiler (unlike the interpreter) generates the code after a ``return`` inside a constexpr
     ``if``."""
     raw, scale, low = _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2,
-                                    BLOCK_N, MASK_N, BITS, CH)
-    return _decode_latent(raw, scale, low, R_P2, BLOCK_N, BITS, DTYPE, CH)
+                                    BLOCK_N, MASK_N, BITS, CH, LOG8)
+    return _decode_latent(raw, scale, low, R_P2, BLOCK_N, BITS, DTYPE, CH, LOG8)
 
 
 @triton.jit
@@ -329,9 +370,17 @@ def _code_tile(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.cons
 
 
 @triton.jit
-def _token_scales(S, L, offs_n, hi, stride_sn, MASK_N: tl.constexpr):
-    """The fp32 scale and low ``[BLOCK_N]`` of each key of a tile whose latents fit one scale group."""
-    if MASK_N:
+def _token_scales(S, L, offs_n, hi, stride_sn, MASK_N: tl.constexpr, LOG8: tl.constexpr = False,
+                  BITS: tl.constexpr = 8):
+    """The fp32 scale and low ``[BLOCK_N]`` of each key of a tile whose latents fit one scale group (from
+    their log8 codes with ``LOG8``, at ``BITS``)."""
+    if LOG8:
+        if MASK_N:
+            k = tl.load(S + offs_n * stride_sn, mask=offs_n < hi, other=0)
+        else:
+            k = tl.load(S + offs_n * stride_sn)
+        scale, low = _log8(k, BITS)
+    elif MASK_N:
         scale = tl.load(S + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
         low = tl.load(L + offs_n * stride_sn, mask=offs_n < hi, other=0.0).to(tl.float32)
     else:
@@ -438,7 +487,8 @@ def _attend_range(
     UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
     q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
-    NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False,
+    NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False, K_LOG8: tl.constexpr = False,
+    V_LOG8: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -460,10 +510,10 @@ def _attend_range(
         acc_e, acc_o = tl.split(tl.reshape(acc, [BLOCK_M, R_V_P2 // 2, 2]))
     if PREFETCH:
         kr, ks, kl = _fetch_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
-                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH)
+                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8)
         kp = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
         vr, vs, vl = _fetch_latent(ZV, SV, LV, start + offs_nt, end, stride_vn, stride_vr, stride_svn,
-                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH)
+                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
@@ -471,22 +521,25 @@ def _attend_range(
                 ze, zo = _nibbles_to_half(kr, not UPCAST)
                 if DTYPE == tl.float32:
                     ze, zo = ze.to(tl.float32), zo.to(tl.float32)
-                k_scale, k_low = ks, kl
+                if K_LOG8:
+                    k_scale, k_low = _log8(ks, 4)
+                else:
+                    k_scale, k_low = ks, kl
             elif NIB_K:
-                ze, zo = _decode_nibbles(kr, ks, kl, R_K_P2, BLOCK_N, DTYPE, not UPCAST)
+                ze, zo = _decode_nibbles(kr, ks, kl, R_K_P2, BLOCK_N, DTYPE, not UPCAST, K_LOG8)
             else:
-                z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH)
+                z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8)
             pos = kp
             if NIB_V:
-                ve, vo = _decode_nibbles(vr, vs, vl, R_V_P2, BLOCK_N, DTYPE, not UPCAST)
+                ve, vo = _decode_nibbles(vr, vs, vl, R_V_P2, BLOCK_N, DTYPE, not UPCAST, V_LOG8)
             else:
-                v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH)
+                v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8)
             nxt = offs_n + BLOCK_N
             kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH)
+                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8)
             kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH)
+                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8)
             if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
@@ -497,19 +550,19 @@ def _attend_range(
                                 FAST_SINCOS, DOT_PREC, UPCAST)
         elif FOLD_K:
             codes = _code_tile(ZK, offs_n, end, stride_kn, stride_kr, R_K, R_K_P2, BLOCK_N, MASKED, K_BITS)
-            scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED)
+            scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED, K_LOG8, K_BITS)
             k = _codes_to_half(codes)
             s = _dot(q1, tl.trans(k), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
             s = s * scale[None, :] + q1sum[:, None] * low[None, :]
         elif NIB_K:
             ze, zo = _load_nibbles(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                   R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST)
+                                   R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, K_LOG8)
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                             R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH)  # [BLOCK_N, R_K_P2]
+                             R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH, K_LOG8)  # [BLOCK_N, R_K_P2]
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
                             FAST_SINCOS, DOT_PREC, UPCAST)
@@ -526,7 +579,7 @@ def _attend_range(
             s = tl.where(visible, s, float("-inf"))
         if FOLD_V:
             codes = _code_tile(ZV, offs_n, end, stride_vn, stride_vr, R_V, R_V_P2, BLOCK_N, MASKED, V_BITS)
-            scale, low = _token_scales(SV, LV, offs_n, end, stride_svn, MASKED)
+            scale, low = _token_scales(SV, LV, offs_n, end, stride_svn, MASKED, V_LOG8, V_BITS)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -540,7 +593,7 @@ def _attend_range(
         elif NIB_V:
             if not PREFETCH:
                 ve, vo = _load_nibbles(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST)
+                                       R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, V_LOG8)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -551,7 +604,7 @@ def _attend_range(
         else:
             if not PREFETCH:
                 v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                 R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE, V_CH)  # [BLOCK_N, R_V_P2]
+                                 R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE, V_CH, V_LOG8)  # [N, R_V_P2]
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     if NIB_V:
         acc = tl.join(acc_e, acc_o).reshape(BLOCK_M, R_V_P2)
@@ -641,7 +694,7 @@ def _lowrank_attn_fwd(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
-    FOLD_NIB: tl.constexpr,
+    FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -760,7 +813,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB,
+        FOLD_NIB, K_LOG8, V_LOG8,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -769,7 +822,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB,
+        FOLD_NIB, K_LOG8, V_LOG8,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -873,9 +926,9 @@ def _pad_codes(z: QuantizedLatents, P: torch.Tensor | None) -> tuple[QuantizedLa
     groups = width if z.layout == "channel" else -(-width // _common.QUANT_GROUP)  # the scales' last axis
     codes = F.pad(z.codes[..., :nbytes], (0, max(0, nbytes - z.codes.shape[-1])))
     scale = F.pad(z.scale, (0, groups - z.scale.shape[-1]))
-    low = F.pad(z.low, (0, groups - z.low.shape[-1]))
+    low = F.pad(z.low, (0, groups - z.low.shape[-1])) if z.low is not None else None
     P = F.pad(P, (0, width - z.rank)) if P is not None else None
-    return QuantizedLatents(codes, scale, low, z.bits, width, z.layout), P
+    return QuantizedLatents(codes, scale, low, z.bits, width, z.layout, z.log8), P
 
 
 def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tensor:
@@ -894,12 +947,16 @@ def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tenso
                          f"{z.codes.dtype} {tuple(z.codes.shape)}")
     group = _common.QUANT_GROUP
     shape = (B, G, N, -(-r // group)) if z.layout == "token" else (B, G, -(-N // group), r)
-    for part in ("scale", "low"):
+    if z.log8 and z.layout != "token":
+        raise ValueError(f"{name}: log8 scale codes are per token (layout 'token'), got {z.layout!r}")
+    parts = (("scale", torch.uint8),) if z.log8 else (("scale", torch.float16), ("low", torch.float16))
+    for part, dtype in parts:
         t = getattr(z, part)
         if tuple(t.shape[:2]) != shape[:2] or t.shape[3] != shape[3] or t.shape[2] < shape[2] \
-                or t.dtype != torch.float16:
-            raise ValueError(f"{name}.{part} must be float16 {list(shape)} ({z.layout} layout), got "
-                             f"{t.dtype} {tuple(t.shape)}")
+                or t.dtype != dtype:
+            kind = f"{z.layout} layout" + (", log8 codes" if z.log8 else "")
+            raise ValueError(f"{name}.{part} must be {str(dtype).removeprefix('torch.')} {list(shape)} "
+                             f"({kind}), got {t.dtype} {tuple(t.shape)}")
     if z.codes.stride(3) != 1:
         raise ValueError(f"{name}.codes must be contiguous along a token's bytes")
     return torch.empty(B, G, N, r, device="meta", dtype=q.dtype)
@@ -972,8 +1029,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     # the tensor cores' dtype: fp16 for key codes under 16-bit queries (see _decode_latent), else fp32
     half = q.dtype in (torch.float16, torch.bfloat16)
     dtype = (torch.float16 if half else torch.float32) if k_codes else z_k.dtype
-    sk, lk = (z_k.scale, z_k.low) if k_codes else (P_k, P_k)  # placeholders for float latents
-    sv, lv = (z_v.scale, z_v.low) if v_codes else (P_k, P_k)
+    # placeholders for float latents, and for the lows of log8 codes (their scale codes give them)
+    sk, lk = (z_k.scale, z_k.scale if z_k.log8 else z_k.low) if k_codes else (P_k, P_k)
+    sv, lv = (z_v.scale, z_v.scale if z_v.log8 else z_v.low) if v_codes else (P_k, P_k)
+    k_log8, v_log8 = k_codes and z_k.log8, v_codes and z_v.log8
     k_bits, v_bits = (z_k.bits if k_codes else 16), (z_v.bits if v_codes else 16)
     k_channel = k_codes and z_k.layout == "channel"
     v_channel = v_codes and z_v.layout == "channel"
@@ -1026,6 +1085,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         FOLD_NIB=nibbles and bool(cfg.get("nibble_fold")) and bool(cfg.get("prefetch")) and k_bits == 4
         and not k_channel and not pre and 32 <= r_k_p2 <= _common.QUANT_GROUP,
         NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
+        K_LOG8=k_log8, V_LOG8=v_log8,
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )

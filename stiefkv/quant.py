@@ -38,7 +38,15 @@ from dataclasses import dataclass
 
 import torch
 
-from stiefkv.kernels._common import unpack  # noqa: F401  (pack's inverse, shared with the kernels)
+# pack's inverse and the log8 scales, shared with the kernels
+from stiefkv.kernels._common import (  # noqa: F401
+    LOG8_EIGHTHS,
+    LOG8_NAN,
+    LOG8_OFFSET,
+    log8_low,
+    log8_scale,
+    unpack,
+)
 
 BITS = (16, 8, 4, 3, 2)
 QUANT_BITS = tuple(b for b in BITS if b < 16)
@@ -46,8 +54,6 @@ LAYOUTS = ("token", "channel")
 GROUP = 64  # channels per scale (token layout) and tokens per scale (channel layout)
 SCALE_DTYPE = torch.float16
 SCALE_BYTES = 2  # one float16 scale and one float16 low per group
-LOG8_OFFSET = 112  # a log8 code k is the scale 2^((k − 112) / 8), from 2^-14 (float16's smallest normal)
-LOG8_NAN = 255  # the code of a group that is not finite: it dequantizes to NaN
 FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
 POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
 REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
@@ -200,31 +206,6 @@ class Quantized:
                          self.rank)
 
 
-# the mantissas of log8 scales over one octave, rounded to float16: every scale is then a float16 exactly,
-# so the static stores and kernels (float16 scales and lows) read what the dynamic cache does. Python floats,
-# not a tensor: quantizing inside a captured CUDA graph (the static cache's decode) may not copy to the device
-_EIGHTHS = torch.tensor([2.0 ** (j / 8) for j in range(8)]).half().float().tolist()
-
-
-def log8_scale(k: torch.Tensor) -> torch.Tensor:
-    """The float32 scale ``2^((k − LOG8_OFFSET) / 8)`` (its mantissa rounded to float16) of uint8 log8 codes
-    ``k`` (NaN for :data:`LOG8_NAN`): a mantissa picked from eight constants times a power of two, so every
-    device and shape gives the same bits (``exp2`` does not)."""
-    k = k.long()
-    e = k - LOG8_OFFSET
-    eighth = e % 8
-    mantissa = torch.full(k.shape, _EIGHTHS[0], dtype=torch.float32, device=k.device)
-    for j in range(1, 8):
-        mantissa = torch.where(eighth == j, _EIGHTHS[j], mantissa)
-    scale = torch.ldexp(mantissa, torch.div(e, 8, rounding_mode="floor").float())
-    return torch.where(k == LOG8_NAN, float("nan"), scale)
-
-
-def log8_low(scale: torch.Tensor, bits: int) -> torch.Tensor:
-    """The symmetric grid's low, ``-scale · levels / 2``, rounded to float16 as the static stores hold it."""
-    return (scale * (-((1 << bits) - 1) / 2)).to(SCALE_DTYPE).float()
-
-
 # per width, the largest log8 code whose grid's low is a finite float16 (groups needing a larger step clip,
 # as a float16 scale and low cannot hold them either)
 LOG8_LARGEST = {b: int(torch.nonzero(log8_scale(torch.arange(LOG8_NAN)) * ((1 << b) - 1) / 2 <= 65504).max())
@@ -236,7 +217,7 @@ def log8_code(step: torch.Tensor, bits: int) -> torch.Tensor:
     to :data:`LOG8_LARGEST` (a larger step clips), :data:`LOG8_NAN` where ``step`` is not finite. Exact
     comparisons, no logarithm."""
     m, e = torch.frexp(step.float().clamp(min=2.0 ** -14))  # step = (2m) · 2^(e − 1), 2m in [1, 2)
-    j = sum((2 * m > c).long() for c in _EIGHTHS)  # the first mantissa ≥ 2m (8: the next octave's first)
+    j = sum((2 * m > c).long() for c in LOG8_EIGHTHS)  # the first mantissa ≥ 2m (8: the next octave's first)
     k = (8 * (e.long() - 1) + j + LOG8_OFFSET).clamp_(0, LOG8_LARGEST[bits])
     return torch.where(torch.isfinite(step), k, LOG8_NAN).to(torch.uint8)
 

@@ -385,6 +385,46 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     assert_close(out, expected, atol=atol, rtol=rtol, what=f"int{bits} keys, bf16 values")
 
 
+def log8_latents(z: torch.Tensor, bits: int):
+    """``z`` ``[B, G, N, r]`` quantized by ``stiefkv.quant`` with log8 scales (one uint8 code a group)."""
+    from stiefkv.kernels import QuantizedLatents
+    from stiefkv.quant import QuantSpec, quantize
+
+    qz = quantize(z.float().cpu(), QuantSpec(bits, "token", log8=True))
+    return QuantizedLatents(qz.codes.to(z.device), qz.scale.to(z.device), None, bits, qz.rank, log8=True)
+
+
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", QUANT_CASES, ids=lambda c: f"{c[0]}-G{c[3]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
+def test_log8_codes_match_the_reference(case, key_mode, bits):
+    """Codes with log8 scales (a uint8 code a group, decoded in registers: a mantissa of eight constants
+    times a power of two, the symmetric low) read in place, against the reference on the latents
+    ``stiefkv.quant`` dequantizes; every loop the codes take (plain, prefetched, folded, nibbles)."""
+    from stiefkv.quant import QuantSpec, dequantize, quantize
+
+    path, B, H, G, Nq, Nk, r_k, r_v, splits = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    z_k, z_v = z_k * 3, z_v * 0.3  # scales several octaves apart
+    qk, qv = log8_latents(z_k, bits), log8_latents(z_v, bits)
+    expected_zk = dequantize(quantize(z_k.float().cpu(), QuantSpec(bits, "token", log8=True)), torch.float32)
+    assert torch.equal(qk.dequantize(torch.float32).cpu(), expected_zk)
+    atol, rtol = TOL[torch.bfloat16]
+    variants = [dict(prefetch=False, nibbles=False), dict(prefetch=True, nibbles=False),
+                dict(fold_scales=True), dict(prefetch=False, nibbles=True),
+                dict(prefetch=True, nibbles=True, nibble_rebuild=True, nibble_fold=True)]
+    for pv, extra in [(P_v, v) for v in variants] + [(None, variants[1])]:
+        with torch.no_grad():
+            out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,
+                                       **extra)
+            expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
+                                 key_mode=key_mode, **kwargs)
+        scale = 2 if extra.get("fold_scales") else 1  # p·scale rounded to bf16 (see the test above)
+        assert_close(out, expected, atol=scale * atol, rtol=scale * rtol,
+                     what=f"log8 int{bits} {path} {key_mode} P_v={pv is not None} {extra}")
+
+
 def test_quantized_latents_bad_input():
     args, kwargs = make_inputs(1, 2, 1, 1, 20, 32, 16, 16, torch.bfloat16, padded=False)
     q, z_k, z_v, P_k, P_v = args
@@ -396,6 +436,11 @@ def test_quantized_latents_bad_input():
         lk.lowrank_attention(q, q3._replace(codes=q3.codes[..., :5]), z_v, P_k, P_v, **kwargs)
     with pytest.raises(ValueError, match="scale must be float16"):
         lk.lowrank_attention(q, qk._replace(scale=qk.scale.float()), z_v, P_k, P_v, **kwargs)
+    q8 = log8_latents(z_k, 4)
+    with pytest.raises(ValueError, match="scale must be uint8 .*log8 codes"):
+        lk.lowrank_attention(q, q8._replace(scale=q8.scale.half()), z_v, P_k, P_v, **kwargs)
+    with pytest.raises(ValueError, match="log8 scale codes are per token"):
+        lk.lowrank_attention(q, q8._replace(layout="channel"), z_v, P_k, P_v, **kwargs)
 
 
 def test_decode_splits():

@@ -80,6 +80,7 @@ def compile_decode(
     nibbles: bool = False,
     nibble_rebuild: bool = False,
     nibble_fold: bool = False,
+    log8: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
@@ -114,6 +115,8 @@ def compile_decode(
         "V_CH": False,
         "NIB_K": nibbles and (key_mode == "post_rope" or nibble_rebuild),
         "FOLD_NIB": nibble_fold and nibbles and prefetch and key_mode == "post_rope",
+        "K_LOG8": log8,
+        "V_LOG8": log8,
         "NIB_V": nibbles,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
@@ -122,7 +125,7 @@ def compile_decode(
     for name in fn.arg_names:
         if name in const:
             sig[name] = "constexpr"
-        elif name in ("ZK", "ZV") and bits < 16:
+        elif name in ("ZK", "ZV") and bits < 16 or name in ("SK", "LK", "SV", "LV") and log8:
             sig[name] = "*u8"
         elif name in POINTERS:
             sig[name] = "*" + POINTERS[name]
@@ -221,6 +224,10 @@ def main() -> None:
                                     prefetch=True, nibbles=nib, nibble_rebuild=rebuild)
             name = "pre_rope int4 prefetch" + (" nibbles" if nib else "") + (" rebuild" if rebuild else "")
             print(f"| {name} " + report(kernel), flush=True)
+        for key_mode in ("post_rope", "pre_rope"):  # the defaults over int4 codes with log8 scales
+            kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages,
+                                    key_mode == "pre_rope", bits=4, prefetch=True, nibbles=True, log8=True)
+            print(f"| {key_mode} int4 log8 prefetch nibbles " + report(kernel), flush=True)
         return
     for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)
