@@ -30,35 +30,56 @@ def _capturing(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
+def _scale_buffers(spec: QuantSpec, shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A store's scales and lows: float16 both, or for log8 scales one uint8 code a group and no low (the
+    kernels decode the code in registers, as the dynamic cache holds it)."""
+    if spec.log8:
+        return torch.zeros(shape, dtype=torch.uint8, device=device), None
+    return torch.zeros(shape, dtype=torch.float16, device=device), torch.zeros(shape, dtype=torch.float16,
+                                                                               device=device)
+
+
+def _quantized(store, codes: torch.Tensor, scale: torch.Tensor, low: torch.Tensor | None,
+               layout: str = "token") -> QuantizedLatents:
+    return QuantizedLatents(codes, scale, low, store.spec.bits, store.rank, layout, store.spec.log8)
+
+
+def _rows_of(t: torch.Tensor | None, rows) -> torch.Tensor | None:
+    """``t[:, :, rows]`` (None stays None: the low of log8 scales)."""
+    return None if t is None else t[:, :, rows]
+
+
 class CodeBuffer:
     """One latent of one layer stored quantized in the static cache: codes ``[B, G, L, bytes]`` and fp16
-    scale and low ``[B, G, L, groups]`` (``spec``'s token layout), written token by token as they arrive and
-    read by the kernels as :class:`~stiefkv.kernels.QuantizedLatents`. Log8 scales are held expanded to fp16
-    scales and lows here (3 bytes a group more than the dynamic cache): the kernels do not read log8 codes
-    yet."""
+    scale and low ``[B, G, L, groups]`` (``spec``'s token layout; log8 scales: one uint8 code a group),
+    written token by token as they arrive and read by the kernels as
+    :class:`~stiefkv.kernels.QuantizedLatents`."""
 
     def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, device):
         self.spec, self.rank = spec, rank
         groups = -(-rank // GROUP)
         self.codes = torch.zeros(B, G, L, packed_bytes(rank, spec.bits), dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(B, G, L, groups, dtype=torch.float16, device=device)
-        self.low = torch.zeros(B, G, L, groups, dtype=torch.float16, device=device)
+        self.scale, self.low = _scale_buffers(spec, (B, G, L, groups), device)
+
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scale, self.low) if t is not None]
 
     @property
     def nbytes(self) -> int:
-        return self.codes.nbytes + self.scale.nbytes + self.low.nbytes
+        return sum(t.nbytes for t in self._tensors())
 
     def write(self, slots: torch.Tensor, z: torch.Tensor) -> None:
-        q = quantize(z, self.spec).with_float_scales()
+        q = quantize(z, self.spec)
         self.codes.index_copy_(2, slots, q.codes)
         self.scale.index_copy_(2, slots, q.scale)
-        self.low.index_copy_(2, slots, q.low)
+        if self.low is not None:
+            self.low.index_copy_(2, slots, q.low)
 
     def latents(self) -> QuantizedLatents:
-        return QuantizedLatents(self.codes, self.scale, self.low, self.spec.bits, self.rank)
+        return _quantized(self, self.codes, self.scale, self.low)
 
     def rows(self, index: torch.Tensor) -> None:
-        for t in (self.codes, self.scale, self.low):
+        for t in self._tensors():
             t.copy_(t.index_select(0, index.to(t.device)))
 
 
@@ -87,21 +108,24 @@ class WindowedCodes:
         groups = (B, G, self.padded, -(-rank // GROUP)) if spec.layout == "token" else (
             B, G, self.padded // GROUP, rank)
         self.codes = torch.zeros(B, G, self.padded, width, dtype=torch.uint8, device=device)
-        self.scale = torch.zeros(groups, dtype=torch.float16, device=device)
-        self.low = torch.zeros(groups, dtype=torch.float16, device=device)
+        self.scale, self.low = _scale_buffers(spec, groups, device)
         self.ring = torch.zeros(B, G, self.window, rank, dtype=dtype, device=device)
         self.tail: tuple[torch.Tensor, int] | None = None  # a prefill's exact latents and their first index
 
+    def _tensors(self) -> list[torch.Tensor]:
+        return [t for t in (self.codes, self.scale, self.low, self.ring) if t is not None]
+
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for t in (self.codes, self.scale, self.low, self.ring))
+        return sum(t.nbytes for t in self._tensors())
 
     def _store(self, slots: torch.Tensor, q: Quantized) -> None:
         """Codes of the tokens at ``slots`` (whole groups of them for ``channel``)."""
         self.codes.index_copy_(2, slots, q.codes)
         groups = slots if self.spec.layout == "token" else slots[::GROUP] // GROUP
         self.scale.index_copy_(2, groups, q.scale)
-        self.low.index_copy_(2, groups, q.low)
+        if self.low is not None:
+            self.low.index_copy_(2, groups, q.low)
 
     def write_many(self, start: int, z: torch.Tensor) -> None:
         """Tokens ``z`` ``[B, G, n, r]`` at slots ``start …`` (host count): quantize what they make due."""
@@ -111,7 +135,7 @@ class WindowedCodes:
         exact = torch.cat([before, z.to(self.ring.dtype)], 2)  # tokens held … start + n − 1
         self.tail = (exact, held)
         if due > held:
-            codes = quantize(exact[:, :, : due - held], self.spec).with_float_scales()
+            codes = quantize(exact[:, :, : due - held], self.spec)
             self._store(torch.arange(held, due, device=device), codes)
         keep = torch.arange(max(held, start + n - self.window), start + n, device=device)
         self.ring.index_copy_(2, keep % self.window, exact[:, :, keep - held])
@@ -122,14 +146,14 @@ class WindowedCodes:
         self.ring.index_copy_(2, slot % self.window, z.to(self.ring.dtype))
         if self.spec.layout == "token":
             token = slot - self.spec.recent  # the token this one pushes out of the window
-            q = quantize(self.ring.index_select(2, token % self.window), self.spec).with_float_scales()
+            q = quantize(self.ring.index_select(2, token % self.window), self.spec)
             # before it is due (token < 0) slot 0 gets codes no one reads: it is exact until it is due
             self._store(token.clamp(min=0), q)
             return
         end = slot + 1 - self.spec.recent  # a group is due when this many tokens are quantizable
         first = (end - GROUP).clamp(min=0)
         slots = first + torch.arange(GROUP, device=slot.device)
-        q = quantize(self.ring.index_select(2, slots % self.window), self.spec).with_float_scales()
+        q = quantize(self.ring.index_select(2, slots % self.window), self.spec)
         due = (end > 0) & (end % GROUP == 0)
         group = first // GROUP
         self.codes.index_copy_(2, slots, torch.where(due, q.codes, self.codes.index_select(2, slots)))
@@ -151,8 +175,8 @@ class WindowedCodes:
         B, G = self.codes.shape[:2]
         n = self.padded if upto is None else min(self.padded, -(-upto // GROUP) * GROUP)
         rows = n if self.spec.layout == "token" else n // GROUP
-        codes = QuantizedLatents(self.codes[:, :, :n], self.scale[:, :, :rows], self.low[:, :, :rows],
-                                 self.spec.bits, self.rank, self.spec.layout)
+        codes = _quantized(self, self.codes[:, :, :n], self.scale[:, :, :rows],
+                           _rows_of(self.low, slice(rows)), self.spec.layout)
         # a last slot where the ring entries that hold no exact token land
         z = torch.cat([codes.dequantize(dtype), self.ring.new_zeros(B, G, 1, self.rank, dtype=dtype)], 2)
         newest, exact = self.ring_slots(filled)
@@ -163,13 +187,11 @@ class WindowedCodes:
         """The codes of every slot as the kernels read them."""
         n = self.length
         if self.spec.layout == "channel":  # a row of scales per group of slots: all rows
-            return QuantizedLatents(self.codes[:, :, :n], self.scale, self.low, self.spec.bits, self.rank,
-                                    "channel")
-        return QuantizedLatents(self.codes[:, :, :n], self.scale[:, :, :n], self.low[:, :, :n],
-                                self.spec.bits, self.rank)
+            return _quantized(self, self.codes[:, :, :n], self.scale, self.low, "channel")
+        return _quantized(self, self.codes[:, :, :n], self.scale[:, :, :n], _rows_of(self.low, slice(n)))
 
     def rows(self, index: torch.Tensor) -> None:
-        for t in (self.codes, self.scale, self.low, self.ring):
+        for t in self._tensors():
             t.copy_(t.index_select(0, index.to(t.device)))
 
 
@@ -222,8 +244,8 @@ def _codes_at(store, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     the slots hold exact: what attention reads of a token held quantized."""
     codes = store.codes.index_select(2, slots)
     if store.spec.layout == "token":
-        return QuantizedLatents(codes, store.scale.index_select(2, slots), store.low.index_select(2, slots),
-                                store.spec.bits, store.rank).dequantize(dtype)
+        low = None if store.low is None else store.low.index_select(2, slots)
+        return _quantized(store, codes, store.scale.index_select(2, slots), low).dequantize(dtype)
     # channel: each slot takes its group's row of scales and lows, channel by channel
     scale = store.scale.index_select(2, slots // GROUP).float()
     low = store.low.index_select(2, slots // GROUP).float()
@@ -234,8 +256,8 @@ def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``n`` slots as float latents (codes dequantized to ``dtype``: the exact band such a forward
     reads goes to the reference, which takes floats)."""
     if isinstance(z, QuantizedLatents):
-        return QuantizedLatents(z.codes[:, :, :n], z.scale[:, :, :n], z.low[:, :, :n], z.bits,
-                                z.rank).dequantize(dtype)
+        return z._replace(codes=z.codes[:, :, :n], scale=z.scale[:, :, :n],
+                          low=_rows_of(z.low, slice(n))).dequantize(dtype)
     return z[:, :, :n]
 
 

@@ -211,7 +211,7 @@ WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-tok
             ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16"),
             ("int3-token-r16", "int2-token-r16"), ("bf16", "int3-channel-r16"),
             ("int4-token-r40", "int8-token-r16"),  # two windows of different lengths
-            ("int4-token-log8", "int2-token-log8-r16")]  # log8 scales, held expanded
+            ("int4-token-log8", "int2-token-log8-r16")]  # log8 scales, codes read in place
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -282,3 +282,8 @@ def test_windowed_static_cache_bytes_and_crop():
     assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 100 * 4 + 4
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(10)
+    # log8 scales: one uint8 code a group, no low, as the dynamic cache and the budget count them
+    cache = StaticLatentCache(windowed_served("int4-token-log8", "int2-token-log8-r16"), 3, 100)
+    keys = 100 * 8 + 100  # int4: 11 codes in two 8-code words of 4 bytes; one scale code a slot
+    values = slots * 4 + slots + 80 * rank_v * 4  # int2 behind a window: whole groups of slots
+    assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 100 * 4 + 4
