@@ -197,14 +197,6 @@ class Quantized:
         scale = log8_scale(self.scale)
         return scale, log8_low(scale, self.bits)
 
-    def with_float_scales(self) -> Quantized:
-        """The same codes with float16 ``scale`` and ``low`` (what the kernels and static stores read)."""
-        if self.low is not None:
-            return self
-        scale, low = self.float_scales()
-        return Quantized(self.codes, scale.to(SCALE_DTYPE), low.to(SCALE_DTYPE), self.bits, self.layout,
-                         self.rank)
-
 
 # per width, the largest log8 code whose grid's low is a finite float16 (groups needing a larger step clip,
 # as a float16 scale and low cannot hold them either)
