@@ -257,8 +257,11 @@ def fill_synthetic(cache, n: int) -> None:
         for buf in bufs:
             if hasattr(buf, "codes"):  # CodeBuffer or WindowedCodes
                 buf.codes[:, :, :n].random_(0, 256)
-                buf.scale.fill_(0.01)
-                buf.low.fill_(-1.0)
+                if buf.low is None:  # log8 scales: code 59 is 2^((59 - 112) / 8) ≈ 0.01
+                    buf.scale.fill_(59)
+                else:
+                    buf.scale.fill_(0.01)
+                    buf.low.fill_(-1.0)
                 if hasattr(buf, "ring"):
                     buf.ring.normal_()
             else:

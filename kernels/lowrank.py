@@ -919,8 +919,8 @@ def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, to
 
 def _pad_codes(z: QuantizedLatents, P: torch.Tensor | None) -> tuple[QuantizedLatents, torch.Tensor | None]:
     """:func:`_pad_rank` for codes: bytes up to the padded width (zero codes), scale and low groups up to
-    the groups it spans (zeros: those channels read as 0); other padded channels read as their group's low,
-    against zero rows of the basis."""
+    the groups it spans (zeros: those channels read as 0; log8 code 0 reads as a small low); other padded
+    channels read as their group's low, against zero rows of the basis."""
     width = padded_dim(z.rank)
     nbytes = width // 8 * z.bits  # eight codes in `bits` bytes (pack's words)
     groups = width if z.layout == "channel" else -(-width // _common.QUANT_GROUP)  # the scales' last axis

@@ -8,6 +8,8 @@ program of a tile merges the splits), and tiled causal prefill — for both key 
 8–56 (padded to powers of two), left padding, per-key bias, ``P_v`` given or ``None``, fp32/fp16/bf16.
 """
 
+import warnings
+
 import pytest
 import torch
 
@@ -571,6 +573,33 @@ def _nibbles_probe(RAW, EVEN_ASM, ODD_ASM, EVEN, ODD, N: tl.constexpr, W: tl.con
     even, odd = lk._nibbles_to_half(raw, False)
     tl.store(EVEN + offs, even)
     tl.store(ODD + offs, odd)
+
+
+@triton.jit
+def _log8_probe(CODES, SCALE, LOW, BITS: tl.constexpr):
+    offs = tl.arange(0, 256)
+    scale, low = lk._log8(tl.load(CODES + offs), BITS)
+    tl.store(SCALE + offs, scale)
+    tl.store(LOW + offs, low)
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+def test_log8_codes_decode_in_the_kernel_as_in_torch(bits):
+    """Every uint8 log8 code decodes in registers (``_log8``) to the bits of ``log8_scale`` and ``log8_low``:
+    the power of two, the mantissa, the float16 rounding of the low and NaN for code 255."""
+    from stiefkv.kernels._common import LOG8_NAN, log8_low, log8_scale
+
+    codes = torch.arange(256, dtype=torch.uint8, device=DEVICE)
+    scale, low = (torch.full((256,), 7.0, device=DEVICE) for _ in range(2))
+    with warnings.catch_warnings():  # numpy (the interpreter) warns where the low overflows to −inf
+        warnings.simplefilter("ignore", RuntimeWarning)
+        _log8_probe[(1,)](codes, scale, low, BITS=bits)
+    want_scale = log8_scale(codes.cpu())
+    want_low = log8_low(want_scale, bits)
+    for got, want in ((scale.cpu(), want_scale), (low.cpu(), want_low)):
+        same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
+        assert same.all(), f"codes {same.logical_not().nonzero().flatten().tolist()[:8]}"
+    assert scale[LOG8_NAN].isnan() and not scale[:LOG8_NAN].isnan().any()
 
 
 @gpu_only

@@ -129,9 +129,9 @@ def test_bad_input():
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-@pytest.mark.parametrize("bits", [None, (8, 4), (3, 2), 3, 4, 0],
+@pytest.mark.parametrize("bits", [None, (8, 4), (3, 2), 3, 4, 0, 7],
                          ids=["bf16", "int8-int4", "int3-int2", "int8-int4-r16", "int3-int2-r16",
-                              "int2-channel-int3-r16"])
+                              "int2-channel-int3-r16", "int4-log8-int2-log8-r16"])
 def test_triton_kernels_read_the_filled_count(key_mode, bits):
     """The served model on the Triton kernels (interpreted on the CPU, compiled on CUDA) over a static cache
     of float latents, of codes, or of codes behind a 16-token exact window (the codes read in place, the
