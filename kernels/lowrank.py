@@ -423,6 +423,23 @@ def _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N: tl.constexpr, KEY_MODE: t
 
 
 @triton.jit
+def _rotated_logits(q1, q2, a1, a2, pos, inv_freq, dtype: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_N: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """``pre_rope`` logits ``[BLOCK_M, BLOCK_N]`` of the query halves against rebuilt key halves ``a1``,
+    ``a2`` ``[BLOCK_N, d/2]`` (fp32), rotated at their positions ``pos`` and rounded to ``dtype``."""
+    angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+    if FAST_SINCOS:
+        sin, cos = _sincos_fast(angle)
+    else:
+        sin, cos = _sincos(angle)
+    k1 = (a1 * cos - a2 * sin).to(dtype)
+    k2 = (a2 * cos + a1 * sin).to(dtype)
+    s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
+    return _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
+
+
+@triton.jit
 def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, FAST_SINCOS: tl.constexpr,
                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
@@ -430,18 +447,11 @@ def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOC
     positions ``pos``: ``pre_rope`` rebuilds and rotates the keys, once for all the group's query heads."""
     HALF: tl.constexpr = HEAD_DIM // 2
     if KEY_MODE == 0:  # pre_rope: rebuild and rotate the keys, once for all the group's query heads
-        angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
-        if FAST_SINCOS:
-            sin, cos = _sincos_fast(angle)
-        else:
-            sin, cos = _sincos(angle)
         zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
         a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
         a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
-        k1 = (a1 * cos - a2 * sin).to(z.dtype)
-        k2 = (a2 * cos + a1 * sin).to(z.dtype)
-        s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
-        s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
+        s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS, DOT_PREC,
+                            UPCAST)
     else:  # post_rope: the projected queries meet the latents directly
         s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
     return s
@@ -457,18 +467,11 @@ def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos,
     channels."""
     HALF: tl.constexpr = HEAD_DIM // 2
     if KEY_MODE == 0:
-        angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
-        if FAST_SINCOS:
-            sin, cos = _sincos_fast(angle)
-        else:
-            sin, cos = _sincos(angle)
         zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
         a1 = _dot(z_odd, p1t_o, _dot(z_even, p1t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
         a2 = _dot(z_odd, p2t_o, _dot(z_even, p2t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
-        k1 = (a1 * cos - a2 * sin).to(z_even.dtype)
-        k2 = (a2 * cos + a1 * sin).to(z_even.dtype)
-        s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
-        s = _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
+        s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z_even.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS,
+                            DOT_PREC, UPCAST)
     else:
         s = _dot(q1, tl.trans(z_even), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
         s = _dot(q2, tl.trans(z_odd), s, DOT_PREC, UPCAST)
