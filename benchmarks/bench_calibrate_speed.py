@@ -61,7 +61,8 @@ def main() -> None:
         "dtype": args.dtype,
         "extra": extra,
         "method": proj.method,
-        "settings": proj.settings,
+        # the settings, not what calibration measured with them (per-layer profiles: ~250 kB a row)
+        "settings": {k: v for k, v in proj.settings.items() if k not in ("profiles", "refine")},
         "seconds": seconds,
     }
     if args.model:  # the shape options were not used

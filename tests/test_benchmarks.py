@@ -83,6 +83,14 @@ def test_benchmarks_md_is_rendered_from_the_committed_rows():
     assert len(text.encode()) <= 48_000
 
 
+def test_committed_result_files_stay_small():
+    """Rows are results, not data: a file of them stays under 1 MiB (a calibration row once carried its
+    per-layer profiles, 250 kB a row)."""
+    big = {p.name: p.stat().st_size for p in utils.RESULTS.iterdir() if p.is_file()
+           and p.stat().st_size > 1 << 20}
+    assert not big, f"result files over 1 MiB: {big}"
+
+
 def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
     """Decode, sweep and prefill rows at tiny shapes (the kernel under the interpreter, the timers replaced):
     every row names its case, carries SDPA beside the kernel, and the renderer reads them."""
