@@ -68,14 +68,13 @@ QUANT_SWEEP = [
     {"num_warps": 8},
     {"num_stages": 2},
     {"num_stages": 4},
-    # int4 only: codes met as even and odd channels (two dots), byte-packed conversion in PTX
-    {"nibbles": True},
-    {"nibbles": True, "prefetch": False},
-    {"nibbles": True, "prefetch": False, "block_n": 64},
-    {"nibbles": True, "prefetch": False, "num_stages": 4},
-    {"nibble_rebuild": True},  # pre_rope keys as nibbles too (post_rope: the default again)
-    {"nibble_fold": True},  # post_rope keys' scales on the logits (pre_rope: the default again)
+    # int4 only: the interleaved loop of before the even/odd split (the default since 2026-12-02), and the
+    # split's candidates: pre_rope keys split too, post_rope key scales applied to the logits
+    {"nibbles": False},
+    {"nibble_rebuild": True},
+    {"nibble_fold": True},
 ]
+NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
 QUANT_BITS = (16, 8, 4)
 DTYPE = torch.bfloat16
@@ -214,9 +213,9 @@ def quant_rows(shapes, copy: float) -> None:
                     tried = []
                     for cfg in QUANT_SWEEP:
                         cfg = dict(cfg)
-                        if (cfg.get("fold_scales") and bits == 16) or \
-                                (any(cfg.get(k) for k in ("nibbles", "nibble_rebuild", "nibble_fold"))
-                                 and bits != 4):
+                        nibble = [k for k in NIBBLE_OPTIONS if k in cfg]  # int4, and its key mode
+                        if (cfg.get("fold_scales") and bits == 16) or (nibble and (
+                                bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))
