@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-from stiefkv.kernels.lowrank import _default_config, _num_sms, lowrank_attention, rope_trig_table
+from stiefkv.kernels.lowrank import _default_config, _num_sms, lowrank_attention
 
 H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
 DECODE_SHAPES = [(1, 32768), (8, 8192), (16, 16384), (4, 131072)]
@@ -73,9 +73,6 @@ QUANT_SWEEP = [
     {"nibbles": False},
     {"nibble_rebuild": False},
     {"nibble_fold": False},
-    # pre_rope only: sin/cos read from a table by position instead of computed per key
-    {"rope_table": "fp16"},
-    {"rope_table": "fp32"},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
@@ -105,11 +102,7 @@ def latent_inputs(B: int, Nq: int, Nk: int, r: int, d: int | None = None) -> dic
 
 
 def kernel_call(x: dict, mode: str, *, with_pv: bool = True, **cfg):
-    """``lowrank_attention`` on the inputs ``x`` as a no-argument callable; ``rope_table="fp16"`` (or
-    ``"fp32"``) builds the sin/cos table of the candidate once, outside the timed call."""
-    if isinstance(cfg.get("rope_table"), str):
-        dtype = {"fp16": torch.float16, "fp32": torch.float32}[cfg["rope_table"]]
-        cfg["rope_table"] = rope_trig_table(x["rope"], x["z_k"].shape[2], x["q"].device, dtype)
+    """``lowrank_attention`` on the inputs ``x`` as a no-argument callable."""
     return functools.partial(
         lowrank_attention,
         x["q"],
@@ -221,8 +214,6 @@ def quant_rows(shapes, copy: float) -> None:
                     for cfg in QUANT_SWEEP:
                         cfg = dict(cfg)
                         nibble = [k for k in NIBBLE_OPTIONS if k in cfg]  # int4, and its key mode
-                        if cfg.get("rope_table") and mode != "pre_rope":
-                            continue
                         if (cfg.get("fold_scales") and bits == 16) or (nibble and (
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))):
                             continue

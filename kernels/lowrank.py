@@ -68,8 +68,6 @@ LOG8_E1, LOG8_E2, LOG8_E3, LOG8_E4, LOG8_E5, LOG8_E6, LOG8_E7 = (tl.constexpr(m)
                                                                  _common.LOG8_EIGHTHS[1:])
 KERNEL_BITS = _common.KERNEL_BITS
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-# how pre_rope gets sin/cos: polynomial (the interpreter), MUFU after a range reduction, or a table
-SINCOS_POLY, SINCOS_FAST, SINCOS_TABLE = tl.constexpr(0), tl.constexpr(1), tl.constexpr(2)
 MERGE_UNROLL = tl.constexpr(4)  # splits merged per iteration of _merge_splits
 
 
@@ -426,20 +424,15 @@ def _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N: tl.constexpr, KEY_MODE: t
 
 @triton.jit
 def _rotated_logits(q1, q2, a1, a2, pos, inv_freq, dtype: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_N: tl.constexpr, SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
+                    BLOCK_N: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
                     UPCAST: tl.constexpr):
     """``pre_rope`` logits ``[BLOCK_M, BLOCK_N]`` of the query halves against rebuilt key halves ``a1``,
     ``a2`` ``[BLOCK_N, d/2]`` (fp32), rotated at their positions ``pos`` and rounded to ``dtype``."""
-    if SINCOS == SINCOS_TABLE:  # inv_freq: pointers to row 0 of the [T, 2, d/2] cos/sin table
-        row = pos[:, None] * (2 * a1.shape[1])
-        cos = tl.load(inv_freq[None, :] + row).to(tl.float32)
-        sin = tl.load(inv_freq[None, :] + row + a1.shape[1]).to(tl.float32)
+    angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
+    if FAST_SINCOS:
+        sin, cos = _sincos_fast(angle)
     else:
-        angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
-        if SINCOS == SINCOS_FAST:
-            sin, cos = _sincos_fast(angle)
-        else:
-            sin, cos = _sincos(angle)
+        sin, cos = _sincos(angle)
     k1 = (a1 * cos - a2 * sin).to(dtype)
     k2 = (a2 * cos + a1 * sin).to(dtype)
     s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
@@ -448,7 +441,7 @@ def _rotated_logits(q1, q2, a1, a2, pos, inv_freq, dtype: tl.constexpr, BLOCK_M:
 
 @triton.jit
 def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, SINCOS: tl.constexpr,
+                BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, FAST_SINCOS: tl.constexpr,
                 DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """The logits ``[BLOCK_M, BLOCK_N]`` of the query tile against a tile ``z`` of key latents at
     positions ``pos``: ``pre_rope`` rebuilds and rotates the keys, once for all the group's query heads."""
@@ -457,7 +450,7 @@ def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOC
         zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
         a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
         a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
-        s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z.dtype, BLOCK_M, BLOCK_N, SINCOS, DOT_PREC,
+        s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS, DOT_PREC,
                             UPCAST)
     else:  # post_rope: the projected queries meet the latents directly
         s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
@@ -467,7 +460,7 @@ def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOC
 @triton.jit
 def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr,
-                   SINCOS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """:func:`_key_logits` of a key tile met as its even and odd channels (:func:`_decode_nibbles`):
     ``pre_rope`` rebuilds the keys from both halves against the basis's even (``p1t``, ``p2t``) and odd
     (``p1t_o``, ``p2t_o``) channels; ``post_rope``'s ``q1``, ``q2`` are the projected queries' even and odd
@@ -477,7 +470,7 @@ def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos,
         zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
         a1 = _dot(z_odd, p1t_o, _dot(z_even, p1t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
         a2 = _dot(z_odd, p2t_o, _dot(z_even, p2t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
-        s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z_even.dtype, BLOCK_M, BLOCK_N, SINCOS,
+        s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z_even.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS,
                             DOT_PREC, UPCAST)
     else:
         s = _dot(q1, tl.trans(z_even), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
@@ -493,7 +486,7 @@ def _attend_range(
     stride_skn, stride_skg, stride_svn, stride_svg,
     HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_BIAS: tl.constexpr, MASKED: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
     UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr, DTYPE: tl.constexpr,
     q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
@@ -552,12 +545,12 @@ def _attend_range(
                                        R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8)
             if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
-                                   BLOCK_N, KEY_MODE, SINCOS, DOT_PREC, UPCAST)
+                                   BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
                 if FOLD_NIB:  # q'·(code·scale + low) = scale·(q'·(1024 + code)) + (low − 1024·scale)·Σq'
                     s = s * k_scale[None, :] + q1sum[:, None] * (k_low - 1024.0 * k_scale)[None, :]
             else:
                 s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
-                                SINCOS, DOT_PREC, UPCAST)
+                                FAST_SINCOS, DOT_PREC, UPCAST)
         elif FOLD_K:
             codes = _code_tile(ZK, offs_n, end, stride_kn, stride_kr, R_K, R_K_P2, BLOCK_N, MASKED, K_BITS)
             scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED, K_LOG8, K_BITS)
@@ -569,13 +562,13 @@ def _attend_range(
                                    R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, K_LOG8)
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, KEY_MODE, SINCOS, DOT_PREC, UPCAST)
+                               BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                              R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH, K_LOG8)  # [BLOCK_N, R_K_P2]
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
-                            SINCOS, DOT_PREC, UPCAST)
+                            FAST_SINCOS, DOT_PREC, UPCAST)
         if HAS_BIAS:
             if MASKED:
                 bias = tl.load(BIAS + offs_n * stride_bn, mask=offs_n < end, other=0.0)
@@ -700,7 +693,7 @@ def _lowrank_attn_fwd(
     R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     KEY_MODE: tl.constexpr, CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENS: tl.constexpr,
-    HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, SINCOS: tl.constexpr,
+    HAS_NVALID: tl.constexpr, HAS_PV: tl.constexpr, SPLIT: tl.constexpr, FAST_SINCOS: tl.constexpr,
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
@@ -775,10 +768,7 @@ def _lowrank_attn_fwd(
             p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
             p1t_o = p1t
             p2t_o = p2t
-        if SINCOS == SINCOS_TABLE:
-            inv_freq = INV_FREQ + offs_h
-        else:
-            inv_freq = tl.load(INV_FREQ + offs_h)
+        inv_freq = tl.load(INV_FREQ + offs_h)
     elif NIB_K:  # post_rope over int4 key codes met as even and odd channels: q1, q2 = q' there
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
@@ -824,7 +814,7 @@ def _lowrank_attn_fwd(
         ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
-        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, SINCOS,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
         FOLD_NIB, K_LOG8, V_LOG8,
     )
@@ -833,7 +823,7 @@ def _lowrank_attn_fwd(
         ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
         stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
         stride_skn, stride_skgr, stride_svn, stride_svgr,
-        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, SINCOS,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
         FOLD_NIB, K_LOG8, V_LOG8,
     )
@@ -978,23 +968,6 @@ def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tenso
     return torch.empty(B, G, N, r, device="meta", dtype=q.dtype)
 
 
-def rope_trig_table(rope: RopeSpec, length: int, device, dtype: torch.dtype = torch.float16) -> torch.Tensor:
-    """``cos`` and ``sin`` of positions ``0 … length − 1`` at the rope's frequencies, ``[length, 2, d/2]``
-    (without the attention scaling, which the kernel puts on the query), for ``rope_table=``."""
-    angle = torch.arange(length, dtype=torch.float64)[:, None] * rope.inv_freq.double().cpu()[None, :]
-    return torch.stack([angle.cos(), angle.sin()], 1).to(device, dtype).contiguous()
-
-
-def _check_rope_table(table: torch.Tensor, q: torch.Tensor) -> None:
-    half = q.shape[-1] // 2
-    if table.dim() != 3 or table.shape[1:] != (2, half) or not table.is_contiguous():
-        raise ValueError(f"rope_table must be a contiguous [positions, 2, {half}] tensor (cos, sin) from "
-                         f"kernels.lowrank.rope_trig_table; got shape {tuple(table.shape)}")
-    if table.device != q.device or table.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        raise ValueError(f"rope_table must be float16, bfloat16 or float32 on {q.device}; got "
-                         f"{table.dtype} on {table.device}")
-
-
 def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid=None) -> None:
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
@@ -1074,11 +1047,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     z_k = z_k.codes if k_codes else z_k
     z_v = z_v.codes if v_codes else z_v
     pos = positions if pre else z_k
-    trig = cfg.get("rope_table")
-    if pre and trig is not None:
-        inv_freq = trig  # the kernel reads the table through the inverse frequencies' pointer
-    else:
-        inv_freq = rope.inv_freq.to(q.device, torch.float32).contiguous() if pre else z_k
+    inv_freq = rope.inv_freq.to(q.device, torch.float32).contiguous() if pre else z_k
     pv = P_v if P_v is not None else P_k  # placeholder pointer when the latent output is returned
     lens = lengths.to(q.device, torch.int32).contiguous() if lengths is not None else z_k
     bias_t = bias if bias is not None else z_k
@@ -1110,8 +1079,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None,
         HAS_LENS=lengths is not None, HAS_NVALID=n_valid is not None, HAS_PV=P_v is not None,
         SPLIT=splits > 1,
-        SINCOS=(2 if trig is not None else 1 if cfg["fast_sincos"] else 0) if pre else 0,
-        DOT_PREC=dot_prec,
+        FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
         UPCAST=interpreting(),  # every dot: a bf16 value tile may meet fp16 key codes
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
         FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP
@@ -1157,7 +1125,6 @@ def lowrank_attention(
     nibbles: bool | None = None,
     nibble_rebuild: bool | None = None,
     nibble_fold: bool | None = None,
-    rope_table: torch.Tensor | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache (Triton); same contract as
@@ -1188,12 +1155,9 @@ def lowrank_attention(
         met as their even and odd channels, the low and high nibbles of each byte, in two dots of half the
         depth, instead of being interleaved back into one tile; ``None``: on for decode over codes (see
         :func:`_default_config`). ``nibble_rebuild``: ``pre_rope`` keys too (the rebuild in four dots of
-        half the depth). ``nibble_fold``: ``post_rope`` int4 keys (ranks 32-64, with ``prefetch``) meet the
-        queries as ``1024 + code`` and each token's scale and low are applied to its logits. Both ``None``:
-        on with ``nibbles`` (see :func:`_default_config`).
-        ``rope_table`` (``pre_rope``; a candidate): ``[T, 2, d/2]`` cos and sin by position
-        (:func:`rope_trig_table`), read instead of computing sin/cos per key; every position must be
-        below ``T`` (not checked: positions stay on the device).
+        half the depth). ``nibble_fold``: ``post_rope`` int4 keys (ranks 32-64, with ``prefetch``, 16-bit
+        queries) meet the queries as ``1024 + code`` and each token's scale and low are applied to its
+        logits. Both ``None``: on with ``nibbles`` (see :func:`_default_config`).
 
     Returns
     -------
@@ -1238,10 +1202,8 @@ def lowrank_attention(
     overrides["nibbles"] = nibbles
     overrides["nibble_rebuild"] = nibble_rebuild
     overrides["nibble_fold"] = nibble_fold
-    if rope_table is not None:
-        _check_rope_table(rope_table, q)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
-               fold_scales=fold_scales, rope_table=rope_table)
+               fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
         cfg["num_splits"] = 1
     if n_rows > DECODE_BLOCK_M:

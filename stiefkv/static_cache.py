@@ -18,16 +18,49 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from stiefkv import kernels
 from stiefkv.cache import LatentCache, lengths_from_mask
 from stiefkv.kernels import QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.models import decoder_layers
-from stiefkv.quant import GROUP, Quantized, QuantSpec, packed_bytes, quantize, quantized_length, unpack
+from stiefkv.quant import (
+    GROUP,
+    LOG8_LARGEST,
+    Quantized,
+    QuantSpec,
+    packed_bytes,
+    quantize,
+    quantized_length,
+    unpack,
+)
 
 
 def _capturing(device: torch.device) -> bool:
     """Whether a CUDA graph is being recorded (its Python runs once: host counters must not move)."""
     return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# the quantize-on-write kernel: None where it compiles (CUDA with Triton); True also on the CPU under Triton's
+# interpreter (tests); False never (the A/B of benchmarks/experiments/profile_serve_step.py)
+FUSED_WRITES: bool | None = None
+
+
+def _fused_write(spec: QuantSpec, device: torch.device) -> bool:
+    """Whether per-token codes are written by the quantize-on-write kernel (``kernels/quantize.py``: one
+    launch per latent, bit for bit ``quantize`` and ``index_copy_``, which take a few dozen operators): on
+    CUDA with Triton, for min–max or log8 groups (``mse`` ranges stay with PyTorch)."""
+    if spec.layout != "token" or spec.mse or spec.bits not in KERNEL_BITS:
+        return False
+    if FUSED_WRITES is not None:
+        return FUSED_WRITES
+    return device.type == "cuda" and kernels.triton_available()
+
+
+def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int, int] | None = None) -> None:
+    from stiefkv.kernels.quantize import quantize_into  # imports Triton: only where it runs
+
+    quantize_into(z, slots, store.codes, store.scale, store.low, bits=store.spec.bits, log8=store.spec.log8,
+                  largest=LOG8_LARGEST[store.spec.bits], ring=ring)
 
 
 def _scale_buffers(spec: QuantSpec, shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -69,6 +102,9 @@ class CodeBuffer:
         return sum(t.nbytes for t in self._tensors())
 
     def write(self, slots: torch.Tensor, z: torch.Tensor) -> None:
+        if _fused_write(self.spec, z.device):
+            _quantize_into(self, z, slots)
+            return
         q = quantize(z, self.spec)
         self.codes.index_copy_(2, slots, q.codes)
         self.scale.index_copy_(2, slots, q.scale)
@@ -144,6 +180,9 @@ class WindowedCodes:
         """Token ``z`` ``[B, G, 1, r]`` at ``slot`` (``[1]`` long on the device), with no host count."""
         self.tail = None
         self.ring.index_copy_(2, slot % self.window, z.to(self.ring.dtype))
+        if _fused_write(self.spec, slot.device):  # the same, in one launch
+            _quantize_into(self, self.ring, slot, ring=(self.spec.recent, self.window))
+            return
         if self.spec.layout == "token":
             token = slot - self.spec.recent  # the token this one pushes out of the window
             q = quantize(self.ring.index_select(2, token % self.window), self.spec)

@@ -157,41 +157,6 @@ def test_positions_per_kv_head(path, Nq, splits, dtype):
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("prefetch", [False, True], ids=["", "prefetch"])
-@pytest.mark.parametrize("dtype, table_dtype", [(torch.float32, torch.float32),
-                                                (torch.bfloat16, torch.float16)], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[7]], ids=lambda c: c[0])
-def test_rope_table_matches_reference(case, dtype, table_dtype, prefetch):
-    """``pre_rope`` with sin/cos read from a table by position (the ``rope_table`` candidate), over left
-    padding and over per-head shuffled positions: each key takes its own position's row."""
-    path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv = case
-    args, kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, padded=padded, bias=bias, pv=pv)
-    scattered = torch.stack([torch.randperm(3000)[:Nk] for _ in range(B * G)]).view(B, G, Nk).to(DEVICE)
-    for positions in (kwargs["positions"], scattered):
-        table = lk.rope_trig_table(kwargs["rope"], int(positions.max()) + 1, DEVICE, table_dtype)
-        check(args, dict(kwargs, positions=positions), key_mode="pre_rope", num_splits=splits,
-              prefetch=prefetch, rope_table=table, what=f"rope table {path} {dtype}")
-    if dtype == torch.bfloat16:  # int4 codes, the rebuild met as even and odd channels
-        q, z_k, z_v, P_k, P_v = args
-        qk, qv = quantize_latents(z_k, 4), quantize_latents(z_v, 4)
-        table = lk.rope_trig_table(kwargs["rope"], int(kwargs["positions"].max()) + 1, DEVICE, table_dtype)
-        with torch.no_grad():
-            out = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="pre_rope", **kwargs, num_splits=splits,
-                                       rope_table=table)
-            expected = reference(q, qk.dequantize(dtype), qv.dequantize(dtype), P_k, P_v, key_mode="pre_rope",
-                                 **kwargs)
-        assert_close(out, expected, *TOL[dtype], what=f"rope table int4 {path}")
-
-
-def test_rope_table_bad_input():
-    args, kwargs = make_inputs(1, 4, 2, 1, 20, 32, 8, 8, torch.float32)
-    table = lk.rope_trig_table(kwargs["rope"], 400, DEVICE)
-    with pytest.raises(ValueError, match=r"contiguous \[positions, 2, 16\]"):
-        lk.lowrank_attention(*args, key_mode="pre_rope", **kwargs, rope_table=table[:, :, :8])
-    with pytest.raises(ValueError, match="float16, bfloat16 or float32"):
-        lk.lowrank_attention(*args, key_mode="pre_rope", **kwargs, rope_table=table.double())
-
-
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_far_positions(num_splits):
     """Keys at positions past 120k: the in-kernel rotation must match the reference's fp32 angles there."""

@@ -26,16 +26,16 @@ import tempfile
 import torch
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "lowrank.py"
-FAST = "            sin, cos = _sincos_fast(angle)\n"
-POLY = "            sin, cos = _sincos(angle)\n"
+FAST = "        sin, cos = _sincos_fast(angle)\n"
+POLY = "        sin, cos = _sincos(angle)\n"
 ROT = "    k1 = (a1 * cos - a2 * sin).to(dtype)\n    k2 = (a2 * cos + a1 * sin).to(dtype)\n"
 REBUILD = (
     "        a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]\n"
     "        a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)\n"
 )
 NO_SINCOS = [
-    (FAST, "            sin, cos = angle, angle\n"),
-    (POLY, "            sin, cos = angle, angle\n"),
+    (FAST, "        sin, cos = angle, angle\n"),
+    (POLY, "        sin, cos = angle, angle\n"),
 ]
 NO_ROT = [(ROT, "    k1 = a1.to(dtype)\n    k2 = a2.to(dtype)\n")]
 NO_REBUILD = [(REBUILD, "        a1 = z.to(tl.float32)\n        a2 = z.to(tl.float32)\n")]

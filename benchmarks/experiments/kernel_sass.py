@@ -70,7 +70,7 @@ def compile_decode(
     block_n: int,
     warps: int,
     stages: int,
-    fast_sincos: bool | str,
+    fast_sincos: bool,
     d: int = 128,
     group: int = 4,
     fn=None,
@@ -100,7 +100,7 @@ def compile_decode(
         "HAS_LENS": False,
         "HAS_PV": False,
         "SPLIT": True,
-        "SINCOS": 2 if fast_sincos == "table" else int(bool(fast_sincos)),  # "table": fp16 rope_table
+        "FAST_SINCOS": fast_sincos,
         "DOT_PREC": "tf32",
         "UPCAST": False,
         "HAS_NVALID": False,
@@ -127,8 +127,6 @@ def compile_decode(
             sig[name] = "constexpr"
         elif name in ("ZK", "ZV") and bits < 16 or name in ("SK", "LK", "SV", "LV") and log8:
             sig[name] = "*u8"
-        elif name == "INV_FREQ" and fast_sincos == "table":
-            sig[name] = "*fp16"
         elif name in POINTERS:
             sig[name] = "*" + POINTERS[name]
         else:
@@ -231,10 +229,9 @@ def main() -> None:
                                     key_mode == "pre_rope", bits=4, prefetch=True, nibbles=True, log8=True)
             print(f"| {key_mode} int4 log8 prefetch nibbles " + report(kernel), flush=True)
         return
-    variants = (("post_rope", False), ("pre_rope", False), ("pre_rope", True), ("pre_rope", "table"))
-    for key_mode, fast in variants:
+    for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)
-        name = key_mode + {False: "", True: " fast_sincos", "table": " rope_table"}[fast]
+        name = key_mode + (" fast_sincos" if fast else "")
         print(f"| {name} " + report(kernel), flush=True)
 
 

@@ -1,7 +1,8 @@
 """One decode step of ``stiefkv.generate`` by cache store, at real shapes without a prefill: the step's time
 (CUDA-graph replay, as ``bench_serve.py`` times it) and, from ``torch.profiler`` over eager steps, the
 kernels it launches and where their GPU time goes. For the serving notes' question: what an exact window
-(``--recent``) or codes cost a step beyond the bf16 latents' (``docs/notes/serving.md``).
+(``--recent``) or codes cost a step beyond the bf16 latents' (``docs/notes/serving.md``). Stores of codes
+run twice by default: written by the quantize-on-write kernel and by PyTorch operators (``--fused-writes``).
 
     python benchmarks/experiments/profile_serve_step.py --case 8x16384 [--key-mode pre_rope]
     python benchmarks/experiments/profile_serve_step.py --tiny      # a CPU smoke run: eager, no profile
@@ -29,6 +30,7 @@ from bench_serve import (  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import stiefkv  # noqa: E402
+from stiefkv import static_cache  # noqa: E402
 from stiefkv.serve import DecodeState, Runner, make_cache  # noqa: E402
 
 # label: (bits, recent) of both latents, None for the uncompressed cache on our kernels
@@ -99,6 +101,8 @@ def main() -> None:
     ap.add_argument("--stores", default=",".join(STORES), help="comma-separated labels of STORES")
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rows", type=int, default=12, help="kernels listed per store")
+    ap.add_argument("--fused-writes", default="both", choices=["on", "off", "both"],
+                    help="codes written by the quantize-on-write kernel, by PyTorch, or each in turn")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     if args.tiny:
@@ -110,8 +114,15 @@ def main() -> None:
             torch.float32 if args.tiny else torch.bfloat16).eval()
     B, N = (int(x) for x in args.case.lower().split("x"))
     print(f"# {SHAPES[args.shape][0]} shapes, {B}x{N}, {args.key_mode}, budget {args.budget:g}", flush=True)
+    modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused_writes]
+    if device.type == "cpu":  # the kernel would need Triton's interpreter: the A/B is the GPU's question
+        modes = [False]
     for label in args.stores.split(","):
-        run(model, label, STORES[label], B, N, args, device)
+        codes = STORES[label] is not None and STORES[label][0] < 16
+        for fused in modes if codes else [None]:
+            static_cache.FUSED_WRITES = fused
+            name = label + {None: "", True: " fused", False: " pytorch"}[fused]
+            run(model, name, STORES[label], B, N, args, device)
 
 
 if __name__ == "__main__":

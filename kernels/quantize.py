@@ -1,0 +1,155 @@
+"""Quantize-on-write: new tokens' latents quantized and packed into a static cache's code buffers, one launch.
+
+A static store that holds codes (``stiefkv.static_cache``) writes each decoded token quantized. Done with
+PyTorch operators, that is a few dozen small kernels per latent and layer (the group ranges, the float16
+scale and low or the log8 code, the rounding, the packing, three scatters): ~1300-3100 extra launches per
+decode step of an 8B-shaped model, most of what codes cost a captured step beyond bf16 latents
+(docs/notes/serving.md). :func:`quantize_into` does it in one launch per latent, bit for bit as
+``stiefkv.quant.quantize`` followed by ``index_copy_`` (the per-token layout, min–max or log8 scales; the
+tests compare every byte).
+
+One program quantizes one group of :data:`QUANT_GROUP` channels of one token of one (batch row, KV head):
+its range over the real channels, the float16 ``low`` and ``scale = (hi − low) / levels`` rounded to float16
+(or the uint8 log8 code of ``max(|lo|, |hi|) · 2 / levels``, decoded as the attention kernels decode it), the
+codes ``round((x − low) / step)`` (half to even, IEEE division), then eight codes to ``bits`` little-endian
+bytes. Source rows come from ``z`` by token, or, for a store with an exact window, from its ring at the slot
+the window pushes out (``ring``): all indices are read from device memory, so a captured graph replays it.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stiefkv.kernels import _common
+from stiefkv.kernels._common import KERNEL_BITS, QUANT_GROUP
+from stiefkv.kernels.lowrank import _log8
+
+GROUP = tl.constexpr(QUANT_GROUP)
+LOG8_OFFSET = tl.constexpr(_common.LOG8_OFFSET)
+LOG8_NAN = tl.constexpr(_common.LOG8_NAN)
+E1, E2, E3, E4, E5, E6, E7 = (tl.constexpr(m) for m in _common.LOG8_EIGHTHS[1:])
+SMALLEST_STEP = tl.constexpr(2.0 ** -14)  # log8 codes start at float16's smallest normal
+ROUNDER = tl.constexpr(12582912.0)  # 1.5·2^23: v + this − this is v rounded half to even (|v| < 2^22)
+
+
+@triton.jit
+def _round_half_even(v):
+    """``torch.round`` of fp32 values within ±2^22 (the caller clamps first): adding and subtracting 1.5·2^23
+    leaves the nearest integer, ties to even, in IEEE arithmetic (no hardware-specific rounding mode)."""
+    return (v + ROUNDER) - ROUNDER
+
+
+@triton.jit
+def _log8_code(step, LARGEST: tl.constexpr):
+    """``stiefkv.quant.log8_code``: the code of the smallest log8 scale ≥ ``step`` (fp32 ≥ 0), by the
+    exponent and mantissa bits (no logarithm), clamped to ``LARGEST``; ``LOG8_NAN`` where not finite."""
+    s = tl.where(step < SMALLEST_STEP, SMALLEST_STEP, step)
+    bits = s.to(tl.int32, bitcast=True)
+    mant = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)  # 2m of frexp, in [1, 2)
+    j = (mant > 1.0).to(tl.int32) + (mant > E1).to(tl.int32) + (mant > E2).to(tl.int32) \
+        + (mant > E3).to(tl.int32) + (mant > E4).to(tl.int32) + (mant > E5).to(tl.int32) \
+        + (mant > E6).to(tl.int32) + (mant > E7).to(tl.int32)
+    k = 8 * (((bits >> 23) & 0xFF) - 127) + j + LOG8_OFFSET
+    k = tl.minimum(tl.maximum(k, 0), LARGEST)
+    finite = (step == step) & (step < float("inf"))
+    return tl.where(finite, k, LOG8_NAN)
+
+
+@triton.jit
+def _quantize_into_kernel(
+    Z, SLOTS, CODES, SCALE, LOW,
+    stride_zb, stride_zg, stride_zn, stride_zr,
+    stride_cb, stride_cg, stride_cn,
+    stride_sb, stride_sg, stride_sn,
+    n_kv_heads,
+    R: tl.constexpr, BITS: tl.constexpr, LOG8: tl.constexpr, LARGEST: tl.constexpr,
+    RECENT: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """Program (token ``t``, batch row × KV head, group): ``WINDOW == 0``: ``Z``'s token ``t`` to slot
+    ``SLOTS[t]``; else (one token) the ring entry ``(SLOTS[0] − RECENT) mod WINDOW`` of ``Z`` to slot
+    ``max(SLOTS[0] − RECENT, 0)`` (before any token is due, slot 0 gets codes no one reads)."""
+    t = tl.program_id(0)
+    bg = tl.program_id(1).to(tl.int64)
+    grp = tl.program_id(2)
+    b = bg // n_kv_heads
+    g = bg % n_kv_heads
+    slot = tl.load(SLOTS + t).to(tl.int64)
+    if WINDOW > 0:
+        token = slot - RECENT
+        row = ((token % WINDOW) + WINDOW) % WINDOW
+        slot = tl.maximum(token, 0)
+    else:
+        row = t.to(tl.int64)
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    offs = grp * GROUP + tl.arange(0, GROUP)
+    real = offs < R
+    x = tl.load(Z + b * stride_zb + g * stride_zg + row * stride_zn + offs * stride_zr, mask=real,
+                other=0.0).to(tl.float32)
+    lo = tl.min(tl.where(real, x, float("inf")), 0)
+    hi = tl.max(tl.where(real, x, float("-inf")), 0)
+    s_off = b * stride_sb + g * stride_sg + slot * stride_sn + grp
+    if LOG8:
+        code = _log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST)
+        step, low = _log8(code, BITS)
+        tl.store(SCALE + s_off, code.to(tl.uint8))
+    else:
+        low16 = lo.to(tl.float16)
+        low = low16.to(tl.float32)
+        scale16 = tl.div_rn(hi - low, LEVELS * 1.0).to(tl.float16)
+        step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
+        tl.store(SCALE + s_off, scale16)
+        tl.store(LOW + s_off, low16)
+    v = tl.div_rn(x - low, step)
+    v = tl.minimum(tl.maximum(v, -1.0), LEVELS + 1.0)  # NaN stays NaN and becomes code 0 below
+    code = tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS * 1.0)
+    c = tl.where(real & (code == code), code, 0.0).to(tl.int64)
+    # eight codes to one word of 8·BITS bits (code i at bit BITS·i), written as BITS little-endian bytes
+    words = tl.sum(tl.reshape(c, [GROUP // 8, 8]) << (BITS * tl.arange(0, 8))[None, :].to(tl.int64), 1)
+    width: tl.constexpr = (R + 7) // 8 * BITS  # the stored bytes (the last eight codes padded)
+    first = grp * (GROUP // 8) * BITS + tl.arange(0, GROUP // 8) * BITS
+    C_row = CODES + b * stride_cb + g * stride_cg + slot * stride_cn
+    for i in tl.static_range(BITS):
+        tl.store(C_row + first + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8), mask=first + i < width)
+
+
+def quantize_into(z: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                  low: torch.Tensor | None, *, bits: int, log8: bool = False, largest: int = 255,
+                  ring: tuple[int, int] | None = None) -> None:
+    """Quantize latents ``z`` ``[B, G, n, r]`` per token (groups of :data:`QUANT_GROUP` channels) into the
+    buffers ``codes`` ``[B, G, L, ceil(r / 8) · bits]`` (uint8), ``scale`` and ``low`` ``[B, G, L, groups]``
+    (float16; log8: ``scale`` uint8 codes, ``low`` None) at the slots ``slots`` ``[n]`` (int, on the device),
+    as ``stiefkv.quant.quantize`` then ``index_copy_`` along the token axis would.
+
+    ``largest``: the largest log8 code at ``bits`` (``stiefkv.quant.LOG8_LARGEST``). ``ring=(recent,
+    window)``: ``z`` is a store's ring of exact tokens ``[B, G, window, r]`` and ``slots`` ``[1]`` the slot
+    just written; the token it pushes out of the window (``slot − recent``) is quantized from its ring entry
+    into its slot (slot 0 before any is due). Triton only: CUDA tensors, or the CPU under the interpreter.
+    """
+    if bits not in KERNEL_BITS:
+        raise ValueError(f"bits must be one of {KERNEL_BITS}, got {bits}")
+    B, G, n, r = z.shape
+    groups = -(-r // QUANT_GROUP)
+    if codes.shape[:2] != (B, G) or codes.shape[3] != -(-r // 8) * bits or scale.shape[3] != groups:
+        raise ValueError(f"buffers {tuple(codes.shape)} / {tuple(scale.shape)} do not hold {r}-channel "
+                         f"latents of {bits} bits for {B} rows and {G} KV heads")
+    if any(t is not None and t.stride(-1) != 1 for t in (codes, scale, low)):
+        raise ValueError("the code, scale and low buffers need a unit stride along their last axis")
+    if (low is None) != log8:
+        raise ValueError("log8 scales take no low; float16 scales need one")
+    if ring is not None and slots.numel() != 1:
+        raise ValueError(f"a ring write takes the one slot just written, got {slots.numel()}")
+    tokens = 1 if ring is not None else n
+    if slots.numel() != tokens:
+        raise ValueError(f"{tokens} tokens but {slots.numel()} slots")
+    if tokens == 0:
+        return
+    recent, window = ring if ring is not None else (0, 0)
+    low_t = low if low is not None else scale
+    _quantize_into_kernel[(tokens, B * G, groups)](
+        z, slots, codes, scale, low_t,
+        *z.stride(), *codes.stride()[:3], *scale.stride()[:3],
+        G, R=r, BITS=bits, LOG8=log8, LARGEST=largest, RECENT=recent, WINDOW=window,
+        num_warps=1,
+    )

@@ -1,0 +1,100 @@
+"""The quantize-on-write kernel (``kernels/quantize.py``) against ``stiefkv.quant.quantize`` then
+``index_copy_``: every byte of the codes, scales and lows equal, under the Triton interpreter on the CPU (and
+compiled where CUDA is present)."""
+
+import pytest
+import torch
+
+from stiefkv.quant import LOG8_LARGEST, QuantSpec, packed_bytes, quantize
+
+pytest.importorskip("triton")
+from stiefkv.kernels.quantize import quantize_into  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def buffers(B, G, L, r, bits, log8):
+    groups = -(-r // 64)
+    codes = torch.randint(0, 256, (B, G, L, packed_bytes(r, bits)), dtype=torch.uint8, device=DEVICE)
+    if log8:
+        return codes, torch.randint(0, 256, (B, G, L, groups), dtype=torch.uint8, device=DEVICE), None
+    return codes, torch.randn(B, G, L, groups, device=DEVICE).half(), torch.randn(B, G, L, groups,
+                                                                                    device=DEVICE).half()
+
+
+def hard_latents(B, G, n, r, dtype, log8=False):
+    """Random latents of several octaves, with rows that stress the encoder: constant, zero, tiny (below
+    the smallest log8 scale), large (for log8: past the largest code, which clips), and values on exact grid
+    midpoints."""
+    z = torch.randn(B, G, n, r) * torch.logspace(-3, 2, n)[None, None, :, None]
+    z[0, 0, 0] = 0.75  # constant group: scale 0, code 0, back as its low
+    z[0, -1, 1 % n] = 0.0
+    z[-1, 0, 2 % n] = 1e-6 * torch.randn(r)
+    z[-1, -1, 3 % n] = (1e6 if log8 else 1e4) * torch.randn(r)  # float16 scales and lows stay finite
+    z[0, 0, -1] = torch.arange(r) * 0.5 - 3.0  # ties for the round-half-even rule at several widths
+    return z.to(dtype).to(DEVICE)
+
+
+def expected(z, slots, bufs, spec):
+    codes, scale, low = (None if t is None else t.clone().cpu() for t in bufs)
+    q = quantize(z.float().cpu() if z.dtype != torch.float32 else z.cpu(), spec)
+    codes.index_copy_(2, slots.cpu(), q.codes)
+    scale.index_copy_(2, slots.cpu(), q.scale)
+    if low is not None:
+        low.index_copy_(2, slots.cpu(), q.low)
+    return codes, scale, low
+
+
+def assert_same(got, want, what):
+    for name, g, w in zip(("codes", "scale", "low"), got, want):
+        if w is None:
+            continue
+        g = g.cpu()
+        same = torch.equal(g.view(torch.uint8) if g.dtype == torch.float16 else g,
+                           w.view(torch.uint8) if w.dtype == torch.float16 else w)
+        assert same, f"{what}: {name} differ at {(g != w).nonzero()[:4].tolist()}"
+
+
+@pytest.mark.parametrize("log8", [False, True], ids=["fp16", "log8"])
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("r, dtype", [(13, torch.bfloat16), (64, torch.float32), (72, torch.bfloat16),
+                                      (41, torch.float16), (128, torch.bfloat16)])
+def test_tokens_quantized_into_their_slots(r, dtype, bits, log8):
+    B, G, n, L = 2, 3, 6, 11
+    z = hard_latents(B, G, n, r, dtype, log8)
+    slots = torch.randperm(L)[:n].to(DEVICE)
+    bufs = buffers(B, G, L, r, bits, log8)
+    want = expected(z, slots, bufs, QuantSpec(bits, "token", log8=log8))
+    quantize_into(z, slots, *bufs, bits=bits, log8=log8, largest=LOG8_LARGEST[bits])
+    assert_same(bufs, want, f"int{bits} log8={log8} r={r} {dtype}")
+
+
+@pytest.mark.parametrize("bits, log8", [(8, False), (4, True), (2, True), (3, False)])
+@pytest.mark.parametrize("slot", [0, 5, 16, 17, 40, 79], ids=lambda s: f"slot{s}")
+def test_ring_entry_pushed_out_of_the_window(slot, bits, log8):
+    """A windowed store's decode write: the token ``slot − recent`` (slot 0 before any is due) quantized from
+    its ring entry, as ``WindowedCodes.write_one`` does with PyTorch operators."""
+    B, G, r, recent, L = 2, 2, 40, 16, 96
+    window = recent + 64
+    ring = hard_latents(B, G, window, r, torch.bfloat16, log8)
+    bufs = buffers(B, G, L, r, bits, log8)
+    token = torch.tensor([slot - recent])
+    entry = ring.index_select(2, (token % window).to(DEVICE))
+    want = expected(entry, token.clamp(min=0), bufs, QuantSpec(bits, "token", log8=log8))
+    quantize_into(ring, torch.tensor([slot], device=DEVICE), *bufs, bits=bits, log8=log8,
+                  largest=LOG8_LARGEST[bits], ring=(recent, window))
+    assert_same(bufs, want, f"ring slot {slot} int{bits} log8={log8}")
+
+
+def test_bad_input():
+    z = torch.randn(1, 2, 3, 40, device=DEVICE)
+    codes, scale, low = buffers(1, 2, 8, 40, 4, False)
+    slots = torch.arange(3, device=DEVICE)
+    with pytest.raises(ValueError, match="bits must be one of"):
+        quantize_into(z, slots, codes, scale, low, bits=5)
+    with pytest.raises(ValueError, match="do not hold 40-channel latents of 8 bits"):
+        quantize_into(z, slots, codes, scale, low, bits=8)
+    with pytest.raises(ValueError, match="log8 scales take no low"):
+        quantize_into(z, slots, codes, scale, low, bits=4, log8=True)
+    with pytest.raises(ValueError, match="3 tokens but 2 slots"):
+        quantize_into(z, slots[:2], codes, scale, low, bits=4)
