@@ -255,8 +255,10 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
     import stiefkv.static_cache as sc
 
     pytest.importorskip("triton")
-    model = windowed_served(*specs)
-    ids, mask = prompt(batch=2, n=90, seed=2)
+    cuda = torch.cuda.is_available()  # there the attention kernels run too, which take head dims of 32
+    model = windowed_served(*specs, device="cuda" if cuda else "cpu",
+                            dtype=torch.bfloat16 if cuda else torch.float32, head_dim=32 if cuda else 24)
+    ids, mask = prompt(batch=2, n=90, seed=2, device="cuda" if cuda else "cpu")
     caches = []
     for fused in (False, True):
         monkeypatch.setattr(sc, "FUSED_WRITES", fused)
@@ -280,7 +282,7 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
             x, y = getattr(p_store, name, None), getattr(f_store, name, None)
             if x is not None:
                 assert torch.equal(x, y), name
-        written += sc._fused_write(f_store.spec, torch.device("cpu")) if hasattr(f_store, "spec") else 0
+        written += sc._fused_write(f_store.spec, ids.device) if hasattr(f_store, "spec") else 0
     assert written >= 2  # the kernel wrote at least one latent of each layer
 
 
