@@ -304,6 +304,18 @@ def _as_float(buf, dtype: torch.dtype) -> torch.Tensor:
     return buf.latents().dequantize(dtype) if isinstance(buf, CodeBuffer) else buf.to(dtype)
 
 
+class _SplitStep(NamedTuple):
+    """What a split decode step hands attention besides each layer's codes and ring views (device tensors)."""
+
+    held: list  # [slots each store holds as codes] ([1] each)
+    n_codes: torch.Tensor  # [1] int32
+    codes_lengths: torch.Tensor | None
+    newest: torch.Tensor  # [window] the slot each ring entry holds
+    slot: torch.Tensor  # newest, clamped to a slot
+    positions: torch.Tensor  # [B, window] int32
+    bias: torch.Tensor  # [B, G, window]
+
+
 class CacheOverflowError(ValueError):
     """A static cache asked to hold more tokens than it was allocated for."""
 
@@ -379,6 +391,7 @@ class StaticLatentCache(LatentCache):
         self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
                              if splittable(k, v)}
         self._cut = False  # this forward reads the layers cut to `seen`
+        self._split_steps: dict = {}  # this forward's split-decode bookkeeping by pair of stores
         self._tails: dict[int, tuple] = {}
 
     # ------------------------------------------------------------------ what attention reads
@@ -471,6 +484,7 @@ class StaticLatentCache(LatentCache):
                 self.check_room(n)
                 self.seen += n
             self._cut = self.windowed and n > 1
+            self._split_steps = {}
             self._slots = self.filled.long() + torch.arange(n, device=self.filled.device)
             self.positions.index_copy_(1, self._slots, positions.to(torch.int32))
             self.filled.add_(n)
@@ -518,34 +532,46 @@ class StaticLatentCache(LatentCache):
                 store.write_one(slots, z)
             else:
                 store.write(slots, z)
-        filled = self.filled.to(z_k.device)
+        step = self._split_step(stores, z_k.shape[1], z_k.device)
+        dtype = max((s for s in stores if isinstance(s, WindowedCodes)), key=lambda s: s.window).ring.dtype
+        views = []
+        for store, other, first_exact in zip(stores, stores[::-1], step.held):
+            if _exact_past_split(store, other):  # then the widest ring: entry i holds slot newest[i]
+                views.append(store.ring.to(dtype))
+                continue
+            coded = _codes_at(store, step.slot, dtype)
+            if isinstance(store, WindowedCodes):
+                exact = store.ring.index_select(2, step.slot % store.window).to(dtype)
+                coded = torch.where((step.newest >= first_exact)[None, None, :, None], exact, coded)
+            views.append(coded)
+        return RingSplit(stores[0].latents(), stores[1].latents(), step.n_codes, step.codes_lengths,
+                         views[0], views[1], step.positions, step.bias)
+
+    def _split_step(self, stores, G: int, device: torch.device) -> _SplitStep:
+        """The counts, ring slots, positions and bias of this forward's split decode for a pair of stores,
+        computed once and shared by every layer whose stores hold the same tokens as codes (the same kinds
+        and specs: ``--bits auto`` picks per layer, most layers alike): ~20 small kernels a layer fewer."""
+        key = (device, G, *((type(s), s.spec) for s in stores))
+        if key in self._split_steps:
+            return self._split_steps[key]
+        filled = self.filled.to(device)
         held = [_held_as_codes(s, filled) for s in stores]
         n_codes = torch.minimum(*held)
         widest = max((s for s in stores if isinstance(s, WindowedCodes)), key=lambda s: s.window)
         newest, _ = widest.ring_slots(filled)
         slot = newest.clamp(min=0)
-        dtype = widest.ring.dtype
-        views = []
-        for store, other, first_exact in zip(stores, stores[::-1], held):
-            if _exact_past_split(store, other):  # then the widest ring: entry i holds slot newest[i]
-                views.append(store.ring.to(dtype))
-                continue
-            coded = _codes_at(store, slot, dtype)
-            if isinstance(store, WindowedCodes):
-                exact = store.ring.index_select(2, slot % store.window).to(dtype)
-                coded = torch.where((newest >= first_exact)[None, None, :, None], exact, coded)
-            views.append(coded)
         visible = ((newest >= 0) & (newest >= n_codes))[None, :].expand(self.rows, -1)
         codes_lengths = None
         if self.starts is not None:
-            starts = self.starts.to(z_k.device)
+            starts = self.starts.to(device)
             visible = visible & (newest[None, :] >= starts[:, None])
             codes_lengths = (n_codes - starts).clamp(min=0).to(torch.int32)
-        positions = self.positions.to(z_k.device).index_select(1, slot)
-        zero = torch.zeros((), dtype=dtype, device=z_k.device)
-        bias = torch.where(visible, zero, float("-inf"))[:, None, :].expand(-1, views[0].shape[1], -1)
-        return RingSplit(stores[0].latents(), stores[1].latents(), n_codes.to(torch.int32), codes_lengths,
-                         views[0], views[1], positions, bias.contiguous())
+        positions = self.positions.to(device).index_select(1, slot)
+        zero = torch.zeros((), dtype=widest.ring.dtype, device=device)
+        bias = torch.where(visible, zero, float("-inf"))[:, None, :].expand(-1, G, -1).contiguous()
+        step = _SplitStep(held, n_codes.to(torch.int32), codes_lengths, newest, slot, positions, bias)
+        self._split_steps[key] = step
+        return step
 
     def _lengths(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
         if attention_mask is not None:  # transformers' 4-D mask over the filled slots (eager only)

@@ -202,7 +202,10 @@ def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device=
 
     model = tiny_model("llama", heads=6, kv_heads=2, dtype=dtype, head_dim=head_dim).to(device)
     proj = random_projections(model, 11, 13, key_mode)
-    proj.quant = [(QuantSpec.parse(key_spec), QuantSpec.parse(value_spec))] * len(proj.keys)
+    keys, values = key_spec.split("|"), value_spec.split("|")  # one spec for all layers, or one a layer
+    if len(keys) == 1:
+        keys, values = keys * len(proj.keys), values * len(proj.keys)
+    proj.quant = [(QuantSpec.parse(k), QuantSpec.parse(v)) for k, v in zip(keys, values, strict=True)]
     return stiefkv.load(model, proj, backend=backend)
 
 
@@ -211,7 +214,8 @@ WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-tok
             ("int3-channel-mse", "int2-token"), ("int8-token-r16", "int4-token-r16"),
             ("int3-token-r16", "int2-token-r16"), ("bf16", "int3-channel-r16"),
             ("int4-token-r40", "int8-token-r16"),  # two windows of different lengths
-            ("int4-token-log8", "int2-token-log8-r16")]  # log8 scales, codes read in place
+            ("int4-token-log8", "int2-token-log8-r16"),  # log8 scales, codes read in place
+            ("int8-token-r16|int4-token-r40", "int8-token-r16|int8-token-r16")]  # layers unlike
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])

@@ -2,7 +2,10 @@
 is handed to read), by store: a count on the CPU of the operators that compute (views left out); on CUDA
 each is a kernel of the captured graph. What an exact window adds, before a GPU profile says its cost.
 
-    python benchmarks/experiments/decode_ops.py
+    python benchmarks/experiments/decode_ops.py [--fused-writes]
+
+``--fused-writes``: codes written as on CUDA, by the quantize-on-write kernel, here a stand-in that writes
+nothing (the count does not depend on the values); its one launch a latent is not counted.
 """
 
 from __future__ import annotations
@@ -14,7 +17,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
+FUSED = "--fused-writes" in sys.argv
 import stiefkv  # noqa: E402
+from stiefkv import static_cache  # noqa: E402
 from stiefkv.quant import QuantSpec  # noqa: E402
 from stiefkv.static_cache import StaticLatentCache  # noqa: E402
 from tests.tiny import random_projections, tiny_model  # noqa: E402
@@ -69,6 +74,9 @@ def step_ops(key_spec: str, value_spec: str) -> tuple[int, Counter]:
 
 
 def main() -> None:
+    if FUSED:
+        static_cache.FUSED_WRITES = True
+        static_cache._quantize_into = lambda *args, **kwargs: None
     base = None
     for label, (k, v) in STORES.items():
         layers, ops = step_ops(k, v)
