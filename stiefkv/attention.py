@@ -144,7 +144,8 @@ class LowRankAttention(nn.Module):
 
     def _attend_split(self, q: torch.Tensor, split: RingSplit, positions: torch.Tensor) -> torch.Tensor:
         """Decode attention over codes read in place and the exact ring beside them, merged by their
-        log-sum-exp: ``o = (e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂})``, the softmax over both key sets."""
+        log-sum-exp: ``o = (e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂}) = o₂ + σ(ℓ₁ − ℓ₂)·(o₁ − o₂)``, the
+        softmax over both key sets, in four operators (each a kernel of the captured step)."""
         common = dict(key_mode=self.key_mode, rope=self.rope, scale=self.scaling, backend=self.backend,
                       return_lse=True)
         o1, l1 = kernels.lowrank_attention(q, split.codes_k, split.codes_v, self.key_basis(q.dtype), None,
@@ -154,10 +155,9 @@ class LowRankAttention(nn.Module):
                                            None, positions=split.ring_positions, bias=split.ring_bias,
                                            causal=False, **common)
         # the new token is on one side or the other (the ring, or the codes once a latent holds all it has
-        # quantized): top is finite, and a side with no visible key has weight 0 and output 0
-        top = torch.maximum(l1, l2)
-        w1, w2 = (l1 - top).exp()[..., None], (l2 - top).exp()[..., None]
-        return ((o1.float() * w1 + o2.float() * w2) / (w1 + w2)).to(q.dtype)
+        # quantized): one ℓ is finite, and a side with no visible key (ℓ = −inf) gets weight σ(∓inf) = 0
+        w1 = torch.sigmoid(l1 - l2)[..., None]
+        return torch.lerp(o2.float(), o1.float(), w1).to(q.dtype)
 
 
 class FoldedKV(NamedTuple):

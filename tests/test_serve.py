@@ -247,6 +247,25 @@ def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
     assert static.seen == 230
 
 
+def test_split_decode_before_any_token_is_held_as_codes():
+    """A prompt shorter than the exact window: the first decode steps find no code visible (that side's
+    log-sum-exp is −inf and must weigh nothing in the merge), then the codes side fills."""
+    model = windowed_served("int8-token-r40", "int4-token-r40")
+    ids, mask = prompt(batch=2, n=12, seed=3)
+    static, dynamic = StaticLatentCache(model, 2, 80), stiefkv.LatentCache()
+    assert static.split_layers == {0, 1}
+    a = model(ids, attention_mask=mask, past_key_values=static).logits
+    b = model(ids, attention_mask=mask, past_key_values=dynamic).logits
+    token = b[:, -1:].argmax(-1)
+    for step in range(45):  # the window of 40 fills at step 28
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        a = model(token, attention_mask=mask, past_key_values=static).logits
+        b = model(token, attention_mask=mask, past_key_values=dynamic).logits
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4, msg=lambda m: f"step {step}: {m}")
+        token = b[:, -1:].argmax(-1)
+
+
 FUSED_WRITES = [("int8-token", "int4-token"), ("int4-token-log8", "int2-token-log8-r16"),
                 ("int8-token-r16", "int3-token-r16"), ("int2-channel-r16", "int4-token-r40")]
 
