@@ -12,8 +12,11 @@ One program quantizes one group of :data:`QUANT_GROUP` channels of one token of 
 its range over the real channels, the float16 ``low`` and ``scale = (hi − low) / levels`` rounded to float16
 (or the uint8 log8 code of ``max(|lo|, |hi|) · 2 / levels``, decoded as the attention kernels decode it), the
 codes ``round((x − low) / step)`` (half to even, IEEE division), then eight codes to ``bits`` little-endian
-bytes. Source rows come from ``z`` by token, or, for a store with an exact window, from its ring at the slot
-the window pushes out (``ring``): all indices are read from device memory, so a captured graph replays it.
+bytes. A NaN in a group makes its scale NaN (log8: ``LOG8_NAN``) and its codes 0, as PyTorch does; a low of
+zero keeps the sign the group's minimum gives it, where PyTorch's reduction order may pick the other (the
+values read back are the same). Source rows come from ``z`` by token, or, for a store with an exact window,
+from its ring at the slot the window pushes out (``ring``): all indices are read from device memory, so a
+captured graph replays it.
 """
 
 from __future__ import annotations
@@ -89,6 +92,10 @@ def _quantize_into_kernel(
                 other=0.0).to(tl.float32)
     lo = tl.min(tl.where(real, x, float("inf")), 0)
     hi = tl.max(tl.where(real, x, float("-inf")), 0)
+    # tl.min/max skip NaN; torch.amin/amax propagate it, and so must the range here (log8: LOG8_NAN)
+    nan = tl.max((real & (x != x)).to(tl.int32), 0) > 0
+    lo = tl.where(nan, float("nan"), lo)
+    hi = tl.where(nan, float("nan"), hi)
     s_off = b * stride_sb + g * stride_sg + slot * stride_sn + grp
     if LOG8:
         code = _log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST)
@@ -102,9 +109,11 @@ def _quantize_into_kernel(
         tl.store(SCALE + s_off, scale16)
         tl.store(LOW + s_off, low16)
     v = tl.div_rn(x - low, step)
-    v = tl.minimum(tl.maximum(v, -1.0), LEVELS + 1.0)  # NaN stays NaN and becomes code 0 below
+    nan_v = v != v  # tl.maximum below drops a NaN on the GPU
+    v = tl.minimum(tl.maximum(v, -1.0), LEVELS + 1.0)
     code = tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS * 1.0)
-    c = tl.where(real & (code == code), code, 0.0).to(tl.int64)
+    # a NaN gives code 0, as PyTorch's NaN-to-uint8 does here (the group's scale says NaN)
+    c = tl.where(real & ~nan_v & (code == code), code, 0.0).to(tl.int64)
     # eight codes to one word of 8·BITS bits (code i at bit BITS·i), written as BITS little-endian bytes
     words = tl.sum(tl.reshape(c, [GROUP // 8, 8]) << (BITS * tl.arange(0, 8))[None, :].to(tl.int64), 1)
     width: tl.constexpr = (R + 7) // 8 * BITS  # the stored bytes (the last eight codes padded)

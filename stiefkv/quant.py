@@ -235,7 +235,9 @@ def _group_range(x: torch.Tensor, layout: str) -> tuple[torch.Tensor, torch.Tens
 def _grid(lo: torch.Tensor, hi: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The float16 ``low`` and ``scale`` of the range ``[lo, hi]``, and the float32 step codes divide by."""
     low = lo.to(SCALE_DTYPE)
-    scale = ((hi - low.float()) / levels).to(SCALE_DTYPE)
+    # by a tensor, not a Python number: CUDA divides by a number as a product with its reciprocal, a bit off
+    # the CPU's (and the quantize-on-write kernel's) quotient on float16 ties
+    scale = ((hi - low.float()) / torch.full_like(hi, levels)).to(SCALE_DTYPE)
     # a constant group (scale 0) quantizes to code 0 and comes back exactly as its low
     step = torch.where(scale.float() > 0, scale.float(), torch.ones_like(scale, dtype=torch.float32))
     return low, scale, step

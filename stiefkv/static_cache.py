@@ -45,11 +45,12 @@ def _capturing(device: torch.device) -> bool:
 FUSED_WRITES: bool | None = None
 
 
-def _fused_write(spec: QuantSpec, device: torch.device) -> bool:
+def _fused_write(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
     """Whether per-token codes are written by the quantize-on-write kernel (``kernels/quantize.py``: one
     launch per latent, bit for bit ``quantize`` and ``index_copy_``, which take a few dozen operators): on
-    CUDA with Triton, for min–max or log8 groups (``mse`` ranges stay with PyTorch)."""
-    if spec.layout != "token" or spec.mse or spec.bits not in KERNEL_BITS:
+    CUDA with Triton unless the model was loaded with ``backend="reference"``, for min–max or log8 groups
+    (``mse`` ranges stay with PyTorch)."""
+    if spec.layout != "token" or spec.mse or spec.bits not in KERNEL_BITS or backend == "reference":
         return False
     if FUSED_WRITES is not None:
         return FUSED_WRITES
@@ -88,8 +89,8 @@ class CodeBuffer:
     written token by token as they arrive and read by the kernels as
     :class:`~stiefkv.kernels.QuantizedLatents`."""
 
-    def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, device):
-        self.spec, self.rank = spec, rank
+    def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, device, backend: str = "auto"):
+        self.spec, self.rank, self.backend = spec, rank, backend
         groups = -(-rank // GROUP)
         self.codes = torch.zeros(B, G, L, packed_bytes(rank, spec.bits), dtype=torch.uint8, device=device)
         self.scale, self.low = _scale_buffers(spec, (B, G, L, groups), device)
@@ -102,7 +103,7 @@ class CodeBuffer:
         return sum(t.nbytes for t in self._tensors())
 
     def write(self, slots: torch.Tensor, z: torch.Tensor) -> None:
-        if _fused_write(self.spec, z.device):
+        if _fused_write(self.spec, z.device, self.backend):
             _quantize_into(self, z, slots)
             return
         q = quantize(z, self.spec)
@@ -136,8 +137,9 @@ class WindowedCodes:
     token (``token``) or the group (``channel``) that this token makes due, from the ring, with a masked
     write where none is due. A forward of several tokens (prefill) uses the host's count."""
 
-    def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, dtype: torch.dtype, device):
-        self.spec, self.rank, self.length = spec, rank, L
+    def __init__(self, spec: QuantSpec, B: int, G: int, L: int, rank: int, dtype: torch.dtype, device,
+                 backend: str = "auto"):
+        self.spec, self.rank, self.length, self.backend = spec, rank, L, backend
         self.window = spec.recent + GROUP  # ≥ the exact tokens ever held (recent + a filling group) + 1
         self.padded = -(-L // GROUP) * GROUP  # the channel layout dequantizes whole groups
         width = packed_bytes(rank, spec.bits)
@@ -180,7 +182,7 @@ class WindowedCodes:
         """Token ``z`` ``[B, G, 1, r]`` at ``slot`` (``[1]`` long on the device), with no host count."""
         self.tail = None
         self.ring.index_copy_(2, slot % self.window, z.to(self.ring.dtype))
-        if _fused_write(self.spec, slot.device):  # the same, in one launch
+        if _fused_write(self.spec, slot.device, self.backend):  # the same, in one launch
             _quantize_into(self, self.ring, slot, ring=(self.spec.recent, self.window))
             return
         if self.spec.layout == "token":
@@ -371,9 +373,11 @@ class StaticLatentCache(LatentCache):
             for spec, P, bufs in ((attn.quant[0], attn.P_k, self.keys_buf),
                                   (attn.quant[1], attn.P_v, self.values_buf)):
                 if spec.quantized and kernel_readable(spec):
-                    bufs.append(CodeBuffer(spec, self.rows, G, self.max_length, P.shape[2], device))
+                    bufs.append(CodeBuffer(spec, self.rows, G, self.max_length, P.shape[2], device,
+                                           attn.backend))
                 elif spec.quantized:
-                    bufs.append(WindowedCodes(spec, self.rows, G, self.max_length, P.shape[2], dtype, device))
+                    bufs.append(WindowedCodes(spec, self.rows, G, self.max_length, P.shape[2], dtype, device,
+                                              attn.backend))
                 else:
                     bufs.append(torch.zeros(self.rows, G, self.max_length, P.shape[2], device=device,
                                             dtype=dtype))

@@ -46,13 +46,15 @@ def expected(z, slots, bufs, spec):
 
 
 def assert_same(got, want, what):
+    """Every byte equal; float16 scales and lows bit for bit, but for the payload of a NaN (both NaN)."""
     for name, g, w in zip(("codes", "scale", "low"), got, want):
         if w is None:
             continue
         g = g.cpu()
-        same = torch.equal(g.view(torch.uint8) if g.dtype == torch.float16 else g,
-                           w.view(torch.uint8) if w.dtype == torch.float16 else w)
-        assert same, f"{what}: {name} differ at {(g != w).nonzero()[:4].tolist()}"
+        if g.dtype == torch.float16:
+            assert torch.equal(g.isnan(), w.isnan()), f"{what}: {name} NaN at different places"
+            g, w = g.nan_to_num(0.0).view(torch.int16), w.nan_to_num(0.0).view(torch.int16)
+        assert torch.equal(g, w), f"{what}: {name} differ at {(g != w).nonzero()[:4].tolist()}"
 
 
 @pytest.mark.parametrize("log8", [False, True], ids=["fp16", "log8"])
@@ -70,11 +72,12 @@ def test_tokens_quantized_into_their_slots(r, dtype, bits, log8):
 
 
 @pytest.mark.parametrize("bits, log8", [(8, False), (4, True), (2, True), (3, False)])
-@pytest.mark.parametrize("slot", [0, 5, 16, 17, 40, 79], ids=lambda s: f"slot{s}")
+@pytest.mark.parametrize("slot", [0, 5, 16, 17, 40, 79, 100, 183], ids=lambda s: f"slot{s}")
 def test_ring_entry_pushed_out_of_the_window(slot, bits, log8):
     """A windowed store's decode write: the token ``slot − recent`` (slot 0 before any is due) quantized from
-    its ring entry, as ``WindowedCodes.write_one`` does with PyTorch operators."""
-    B, G, r, recent, L = 2, 2, 40, 16, 96
+    its ring entry, as ``WindowedCodes.write_one`` does with PyTorch operators; past the first lap of the
+    ring too."""
+    B, G, r, recent, L = 2, 2, 40, 16, 200
     window = recent + 64
     ring = hard_latents(B, G, window, r, torch.bfloat16, log8)
     bufs = buffers(B, G, L, r, bits, log8)
@@ -84,6 +87,32 @@ def test_ring_entry_pushed_out_of_the_window(slot, bits, log8):
     quantize_into(ring, torch.tensor([slot], device=DEVICE), *bufs, bits=bits, log8=log8,
                   largest=LOG8_LARGEST[bits], ring=(recent, window))
     assert_same(bufs, want, f"ring slot {slot} int{bits} log8={log8}")
+
+
+@pytest.mark.parametrize("log8", [False, True], ids=["fp16", "log8"])
+@pytest.mark.parametrize("bits", [8, 4, 2])
+def test_a_nan_in_a_group_as_pytorch(bits, log8):
+    """A NaN in a group: the scale NaN (log8: its NaN code) and every code 0, as ``quantize`` gives; the
+    token's other group is unaffected."""
+    z = torch.randn(1, 2, 3, 100)
+    z[0, 0, 1, 7] = float("nan")
+    z[0, 1, 2, 70] = float("nan")
+    z = z.to(DEVICE)
+    bufs = buffers(1, 2, 5, 100, bits, log8)
+    slots = torch.tensor([4, 0, 2], device=DEVICE)
+    want = expected(z, slots, bufs, QuantSpec(bits, "token", log8=log8))
+    quantize_into(z, slots, *bufs, bits=bits, log8=log8, largest=LOG8_LARGEST[bits])
+    assert_same(bufs, want, f"NaN int{bits} log8={log8}")
+    assert (want[1][0, 0, 0, 0] == 255) if log8 else want[1][0, 0, 0, 0].isnan()
+
+
+def test_float16_scale_is_the_same_quotient_on_every_device():
+    """``quantize``'s ``(hi − low) / levels`` on a float16 tie (the exact quotient is a halfway point): CUDA
+    divides by a Python number as a product with its reciprocal, one bit off; dividing by a tensor gives the
+    CPU's (and the kernel's) quotient on every device."""
+    z = torch.tensor([-7.00390625, -0.0953369140625]).repeat(32)[None, None, None]  # [1, 1, 1, 64]
+    here = quantize(z.to(DEVICE), QuantSpec(4, "token")).scale.cpu()
+    assert here.item() == 0.46044921875 == quantize(z, QuantSpec(4, "token")).scale.item()
 
 
 def test_bad_input():

@@ -247,6 +247,20 @@ def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
     assert static.seen == 230
 
 
+def test_a_reference_backend_keeps_the_pytorch_write():
+    """A model loaded with ``backend="reference"`` runs no Triton, the cache's writes included."""
+    from stiefkv.quant import QuantSpec
+    from stiefkv.static_cache import _fused_write
+
+    spec, cuda = QuantSpec(8, "token"), torch.device("cuda")
+    assert not _fused_write(spec, cuda, "reference")
+    assert not _fused_write(QuantSpec(4, "channel"), cuda)
+    assert not _fused_write(QuantSpec(4, "token", mse=True), cuda)
+    model = windowed_served("int8-token", "int4-token-r16", backend="reference")
+    cache = StaticLatentCache(model, 2, 40)
+    assert {s.backend for s in (*cache.keys_buf, *cache.values_buf)} == {"reference"}
+
+
 def test_split_decode_before_any_token_is_held_as_codes():
     """A prompt shorter than the exact window: the first decode steps find no code visible (that side's
     log-sum-exp is −inf and must weigh nothing in the merge), then the codes side fills."""
@@ -282,7 +296,8 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
     model = windowed_served(*specs, device="cuda" if cuda else "cpu",
                             dtype=torch.bfloat16 if cuda else torch.float32, head_dim=32 if cuda else 24)
     ids, mask = prompt(batch=2, n=90, seed=2, device="cuda" if cuda else "cpu")
-    caches = []
+    caches, calls, write = [], [], sc._quantize_into
+    monkeypatch.setattr(sc, "_quantize_into", lambda *a, **k: (calls.append(a[0]), write(*a, **k)))
     for fused in (False, True):
         monkeypatch.setattr(sc, "FUSED_WRITES", fused)
         cache, m, logits = StaticLatentCache(model, 2, 170), mask, []
@@ -299,14 +314,16 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
         assert torch.equal(x, y)
     stores = [s for layer in zip(plain.keys_buf, fused.keys_buf, plain.values_buf, fused.values_buf)
               for s in (layer[:2], layer[2:])]
-    written = 0
     for p_store, f_store in stores:
         for name in ("codes", "scale", "low", "ring"):
             x, y = getattr(p_store, name, None), getattr(f_store, name, None)
             if x is not None:
                 assert torch.equal(x, y), name
-        written += sc._fused_write(f_store.spec, ids.device) if hasattr(f_store, "spec") else 0
-    assert written >= 2  # the kernel wrote at least one latent of each layer
+    # the kernel wrote every per-token latent of the fused cache, on every forward, and nothing else did
+    kernel_written = {id(s) for _, s in stores if hasattr(s, "spec") and sc._fused_write(s.spec, ids.device)}
+    assert kernel_written and {id(s) for s in calls} == kernel_written
+    per_store = [sum(c is s for c in calls) for _, s in stores if id(s) in kernel_written]
+    assert min(per_store) >= 70  # every decode step (a CodeBuffer's prefill chunks too)
 
 
 @pytest.mark.parametrize("specs", WINDOWED[:1], ids=lambda s: "_".join(s))
