@@ -104,8 +104,10 @@ def lowrank_attention(
         it back to the host.
     scale : softmax scale, ``d**-0.5`` by default.
     exact : :class:`ExactTail`, for a forward of many queries over quantized latents: each query reads its
-        recent keys exact, as decoding them one by one would. The kernel has no such band: with ``exact``
-        every backend runs the reference (decode needs none: its one query reads the cache as it is).
+        recent keys exact, as decoding them one by one would. The kernel has no such band: where it runs,
+        it takes the keys below the band (every query reads them as stored) and the reference the band, the
+        two merged by their log-sum-exp (:func:`_below_and_band`); elsewhere the reference takes all
+        (decode needs none: its one query reads the cache as it is).
     backend : ``"auto"`` (the kernel for CUDA inputs that need no gradient, else the reference),
         ``"triton"`` (the kernel; on the CPU only under ``TRITON_INTERPRET=1``) or ``"reference"``.
     return_lse : also return each row's log-sum-exp of its scaled, biased logits ``[B, H, Nq]`` (float32,
@@ -125,12 +127,51 @@ def lowrank_attention(
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
                   lengths=lengths, n_valid=n_valid, scale=scale, return_lse=return_lse)
     if exact is not None:
+        if _use_kernel(backend, q.device, needs_grad=needs_grad) and _band_splits(z_k, z_v, exact, kwargs):
+            return _below_and_band(q, z_k, z_v, P_k, P_v, exact, backend, **kwargs)
         return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, exact=exact, **kwargs)
     if _use_kernel(backend, q.device, needs_grad=needs_grad):
         from . import lowrank
 
         return lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs)
     return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, **kwargs)
+
+
+def _band_splits(z_k, z_v, exact: ExactTail, kwargs: dict) -> bool:
+    """Whether a forward with an exact band has keys below it to give the kernel: float latents (codes and
+    their channel groups are not cut here), keys older than the band, one forward's own count (no
+    ``n_valid``) and its output alone (no ``return_lse``)."""
+    plain = isinstance(z_k, torch.Tensor) and isinstance(z_v, torch.Tensor)
+    return (plain and z_k.shape[2] > exact.z_k.shape[2] and kwargs["n_valid"] is None
+            and not kwargs["return_lse"])
+
+
+def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, positions, bias, lengths,
+                    causal, **kwargs) -> torch.Tensor:
+    """Attention with an exact band as two parts merged by their log-sum-exp: the keys below the band, which
+    every query reads as stored and sees (the band starts at or before the first query), in the kernel
+    with ``causal=False``; the band, with each query's exact keys, in the reference. The reference's cost
+    then grows with the band (a prefill chunk and the exact window), not with every key held."""
+    cut = z_k.shape[2] - exact.z_k.shape[2]
+    below_lengths = band_lengths = None
+    if lengths is not None:  # real keys are the last ``lengths`` of each row
+        below_lengths = (lengths - exact.z_k.shape[2]).clamp(min=0)
+        band_lengths = lengths.clamp(max=exact.z_k.shape[2])
+
+    def part(t, lo, hi):
+        return None if t is None else t[..., lo:hi]
+
+    kwargs["return_lse"] = True
+    o1, l1 = lowrank_attention(q, z_k[:, :, :cut], z_v[:, :, :cut], P_k, P_v,
+                               positions=part(positions, 0, cut), bias=part(bias, 0, cut),
+                               lengths=below_lengths, causal=False, backend=backend, **kwargs)
+    band = ExactTail(exact.z_k, exact.z_v, exact.key_from - cut, exact.value_from - cut)
+    o2, l2 = lowrank_attention_reference(q, z_k[:, :, cut:], z_v[:, :, cut:], P_k, P_v, exact=band,
+                                         positions=part(positions, cut, None), bias=part(bias, cut, None),
+                                         lengths=band_lengths, causal=causal, **kwargs)
+    # o = (e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂}); a row with no visible key in either part stays 0
+    w1 = torch.sigmoid(l1 - l2).nan_to_num(0.0)[..., None]
+    return torch.lerp(o2.float(), o1.float(), w1).to(q.dtype)
 
 
 def attention_kl(

@@ -98,14 +98,12 @@ def lowrank_attention(
     exact : :class:`ExactTail`: query ``i`` reads keys (values) from ``key_from[i]`` (``value_from[i]``) on
         from its exact latents instead of the quantized ones.
     return_lse : also return each row's log-sum-exp of its scaled, biased, masked logits ``[B, H, Nq]``
-        (float32; −inf for a row with no visible key). Not with ``exact``.
+        (float32; −inf for a row with no visible key); with ``exact``, of the logits it reads.
 
     Returns
     -------
     ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``. A query row with no visible key returns 0.
     """
-    if return_lse and exact is not None:
-        raise ValueError("return_lse is for attention over plain keys; an exact band has none to merge")
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
     z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
@@ -130,8 +128,8 @@ def lowrank_attention(
     if exact is not None:
         tail_keys = exact.z_k.float() if key_mode == "post_rope" else rebuild_keys(
             exact.z_k, P_k, key_mode=key_mode, positions=positions[..., Nk - exact.z_k.shape[2]:], rope=rope)
-        out = _banded_attention(qf, keys, z_v.float(), tail_keys, exact, lengths=lengths, bias=bias,
-                                causal=causal, scale=scale)
+        out, lse = _banded_attention(qf, keys, z_v.float(), tail_keys, exact, lengths=lengths, bias=bias,
+                                     causal=causal, scale=scale)
     elif causal and Nq == Nk and bias is None and lengths is None:
         # The plain causal square (prefill, evaluation): no dense mask, so SDPA may take a fused kernel;
         # heads expanded here because not every fused kernel takes enable_gqa.
@@ -145,7 +143,9 @@ def lowrank_attention(
         out = torch.einsum("bgsqr,gdr->bgsqd", out.view(B, G, H // G, Nq, -1), P_v.float())
     out = out.reshape(B, H, Nq, -1).to(q.dtype)
     if return_lse:
-        return out, _logsumexp(qf, keys, lengths=lengths, bias=bias, causal=causal, scale=scale)
+        if exact is None:
+            lse = _logsumexp(qf, keys, lengths=lengths, bias=bias, causal=causal, scale=scale)
+        return out, lse
     return out
 
 
@@ -185,9 +185,10 @@ BAND_ELEMENTS = 1 << 26  # logits per step of the banded reference (256 MiB in f
 
 
 def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths, bias, causal: bool,
-                      scale: float) -> torch.Tensor:
+                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention where query ``i`` reads the last keys and values from ``exact`` from ``key_from[i]``
-    (``value_from[i]``) on: logits and the value sum swap in the exact tail where the band says so."""
+    (``value_from[i]``) on: logits and the value sum swap in the exact tail where the band says so. Returns
+    the output ``[B, H, Nq, r_v]`` and each row's log-sum-exp of the logits it read ``[B, H, Nq]``."""
     B, H, Nq, _ = qf.shape
     G, Nk, Ne = keys.shape[1], keys.shape[2], tail_keys.shape[2]
     check_exact_tail(exact, values, Nq, Nk)
@@ -199,7 +200,7 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
     visible = key_padding_mask(lengths, B, Nk, qf.device)[:, None, None, None, :]
     key_bias = None if bias is None else bias.float()[:, :, None, None, :]
     key_from, value_from = exact.key_from.to(qf.device), exact.value_from.to(qf.device)
-    outs = []
+    outs, lses = [], []
     step = max(1, BAND_ELEMENTS // (B * H * Nk))
     for lo in range(0, Nq, step):
         hi = min(Nq, lo + step)
@@ -218,12 +219,14 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
         if causal:
             q_idx = torch.arange(lo, hi, device=qf.device) + (Nk - Nq)
             seen = seen & (torch.arange(Nk, device=qf.device)[None, :] <= q_idx[:, None])
-        p = torch.softmax(logits.masked_fill(~seen, float("-inf")), dim=-1)
+        logits = logits.masked_fill(~seen, float("-inf"))
+        lses.append(torch.logsumexp(logits, -1))
+        p = torch.softmax(logits, dim=-1)
         use_v = (tail_idx[None, band] >= value_from[lo:hi, None]).float()
         out = torch.einsum("bgsqk,bgkr->bgsqr", p, values)
         out = out + torch.einsum("bgsqk,bgkr->bgsqr", p[..., a:b] * use_v, tail_delta[:, :, band])
         outs.append(out)
-    return torch.cat(outs, 3).reshape(B, H, Nq, -1)
+    return torch.cat(outs, 3).reshape(B, H, Nq, -1), torch.cat(lses, 3).reshape(B, H, Nq)
 
 
 def check_exact_tail(exact: ExactTail, z_v: torch.Tensor, n_queries: int, n_keys: int) -> None:

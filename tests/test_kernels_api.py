@@ -163,3 +163,43 @@ def test_triton_backend_without_triton(monkeypatch):
     with pytest.raises(RuntimeError, match="needs triton"):
         kernels.attention_kl(*_kl_inputs(), backend="triton")
     assert torch.isfinite(kernels.attention_kl(*_kl_inputs(), backend="auto"))
+
+
+@needs_kernel_on_cpu
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_an_exact_band_splits_between_the_kernel_and_the_reference(key_mode, dtype, monkeypatch):
+    """A chunk of 19 queries over 83 keys whose last 30 (the chunk and an exact window) each query reads
+    exact from its own index on: the kernel below the band and the reference on the band, merged by their
+    log-sum-exp, give the reference's attention over all keys (left padding with rows of pads among the
+    queries, GQA 3, ranks 25 and 41, a bias, per-head positions)."""
+    from stiefkv.kernels import ExactTail, lowrank_attention_reference
+
+    B, H, G, Nq, Nk, Ne, d, r_k, r_v = 3, 6, 2, 19, 83, 30, 64, 25, 41
+    q = torch.randn(B, H, Nq, d).to(dtype)
+    exact_k, exact_v = torch.randn(B, G, Ne, r_k), torch.randn(B, G, Ne, r_v)
+    z_k, z_v = torch.randn(B, G, Nk, r_k), torch.randn(B, G, Nk, r_v)
+    z_k[:, :, Nk - Ne:] = exact_k + 0.05 * torch.randn_like(exact_k)  # the band as stored: quantized
+    z_v[:, :, Nk - Ne:] = exact_v + 0.05 * torch.randn_like(exact_v)
+    z_k, z_v, exact_k, exact_v = (t.to(dtype) for t in (z_k, z_v, exact_k, exact_v))
+    P_k = torch.linalg.qr(torch.randn(G, d, r_k))[0]
+    P_v = torch.linalg.qr(torch.randn(G, d, r_v))[0]
+    query_index = torch.arange(Nk - Nq, Nk)
+    band = ExactTail(exact_k, exact_v, (query_index + 1 - 5).clamp(min=Nk - Ne),
+                     (query_index + 1 - 9).clamp(min=Nk - Ne))
+    inv_freq = 1.0 / 10000.0 ** (torch.arange(0, d, 2, dtype=torch.float32) / d)
+    kwargs = dict(key_mode=key_mode, rope=kernels.RopeSpec(inv_freq, 1.1), causal=True,
+                  positions=torch.stack([torch.randperm(400)[:Nk].sort().values for _ in range(B * G)]
+                                        ).view(B, G, Nk),
+                  bias=0.3 * torch.randn(B, G, Nk), lengths=torch.tensor([Nk, 70, 12]))  # row 3: pads among q
+    splits = []
+    monkeypatch.setattr(kernels, "_below_and_band",
+                        lambda *a, _f=kernels._below_and_band, **k: splits.append(1) or _f(*a, **k))
+    with torch.no_grad():
+        pv = P_v if dtype == torch.bfloat16 else None  # the output through P_v, or in latent space
+        out = kernels.lowrank_attention(q, z_k, z_v, P_k, pv, exact=band, backend="triton", **kwargs)
+        expected = lowrank_attention_reference(q, z_k, z_v, P_k, pv, exact=band, **kwargs)
+    assert splits == [1]
+    atol = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2}[dtype]
+    assert_close(out, expected, atol=atol, rtol=atol, what=f"{key_mode} {dtype}")
+    assert torch.equal(out[2, :, : Nq - 12], torch.zeros_like(out[2, :, : Nq - 12]))  # pad queries: 0

@@ -261,6 +261,40 @@ def test_a_reference_backend_keeps_the_pytorch_write():
     assert {s.backend for s in (*cache.keys_buf, *cache.values_buf)} == {"reference"}
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run (CUDA: the GPU tests)")
+def test_chunked_prefill_with_an_exact_band_on_the_kernels(monkeypatch):
+    """The Triton backend (interpreted) splits a prefill chunk's attention at its exact band (kernel below,
+    reference on the band): a windowed store's chunked prefill and decode give the reference backend's
+    logits, left padding included."""
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("the kernels run on the CPU interpreted only")
+    model = windowed_served("int8-token-r16", "int4-token-r16", dtype=torch.float32, head_dim=32,
+                            backend="triton")
+    ids, mask = prompt(batch=2, n=100, seed=4)
+    runs, splits = [], []
+    split = stiefkv.kernels._below_and_band
+    monkeypatch.setattr(stiefkv.kernels, "_below_and_band",
+                        lambda *a, **k: splits.append(1) or split(*a, **k))
+    for backend in ("triton", "reference"):
+        for layer in model.model.layers:
+            layer.self_attn.backend = backend
+        cache, m, logits = StaticLatentCache(model, 2, 110), mask, []
+        with torch.no_grad():  # the kernels are inference-only
+            for lo, hi in ((0, 45), (45, 100)):
+                logits.append(model(ids[:, lo:hi], attention_mask=m[:, :hi], past_key_values=cache).logits)
+            token = logits[-1][:, -1:].argmax(-1)
+            for _ in range(3):
+                m = torch.cat([m, torch.ones_like(token)], 1)
+                logits.append(model(token, attention_mask=m, past_key_values=cache).logits)
+                token = logits[-1][:, -1:].argmax(-1)
+        runs.append(logits)
+    assert len(splits) == 2  # the second chunk, in each layer (the first chunk's band holds every key)
+    for step, (a, b) in enumerate(zip(*runs)):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"forward {step}: {m}")
+
+
 def test_split_decode_before_any_token_is_held_as_codes():
     """A prompt shorter than the exact window: the first decode steps find no code visible (that side's
     log-sum-exp is −inf and must weigh nothing in the merge), then the codes side fills."""
