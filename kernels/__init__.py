@@ -127,7 +127,7 @@ def lowrank_attention(
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
                   lengths=lengths, n_valid=n_valid, scale=scale, return_lse=return_lse)
     if exact is not None:
-        if _use_kernel(backend, q.device, needs_grad=needs_grad) and _band_splits(z_k, z_v, exact, kwargs):
+        if _use_kernel(backend, q.device, needs_grad=needs_grad) and _band_splits(q, z_k, z_v, exact, kwargs):
             return _below_and_band(q, z_k, z_v, P_k, P_v, exact, backend, **kwargs)
         return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, exact=exact, **kwargs)
     if _use_kernel(backend, q.device, needs_grad=needs_grad):
@@ -137,13 +137,15 @@ def lowrank_attention(
     return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, **kwargs)
 
 
-def _band_splits(z_k, z_v, exact: ExactTail, kwargs: dict) -> bool:
+def _band_splits(q, z_k, z_v, exact: ExactTail, kwargs: dict) -> bool:
     """Whether a forward with an exact band has keys below it to give the kernel: float latents (codes and
-    their channel groups are not cut here), keys older than the band, one forward's own count (no
-    ``n_valid``) and its output alone (no ``return_lse``)."""
+    their channel groups are not cut here), keys older than the band, a band that starts at or before the
+    first query when causal (else the keys below it are not all visible to every query), one forward's own
+    count (no ``n_valid``) and its output alone (no ``return_lse``)."""
     plain = isinstance(z_k, torch.Tensor) and isinstance(z_v, torch.Tensor)
-    return (plain and z_k.shape[2] > exact.z_k.shape[2] and kwargs["n_valid"] is None
-            and not kwargs["return_lse"])
+    band = exact.z_k.shape[2]
+    return (plain and z_k.shape[2] > band and (band >= q.shape[2] or not kwargs["causal"])
+            and kwargs["n_valid"] is None and not kwargs["return_lse"])
 
 
 def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, positions, bias, lengths,

@@ -203,3 +203,25 @@ def test_an_exact_band_splits_between_the_kernel_and_the_reference(key_mode, dty
     atol = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2}[dtype]
     assert_close(out, expected, atol=atol, rtol=atol, what=f"{key_mode} {dtype}")
     assert torch.equal(out[2, :, : Nq - 12], torch.zeros_like(out[2, :, : Nq - 12]))  # pad queries: 0
+
+
+@needs_kernel_on_cpu
+def test_a_band_shorter_than_the_queries_is_not_split(monkeypatch):
+    """Causal queries older than the band's first key do not see every key below it: such a call stays whole
+    in the reference (Ne 3 < Nq 8)."""
+    from stiefkv.kernels import ExactTail, lowrank_attention_reference
+
+    B, H, G, Nq, Nk, Ne, r = 1, 2, 1, 8, 20, 3, 16
+    q = torch.randn(B, H, Nq, 32)
+    z_k, z_v = torch.randn(B, G, Nk, r), torch.randn(B, G, Nk, r)
+    band = ExactTail(torch.randn(B, G, Ne, r), torch.randn(B, G, Ne, r), torch.full((Nq,), Nk - Ne),
+                     torch.full((Nq,), Nk - 1))
+    P_k = torch.linalg.qr(torch.randn(G, 32, r))[0]
+    splits = []
+    monkeypatch.setattr(kernels, "_below_and_band", lambda *a, **k: splits.append(1))
+    with torch.no_grad():
+        out = kernels.lowrank_attention(q, z_k, z_v, P_k, None, key_mode="post_rope", exact=band,
+                                        backend="triton")
+        expected = lowrank_attention_reference(q, z_k, z_v, P_k, None, key_mode="post_rope", exact=band)
+    assert not splits
+    assert_close(out, expected, atol=1e-5, rtol=1e-5, what="band shorter than the queries")
