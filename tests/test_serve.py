@@ -280,16 +280,8 @@ def test_chunked_prefill_with_an_exact_band_on_the_kernels(monkeypatch):
     for backend in ("triton", "reference"):
         for layer in model.model.layers:
             layer.self_attn.backend = backend
-        cache, m, logits = StaticLatentCache(model, 2, 110), mask, []
         with torch.no_grad():  # the kernels are inference-only
-            for lo, hi in ((0, 45), (45, 100)):
-                logits.append(model(ids[:, lo:hi], attention_mask=m[:, :hi], past_key_values=cache).logits)
-            token = logits[-1][:, -1:].argmax(-1)
-            for _ in range(3):
-                m = torch.cat([m, torch.ones_like(token)], 1)
-                logits.append(model(token, attention_mask=m, past_key_values=cache).logits)
-                token = logits[-1][:, -1:].argmax(-1)
-        runs.append(logits)
+            runs.append(prefill_then_decode(model, StaticLatentCache(model, 2, 110), ids, mask, 45, 3))
     assert len(splits) == 2  # the second chunk, in each layer (the first chunk's band holds every key)
     for step, (a, b) in enumerate(zip(*runs)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"forward {step}: {m}")
@@ -314,6 +306,19 @@ def test_split_decode_before_any_token_is_held_as_codes():
         token = b[:, -1:].argmax(-1)
 
 
+def prefill_then_decode(model, cache, ids, mask, chunk: int, steps: int) -> list:
+    """The logits of a prefill in two chunks (``ids[:, :chunk]``, then the rest) and ``steps`` greedy decode
+    steps on ``cache``."""
+    logits = [model(part, attention_mask=mask[:, :hi], past_key_values=cache).logits
+              for part, hi in ((ids[:, :chunk], chunk), (ids[:, chunk:], ids.shape[1]))]
+    token = logits[-1][:, -1:].argmax(-1)
+    for _ in range(steps):
+        mask = torch.cat([mask, torch.ones_like(token)], 1)
+        logits.append(model(token, attention_mask=mask, past_key_values=cache).logits)
+        token = logits[-1][:, -1:].argmax(-1)
+    return logits
+
+
 FUSED_WRITES = [("int8-token", "int4-token"), ("int4-token-log8", "int2-token-log8-r16"),
                 ("int8-token-r16", "int3-token-r16"), ("int2-channel-r16", "int4-token-r40")]
 
@@ -334,15 +339,8 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
     monkeypatch.setattr(sc, "_quantize_into", lambda *a, **k: (calls.append(a[0]), write(*a, **k)))
     for fused in (False, True):
         monkeypatch.setattr(sc, "FUSED_WRITES", fused)
-        cache, m, logits = StaticLatentCache(model, 2, 170), mask, []
-        for lo, hi in ((0, 37), (37, 90)):
-            logits.append(model(ids[:, lo:hi], attention_mask=m[:, :hi], past_key_values=cache).logits)
-        token = logits[-1][:, -1:].argmax(-1)
-        for _ in range(70):
-            m = torch.cat([m, torch.ones_like(token)], 1)
-            logits.append(model(token, attention_mask=m, past_key_values=cache).logits)
-            token = logits[-1][:, -1:].argmax(-1)
-        caches.append((cache, logits))
+        cache = StaticLatentCache(model, 2, 170)
+        caches.append((cache, prefill_then_decode(model, cache, ids, mask, 37, 70)))
     (plain, a), (fused, b) = caches
     for x, y in zip(a, b):
         assert torch.equal(x, y)
