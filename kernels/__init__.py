@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec
+from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, merge_by_lse
 from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
 
@@ -154,11 +154,12 @@ def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, po
     every query reads as stored and sees (the band starts at or before the first query), in the kernel
     with ``causal=False``; the band, with each query's exact keys, in the reference. The reference's cost
     then grows with the band (a prefill chunk and the exact window), not with every key held."""
-    cut = z_k.shape[2] - exact.z_k.shape[2]
+    band = exact.z_k.shape[2]
+    cut = z_k.shape[2] - band
     below_lengths = band_lengths = None
     if lengths is not None:  # real keys are the last ``lengths`` of each row
-        below_lengths = (lengths - exact.z_k.shape[2]).clamp(min=0)
-        band_lengths = lengths.clamp(max=exact.z_k.shape[2])
+        below_lengths = (lengths - band).clamp(min=0)
+        band_lengths = lengths.clamp(max=band)
 
     def part(t, lo, hi):
         return None if t is None else t[..., lo:hi]
@@ -167,13 +168,11 @@ def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, po
     o1, l1 = lowrank_attention(q, z_k[:, :, :cut], z_v[:, :, :cut], P_k, P_v,
                                positions=part(positions, 0, cut), bias=part(bias, 0, cut),
                                lengths=below_lengths, causal=False, backend=backend, **kwargs)
-    band = ExactTail(exact.z_k, exact.z_v, exact.key_from - cut, exact.value_from - cut)
-    o2, l2 = lowrank_attention_reference(q, z_k[:, :, cut:], z_v[:, :, cut:], P_k, P_v, exact=band,
+    shifted = ExactTail(exact.z_k, exact.z_v, exact.key_from - cut, exact.value_from - cut)
+    o2, l2 = lowrank_attention_reference(q, z_k[:, :, cut:], z_v[:, :, cut:], P_k, P_v, exact=shifted,
                                          positions=part(positions, cut, None), bias=part(bias, cut, None),
                                          lengths=band_lengths, causal=causal, **kwargs)
-    # o = (e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂}); a row with no visible key in either part stays 0
-    w1 = torch.sigmoid(l1 - l2).nan_to_num(0.0)[..., None]
-    return torch.lerp(o2.float(), o1.float(), w1).to(q.dtype)
+    return merge_by_lse(o1, l1, o2, l2, q.dtype)
 
 
 def attention_kl(

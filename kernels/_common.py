@@ -48,6 +48,16 @@ class ExactTail(NamedTuple):
     value_from: torch.Tensor
 
 
+def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
+                 dtype: torch.dtype) -> torch.Tensor:
+    """Attention over two disjoint key sets from each one's output ``[..., n, r]`` and log-sum-exp
+    ``[..., n]``: ``(e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂}) = o₂ + σ(ℓ₁ − ℓ₂)·(o₁ − o₂)``, in float32, in
+    ``dtype``. A side with no visible key (ℓ = −inf) weighs nothing; a row with none on either side is 0
+    (as each side's output is there)."""
+    w1 = torch.sigmoid(l1 - l2).nan_to_num(0.0)[..., None]
+    return torch.lerp(o2.float(), o1.float(), w1).to(dtype)
+
+
 LOG8_OFFSET = 112  # a log8 code k is the scale 2^((k − 112) / 8), from 2^-14 (float16's smallest normal)
 LOG8_NAN = 255  # the code of a group that is not finite: it dequantizes to NaN
 # the mantissas of log8 scales over one octave, rounded to float16: every scale is then a float16 exactly,

@@ -1193,15 +1193,13 @@ def lowrank_attention(
                          "sin/cos")
     if fast_sincos is None:
         fast_sincos = not interpreting()
-    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages)
     if prefetch and fold_scales:
         raise ValueError("prefetch and fold_scales are two candidates for the same loop; pick one")
     if fold_scales:
         prefetch = False
-    overrides["prefetch"] = prefetch
-    overrides["nibbles"] = nibbles
-    overrides["nibble_rebuild"] = nibble_rebuild
-    overrides["nibble_fold"] = nibble_fold
+    overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
+                     prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
+                     nibble_fold=nibble_fold)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:

@@ -27,12 +27,20 @@ import triton.language as tl
 
 from stiefkv.kernels import _common
 from stiefkv.kernels._common import KERNEL_BITS, QUANT_GROUP
-from stiefkv.kernels.lowrank import _log8
+from stiefkv.kernels.lowrank import (
+    LOG8_E1,
+    LOG8_E2,
+    LOG8_E3,
+    LOG8_E4,
+    LOG8_E5,
+    LOG8_E6,
+    LOG8_E7,
+    LOG8_NAN,
+    _log8,
+)
 
 GROUP = tl.constexpr(QUANT_GROUP)
 LOG8_OFFSET = tl.constexpr(_common.LOG8_OFFSET)
-LOG8_NAN = tl.constexpr(_common.LOG8_NAN)
-E1, E2, E3, E4, E5, E6, E7 = (tl.constexpr(m) for m in _common.LOG8_EIGHTHS[1:])
 SMALLEST_STEP = tl.constexpr(2.0 ** -14)  # log8 codes start at float16's smallest normal
 ROUNDER = tl.constexpr(12582912.0)  # 1.5·2^23: v + this − this is v rounded half to even (|v| < 2^22)
 
@@ -51,9 +59,9 @@ def _log8_code(step, LARGEST: tl.constexpr):
     s = tl.where(step < SMALLEST_STEP, SMALLEST_STEP, step)
     bits = s.to(tl.int32, bitcast=True)
     mant = ((bits & 0x7FFFFF) | 0x3F800000).to(tl.float32, bitcast=True)  # 2m of frexp, in [1, 2)
-    j = (mant > 1.0).to(tl.int32) + (mant > E1).to(tl.int32) + (mant > E2).to(tl.int32) \
-        + (mant > E3).to(tl.int32) + (mant > E4).to(tl.int32) + (mant > E5).to(tl.int32) \
-        + (mant > E6).to(tl.int32) + (mant > E7).to(tl.int32)
+    j = (mant > 1.0).to(tl.int32) + (mant > LOG8_E1).to(tl.int32) + (mant > LOG8_E2).to(tl.int32) \
+        + (mant > LOG8_E3).to(tl.int32) + (mant > LOG8_E4).to(tl.int32) + (mant > LOG8_E5).to(tl.int32) \
+        + (mant > LOG8_E6).to(tl.int32) + (mant > LOG8_E7).to(tl.int32)
     k = 8 * (((bits >> 23) & 0xFF) - 127) + j + LOG8_OFFSET
     k = tl.minimum(tl.maximum(k, 0), LARGEST)
     finite = (step == step) & (step < float("inf"))
@@ -113,7 +121,7 @@ def _quantize_into_kernel(
     v = tl.minimum(tl.maximum(v, -1.0), LEVELS + 1.0)
     code = tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS * 1.0)
     # a NaN gives code 0, as PyTorch's NaN-to-uint8 does here (the group's scale says NaN)
-    c = tl.where(real & ~nan_v & (code == code), code, 0.0).to(tl.int64)
+    c = tl.where(real & ~nan_v, code, 0.0).to(tl.int64)
     # eight codes to one word of 8·BITS bits (code i at bit BITS·i), written as BITS little-endian bytes
     words = tl.sum(tl.reshape(c, [GROUP // 8, 8]) << (BITS * tl.arange(0, 8))[None, :].to(tl.int64), 1)
     width: tl.constexpr = (R + 7) // 8 * BITS  # the stored bytes (the last eight codes padded)

@@ -129,7 +129,7 @@ def lowrank_attention(
         tail_keys = exact.z_k.float() if key_mode == "post_rope" else rebuild_keys(
             exact.z_k, P_k, key_mode=key_mode, positions=positions[..., Nk - exact.z_k.shape[2]:], rope=rope)
         out, lse = _banded_attention(qf, keys, z_v.float(), tail_keys, exact, lengths=lengths, bias=bias,
-                                     causal=causal, scale=scale)
+                                     causal=causal, scale=scale, with_lse=return_lse)
     elif causal and Nq == Nk and bias is None and lengths is None:
         # The plain causal square (prefill, evaluation): no dense mask, so SDPA may take a fused kernel;
         # heads expanded here because not every fused kernel takes enable_gqa.
@@ -185,10 +185,11 @@ BAND_ELEMENTS = 1 << 26  # logits per step of the banded reference (256 MiB in f
 
 
 def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths, bias, causal: bool,
-                      scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                      scale: float, with_lse: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Attention where query ``i`` reads the last keys and values from ``exact`` from ``key_from[i]``
     (``value_from[i]``) on: logits and the value sum swap in the exact tail where the band says so. Returns
-    the output ``[B, H, Nq, r_v]`` and each row's log-sum-exp of the logits it read ``[B, H, Nq]``."""
+    the output ``[B, H, Nq, r_v]`` and, ``with_lse``, each row's log-sum-exp of the logits it read
+    ``[B, H, Nq]`` (else None)."""
     B, H, Nq, _ = qf.shape
     G, Nk, Ne = keys.shape[1], keys.shape[2], tail_keys.shape[2]
     check_exact_tail(exact, values, Nq, Nk)
@@ -220,13 +221,15 @@ def _banded_attention(qf, keys, values, tail_keys, exact: ExactTail, *, lengths,
             q_idx = torch.arange(lo, hi, device=qf.device) + (Nk - Nq)
             seen = seen & (torch.arange(Nk, device=qf.device)[None, :] <= q_idx[:, None])
         logits = logits.masked_fill(~seen, float("-inf"))
-        lses.append(torch.logsumexp(logits, -1))
+        if with_lse:
+            lses.append(torch.logsumexp(logits, -1))
         p = torch.softmax(logits, dim=-1)
         use_v = (tail_idx[None, band] >= value_from[lo:hi, None]).float()
         out = torch.einsum("bgsqk,bgkr->bgsqr", p, values)
         out = out + torch.einsum("bgsqk,bgkr->bgsqr", p[..., a:b] * use_v, tail_delta[:, :, band])
         outs.append(out)
-    return torch.cat(outs, 3).reshape(B, H, Nq, -1), torch.cat(lses, 3).reshape(B, H, Nq)
+    lse = torch.cat(lses, 3).reshape(B, H, Nq) if with_lse else None
+    return torch.cat(outs, 3).reshape(B, H, Nq, -1), lse
 
 
 def check_exact_tail(exact: ExactTail, z_v: torch.Tensor, n_queries: int, n_keys: int) -> None:

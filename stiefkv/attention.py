@@ -26,6 +26,7 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask
 from stiefkv.kernels import RopeSpec
+from stiefkv.kernels._common import merge_by_lse
 from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
@@ -144,8 +145,7 @@ class LowRankAttention(nn.Module):
 
     def _attend_split(self, q: torch.Tensor, split: RingSplit, positions: torch.Tensor) -> torch.Tensor:
         """Decode attention over codes read in place and the exact ring beside them, merged by their
-        log-sum-exp: ``o = (e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂}) = o₂ + σ(ℓ₁ − ℓ₂)·(o₁ − o₂)``, the
-        softmax over both key sets, in four operators (each a kernel of the captured step)."""
+        log-sum-exp (:func:`~stiefkv.kernels._common.merge_by_lse`), the softmax over both key sets."""
         common = dict(key_mode=self.key_mode, rope=self.rope, scale=self.scaling, backend=self.backend,
                       return_lse=True)
         o1, l1 = kernels.lowrank_attention(q, split.codes_k, split.codes_v, self.key_basis(q.dtype), None,
@@ -154,10 +154,7 @@ class LowRankAttention(nn.Module):
         o2, l2 = kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
                                            None, positions=split.ring_positions, bias=split.ring_bias,
                                            causal=False, **common)
-        # the new token is on one side or the other (the ring, or the codes once a latent holds all it has
-        # quantized): one ℓ is finite, and a side with no visible key (ℓ = −inf) gets weight σ(∓inf) = 0
-        w1 = torch.sigmoid(l1 - l2)[..., None]
-        return torch.lerp(o2.float(), o1.float(), w1).to(q.dtype)
+        return merge_by_lse(o1, l1, o2, l2, q.dtype)
 
 
 class FoldedKV(NamedTuple):

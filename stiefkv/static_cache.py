@@ -285,8 +285,8 @@ def _codes_at(store, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     the slots hold exact: what attention reads of a token held quantized."""
     codes = store.codes.index_select(2, slots)
     if store.spec.layout == "token":
-        low = None if store.low is None else store.low.index_select(2, slots)
-        return _quantized(store, codes, store.scale.index_select(2, slots), low).dequantize(dtype)
+        return _quantized(store, codes, store.scale.index_select(2, slots),
+                          _rows_of(store.low, slots)).dequantize(dtype)
     # channel: each slot takes its group's row of scales and lows, channel by channel
     scale = store.scale.index_select(2, slots // GROUP).float()
     low = store.low.index_select(2, slots // GROUP).float()
