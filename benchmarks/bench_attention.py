@@ -73,6 +73,13 @@ QUANT_SWEEP = [
     {"nibbles": False},
     {"nibble_rebuild": False},
     {"nibble_fold": False},
+    # pre_rope: the rotated keys as the logits dot's left operand, from registers (2026-12-02, third session)
+    {"keys_left": True},
+    {"keys_left": True, "num_stages": 4},
+    {"keys_left": True, "block_n": 128},
+    {"keys_left": True, "block_n": 64},
+    {"keys_left": True, "splits": 2},
+    {"splits": 1.5},  # three programs an SM where registers allow (int4 post_rope: 157 a thread)
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
@@ -193,10 +200,12 @@ def quantized(z: torch.Tensor, bits: int):
     return QuantizedLatents(q.codes, q.scale, q.low, bits, q.rank)
 
 
-def quant_rows(shapes, copy: float) -> None:
+def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None) -> None:
     """Decode over bf16 latents and int8/int4 codes at 50 % ranks: the default configuration and each of
     :data:`QUANT_SWEEP` (the candidates prefetch and fold_scales, key splits, tiles, warps, stages), in
-    the same run as SDPA on the same shape."""
+    the same run as SDPA on the same shape. ``sweep_with``: only the sweep's entries that set one of these
+    options (a targeted A/B; the default and SDPA are measured all the same)."""
+    sweep = [c for c in QUANT_SWEEP if not sweep_with or any(k in c for k in sweep_with)]
     r = BUDGETS["50%"]
     for B, N in shapes:
         sdpa = sdpa_decode_ms(B, N)
@@ -207,15 +216,16 @@ def quant_rows(shapes, copy: float) -> None:
                 t for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low)]
             n = sum(t.nbytes for t in parts)
             with torch.no_grad():
-                for mode in MODES:
+                for mode in modes:
                     default = default_config(B, N, mode, r, codes=bits < 16)
                     ms = utils.graph_ms(kernel_call(xq, mode))
                     tried = []
-                    for cfg in QUANT_SWEEP:
+                    for cfg in sweep:
                         cfg = dict(cfg)
                         nibble = [k for k in NIBBLE_OPTIONS if k in cfg]  # int4, and its key mode
                         if (cfg.get("fold_scales") and bits == 16) or (nibble and (
-                                bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))):
+                                bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
+                                cfg.get("keys_left") and mode != "pre_rope"):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))
@@ -395,10 +405,18 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tables", nargs="+", default=list(TABLES), choices=TABLES)
     parser.add_argument("--quick", action="store_true", help="two decode shapes (1x32k, 4x128k)")
+    parser.add_argument("--shapes", nargs="+", metavar="BxN",
+                        help="decode shapes instead of the four (e.g. 16x16384 4x131072)")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
+                        help="the quant table's key modes")
+    parser.add_argument("--sweep-with", nargs="+", metavar="OPTION",
+                        help="quant table: only the sweep's entries that set one of these options")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(utils.header(), flush=True)
     shapes = DECODE_SHAPES[::3] if args.quick else DECODE_SHAPES
+    if args.shapes:
+        shapes = [tuple(int(x) for x in s.lower().split("x")) for s in args.shapes]
     copy = None
     if "decode" in args.tables or "quant" in args.tables:
         copy = utils.copy_tbs()
@@ -407,7 +425,7 @@ def main() -> None:
     if "decode" in args.tables:
         decode_rows(shapes, copy)
     if "quant" in args.tables:
-        quant_rows(shapes, copy)
+        quant_rows(shapes, copy, args.modes, args.sweep_with)
     if "prefill" in args.tables:
         prefill_rows()
     if "sweep" in args.tables:

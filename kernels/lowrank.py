@@ -425,9 +425,12 @@ def _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N: tl.constexpr, KEY_MODE: t
 @triton.jit
 def _rotated_logits(q1, q2, a1, a2, pos, inv_freq, dtype: tl.constexpr, BLOCK_M: tl.constexpr,
                     BLOCK_N: tl.constexpr, FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr,
-                    UPCAST: tl.constexpr):
+                    UPCAST: tl.constexpr, KEYS_LEFT: tl.constexpr = False):
     """``pre_rope`` logits ``[BLOCK_M, BLOCK_N]`` of the query halves against rebuilt key halves ``a1``,
-    ``a2`` ``[BLOCK_N, d/2]`` (fp32), rotated at their positions ``pos`` and rounded to ``dtype``."""
+    ``a2`` ``[BLOCK_N, d/2]`` (fp32), rotated at their positions ``pos`` and rounded to ``dtype``.
+    ``KEYS_LEFT`` computes ``(k qᵀ)ᵀ``: the rotated keys, still in the rebuild's accumulator layout, are
+    the dot's left operand, which the tensor cores read from registers; as the right operand (``q kᵀ``)
+    the tile goes through shared memory first. Only the ``[BLOCK_N, BLOCK_M]`` logits are transposed."""
     angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
     if FAST_SINCOS:
         sin, cos = _sincos_fast(angle)
@@ -435,6 +438,9 @@ def _rotated_logits(q1, q2, a1, a2, pos, inv_freq, dtype: tl.constexpr, BLOCK_M:
         sin, cos = _sincos(angle)
     k1 = (a1 * cos - a2 * sin).to(dtype)
     k2 = (a2 * cos + a1 * sin).to(dtype)
+    if KEYS_LEFT:
+        st = _dot(k1, tl.trans(q1), tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32), DOT_PREC, UPCAST)
+        return tl.trans(_dot(k2, tl.trans(q2), st, DOT_PREC, UPCAST))
     s = _dot(q1, tl.trans(k1), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
     return _dot(q2, tl.trans(k2), s, DOT_PREC, UPCAST)
 
@@ -442,7 +448,7 @@ def _rotated_logits(q1, q2, a1, a2, pos, inv_freq, dtype: tl.constexpr, BLOCK_M:
 @triton.jit
 def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                 BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr, FAST_SINCOS: tl.constexpr,
-                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, KEYS_LEFT: tl.constexpr = False):
     """The logits ``[BLOCK_M, BLOCK_N]`` of the query tile against a tile ``z`` of key latents at
     positions ``pos``: ``pre_rope`` rebuilds and rotates the keys, once for all the group's query heads."""
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -451,7 +457,7 @@ def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOC
         a1 = _dot(z, p1t, zero, DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
         a2 = _dot(z, p2t, zero, DOT_PREC, UPCAST)
         s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS, DOT_PREC,
-                            UPCAST)
+                            UPCAST, KEYS_LEFT)
     else:  # post_rope: the projected queries meet the latents directly
         s = _dot(q1, tl.trans(z), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
     return s
@@ -460,7 +466,8 @@ def _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM: tl.constexpr, BLOC
 @triton.jit
 def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos, HEAD_DIM: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, KEY_MODE: tl.constexpr,
-                   FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+                   FAST_SINCOS: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
+                   KEYS_LEFT: tl.constexpr = False):
     """:func:`_key_logits` of a key tile met as its even and odd channels (:func:`_decode_nibbles`):
     ``pre_rope`` rebuilds the keys from both halves against the basis's even (``p1t``, ``p2t``) and odd
     (``p1t_o``, ``p2t_o``) channels; ``post_rope``'s ``q1``, ``q2`` are the projected queries' even and odd
@@ -471,7 +478,7 @@ def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos,
         a1 = _dot(z_odd, p1t_o, _dot(z_even, p1t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)  # [BLOCK_N, d/2]
         a2 = _dot(z_odd, p2t_o, _dot(z_even, p2t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
         s = _rotated_logits(q1, q2, a1, a2, pos, inv_freq, z_even.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS,
-                            DOT_PREC, UPCAST)
+                            DOT_PREC, UPCAST, KEYS_LEFT)
     else:
         s = _dot(q1, tl.trans(z_even), tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32), DOT_PREC, UPCAST)
         s = _dot(q2, tl.trans(z_odd), s, DOT_PREC, UPCAST)
@@ -491,7 +498,7 @@ def _attend_range(
     q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
     NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False, K_LOG8: tl.constexpr = False,
-    V_LOG8: tl.constexpr = False,
+    V_LOG8: tl.constexpr = False, KEYS_LEFT: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -545,12 +552,12 @@ def _attend_range(
                                        R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8)
             if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
-                                   BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
+                                   BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
                 if FOLD_NIB:  # q'·(code·scale + low) = scale·(q'·(1024 + code)) + (low − 1024·scale)·Σq'
                     s = s * k_scale[None, :] + q1sum[:, None] * (k_low - 1024.0 * k_scale)[None, :]
             else:
                 s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
-                                FAST_SINCOS, DOT_PREC, UPCAST)
+                                FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
         elif FOLD_K:
             codes = _code_tile(ZK, offs_n, end, stride_kn, stride_kr, R_K, R_K_P2, BLOCK_N, MASKED, K_BITS)
             scale, low = _token_scales(SK, LK, offs_n, end, stride_skn, MASKED, K_LOG8, K_BITS)
@@ -562,13 +569,13 @@ def _attend_range(
                                    R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, K_LOG8)
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
-                               BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST)
+                               BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                              R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH, K_LOG8)  # [BLOCK_N, R_K_P2]
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _key_logits(q1, q2, p1t, p2t, inv_freq, z, pos, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
-                            FAST_SINCOS, DOT_PREC, UPCAST)
+                            FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
         if HAS_BIAS:
             if MASKED:
                 bias = tl.load(BIAS + offs_n * stride_bn, mask=offs_n < end, other=0.0)
@@ -697,7 +704,7 @@ def _lowrank_attn_fwd(
     DOT_PREC: tl.constexpr, UPCAST: tl.constexpr, K_BITS: tl.constexpr, V_BITS: tl.constexpr,
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
-    FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr,
+    FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -816,7 +823,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -825,7 +832,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -1092,7 +1099,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         FOLD_NIB=nibbles and bool(cfg.get("nibble_fold")) and bool(cfg.get("prefetch")) and k_bits == 4
         and not k_channel and not pre and 32 <= r_k_p2 <= _common.QUANT_GROUP and half,
         NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
-        K_LOG8=k_log8, V_LOG8=v_log8,
+        K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -1125,6 +1132,7 @@ def lowrank_attention(
     nibbles: bool | None = None,
     nibble_rebuild: bool | None = None,
     nibble_fold: bool | None = None,
+    keys_left: bool | None = None,
     return_lse: bool = False,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache (Triton); same contract as
@@ -1158,6 +1166,9 @@ def lowrank_attention(
         half the depth). ``nibble_fold``: ``post_rope`` int4 keys (ranks 32-64, with ``prefetch``, 16-bit
         queries) meet the queries as ``1024 + code`` and each token's scale and low are applied to its
         logits. Both ``None``: on with ``nibbles`` (see :func:`_default_config`).
+        ``keys_left`` (``pre_rope``): the logits as ``(k qᵀ)ᵀ``, the rebuilt and rotated keys the dot's
+        left operand read from registers, instead of ``q kᵀ`` with the keys staged through shared memory;
+        ``None``: the default of :func:`_default_config`.
 
     Returns
     -------
@@ -1199,7 +1210,7 @@ def lowrank_attention(
         prefetch = False
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
-                     nibble_fold=nibble_fold)
+                     nibble_fold=nibble_fold, keys_left=keys_left)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:

@@ -101,6 +101,19 @@ def test_prefetch_matches_reference(case, key_mode):
     check(args, kwargs, key_mode=key_mode, num_splits=splits, prefetch=True, what=f"prefetch {path}")
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CASES[::2] + CASES[5:6],
+                         ids=lambda c: f"{c[0]}-q{c[4]}k{c[5]}-r{c[7]}_{c[8]}")
+def test_keys_left_matches_reference(case, dtype):
+    """``pre_rope`` logits computed as ``(k qᵀ)ᵀ`` (the rotated keys the dot's left operand) give the same
+    attention, in decode, split decode, several queries and prefill, with and without prefetch."""
+    path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, padded=padded, bias=bias, pv=pv)
+    for prefetch in (False, True):
+        check(args, kwargs, key_mode="pre_rope", num_splits=splits, keys_left=True, prefetch=prefetch,
+              what=f"keys_left {path} {dtype} prefetch={prefetch}")
+
+
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_not_causal_and_shuffled_positions(key_mode):
     """Non-causal prefill (every query sees every real key) with positions that are not contiguous, as
@@ -361,23 +374,24 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
     expected_zk = dequantize(quantize(z_k.float().cpu(), QuantSpec(bits, "token")), torch.bfloat16)
     assert torch.equal(qk.dequantize(torch.bfloat16).cpu(), expected_zk)
-    # (P_v, fold_scales, prefetch, nibbles, nibble_rebuild, nibble_fold)
-    variants = [(P_v, False, False, False, False, False), (None, False, False, False, False, False),
-                (P_v, True, False, False, False, False), (None, True, False, False, False, False),
-                (P_v, False, True, False, False, False), (P_v, False, True, True, False, False),
-                (None, False, False, True, True, False), (P_v, False, True, True, True, True)]
-    for pv, fold, ahead, nib, rebuild, nib_fold in variants:
+    # (P_v, fold_scales, prefetch, nibbles, nibble_rebuild, nibble_fold, keys_left)
+    variants = [(P_v, False, False, False, False, False, False), (None, *[False] * 6),
+                (P_v, True, False, False, False, False, False), (None, True, *[False] * 5),
+                (P_v, False, True, False, False, False, False), (P_v, False, True, True, False, False, False),
+                (None, False, False, True, True, False, False), (P_v, False, True, True, True, True, False),
+                (P_v, False, True, True, True, True, True)]
+    for pv, fold, ahead, nib, rebuild, nib_fold, left in variants:
         with torch.no_grad():
             out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,
                                        fold_scales=fold, prefetch=ahead, nibbles=nib, nibble_rebuild=rebuild,
-                                       nibble_fold=nib_fold)
+                                       nibble_fold=nib_fold, keys_left=left)
             expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
                                  key_mode=key_mode, **kwargs)
         atol, rtol = TOL[torch.bfloat16]
         if fold:  # two bf16 roundings apart: the reference rounds the latents, the fold rounds p·scale
             atol, rtol = 2 * atol, 2 * rtol
         what = (f"int{bits} {path} {key_mode} P_v={pv is not None} fold={fold} prefetch={ahead} "
-                f"nibbles={nib} rebuild={rebuild} nibble_fold={nib_fold}")
+                f"nibbles={nib} rebuild={rebuild} nibble_fold={nib_fold} keys_left={left}")
         assert_close(out, expected, atol=atol, rtol=rtol, what=what)
     # mixed: quantized keys over float values
     atol, rtol = TOL[torch.bfloat16]

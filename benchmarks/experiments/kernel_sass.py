@@ -81,6 +81,7 @@ def compile_decode(
     nibble_rebuild: bool = False,
     nibble_fold: bool = False,
     log8: bool = False,
+    keys_left: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
@@ -118,6 +119,7 @@ def compile_decode(
         "K_LOG8": log8,
         "V_LOG8": log8,
         "NIB_V": nibbles,
+        "KEYS_LEFT": keys_left and key_mode == "pre_rope",
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
@@ -229,9 +231,10 @@ def main() -> None:
                                     key_mode == "pre_rope", bits=4, prefetch=True, nibbles=True, log8=True)
             print(f"| {key_mode} int4 log8 prefetch nibbles " + report(kernel), flush=True)
         return
-    for key_mode, fast in (("post_rope", False), ("pre_rope", False), ("pre_rope", True)):
-        kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast)
-        name = key_mode + (" fast_sincos" if fast else "")
+    for key_mode, fast, left in (("post_rope", False, False), ("pre_rope", False, False),
+                                 ("pre_rope", True, False), ("pre_rope", True, True)):
+        kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast, keys_left=left)
+        name = key_mode + (" fast_sincos" if fast else "") + (" keys_left" if left else "")
         print(f"| {name} " + report(kernel), flush=True)
 
 
