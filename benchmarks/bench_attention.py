@@ -131,9 +131,10 @@ def sdpa_decode_ms(B: int, N: int) -> dict:
     return utils.graph_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
 
 
-def default_config(B: int, N: int, mode: str, r: int, codes: bool = False) -> dict:
-    cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, codes)
-    keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if codes else ())
+def default_config(B: int, N: int, mode: str, r: int, bits: int = 16) -> dict:
+    cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits)
+    keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if bits < 16 else ()) \
+        + (("keys_left",) if mode == "pre_rope" else ())
     return {k: cfg[k] for k in keys}
 
 
@@ -217,7 +218,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None) -> None:
             n = sum(t.nbytes for t in parts)
             with torch.no_grad():
                 for mode in modes:
-                    default = default_config(B, N, mode, r, codes=bits < 16)
+                    default = default_config(B, N, mode, r, bits)
                     ms = utils.graph_ms(kernel_call(xq, mode))
                     tried = []
                     for cfg in sweep:

@@ -891,7 +891,7 @@ def _decode_splits(programs: int, n_k: int, n_sms: int) -> int:
 
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
-                    codes: bool = False) -> dict:
+                    codes: bool = False, k_bits: int = 16) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
     and splits each row's keys so that ``programs × splits`` stays at or just under two programs per SM, at
     ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
@@ -908,12 +908,16 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     2026-12-02); so are ``pre_rope`` int4 keys (``nibble_rebuild``: 0.561 → 0.544 ms at 4×128k, 0.0499 →
     0.0491 at 1×32k) and, for ``post_rope`` int4 keys in one scale group, the scales applied to the logits
     (``nibble_fold``: 0.286 → 0.271 ms, 0.0321 → 0.0318), each the best of its sweep row (H200, 2026-12-02,
-    second session)."""
+    second session). ``pre_rope`` logits as ``(k qᵀ)ᵀ`` (``keys_left``) over bf16 latents and int4 key codes:
+    0.519 → 0.508 ms (bf16) and 0.544 → 0.529 (int4) at 4×128k, 0.268 → 0.261 and 0.279 → 0.271 at
+    16×16k; over int8 keys it lost (0.547 → 0.576, 0.282 → 0.296), so not there (H200, 2026-12-02, third
+    session)."""
     if n_rows <= DECODE_BLOCK_M:
         splits = _decode_splits(programs, n_k, n_sms)
         block_n = 128 if r_k <= 32 or codes else 64
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
-                    prefetch=codes, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes)
+                    prefetch=codes, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
+                    keys_left=k_bits in (16, 4))
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -1168,7 +1172,7 @@ def lowrank_attention(
         logits. Both ``None``: on with ``nibbles`` (see :func:`_default_config`).
         ``keys_left`` (``pre_rope``): the logits as ``(k qᵀ)ᵀ``, the rebuilt and rotated keys the dot's
         left operand read from registers, instead of ``q kᵀ`` with the keys staged through shared memory;
-        ``None``: the default of :func:`_default_config`.
+        ``None``: on for decode over bf16 latents and int4 key codes (see :func:`_default_config`).
 
     Returns
     -------
@@ -1198,7 +1202,8 @@ def lowrank_attention(
         if r_v != padded_dim(r_v):
             z_v, P_v = (_pad_codes if isinstance(z_v, QuantizedLatents) else _pad_rank)(z_v, P_v)
     codes = isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
-    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes)
+    k_bits = z_k.bits if isinstance(z_k, QuantizedLatents) else 16
+    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes, k_bits)
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
                          "sin/cos")

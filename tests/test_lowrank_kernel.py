@@ -105,13 +105,14 @@ def test_prefetch_matches_reference(case, key_mode):
 @pytest.mark.parametrize("case", CASES[::2] + CASES[5:6],
                          ids=lambda c: f"{c[0]}-q{c[4]}k{c[5]}-r{c[7]}_{c[8]}")
 def test_keys_left_matches_reference(case, dtype):
-    """``pre_rope`` logits computed as ``(k qᵀ)ᵀ`` (the rotated keys the dot's left operand) give the same
-    attention, in decode, split decode, several queries and prefill, with and without prefetch."""
+    """``pre_rope`` logits computed as ``(k qᵀ)ᵀ`` (the rotated keys the dot's left operand; the decode
+    default) and as ``q kᵀ`` give the same attention, in decode, split decode, several queries and prefill,
+    with and without prefetch."""
     path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv = case
     args, kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, padded=padded, bias=bias, pv=pv)
-    for prefetch in (False, True):
-        check(args, kwargs, key_mode="pre_rope", num_splits=splits, keys_left=True, prefetch=prefetch,
-              what=f"keys_left {path} {dtype} prefetch={prefetch}")
+    for prefetch, left in ((False, True), (True, True), (False, False)):
+        check(args, kwargs, key_mode="pre_rope", num_splits=splits, keys_left=left, prefetch=prefetch,
+              what=f"keys_left={left} {path} {dtype} prefetch={prefetch}")
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
