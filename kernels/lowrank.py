@@ -29,6 +29,8 @@ there is no backward, and the function refuses inputs that require a gradient.
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 import triton
@@ -705,6 +707,7 @@ def _lowrank_attn_fwd(
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
     FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
+    K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -717,7 +720,13 @@ def _lowrank_attn_fwd(
     tensors are larger and their slots from it on are never read. ``K_BITS``/``V_BITS`` 8 or 4: ``ZK``/``ZV``
     hold codes (uint8) with their scales and lows at ``SK``, ``LK`` / ``SV``, ``LV`` ``[B, G, N, groups]``,
     dequantized in registers; 16: float latents. ``DTYPE``: the latents' dtype (fp16 for key codes),
-    in which the tiles meet the tensor cores."""
+    in which the tiles meet the tensor cores. ``stride_kn``/``stride_vn`` arrive divided by
+    ``K_UNIT``/``V_UNIT`` (:func:`_row_unit`: 2-8 for token strides not a multiple of 16): multiplied back
+    here, the compiler knows
+    each row's alignment and loads words or vectors instead of single elements (a stride is specialised
+    only when divisible by 16; 56 int4 channels are 28 bytes a token, 56 bf16 ones 56 elements)."""
+    stride_kn = stride_kn * K_UNIT
+    stride_vn = stride_vn * V_UNIT
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
     HALF: tl.constexpr = HEAD_DIM // 2
@@ -1028,6 +1037,18 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
                            "backend takes the reference where a gradient is needed")
 
 
+def _row_unit(z: torch.Tensor) -> int:
+    """The largest power of two up to 8 that divides a token stride the compiler cannot specialise (not a
+    multiple of 16), else 1: see ``K_UNIT`` in :func:`_lowrank_attn_fwd`."""
+    step = z.stride(2)
+    return math.gcd(step, 8) if step % 16 else 1
+
+
+def _unit_strides(z: torch.Tensor, unit: int) -> tuple[int, ...]:
+    b, g, n, r = z.stride()
+    return b, g, n // unit, r
+
+
 def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg,
             return_lse=False):
     B, H, Nq, d = q.shape
@@ -1057,6 +1078,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     sv_strides = z_v.scale.stride() if v_codes else (0, 0, 0, 0)
     z_k = z_k.codes if k_codes else z_k
     z_v = z_v.codes if v_codes else z_v
+    k_unit, v_unit = _row_unit(z_k), _row_unit(z_v)
     pos = positions if pre else z_k
     inv_freq = rope.inv_freq.to(q.device, torch.float32).contiguous() if pre else z_k
     pv = P_v if P_v is not None else P_k  # placeholder pointer when the latent output is returned
@@ -1082,7 +1104,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     _lowrank_attn_fwd[(m_blocks, B * G, splits)](
         q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, n_valid_t, out, part_o, part_ml, locks,
         sk, lk, sv, lv, lse,
-        *q.stride(), *z_k.stride(), *z_v.stride(), *sk_strides, *sv_strides, *P_k.stride(), *pv_strides,
+        *q.stride(), *_unit_strides(z_k, k_unit), *_unit_strides(z_v, v_unit), *sk_strides, *sv_strides,
+        *P_k.stride(), *pv_strides,
         *pos_strides, *bias_strides, *out_strides, *(lse.stride()[:3] if return_lse else (0, 0, 0)),
         Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
@@ -1104,7 +1127,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         and not k_channel and not pre and 32 <= r_k_p2 <= _common.QUANT_GROUP and half,
         NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
-        PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse,
+        PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return (out, lse) if return_lse else out
