@@ -43,6 +43,7 @@ def _capturing(device: torch.device) -> bool:
 # the quantize-on-write kernel: None where it compiles (CUDA with Triton); True also on the CPU under Triton's
 # interpreter (tests); False never (the A/B of benchmarks/experiments/profile_serve_step.py)
 FUSED_WRITES: bool | None = None
+SLOT_ALIGN = 16  # a static cache's slots per row are a multiple of this (see StaticLatentCache)
 
 
 def _fused_write(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
@@ -337,22 +338,23 @@ def transformers_static_length(made) -> int:
 
 
 class StaticLatentCache(LatentCache):
-    """Latents ``[B, G, max_length, r]`` per layer, preallocated on each layer's device: float; int8-int2
-    codes per token with no exact window (:class:`CodeBuffer`; the kernels dequantize them in registers);
-    or any other storage of the checkpoint (:class:`WindowedCodes`: exact recent tokens, channel layout,
-    2-3 bits; read dequantized).
+    """Latents ``[B, G, slots, r]`` per layer (``slots``: ``max_length`` rounded up to 16), preallocated on
+    each layer's device: float; int8-int2 codes per token with no exact window (:class:`CodeBuffer`; the
+    kernels dequantize them in registers); or any other storage of the checkpoint (:class:`WindowedCodes`:
+    exact recent tokens, channel layout, 2-3 bits; read dequantized).
 
     Parameters
     ----------
     model : a model prepared by :func:`stiefkv.load` (its layers' ranks, dtype and devices size the buffers).
     batch_size : rows.
-    max_length : slots per row (prompt, padding included, plus every token to be generated).
+    max_length : tokens per row (prompt, padding included, plus every token to be generated); the buffers
+        hold it rounded up to a multiple of 16 slots.
 
     Attributes
     ----------
     filled : ``[1]`` int32 on the device: slots written so far (the kernels' ``n_valid``).
     starts : ``[B]`` int32 on the device, each row's first real slot (left padding), or None.
-    positions : ``[B, max_length]`` int32, the position of the token in each slot.
+    positions : ``[B, slots]`` int32, the position of the token in each slot.
     """
 
     def __init__(self, model: nn.Module, batch_size: int, max_length: int):
@@ -361,6 +363,10 @@ class StaticLatentCache(LatentCache):
             raise ValueError(f"a static cache needs batch_size ≥ 1 and max_length ≥ 1, got {batch_size} and "
                              f"{max_length}")
         self.rows, self.max_length = int(batch_size), int(max_length)
+        # Slots allocated: max_length rounded up to 16, so that every (row, head) of a buffer starts on a
+        # 16-byte boundary the kernels' compiler can see (a stride divisible by 16); at 32834 slots of 28-byte
+        # int4 rows the heads were 8-byte aligned and the decode kernel read its codes byte by byte.
+        slots = -(-self.max_length // SLOT_ALIGN) * SLOT_ALIGN
         self.keys_buf: list[torch.Tensor] = []
         self.values_buf: list[torch.Tensor] = []
         for i, layer in enumerate(decoder_layers(model)):
@@ -373,16 +379,14 @@ class StaticLatentCache(LatentCache):
             for spec, P, bufs in ((attn.quant[0], attn.P_k, self.keys_buf),
                                   (attn.quant[1], attn.P_v, self.values_buf)):
                 if spec.quantized and kernel_readable(spec):
-                    bufs.append(CodeBuffer(spec, self.rows, G, self.max_length, P.shape[2], device,
-                                           attn.backend))
+                    bufs.append(CodeBuffer(spec, self.rows, G, slots, P.shape[2], device, attn.backend))
                 elif spec.quantized:
-                    bufs.append(WindowedCodes(spec, self.rows, G, self.max_length, P.shape[2], dtype, device,
+                    bufs.append(WindowedCodes(spec, self.rows, G, slots, P.shape[2], dtype, device,
                                               attn.backend))
                 else:
-                    bufs.append(torch.zeros(self.rows, G, self.max_length, P.shape[2], device=device,
-                                            dtype=dtype))
+                    bufs.append(torch.zeros(self.rows, G, slots, P.shape[2], device=device, dtype=dtype))
         first = decoder_layers(model)[0].self_attn.q_proj.weight.device
-        self.positions = torch.zeros(self.rows, self.max_length, dtype=torch.int32, device=first)
+        self.positions = torch.zeros(self.rows, slots, dtype=torch.int32, device=first)
         self.filled = torch.zeros(1, dtype=torch.int32, device=first)
         self.starts: torch.Tensor | None = None
         self.seen = 0  # host count of filled slots, for transformers; never read by a captured step

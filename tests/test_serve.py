@@ -81,8 +81,9 @@ def test_eos_pads_the_rest_of_the_row():
 def test_static_cache_bytes_and_counters():
     model = served()
     cache = StaticLatentCache(model, 3, 40)
-    L, G = 2, 2
-    assert cache.nbytes == L * 3 * G * 40 * (11 + 13) * 4 + 3 * 40 * 4 + 4
+    L, G, slots = 2, 2, 48  # 40 rounded up to a multiple of 16 (aligned heads for the kernels)
+    assert cache.nbytes == L * 3 * G * slots * (11 + 13) * 4 + 3 * slots * 4 + 4
+    assert cache.get_max_length() == 40
     ids, mask = prompt()
     model(ids, attention_mask=mask, past_key_values=cache, use_cache=True)
     assert cache.seen == 19 and int(cache.filled) == 19 and cache.get_seq_length() == 19
@@ -192,8 +193,8 @@ def test_static_cache_of_codes_matches_the_dynamic_quantized_cache(key_mode):
     cache = StaticLatentCache(model, 3, 40)
     # codes padded to 8-code words (int8: 16 bytes for 11 channels, int4: 8 for 13), one fp16 scale and low
     per_slot = (16 + 4) + (8 + 4)
-    L, B, G = 2, 3, 2
-    assert cache.nbytes == L * B * G * 40 * per_slot + B * 40 * 4 + 4
+    L, B, G, slots = 2, 3, 2, 48  # 40 rounded up to 16
+    assert cache.nbytes == L * B * G * slots * per_slot + B * slots * 4 + 4
 
 
 def windowed_served(key_spec: str, value_spec: str, key_mode="pre_rope", device="cpu", dtype=torch.float32,
@@ -394,11 +395,11 @@ def test_windowed_static_cache_bytes_and_crop():
     # group (channel: per 64 slots and channel; token: per slot); an fp32 ring of 16 + 64 exact tokens
     keys = slots * 4 + 2 * 2 * (slots // 64) * rank_k + 80 * rank_k * 4
     values = slots * 6 + 2 * 2 * slots + 80 * rank_v * 4
-    assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 100 * 4 + 4
+    assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 112 * 4 + 4  # positions: 100 rounded to 16
     with pytest.raises(ValueError, match="cannot be cropped"):
         cache.crop(10)
     # log8 scales: one uint8 code a group, no low, as the dynamic cache and the budget count them
     cache = StaticLatentCache(windowed_served("int4-token-log8", "int2-token-log8-r16"), 3, 100)
-    keys = 100 * 8 + 100  # int4: 11 codes in two 8-code words of 4 bytes; one scale code a slot
+    keys = 112 * 8 + 112  # int4: 11 codes in two 8-code words of 4 bytes; one scale code a slot (112 slots)
     values = slots * 4 + slots + 80 * rank_v * 4  # int2 behind a window: whole groups of slots
-    assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 100 * 4 + 4
+    assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 112 * 4 + 4  # positions: 100 rounded to 16
