@@ -141,7 +141,7 @@ def claims(res: Results) -> str:
         status = "–" if ok is None else ("met" if ok else "**missed**")
         if not all(measured_row(r) for r in rows):
             status += " (not re-measured)"
-        out.append([what, value, target, status, where or "<br>".join(src(r) for r in rows)])
+        out.append([what, value, target, status, where or "<br>".join(dict.fromkeys(src(r) for r in rows))])
 
     # quality (issue 3)
     seq50, pca50 = (res.pick(ISSUE3[0], f"pre_rope 0.5 {row}") for row in ("stiefel-dp-seq", "pca-uniform"))
@@ -662,8 +662,9 @@ def fmt_ratio(x: float | None) -> str:
 def config_change(cfg: dict, default: dict) -> str:
     """What a swept configuration changes from the default, e.g. ``prefetch, S=16``."""
     names = {"block_n": "N", "num_warps": "W", "num_stages": "st", "num_splits": "S"}
-    parts = [k for k in ("prefetch", "fold_scales") if cfg.get(k) and not default.get(k)]
-    parts += ["no prefetch"] if cfg.get("prefetch") is False and default.get("prefetch") else []
+    flags = ("prefetch", "fold_scales", "keys_left", "nibbles", "nibble_rebuild", "nibble_fold")
+    parts = [k for k in flags if cfg.get(k) and not default.get(k)]
+    parts += [f"no {k}" for k in flags if cfg.get(k) is False and default.get(k)]
     parts += [f"{names[k]}={v}" for k, v in cfg.items() if k in names and v != default.get(k)]
     return ", ".join(parts) or "default"
 
@@ -681,11 +682,19 @@ def decode_quant(res: Results) -> str:
     out = []
     rows = res.cases("attention", "quant")
     rows = [r for r in rows if (r["B"], r["N"]) in ((16, 16384), (4, 131072))] or rows  # the targets' shapes
+    # a targeted run (--sweep-with) leaves out the candidates of the last two columns: the newest run
+    # that measured them gives them
+    older = {}
+    for r in res.rows("attention"):
+        if r.get("table") == "quant" and r["bits"] < 16 and swept(r, prefetch=False) is not None:
+            older[r["case"]] = (swept(r, prefetch=False), p50(r.get("fold_scales_ms")))
     for r in sorted(rows, key=lambda r: (r["B"] * r["N"], -r["bits"], r["key_mode"])):
         k, sd = p50(r["kernel_ms"]), p50(r["sdpa_ms"])
         fold = p50(r.get("fold_scales_ms"))
         codes = r["bits"] < 16
         behind = swept(r, prefetch=False) if codes else None
+        if codes and behind is None:
+            behind, fold = older.get(r["case"], (None, None))
         best = "–"
         if r.get("best"):
             b = r["best"]
