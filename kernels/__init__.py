@@ -82,6 +82,7 @@ def lowrank_attention(
     exact: ExactTail | None = None,
     backend: str = "auto",
     return_lse: bool = False,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache: ``softmax(scale·q kᵀ + bias) z_v``, then ``P_v`` times that.
 
@@ -113,6 +114,10 @@ def lowrank_attention(
     return_lse : also return each row's log-sum-exp of its scaled, biased logits ``[B, H, Nq]`` (float32,
         −inf where no key is visible): two attentions over disjoint keys merge by it (the exact recent
         tokens of a static cache beside its codes).
+    prior : ``(o, lse)``, an attention over other keys (its output, as this call's, and log-sum-exp): the
+        result is attention over both key sets, as :func:`merge_by_lse` of the two gives. The kernel starts
+        its softmax from that state (latent outputs, ``P_v=None``: no merge kernels); with ``P_v`` the two
+        are merged after.
 
     Returns
     -------
@@ -126,6 +131,8 @@ def lowrank_attention(
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
                   lengths=lengths, n_valid=n_valid, scale=scale, return_lse=return_lse)
+    if prior is not None:
+        kwargs["prior"] = prior
     if exact is not None:
         if _use_kernel(backend, q.device, needs_grad=needs_grad) and _band_splits(q, z_k, z_v, exact, kwargs):
             return _below_and_band(q, z_k, z_v, P_k, P_v, exact, backend, **kwargs)
@@ -133,6 +140,11 @@ def lowrank_attention(
     if _use_kernel(backend, q.device, needs_grad=needs_grad):
         from . import lowrank
 
+        if prior is not None and P_v is not None:  # the kernel continues a softmax in the latent space only
+            out, lse = lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **dict(kwargs, return_lse=True,
+                                                                              prior=None))
+            merged = merge_by_lse(prior[0], prior[1], out, lse, q.dtype)
+            return (merged, torch.logaddexp(prior[1].float(), lse)) if return_lse else merged
         return lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs)
     return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, **kwargs)
 
@@ -145,7 +157,7 @@ def _band_splits(q, z_k, z_v, exact: ExactTail, kwargs: dict) -> bool:
     plain = isinstance(z_k, torch.Tensor) and isinstance(z_v, torch.Tensor)
     band = exact.z_k.shape[2]
     return (plain and z_k.shape[2] > band and (band >= q.shape[2] or not kwargs["causal"])
-            and kwargs["n_valid"] is None and not kwargs["return_lse"])
+            and kwargs["n_valid"] is None and not kwargs["return_lse"] and "prior" not in kwargs)
 
 
 def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, positions, bias, lengths,

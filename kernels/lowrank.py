@@ -675,6 +675,22 @@ def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
 
 
 @triton.jit
+def _prior_state(PRIOR_O, PRIOR_LSE, b, heads, q_idx, rows, stride_ob, stride_oh, stride_on, stride_od,
+                 stride_prb, stride_prh, stride_prn, acc, l_i, m_i, R_V: tl.constexpr, R_V_P2: tl.constexpr):
+    """The softmax state of a finished attention over other keys (its normalised latent output and natural
+    log-sum-exp, per query row; only ``rows``): ``m = lse·log2(e)``, ``ℓ = 1``, ``acc = o``; rows where it
+    saw no key (``lse = −inf``) keep the empty state."""
+    lse_rows = PRIOR_LSE + b * stride_prb + heads.to(tl.int64) * stride_prh + q_idx.to(tl.int64) * stride_prn
+    lse = tl.load(lse_rows, mask=rows, other=float("-inf"))
+    seen = lse > float("-inf")
+    offs_rv = tl.arange(0, R_V_P2)
+    o_rows = PRIOR_O + b * stride_ob + heads.to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
+    o = tl.load(o_rows[:, None] + offs_rv[None, :] * stride_od, mask=seen[:, None] & (offs_rv < R_V)[None, :],
+                other=0.0).to(tl.float32)
+    return tl.where(seen[:, None], o, acc), tl.where(seen, 1.0, l_i), tl.where(seen, lse * _LOG2E, m_i)
+
+
+@triton.jit
 def _store_lse(LSE_rows, m_i, l_i, row_ok):
     """Each row's log-sum-exp of its scaled logits (natural log; ``m`` and ``ℓ`` are in base 2), −inf for a
     row that saw no key: what a caller needs to merge this attention with another over other keys."""
@@ -686,6 +702,7 @@ def _store_lse(LSE_rows, m_i, l_i, row_ok):
 @triton.jit
 def _lowrank_attn_fwd(
     Q, ZK, ZV, PK, PV, POS, INV_FREQ, BIAS, LENS, NVALID, OUT, PART_O, PART_ML, LOCKS, SK, LK, SV, LV, LSE,
+    PRIOR_O, PRIOR_LSE,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_kb, stride_kg, stride_kn, stride_kr,
     stride_vb, stride_vg, stride_vn, stride_vr,
@@ -697,6 +714,7 @@ def _lowrank_attn_fwd(
     stride_bb, stride_bg, stride_bn,
     stride_ob, stride_oh, stride_on, stride_od,
     stride_lb, stride_lh, stride_ln,
+    stride_prb, stride_prh, stride_prn,
     n_q, n_k, n_kv_heads, rows_pad, qk_scale, rope_scaling,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr,
     R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
@@ -707,7 +725,7 @@ def _lowrank_attn_fwd(
     DTYPE: tl.constexpr, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
     FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
-    K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1,
+    K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1, HAS_PRIOR: tl.constexpr = False,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -724,7 +742,11 @@ def _lowrank_attn_fwd(
     ``K_UNIT``/``V_UNIT`` (:func:`_row_unit`: 2-8 for token strides not a multiple of 16): multiplied back
     here, the compiler knows
     each row's alignment and loads words or vectors instead of single elements (a stride is specialised
-    only when divisible by 16; 56 int4 channels are 28 bytes a token, 56 bf16 ones 56 elements)."""
+    only when divisible by 16; 56 int4 channels are 28 bytes a token, 56 bf16 ones 56 elements).
+    ``HAS_PRIOR``: the softmax starts from an attention over other keys, its latent output at ``PRIOR_O``
+    (laid out as ``OUT``) and log-sum-exp at ``PRIOR_LSE``: ``m = lse·log2(e)``, ``ℓ = 1``, ``acc = o``
+    (``ℓ = 0`` where that saw no key), in the first split only, so the result is attention over both sets
+    (the merge of two calls, without its kernels)."""
     stride_kn = stride_kn * K_UNIT
     stride_vn = stride_vn * V_UNIT
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
@@ -825,6 +847,11 @@ def _lowrank_attn_fwd(
     acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)  # finite: a fully masked tile gives p = 0, not NaN
+    if HAS_PRIOR:
+        first = (q_idx * 0 + pid_s) == 0  # the first split only ([BLOCK_M]: the interpreter masks by tensors)
+        acc, l_i, m_i = _prior_state(PRIOR_O, PRIOR_LSE, b, g * GROUP + head, q_idx, row_ok & first,
+                                     stride_ob, stride_oh, stride_on, stride_od, stride_prb, stride_prh,
+                                     stride_prn, acc, l_i, m_i, R_V, R_V_P2)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
@@ -1037,6 +1064,23 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
                            "backend takes the reference where a gradient is needed")
 
 
+def _check_prior(prior, q: torch.Tensor, r_v: int, width: int, P_v) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prior`` as the kernel reads it: a latent output ``[B, H, Nq, r_v]`` in the queries' dtype, padded
+    with zeros to the value latents' ``width`` (a prefill pads odd ranks), and its log-sum-exp
+    ``[B, H, Nq]`` float32, both contiguous."""
+    o, lse = prior
+    B, H, Nq, _ = q.shape
+    if P_v is not None:
+        raise ValueError("prior= continues an attention in the latent space: pass P_v=None (and apply P_v "
+                         "after, or fold it into o_proj)")
+    if tuple(o.shape) != (B, H, Nq, r_v) or tuple(lse.shape) != (B, H, Nq):
+        raise ValueError(f"prior= must be a latent output [B, H, Nq, r_v] = {(B, H, Nq, r_v)} and its "
+                         f"log-sum-exp [B, H, Nq], got {tuple(o.shape)} and {tuple(lse.shape)}")
+    if o.device != q.device or lse.device != q.device:
+        raise ValueError(f"prior= must be on the queries' device {q.device}")
+    return F.pad(o.to(q.dtype), (0, width - r_v)).contiguous(), lse.float().contiguous()
+
+
 def _row_unit(z: torch.Tensor) -> int:
     """The largest power of two up to 8 that divides a token stride the compiler cannot specialise (not a
     multiple of 16), else 1: see ``K_UNIT`` in :func:`_lowrank_attn_fwd`."""
@@ -1050,7 +1094,7 @@ def _unit_strides(z: torch.Tensor, unit: int) -> tuple[int, ...]:
 
 
 def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg,
-            return_lse=False):
+            return_lse=False, prior=None):
     B, H, Nq, d = q.shape
     G, Nk, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
     r_v = z_v.shape[3]
@@ -1103,10 +1147,11 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     out_strides = out.stride()
     _lowrank_attn_fwd[(m_blocks, B * G, splits)](
         q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, n_valid_t, out, part_o, part_ml, locks,
-        sk, lk, sv, lv, lse,
+        sk, lk, sv, lv, lse, *(prior if prior is not None else (out, lse)),
         *q.stride(), *_unit_strides(z_k, k_unit), *_unit_strides(z_v, v_unit), *sk_strides, *sv_strides,
         *P_k.stride(), *pv_strides,
         *pos_strides, *bias_strides, *out_strides, *(lse.stride()[:3] if return_lse else (0, 0, 0)),
+        *(prior[1].stride() if prior is not None else (0, 0, 0)),
         Nq, Nk, G, rows_pad, scale * LOG2E, float(rope.attention_scaling) if pre else 1.0,
         GROUP=group, HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=r_k_p2, R_V_P2=r_v_p2,
         BLOCK_M=block_m, BLOCK_N=block_n,
@@ -1128,6 +1173,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
+        HAS_PRIOR=prior is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return (out, lse) if return_lse else out
@@ -1161,6 +1207,7 @@ def lowrank_attention(
     nibble_fold: bool | None = None,
     keys_left: bool | None = None,
     return_lse: bool = False,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
@@ -1200,6 +1247,8 @@ def lowrank_attention(
     Returns
     -------
     ``[B, H, Nq, d]`` (or ``[B, H, Nq, r_v]``) in ``q.dtype``; a row with no visible key is 0. With
+    ``prior`` (``o``, ``lse``), an attention over other keys (latent output, ``P_v=None``), the result is
+    attention over both key sets, as :func:`~stiefkv.kernels._common.merge_by_lse` would give. With
     ``return_lse``, also each row's log-sum-exp of its scaled logits ``[B, H, Nq]`` (float32, −inf for a row
     with no visible key), to merge it with attention over other keys.
     """
@@ -1249,8 +1298,10 @@ def lowrank_attention(
         # r 56/24 at 76 and 150 rows, 2026-12-01), as the codes' prefill did (above).
         cfg["prefetch"] = False
     scale = d**-0.5 if scale is None else float(scale)
+    if prior is not None:
+        prior = _check_prior(prior, q, r_v, z_v.shape[3], P_v)
     out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale,
-                  cfg, return_lse)
+                  cfg, return_lse, prior)
     out, lse = out if return_lse else (out, None)
     if P_v is None and z_v.shape[3] != r_v:  # latent output of a padded value rank
         out = out[..., :r_v].contiguous()

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, as_float_latents
+from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, as_float_latents, merge_by_lse
 
 __all__ = ["KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec", "attention_kl", "key_padding_mask",
            "lowrank_attention", "rebuild_keys", "rope_cos_sin", "rotate"]
@@ -76,6 +76,7 @@ def lowrank_attention(
     scale: float | None = None,
     exact: ExactTail | None = None,
     return_lse: bool = False,
+    prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """Softmax attention over a latent KV cache.
 
@@ -99,6 +100,9 @@ def lowrank_attention(
         from its exact latents instead of the quantized ones.
     return_lse : also return each row's log-sum-exp of its scaled, biased, masked logits ``[B, H, Nq]``
         (float32; −inf for a row with no visible key); with ``exact``, of the logits it reads.
+    prior : ``(o, lse)`` of an attention over other keys (its output, in the same space as this one's, and
+        log-sum-exp ``[B, H, Nq]``): the result is the attention over both key sets, merged by
+        :func:`~stiefkv.kernels._common.merge_by_lse` (and the log-sum-exp of both).
 
     Returns
     -------
@@ -106,6 +110,12 @@ def lowrank_attention(
     """
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    if prior is not None:
+        out, lse = lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=key_mode, positions=positions, rope=rope,
+                                     bias=bias, causal=causal, lengths=lengths, n_valid=n_valid, scale=scale,
+                                     exact=exact, return_lse=True)
+        merged = merge_by_lse(prior[0], prior[1], out, lse, q.dtype)
+        return (merged, torch.logaddexp(prior[1].float(), lse)) if return_lse else merged
     z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
     if n_valid is not None:
         n = int(n_valid.reshape(-1)[0])

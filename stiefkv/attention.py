@@ -26,7 +26,6 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask
 from stiefkv.kernels import RopeSpec
-from stiefkv.kernels._common import merge_by_lse
 from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
@@ -144,17 +143,16 @@ class LowRankAttention(nn.Module):
 
 
     def _attend_split(self, q: torch.Tensor, split: RingSplit, positions: torch.Tensor) -> torch.Tensor:
-        """Decode attention over codes read in place and the exact ring beside them, merged by their
-        log-sum-exp (:func:`~stiefkv.kernels._common.merge_by_lse`), the softmax over both key sets."""
-        common = dict(key_mode=self.key_mode, rope=self.rope, scale=self.scaling, backend=self.backend,
-                      return_lse=True)
+        """Decode attention over codes read in place, then over the exact ring beside them continuing the
+        same softmax (``prior=``: the kernel starts from the first call's output and log-sum-exp, so no
+        merge kernels run between the two)."""
+        common = dict(key_mode=self.key_mode, rope=self.rope, scale=self.scaling, backend=self.backend)
         o1, l1 = kernels.lowrank_attention(q, split.codes_k, split.codes_v, self.key_basis(q.dtype), None,
                                            positions=positions, lengths=split.codes_lengths,
-                                           n_valid=split.n_codes, causal=True, **common)
-        o2, l2 = kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
-                                           None, positions=split.ring_positions, bias=split.ring_bias,
-                                           causal=False, **common)
-        return merge_by_lse(o1, l1, o2, l2, q.dtype)
+                                           n_valid=split.n_codes, causal=True, return_lse=True, **common)
+        return kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
+                                         None, positions=split.ring_positions, bias=split.ring_bias,
+                                         causal=False, prior=(o1, l1), **common)
 
 
 class FoldedKV(NamedTuple):

@@ -522,6 +522,55 @@ def test_log_sum_exp_matches_the_reference(path, Nq, splits, codes, key_mode):
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("path,Nq,splits,codes,dtype", [
+    ("decode", 1, 1, True, torch.bfloat16), ("decode_split", 1, 3, False, torch.bfloat16),
+    ("decode_int4_split", 1, 2, 4, torch.bfloat16), ("decode_fp32", 1, 1, False, torch.float32),
+    ("prefill", 19, 1, False, torch.bfloat16)], ids=lambda v: str(v).removeprefix("torch."))
+def test_prior_continues_the_softmax(path, Nq, splits, codes, dtype, key_mode):
+    """``prior=(o, lse)`` of an attention over the first keys, then a call over the rest: the whole
+    attention (and its log-sum-exp), as the reference gives it; rows the prior saw nothing of (left padding
+    past the first keys) and rows the second call sees nothing of both come out right. Odd value rank 40 (a
+    prefill pads it to 64, and the prior with it)."""
+    B, H, G, Nk, r_k, r_v = 3, 12, 3, 70, 24, 40
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, 64, r_k, r_v, dtype)
+    q, z_k, z_v, P_k, P_v = args
+    if codes:
+        bits = 4 if codes == 4 else 8
+        z_k, z_v = quantize_latents(z_k, bits), quantize_latents(z_v, 4)
+    lengths = torch.tensor([Nk, 20, 45], device=DEVICE)  # row 1: all its keys in the second part
+    cut = 40
+    first = dict(kwargs, key_mode=key_mode, causal=False, bias=None,
+                 lengths=(lengths - (Nk - cut)).clamp(min=0),
+                 n_valid=torch.tensor([cut], dtype=torch.int32, device=DEVICE))
+    # the second part: keys cut..Nk through a bias that hides the first part (the ring view's way)
+    hide = torch.where(torch.arange(Nk, device=DEVICE) >= cut, 0.0, float("-inf"))
+    second = dict(kwargs, key_mode=key_mode, causal=Nq > 1, lengths=lengths,
+                  bias=(kwargs["bias"] + hide).contiguous())
+    if Nq > 1:  # a causal prefill over both parts: the first part is older than every query
+        first["n_valid"] = None
+        first["lengths"] = None
+        z_k1, z_v1 = z_k[:, :, :cut], z_v[:, :, :cut]
+    with torch.no_grad():
+        if Nq > 1:
+            head = dict(first, positions=first["positions"][:, :cut])
+            o1, l1 = lk.lowrank_attention(q, z_k1, z_v1, P_k, None, **head, return_lse=True)
+        else:
+            o1, l1 = lk.lowrank_attention(q, z_k, z_v, P_k, None, **first, num_splits=splits, return_lse=True)
+        out, lse = lk.lowrank_attention(q, z_k, z_v, P_k, None, **second, num_splits=splits, return_lse=True,
+                                        prior=(o1, l1))
+        ref_out, ref_lse = reference(q, z_k, z_v, P_k, None, **second, return_lse=True, prior=(o1, l1))
+    assert torch.isinf(l1[1]).all() if Nq == 1 else True  # row 1 saw nothing in the first part
+    atol, rtol = TOL[dtype]
+    assert_close(out, ref_out, atol=atol, rtol=rtol, what=f"{path} prior")
+    assert_close(lse, ref_lse, atol=max(atol, 1e-3), rtol=1e-3, what=f"{path} prior lse")
+    if Nq == 1:  # the two parts are the whole cache (first part's bias aside: none there)
+        whole = reference(q, z_k, z_v, P_k, None, **dict(second, bias=kwargs["bias"] * (hide == 0)))
+        assert_close(out, whole, atol=2 * atol, rtol=2 * rtol, what=f"{path} prior = whole")
+    with pytest.raises(ValueError, match="latent"):
+        lk.lowrank_attention(q, z_k, z_v, P_k, P_v, **second, prior=(o1, l1))
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", QUANT_CASES[::3], ids=lambda c: c[0])
 def test_codes_under_fp32_queries_stay_fp32(case, key_mode):
     """fp32 queries over int8 or int4 keys and int4 values (and over those keys beside fp32 values): the codes
