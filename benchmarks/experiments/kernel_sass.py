@@ -61,6 +61,8 @@ POINTERS = {
     "SV": "fp16",
     "LV": "fp16",
     "LSE": "fp32",
+    "PRIOR_O": "bf16",
+    "PRIOR_LSE": "fp32",
 }
 
 
