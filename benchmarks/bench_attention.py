@@ -73,7 +73,9 @@ QUANT_SWEEP = [
     {"nibbles": False},
     {"nibble_rebuild": False},
     {"nibble_fold": False},
-    # pre_rope: the rotated keys as the logits dot's left operand, from registers (2026-12-02, third session)
+    # pre_rope: the rotated keys as the logits dot's left operand, from registers (2026-12-02, third session;
+    # the default over float latents and int4 keys since)
+    {"keys_left": False},
     {"keys_left": True},
     {"keys_left": True, "num_stages": 4},
     {"keys_left": True, "block_n": 128},

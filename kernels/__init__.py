@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, merge_by_lse
+from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, check_prior, merge_by_lse
 from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
 
@@ -127,7 +127,8 @@ def lowrank_attention(
     ``"triton"`` refuses such inputs. See ``lowrank.py`` for what the kernel supports (power-of-two head
     dims ≥ 32, GQA groups ≤ 16); outside that it raises ``ValueError`` rather than falling back.
     """
-    tensors = (q, P_k, P_v, bias, *(z for z in (z_k, z_v) if isinstance(z, torch.Tensor)))
+    prior_tensors = prior if isinstance(prior, (tuple, list)) else ()
+    tensors = (q, P_k, P_v, bias, *(t for t in (z_k, z_v, *prior_tensors) if isinstance(t, torch.Tensor)))
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
     kwargs = dict(key_mode=key_mode, positions=positions, rope=rope, bias=bias, causal=causal,
                   lengths=lengths, n_valid=n_valid, scale=scale, return_lse=return_lse)
@@ -141,6 +142,7 @@ def lowrank_attention(
         from . import lowrank
 
         if prior is not None and P_v is not None:  # the kernel continues a softmax in the latent space only
+            check_prior(prior, q, q.shape[3])
             out, lse = lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **dict(kwargs, return_lse=True,
                                                                               prior=None))
             merged = merge_by_lse(prior[0], prior[1], out, lse, q.dtype)

@@ -48,6 +48,22 @@ class ExactTail(NamedTuple):
     value_from: torch.Tensor
 
 
+def check_prior(prior, q: torch.Tensor, width: int) -> None:
+    """A ``prior=`` argument: an output ``[B, H, Nq, width]`` (``d`` with ``P_v``, else ``r_v``) and its
+    log-sum-exp ``[B, H, Nq]`` on the queries' device; a clear error otherwise."""
+    if not (isinstance(prior, (tuple, list)) and len(prior) == 2
+            and all(isinstance(t, torch.Tensor) for t in prior)):
+        raise ValueError("prior= must be a pair (o, lse) of tensors: an attention's output and its "
+                         "log-sum-exp (lowrank_attention(..., return_lse=True))")
+    o, lse = prior
+    B, H, Nq, _ = q.shape
+    if tuple(o.shape) != (B, H, Nq, width) or tuple(lse.shape) != (B, H, Nq):
+        raise ValueError(f"prior= must be an output [B, H, Nq, {width}] = {(B, H, Nq, width)} and its "
+                         f"log-sum-exp [B, H, Nq], got {tuple(o.shape)} and {tuple(lse.shape)}")
+    if o.device != q.device or lse.device != q.device:
+        raise ValueError(f"prior= must be on the queries' device {q.device}, got {o.device} and {lse.device}")
+
+
 def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
     """Attention over two disjoint key sets from each one's output ``[..., n, r]`` and log-sum-exp

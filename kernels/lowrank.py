@@ -47,6 +47,7 @@ from stiefkv.kernels._common import (
     QuantizedLatents,
     RopeSpec,
     as_float_latents,
+    check_prior,
     interpreting,
     padded_dim,
 )
@@ -1015,7 +1016,8 @@ def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tenso
     return torch.empty(B, G, N, r, device="meta", dtype=q.dtype)
 
 
-def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid=None) -> None:
+def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid=None,
+                  prior=None) -> None:
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
     if q.dim() != 4 or z_k.dim() != 4 or z_v.dim() != 4:
@@ -1057,7 +1059,8 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
     # Batch and head offsets are int64 in the kernels; offsets along the keys of one (row, head) are int32.
     if max(Nk * z_k.stride(2), Nk * z_v.stride(2), q.shape[2] * q.stride(2)) >= 2**31:
         raise ValueError("one (batch row, head) of the cache spans more than 2**31 elements; split the call")
-    tensors = [t for t in (q, z_k, z_v, P_k, P_v, bias) if t is not None]
+    prior = tuple(prior) if isinstance(prior, (tuple, list)) else ()
+    tensors = [t for t in (q, z_k, z_v, P_k, P_v, bias, *prior) if isinstance(t, torch.Tensor)]
     if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
         raise RuntimeError("the Triton low-rank attention is inference-only (no backward); call it under "
                            "torch.no_grad() or through stiefkv.kernels.lowrank_attention, whose 'auto' "
@@ -1068,17 +1071,16 @@ def _check_prior(prior, q: torch.Tensor, r_v: int, width: int, P_v) -> tuple[tor
     """``prior`` as the kernel reads it: a latent output ``[B, H, Nq, r_v]`` in the queries' dtype, padded
     with zeros to the value latents' ``width`` (a prefill pads odd ranks), and its log-sum-exp
     ``[B, H, Nq]`` float32, both contiguous."""
-    o, lse = prior
-    B, H, Nq, _ = q.shape
     if P_v is not None:
         raise ValueError("prior= continues an attention in the latent space: pass P_v=None (and apply P_v "
-                         "after, or fold it into o_proj)")
-    if tuple(o.shape) != (B, H, Nq, r_v) or tuple(lse.shape) != (B, H, Nq):
-        raise ValueError(f"prior= must be a latent output [B, H, Nq, r_v] = {(B, H, Nq, r_v)} and its "
-                         f"log-sum-exp [B, H, Nq], got {tuple(o.shape)} and {tuple(lse.shape)}")
-    if o.device != q.device or lse.device != q.device:
-        raise ValueError(f"prior= must be on the queries' device {q.device}")
-    return F.pad(o.to(q.dtype), (0, width - r_v)).contiguous(), lse.float().contiguous()
+                         "after, or fold it into o_proj), or call stiefkv.kernels.lowrank_attention, which "
+                         "merges the two outputs")
+    check_prior(prior, q, r_v)
+    o, lse = prior
+    o = o.to(q.dtype)
+    if width > r_v:  # a pad of nothing would still copy: one kernel a layer in the split decode
+        o = F.pad(o, (0, width - r_v))
+    return o.contiguous(), lse.float().contiguous()
 
 
 def _row_unit(z: torch.Tensor) -> int:
@@ -1242,7 +1244,8 @@ def lowrank_attention(
         logits. Both ``None``: on with ``nibbles`` (see :func:`_default_config`).
         ``keys_left`` (``pre_rope``): the logits as ``(k qᵀ)ᵀ``, the rebuilt and rotated keys the dot's
         left operand read from registers, instead of ``q kᵀ`` with the keys staged through shared memory;
-        ``None``: on for decode over bf16 latents and int4 key codes (see :func:`_default_config`).
+        ``None``: on for decode over float latents (measured: bf16) and int4 key codes (measured: token
+        layout, float16 scales), off over 8-, 3- and 2-bit keys (see :func:`_default_config`).
 
     Returns
     -------
@@ -1257,7 +1260,7 @@ def lowrank_attention(
                            "TRITON_INTERPRET=1); stiefkv.kernels.lowrank_attention picks the reference here")
     k_meta = _check_codes(z_k, "z_k", q) if isinstance(z_k, QuantizedLatents) else z_k
     v_meta = _check_codes(z_v, "z_v", q) if isinstance(z_v, QuantizedLatents) else z_v
-    _check_inputs(q, k_meta, v_meta, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid)
+    _check_inputs(q, k_meta, v_meta, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid, prior)
     B, H, Nq, d = q.shape
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)

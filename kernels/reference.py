@@ -10,7 +10,15 @@ from __future__ import annotations
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, as_float_latents, merge_by_lse
+from ._common import (
+    KEY_MODES,
+    ExactTail,
+    QuantizedLatents,
+    RopeSpec,
+    as_float_latents,
+    check_prior,
+    merge_by_lse,
+)
 
 __all__ = ["KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec", "attention_kl", "key_padding_mask",
            "lowrank_attention", "rebuild_keys", "rope_cos_sin", "rotate"]
@@ -111,6 +119,7 @@ def lowrank_attention(
     if key_mode not in KEY_MODES:
         raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
     if prior is not None:
+        check_prior(prior, q, q.shape[3] if P_v is not None else z_v.shape[3])
         out, lse = lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=key_mode, positions=positions, rope=rope,
                                      bias=bias, causal=causal, lengths=lengths, n_valid=n_valid, scale=scale,
                                      exact=exact, return_lse=True)

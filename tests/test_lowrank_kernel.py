@@ -570,6 +570,35 @@ def test_prior_continues_the_softmax(path, Nq, splits, codes, dtype, key_mode):
         lk.lowrank_attention(q, z_k, z_v, P_k, P_v, **second, prior=(o1, l1))
 
 
+def test_prior_bad_input_and_gradients():
+    """A prior of the wrong shape, not a pair or on another device is refused by both backends with a
+    message naming it; a prior that needs a gradient keeps ``auto`` on the reference (which carries the
+    gradient) and is refused by the kernel, which has no backward."""
+    from stiefkv import kernels
+
+    args, kwargs = make_inputs(2, 8, 2, 3, 30, 32, 8, 16, torch.float32)
+    q, z_k, z_v, P_k, P_v = args
+    kwargs = dict(kwargs, key_mode="pre_rope")
+    o = torch.randn(2, 8, 3, 16, device=DEVICE)
+    lse = torch.randn(2, 8, 3, device=DEVICE)
+    for backend in ("triton", "reference"):
+        with torch.no_grad():
+            with pytest.raises(ValueError, match=r"prior= must be an output \[B, H, Nq, 16\]"):
+                kernels.lowrank_attention(q, z_k, z_v, P_k, None, **kwargs, backend=backend,
+                                          prior=(o, lse[:, :, :1]))
+            with pytest.raises(ValueError, match="pair"):
+                kernels.lowrank_attention(q, z_k, z_v, P_k, None, **kwargs, backend=backend, prior=o)
+            with pytest.raises(ValueError, match=r"\[B, H, Nq, 32\]"):  # with P_v: an output in d dims
+                kernels.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs, backend=backend, prior=(o, lse))
+    o.requires_grad_()
+    out = kernels.lowrank_attention(q, z_k, z_v, P_k, None, **kwargs, backend="auto", prior=(o, lse))
+    assert out.requires_grad
+    out.sum().backward()
+    assert o.grad is not None and torch.isfinite(o.grad).all() and o.grad.abs().sum() > 0
+    with pytest.raises(RuntimeError, match="inference-only"):
+        kernels.lowrank_attention(q, z_k, z_v, P_k, None, **kwargs, backend="triton", prior=(o, lse))
+
+
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", QUANT_CASES[::3], ids=lambda c: c[0])
 def test_codes_under_fp32_queries_stay_fp32(case, key_mode):
