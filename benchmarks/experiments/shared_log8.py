@@ -13,19 +13,15 @@ The served cache (``LatentCache``, the kernels) is not patched: these checkpoint
 
 from __future__ import annotations
 
-import argparse
 import math
-import time
 
 import torch
 
-import stiefkv
 import stiefkv.attention as attention
 import stiefkv.calibrate.profile as profile
 import stiefkv.calibrate.rotation as rotation
 import stiefkv.layers as layers
 from stiefkv import quant
-from stiefkv.evaluate import evaluate
 
 PLAIN_FAKE_QUANT = quant.fake_quant
 PLAIN_CACHE_BYTES = quant.QuantSpec.cache_bytes
@@ -67,35 +63,15 @@ def patch(shared: bool, heads: int) -> None:
     quant.QuantSpec.cache_bytes = shared_cache_bytes(heads) if shared else PLAIN_CACHE_BYTES
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("--budget", type=float, default=0.0625)
-    ap.add_argument("--control", action="store_true", help="also calibrate and score without the patches")
-    ap.add_argument("--windows", type=int, default=None)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--extra", default="", help="calibration keywords, e.g. seq_len=128,num_sequences=16")
-    args = ap.parse_args()
-    extra = {}
-    for item in filter(None, args.extra.split(",")):
-        key, value = item.split("=")
-        extra[key] = int(value) if value.isdigit() else value
-    model, tok = stiefkv.load_model(args.model, device=args.device)
-    heads = model.config.num_key_value_heads
-    for shared in ([True, False] if args.control else [True]):
-        patch(shared, heads)
-        t = time.perf_counter()
-        proj = stiefkv.calibrate(model, tok, budget=args.budget, **extra)
-        took = time.perf_counter() - t
-        with torch.no_grad():
-            r = evaluate(model, tok, proj, limit=args.windows, layer_errors=False)
-        storages = sorted({str(s) for pair in proj.specs for s in pair})
-        print(f"budget {args.budget} {'shared' if shared else 'per-head'} log8 scales: PPL {r.ppl:.3f} "
-              f"(uncompressed {r.ppl_original:.3f}), next-token KL {r.next_token_kl:.4f}, "
-              f"{r.windows} windows, bytes {proj.kv_bytes_per_token():.0f} / token, "
-              f"calibration {took:.0f} s, storages {storages}", flush=True)
-    patch(False, heads)
+HEADS = {}
+
+
+def patch_heads(on: bool) -> None:
+    patch(on, HEADS["G"])
 
 
 if __name__ == "__main__":
-    main()
+    import patched_arms  # benchmarks/experiments/: the script's folder is first on sys.path
+
+    patched_arms.run(__doc__, patch_heads, ("shared log8 scales", "per-head log8 scales"),
+                     setup=lambda model: HEADS.update(G=model.config.num_key_value_heads))
