@@ -18,7 +18,7 @@ import logging
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, check_prior, merge_by_lse
+from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, check_prior, merge_by_lse, merge_prior
 from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
 
@@ -145,8 +145,7 @@ def lowrank_attention(
             check_prior(prior, q, q.shape[3])
             out, lse = lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **dict(kwargs, return_lse=True,
                                                                               prior=None))
-            merged = merge_by_lse(prior[0], prior[1], out, lse, q.dtype)
-            return (merged, torch.logaddexp(prior[1].float(), lse)) if return_lse else merged
+            return merge_prior(prior, out, lse, q.dtype, return_lse)
         return lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs)
     return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, **kwargs)
 

@@ -64,6 +64,14 @@ def check_prior(prior, q: torch.Tensor, width: int) -> None:
         raise ValueError(f"prior= must be on the queries' device {q.device}, got {o.device} and {lse.device}")
 
 
+def merge_prior(prior, o: torch.Tensor, lse: torch.Tensor, dtype: torch.dtype, return_lse: bool):
+    """An attention ``o``, ``lse`` over some keys merged with a ``prior`` ``(o, lse)`` over others (what
+    ``prior=`` asks where no kernel continues the softmax): the output, and the joint log-sum-exp when
+    ``return_lse``."""
+    merged = merge_by_lse(prior[0], prior[1], o, lse, dtype)
+    return (merged, torch.logaddexp(prior[1].float(), lse)) if return_lse else merged
+
+
 def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor,
                  dtype: torch.dtype) -> torch.Tensor:
     """Attention over two disjoint key sets from each one's output ``[..., n, r]`` and log-sum-exp

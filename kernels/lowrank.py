@@ -741,9 +741,8 @@ def _lowrank_attn_fwd(
     dequantized in registers; 16: float latents. ``DTYPE``: the latents' dtype (fp16 for key codes),
     in which the tiles meet the tensor cores. ``stride_kn``/``stride_vn`` arrive divided by
     ``K_UNIT``/``V_UNIT`` (:func:`_row_unit`: 2-8 for token strides not a multiple of 16): multiplied back
-    here, the compiler knows
-    each row's alignment and loads words or vectors instead of single elements (a stride is specialised
-    only when divisible by 16; 56 int4 channels are 28 bytes a token, 56 bf16 ones 56 elements).
+    here, the compiler knows each row's alignment and loads words or vectors instead of single elements
+    (a stride is specialised only when divisible by 16; 56 int4 channels are 28 bytes a token).
     ``HAS_PRIOR``: the softmax starts from an attention over other keys, its latent output at ``PRIOR_O``
     (laid out as ``OUT``) and log-sum-exp at ``PRIOR_LSE``: ``m = lse·log2(e)``, ``ℓ = 1``, ``acc = o``
     (``ℓ = 0`` where that saw no key), in the first split only, so the result is attention over both sets

@@ -17,7 +17,7 @@ from ._common import (
     RopeSpec,
     as_float_latents,
     check_prior,
-    merge_by_lse,
+    merge_prior,
 )
 
 __all__ = ["KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec", "attention_kl", "key_padding_mask",
@@ -123,8 +123,7 @@ def lowrank_attention(
         out, lse = lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=key_mode, positions=positions, rope=rope,
                                      bias=bias, causal=causal, lengths=lengths, n_valid=n_valid, scale=scale,
                                      exact=exact, return_lse=True)
-        merged = merge_by_lse(prior[0], prior[1], out, lse, q.dtype)
-        return (merged, torch.logaddexp(prior[1].float(), lse)) if return_lse else merged
+        return merge_prior(prior, out, lse, q.dtype, return_lse)
     z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
     if n_valid is not None:
         n = int(n_valid.reshape(-1)[0])
