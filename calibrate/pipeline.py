@@ -86,6 +86,9 @@ class CalibrationConfig:
     log8 : offer, beside each per-token storage, the same codes on one 8-bit power-of-two scale per group,
         symmetric about zero (1 byte a group instead of a float16 scale and low: 4). Their KL is predicted
         from the per-token anchors' by quantization noise, so profiling costs no more model tails.
+    window8 : hold every quantized latent's exact tokens (the ``recent`` newest, a channel group still
+        filling) as int8 codes on log8 scales instead of bf16 (1 + 1/64 bytes a channel instead of 2); the
+        knapsack spends what they save. The tokens leaving the window are quantized from those codes.
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
         dominant channel over all, so one scale per token fits them).
     quant_aware : refine the bases with the quantizer in the loss (straight-through gradient).
@@ -143,6 +146,7 @@ class CalibrationConfig:
     learn_rotation: bool = False
     kernel_storage: bool = False
     log8: bool = True
+    window8: bool = True
 
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
@@ -298,7 +302,8 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
         widths = KERNEL_BITS if cfg.bits == "auto" else (int(cfg.bits),)
         return {which: [QuantSpec(b, "token", mse=mse_for(cfg.mse, which) and b <= MSE_BITS) for b in widths]
                 + bf16 for which in ("k", "v")}
-    return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which), cfg.recent, cfg.log8) + bf16
+    return {which: storage_candidates(cfg.bits, mse_for(cfg.mse, which), cfg.recent, cfg.log8,
+                                         cfg.window8) + bf16
             for which in ("k", "v")}
 
 

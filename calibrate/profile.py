@@ -82,15 +82,17 @@ def mse_for(mse: str, which: str) -> bool:
     return mse == "all" or (mse == "values" and which == "v")
 
 
-def storage_candidates(bits, mse: bool = False, recent: int = 0, log8: bool = False) -> list[QuantSpec]:
+def storage_candidates(bits, mse: bool = False, recent: int = 0, log8: bool = False,
+                       window8: bool = False) -> list[QuantSpec]:
     """The quantized storages a ``bits`` setting profiles: every bit width and layout for ``auto``, both
     layouts of one width for a number, none for 16; with ``mse``, those of :data:`MSE_BITS` bits and fewer
     encode each group on its least-squared-error range; each keeps its ``recent`` newest tokens exact. With
-    ``log8``, each per-token storage not searching its range comes with log8 scales too."""
+    ``log8``, each per-token storage not searching its range comes with log8 scales too; with ``window8``
+    every storage holds its exact tokens in int8."""
     widths = QUANT_BITS if bits == "auto" else tuple(b for b in (int(bits),) if b < 16)
-    specs = [QuantSpec(b, layout, mse=mse and b <= MSE_BITS, recent=recent)
+    specs = [QuantSpec(b, layout, mse=mse and b <= MSE_BITS, recent=recent, window8=window8)
              for b in widths for layout in LAYOUTS]
-    return specs + [QuantSpec(s.bits, s.layout, recent=recent, log8=True) for s in specs
+    return specs + [QuantSpec(s.bits, s.layout, recent=recent, log8=True, window8=window8) for s in specs
                     if log8 and s.layout == "token" and not s.mse]
 
 
@@ -194,7 +196,7 @@ def predict_storage_kl(noise: float, anchors: list[tuple[float, float]]) -> floa
 
 def _family(spec: QuantSpec) -> tuple:
     """What storages share but their width: their KLs are predicted from each other's."""
-    return spec.layout, spec.mse, spec.recent
+    return spec.layout, spec.mse, spec.recent, spec.window8
 
 
 @torch.no_grad()

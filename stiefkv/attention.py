@@ -29,7 +29,7 @@ from stiefkv.kernels import RopeSpec
 from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
-from stiefkv.quant import FLOAT, QuantSpec, fake_quant
+from stiefkv.quant import FLOAT, QuantSpec, fake_quant, held_exact
 from stiefkv.static_cache import RingSplit, StaticLatentCache, transformers_static_length
 
 log = logging.getLogger(__name__)
@@ -117,7 +117,7 @@ class LowRankAttention(nn.Module):
             position_ids = torch.arange(past, past + N, device=hidden_states.device)[None]
         positions = position_ids.expand(B, N)
         q, z_k, z_v = self.latents(hidden_states, *position_embeddings)
-        tails = ((z_k, 0), (z_v, 0))
+        fresh, tails = (z_k, z_v), None
         if cache is not None:
             z_k, z_v, positions, lengths = cache.update_layer(z_k, z_v, self.layer_idx, positions,
                                                               attention_mask, quant=self.quant)
@@ -125,12 +125,14 @@ class LowRankAttention(nn.Module):
                 out = self._attend_split(q, z_k, positions)
                 out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
                 return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None
-            tails = cache.exact_tails(self.layer_idx) or tails
+            tails = cache.exact_tails(self.layer_idx)
         else:
             z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
         n_valid = cache.valid_count(q.device) if cache is not None else None  # a static cache's slots
         # a static cache quantizes every token as it is written: no query reads an exact band
+        if tails is None and N > 1:  # the exact latents as a cache would hold them (int8 for window8)
+            tails = tuple((held_exact(z, spec), 0) for z, spec in zip(fresh, self.quant))
         exact = exact_band(self.quant, N, (z_k, z_v), tails) if n_valid is None else None
         bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
         dtype = getattr(z_k, "dtype", q.dtype)  # codes of a static cache dequantize to the queries' dtype

@@ -18,7 +18,16 @@ import torch
 from torch import nn
 
 from stiefkv.kernels import reference
-from stiefkv.quant import FLOAT, GROUP, Quantized, QuantSpec, dequantize, quantize, quantized_length
+from stiefkv.quant import (
+    FLOAT,
+    GROUP,
+    WINDOW8,
+    Quantized,
+    QuantSpec,
+    dequantize,
+    quantize,
+    quantized_length,
+)
 
 
 def _dynamic_cache_class():
@@ -211,13 +220,14 @@ def _dynamic_layer_class():
 
 class LatentStore:
     """One latent of one layer in the cache, as its :class:`~stiefkv.quant.QuantSpec` says: float latents
-    as they are, or codes with their scales plus the float window of the tokens not quantized yet (the
-    ``recent`` newest, and a ``channel`` group still filling: :func:`~stiefkv.quant.quantized_length`)."""
+    as they are, or codes with their scales plus the window of the tokens not quantized yet (the ``recent``
+    newest, and a ``channel`` group still filling: :func:`~stiefkv.quant.quantized_length`), held as floats
+    or, for ``window8``, as int8 codes per token (:data:`~stiefkv.quant.WINDOW8`)."""
 
     def __init__(self, spec: QuantSpec):
         self.spec = spec
         self.codes: Quantized | None = None
-        self.window: torch.Tensor | None = None  # float latents not (yet) quantized
+        self.window: torch.Tensor | Quantized | None = None  # the tokens not (yet) quantized
         self.dtype: torch.dtype | None = None  # of the latents: a crop may bring codes back to the window
         # the exact latents the last append saw from the first token it found unquantized on, and that index
         self.tail: torch.Tensor | None = None
@@ -230,34 +240,51 @@ class LatentStore:
 
     @property
     def length(self) -> int:
-        return self.held + (0 if self.window is None else self.window.shape[-2])
+        return self.held + (0 if self.window is None else _tokens(self.window))
 
     @property
     def nbytes(self) -> int:
         codes = 0 if self.codes is None else self.codes.nbytes
         return codes + (0 if self.window is None else self.window.nbytes)
 
+    def _hold(self, z: torch.Tensor) -> torch.Tensor | Quantized:
+        """Exact tokens as the window holds them."""
+        return quantize(z, WINDOW8) if self.spec.window8 else z
+
+    def _window_latents(self) -> torch.Tensor | None:
+        """The window's tokens as exact latents read them (in the latents' dtype)."""
+        if self.window is None or isinstance(self.window, torch.Tensor):
+            return self.window
+        return dequantize(self.window, self.dtype)
+
     def append(self, z: torch.Tensor) -> None:
         """Add ``z`` ``[B, G, n, r]``; quantize what the spec no longer keeps exact. The exact latents of the
         window before the append plus ``z`` stay readable as :attr:`tail` until the next append."""
         self.dtype = z.dtype
-        window = z if self.window is None else torch.cat([self.window, z], -2)
+        if self.spec.window8 and self.spec.quantized:
+            # every token enters the window as int8 codes and leaves it quantized from them, however the
+            # tokens arrive: a prefill quantizes what decoding one by one would (quant.fake_quant)
+            new = self._hold(z)
+            held_window = new if self.window is None else _cat_codes(self.window, new)
+            window = dequantize(held_window, z.dtype)
+        else:
+            held_window = window = z if self.window is None else torch.cat([self.window, z], -2)
         # a band is needed only by a forward of several tokens; one token (decode) reads the cache as it is
         self.tail, self.tail_start = (window, self.held) if z.shape[-2] > 1 else (None, self.held)
         due = quantized_length(self.held + window.shape[-2], self.spec) - self.held
         if not self.spec.quantized or due <= 0:
-            self.window = window
+            self.window = held_window
             return
         new = quantize(window[..., :due, :], self.spec)
         self.codes = new if self.codes is None else _cat_codes(self.codes, new)
         # a copy, not a view: a view would keep the whole exact prefill alive
-        self.window = window[..., due:, :].clone() if due < window.shape[-2] else None
+        self.window = _drop_tokens(held_window, due) if due < window.shape[-2] else None
 
     def read(self, dtype: torch.dtype) -> torch.Tensor:
         """Every cached token's latent ``[B, G, N, r]`` in ``dtype`` (codes dequantized)."""
         parts = [] if self.codes is None else [dequantize(self.codes, dtype)]
         if self.window is not None:
-            parts.append(self.window.to(dtype))
+            parts.append(self._window_latents().to(dtype))
         return parts[0] if len(parts) == 1 else torch.cat(parts, -2)
 
     def map_rows(self, fn) -> None:
@@ -265,25 +292,43 @@ class LatentStore:
         if self.codes is not None:
             self.codes = self.codes.apply(fn)
         if self.window is not None:
-            self.window = fn(self.window)
+            self.window = self.window.apply(fn) if isinstance(self.window, Quantized) else fn(self.window)
         self.tail = None
 
     def keep(self, n: int) -> None:
         """Keep the first ``n`` tokens. A cut through the codes brings the kept tokens a cache of ``n`` would
-        hold exact (the newest, a group cut through) back to the float window, dequantized: a crop cannot
-        restore the precision they lost. A cut through the window keeps every code, so the cache may then
-        hold more tokens as codes, and fewer bytes, than a fresh cache of ``n``."""
+        hold exact (the newest, a group cut through) back to the window, dequantized: a crop cannot restore
+        the precision they lost. A cut through the window keeps every code, so the cache may then hold more
+        tokens as codes, and fewer bytes, than a fresh cache of ``n``."""
         self.tail = None
         if n >= self.length:
             return
         held = self.held
         if n >= held:
-            self.window = self.window[..., : n - held, :] if n > held else None
+            self.window = _first_tokens(self.window, n - held) if n > held else None
             return
         kept_codes = quantized_length(n, self.spec)
         tail = dequantize(self.codes, self.dtype)[..., kept_codes:n, :] if n > kept_codes else None
         self.codes = _slice_codes(self.codes, kept_codes) if kept_codes else None
-        self.window = tail
+        # codes brought back to an int8 window are held as int8 codes again (one more rounding)
+        self.window = None if tail is None else self._hold(tail)
+
+
+def _tokens(window: torch.Tensor | Quantized) -> int:
+    return window.length if isinstance(window, Quantized) else window.shape[-2]
+
+
+def _first_tokens(window: torch.Tensor | Quantized, n: int) -> torch.Tensor | Quantized:
+    if isinstance(window, Quantized):
+        return _slice_codes(window, n)
+    return window[..., :n, :]
+
+
+def _drop_tokens(window: torch.Tensor | Quantized, n: int) -> torch.Tensor | Quantized:
+    """The window without its first ``n`` tokens, copied (a view would keep the whole window alive)."""
+    if isinstance(window, Quantized):  # per-token codes: one scale row a token
+        return window.apply(lambda t: t[..., n:, :].clone())
+    return window[..., n:, :].clone()
 
 
 def _cat_codes(a: Quantized, b: Quantized) -> Quantized:

@@ -198,6 +198,9 @@ def main():
 @click.option("--log8/--no-log8", default=DEFAULTS["log8"], show_default=True,
               help="Offer per-token codes on one 8-bit power-of-two scale per group (symmetric, 1 byte a "
                    "group instead of 4) beside the float16 scale and low.")
+@click.option("--window8/--no-window8", default=DEFAULTS["window8"], show_default=True,
+              help="Hold the exact recent tokens (and a channel group still filling) as int8 codes instead "
+                   "of bf16; the bytes saved buy ranks and bits.")
 @click.option("--kernel-storage", is_flag=True, default=DEFAULTS["kernel_storage"],
               help="Choose only storages the fused decode kernel reads in place (2-8 bits per token, no "
                    "exact window; bf16 too with --bits auto): the fastest serving, at some quality per "

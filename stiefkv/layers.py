@@ -21,7 +21,7 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.kernels import ExactTail, RopeSpec
 from stiefkv.models import decoder_layers
-from stiefkv.quant import FLOAT, QuantSpec, exact_from, fake_quant
+from stiefkv.quant import FLOAT, QuantSpec, exact_from, fake_quant, held_exact
 
 NO_QUANT = (FLOAT, FLOAT)
 
@@ -147,7 +147,8 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
     z_k, z_v = to_latent(k, P_k), to_latent(v, P_v)
     stored = (fake_quant(z_k, quant[0], straight_through=straight_through),
               fake_quant(z_v, quant[1], straight_through=straight_through))
-    exact = exact_band(quant, N, stored, ((z_k, 0), (z_v, 0)))
+    exact = exact_band(quant, N, stored, tuple((held_exact(z, spec, straight_through=straight_through), 0)
+                                               for z, spec in ((z_k, quant[0]), (z_v, quant[1]))))
     out = kernels.lowrank_attention(q, *stored, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
                                     positions=positions, rope=rope, causal=True, lengths=None,
                                     scale=attn.scaling, exact=exact, backend=backend)

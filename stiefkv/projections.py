@@ -27,10 +27,11 @@ from stiefkv.quant import FLOAT, POSITION_BYTES, REFERENCE_CONTEXT, QuantSpec
 log = logging.getLogger(__name__)
 
 # 2 adds "tensors_sha256", 3 "quant", 4 least-squared-error encoders ("int2-token-mse"), 5 exact recent tokens
-# ("int4-token-r64"), 6 log8 scales ("int2-token-log8-r16"); each file is written at the lowest version that
-# holds it, so older StiefKV reads what it can; version 1 files load with a warning
-FORMAT_VERSION = 6
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6)
+# ("int4-token-r64"), 6 log8 scales ("int2-token-log8-r16"), 7 exact tokens held in int8
+# ("int2-channel-r16-w8"); each file is written at the lowest version that holds it, so older StiefKV reads
+# what it can; version 1 files load with a warning
+FORMAT_VERSION = 7
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
 KEY_MODES = ("pre_rope", "post_rope")
 # The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
 PROJECTIONS_FILE = "stiefkv_projections.safetensors"
@@ -220,10 +221,13 @@ class Projections:
     def format_version(self) -> int:
         """The lowest version that holds this checkpoint: 2 for bf16 latents, 3 for quantized ones, 4 when a
         latent's encoder searches its range (which version 3 readers do not know), 5 when a latent keeps its
-        recent tokens exact (which earlier readers would quantize), 6 when a latent has log8 scales."""
+        recent tokens exact (which earlier readers would quantize), 6 when a latent has log8 scales, 7 when
+        it holds its exact tokens in int8 (which earlier readers would keep in bf16)."""
         if not self.quantized:
             return 2
         specs = [s for pair in self.quant for s in pair]
+        if any(s.window8 for s in specs):
+            return 7
         if any(s.log8 for s in specs):
             return 6
         if any(s.recent for s in specs):
@@ -384,6 +388,9 @@ def _quant_of(doc: dict, path: Path) -> list[tuple[QuantSpec, QuantSpec]] | None
     if doc["format_version"] < 6 and any(s.log8 for pair in specs for s in pair):
         raise CheckpointError(f"{path} has a damaged StiefKV header: a storage with log8 scales in a format "
                               f"version {doc['format_version']} file (those are version 6)")
+    if doc["format_version"] < 7 and any(s.window8 for pair in specs for s in pair):
+        raise CheckpointError(f"{path} has a damaged StiefKV header: a storage with int8 exact tokens (-w8) "
+                              f"in a format version {doc['format_version']} file (those are version 7)")
     return specs
 
 

@@ -28,6 +28,7 @@ from stiefkv.quant import (
     LOG8_LARGEST,
     Quantized,
     QuantSpec,
+    held_exact,
     packed_bytes,
     quantize,
     quantized_length,
@@ -130,7 +131,9 @@ class WindowedCodes:
     """One latent of one layer stored as any :class:`~stiefkv.quant.QuantSpec` says: codes for the tokens a
     dynamic :class:`~stiefkv.cache.LatentStore` would hold quantized (all but the ``recent`` newest, and for
     ``channel`` but a group still filling: :func:`~stiefkv.quant.quantized_length`), and the exact latents of
-    the newest ``recent + GROUP`` tokens in a ring. Attention reads it dequantized, the exact tokens laid
+    the newest ``recent + GROUP`` tokens in a ring (for ``window8``, their int8 codes dequantized: the ring is
+    a constant ``recent + 64`` tokens, so it stays in the latents' dtype, holding what the dynamic cache's
+    int8 window reads). Attention reads it dequantized, the exact tokens laid
     over their codes (correct, not fast), where its partner is float; beside codes it decodes through
     :class:`RingSplit` (codes read in place beside the ring).
 
@@ -171,7 +174,8 @@ class WindowedCodes:
         n, device = z.shape[2], z.device
         held, due = quantized_length(start, self.spec), quantized_length(start + n, self.spec)
         before = self.ring.index_select(2, torch.arange(held, start, device=device) % self.window)
-        exact = torch.cat([before, z.to(self.ring.dtype)], 2)  # tokens held … start + n − 1
+        # tokens held … start + n − 1
+        exact = torch.cat([before, held_exact(z, self.spec).to(self.ring.dtype)], 2)
         self.tail = (exact, held)
         if due > held:
             codes = quantize(exact[:, :, : due - held], self.spec)
@@ -182,7 +186,7 @@ class WindowedCodes:
     def write_one(self, slot: torch.Tensor, z: torch.Tensor) -> None:
         """Token ``z`` ``[B, G, 1, r]`` at ``slot`` (``[1]`` long on the device), with no host count."""
         self.tail = None
-        self.ring.index_copy_(2, slot % self.window, z.to(self.ring.dtype))
+        self.ring.index_copy_(2, slot % self.window, held_exact(z, self.spec).to(self.ring.dtype))
         if _fused_write(self.spec, slot.device, self.backend):  # the same, in one launch
             _quantize_into(self, self.ring, slot, ring=(self.spec.recent, self.window))
             return

@@ -216,6 +216,7 @@ WINDOWED = [("int2-channel-r16", "int3-token-r16"), ("int4-token-r16", "int8-tok
             ("int3-token-r16", "int2-token-r16"), ("bf16", "int3-channel-r16"),
             ("int4-token-r40", "int8-token-r16"),  # two windows of different lengths
             ("int4-token-log8", "int2-token-log8-r16"),  # log8 scales, codes read in place
+            ("int2-channel-r16-w8", "int3-token-log8-r16-w8"),  # exact tokens held in int8
             ("int8-token-r16|int4-token-r40", "int8-token-r16|int8-token-r16")]  # layers unlike
 
 
@@ -321,7 +322,8 @@ def prefill_then_decode(model, cache, ids, mask, chunk: int, steps: int) -> list
 
 
 FUSED_WRITES = [("int8-token", "int4-token"), ("int4-token-log8", "int2-token-log8-r16"),
-                ("int8-token-r16", "int3-token-r16"), ("int2-channel-r16", "int4-token-r40")]
+                ("int8-token-r16", "int3-token-r16"), ("int2-channel-r16", "int4-token-r40"),
+                ("int4-channel-w8", "int2-token-log8-r16-w8")]
 
 
 @pytest.mark.parametrize("specs", FUSED_WRITES, ids=lambda s: "_".join(s))
