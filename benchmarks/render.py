@@ -78,11 +78,14 @@ class Results:
         return row
 
     def pick_like(self, name: str, case: str, like: dict) -> dict | None:
-        """The newest row of ``case`` scored and profiled as ``like`` was (the same ``scoring``, and the same
-        ``profile_storages``: rows before it was recorded measured every storage)."""
+        """The newest row of ``case`` scored, profiled and windowed as ``like`` was (the same ``scoring``, the
+        same ``profile_storages`` (rows before it was recorded measured every storage), and exact tokens
+        held in int8 or not: ``window8`` in ``like``, else as its storages say)."""
+        window8 = like.get("window8", window8_row(like))
         rows = [r for r in self.rows(name) if r.get("case") == case and measured_row(r)
                 and r.get("scoring") == like.get("scoring")
-                and r.get("profile_storages", "all") == like.get("profile_storages", "all")]
+                and r.get("profile_storages", "all") == like.get("profile_storages", "all")
+                and window8_row(r) == window8]
         if rows:
             self.used[id(rows[-1])] = (name, rows[-1])
         return rows[-1] if rows else None
@@ -97,6 +100,11 @@ class Results:
                     only is None or only(r.get("case", ""))):
                 seen.append(r.get("case"))
         return [self.pick(name, case, table) for case in seen]
+
+
+def window8_row(r: dict) -> bool:
+    """Whether a row's cache held its exact tokens in int8 (``-w8`` storages; rows before it: bf16)."""
+    return any(str(s).endswith("-w8") for pair in r.get("storage") or [] for s in pair)
 
 
 def measured_row(r: dict) -> bool:
@@ -943,6 +951,8 @@ def pareto_variants(res: Results) -> str:
             continue  # rows scored before the band of exact keys: docs/notes/quantized-latents.md
         # a variant that sets the profile itself is set against the default's (anchored) profile
         like = {**r, "profile_storages": "anchors"} if "profile_storages" in r.get("extra", {}) else r
+        if "window8" in r.get("extra", {}):  # likewise the bf16 exact tokens against the default's int8 ones
+            like = {**like, "window8": True}
         default = res.pick_like("pareto", f"auto {r['budget']}", like)
         against = f"default {default['ppl']:.2f}" if default else "–"
         if default is None:  # the equal-bytes rows: the baseline of those bytes
@@ -1034,7 +1044,7 @@ def pareto_claims(res: Results, claim) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ provenance
-COMMAND_CHARS = 40  # a longer command is cut here (each row keeps it whole)
+COMMAND_CHARS = 32  # a longer command is cut here (each row keeps it whole)
 
 
 def runs(res: Results) -> str:
@@ -1043,7 +1053,7 @@ def runs(res: Results) -> str:
     seen: dict[tuple, list] = {}
     for name, r in res.used.values():
         p = r.get("provenance") or ISSUE3_PROVENANCE
-        gpu = (p.get("gpu") or {}).get("name") or "CPU"
+        gpu = ((p.get("gpu") or {}).get("name") or "CPU").removeprefix("NVIDIA ")
         versions = " / ".join(p.get(k) or "–" for k in ("torch", "triton", "transformers"))
         commit = p.get("commit")
         key = (f"{name}.jsonl", commit or p.get("run_id") or p.get("date"), commit, gpu, versions,
@@ -1054,14 +1064,14 @@ def runs(res: Results) -> str:
     rows = []
     for (file, _, commit, gpu, versions, measured), (date, commands) in seen.items():
         more = f" (+{len(commands) - 1} more)" if len(commands) > 1 else ""
-        command = sorted(commands)[0]
+        command = re.sub(r"^python3? benchmarks/", "", sorted(commands)[0])  # the scripts' folder goes unsaid
         command = command if len(command) <= COMMAND_CHARS else command[:COMMAND_CHARS - 1] + "…"
-        date = re.sub(r"^(\d{4}-\d\d-\d\d \d\d:\d\d):\d\d", r"\1", date)  # minutes are enough
+        date = re.sub(r"^(\d{4}-\d\d-\d\d \d\d:\d\d):\d\d", r"\1", date).removesuffix(" UTC")  # minutes
         rows.append([f"`{file}`", date, gpu, f"`{commit[:7]}`" if commit else "?", versions or "?",
                      f"`{command}`{more}", "yes" if measured else "no"])
     rows.sort(key=lambda x: (x[0], x[1]))
-    return table(["file", "date", "GPU", "commit", "torch / triton / transformers", "command", "re-measured"],
-                 rows)
+    return table(["file", "date (UTC)", "GPU", "commit", "torch / triton / transformers", "command",
+                  "re-measured"], rows)
 
 
 # ------------------------------------------------------------------------------------- compaction (issue 15)

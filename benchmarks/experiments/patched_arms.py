@@ -1,6 +1,7 @@
-"""The command line shared by the experiments that patch calibration and evaluation (``shared_log8.py``,
-``int8_window.py``): calibrate with the patch on (and, with ``--control``, off, in the same process), score
-the WikiText-2 test windows, print one line each."""
+"""The command line of the experiments that patch calibration and evaluation (``shared_log8.py``; the int8
+window's ``int8_window.py``, removed once built as ``window8``, used it too): calibrate with the patch on
+(and, with ``--control``, off, in the same process), score the WikiText-2 test windows, print one line
+each."""
 
 from __future__ import annotations
 
