@@ -13,7 +13,11 @@ rank ``budget·d`` (speed does not depend on their quality). For each (batch, co
 4. ``--rounds`` rounds alternating the three: ``--new-tokens`` replays each, timed with a device sync around
    them (host and device together: what a user waits for); tokens/s is summed over the batch, and the
    speed-up is the median of the rounds' ratios;
-5. ``--plain``: the uncompressed model's plain ``generate`` (dynamic cache, eager), decode tokens/s as the
+5. ``--baseline-cache NAME``: a quantization-only cache of ``stiefkv eval --baseline NAME`` (``int4``,
+   ``kivi2``, …: full-rank codes, no bases; keys after RoPE, as KIVI and transformers' quantized cache keep
+   them) served by the same kernels and capture, alternated with the others: what a user who wants a smaller
+   cache would otherwise run; ``ratio_vs_baseline`` is StiefKV's tokens/s over it, round by round;
+6. ``--plain``: the uncompressed model's plain ``generate`` (dynamic cache, eager), decode tokens/s as the
    difference of ``1 + n`` and 1 new tokens; ``--compiled``: its ``generate`` over a ``StaticCache``, which
    transformers compiles on CUDA (the fastest path a transformers user has), timed the same way.
 
@@ -164,6 +168,18 @@ def with_codes(proj: stiefkv.Projections, bits: int, recent: int) -> stiefkv.Pro
     return proj
 
 
+def baseline_projections(model, name: str) -> stiefkv.Projections:
+    """The quantization-only cache ``name`` of :data:`stiefkv.evaluate.BASELINES` on identity bases in
+    ``post_rope``: full-rank keys (after RoPE) and values stored as its codes, read by StiefKV's kernels."""
+    from stiefkv.evaluate import BASELINES
+
+    if name not in BASELINES:
+        raise SystemExit(f"--baseline-cache {name!r} is not a baseline; choose one of {', '.join(BASELINES)}")
+    proj = identity_projections(model)
+    proj.quant = [BASELINES[name]] * len(proj.keys)
+    return proj
+
+
 def cache_label(args) -> str:
     return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "") \
         + (f" r{args.recent}" if args.bits < 16 and args.recent else "")
@@ -176,7 +192,10 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
     capture = device.type == "cuda"
     backend = "reference" if device.type == "cpu" else "auto"
     served = {"full": Served(model, ids, N + steps, args.chunk, capture)}
-    for name, p in (("full_kernel", identity_projections(model)), ("stiefkv", proj)):
+    others = [("full_kernel", identity_projections(model)), ("stiefkv", proj)]
+    if args.baseline_cache:
+        others.append(("baseline", baseline_projections(model, args.baseline_cache)))
+    for name, p in others:
         stiefkv.load(model, p, backend=backend)
         served[name] = Served(model, ids, N + steps, args.chunk, capture)
         stiefkv.unload(model)
@@ -212,6 +231,16 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         # the identity bases are exact: their prefill logits must be the uncompressed model's, up to rounding
         "full_kernel_logits_rel_diff": float((full.logits - kernel.logits).norm() / full.logits.norm()),
     }
+    if args.baseline_cache:
+        base = served["baseline"]
+        row.update(baseline=args.baseline_cache, baseline_tps=tps["baseline"],
+                   baseline_tps_median=statistics.median(tps["baseline"]),
+                   baseline_cache_gib=base.cache_bytes / GIB,
+                   baseline_bytes_ratio=base.cache_bytes / full.cache_bytes,
+                   baseline_peak_above_weights_gib=base.peak_gib,
+                   ratio_vs_baseline=statistics.median(
+                       lo / b for b, lo in zip(tps["baseline"], tps["stiefkv"], strict=True)))
+        del base
     del full, kernel, low, served
     gc.collect()
     if device.type == "cuda":
@@ -391,6 +420,9 @@ def main() -> None:
                         help="with --bits: the newest tokens kept exact (--bits auto's default is 16; decode "
                              "then reads the codes beside the exact ring)")
     parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
+    parser.add_argument("--baseline-cache", default=None, metavar="NAME",
+                        help="also serve a quantization-only cache of `stiefkv eval --baseline` (int4, "
+                             "kivi2, …) on the same kernels, beside StiefKV (a cache in --capacity too)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
@@ -419,6 +451,9 @@ def main() -> None:
     label = cache_label(args)
     if args.capacity or args.context_capacity:
         caches = {"uncompressed (our kernels)": identity_projections(model), label: proj}
+        if args.baseline_cache:
+            name = f"quantization only: {args.baseline_cache}"
+            caches[name] = baseline_projections(model, args.baseline_cache)
         by_context = args.context_capacity
         rows = (context_capacity if by_context else capacity)(model, caches, args, device)
         base = rows[0]
@@ -453,7 +488,10 @@ def summary(row: dict, plain: bool) -> str:
             f"{row['stiefkv_peak_above_weights_gib']:.2f} GiB"
             + (f"; plain generate {row['plain_generate_tps']:.0f} tok/s" if plain else "")
             + (f"; compiled static generate {row['compiled_generate_tps']:.0f} tok/s"
-               if "compiled_generate_tps" in row else ""))
+               if "compiled_generate_tps" in row else "")
+            + (f"; quantization only ({row['baseline']}) {row['baseline_tps_median']:.0f} tok/s, StiefKV "
+               f"{row['ratio_vs_baseline']:.2f}x it, its cache {row['baseline_cache_gib']:.2f} GiB"
+               if "baseline" in row else ""))
 
 
 if __name__ == "__main__":

@@ -624,7 +624,10 @@ def serve(res: Results) -> str:
             r["model"].split(" shapes")[0], r["key_mode"], r.get("cache", f"stiefkv {r['budget']:g}")[8:],
             f"{r['batch']}×{r['context'] // 1024}k", f"{r['full_tps_median']:.0f}",
             f"{r['full_kernel_tps_median']:.0f}", f"{r['stiefkv_tps_median']:.0f}",
-            f"{r['ratio_median']:.2f}× ({r['ratio_min']:.2f}–{r['ratio_max']:.2f})",
+            f"{r['ratio_median']:.2f}× ({r['ratio_min']:.2f}–{r['ratio_max']:.2f})"
+            # a quantization-only cache served beside it: StiefKV's tok/s over its, and its bytes
+            + (f"; {r['ratio_vs_baseline']:.2f}× {r['baseline']} ({100 * r['baseline_bytes_ratio']:.0f} %)"
+               if "baseline" in r else ""),
             f"{r['full_cache_gib']:.2f} / {r['stiefkv_cache_gib']:.2f}",
             f"{r['full_peak_above_weights_gib']:.2f} / {r['stiefkv_peak_above_weights_gib']:.2f}",
             f"{r['full_prefill_s']:.2f} / {r['stiefkv_prefill_s']:.2f}",
@@ -632,7 +635,7 @@ def serve(res: Results) -> str:
     if not out:
         return "_No `serve` row yet._"
     head = ["shapes", "key mode", "StiefKV cache", "B×ctx", "transformers static tok/s",
-            "full rank, our kernels tok/s", "StiefKV tok/s", "StiefKV / faster full (range)",
+            "full, our kernels tok/s", "StiefKV tok/s", "StiefKV / faster full (range); / quant-only",
             "cache GiB full / StiefKV", "peak above weights GiB", "prefill s full / StiefKV"]
     return table(head, out)
 
@@ -983,7 +986,7 @@ def pareto_variants(res: Results) -> str:
                     " / ".join(f"{r['calibration_s']:.0f}" for r in every),
                     "default " + " / ".join(f"{r['ppl']:.2f}" for r in defaults)])
     for name in BASELINE_NAMES:  # the exact recent tokens alone, and the least-squared-error encoder alone
-        for suffix in ("-r0", " recent32", "-mse", "-vmse"):
+        for suffix in ("-r0", " recent32", "-mse", "-vmse", "-w8"):
             r = res.pick("pareto", name + suffix)
             plain = None if r is None or not r.get("scoring") else res.pick_like("pareto", name, r)
             if r is not None and plain is not None:
@@ -999,7 +1002,8 @@ def scored(r: dict) -> str:
 
 def pareto_claims(res: Results, claim) -> None:
     auto = {b: res.pick("pareto", f"auto {b}") for b in PARETO_BUDGETS}
-    base = [res.pick("pareto", n) for n in (*BASELINE_NAMES, *(f"{n}-r0" for n in BASELINE_NAMES),
+    base = [res.pick("pareto", n) for n in (*BASELINE_NAMES, *(f"{n}{s}" for n in BASELINE_NAMES
+                                                                for s in ("-r0", "-w8")),
                                              "hf-quanto4", "hf-quanto2")]
     int8 = res.pick("pareto", "int8")
     if auto[0.5] and int8:

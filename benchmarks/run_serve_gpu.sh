@@ -7,8 +7,11 @@
 #     quant      bench_attention.py --tables quant (decode over int8/int4 codes against SDPA, 4 shapes)
 #     serve      bench_serve.py, Llama-3-8B shapes, 8x16k, 50 % ranks: bf16 both key modes, int8 and int4
 #     serve_all  bench_serve.py, 8b and 1b, the three batch x context cases, pre_rope bf16
-#     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16, and 12.5 % (r 56 x int4)
-#     capacity12 the 12.5 % capacity run alone (about 3 minutes)
+#     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16 beside int8 (quantization only,
+#                53.5 %), and 12.5 % (r 56 x int4) beside KIVI-2 (17.3 %)
+#     capacity12 the 12.5 % capacity run alone, beside KIVI-2 (about 4 minutes)
+#     serveq     bench_serve.py 8x16k with a quantization-only cache of about the same bytes served beside
+#                StiefKV: 50 % bf16 / int8 (53.5 %), 50 % ranks x int8 (26.7 %) / int4 (28.1 %), both key modes
 #     capacity12post the same bytes with post_rope keys (ranks 56 x int4; its int4 kernel is ~2x faster)
 #     context    bench_serve.py --context-capacity (one row, the cache filled directly): 50 % and 12.5 %
 #     window     bench_serve.py 8x16k with int8 codes behind a 16-token exact window (what --bits auto keeps
@@ -33,8 +36,14 @@ for s in "$@"; do
       serve --shape 8b --cases 8x16384 1x32768 32x8192
       serve --shape 1b --cases 8x16384 1x32768 32x8192 ;;
     capacity)
-      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32
-      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --baseline-cache int8
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
+        --baseline-cache kivi2 ;;
+    serveq)
+      for mode in pre_rope post_rope; do
+        serve --shape 8b --cases 8x16384 --key-mode $mode --baseline-cache int8
+        serve --shape 8b --cases 8x16384 --key-mode $mode --bits 8 --baseline-cache int4
+      done ;;
     window)
       serve --shape 8b --cases 8x16384 --key-mode pre_rope --bits 8 --recent 16
       serve --shape 8b --cases 8x16384 --key-mode post_rope --bits 8 --recent 16 ;;
@@ -44,7 +53,8 @@ for s in "$@"; do
     compiled)
       serve --shape 8b --cases 8x16384 --key-mode pre_rope --compiled ;;
     capacity12)
-      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 ;;
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
+        --baseline-cache kivi2 ;;
     capacity12post)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
         --key-mode post_rope ;;

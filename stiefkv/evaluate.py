@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
@@ -45,6 +45,10 @@ BASELINES |= {f"{name}{suffix}": (QuantSpec(k.bits, k.layout, mse=suffix == "-ms
                                   QuantSpec(v.bits, "token", mse=True, recent=v.recent))
               for name, (k, v) in list(BASELINES.items())
               if k.bits < 8 and not name.endswith("-r0") for suffix in ("-mse", "-vmse")}
+# and with their exact tokens in int8 (-w8), as StiefKV's calibrated caches hold them: what that storage
+# choice alone gives a quantization-only cache
+BASELINES |= {f"{name}-w8": (replace(k, window8=True), replace(v, window8=True))
+              for name, (k, v) in list(BASELINES.items()) if "-" not in name}
 
 
 def baseline_projections(model, name: str) -> Projections:

@@ -137,18 +137,24 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
 @pytest.mark.parametrize("recent", [0, 16])
 def test_bench_serve_runs_on_a_tiny_model(recent):
     """bench_serve.py end to end on the CPU (eager, the reference): the three caches, one line each; int8
-    codes alone, and behind a 16-token exact window (decode reads them beside the ring)."""
+    codes alone, and behind a 16-token exact window (decode reads them beside the ring) with a
+    quantization-only KIVI-2 cache (keys per channel) served beside them."""
     import subprocess
 
+    baseline = ["--baseline-cache", "kivi2"] if recent else []
     out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--cases", "2x40",
                           "--new-tokens", "3", "--rounds", "1", "--chunk", "16", "--bits", "8",
-                          "--recent", str(recent)],
+                          "--recent", str(recent), *baseline],
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     label = "int8 r16" if recent else "int8"
     assert line.startswith(f"serve tiny pre_rope 0.5 {label} B2 ctx40: transformers static"), line
     assert "StiefKV" in line
+    assert ("quantization only (kivi2)" in line) == bool(recent), line
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--baseline-cache",
+                          "kivi5"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "'kivi5' is not a baseline; choose one of int8" in bad.stderr
 
 
 @pytest.mark.parametrize("bits", [16, 8])
