@@ -87,7 +87,7 @@ class CalibrationConfig:
         symmetric about zero (1 byte a group instead of a float16 scale and low: 4). Their KL is predicted
         from the per-token anchors' by quantization noise, so profiling costs no more model tails.
     window8 : hold every quantized latent's exact tokens (the ``recent`` newest, a channel group still
-        filling) as int8 codes on log8 scales instead of bf16 (1 + 1/64 bytes a channel instead of 2); the
+        filling) as int8 codes on log8 scales instead of bf16 (a byte a channel and a scale byte per 64); the
         knapsack spends what they save. The tokens leaving the window are quantized from those codes.
     rotation : turn a basis stored per token by a Hadamard/DCT rotation inside its subspace (spreads the
         dominant channel over all, so one scale per token fits them).

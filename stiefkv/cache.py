@@ -4,10 +4,10 @@
 ``[B, G, N, r_v]``. Besides the latents it owns, as its own fields, what attention over them needs: the
 token positions ``[B, N]`` (``pre_rope`` rotates rebuilt keys at them) and the valid key lengths of a
 left-padded batch. A layer whose latents are stored quantized (:mod:`stiefkv.quant`) keeps them in a
-:class:`QuantizedLatentLayer` — codes, scales and the recent float window — and returns them dequantized:
-correct on every device, not fast (fused kernels over the codes are the serving issue's). Any other cache
-reaching a compressed model is refused with a message that says what
-to pass instead: it would hold latents it cannot account for, and report sizes that are not ours.
+:class:`QuantizedLatentLayer` — codes, scales and the window of exact recent tokens — and returns them
+dequantized: correct on every device, not fast (the static cache's kernels read codes in place). Any other
+cache reaching a compressed model is refused with a message that says what to pass instead: it would hold
+latents it cannot account for, and report sizes that are not ours.
 """
 
 from __future__ import annotations
@@ -84,7 +84,9 @@ class LatentCache(_dynamic_cache_class()):
             while len(self.layers) <= i:
                 self.layers.append(_dynamic_layer_class()())
             self.layers[i] = QuantizedLatentLayer(*quant)
-        self.update(z_k, z_v, i)
+            self.layers[i].update(z_k, z_v, held=True)  # latents as read: not through the int8 window again
+        else:
+            self.update(z_k, z_v, i)
         self.exact_tails(i)  # the prefix is read as stored, like any cached token
         self.prefix.append(z_k.shape[2])
         self.head_positions.append(positions.to(torch.int32))
@@ -111,7 +113,7 @@ class LatentCache(_dynamic_cache_class()):
 
     @property
     def nbytes(self) -> int:
-        """Bytes held: every layer's latents (codes, scales, lows and float windows of quantized ones), the
+        """Bytes held: every layer's latents (codes, scales, lows and exact windows of quantized ones), the
         positions and the lengths."""
         total = sum(t.nbytes for t in (self.positions, self.lengths, *self.head_positions, *self.beta)
                     if t is not None)
@@ -257,9 +259,13 @@ class LatentStore:
             return self.window
         return dequantize(self.window, self.dtype)
 
-    def append(self, z: torch.Tensor) -> None:
+    def append(self, z: torch.Tensor, *, held: bool = False) -> None:
         """Add ``z`` ``[B, G, n, r]``; quantize what the spec no longer keeps exact. The exact latents of the
-        window before the append plus ``z`` stay readable as :attr:`tail` until the next append."""
+        window before the append plus ``z`` stay readable as :attr:`tail` until the next append.
+
+        ``held``: ``z`` are latents as a store of this spec already reads them (a compacted prefix), so the
+        tokens due are quantized from them as they are, not from their int8 window codes again; the tokens
+        the window keeps are held as int8 codes of them (a caller with their own codes carries them over)."""
         self.dtype = z.dtype
         if self.spec.window8 and self.spec.quantized:
             # every token enters the window as int8 codes and leaves it quantized from them, however the
@@ -267,6 +273,8 @@ class LatentStore:
             new = self._hold(z)
             held_window = new if self.window is None else _cat_codes(self.window, new)
             window = dequantize(held_window, z.dtype)
+            if held:
+                window = torch.cat([window[..., : window.shape[-2] - z.shape[-2], :], z], -2)
         else:
             held_window = window = z if self.window is None else torch.cat([self.window, z], -2)
         # a band is needed only by a forward of several tokens; one token (decode) reads the cache as it is
@@ -367,7 +375,7 @@ class QuantizedLatentLayer(_dynamic_layer_class()):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         for store, z in zip(self.stores, (key_states, value_states)):
-            store.append(z)
+            store.append(z, held=kwargs.get("held", False))
         return tuple(s.read(z.dtype) for s, z in zip(self.stores, (key_states, value_states)))
 
     def get_seq_length(self) -> int:

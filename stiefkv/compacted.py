@@ -297,8 +297,9 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     as attention sees them (rebuilt from the latents, rotated at their positions), and each kept entry keeps
     its latent and position; the values are fitted in the latent space (``P_v`` is orthonormal, so a fit
     there is the fit of the full values restricted to the subspace). The prefix is stored as the model
-    stores latents (quantized layers quantize it again: the same codes for min–max storages; per-token keys
-    carry their own codes over, since a dequantized log8 group can ask for a finer scale)."""
+    stores latents (quantized layers quantize it again from the latents as read: the same codes for min–max
+    storages; per-token keys and int8-window keys carry their own codes over, since dequantized log8 codes
+    can ask for a finer scale)."""
     if method in presses.PRESSES:
         raise ValueError(f"kvpress's {method!r} is a baseline for the uncompressed model's cache; a "
                          f"stiefkv.LatentCache is compacted by {' or '.join(repr(m) for m in METHODS)}")
@@ -325,29 +326,37 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
 
 
 def _carry_key_codes(before, after, index: torch.Tensor) -> None:
-    """Give the compacted layer ``after`` the kept keys' own codes where ``before`` held them as per-token
-    codes and ``after`` holds them quantized: quantizing dequantized log8 codes again can pick a finer scale
-    (a second rounding); min–max codes come back the same either way. ``index`` ``[B, G, t]``: the kept
-    entries' tokens in ``before``."""
+    """Give the compacted layer ``after`` the kept keys' own codes where ``before`` held them so and ``after``
+    holds them the same way: per-token codes (quantizing dequantized log8 codes again can pick a finer scale,
+    a second rounding; min–max codes come back the same either way), and the int8 codes of a ``window8``
+    window (int8 on log8 scales is not idempotent either). ``index`` ``[B, G, t]``: the kept entries' tokens
+    in ``before``."""
     if not isinstance(before, QuantizedLatentLayer) or not isinstance(after, QuantizedLatentLayer):
         return
     old, new = before.stores[0], after.stores[0]
-    if new.codes is None or old.codes is None or new.spec.layout != "token" or new.spec != old.spec:
+    if new.spec != old.spec or not new.spec.quantized:
         return
-    held = new.codes.length
-    take = index[..., :held]
-    had = take < old.codes.length  # [B, G, held]: kept keys the old layer held as codes
-    take = take.clamp(max=old.codes.length - 1)
+    if new.codes is not None and old.codes is not None and new.spec.layout == "token":
+        new.codes = _carried(old.codes, new.codes, index[..., : new.held], 0)
+    if isinstance(new.window, Quantized) and isinstance(old.window, Quantized):
+        new.window = _carried(old.window, new.window, index[..., new.held:], old.held)
 
-    def carried(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
+
+def _carried(old: Quantized, new: Quantized, take: torch.Tensor, first: int) -> Quantized:
+    """``new`` (per-token codes) with each row replaced by ``old``'s row ``take − first`` where ``old`` holds
+    that token (``first ≤ take < first + old.length``)."""
+    take = take - first
+    had = (take >= 0) & (take < old.length)  # [B, G, n]
+    take = take.clamp(0, old.length - 1)
+
+    def pick(a: torch.Tensor | None, b: torch.Tensor | None) -> torch.Tensor | None:
         if a is None:
             return None
         got = torch.gather(a, 2, take[..., None].expand(-1, -1, -1, a.shape[-1]))
         return torch.where(had[..., None], got, b)
 
-    c = new.codes
-    new.codes = Quantized(carried(old.codes.codes, c.codes), carried(old.codes.scale, c.scale),
-                          carried(old.codes.low, c.low), c.bits, c.layout, c.rank)
+    return Quantized(pick(old.codes, new.codes), pick(old.scale, new.scale), pick(old.low, new.low), new.bits,
+                     new.layout, new.rank)
 
 
 def _pressed(model, cache, queries: list[torch.Tensor], t: int, method: str) -> CompactedCache:

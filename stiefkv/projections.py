@@ -162,7 +162,7 @@ class Projections:
 
     def kv_bytes_per_token(self, context: int = REFERENCE_CONTEXT) -> float:
         """Bytes per token of a served cache holding ``context`` tokens, everything counted: every layer's
-        latents at their storage (codes, scales and lows, the float window) and the int32 positions."""
+        latents at their storage (codes, scales and lows, the exact window) and the int32 positions."""
         G = self.keys[0].shape[0]
         latents = sum(G * (qk.bytes_per_token(rk, context) + qv.bytes_per_token(rv, context))
                       for (rk, rv), (qk, qv) in zip(self.ranks, self.specs))

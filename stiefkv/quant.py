@@ -26,7 +26,8 @@ halves the error of Gaussian-like groups, at 3 bits it cuts a fifth. Only the en
 and dequantization are the same.
 
 A spec with ``window8`` holds its exact tokens (the recent window, a filling group) as int8 codes per token
-on log8 scales (:data:`WINDOW8`) instead of floats: 1 + 1/64 bytes a channel instead of 2. A token leaving
+on log8 scales (:data:`WINDOW8`) instead of floats: a byte a channel (the codes padded to 8 channels) and a
+log8 byte per 64 channels, instead of 2 bytes a channel (:func:`exact_token_bytes`). A token leaving
 the window is quantized from those int8 values, so every cache and :func:`fake_quant` agree. At 6.25 % the
 64 exact tokens a channel layout holds at 2048 cost a quarter of its int2 codes in bf16.
 

@@ -398,6 +398,41 @@ def test_decoding_token_by_token_matches_one_forward_for_every_layout(key_mode, 
     assert (model(ids, use_cache=False).logits - full).abs().max() > 1e-2
 
 
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_calibration_layer_path_reads_the_int8_window_as_the_served_model(key_mode, monkeypatch):
+    """Calibration's differentiable layer (``attention_block``) over ``-w8`` storages gives the served
+    attention's output for a forward longer than the window: its exact band reads the int8 values a cache
+    holds, not the float latents (which would give other outputs). On qwen3 (query and key norms): serving
+    folds no key basis into its ``k_proj`` there, whose other rounding could move a latent across a 2-bit
+    code's edge."""
+    from stiefkv.attention import LowRankAttention
+    from stiefkv.layers import attention_block
+    from stiefkv.models import rope_spec
+
+    model = tiny_model("qwen3")
+    proj = random_projections(model, 13, 11, key_mode)
+    quant = (QuantSpec(2, "channel", recent=5, window8=True), QuantSpec(3, "token", recent=9, log8=True,
+                                                                          window8=True))
+    attn = model.model.layers[1].self_attn
+    served = LowRankAttention(attn, proj.keys[1], proj.values[1], key_mode=key_mode,
+                              rope=rope_spec(model.config), backend="reference", quant=quant)
+    x = torch.randn(2, GROUP + 37, model.config.hidden_size, generator=gen(3))
+    pos = torch.arange(x.shape[1])[None].expand(2, -1)
+    pe = model.model.rotary_emb(x, pos)
+
+    def layer_path():
+        return attention_block(attn, x, proj.keys[1], proj.values[1], key_mode=key_mode,
+                               rope=rope_spec(model.config), position_embeddings=pe, positions=pos,
+                               quant=quant)
+
+    with torch.no_grad():
+        want, _ = served(x, position_embeddings=pe, position_ids=pos)
+        got = layer_path()
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+        monkeypatch.setattr(stiefkv.layers, "held_exact", lambda z, spec, **kw: z)  # the band's floats
+        assert (layer_path() - want).abs().max() > 1e-4
+
+
 def test_band_inputs_are_checked_and_float_latents_need_none():
     from stiefkv.kernels import ExactTail
     from stiefkv.kernels.reference import lowrank_attention

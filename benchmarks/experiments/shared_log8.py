@@ -32,6 +32,7 @@ def shared_fake_quant(x, spec, *, straight_through=False):
     """:func:`stiefkv.quant.fake_quant` with a log8 spec's scale shared by the heads (axis −3)."""
     if not (spec.quantized and spec.log8):
         return PLAIN_FAKE_QUANT(x, spec, straight_through=straight_through)
+    x = quant.held_exact(x, spec, straight_through=straight_through)  # exact tokens in int8 for -w8
     n = quant.quantized_length(x.shape[-2], spec)
     if n == 0:
         return x
@@ -51,7 +52,7 @@ def shared_cache_bytes(heads: int):
         if not (self.quantized and self.log8):
             return PLAIN_CACHE_BYTES(self, rank, context)
         held = quant.quantized_length(context, self)
-        exact = (context - held) * quant.FLOAT_BYTES * rank
+        exact = (context - held) * quant.exact_token_bytes(rank, self.window8)
         groups = math.ceil(rank / quant.GROUP)
         return held * quant.packed_bytes(rank, self.bits) + math.ceil(held * groups / heads) + exact
     return cache_bytes
