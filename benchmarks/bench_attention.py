@@ -203,13 +203,14 @@ def quantized(z: torch.Tensor, bits: int):
     return QuantizedLatents(q.codes, q.scale, q.low, bits, q.rank)
 
 
-def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None) -> None:
-    """Decode over bf16 latents and int8/int4 codes at 50 % ranks: the default configuration and each of
+def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | None = None) -> None:
+    """Decode over bf16 latents and int8/int4 codes at 50 % ranks (or ``rank``: an odd one such as the
+    12.5 % checkpoint's 56, whose int4 rows are 28 bytes): the default configuration and each of
     :data:`QUANT_SWEEP` (the candidates prefetch and fold_scales, key splits, tiles, warps, stages), in
     the same run as SDPA on the same shape. ``sweep_with``: only the sweep's entries that set one of these
     options (a targeted A/B; the default and SDPA are measured all the same)."""
     sweep = [c for c in QUANT_SWEEP if not sweep_with or any(k in c for k in sweep_with)]
-    r = BUDGETS["50%"]
+    r = rank or BUDGETS["50%"]
     for B, N in shapes:
         sdpa = sdpa_decode_ms(B, N)
         x = latent_inputs(B, 1, N, r)
@@ -238,7 +239,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None) -> None:
                     fold = next((t["kernel_ms"] for t in tried if t["config"].get("fold_scales")), None)
                     read = n + (x["positions"].nbytes if mode == "pre_rope" else 0)
                     name = "bf16" if bits == 16 else f"int{bits}"
-                    row = case_fields(B, N, "50%", mode) | {
+                    row = case_fields(B, N, "50%", mode) | ({"r": r, "budget": f"r{r}"} if rank else {}) | {
                         "case": f"decode {utils.shape_name(B, N)} r{r} {name} {mode}",
                         "table": "quant", "bits": bits, "sdpa_ms": sdpa, "kernel_ms": ms, "bytes": read,
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
@@ -412,6 +413,9 @@ def main() -> None:
                         help="decode shapes instead of the four (e.g. 16x16384 4x131072)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="the quant table's key modes")
+    parser.add_argument("--rank", type=int, default=None,
+                        help="quant table: the latents' rank instead of 50 %% (64), e.g. 56 (12.5 %% is r 56 "
+                             "x int4)")
     parser.add_argument("--sweep-with", nargs="+", metavar="OPTION",
                         help="quant table: only the sweep's entries that set one of these options")
     args = parser.parse_args()
@@ -428,7 +432,7 @@ def main() -> None:
     if "decode" in args.tables:
         decode_rows(shapes, copy)
     if "quant" in args.tables:
-        quant_rows(shapes, copy, args.modes, args.sweep_with)
+        quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank)
     if "prefill" in args.tables:
         prefill_rows()
     if "sweep" in args.tables:
