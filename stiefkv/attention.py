@@ -130,10 +130,11 @@ class LowRankAttention(nn.Module):
             z_k, z_v = fake_quant(z_k, self.quant[0]), fake_quant(z_v, self.quant[1])
             lengths = lengths_from_mask(attention_mask, B, z_k.shape[2])
         n_valid = cache.valid_count(q.device) if cache is not None else None  # a static cache's slots
-        # a static cache quantizes every token as it is written: no query reads an exact band
-        if tails is None and N > 1:  # the exact latents as a cache would hold them (int8 for window8)
-            tails = tuple((held_exact(z, spec), 0) for z, spec in zip(fresh, self.quant))
-        exact = exact_band(self.quant, N, (z_k, z_v), tails) if n_valid is None else None
+        exact = None  # a static cache quantizes every token as it is written: no query reads an exact band
+        if n_valid is None:
+            if tails is None and N > 1:  # the exact latents as a cache would hold them (int8 for window8)
+                tails = tuple((held_exact(z, spec), 0) for z, spec in zip(fresh, self.quant))
+            exact = exact_band(self.quant, N, (z_k, z_v), tails)
         bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
         dtype = getattr(z_k, "dtype", q.dtype)  # codes of a static cache dequantize to the queries' dtype
         out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(dtype), None, key_mode=self.key_mode,
