@@ -170,7 +170,8 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     own positions, after reading ``study_prompt`` (ids ``[p]`` of a generic instruction about the text, such
     as "Repeat the text above", whose queries are added too) when given. ``repeat`` > 0 takes instead of the
     window's the queries of the prompt's last ``repeat`` tokens read a second time right after it (positions
-    ``C …``, within the model's): every key then meets queries that look back for it. For retrieval this
+    ``C …``; in segments where the model's positions end first, :func:`repeat_queries`): every key then
+    meets queries that look back for it. For retrieval this
     is what keeps a hidden fact (a pass key at C 4096, keep 0.1: 10 of 10 on the CPU, against 0.30 for the
     window; docs/notes/compaction.md), at the price of a second prefill and more reference queries."""
     if ids.ndim != 2 or ids.shape[1] < 2:
@@ -179,11 +180,8 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     if window < 0 or self_study < 0 or repeat < 0 or window + self_study + repeat == 0:
         raise ValueError(f"window, self_study and repeat count reference queries: ≥ 0, not all 0; got "
                          f"{window}, {self_study} and {repeat}")
-    limit = max_positions(model.config)
-    if repeat and limit is not None and ids.shape[1] + min(repeat, ids.shape[1]) > limit:
-        raise ValueError(f"repeat={repeat} reads the prompt's last tokens again at positions up to "
-                         f"{ids.shape[1] + min(repeat, ids.shape[1])}, past the model's {limit}; repeat at "
-                         f"most {max(0, limit - ids.shape[1])} tokens")
+    if repeat:
+        repeat_room(model, ids.shape[1])
     cache, queries = prefill_with_queries(model, ids, max(1, min(window, ids.shape[1])))
     if repeat:
         queries = repeat_queries(model, ids, cache, repeat)
@@ -236,27 +234,60 @@ def study_queries(model, ids: torch.Tensor, cache, tokens: int, seed: int, promp
     return [torch.cat(grabbed[i], 2) for i in range(len(grabbed))]
 
 
+REPEAT_LEAD = 64  # tokens a segment of a second reading re-reads first, their queries dropped
+
+
+def repeat_room(model, context: int) -> int | None:
+    """Positions left after a prompt of ``context`` tokens for reading it again (None: no limit), refused
+    with a clear error where fewer than 2 are left."""
+    limit = max_positions(model.config)
+    if limit is None:
+        return None
+    room = limit - context
+    if room < 2:
+        raise ValueError(f"reading the prompt again needs positions after it, and a prompt of {context} tokens "
+                         f"leaves {max(room, 0)} of the model's {limit}: shorten the prompt or use the window's "
+                         "queries (repeat=0)")
+    return room
+
+
 @torch.no_grad()
 def repeat_queries(model, ids: torch.Tensor, cache, tokens: int, every: int = 1) -> list[torch.Tensor]:
-    """Per layer the rotated queries ``[B, H, ⌈tokens/every⌉, d]`` of the prompt's last ``tokens`` read again
-    right after it, at positions ``C …`` on top of ``cache`` (restored exactly afterwards): a second reading
-    looks back at every token of the first, so the block's keys all meet queries that want them. Every
-    ``every``-th query is kept."""
+    """Per layer the rotated queries ``[B, H, ⌈n/every⌉, d]`` of the prompt's last ``n = min(tokens, C)``
+    tokens read again right after it, at positions ``C …`` on top of ``cache`` (restored exactly
+    afterwards): a second reading looks back at every token of the first, so the block's keys all meet
+    queries that want them. Every ``every``-th query is kept.
+
+    Where ``C + n`` would pass the model's positions, the second reading goes in segments that each fill
+    the positions left (``C …`` again for every segment, the cache cut back to ``C`` between them), each
+    after a lead-in of up to :data:`REPEAT_LEAD` tokens before it (their queries dropped), so that its
+    first queries read on from their own text as a whole second reading's do."""
     _refuse_latent(cache, "reading the prompt again")
     C = ids.shape[1]
     n = min(tokens, C)
-    grabbed: dict[int, torch.Tensor] = {}
-    where = torch.arange(C, C + n, device=ids.device)[None]
-    cos, sin = _rope(model, where)
-    def take(i, q):
-        grabbed[i] = rotate_with(q, cos, sin)[:, :, ::every]
-
+    room = repeat_room(model, C)
+    lead_most = 0 if room is None or n <= room else min(REPEAT_LEAD, room // 4)
+    span = n if room is None or n <= room else room - lead_most
+    grabbed: dict[int, list[torch.Tensor]] = {}
     try:
-        with _queries_seen(model, take):
-            model(ids[:, C - n:], position_ids=where.expand(ids.shape[0], n), **{cache_keyword(model): cache})
+        for start in range(C - n, C, span):
+            end = min(start + span, C)
+            lead = min(lead_most, start)
+            where = torch.arange(C, C + lead + end - start, device=ids.device)[None]
+            cos, sin = _rope(model, where)
+            # the queries of tokens start, start + every, … of the re-read region (its index 0 is C − n)
+            keep = slice(lead + (-(start - (C - n)) % every), None, every)
+
+            def take(i, q, cos=cos, sin=sin, keep=keep):
+                grabbed.setdefault(i, []).append(rotate_with(q, cos, sin)[:, :, keep])
+
+            with _queries_seen(model, take):
+                model(ids[:, start - lead:end], position_ids=where.expand(ids.shape[0], -1),
+                      **{cache_keyword(model): cache})
+            _truncate(cache, C)
     finally:
         _truncate(cache, C)
-    return [grabbed[i] for i in range(len(grabbed))]
+    return [torch.cat(grabbed[i], 2) for i in range(len(grabbed))]
 
 
 def _truncate(cache, n: int) -> None:

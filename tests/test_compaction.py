@@ -357,8 +357,36 @@ def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_ca
     for la, lb in zip(plain.layers, read.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
     assert stiefkv.compact(model, read, keep=0.2).get_seq_length() == 40
-    with pytest.raises(ValueError, match="past the model's 512; repeat at most 212 tokens"):
-        stiefkv.prefill(model, torch.randint(2, 97, (1, 300)), repeat=300)
+    with pytest.raises(ValueError, match="prompt of 511 tokens leaves 1 of the model's 512"):
+        stiefkv.prefill(model, torch.randint(2, 97, (1, 511)), repeat=300)
+
+
+def test_reading_again_past_the_positions_goes_in_segments():
+    """A prompt of 300 tokens read again on a model of 512 positions: segments of the 212 positions left,
+    each after a lead-in whose queries are dropped. The last segment's queries are those of one reading of
+    its lead-in and itself (the same tokens at the same positions), every-th queries are a slice of all,
+    and the cache comes back as it was."""
+    import stiefkv
+    from stiefkv.compacted import REPEAT_LEAD, repeat_queries
+
+    model, _ = tiny_prompt(11, 40)
+    ids = torch.randint(2, 97, (2, 300), generator=torch.Generator().manual_seed(5))
+    cache = stiefkv.prefill(model, ids, window=16)
+    before = [(la.keys.clone(), la.values.clone()) for la in cache.layers]
+    whole = repeat_queries(model, ids, cache, 300)
+    lead = min(REPEAT_LEAD, 212 // 4)
+    last = 212 - lead  # the segments start at 0 and 212 − lead, where the second (the last) begins
+    tail = repeat_queries(model, ids, cache, 300 - last + lead)  # fits in the positions: one reading
+    thirds = repeat_queries(model, ids, cache, 300, every=3)
+    for q, t, q3 in zip(whole, tail, thirds):
+        assert q.shape[2] == 300 and torch.isfinite(q).all()
+        torch.testing.assert_close(q[:, :, last:], t[:, :, lead:], rtol=1e-5, atol=1e-5)  # float32 model
+        assert q3.shape[2] == 100 and torch.equal(q3, q[:, :, ::3])
+    for la, (k, v) in zip(cache.layers, before):
+        assert torch.equal(la.keys, k) and torch.equal(la.values, v)
+    read = stiefkv.prefill(model, ids, repeat=300)
+    assert all(torch.equal(q, r) for q, r in zip(read.reference_queries, whole))
+    assert stiefkv.compact(model, read, keep=0.2).get_seq_length() == 300
 
 
 def test_bad_compact_requests_are_refused():
