@@ -289,8 +289,9 @@ def compaction_claims(res: Results, claim) -> None:
         ratio is not None and ratio <= 0.5,
         [am, best],
     )
-    served, best = composed_rows(res)
-    for r in (r for r in served if r.get("projections")):
+    for r, best in composed_rows(res):
+        if not r.get("projections"):
+            continue
         ratio = (r["ppl"] - r["ppl_full"]) / (best["ppl"] - best["ppl_full"]) if best else None
         claim(
             f"Compaction (keep 0.1) × `{Path(r['projections']).stem}` ({r['bytes_fraction']:.3f} of the bf16 "
@@ -1117,33 +1118,44 @@ def compaction(res: Results) -> str:
                   "s"], out)
 
 
-def composed_rows(res: Results) -> tuple[list[dict], dict | None]:
-    """The GPU rows of a served model's compacted latent cache, and the best press of their chunks."""
+def composed_rows(res: Results) -> list[tuple[dict, dict | None]]:
+    """The GPU rows of a served model's compacted latent cache at C 4096 and, on the same chunks, AM's
+    default and every press (keep 0.1, and the presses at the composed caches' bytes); each with the best
+    press at keep 0.1 of its chunks, which the target compares with."""
     from stiefkv.presses import PRESSES
 
-    rows = res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+    rows = [r for r in res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+            if r["context"] == 4096]
     served = [r for r in rows if r.get("projections")]
-    same = [r for r in rows if served and r["chunks"] == served[-1]["chunks"] and r["context"] == 4096]
-    pressed = [r for r in same if r["method"] in PRESSES]
-    return served + [r for r in same if not r.get("projections")], (
-        min(pressed, key=lambda r: r["ppl"] - r["ppl_full"]) if pressed else None)
+    out = []
+    for chunks in sorted({r["chunks"] for r in served}):
+        same = [r for r in rows if r["chunks"] == chunks]
+        pressed = [r for r in same if r["method"] in PRESSES and r["keep"] == 0.1]
+        best = min(pressed, key=lambda r: r["ppl"] - r["ppl_full"]) if pressed else None
+        def beside(r, best=best):
+            return not r.get("projections") and (
+                (best and r["case"] == best["case"]) or (r["method"] in PRESSES and r["keep"] < 0.1)
+                or (r["keep"] == 0.1 and compaction_label(r) == "am (default)"))
+
+        out += [(r, best) for r in [r for r in same if r.get("projections")] + [r for r in same if beside(r)]]
+    return out
 
 
 def compaction_composed(res: Results) -> str:
     """Tokens × ranks or bits: the served model's latent cache compacted, beside AM and the best press on
     the same chunks."""
-    rows, best = composed_rows(res)
-    ref = best["ppl"] - best["ppl_full"] if best else None
     out = []
-    for r in rows:
+    for r, best in composed_rows(res):
+        ref = best["ppl"] - best["ppl_full"] if best else None
         delta = r["ppl"] - r["ppl_full"]
         served = Path(r["projections"]).stem if r.get("projections") else "uncompressed"
         whole = f"{r['ppl_ranks']:.2f}" if r.get("ppl_ranks") else "–"
         fraction = f"{r['bytes_fraction']:.3f}" if r.get("bytes_fraction") else "–"
-        out.append([compaction_label(r), served, fraction, whole, f"{r['ppl']:.2f} ({r['ppl_full']:.2f})",
-                    f"{delta:+.2f}", f"{delta / ref:.2f}×" if ref else "–"])
-    return table(["method", "cache", "bytes / bf16", "PPL whole ctx", "PPL (uncompr.)", "ΔPPL",
-                  "/ best press"], out)
+        out.append([compaction_label(r), served, f"{r['keep']:g}", str(r["chunks"]), fraction, whole,
+                    f"{r['ppl']:.2f} ({r['ppl_full']:.2f})", f"{delta:+.2f}",
+                    f"{delta / ref:.2f}×" if ref else "–"])
+    return table(["method", "cache", "keep", "chunks", "bytes / bf16", "PPL whole ctx", "PPL (uncompr.)",
+                  "ΔPPL", "/ best press"], out)
 
 
 BLOCKS: dict[str, Callable[[Results], str]] = {
