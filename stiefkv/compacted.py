@@ -245,9 +245,9 @@ def repeat_room(model, context: int) -> int | None:
         return None
     room = limit - context
     if room < 2:
-        raise ValueError(f"reading the prompt again needs positions after it, and a prompt of {context} tokens "
-                         f"leaves {max(room, 0)} of the model's {limit}: shorten the prompt or use the window's "
-                         "queries (repeat=0)")
+        raise ValueError(f"reading the prompt again needs positions after it, and a prompt of "
+                         f"{context} tokens leaves {max(room, 0)} of the model's {limit}: shorten the "
+                         "prompt or use the window's queries (repeat=0)")
     return room
 
 

@@ -145,10 +145,10 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
     if key_mode == "post_rope":
         k = rotate_with(k, cos, sin)
     z_k, z_v = to_latent(k, P_k), to_latent(v, P_v)
-    stored = (fake_quant(z_k, quant[0], straight_through=straight_through),
-              fake_quant(z_v, quant[1], straight_through=straight_through))
-    exact = exact_band(quant, N, stored, tuple((held_exact(z, spec, straight_through=straight_through), 0)
-                                               for z, spec in ((z_k, quant[0]), (z_v, quant[1]))))
+    held = tuple(held_exact(z, spec, straight_through=straight_through) for z, spec in zip((z_k, z_v), quant))
+    stored = tuple(fake_quant(z, spec, straight_through=straight_through, held=h)
+                   for z, spec, h in zip((z_k, z_v), quant, held))
+    exact = exact_band(quant, N, stored, tuple((h, 0) for h in held))
     out = kernels.lowrank_attention(q, *stored, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
                                     positions=positions, rope=rope, causal=True, lengths=None,
                                     scale=attn.scaling, exact=exact, backend=backend)
