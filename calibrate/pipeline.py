@@ -45,7 +45,7 @@ from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.layers import NO_QUANT
 from stiefkv.models import arch_of, check_context, dims_of, fingerprint, layer_devices, rope_spec
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
-from stiefkv.quant import BITS, CALIBRATED_RECENT, FLOAT, QuantSpec
+from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -139,7 +139,7 @@ class CalibrationConfig:
     rank_step: int = 8
     seed: int = 0
     mse: str = "none"
-    recent: int = CALIBRATED_RECENT
+    recent: int = DEFAULT_RECENT
     profile_storages: str = "anchors"
     rotation: bool = True
     quant_aware: bool = False
@@ -170,7 +170,7 @@ class CalibrationConfig:
             if self.bits not in ("auto", "16", *map(str, KERNEL_BITS)):
                 raise ValueError(f"kernel_storage keeps codes the kernels read ({widths} bits, or auto among "
                                  f"them); got bits {self.bits}")
-            if self.recent not in (0, CALIBRATED_RECENT):
+            if self.recent not in (0, DEFAULT_RECENT):
                 raise ValueError(f"kernel_storage keeps no exact recent tokens (the kernels read codes "
                                  f"only); got recent {self.recent}: leave it at its default or set 0")
         for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences",

@@ -63,10 +63,7 @@ SCALE_BYTES = 2  # one float16 scale and one float16 low per group
 FLOAT_BYTES = 2  # bf16 latents: what the budget is measured against
 POSITION_BYTES = 4  # the cache's int32 position of every token, shared by all layers
 REFERENCE_CONTEXT = 2048  # bytes per token are those of a cache holding this many tokens (the eval window)
-DEFAULT_RECENT = 16  # exact recent tokens of the quantization-only baselines (KIVI's residual)
-# exact recent tokens of calibrated caches: with the window in int8, 8 measured better than 16 at 6.25 %
-# (43.95 against 44.76; seeds of 16 spread 44.69–45.01) and no worse above (docs/notes/quantized-latents.md)
-CALIBRATED_RECENT = 8
+DEFAULT_RECENT = 16  # exact recent tokens of calibrated caches and of the baselines (BENCHMARKS.md §1b)
 CLIP_RATIOS = tuple(1.0 - 0.05 * i for i in range(11))  # ranges an mse encoder tries, as min–max fractions
 
 
