@@ -625,7 +625,7 @@ def test_knapsack_options_is_exact():
     g = gen(9)
     for trial in range(30):
         groups = [[(int(torch.randint(1, 7, (1,), generator=g)), float(torch.rand(1, generator=g)))
-                   for _ in range(int(torch.randint(1, 4, (1,), generator=g)))] for _ in range(4)]
+                   for _ in range(int(torch.randint(1, 7, (1,), generator=g)))] for _ in range(4)]
         capacity = int(torch.randint(4, 20, (1,), generator=g))
         feasible = [c for c in itertools.product(*[range(len(o)) for o in groups])
                     if sum(groups[i][j][0] for i, j in enumerate(c)) <= capacity]
@@ -637,6 +637,14 @@ def test_knapsack_options_is_exact():
         got = knapsack_options(groups, capacity)
         assert sum(groups[i][j][0] for i, j in enumerate(got)) <= capacity
         assert sum(groups[i][j][1] for i, j in enumerate(got)) == pytest.approx(best)
+
+
+def test_knapsack_frontier_keeps_only_options_nothing_beats():
+    from calibrate.allocate import frontier
+
+    options = [(5, 0.3), (3, 0.5), (5, 0.2), (7, 0.2), (2, 0.9), (3, 0.5), (9, 0.0), (4, float("nan"))]
+    # (5, 0.3) and (7, 0.2) cost more for no less error; the second (3, 0.5) repeats the first; NaN never wins
+    assert frontier(options) == [4, 1, 2, 6]
 
 
 def fake_profile(d=32, step=8, rank_cost=1.0, quant_cost=0.01):
