@@ -298,8 +298,9 @@ def compaction_claims(res: Results, claim) -> None:
             continue
         ratio = (r["ppl"] - r["ppl_full"]) / (best["ppl"] - best["ppl_full"]) if best else None
         claim(
-            f"Compaction (keep 0.1) × `{Path(r['projections']).stem}` ({r['bytes_fraction']:.3f} of the bf16 "
-            f"bytes), C 4096, {r['chunks']} chunks: ΔPPL / the best press's alone",
+            f"Compaction (keep {r['keep']:g}) × `{Path(r['projections']).stem}` "
+            f"({r['bytes_fraction']:.3f} of the bf16 bytes), C 4096, {r['chunks']} chunks: ΔPPL / the best "
+            "press's alone",
             f"{ratio:.2f}× ({r['ppl'] - r['ppl_full']:+.2f} / {best['method']} "
             f"{best['ppl'] - best['ppl_full']:+.2f})" if ratio is not None else "",
             "≤ 1×",
@@ -954,8 +955,8 @@ def pareto_variants(res: Results) -> str:
     for r in res.rows("pareto"):
         # "no STE" and "recent16" were the default of their day (reruns); seeds get one row below; recent64
         # lost to 32 by far (docs/notes/quantized-latents.md)
-        if r.get("row") != "auto" or r.get("tag", "") in ("", "no STE", "recent16", "recent64") or (
-                r.get("tag", "").startswith("seed")):
+        tag = r.get("tag") or ""
+        if r.get("row") != "auto" or tag in ("", "no STE", "recent16", "recent64") or tag.startswith("seed"):
             continue
         r = res.pick("pareto", r["case"])
         if r is None or not r.get("scoring") or any(x[0] == r["case"] for x in out):
@@ -975,7 +976,8 @@ def pareto_variants(res: Results) -> str:
                        else "–")
         out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %",
                     f"{r['ppl']:.2f}", f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
-    seeded = [r for r in res.rows("pareto") if r.get("row") == "auto" and r.get("tag", "").startswith("seed")]
+    seeded = [r for r in res.rows("pareto")
+              if r.get("row") == "auto" and (r.get("tag") or "").startswith("seed")]
     for b in PARETO_BUDGETS:  # the default calibrated from other seeds: its noise
         cases = {r["case"] for r in seeded if r.get("budget") == b}
         seeds = sorted(filter(None, (res.pick("pareto", c) for c in cases)), key=lambda x: x["tag"])
@@ -1149,7 +1151,8 @@ def composed_rows(res: Results) -> list[tuple[dict, dict | None]]:
     out = []
     for chunks in sorted({r["chunks"] for r in served}):
         same = [r for r in rows if r["chunks"] == chunks]
-        pressed = [r for r in same if r["method"] in PRESSES and r["keep"] == 0.1]
+        pressed = [r for r in same
+                   if r["method"] in PRESSES and r["keep"] == 0.1 and not r.get("projections")]
         best = min(pressed, key=lambda r: r["ppl"] - r["ppl_full"]) if pressed else None
         def beside(r, best=best):
             return not r.get("projections") and (

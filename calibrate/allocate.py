@@ -97,15 +97,17 @@ def smallest_budget(L: int, G: int, d: int, rank_step: int, specs) -> float:
 
 
 def frontier(options: list[tuple[int, float]]) -> list[int]:
-    """Indices of the options no other beats: each has less error than every option costing no more (the
-    first of equal ones). Any choice through a dropped option does as well through the one that beats it,
-    for no more cost."""
-    kept, least = [], float("inf")
+    """Indices (ascending) of the options no other beats: each has less error than every option costing
+    less, or the same as the best of those at a higher cost (the knapsack's ties go to more cost used); of
+    options equal in cost and error, the first. Any choice through a dropped option does better through
+    the one that beats it, for no more cost, so the knapsack's answer is the same over the frontier."""
+    kept, least, at = [], float("inf"), -1
     for j in sorted(range(len(options)), key=lambda j: (options[j][0], options[j][1], j)):
-        if options[j][1] < least:
+        cost, err = options[j]
+        if err < least or (err == least and cost > at):
             kept.append(j)
-            least = options[j][1]
-    return kept
+            least, at = err, cost
+    return sorted(kept)
 
 
 def knapsack_options(groups: list[list[tuple[int, float]]], capacity: int) -> list[int]:

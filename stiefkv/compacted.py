@@ -263,6 +263,8 @@ def repeat_queries(model, ids: torch.Tensor, cache, tokens: int, every: int = 1)
     after a lead-in of up to :data:`REPEAT_LEAD` tokens before it (their queries dropped), so that its
     first queries read on from their own text as a whole second reading's do."""
     _refuse_latent(cache, "reading the prompt again")
+    if tokens < 1 or every < 1:
+        raise ValueError(f"reading the prompt again takes tokens ≥ 1 and every ≥ 1; got {tokens} and {every}")
     C = ids.shape[1]
     n = min(tokens, C)
     room = repeat_room(model, C)

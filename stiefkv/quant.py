@@ -309,7 +309,9 @@ def _encode(x: torch.Tensor, spec: QuantSpec):
     else:
         low, scale, step = _grid(lo, hi, levels)
         read = scale.float(), low.float()
-    codes = torch.round((g - read[1]) / step).clamp_(0, levels)
+    # + 0: a code rounded from a tiny negative is −0, which unpacked codes never are (round_trip's zeros
+    # would carry its sign)
+    codes = torch.round((g - read[1]) / step).clamp_(0, levels).add_(0.0)
     return codes, scale, None if spec.log8 else low, read
 
 

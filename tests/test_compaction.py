@@ -377,13 +377,16 @@ def test_reading_again_past_the_positions_goes_in_segments():
     lead = min(REPEAT_LEAD, 212 // 4)
     last = 212 - lead  # the segments start at 0 and 212 − lead, where the second (the last) begins
     tail = repeat_queries(model, ids, cache, 300 - last + lead)  # fits in the positions: one reading
-    thirds = repeat_queries(model, ids, cache, 300, every=3)
-    for q, t, q3 in zip(whole, tail, thirds):
+    # every 4th: the second segment starts at 159, so its first kept query is not its first
+    fourths = repeat_queries(model, ids, cache, 300, every=4)
+    for q, t, q4 in zip(whole, tail, fourths):
         assert q.shape[2] == 300 and torch.isfinite(q).all()
         torch.testing.assert_close(q[:, :, last:], t[:, :, lead:], rtol=1e-5, atol=1e-5)  # float32 model
-        assert q3.shape[2] == 100 and torch.equal(q3, q[:, :, ::3])
+        assert q4.shape[2] == 75 and torch.equal(q4, q[:, :, ::4])
     for la, (k, v) in zip(cache.layers, before):
         assert torch.equal(la.keys, k) and torch.equal(la.values, v)
+    with pytest.raises(ValueError, match="tokens ≥ 1 and every ≥ 1; got 0 and 1"):
+        repeat_queries(model, ids, cache, 0)
     read = stiefkv.prefill(model, ids, repeat=300)
     assert all(torch.equal(q, r) for q, r in zip(read.reference_queries, whole))
     assert stiefkv.compact(model, read, keep=0.2).get_seq_length() == 300

@@ -28,11 +28,12 @@ PLAIN_CACHE_BYTES = quant.QuantSpec.cache_bytes
 USERS = (quant, attention, layers, profile, rotation)  # modules that imported fake_quant by name
 
 
-def shared_fake_quant(x, spec, *, straight_through=False):
+def shared_fake_quant(x, spec, *, straight_through=False, held=None):
     """:func:`stiefkv.quant.fake_quant` with a log8 spec's scale shared by the heads (axis −3)."""
     if not (spec.quantized and spec.log8):
-        return PLAIN_FAKE_QUANT(x, spec, straight_through=straight_through)
-    x = quant.held_exact(x, spec, straight_through=straight_through)  # exact tokens in int8 for -w8
+        return PLAIN_FAKE_QUANT(x, spec, straight_through=straight_through, held=held)
+    # exact tokens in int8 for -w8
+    x = quant.held_exact(x, spec, straight_through=straight_through) if held is None else held
     n = quant.quantized_length(x.shape[-2], spec)
     if n == 0:
         return x
