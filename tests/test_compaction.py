@@ -374,19 +374,28 @@ def test_reading_again_past_the_positions_goes_in_segments():
     cache = stiefkv.prefill(model, ids, window=16)
     before = [(la.keys.clone(), la.values.clone()) for la in cache.layers]
     whole = repeat_queries(model, ids, cache, 300)
-    lead = min(REPEAT_LEAD, 212 // 4)
-    last = 212 - lead  # the segments start at 0 and 212 − lead, where the second (the last) begins
-    tail = repeat_queries(model, ids, cache, 300 - last + lead)  # fits in the positions: one reading
-    # every 4th: the second segment starts at 159, so its first kept query is not its first
-    fourths = repeat_queries(model, ids, cache, 300, every=4)
-    for q, t, q4 in zip(whole, tail, fourths):
+
+    def last_segment(lead):
+        """Where the last segment starts (segments of 212 − lead from token 0), and one reading of it with
+        its lead-in: the same tokens at the same positions."""
+        last = range(0, 300, 212 - lead)[-1]
+        return last, repeat_queries(model, ids, cache, 300 - last + lead)  # fits: one reading
+
+    last, tail = last_segment(REPEAT_LEAD)  # segments at 0, 148 and 296
+    # every 3rd: the later segments start at 148 and 296, so their first kept queries are not their first
+    thirds = repeat_queries(model, ids, cache, 300, every=3)
+    for q, t, q3 in zip(whole, tail, thirds):
         assert q.shape[2] == 300 and torch.isfinite(q).all()
-        torch.testing.assert_close(q[:, :, last:], t[:, :, lead:], rtol=1e-5, atol=1e-5)  # float32 model
-        assert q4.shape[2] == 75 and torch.equal(q4, q[:, :, ::4])
+        torch.testing.assert_close(q[:, :, last:], t[:, :, REPEAT_LEAD:], rtol=1e-5, atol=1e-5)  # float32
+        assert q3.shape[2] == 100 and torch.equal(q3, q[:, :, ::3])
     for la, (k, v) in zip(cache.layers, before):
         assert torch.equal(la.keys, k) and torch.equal(la.values, v)
-    with pytest.raises(ValueError, match="tokens ≥ 1 and every ≥ 1; got 0 and 1"):
+    with pytest.raises(ValueError, match="tokens ≥ 1, every ≥ 1 and lead ≥ 0; got 0, 1 and 64"):
         repeat_queries(model, ids, cache, 0)
+    longer = repeat_queries(model, ids, cache, 300, lead=100)  # segments at 0, 112 and 224
+    last, tail = last_segment(100)
+    for q, t in zip(longer, tail):
+        torch.testing.assert_close(q[:, :, last:], t[:, :, 100:], rtol=1e-5, atol=1e-5)
     read = stiefkv.prefill(model, ids, repeat=300)
     assert all(torch.equal(q, r) for q, r in zip(read.reference_queries, whole))
     assert stiefkv.compact(model, read, keep=0.2).get_seq_length() == 300
