@@ -962,7 +962,7 @@ def pareto_through_cache(res: Results) -> str:
 
 def pareto_variants(res: Results) -> str:
     head = ["variant", "bytes / bf16", "PPL", "next-token KL", "calib. s", "against"]
-    out = []
+    out, tagged = [], {}
     for r in res.rows("pareto"):
         # "no STE" and "recent16" were the default of their day (reruns); seeds get one row below; recent64
         # lost to 32 by far (docs/notes/quantized-latents.md)
@@ -985,8 +985,14 @@ def pareto_variants(res: Results) -> str:
             base = min(same, key=lambda x: x["ppl"]) if same else None
             against = (f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %" if base
                        else "–")
-        out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %",
-                    f"{r['ppl']:.2f}", f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
+        tagged.setdefault(tag, []).append((r, default, against))
+    for tag, rows in tagged.items():
+        if len(rows) >= 3 and all(d for _, d, _ in rows) and all(scored(r) == r["case"] for r, _, _ in rows):
+            out.append(budgets_row(tag, rows))  # one row a variant measured at most budgets
+            continue
+        for r, _, against in rows:
+            out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
+                        f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
     seeded = [r for r in res.rows("pareto")
               if r.get("row") == "auto" and (r.get("tag") or "").startswith("seed")]
     for b in PARETO_BUDGETS:  # the default calibrated from other seeds: its noise
@@ -1026,6 +1032,18 @@ def pareto_variants(res: Results) -> str:
                 out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
                             f"{r['next_token_kl']:.4f}", "–", f"{name} {plain['ppl']:.2f}"])
     return table(head, out)
+
+
+def budgets_row(tag: str, rows: list[tuple[dict, dict, str]]) -> list[str]:
+    """One variant at several budgets, largest first, against the default at each."""
+    rows = sorted(rows, key=lambda x: -x[0]["budget"])
+
+    def each(key, spec, at=0):
+        return " / ".join(format(x[at][key], spec) for x in rows)
+    budgets = " / ".join(f"{100 * r['budget']:g}" for r, _, _ in rows)
+    return [f"auto {budgets} % {tag}", "same",
+            each("ppl", ".2f"), each("next_token_kl", ".3f"), each("calibration_s", ".0f"),
+            "default " + each("ppl", ".2f", 1)]
 
 
 def scored(r: dict) -> str:
