@@ -260,13 +260,17 @@ def main() -> None:
                 emit(row_of("ranks", b, proj, run_eval(proj), fp16_s + s,
                             {"first_pass_s": fp16_s, "second_pass_s": s}))
     if "auto" in kinds:
-        cfga = CalibrationConfig.from_kwargs(device=args.device, bits="auto", **extra)
         suffix = "" if not args.tag else "_" + "".join(c if c.isalnum() else "-" for c in args.tag)
-        firsta, fpa_s = first_pass_state(model, seqs, cfga,
-                                         args.outdir / f"first_pass_auto{suffix}.safetensors", args.device)
+        firsts = {}  # one first pass per exact window the budgets resolve to: the profiles measure it
         for b in budgets:
             if ("auto", b, args.tag) not in done:
                 cfg = CalibrationConfig.from_kwargs(device=args.device, bits="auto", budget=b, **extra)
+                if cfg.recent not in firsts:
+                    cfga = CalibrationConfig.from_kwargs(device=args.device, bits="auto",
+                                                         **(extra | {"recent": cfg.recent}))
+                    path = args.outdir / f"first_pass_auto{suffix}_r{cfg.recent}.safetensors"
+                    firsts[cfg.recent] = first_pass_state(model, seqs, cfga, path, args.device)
+                firsta, fpa_s = firsts[cfg.recent]
                 proj, s = calibrated(model, seqs, firsta, cfg, args.device)
                 emit(row_of("auto", b, proj, run_eval(proj), fpa_s + s,
                             {"first_pass_s": fpa_s, "second_pass_s": s, "tag": args.tag, "extra": extra,

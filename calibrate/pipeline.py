@@ -78,7 +78,8 @@ class CalibrationConfig:
         (`benchmarks/experiments/storage_kl_prediction.py`; whole-test-set PPL in BENCHMARKS.md §1b). The
         ``output`` and ``update`` profiles measure every storage at every rank either way.
     recent : the newest tokens every quantized latent keeps exact (KIVI's residual; their bytes are counted,
-        in a cache of 2048 tokens). Each query then reads its own recent keys exact, as in decoding.
+        in a cache of 2048 tokens). Each query then reads its own recent keys exact, as in decoding. None
+        (the default): :func:`default_recent` of the budget, 16, and 8 below a 10 % budget.
     kernel_storage : choose only storages the fused kernels read in place during decode — 8 to 2 bits per
         token, no exact window (``recent`` must be 0 or left at its default) — besides bf16: what
         :func:`stiefkv.generate` serves fastest, at some quality per byte (the channel layout and the
@@ -139,7 +140,7 @@ class CalibrationConfig:
     rank_step: int = 8
     seed: int = 0
     mse: str = "none"
-    recent: int = DEFAULT_RECENT
+    recent: int | None = None
     profile_storages: str = "anchors"
     rotation: bool = True
     quant_aware: bool = False
@@ -163,16 +164,19 @@ class CalibrationConfig:
                               ("mse", MSE_CHOICES), ("profile_storages", PROFILE_STORAGES)):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {getattr(self, name)!r}")
-        if not isinstance(self.recent, int) or self.recent < 0:
+        if self.recent is not None and (not isinstance(self.recent, int) or isinstance(self.recent, bool)
+                                        or self.recent < 0):
             raise ValueError(f"recent must be an integer ≥ 0 (tokens kept exact), got {self.recent!r}")
         if self.kernel_storage:
             widths = " or ".join(map(str, KERNEL_BITS))
             if self.bits not in ("auto", "16", *map(str, KERNEL_BITS)):
                 raise ValueError(f"kernel_storage keeps codes the kernels read ({widths} bits, or auto among "
                                  f"them); got bits {self.bits}")
-            if self.recent not in (0, DEFAULT_RECENT):
+            if self.recent not in (None, 0, DEFAULT_RECENT):
                 raise ValueError(f"kernel_storage keeps no exact recent tokens (the kernels read codes "
                                  f"only); got recent {self.recent}: leave it at its default or set 0")
+        if self.recent is None:
+            self.recent = default_recent(self.budget)
         for name in ("num_sequences", "seq_len", "batch_size", "rank_step", "profile_sequences",
                      "step_sequences"):
             if getattr(self, name) < 1:
@@ -194,6 +198,18 @@ class CalibrationConfig:
             raise TypeError(f"unknown calibration settings {sorted(unknown)}; known: {sorted(known)}")
         sizes = CPU_SIZES if device is not None and torch.device(device).type == "cpu" else {}
         return cls(**(sizes | kwargs)).validate()
+
+
+SMALL_BUDGET = 0.1
+SMALL_BUDGET_RECENT = 8
+
+
+def default_recent(budget: float) -> int:
+    """The exact recent tokens a calibration keeps unless told: :data:`~stiefkv.quant.DEFAULT_RECENT` (16),
+    and 8 below a budget of :data:`SMALL_BUDGET`, where the bytes of 8 more exact tokens buy more as codes
+    (SmolLM2, 147 windows: 6.25 % 44.76 → 43.95, 9.375 % 31.69 → 31.66; from 12.5 % up 16 did as well or
+    better: 26.23 against 26.29; BENCHMARKS.md §1b)."""
+    return SMALL_BUDGET_RECENT if budget < SMALL_BUDGET else DEFAULT_RECENT
 
 
 # Where the model runs on a CPU: a quarter of the tokens per refinement step, one sequence for the kl

@@ -23,6 +23,8 @@ from stiefkv.calibrate.pipeline import (
     METHODS,
     ORDERS,
     PROFILES,
+    SMALL_BUDGET,
+    SMALL_BUDGET_RECENT,
     CalibrationConfig,
 )
 from stiefkv.calibrate.profile import WEIGHTINGS
@@ -192,9 +194,10 @@ def main():
               help=f"How latents are stored: {', '.join(BITS_CHOICES)}. auto = rank, bit width and group "
                    "layout chosen together per layer for keys and values (bf16 and full rank included); "
                    "16 = bf16 latents, ranks only; 8/4/3/2 = that width everywhere.")
-@click.option("--recent", type=click.IntRange(min=0), default=DEFAULTS["recent"], show_default=True,
+@click.option("--recent", type=click.IntRange(min=0), default=DEFAULTS["recent"],
               help="The newest tokens every quantized latent keeps exact (as KIVI does); their bytes count "
-                   "against the budget.")
+                   f"against the budget.  [default: {DEFAULT_RECENT}, and {SMALL_BUDGET_RECENT} below a "
+                   f"budget of {SMALL_BUDGET:g}]")
 @click.option("--log8/--no-log8", default=DEFAULTS["log8"], show_default=True,
               help="Offer per-token codes on one 8-bit power-of-two scale per group (symmetric, 1 byte a "
                    "group instead of 4) beside the float16 scale and low.")

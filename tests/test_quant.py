@@ -814,6 +814,26 @@ def test_recent_tokens_are_checked_and_counted_in_the_smallest_budget(tmp_path, 
     assert result.exit_code == 2 and "--recent" in result.output and not out.exists()
 
 
+def test_the_default_recent_window_follows_the_budget():
+    from stiefkv.calibrate.pipeline import CalibrationConfig, default_recent, storages
+
+    # 16 exact tokens, 8 below a budget of 0.1; a given recent always wins
+    assert [CalibrationConfig(budget=b).validate().recent for b in (1.0, 0.5, 0.1, 0.09375, 0.0625)] == [
+        16, 16, 16, 8, 8]
+    assert [CalibrationConfig(budget=b, recent=w).validate().recent for b, w in ((0.0625, 16), (0.5, 8),
+                                                                                 (0.0625, 0))] == [16, 8, 0]
+    assert default_recent(0.0999) == 8 and default_recent(0.1) == 16
+    # the storages the knapsack chooses among carry the resolved window
+    specs = storages(CalibrationConfig(budget=0.0625).validate())
+    assert {s.recent for s in specs["k"] + specs["v"] if s.quantized} == {8}
+    # kernel_storage still refuses a window it cannot read, and takes the default
+    assert CalibrationConfig(budget=0.0625, kernel_storage=True).validate().kernel_storage
+    with pytest.raises(ValueError, match="kernel_storage keeps no exact recent tokens"):
+        CalibrationConfig(kernel_storage=True, recent=8).validate()
+    with pytest.raises(ValueError, match="recent must be an integer"):
+        CalibrationConfig(recent=True).validate()
+
+
 def test_save_pretrained_keeps_the_storage(tmp_path):
     from tests.tiny import tiny_tokenizer
 
