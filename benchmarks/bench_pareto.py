@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from dataclasses import asdict
 from pathlib import Path
@@ -132,6 +133,27 @@ def through_cache_row(name: str, result, full_bytes: int) -> dict:
     }
 
 
+def exact_window(r: dict) -> int | None:
+    """The exact recent tokens of a calibrated row's quantized latents, from its storages (None: none
+    recorded)."""
+    found = re.findall(r"-r(\d+)", str(r.get("storage") or ""))
+    return int(found[0]) if found else None
+
+
+def is_default_auto(r: dict) -> bool:
+    """Whether ``r`` is an ``auto`` row of today's defaults: untagged with the default's exact window at its
+    budget (:func:`~stiefkv.calibrate.pipeline.default_recent`), or the variant measured with exactly that
+    window and nothing else changed (``w8-recent8``: the default below 10 % since it was measured)."""
+    from stiefkv.calibrate.pipeline import default_recent
+
+    if r.get("row") != "auto" or not isinstance(r.get("budget"), float):
+        return False
+    want, window = default_recent(r["budget"]), exact_window(r)
+    if not r.get("tag"):
+        return window in (want, None)  # None: rows from before the storages were recorded
+    return r["tag"] == f"w8-recent{want}" and r.get("extra") == {"recent": want} and window == want
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -139,7 +161,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     latest = {(r["row"], r["budget"]): r for r in rows  # a case measured again: its newest row
-              if "ppl" in r and not r.get("tag") and not r.get("protocol")}
+              if "ppl" in r and not r.get("protocol")
+              and (is_default_auto(r) if r.get("row") == "auto" else not r.get("tag"))}
     rows = list(latest.values())
     fig, ax = plt.subplots(figsize=(7, 4.5))
     plain = lambda r, kind: r["row"].startswith(kind) and "mse" not in r["row"]  # noqa: E731

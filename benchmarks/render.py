@@ -949,24 +949,12 @@ def pareto(res: Results) -> str:
     return table(head, out)
 
 
-def exact_window(r: dict) -> int | None:
-    """The exact recent tokens of a calibrated row's quantized latents (from its storages)."""
-    found = re.findall(r"-r(\d+)", str(r.get("storage") or ""))
-    return int(found[0]) if found else None
-
-
 def auto_default(res: Results, b: float) -> dict | None:
-    """The row of ``auto`` with today's defaults at budget ``b``: the newest ``auto b`` row whose exact window
-    is the default's there (:func:`~stiefkv.calibrate.pipeline.default_recent`), else the variant measured
-    with exactly that window and nothing else changed (``w8-recent8``: the default below 10 % since it was
-    measured; calibration is deterministic, 43.952 at 6.25 % at two commits)."""
-    from stiefkv.calibrate.pipeline import default_recent
+    """The row of ``auto`` with today's defaults at budget ``b`` (``bench_pareto.is_default_auto``: the
+    8-token variant's rows below 10 %; calibration is deterministic, 43.952 at 6.25 % at two commits)."""
+    from bench_pareto import is_default_auto
 
-    want = default_recent(b)
-    rows = [r for r in res.rows("pareto")
-            if measured_row(r) and r.get("row") == "auto" and r.get("budget") == b and exact_window(r) == want
-            and (r["case"] == f"auto {b}" or (r.get("tag") == f"w8-recent{want}"
-                                               and r.get("extra") == {"recent": want}))]
+    rows = [r for r in res.rows("pareto") if measured_row(r) and r.get("budget") == b and is_default_auto(r)]
     if not rows:
         return res.pick("pareto", f"auto {b}")
     res.used[id(rows[-1])] = ("pareto", rows[-1])
