@@ -145,12 +145,13 @@ def is_default_auto(r: dict) -> bool:
     budget (:func:`~stiefkv.calibrate.pipeline.default_recent`), or the variant measured with exactly that
     window and nothing else changed (``w8-recent8``: the default below 10 % since it was measured)."""
     from stiefkv.calibrate.pipeline import default_recent
+    from stiefkv.quant import DEFAULT_RECENT
 
     if r.get("row") != "auto" or not isinstance(r.get("budget"), float):
         return False
     want, window = default_recent(r["budget"]), exact_window(r)
-    if not r.get("tag"):
-        return window in (want, None)  # None: rows from before the storages were recorded
+    if not r.get("tag"):  # None: no window recorded (older rows, measured when 16 was the only default)
+        return window == want or (window is None and want == DEFAULT_RECENT)
     return r["tag"] == f"w8-recent{want}" and r.get("extra") == {"recent": want} and window == want
 
 
@@ -165,12 +166,12 @@ def plot(rows: list[dict], path: Path) -> Path:
               and (is_default_auto(r) if r.get("row") == "auto" else not r.get("tag"))}
     rows = list(latest.values())
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    plain = lambda r, kind: r["row"].startswith(kind) and "mse" not in r["row"]  # noqa: E731
+    named = lambda pattern: lambda r: re.fullmatch(pattern, r["row"]) is not None  # noqa: E731
     groups = {"StiefKV auto": lambda r: r["row"] == "auto",
               "StiefKV ranks only (bf16)": lambda r: r["row"] == "ranks",
-              "int-k per token": lambda r: plain(r, "int") and not r["row"].endswith("-r0"),
-              "KIVI-k": lambda r: plain(r, "kivi") and not r["row"].endswith("-r0"),
-              "KIVI-k, no exact recent tokens": lambda r: plain(r, "kivi") and r["row"].endswith("-r0"),
+              "int-k per token": named(r"int\d"),  # the baselines as named, not their variants
+              "KIVI-k": named(r"kivi\d"),
+              "KIVI-k, no exact recent tokens": named(r"kivi\d-r0"),
               "PCA-uniform + int4": lambda r: r["row"] == "pca-uniform-int4"}
     for label, pick in groups.items():
         pts = sorted((r["bytes_fraction"], r["ppl"]) for r in rows if pick(r))

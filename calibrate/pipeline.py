@@ -114,8 +114,8 @@ class CalibrationConfig:
     seed : seeds data sampling and every random step.
 
     On a CPU, ``num_sequences``, ``profile_sequences`` and ``step_sequences`` default to the smaller
-    :data:`CPU_SIZES` (a 2-core machine calibrates SmolLM2 in 56 minutes with ``bits="auto"``, 39 with
-    ``bits=16``; BENCHMARKS.md §1),
+    :data:`CPU_SIZES` (a 2-core machine calibrated SmolLM2 in 14–20 minutes with ``bits="auto"``, 1.29×
+    ``bits=16``'s time; BENCHMARKS.md, claims),
     wherever they are not given.
     """
 
@@ -172,7 +172,7 @@ class CalibrationConfig:
             if self.bits not in ("auto", "16", *map(str, KERNEL_BITS)):
                 raise ValueError(f"kernel_storage keeps codes the kernels read ({widths} bits, or auto among "
                                  f"them); got bits {self.bits}")
-            if self.recent not in (None, 0, DEFAULT_RECENT):
+            if self.recent not in (None, 0, DEFAULT_RECENT, default_recent(self.budget)):
                 raise ValueError(f"kernel_storage keeps no exact recent tokens (the kernels read codes "
                                  f"only); got recent {self.recent}: leave it at its default or set 0")
         if self.recent is None:

@@ -119,8 +119,9 @@ def _logging(debug: bool) -> None:
 
 def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | None = None) -> None:
     """Refuse an output that is one of the inputs, lies inside a model folder being read, is a data file
-    inside a data folder being read, or is another output; then create each output's folder and check it
-    can be written. Paths are compared resolved (symlinks followed) and by inode where both exist.
+    inside a data folder being read, or is another output; then check that each can be written (its
+    missing folders are made when it is written). Paths are compared resolved (symlinks followed) and by
+    inode where both exist.
 
     ``outputs`` maps an option name to a path (None: not given); ``files`` are input files or folders.
     """
@@ -157,6 +158,12 @@ def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | Non
     for name, path in outputs.items():
         if path is not None:
             ensure_writable(path, name)
+
+
+def _write_json(path: Path, obj) -> None:
+    """Write ``obj`` to ``path``, making its folders (checked writable before the work, made only now)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(obj, indent=2))
 
 
 def common_options(fn):
@@ -462,7 +469,7 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                 result = evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
                                             chunks=windows, data=data, projections=proj)
             if json_path is not None and not to_stdout:
-                json_path.write_text(json.dumps(result.as_dict(), indent=2))
+                _write_json(json_path, result.as_dict())
             return result
         check_context(m.config, window, "--window")
         if baseline in TRANSFORMERS_BASELINES:
@@ -479,7 +486,7 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
             result.attention_kl_context = kl_context
             result.attention_kl = attention_kl_per_layer(m, tok, proj, data=data, context=kl_context)
         if json_path is not None and not to_stdout:
-            json_path.write_text(json.dumps(result.as_dict(), indent=2))
+            _write_json(json_path, result.as_dict())
         return result
 
     result = _run(work, debug)

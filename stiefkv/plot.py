@@ -35,6 +35,7 @@ def plot_profiles(proj, path: str | Path, weighting: str | None = None) -> Path:
     fig.suptitle(f"{proj.method}, {proj.key_mode}, budget {proj.budget:g}")
     fig.tight_layout()
     path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)  # checked writable before the work, made only now
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path

@@ -68,8 +68,9 @@ def honour_umask(path: Path) -> None:
 
 
 def ensure_writable(path: str | Path, what: str = "output") -> Path:
-    """Create ``path``'s missing parent folders and check that a file can be created there — before any
-    work, so that a bad output location fails in a second, not after the calibration.
+    """Check that ``path`` can be created — before any work, so that a bad output location fails in a
+    second, not after the calibration. Nothing is left behind: missing folders are not created here (the
+    writers create them), the nearest existing one is probed with a temporary file instead.
 
     Raises ``ValueError`` naming ``what`` and ``path`` when it is a folder or cannot be written.
     """
@@ -78,9 +79,13 @@ def ensure_writable(path: str | Path, what: str = "output") -> Path:
     path = Path(path).expanduser()
     if path.is_dir():
         raise ValueError(f"{what} {path} is a folder: give a file name")
+    folder = path.absolute().parent
+    while not os.path.lexists(folder) and folder != folder.parent:  # a dangling link stops the walk too
+        folder = folder.parent
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, probe = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".probe")
+        if not folder.is_dir():  # a file where a folder of the path should be
+            raise NotADirectoryError(20, "Not a directory", str(folder))
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:

@@ -266,16 +266,32 @@ def test_cli_non_finite_model_exits_2_and_writes_nothing(tmp_path, corpus, fake_
 # --------------------------------------------------------------------------- 5. output locations, early
 
 
-def test_missing_output_folders_are_created_before_any_work(tmp_path, corpus, fake_loader, monkeypatch):
+def test_missing_output_folders_are_made_only_when_written(tmp_path, corpus, fake_loader, monkeypatch):
     def fail(*args, **kwargs):
         raise ModelLoadError("stop here")
 
+    # a failure after the check leaves nothing behind, not even the folders
     monkeypatch.setattr(stiefkv, "load_model", fail)
     out = tmp_path / "new" / "deeper" / "o.safetensors"
     run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 2)
-    assert out.parent.is_dir()
     run(["eval", "m", "--json", tmp_path / "json" / "r.json"], 2)
-    assert (tmp_path / "json").is_dir()
+    assert not (tmp_path / "new").exists() and not (tmp_path / "json").exists()
+    # and a run that succeeds makes them
+    monkeypatch.setattr(stiefkv, "load_model", fake_loader)
+    run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 0)
+    assert out.is_file()
+    report = tmp_path / "json" / "deeper" / "r.json"
+    run(["eval", "m", "--data", corpus, "--windows", "1", "--window", "32", "--json", report], 0)
+    assert json.loads(report.read_text())["windows"] == 1
+
+
+def test_outputs_behind_a_file_or_a_dangling_link_fail_before_loading(tmp_path, corpus, fake_loader):
+    (tmp_path / "a-file").write_text("x")
+    (tmp_path / "gone").symlink_to(tmp_path / "missing")
+    for out in (tmp_path / "a-file" / "new" / "o.safetensors", tmp_path / "gone" / "new" / "o.safetensors"):
+        result = run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 2)
+        assert "cannot write -o" in result.output
+    assert not fake_loader.calls and not (tmp_path / "missing").exists()
 
 
 def test_unwritable_outputs_fail_before_loading(tmp_path, corpus, fake_loader):

@@ -255,6 +255,28 @@ def test_cli_inspect(tmp_path):
     assert json.loads(result.output)["ranks"] == [[8, 16], [8, 16]]
 
 
+def test_cli_inspect_shows_ranks_bits_and_bytes_of_a_quantized_checkpoint(tmp_path):
+    from dataclasses import replace
+
+    from stiefkv.quant import QuantSpec
+
+    k = QuantSpec(4, "channel", recent=16)
+    v = QuantSpec(2, "token", log8=True, recent=8, window8=True)
+    proj = random_projections(tiny_model(), 8, 16)
+    path = replace(proj, quant=[(k, v)] * len(proj.ranks)).save(tmp_path / "q.safetensors")
+    result = CliRunner().invoke(main, ["inspect", str(path)])
+    # by hand, a 2048-token cache of one head: keys hold 1984 tokens as int4 codes of 8 channels (4 B each),
+    # 31 groups of 64 tokens with a float16 scale and low per channel (32 B each), 64 exact bf16 tokens
+    # (16 B); values hold 2040 tokens as int2 codes of 16 channels (4 B) and a log8 byte, 8 exact in int8
+    # (16 B + a log8 byte)
+    key_bytes = (1984 * 4 + 31 * 32 + 64 * 16) / 2048
+    value_bytes = (2040 * (4 + 1) + 8 * 17) / 2048
+    layer = 2 * (key_bytes + value_bytes)  # G = 2 heads
+    assert result.exit_code == 0, result.output
+    assert f"| 1 | 8 × int4-channel-r16 | 16 × int2-token-log8-r8-w8 | {layer:.1f} |" in result.output
+    assert f"KV cache: {2 * layer + 4:.1f} bytes per token" in result.output  # + the int32 position
+
+
 def test_cli_help_explains_options():
     result = CliRunner().invoke(main, ["calibrate", "--help"])
     for option in ("--budget", "--method", "--key-mode", "--data", "--num-sequences", "--seq-len", "--device",

@@ -782,13 +782,14 @@ def test_cli_rejects_unsupported_bits_and_budgets_below_the_smallest(tmp_path, m
     from stiefkv.cli import main
 
     monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
-    out = tmp_path / "c.safetensors"
+    out = tmp_path / "new" / "folder" / "c.safetensors"  # nothing written: not even its folder
+    floor = "below the smallest cache --bits auto can make for this model: 0.0"  # and names it
     for args, message in ((["--bits", "5"], "bits must be one of 16, 8, 4, 3, 2, auto; got '5'"),
-                          (["--budget", "0.01"], "below the smallest cache --bits auto can make")):
+                          (["--budget", "0.01"], floor)):
         result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), *args])
         lines = [x for x in result.output.splitlines() if x.strip() and not x.startswith(("INFO", "WARN"))]
         assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
-        assert not out.exists() and not out.with_name(out.name + ".partial").exists()
+        assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
 
 
 def test_recent_tokens_are_checked_and_counted_in_the_smallest_budget(tmp_path, monkeypatch):
@@ -826,8 +827,10 @@ def test_the_default_recent_window_follows_the_budget():
     # the storages the knapsack chooses among carry the resolved window
     specs = storages(CalibrationConfig(budget=0.0625).validate())
     assert {s.recent for s in specs["k"] + specs["v"] if s.quantized} == {8}
-    # kernel_storage still refuses a window it cannot read, and takes the default
-    assert CalibrationConfig(budget=0.0625, kernel_storage=True).validate().kernel_storage
+    # kernel_storage keeps no window whatever the default, and refuses one asked for that is not a default
+    for b, w in ((0.0625, None), (0.0625, 8), (0.5, 16)):
+        specs = storages(CalibrationConfig(budget=b, recent=w, kernel_storage=True).validate())
+        assert not any(s.recent for s in specs["k"] + specs["v"])
     with pytest.raises(ValueError, match="kernel_storage keeps no exact recent tokens"):
         CalibrationConfig(kernel_storage=True, recent=8).validate()
     with pytest.raises(ValueError, match="recent must be an integer"):

@@ -57,6 +57,8 @@ def main() -> None:
     extra = dict(kv.split("=") for kv in args.extra.split(",") if kv)
     extra = {k: int(v) if v.isdigit() else v for k, v in extra.items()}
     model, tok = stiefkv.load_model(args.model, device=args.device)
+    # one exact window for every budget: the profiles measure it (the default's is 8 below a budget of 0.1)
+    extra.setdefault("recent", 16)
     cfg = CalibrationConfig.from_kwargs(device=args.device, bits="auto", **extra)
     seqs = calibration_sequences(model, tok, data=cfg.data, num_sequences=cfg.num_sequences,
                                  seq_len=cfg.seq_len, seed=cfg.seed)
