@@ -82,6 +82,12 @@ QUANT_SWEEP = [
     {"keys_left": True, "block_n": 64},
     {"keys_left": True, "splits": 2},
     {"splits": 1.5},  # three programs an SM where registers allow (int4 post_rope: 157 a thread)
+    # int4 codes are a quarter of bf16's bytes a key: tiles of 256 keys put as many bytes in flight as bf16's
+    # 64, and 8 warps give each scheduler more than two warps to hide the unpacking's latency behind
+    {"block_n": 256},
+    {"block_n": 256, "num_warps": 8},
+    {"block_n": 256, "num_stages": 2},
+    {"block_n": 128, "num_warps": 8, "num_stages": 4},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")

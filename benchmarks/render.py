@@ -980,6 +980,22 @@ def auto_recent16(res: Results, b: float) -> dict | None:
     return rows[-1] if rows else None
 
 
+def seeds_by_window(res: Results, seeded: list[dict]) -> dict[int | None, list[dict]]:
+    """The newest measured row of each seed tag, grouped by the exact window of its storages (the default's
+    window follows the budget, so one budget's seeds may have been measured at two windows)."""
+    from bench_pareto import exact_window
+
+    newest: dict[tuple, dict] = {}
+    for r in seeded:
+        if measured_row(r):
+            newest[(exact_window(r), r["tag"])] = r  # rows are in file order: the last is the newest
+    groups: dict[int | None, list[dict]] = {}
+    for (window, _), r in sorted(newest.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
+        res.used[id(r)] = ("pareto", r)
+        groups.setdefault(window, []).append(r)
+    return groups
+
+
 def pareto_through_cache(res: Results) -> str:
     """The caches scored through themselves on a subset of windows (``bench_pareto.py --rows through-cache
     --windows N``): transformers' QuantizedCache beside StiefKV's cache at the same layouts."""
@@ -994,6 +1010,8 @@ def pareto_through_cache(res: Results) -> str:
 
 
 def pareto_variants(res: Results) -> str:
+    from bench_pareto import exact_window
+
     head = ["variant", "bytes / bf16", "PPL", "next-token KL", "calib. s", "against"]
     out, tagged = [], {}
     for r in res.rows("pareto"):
@@ -1028,14 +1046,15 @@ def pareto_variants(res: Results) -> str:
                         f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
     seeded = [r for r in res.rows("pareto")
               if r.get("row") == "auto" and (r.get("tag") or "").startswith("seed")]
-    for b in PARETO_BUDGETS:  # the default calibrated from other seeds: its noise
-        cases = {r["case"] for r in seeded if r.get("budget") == b}
-        seeds = sorted(filter(None, (res.pick("pareto", c) for c in cases)), key=lambda x: x["tag"])
-        default = auto_recent16(res, b)
-        if seeds and default:
+    for b in PARETO_BUDGETS:  # the default calibrated from other seeds: its noise, one row per exact window
+        for window, seeds in seeds_by_window(res, [r for r in seeded if r.get("budget") == b]).items():
+            default = auto_recent16(res, b) if window in (16, None) else auto_default(res, b)
+            if default is None or exact_window(default) not in (window, None):
+                continue
             def each(key, spec, seeds=seeds):
                 return " / ".join(format(x[key], spec) for x in seeds)
-            out.append([f"auto {b:g} seeds {' / '.join(x['tag'][4:] for x in seeds)}",
+            out.append([f"auto {b:g} seeds {' / '.join(x['tag'][4:] for x in seeds)}"
+                        + (f" ({window} exact tokens)" if window not in (16, None) else ""),
                         f"{100 * seeds[0]['bytes_fraction']:.2f} %", each("ppl", ".2f"),
                         each("next_token_kl", ".3f"), each("calibration_s", ".0f"),
                         f"default {default['ppl']:.2f}"])
