@@ -1150,37 +1150,40 @@ def pareto_claims(res: Results, claim) -> None:
 
 
 # ------------------------------------------------------------------------------------------------ provenance
-COMMAND_CHARS = 28  # a longer command is cut here (each row keeps it whole)
+RUN_COMMITS = 4  # commits named per line of the runs table
 
 
 def runs(res: Results) -> str:
-    """One line per file, commit, machine and library versions; several runs of one script there (a run
-    continued over device calls) show the first command and how many more (every row keeps its own)."""
-    seen: dict[tuple, list] = {}
+    """One line per file, machine, library versions and re-measured or not: how many runs (commits, or a
+    run's id where none was recorded), the first and last day, and the commits (every row keeps its own
+    command and provenance)."""
+    seen: dict[tuple, dict] = {}
     for name, r in res.used.values():
         p = r.get("provenance") or ISSUE3_PROVENANCE
         gpu = ((p.get("gpu") or {}).get("name") or "CPU").removeprefix("NVIDIA ")
         versions = " / ".join((p.get(k) or "–").split("+")[0] for k in ("torch", "triton", "transformers"))
+        entry = seen.setdefault((f"{name}.jsonl", gpu, versions, measured_row(r)), {"runs": {}, "dates": []})
         commit = p.get("commit")
-        key = (f"{name}.jsonl", commit or p.get("run_id") or p.get("date"), commit, gpu, versions,
-               measured_row(r))
-        entry = seen.setdefault(key, [p.get("date", "?"), set()])
-        entry[0] = min(entry[0], p.get("date", "?"))
-        entry[1].add(p.get("command") or "")
+        run = commit or p.get("run_id") or p.get("date")
+        date = str(p.get("date") or "?")
+        first = entry["runs"].setdefault(run, (date, f"`{commit[:7]}`" if commit else "?"))
+        entry["runs"][run] = (min(first[0], date), first[1])  # a run is placed by its first row
+        entry["dates"].append(date[:10])
     rows = []
-    for (file, _, commit, gpu, versions, measured), (date, commands) in seen.items():
-        more = f" (+{len(commands) - 1} more)" if len(commands) > 1 else ""
-        command = re.sub(r"^python3? benchmarks/", "", sorted(commands)[0])  # the scripts' folder goes unsaid
-        command = command if len(command) <= COMMAND_CHARS else command[:COMMAND_CHARS - 1] + "…"
-        date = re.sub(r"^(\d{4}-\d\d-\d\d \d\d:\d\d):\d\d", r"\1", date).removesuffix(" UTC")  # minutes
-        rows.append([f"`{file}`", date, gpu, f"`{commit[:7]}`" if commit else "?", versions or "?",
-                     f"`{command}`{more}", "yes" if measured else "no"])
-    rows.sort(key=lambda x: (x[0], x[1]))
+    for (file, gpu, versions, measured), entry in seen.items():
+        dates = sorted(entry["dates"])
+        days = dates[0] if dates[0] == dates[-1] else f"{dates[0]} – {dates[-1][5:]}"
+        commits = [c for _, c in sorted(entry["runs"].values())]
+        shown = ", ".join(dict.fromkeys(commits[-RUN_COMMITS:]))  # the newest; a run without a commit is "?"
+        more = f"… ({len(commits) - RUN_COMMITS} earlier), " if len(commits) > RUN_COMMITS else ""
+        rows.append([f"`{file}`", str(len(commits)), days, gpu, more + shown, versions,
+                     "yes" if measured else "no"])
+    rows.sort(key=lambda x: (x[0], x[2]))
     for above, row in zip(rows[::-1][1:], rows[::-1]):  # from the bottom: a repeat shows as a ditto
-        if (above[2], above[4]) == (row[2], row[4]):
-            row[4] = "″"
-    return table(["file", "date (UTC)", "GPU", "commit", "torch / triton / transformers (″ as above)",
-                  "command", "re-measured"], rows)
+        if (above[3], above[5]) == (row[3], row[5]):
+            row[5] = "″"
+    return table(["file", "runs", "days (UTC)", "GPU", "commits (newest last)",
+                  "torch / triton / transformers (″ as above)", "re-measured"], rows)
 
 
 # ------------------------------------------------------------------------------------- compaction (issue 15)
