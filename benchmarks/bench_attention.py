@@ -88,6 +88,8 @@ QUANT_SWEEP = [
     {"block_n": 256, "num_warps": 8},
     {"block_n": 256, "num_stages": 2},
     {"block_n": 128, "num_warps": 8, "num_stages": 4},
+    {"splits": 1.5, "num_stages": 2},  # three programs an SM, if the staged tiles' shared memory allowed two
+    {"splits": 1.5, "num_stages": 1},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
@@ -209,18 +211,20 @@ def quantized(z: torch.Tensor, bits: int):
     return QuantizedLatents(q.codes, q.scale, q.low, bits, q.rank)
 
 
-def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | None = None) -> None:
+def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | None = None,
+               bits_list=QUANT_BITS) -> None:
     """Decode over bf16 latents and int8/int4 codes at 50 % ranks (or ``rank``: an odd one such as the
     12.5 % checkpoint's 56, whose int4 rows are 28 bytes): the default configuration and each of
     :data:`QUANT_SWEEP` (the candidates prefetch and fold_scales, key splits, tiles, warps, stages), in
     the same run as SDPA on the same shape. ``sweep_with``: only the sweep's entries that set one of these
-    options (a targeted A/B; the default and SDPA are measured all the same)."""
+    options (a targeted A/B; the default and SDPA are measured all the same). ``bits_list``: the latents'
+    widths (16: bf16)."""
     sweep = [c for c in QUANT_SWEEP if not sweep_with or any(k in c for k in sweep_with)]
     r = rank or BUDGETS["50%"]
     for B, N in shapes:
         sdpa = sdpa_decode_ms(B, N)
         x = latent_inputs(B, 1, N, r)
-        for bits in QUANT_BITS:
+        for bits in bits_list:
             xq = x if bits == 16 else dict(x, z_k=quantized(x["z_k"], bits), z_v=quantized(x["z_v"], bits))
             parts = (x["z_k"], x["z_v"]) if bits == 16 else [
                 t for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low)]
@@ -422,6 +426,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=None,
                         help="quant table: the latents' rank instead of 50 %% (64), e.g. 56 (12.5 %% is r 56 "
                              "x int4)")
+    parser.add_argument("--bits", nargs="+", type=int, default=list(QUANT_BITS), choices=QUANT_BITS,
+                        help="quant table: the latents' widths (16: bf16)")
     parser.add_argument("--sweep-with", nargs="+", metavar="OPTION",
                         help="quant table: only the sweep's entries that set one of these options")
     args = parser.parse_args()
@@ -438,7 +444,7 @@ def main() -> None:
     if "decode" in args.tables:
         decode_rows(shapes, copy)
     if "quant" in args.tables:
-        quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank)
+        quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank, args.bits)
     if "prefill" in args.tables:
         prefill_rows()
     if "sweep" in args.tables:
