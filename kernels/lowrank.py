@@ -71,6 +71,7 @@ LOG8_E1, LOG8_E2, LOG8_E3, LOG8_E4, LOG8_E5, LOG8_E6, LOG8_E7 = (tl.constexpr(m)
                                                                  _common.LOG8_EIGHTHS[1:])
 KERNEL_BITS = _common.KERNEL_BITS
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
+WIDE_NIBBLE_TILE = 256  # decode key tile over int4 token-layout keys and values, post_rope (_default_config)
 MERGE_UNROLL = tl.constexpr(4)  # splits merged per iteration of _merge_splits
 
 
@@ -927,7 +928,7 @@ def _decode_splits(programs: int, n_k: int, n_sms: int) -> int:
 
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
-                    codes: bool = False, k_bits: int = 16) -> dict:
+                    codes: bool = False, k_bits: int = 16, nibbles_kv: bool = False) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
     and splits each row's keys so that ``programs × splits`` stays at or just under two programs per SM, at
     ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
@@ -947,16 +948,26 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     second session). ``pre_rope`` logits as ``(k qᵀ)ᵀ`` (``keys_left``) over bf16 latents and int4 key codes:
     0.519 → 0.508 ms (bf16) and 0.544 → 0.529 (int4) at 4×128k, 0.268 → 0.261 and 0.279 → 0.271 at
     16×16k; over int8 keys it lost (0.547 → 0.576, 0.282 → 0.296), so not there (H200, 2026-12-02, third
-    session)."""
+    session). ``post_rope`` decode over int4 keys and values in the token layout at padded ranks ≤ 64
+    (``nibbles_kv``) takes tiles of 256 keys: a quarter of bf16's bytes a key, so as many bytes a tile as
+    bf16's 64; 0.270 → 0.2245 ms at 4×128k and 0.142 → 0.1195 at 16×16k, r 64 (H200, 2026-12-03). Not
+    ``pre_rope``: its rebuilt keys spill at 256 (0.530 → 1.197 ms)."""
     if n_rows <= DECODE_BLOCK_M:
         splits = _decode_splits(programs, n_k, n_sms)
         block_n = 128 if r_k <= 32 or codes else 64
+        if nibbles_kv and key_mode == "post_rope" and padded_dim(r_k) <= 64:
+            block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
                     keys_left=k_bits in (16, 4))
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
+
+
+def _token_int4(z) -> bool:
+    """Whether ``z`` holds int4 codes in the token layout (the latents ``nibbles_kv`` tiles are sized for)."""
+    return isinstance(z, QuantizedLatents) and z.bits == 4 and z.layout != "channel" and not z.log8
 
 
 def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1277,7 +1288,8 @@ def lowrank_attention(
             z_v, P_v = (_pad_codes if isinstance(z_v, QuantizedLatents) else _pad_rank)(z_v, P_v)
     codes = isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
     k_bits = z_k.bits if isinstance(z_k, QuantizedLatents) else 16
-    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes, k_bits)
+    cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes, k_bits,
+                          _token_int4(z_k) and _token_int4(z_v) and padded_dim(z_v.shape[3]) <= 64)
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
                          "sin/cos")

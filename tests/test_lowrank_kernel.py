@@ -402,6 +402,29 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     assert_close(out, expected, atol=atol, rtol=rtol, what=f"int{bits} keys, bf16 values")
 
 
+@pytest.mark.parametrize("ranks", [(56, 48), (64, 64), (64, 72)])
+def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
+    """``post_rope`` decode over int4 token-layout keys and values takes 256-key tiles (``nibbles_kv``) at
+    padded ranks ≤ 64, and only there: 700 keys in 2 splits (a split of two full tiles, one of a partial
+    one), against the reference and against the 128-key tile."""
+    r_k, r_v = ranks
+    wide = lk._default_config(2, 700, "post_rope", 2, 132, r_k, True, 4, nibbles_kv=lk.padded_dim(r_v) <= 64)
+    assert wide["block_n"] == (lk.WIDE_NIBBLE_TILE if lk.padded_dim(r_v) <= 64 else 128)
+    assert lk._default_config(2, 700, "pre_rope", 2, 132, r_k, True, 4, nibbles_kv=True)["block_n"] == 128
+    args, kwargs = make_inputs(1, 4, 2, 1, 700, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    qk, qv = quantize_latents(z_k, 4), quantize_latents(z_v, 4)
+    with torch.no_grad():
+        expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, P_v,
+                             key_mode="post_rope", **kwargs)
+        out = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, num_splits=2)
+        narrow = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, num_splits=2,
+                                      block_n=128)
+    atol, rtol = TOL[torch.bfloat16]
+    assert_close(out, expected, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, default tile")
+    assert_close(out, narrow, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, 256 against 128")
+
+
 def log8_latents(z: torch.Tensor, bits: int):
     """``z`` ``[B, G, N, r]`` quantized by ``stiefkv.quant`` with log8 scales (one uint8 code a group)."""
     from stiefkv.kernels import QuantizedLatents
