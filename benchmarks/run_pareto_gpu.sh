@@ -4,7 +4,9 @@
 #   usage: run_pareto_gpu.sh MODEL RESULTS_DIR [SECONDS] -- NAME "bench_pareto.py ARGS" [NAME "ARGS" ...]
 # Rows already in RESULTS_DIR/NAME/pareto.jsonl are skipped (bench_pareto.py resumes), so the same command on
 # a still-warm machine continues. After SECONDS (default 560) everything still running is stopped; each
-# process's log is RESULTS_DIR/NAME.log.
+# process's log is RESULTS_DIR/NAME.log. At the end the first passes (safetensors) move out of RESULTS_DIR to
+# PASSES_DIR (default $HOME/pareto-passes), so that what comes back is rows and logs: the device tool returns
+# at most eight files a call, and on 2026-12-03 two processes' rows were left out behind them.
 set -u
 M=$1; R=$2; LIMIT=${3:-560}; shift 3; [ "${1:-}" = "--" ] && shift
 mkdir -p "$R"
@@ -20,4 +22,9 @@ done
 watchdog=$!
 wait "${pids[@]}"
 kill "$watchdog" 2>/dev/null
+passes=${PASSES_DIR:-$HOME/pareto-passes}
+for f in "$R"/*/*.safetensors; do
+  [ -e "$f" ] || continue
+  mkdir -p "$passes/$(basename "$(dirname "$f")")" && mv "$f" "$passes/$(basename "$(dirname "$f")")/"
+done
 exit 0
