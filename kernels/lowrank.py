@@ -951,7 +951,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     session). ``post_rope`` decode over int4 keys and values in the token layout at padded ranks ≤ 64
     (``nibbles_kv``) takes tiles of 256 keys: a quarter of bf16's bytes a key, so as many bytes a tile as
     bf16's 64; 0.270 → 0.2245 ms at 4×128k and 0.142 → 0.1195 at 16×16k, r 64 (H200, 2026-12-03). Not
-    ``pre_rope``: its rebuilt keys spill at 256 (0.530 → 1.197 ms)."""
+    ``pre_rope``: its rebuilt keys spill at 256 (0.530 → 1.197 ms); nor int8 (0.264 → 0.280 ms at 4×128k)."""
     if n_rows <= DECODE_BLOCK_M:
         splits = _decode_splits(programs, n_k, n_sms)
         block_n = 128 if r_k <= 32 or codes else 64
