@@ -81,14 +81,16 @@ QUANT_SWEEP = [
     {"keys_left": True, "block_n": 128},
     {"keys_left": True, "block_n": 64},
     {"keys_left": True, "splits": 2},
-    {"splits": 1.5},  # three programs an SM where registers allow (int4 post_rope: 157 a thread)
+    # 1.5 × the splits: meant as three programs an SM, but at 255 registers a thread (Nsight Compute, int4
+    # post_rope, 2026-12-03) only two fit, so these run 1.45 waves of two
+    {"splits": 1.5},
     # int4 codes are a quarter of bf16's bytes a key: tiles of 256 keys put as many bytes in flight as bf16's
-    # 64, and 8 warps give each scheduler more than two warps to hide the unpacking's latency behind
+    # 64 (the default for int4 post_rope since 2026-12-03), and 8 warps a program
     {"block_n": 256},
     {"block_n": 256, "num_warps": 8},
     {"block_n": 256, "num_stages": 2},
     {"block_n": 128, "num_warps": 8, "num_stages": 4},
-    {"splits": 1.5, "num_stages": 2},  # three programs an SM, if the staged tiles' shared memory allowed two
+    {"splits": 1.5, "num_stages": 2},
     {"splits": 1.5, "num_stages": 1},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode

@@ -955,7 +955,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     if n_rows <= DECODE_BLOCK_M:
         splits = _decode_splits(programs, n_k, n_sms)
         block_n = 128 if r_k <= 32 or codes else 64
-        if nibbles_kv and key_mode == "post_rope" and padded_dim(r_k) <= 64:
+        if nibbles_kv and key_mode == "post_rope":
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
@@ -966,8 +966,10 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
 
 
 def _token_int4(z) -> bool:
-    """Whether ``z`` holds int4 codes in the token layout (the latents ``nibbles_kv`` tiles are sized for)."""
-    return isinstance(z, QuantizedLatents) and z.bits == 4 and z.layout != "channel" and not z.log8
+    """Whether ``z`` holds int4 codes in the token layout at a padded rank ≤ 64 (min–max scales): the
+    latents ``nibbles_kv`` tiles were measured on."""
+    return (isinstance(z, QuantizedLatents) and z.bits == 4 and z.layout != "channel" and not z.log8
+            and padded_dim(z.shape[3]) <= 64)
 
 
 def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1289,7 +1291,7 @@ def lowrank_attention(
     codes = isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
     k_bits = z_k.bits if isinstance(z_k, QuantizedLatents) else 16
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes, k_bits,
-                          _token_int4(z_k) and _token_int4(z_v) and padded_dim(z_v.shape[3]) <= 64)
+                          _token_int4(z_k) and _token_int4(z_v))
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
                          "sin/cos")

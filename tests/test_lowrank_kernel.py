@@ -414,6 +414,7 @@ def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
     args, kwargs = make_inputs(1, 4, 2, 1, 700, 128, r_k, r_v, torch.bfloat16)
     q, z_k, z_v, P_k, P_v = args
     qk, qv = quantize_latents(z_k, 4), quantize_latents(z_v, 4)
+    assert lk._token_int4(qk) and lk._token_int4(qv) == (lk.padded_dim(r_v) <= 64)  # what the call passes
     with torch.no_grad():
         expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, P_v,
                              key_mode="post_rope", **kwargs)
