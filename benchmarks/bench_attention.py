@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
+from stiefkv.kernels._common import padded_dim
 from stiefkv.kernels.lowrank import _default_config, _num_sms, lowrank_attention
 
 H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
@@ -92,6 +93,18 @@ QUANT_SWEEP = [
     {"block_n": 128, "num_warps": 8, "num_stages": 4},
     {"splits": 1.5, "num_stages": 2},
     {"splits": 1.5, "num_stages": 1},
+    # fewer warps a program, more programs (2026-12-03, second session): the row maxima and sums of a
+    # 4-warp program cross warps through shared memory and a barrier each tile; a 1- or 2-warp program
+    # keeps them in a warp, and more programs an SM keep more tiles in flight
+    {"num_warps": 2, "block_n": 128, "splits": 2},
+    {"num_warps": 2, "block_n": 256, "splits": 2},
+    {"num_warps": 1, "block_n": 64, "splits": 4},
+    {"num_warps": 1, "block_n": 128, "splits": 4},
+    {"num_warps": 2, "block_n": 128, "splits": 4},
+    # a register ceiling: 168 a thread fits three 4-warp programs an SM, 128 four (spilling the rest)
+    {"max_registers": 168, "splits": 1.5},
+    {"max_registers": 128, "splits": 2},
+    {"max_registers": 128, "splits": 2, "block_n": 128},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
@@ -144,7 +157,10 @@ def sdpa_decode_ms(B: int, N: int) -> dict:
 
 
 def default_config(B: int, N: int, mode: str, r: int, bits: int = 16) -> dict:
-    cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits)
+    # the quant table's codes are min-max, token layout: int4 at padded ranks <= 64 takes the wide tiles
+    nibbles_kv = bits == 4 and padded_dim(r) <= 64
+    cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits,
+                          nibbles_kv)
     keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if bits < 16 else ()) \
         + (("keys_left",) if mode == "pre_rope" else ())
     return {k: cfg[k] for k in keys}

@@ -1189,6 +1189,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
         HAS_PRIOR=prior is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") and not interpreting() else {}),
     )
     return (out, lse) if return_lse else out
 
@@ -1220,6 +1221,7 @@ def lowrank_attention(
     nibble_rebuild: bool | None = None,
     nibble_fold: bool | None = None,
     keys_left: bool | None = None,
+    max_registers: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -1258,6 +1260,8 @@ def lowrank_attention(
         left operand read from registers, instead of ``q kᵀ`` with the keys staged through shared memory;
         ``None``: on for decode over float latents (measured: bf16) and int4 key codes (measured: token
         layout, float16 scales), off over 8-, 3- and 2-bit keys (see :func:`_default_config`).
+        ``max_registers``: a ceiling on registers a thread (Triton's ``maxnreg``; CUDA only), a candidate for
+        fitting more programs an SM at the price of spills; ``None``: the compiler's choice.
 
     Returns
     -------
@@ -1303,7 +1307,7 @@ def lowrank_attention(
         prefetch = False
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
-                     nibble_fold=nibble_fold, keys_left=keys_left)
+                     nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
