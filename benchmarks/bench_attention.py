@@ -105,6 +105,9 @@ QUANT_SWEEP = [
     {"max_registers": 168, "splits": 1.5},
     {"max_registers": 128, "splits": 2},
     {"max_registers": 128, "splits": 2, "block_n": 128},
+    # value codes decoded just before the value dot (their decoded tile not live beside the logits)
+    {"late_values": True},
+    {"late_values": True, "max_registers": 168, "splits": 1.5},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")

@@ -502,7 +502,7 @@ def _attend_range(
     q1sum, FOLD_K: tl.constexpr, FOLD_V: tl.constexpr, PREFETCH: tl.constexpr,
     K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
     NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False, K_LOG8: tl.constexpr = False,
-    V_LOG8: tl.constexpr = False, KEYS_LEFT: tl.constexpr = False,
+    V_LOG8: tl.constexpr = False, KEYS_LEFT: tl.constexpr = False, LATE_V: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -518,7 +518,10 @@ def _attend_range(
     the basis's (``pre_rope``: ``p1t``, ``p2t`` even, ``p1t_o``, ``p2t_o`` odd) or the projected query's
     (``post_rope``: ``q1``, ``q2``) even and odd channels, the values into two halves joined on return.
     ``FOLD_NIB`` (``post_rope`` int4 keys in one scale group, with ``PREFETCH``) leaves the key codes as
-    ``1024 + code`` and applies each token's scale and low to the logits (``q1sum`` is ``Σ q'``)."""
+    ``1024 + code`` and applies each token's scale and low to the logits (``q1sum`` is ``Σ q'``).
+    ``LATE_V`` (with ``PREFETCH``) keeps this tile's value codes packed through the logits and softmax and
+    decodes them just before the value dot: the decoded tile (4× the codes' registers at int4) is then not
+    live beside the logits."""
     offs_nt = tl.arange(0, BLOCK_N)
     if NIB_V:
         acc_e, acc_o = tl.split(tl.reshape(acc, [BLOCK_M, R_V_P2 // 2, 2]))
@@ -544,7 +547,9 @@ def _attend_range(
             else:
                 z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8)
             pos = kp
-            if NIB_V:
+            if LATE_V:
+                vr_c, vs_c, vl_c = vr, vs, vl
+            elif NIB_V:
                 ve, vo = _decode_nibbles(vr, vs, vl, R_V_P2, BLOCK_N, DTYPE, not UPCAST, V_LOG8)
             else:
                 v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8)
@@ -608,6 +613,8 @@ def _attend_range(
             if not PREFETCH:
                 ve, vo = _load_nibbles(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                        R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, V_LOG8)
+            elif LATE_V:
+                ve, vo = _decode_nibbles(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, DTYPE, not UPCAST, V_LOG8)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -619,6 +626,8 @@ def _attend_range(
             if not PREFETCH:
                 v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                  R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE, V_CH, V_LOG8)  # [N, R_V_P2]
+            elif LATE_V:
+                v = _decode_latent(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8)
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     if NIB_V:
         acc = tl.join(acc_e, acc_o).reshape(BLOCK_M, R_V_P2)
@@ -728,6 +737,7 @@ def _lowrank_attn_fwd(
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
     FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
     K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1, HAS_PRIOR: tl.constexpr = False,
+    LATE_V: tl.constexpr = False,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -860,7 +870,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -869,7 +879,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -1187,7 +1197,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
-        HAS_PRIOR=prior is not None,
+        HAS_PRIOR=prior is not None, LATE_V=bool(cfg.get("prefetch")) and bool(cfg.get("late_values")),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") and not interpreting() else {}),
     )
@@ -1222,6 +1232,7 @@ def lowrank_attention(
     nibble_fold: bool | None = None,
     keys_left: bool | None = None,
     max_registers: int | None = None,
+    late_values: bool | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -1262,6 +1273,8 @@ def lowrank_attention(
         layout, float16 scales), off over 8-, 3- and 2-bit keys (see :func:`_default_config`).
         ``max_registers``: a ceiling on registers a thread (Triton's ``maxnreg``; CUDA only), a candidate for
         fitting more programs an SM at the price of spills; ``None``: the compiler's choice.
+        ``late_values`` (with ``prefetch``): decode a tile's value codes just before the value dot instead
+        of at the top of the loop, so the decoded tile is not live beside the logits; a candidate, off.
 
     Returns
     -------
@@ -1307,7 +1320,8 @@ def lowrank_attention(
         prefetch = False
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
-                     nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers)
+                     nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
+                     late_values=late_values)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:

@@ -426,6 +426,26 @@ def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
     assert_close(out, narrow, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, 256 against 128")
 
 
+@pytest.mark.parametrize("bits,ranks,key_mode", [(4, (56, 48), "post_rope"), (4, (40, 72), "pre_rope"),
+                                                  (8, (24, 40), "post_rope")])
+def test_late_values_decode_the_same_tile(bits, ranks, key_mode):
+    """``late_values`` (value codes decoded just before the value dot) against the reference and against the
+    default loop: int4 nibbles (wide and 128-key tiles) and int8 codes, 600 keys over 3 splits, GQA 5."""
+    r_k, r_v = ranks
+    args, kwargs = make_inputs(2, 10, 2, 1, 600, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
+    with torch.no_grad():
+        expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, P_v,
+                             key_mode=key_mode, **kwargs)
+        late = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode=key_mode, **kwargs, num_splits=3,
+                                    late_values=True)
+        default = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode=key_mode, **kwargs, num_splits=3)
+    atol, rtol = TOL[torch.bfloat16]
+    assert_close(late, expected, atol=atol, rtol=rtol, what=f"int{bits} {key_mode}, late values")
+    assert_close(late, default, atol=atol, rtol=rtol, what=f"int{bits} {key_mode}, late against default")
+
+
 def log8_latents(z: torch.Tensor, bits: int):
     """``z`` ``[B, G, N, r]`` quantized by ``stiefkv.quant`` with log8 scales (one uint8 code a group)."""
     from stiefkv.kernels import QuantizedLatents
