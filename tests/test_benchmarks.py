@@ -223,6 +223,28 @@ def test_capacity_claims_read_the_batch_runs_not_the_context_runs(tmp_path):
     assert "none fits" in render.serve_capacity(render.Results(tmp_path))
 
 
+def test_capacity_claims_at_50_percent_keep_each_key_mode_on_its_own_run(tmp_path):
+    """A newer 50 % run with ``post_rope`` keys gets claims of its own; the ``pre_rope`` claims keep reading
+    the ``pre_rope`` run (before, the newest 50 % run of either mode took the unqualified claim)."""
+    import json
+    import shutil
+
+    shutil.copy(utils.RESULTS / "serve_capacity.jsonl", tmp_path / "serve_capacity.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "serve_capacity.jsonl").read_text().splitlines()]
+    pre = [r for r in rows if r["cache"] == "stiefkv 0.5" and r["case"].startswith("capacity ")
+           and r.get("key_mode", "pre_rope") == "pre_rope"][-1]
+    post = [dict(r, key_mode="post_rope", tps_ratio=r["tps_ratio"] + 0.31, case="capacity 8b post_rope",
+                 provenance=dict(r["provenance"], run_id="newer-post")) for r in rows
+            if r["provenance"]["run_id"] == pre["provenance"]["run_id"]]
+    with open(tmp_path / "serve_capacity.jsonl", "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in post)
+    claims = render.claims(render.Results(tmp_path))
+    line = next(x for x in claims.splitlines() if x.startswith("| … decode tok/s at each one's capacity, 50 % /"))
+    assert f"| {pre['tps_ratio']:.2f}× |" in line
+    line = next(x for x in claims.splitlines() if "capacity, 50 %, `post_rope` keys" in x)
+    assert f"| {pre['tps_ratio'] + 0.31:.2f}× |" in line
+
+
 def test_seeds_render_per_exact_window_against_that_windows_default(tmp_path):
     """Seeds measured at 16 exact tokens and again at 8 (the default's window below 10 %) give a row each,
     the 8-token one set against the 8-token default, not the newest seed row over both."""
