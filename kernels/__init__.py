@@ -21,12 +21,14 @@ import torch
 from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, check_prior, merge_by_lse, merge_prior
 from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
+from .reference import rope_latent as rope_latent_reference
 
 BACKENDS = ("auto", "triton", "reference")
 log = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec", "attention_kl",
-           "attention_kl_reference", "lowrank_attention", "lowrank_attention_reference", "triton_available"]
+           "attention_kl_reference", "kernel_runs", "lowrank_attention", "lowrank_attention_reference",
+           "rope_latent", "rope_latent_reference", "triton_available"]
 
 
 @functools.cache
@@ -62,6 +64,36 @@ def _use_kernel(backend: str, device: torch.device, *, needs_grad: bool = False)
         raise RuntimeError("backend='triton' needs triton (pip install triton); use backend='auto' or "
                            "'reference'")
     return backend == "triton"
+
+
+def kernel_runs(backend: str, *tensors: torch.Tensor) -> bool:
+    """Whether a kernel of this package runs for ``tensors`` under ``backend`` (rather than its reference):
+    for callers that keep their own PyTorch path where the kernel does not run."""
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+    return _use_kernel(backend, tensors[0].device, needs_grad=needs_grad)
+
+
+def rope_latent(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                P: torch.Tensor | None, *, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A decoder layer's queries rotated and, with ``k`` and ``P``, its ``post_rope`` key latents, in one
+    launch (``rope.py``): ``q`` ``[B, N, H, d]`` → ``[B, H, N, d]``; ``k`` ``[B, N, G, d]`` → ``Pᵀ rot(k)``
+    ``[B, G, N, r]`` for ``P`` ``[G, d, r]``. ``cos, sin`` ``[B, N, d]`` as transformers' rotary embedding
+    gives them. Forward-only, like :func:`lowrank_attention`; see :func:`rope_latent_reference`."""
+    if q.dim() != 4 or cos.shape != (q.shape[0], q.shape[1], q.shape[3]) or sin.shape != cos.shape:
+        raise ValueError(f"rope_latent: q [B, N, H, d] and cos, sin [B, N, d]; got {tuple(q.shape)}, "
+                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (k is None) != (P is None):
+        raise ValueError("rope_latent: pass k and P together (keys are rotated and projected), or neither")
+    if k is not None and (k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3] or P.shape[:2] != (
+            k.shape[2], k.shape[3]) or q.shape[2] % k.shape[2]):
+        raise ValueError(f"rope_latent: k [B, N, G, d] with G dividing H and P [G, d, r]; got q "
+                         f"{tuple(q.shape)}, k {tuple(k.shape)}, P {tuple(P.shape)}")
+    d = q.shape[3]
+    if kernel_runs(backend, q, k, P) and d >= 32 and d & (d - 1) == 0:
+        from . import rope
+
+        return rope.rope_latent(q, k, cos, sin, P)
+    return rope_latent_reference(q, k, cos, sin, P)
 
 
 def lowrank_attention(

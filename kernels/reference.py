@@ -36,6 +36,22 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
 
 
+def rope_latent(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Queries ``[B, N, H, d]`` rotated by transformers' ``cos, sin`` ``[B, N, d]`` and returned as
+    ``[B, H, N, d]``; with ``k`` ``[B, N, G, d]`` and ``P`` ``[G, d, r]`` also ``z = Pᵀ rot(k)``
+    ``[B, G, N, r]``. float32 inside, each output in its input's dtype."""
+
+    def rot(x):  # [B, N, heads, d] → [B, heads, N, d]
+        x1, x2 = x.transpose(1, 2).float().chunk(2, dim=-1)
+        c1, c2 = cos.float()[:, None].chunk(2, dim=-1)
+        s1, s2 = sin.float()[:, None].chunk(2, dim=-1)
+        return torch.cat((x1 * c1 - x2 * s1, x2 * c2 + x1 * s2), dim=-1)
+
+    z = None if k is None else torch.matmul(rot(k), P.float()).to(k.dtype)
+    return rot(q).to(q.dtype), z
+
+
 def rebuild_keys(
     z_k: torch.Tensor, P_k: torch.Tensor, *, key_mode: str, positions: torch.Tensor | None,
     rope: RopeSpec | None,

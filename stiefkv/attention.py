@@ -101,11 +101,18 @@ class LowRankAttention(nn.Module):
         G = self.P_k.shape[0]
         fold_keys = self.zk_weight is not None
         q, k, _ = project_qkv(self, hidden_states, keys=not fold_keys, values=False)
-        q = rotate_with(q, cos, sin)
+        rotated = not fold_keys and self.key_mode == "post_rope"  # keys rotated, then projected
+        z_k = None
+        if kernels.kernel_runs(self.backend, hidden_states, self.P_k):
+            # one launch for what rotate_with and to_latent take ~13 small kernels a layer to do
+            q, z_k = kernels.rope_latent(q.transpose(1, 2), k.transpose(1, 2) if rotated else None, cos, sin,
+                                         self.P_k if rotated else None, backend=self.backend)
+        else:
+            q = rotate_with(q, cos, sin)
         if fold_keys:
             z_k = _folded_latent(hidden_states, self.zk_weight, self.zk_bias, G)
-        else:
-            z_k = to_latent(rotate_with(k, cos, sin) if self.key_mode == "post_rope" else k, self.P_k)
+        elif z_k is None:
+            z_k = to_latent(rotate_with(k, cos, sin) if rotated else k, self.P_k)
         return q, z_k, _folded_latent(hidden_states, self.zv_weight, self.zv_bias, G)
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,

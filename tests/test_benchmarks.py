@@ -239,7 +239,8 @@ def test_capacity_claims_at_50_percent_keep_each_key_mode_on_its_own_run(tmp_pat
     with open(tmp_path / "serve_capacity.jsonl", "a") as f:
         f.writelines(json.dumps(r) + "\n" for r in post)
     claims = render.claims(render.Results(tmp_path))
-    line = next(x for x in claims.splitlines() if x.startswith("| … decode tok/s at each one's capacity, 50 % /"))
+    lines = claims.splitlines()
+    line = next(x for x in lines if x.startswith("| … decode tok/s at each one's capacity, 50 % /"))
     assert f"| {pre['tps_ratio']:.2f}× |" in line
     line = next(x for x in claims.splitlines() if "capacity, 50 %, `post_rope` keys" in x)
     assert f"| {pre['tps_ratio'] + 0.31:.2f}× |" in line

@@ -225,3 +225,56 @@ def test_a_band_shorter_than_the_queries_is_not_split(monkeypatch):
         expected = lowrank_attention_reference(q, z_k, z_v, P_k, None, key_mode="post_rope", exact=band)
     assert not splits
     assert_close(out, expected, atol=1e-5, rtol=1e-5, what="band shorter than the queries")
+
+
+def _rope_inputs(B, N, H, G, d, r, dtype, device="cpu"):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    q = torch.randn(B, N, H, d, device=device, dtype=dtype)
+    k = torch.randn(B, N, G, d, device=device, dtype=dtype)
+    P = torch.linalg.qr(torch.randn(G, d, r))[0].to(device)
+    cfg = LlamaConfig(hidden_size=H * d, num_attention_heads=H, num_key_value_heads=G, head_dim=d)
+    positions = torch.randint(0, 20000, (B, N), device=device)
+    cos, sin = LlamaRotaryEmbedding(cfg)(q, positions)
+    return q, k, cos, sin, P
+
+
+ROPE_TOL = {torch.float32: (2e-5, 2e-5), torch.bfloat16: (2e-2, 2e-2)}  # bf16: one rounding of each output
+
+
+@needs_kernel_on_cpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("shape", [(2, 3, 12, 4, 64, 29), (1, 5, 10, 2, 32, 17), (3, 1, 8, 8, 128, 56)],
+                         ids=lambda s: "B{}N{}H{}G{}d{}r{}".format(*s))
+def test_rope_latent_kernel_matches_the_reference_and_the_pytorch_path(shape, dtype):
+    """The fused rotation (queries) and rotation and projection (``post_rope`` keys) against the reference,
+    and against the served layer's PyTorch path (``rotate_with``, ``to_latent``: the model's dtype between
+    them); GQA 3, 5 and 1, ranks that are not powers of two; queries alone as well."""
+    from stiefkv.layers import rotate_with, to_latent
+
+    B, N, H, G, d, r = shape
+    q, k, cos, sin, P = _rope_inputs(B, N, H, G, d, r, dtype)
+    q_ref, z_ref = kernels.rope_latent_reference(q, k, cos, sin, P)
+    q_out, z = kernels.rope_latent(q, k, cos, sin, P, backend="triton")
+    atol, rtol = ROPE_TOL[dtype]
+    assert q_out.shape == (B, H, N, d) and z.shape == (B, G, N, r) and z.dtype == dtype
+    assert_close(q_out, q_ref, atol=atol, rtol=rtol, what="rotated queries")
+    assert_close(z, z_ref, atol=atol, rtol=rtol, what="post_rope key latents")
+    old_q = rotate_with(q.transpose(1, 2), cos, sin)
+    old_z = to_latent(rotate_with(k.transpose(1, 2), cos, sin), P)
+    assert_close(q_out, old_q, atol=atol, rtol=rtol, what="rotated queries against rotate_with")
+    assert_close(z, old_z, atol=2 * atol, rtol=2 * rtol, what="key latents against to_latent(rotate_with)")
+    q_only, none = kernels.rope_latent(q, None, cos, sin, None, backend="triton")
+    assert none is None
+    assert torch.equal(q_only, q_out)
+
+
+def test_rope_latent_refuses_mismatched_shapes():
+    q, k, cos, sin, P = _rope_inputs(1, 2, 4, 2, 32, 8, torch.float32)
+    with pytest.raises(ValueError, match="k and P together"):
+        kernels.rope_latent(q, k, cos, sin, None)
+    with pytest.raises(ValueError, match="cos, sin"):
+        kernels.rope_latent(q, k, cos[:, :1], sin, P)
+    with pytest.raises(ValueError, match="G dividing H"):
+        kernels.rope_latent(q, k[:, :, :1].expand(1, 2, 3, 32), cos, sin, P)
