@@ -79,9 +79,11 @@ def rope_latent(q: torch.Tensor, k: torch.Tensor | None, cos: torch.Tensor, sin:
     launch (``rope.py``): ``q`` ``[B, N, H, d]`` → ``[B, H, N, d]``; ``k`` ``[B, N, G, d]`` → ``Pᵀ rot(k)``
     ``[B, G, N, r]`` for ``P`` ``[G, d, r]``. ``cos, sin`` ``[B, N, d]`` as transformers' rotary embedding
     gives them. Forward-only, like :func:`lowrank_attention`; see :func:`rope_latent_reference`."""
-    if q.dim() != 4 or cos.shape != (q.shape[0], q.shape[1], q.shape[3]) or sin.shape != cos.shape:
-        raise ValueError(f"rope_latent: q [B, N, H, d] and cos, sin [B, N, d]; got {tuple(q.shape)}, "
-                         f"{tuple(cos.shape)}, {tuple(sin.shape)}")
+    if (q.dim() != 4 or cos.dim() != 3 or cos.shape[0] not in (1, q.shape[0])
+            or cos.shape[1:] != (q.shape[1], q.shape[3]) or sin.shape != cos.shape):
+        raise ValueError(f"rope_latent: q [B, N, H, d] and cos, sin [B, N, d] (or [1, N, d]); got "
+                         f"{tuple(q.shape)}, {tuple(cos.shape)}, {tuple(sin.shape)}")
+    cos, sin = cos.expand(q.shape[0], -1, -1), sin.expand(q.shape[0], -1, -1)  # shared positions: stride 0
     if (k is None) != (P is None):
         raise ValueError("rope_latent: pass k and P together (keys are rotated and projected), or neither")
     if k is not None and (k.shape[:2] != q.shape[:2] or k.shape[3] != q.shape[3] or P.shape[:2] != (

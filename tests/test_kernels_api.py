@@ -268,6 +268,10 @@ def test_rope_latent_kernel_matches_the_reference_and_the_pytorch_path(shape, dt
     q_only, none = kernels.rope_latent(q, None, cos, sin, None, backend="triton")
     assert none is None
     assert torch.equal(q_only, q_out)
+    shared = kernels.rope_latent(q, k, cos[:1], sin[:1], P, backend="triton")  # positions shared by rows
+    expected = kernels.rope_latent_reference(q, k, cos[:1].expand_as(cos), sin[:1].expand_as(sin), P)
+    for got, want in zip(shared, expected):
+        assert_close(got, want, atol=atol, rtol=rtol, what="cos, sin of one row for every row")
 
 
 def test_rope_latent_refuses_mismatched_shapes():
