@@ -747,13 +747,21 @@ def decode_quant(res: Results) -> str:
                   "no prefetch ms", "scales folded ms", "best of sweep ms (change)"], out)
 
 
+def serve_row(res: Results, mode: str) -> dict | None:
+    """The newest 8×16k serving row of 50 % bf16 ranks in ``mode``, under either case name (the budget
+    entered the name on 2026-12-02)."""
+    rows = [res.pick("serve", f"serve 8b {mode}{budget} B8 ctx16384") for budget in ("", " 0.5")]
+    rows = [r for r in rows if r is not None]
+    return max(rows, key=lambda r: r["provenance"]["date"]) if rows else None
+
+
 def serve_claims(res: Results, claim) -> None:
-    pre = res.pick("serve", "serve 8b pre_rope B8 ctx16384")
-    post = res.pick("serve", "serve 8b post_rope B8 ctx16384")
-    claim("Serving decode tok/s, 50 % ranks `pre_rope` / the faster uncompressed path, Llama-3-8B shapes, "
-          "8×16k, both graph-captured",
-          f"{pre['ratio_median']:.2f}× (`post_rope`: {post['ratio_median']:.2f}×)" if pre and post else "",
-          "≥ 1.3×", pre is not None and pre["ratio_median"] >= 1.3, [pre, post])
+    for mode in ("pre_rope", "post_rope"):  # the default key mode, then the cheaper one
+        row = serve_row(res, mode)
+        name = "`pre_rope` (the default key mode)" if mode == "pre_rope" else "`post_rope` keys"
+        claim(f"Serving decode tok/s, 50 % ranks, {name} / the faster uncompressed path, Llama-3-8B shapes, "
+              "8×16k, both graph-captured", f"{row['ratio_median']:.2f}×" if row else "", "≥ 1.3×",
+              row is not None and row["ratio_median"] >= 1.3, [row])
     # the newest run of each key mode whose compressed cache is 50 % bf16 ranks (a 12.5 % run has its own
     # label); batch capacity at 32k only: the context-capacity runs (case "capacity-context …") share the
     # labels

@@ -246,6 +246,29 @@ def test_capacity_claims_at_50_percent_keep_each_key_mode_on_its_own_run(tmp_pat
     assert f"| {pre['tps_ratio'] + 0.31:.2f}× |" in line
 
 
+def test_serving_claims_read_the_newest_row_under_either_case_name(tmp_path):
+    """The 8×16k serving claims take the newest 50 % row of each key mode, whether its case name carries
+    the budget (since 2026-12-02) or not (before): an older-named row appended later wins, and back."""
+    import json
+    import shutil
+
+    shutil.copy(utils.RESULTS / "serve.jsonl", tmp_path / "serve.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "serve.jsonl").read_text().splitlines()]
+    newest = [r for r in rows if r["case"] == "serve 8b post_rope 0.5 B8 ctx16384"][-1]
+    def claim_line():
+        claims = render.claims(render.Results(tmp_path)).splitlines()
+        return next(x for x in claims if "`post_rope` keys / the" in x)
+
+    line = claim_line()
+    assert f"| {newest['ratio_median']:.2f}× |" in line
+    later = dict(newest, case="serve 8b post_rope B8 ctx16384", ratio_median=0.5,
+                 provenance=dict(newest["provenance"], date="2099-01-01 00:00:00 UTC"))
+    with open(tmp_path / "serve.jsonl", "a") as f:
+        f.write(json.dumps(later) + "\n")
+    line = claim_line()
+    assert "| 0.50× |" in line and "missed" in line
+
+
 def test_seeds_render_per_exact_window_against_that_windows_default(tmp_path):
     """Seeds measured at 16 exact tokens and again at 8 (the default's window below 10 %) give a row each,
     the 8-token one set against the 8-token default, not the newest seed row over both."""

@@ -266,8 +266,8 @@ def test_rope_latent_kernel_matches_the_reference_and_the_pytorch_path(shape, dt
     assert_close(q_out, old_q, atol=atol, rtol=rtol, what="rotated queries against rotate_with")
     assert_close(z, old_z, atol=2 * atol, rtol=2 * rtol, what="key latents against to_latent(rotate_with)")
     q_only, none = kernels.rope_latent(q, None, cos, sin, None, backend="triton")
-    assert none is None
-    assert torch.equal(q_only, q_out)
+    assert none is None  # one program a token on its own: the compiler may contract differently (H200)
+    assert_close(q_only, q_out, atol=atol, rtol=rtol, what="queries alone against queries with keys")
     shared = kernels.rope_latent(q, k, cos[:1], sin[:1], P, backend="triton")  # positions shared by rows
     expected = kernels.rope_latent_reference(q, k, cos[:1].expand_as(cos), sin[:1].expand_as(sin), P)
     for got, want in zip(shared, expected):
