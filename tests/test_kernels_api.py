@@ -60,8 +60,19 @@ def kernel_calls(monkeypatch):
 
 def test_public_api():
     assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec",
-                                    "attention_kl", "attention_kl_reference", "lowrank_attention",
-                                    "lowrank_attention_reference", "triton_available"}
+                                    "attention_kl", "attention_kl_reference", "kernel_runs",
+                                    "lowrank_attention", "lowrank_attention_reference", "rope_latent",
+                                    "rope_latent_reference", "triton_available"}
+
+
+def test_kernel_runs_follows_the_device_and_the_backend():
+    """What the served layer asks before taking the fused rotation: never on CPU tensors under ``auto`` nor
+    under ``reference``; under ``triton`` wherever Triton imports (the interpreter here)."""
+    x = torch.zeros(2)
+    assert not kernels.kernel_runs("auto", x) and not kernels.kernel_runs("reference", x)
+    assert kernels.kernel_runs("triton", x) == kernels.triton_available()
+    with pytest.raises(ValueError, match="backend must be one of"):
+        kernels.kernel_runs("cuda", x)
     assert kernels.BACKENDS == ("auto", "triton", "reference")
     assert kernels.KEY_MODES == ("pre_rope", "post_rope")
     pytest.importorskip("triton")
