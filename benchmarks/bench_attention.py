@@ -36,8 +36,7 @@ import torch
 import torch.nn.functional as F
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-from stiefkv.kernels._common import padded_dim
-from stiefkv.kernels.lowrank import _default_config, _num_sms, lowrank_attention
+from stiefkv.kernels.lowrank import _default_config, _num_sms, _token_int4, lowrank_attention
 
 H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
 DECODE_SHAPES = [(1, 32768), (8, 8192), (16, 16384), (4, 131072)]
@@ -159,9 +158,8 @@ def sdpa_decode_ms(B: int, N: int) -> dict:
     return utils.graph_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
 
 
-def default_config(B: int, N: int, mode: str, r: int, bits: int = 16) -> dict:
-    # the quant table's codes are min-max, token layout: int4 at padded ranks <= 64 takes the wide tiles
-    nibbles_kv = bits == 4 and padded_dim(r) <= 64
+def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv: bool = False) -> dict:
+    """The kernel's default for these inputs; ``nibbles_kv`` as :func:`_token_int4` finds the codes."""
     cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits,
                           nibbles_kv)
     keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if bits < 16 else ()) \
@@ -252,7 +250,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
             n = sum(t.nbytes for t in parts)
             with torch.no_grad():
                 for mode in modes:
-                    default = default_config(B, N, mode, r, bits)
+                    default = default_config(B, N, mode, r, bits,
+                                             _token_int4(xq["z_k"]) and _token_int4(xq["z_v"]))
                     ms = utils.graph_ms(kernel_call(xq, mode))
                     tried = []
                     for cfg in sweep:
