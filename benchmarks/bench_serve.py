@@ -43,7 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import stiefkv
 from stiefkv.models import dims_of, fingerprint
 from stiefkv.quant import QuantSpec
-from stiefkv.serve import DecodeState, Runner, make_cache
+from stiefkv.serve import PREFILL_TOKENS, DecodeState, Runner, make_cache
 
 LLAMA_8B = {
     "vocab_size": 128256,
@@ -217,7 +217,7 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         "bits": args.bits, "cache": cache_label(args),
         "bytes_ratio": low.cache_bytes / full.cache_bytes,
         "batch": B, "context": N, "new_tokens": args.new_tokens, "rounds": args.rounds,
-        "prefill_chunk": args.chunk, "capture": "cuda graph (stiefkv.generate's)" if capture else "eager",
+        "prefill_tokens": args.chunk, "capture": "cuda graph (stiefkv.generate's)" if capture else "eager",
         "full_tps": full_tps, "full_kernel_tps": tps["full_kernel"], "stiefkv_tps": low_tps, "ratios": ratios,
         "full_tps_median": statistics.median(full_tps), "stiefkv_tps_median": statistics.median(low_tps),
         "full_kernel_tps_median": statistics.median(tps["full_kernel"]),
@@ -425,7 +425,8 @@ def main() -> None:
                              "kivi2, …) on the same kernels, beside StiefKV (a cache in --capacity too)")
     parser.add_argument("--new-tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=2048, help="prefill chunk (tokens)")
+    parser.add_argument("--chunk", type=int, default=PREFILL_TOKENS,
+                        help="prompt tokens a prefill forward takes over all rows (generate's prefill_chunk)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time generate over transformers' StaticCache, compiled by transformers on "
@@ -462,7 +463,7 @@ def main() -> None:
             row.update(case=f"{kind} {args.shape} {args.key_mode} {label.removeprefix('stiefkv ')} "
                             f"{'B1' if by_context else f'ctx{args.context}'} cap{args.cap_gib:g}",
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
-                       new_tokens=args.new_tokens, key_mode=args.key_mode, chunk=args.chunk,
+                       new_tokens=args.new_tokens, key_mode=args.key_mode, prefill_tokens=args.chunk,
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
             row.setdefault("context", args.context)

@@ -1,12 +1,12 @@
 """Fast greedy generation: chunked prefill into a static cache, then a CUDA-graph-captured decode step.
 
 :func:`generate` is StiefKV's own serving path. The prompt is written into a preallocated cache chunk by
-chunk (``prefill_chunk`` tokens at a time, logits for the last token only), so the cache, not prefill
-transients, sets the peak memory: no layer's keys and values, no MLP activation and no logit matrix ever
-exist for the whole prompt at once. The decode step of the whole model — embedding, every decoder layer,
-the last norm, the head, the argmax and the bookkeeping of the next step — is captured once as a CUDA
-graph and replayed for every token, with no host work or synchronisation between tokens: the kernels read
-the cache's length from device memory.
+chunk (``prefill_chunk`` tokens a forward over all the rows, logits for the last token only), so the cache,
+not prefill transients, sets the peak memory: no layer's keys and values, no MLP activation and no logit
+matrix ever exist for the whole prompt at once, and a forward's activations do not grow with the batch. The
+decode step of the whole model — embedding, every decoder layer, the last norm, the head, the argmax and
+the bookkeeping of the next step — is captured once as a CUDA graph and replayed for every token, with no
+host work or synchronisation between tokens: the kernels read the cache's length from device memory.
 
 On a model prepared by :func:`stiefkv.load` the cache is a :class:`~stiefkv.static_cache.StaticLatentCache`.
 An uncompressed model gets transformers' ``StaticCache`` under the same chunking and the same capture, so
@@ -23,11 +23,15 @@ from stiefkv.models import decoder_layers
 from stiefkv.static_cache import StaticLatentCache, transformers_static_length
 
 CAPTURE = ("auto", True, False)
+# Prompt tokens a prefill forward takes over all rows. Bounded over the batch, not a row: at capacity the
+# activations of a per-row chunk grew with the rows (0.21 GiB a row at 2048 tokens a row on Llama-3-8B
+# shapes), which took the room of a quarter of the rows a 12.5 % cache could hold (docs/notes/serving.md).
+PREFILL_TOKENS = 4096
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
              attention_mask: torch.Tensor | None = None, max_length: int | None = None,
-             prefill_chunk: int = 2048, capture: bool | str = "auto", eos_token_id="model",
+             prefill_chunk: int = PREFILL_TOKENS, capture: bool | str = "auto", eos_token_id="model",
              pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy generation of ``max_new_tokens`` tokens per row; returns ``[B, N + max_new_tokens]`` ids.
 
@@ -38,7 +42,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     max_new_tokens : tokens to generate per row (≥ 1).
     attention_mask : ``[B, N]`` 0/1, left padding only; None for none.
     max_length : slots the cache is allocated for; ``N + max_new_tokens`` by default.
-    prefill_chunk : prompt tokens per prefill forward.
+    prefill_chunk : prompt tokens a prefill forward takes, summed over the rows: each row's share is
+        ``prefill_chunk // batch`` tokens (at least 1), so the forward's activations stay the same at any
+        batch.
     capture : ``"auto"`` captures the decode step as a CUDA graph on CUDA (a model on one device) and runs it
         eagerly elsewhere; True demands the capture, False runs eagerly. Both give the same tokens.
     eos_token_id, pad_token_id : tokens after a row's first end token become ``pad_token_id`` (the steps
@@ -181,8 +187,11 @@ class Runner:
         zero = torch.zeros((), dtype=dtype, device=slots.device)
         return torch.where(visible, zero, torch.finfo(dtype).min)
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, chunk: int) -> torch.Tensor:
-        N = ids.shape[1]
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, tokens: int) -> torch.Tensor:
+        """Write the prompt ``ids`` ``[B, N]`` into the cache, ``tokens`` a forward over all rows (a row's
+        share at least 1); the logits of the last prompt token."""
+        B, N = ids.shape
+        chunk = chunk_per_row(tokens, B)
         logits = None
         for lo in range(0, N, chunk):
             hi = min(N, lo + chunk)
@@ -232,6 +241,11 @@ class Runner:
             self.graph.replay()
         if self.latent:
             self.cache.advance(steps)
+
+
+def chunk_per_row(tokens: int, batch: int) -> int:
+    """The prompt tokens each of ``batch`` rows gives a prefill forward of ``tokens`` tokens."""
+    return max(1, int(tokens) // max(1, int(batch)))
 
 
 def input_device(model: nn.Module) -> torch.device:

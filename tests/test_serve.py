@@ -9,6 +9,7 @@ import pytest
 import torch
 
 import stiefkv
+from stiefkv.serve import Runner
 from stiefkv.static_cache import CacheOverflowError, StaticLatentCache
 from tests.tiny import random_projections, tiny_model
 
@@ -32,7 +33,7 @@ def served(key_mode="pre_rope", backend="auto", device="cpu", dtype=torch.float3
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-@pytest.mark.parametrize("chunk", [5, 4096])
+@pytest.mark.parametrize("chunk", [5, 14, 4096])
 def test_generate_matches_transformers_greedy(key_mode, chunk):
     model = served(key_mode)
     ids, mask = prompt()
@@ -40,6 +41,26 @@ def test_generate_matches_transformers_greedy(key_mode, chunk):
     ours = stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=9, prefill_chunk=chunk,
                             eos_token_id=None)
     assert torch.equal(ours, expected)
+
+
+@pytest.mark.parametrize("batch,tokens", [(3, 14), (5, 3), (1, 7), (2, 4096)])
+def test_prefill_forwards_take_a_bounded_number_of_tokens_over_the_rows(batch, tokens, monkeypatch):
+    """``prefill_chunk`` bounds the tokens of a forward summed over the rows (a row's share at least 1), so
+    a prefill's activations do not grow with the batch; the tokens are those of the per-row chunks."""
+    model = served()
+    ids, _ = prompt(batch=batch, padded=False)
+    shapes = []
+    forward = Runner.forward
+
+    def counted(self, ids, positions, slots):
+        shapes.append(tuple(ids.shape))
+        return forward(self, ids, positions, slots)
+
+    monkeypatch.setattr(Runner, "forward", counted)
+    stiefkv.generate(model, ids, max_new_tokens=1, prefill_chunk=tokens, eos_token_id=None)
+    share = max(1, tokens // batch)
+    assert shapes == [(batch, min(share, 19 - lo)) for lo in range(0, 19, share)]
+    assert max(b * n for b, n in shapes) <= max(tokens, batch)
 
 
 def test_transformers_static_generate_uses_the_static_latent_cache():
