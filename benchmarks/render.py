@@ -700,7 +700,7 @@ def config_change(cfg: dict, default: dict) -> str:
     """What a swept configuration changes from the default, e.g. ``prefetch, S=16``."""
     names = {"block_n": "N", "num_warps": "W", "num_stages": "st", "num_splits": "S", "max_registers": "regs"}
     flags = ("prefetch", "fold_scales", "keys_left", "nibbles", "nibble_rebuild", "nibble_fold",
-             "late_values")
+             "late_values", "pack_rows")
     parts = [k for k in flags if cfg.get(k) and not default.get(k)]
     parts += [f"no {k}" for k in flags if cfg.get(k) is False and default.get(k)]
     parts += [f"{names[k]}={v}" for k, v in cfg.items() if k in names and v != default.get(k)]
