@@ -1069,23 +1069,29 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on the CPU: pretend to be an H200 so the heuristics stay the same
 
 
-def _decode_splits(programs: int, n_k: int, n_sms: int) -> int:
+def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1) -> int:
     """Key splits per decode program (at ≥ 256 keys a split). Below one program per SM: two programs per SM,
     rounded down (33, 4, 2, 8 splits at the four benchmark shapes; 9 instead of 8 at 4×128k took 0.42
     against 0.27 ms on the H200). Between one and two per SM, where that rule gives 1: the count of 1-4
     that fills its last round of ``n_sms`` programs best, ties to the fewest. 176 programs (22 rows × 8
     heads) ran as one round and a third, so the SMs with two programs set the time; 3 splits make four
-    full rounds."""
+    full rounds. From two programs an SM on, 1, except for a kernel that runs ``per_sm`` = 2 programs an
+    SM at once (the int4 ``post_rope`` loop of ``nibbles_kv``, at 255 registers a thread): there the count
+    of 1-4 that fills its last round of ``2·n_sms`` best. 38 rows × 8 heads (304 programs, the 12.5 %
+    cache's capacity at 32k under 40 GiB) ran in two rounds, the second a seventh full: 0.703 ms with 1
+    split, 0.562 with 4 (H200, r 56, 2026-12-03); at 47 rows 2 splits, 0.700 → 0.667 ms."""
     most = max(1, triton.cdiv(n_k, 256))
+
+    def filled(s: int, round_: int) -> float:
+        return programs * s / (triton.cdiv(programs * s, round_) * round_)
+
     if programs >= 2 * n_sms:
-        return 1
+        if per_sm < 2:
+            return 1
+        return max(range(1, min(4, most) + 1), key=lambda s: (filled(s, 2 * n_sms), -s))
     if programs <= n_sms:
         return max(1, min(2 * n_sms // programs, most))
-
-    def filled(s: int) -> float:
-        return programs * s / (triton.cdiv(programs * s, n_sms) * n_sms)
-
-    return max(range(1, min(4, most) + 1), key=lambda s: (filled(s), -s))
+    return max(range(1, min(4, most) + 1), key=lambda s: (filled(s, n_sms), -s))
 
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
@@ -1114,9 +1120,10 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     bf16's 64; 0.270 → 0.2245 ms at 4×128k and 0.142 → 0.1195 at 16×16k, r 64 (H200, 2026-12-03). Not
     ``pre_rope``: its rebuilt keys spill at 256 (0.530 → 1.197 ms); nor int8 (0.264 → 0.280 ms at 4×128k)."""
     if n_rows <= DECODE_BLOCK_M:
-        splits = _decode_splits(programs, n_k, n_sms)
+        wide = nibbles_kv and key_mode == "post_rope"
+        splits = _decode_splits(programs, n_k, n_sms, 2 if wide else 1)
         block_n = 128 if r_k <= 32 or codes else 64
-        if nibbles_kv and key_mode == "post_rope":
+        if wide:
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,

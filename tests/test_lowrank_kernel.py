@@ -565,6 +565,18 @@ def test_decode_splits():
         [33, 4, 2, 8]
     assert _decode_splits(176, 32768, sms) == 3  # 528 programs: four full rounds
     assert _decode_splits(300, 32768, sms) == 1
+    # two programs an SM at once (int4 post_rope, wide tiles): the last round of 264 filled best
+    assert _decode_splits(304, 32768, sms, per_sm=2) == 4  # 1216 of 1320 slots, against 304 of 528
+    assert _decode_splits(376, 32768, sms, per_sm=2) == 2  # 752 of 792; 4 fills as well: the fewer
+    assert _decode_splits(304, 600, sms, per_sm=2) == 3  # ceil(600 / 256)
+    assert _decode_splits(528, 32768, sms, per_sm=2) == 1  # two full rounds
+    assert _decode_splits(232, 32768, sms, per_sm=2) == _decode_splits(232, 32768, sms)  # below 2 an SM
+    from stiefkv.kernels.lowrank import _default_config
+
+    def splits(mode, wide):  # 38 rows x 8 heads at 32k, GQA 4, int4 codes at r 56
+        return _default_config(4, 32768, mode, 304, sms, 56, True, 4, nibbles_kv=wide)["num_splits"]
+
+    assert (splits("post_rope", True), splits("post_rope", False), splits("pre_rope", True)) == (4, 1, 1)
     assert _decode_splits(8, 600, sms) == 3  # ceil(600 / 256)
     assert _decode_splits(176, 300, sms) == 2
 
