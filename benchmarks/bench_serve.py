@@ -427,6 +427,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--chunk", type=int, default=PREFILL_TOKENS,
                         help="prompt tokens a prefill forward takes over all rows (generate's prefill_chunk)")
+    parser.add_argument("--code-slice", type=int, default=None, metavar="KEYS",
+                        help="prefill over codes dequantizes this many keys at a time (kernels.lowrank."
+                             "PREFILL_CODE_SLICE; default: its value, the whole cache when None)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time generate over transformers' StaticCache, compiled by transformers on "
@@ -440,6 +443,10 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cap-gib", type=float, default=40.0)
     args = parser.parse_args()
+    if args.code_slice is not None:
+        from stiefkv.kernels import lowrank
+
+        lowrank.PREFILL_CODE_SLICE = args.code_slice
     if args.tiny:
         args.shape = "tiny"
     print(utils.header(), flush=True)
@@ -464,6 +471,7 @@ def main() -> None:
                             f"{'B1' if by_context else f'ctx{args.context}'} cap{args.cap_gib:g}",
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
                        new_tokens=args.new_tokens, key_mode=args.key_mode, prefill_tokens=args.chunk,
+                       code_slice=args.code_slice,
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
             row.setdefault("context", args.context)

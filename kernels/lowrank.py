@@ -49,6 +49,7 @@ from stiefkv.kernels._common import (
     as_float_latents,
     check_prior,
     interpreting,
+    merge_by_lse,
     padded_dim,
 )
 
@@ -1275,6 +1276,61 @@ def _unit_strides(z: torch.Tensor, unit: int) -> tuple[int, ...]:
     return b, g, n // unit, r
 
 
+# Keys a prefill over codes dequantizes at a time (None: the whole cache at once). Off until checked on the
+# GPU: the whole layer's bf16 copy is the 12.5 % cache's 3.65 GiB prefill transient at 38 rows × 32k
+# (docs/notes/serving.md, tenth session), which this bounds.
+PREFILL_CODE_SLICE: int | None = None
+
+
+def _slice_keys(z, a: int, c: int):
+    """Keys ``[a, c)`` of latents ``[B, G, N, r]``, float or codes (``a`` a multiple of QUANT_GROUP for the
+    channel layout, whose scales are per group of tokens)."""
+    if not isinstance(z, QuantizedLatents):
+        return z[:, :, a:c]
+    if z.layout == "channel":
+        rows = slice(a // _common.QUANT_GROUP, -(-c // _common.QUANT_GROUP))
+    else:
+        rows = slice(a, c)
+    return z._replace(codes=z.codes[:, :, a:c], scale=z.scale[:, :, rows],
+                      low=z.low[:, :, rows] if z.low is not None else None)
+
+
+def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid,
+                           scale, return_lse, prior, code_slice):
+    """Prefill over codes with the dequantized copy bounded: the keys before the queries' own (seen by every
+    query) in slices of ``code_slice``, then the rest (the queries' own, causal), each dequantized alone
+    and attended in the latent space with its log-sum-exp; the parts merge by log-sum-exp (after ``prior``,
+    if given), and ``P_v`` applies once at the end. A slice's left padding is the part of the row's
+    padding it holds; ``n_valid`` is read to the host (prefill is never captured)."""
+    B, H, Nq, _ = q.shape
+    Nk = int(n_valid.item()) if n_valid is not None else z_k.shape[2]
+    step = max(_common.QUANT_GROUP, code_slice // _common.QUANT_GROUP * _common.QUANT_GROUP)
+    own = max(0, Nk - Nq) // _common.QUANT_GROUP * _common.QUANT_GROUP  # channel scales: aligned starts
+    bounds = [(a, min(a + step, own)) for a in range(0, own, step)] + [(own, Nk)]
+    o = lse = None
+    if prior is not None:
+        o, lse = prior[0].float(), prior[1].float()
+    for a, c in bounds:
+        held = None if lengths is None else (c - torch.clamp(Nk - lengths, min=a)).clamp(0, c - a)
+        part = dict(positions=None if positions is None else positions[..., a:c],
+                    bias=None if bias is None else bias[..., a:c], lengths=held)
+        zk = as_float_latents(_slice_keys(z_k, a, c), q.dtype)
+        zv = as_float_latents(_slice_keys(z_v, a, c), q.dtype)
+        o_s, lse_s = lowrank_attention(q, zk, zv, P_k, None, key_mode=key_mode, rope=rope,
+                                       causal=causal and c == Nk, scale=scale, return_lse=True, code_slice=0,
+                                       **part)
+        if o is None:
+            o, lse = o_s.float(), lse_s
+        else:
+            o = merge_by_lse(o, lse, o_s, lse_s, torch.float32)
+            lse = torch.logaddexp(lse, lse_s)
+    if P_v is not None:  # head h reads its KV head's basis: [B, G, H/G, Nq, r] against [G, d, r]
+        G = P_v.shape[0]
+        o = torch.einsum("bgmnr,gdr->bgmnd", o.view(B, G, H // G, Nq, -1), P_v.float()).reshape(B, H, Nq, -1)
+    o = o.to(q.dtype)
+    return (o, lse) if return_lse else o
+
+
 def _pack_rows(cfg, n_q, group, k_bits, v_bits, channel, log8, r_k_p2, r_v_p2, pre, half, prior) -> int:
     """Row groups of :func:`_attend_packed` (1: not packed). Its case: one query, ``post_rope`` int4 keys
     and values in the token layout with min–max scales in one group (the ``nibble_fold`` loop's), 16-bit
@@ -1407,6 +1463,7 @@ def lowrank_attention(
     max_registers: int | None = None,
     late_values: bool | None = None,
     pack_rows: bool | None = None,
+    code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -1452,6 +1509,9 @@ def lowrank_attention(
         ``pack_rows``: decode of one query over int4 ``post_rope`` keys and values (the ``nibble_fold``
         case) with the tile's padding rows put to work, each row group over its own share of every key
         tile (:func:`_attend_packed`: a quarter of the softmax work at a GQA group of 4); a candidate, off.
+        ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
+        this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
+        slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
 
     Returns
     -------
@@ -1471,6 +1531,12 @@ def lowrank_attention(
     G, Nk = z_k.shape[1], z_k.shape[2]
     n_rows = Nq * (H // G)
     r_v = z_v.shape[3]
+    code_slice = PREFILL_CODE_SLICE if code_slice is None else code_slice
+    sliced = code_slice and n_rows > DECODE_BLOCK_M and (
+        isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents))
+    if sliced and (n_valid is not None or Nk - Nq > code_slice):
+        return _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths,
+                                      n_valid, scale, return_lse, prior, int(code_slice))
     if n_rows > DECODE_BLOCK_M and not interpreting():
         # Prefill over codes dequantizes first on the GPU: the in-register path is exact under the
         # interpreter, but a post_rope int8 prefill (ranks 40/24 padded to 64/32) hit an illegal memory access

@@ -497,6 +497,62 @@ def test_packed_rows_only_where_their_case_holds():
     assert_close(out, expected, atol=atol, rtol=rtol, what="int4 post_rope GQA 5, pack_rows asked")
 
 
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("bits,ranks,nq", [(4, (40, 24), 37), (8, (56, 48), 19), (4, (64, 33), 70)])
+def test_prefill_over_codes_in_key_slices(key_mode, bits, ranks, nq):
+    """``code_slice``: prefill over codes with keys dequantized a slice at a time (64 keys: several slices,
+    the last holding the queries' own keys after an aligned start) against the reference and the whole
+    call: GQA 3, left padding that ends inside a slice, per-key bias, the value basis applied and not."""
+    r_k, r_v = ranks
+    args, kwargs = make_inputs(2, 6, 2, nq, 300, 64, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
+    atol, rtol = TOL[torch.bfloat16]
+    with torch.no_grad():
+        for pv in (P_v, None):
+            expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
+                                 key_mode=key_mode, **kwargs)
+            sliced, lse = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, code_slice=64,
+                                               return_lse=True)
+            whole, lse_whole = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs,
+                                                    return_lse=True)
+            what = f"int{bits} {key_mode} r{r_k}/{r_v} Nq {nq}, P_v {'given' if pv is not None else 'None'}"
+            assert_close(sliced, expected, atol=atol, rtol=rtol, what=what + ", sliced")
+            assert_close(sliced, whole, atol=atol, rtol=rtol, what=what + ", sliced against whole")
+            # the slices meet bf16 latents, the whole call fp16 ones (codes in registers): logits differ by
+            # bf16's rounding of a latent, ~4e-3 of a logit
+            seen = torch.isfinite(lse_whole)  # −inf: a padded query that sees no key, in both
+            assert torch.equal(torch.isfinite(lse), seen), what
+            assert_close(lse[seen], lse_whole[seen], atol=2e-2, rtol=4e-3, what=what + ", log-sum-exp")
+
+
+def test_prefill_over_codes_in_key_slices_reads_n_valid_and_continues_a_prior():
+    """Sliced prefill over a static cache's buffer (``n_valid`` of 250 in 320 slots: the rest never read)
+    and after a ``prior`` attention over other keys, against the whole call."""
+    args, kwargs = make_inputs(2, 8, 2, 23, 320, 64, 40, 24, torch.bfloat16, padded=False)
+    q, z_k, z_v, P_k, _ = args
+    qk, qv = quantize_latents(z_k, 4), quantize_latents(z_v, 4)
+    n_valid = torch.tensor([250], dtype=torch.int32, device=q.device)
+    junk = dict(qk._asdict())
+    junk["codes"] = qk.codes.clone()
+    junk["codes"][:, :, 250:] = 255  # slots past n_valid: never read
+    qk_junk = type(qk)(**junk)
+    cut = {k: (v[..., :250] if k in ("positions", "bias") and v is not None else v)
+           for k, v in kwargs.items()}
+    other, _ = make_inputs(2, 8, 2, 23, 40, 64, 40, 24, torch.bfloat16, padded=False)
+    with torch.no_grad():
+        prior = lk.lowrank_attention(q, other[1], other[2], P_k, None, key_mode="post_rope", causal=False,
+                                     return_lse=True)
+        kw = {k: v for k, v in kwargs.items() if k != "lengths"}
+        sliced = lk.lowrank_attention(q, qk_junk, qv, P_k, None, key_mode="post_rope", **kw, n_valid=n_valid,
+                                      code_slice=64, prior=prior)
+        cut.pop("lengths")
+        whole = lk.lowrank_attention(q, lk._slice_keys(qk, 0, 250), lk._slice_keys(qv, 0, 250), P_k, None,
+                                     key_mode="post_rope", **cut, prior=prior)
+    atol, rtol = TOL[torch.bfloat16]
+    assert_close(sliced, whole, atol=atol, rtol=rtol, what="sliced over n_valid after a prior")
+
+
 def log8_latents(z: torch.Tensor, bits: int):
     """``z`` ``[B, G, N, r]`` quantized by ``stiefkv.quant`` with log8 scales (one uint8 code a group)."""
     from stiefkv.kernels import QuantizedLatents
