@@ -333,7 +333,8 @@ def context_trial(model, proj, N: int, args, device) -> dict | None:
         torch.cuda.empty_cache()
 
 
-def context_capacity(model, caches: dict, args, device, step: int = 4096) -> list[dict]:
+def context_capacity(model, caches: dict, args, device, emit=lambda row: None,
+                     step: int = 4096) -> list[dict]:
     """The longest context (a multiple of ``step``) one row holds and decodes under ``--cap-gib``, per
     cache: predicted from the bytes and peak of a ``step``-token trial, then walked up while it fits and
     down while it does not."""
@@ -347,6 +348,7 @@ def context_capacity(model, caches: dict, args, device, step: int = 4096) -> lis
         small = context_trial(model, proj, step, args, device)
         if small is None:
             rows.append({"cache": name, "batch": 1, "context": 0})
+            emit(rows[-1])
             continue
         per_token = small["cache_gib"] / (step + 2 + 2 * args.new_tokens)
         fixed = small["peak_gib"] - small["cache_gib"]
@@ -365,12 +367,13 @@ def context_capacity(model, caches: dict, args, device, step: int = 4096) -> lis
         rows.append({"cache": name, "batch": 1, "context": N, "tokens": N, "tps": best["tps"],
                      "peak_gib": best["peak_gib"], "cache_gib": best["cache_gib"], "weights_gib": weights,
                      "refused_context": N + step, "trials": sorted(runs)})
+        emit(rows[-1])
         print(f"context capacity {name}: {N} tokens in one row under {args.cap_gib} GiB, "
               f"{best['tps']:.0f} tok/s", flush=True)
     return rows
 
 
-def capacity(model, caches: dict, args, device) -> list[dict]:
+def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[dict]:
     """The largest batch at ``--context`` tokens that serves under ``--cap-gib`` (weights included), for
     each cache, and the decode tokens/s there. The search starts from the batch that the peaks of one and
     two rows predict, then walks up while it fits and down while it does not: the answer is a batch that ran
@@ -385,6 +388,7 @@ def capacity(model, caches: dict, args, device) -> list[dict]:
         runs = {1: trial(model, proj, 1, args.context, args, device)}
         if runs[1] is None:
             rows.append({"cache": name, "batch": 0})
+            emit(rows[-1])
             continue
         runs[2] = trial(model, proj, 2, args.context, args, device)
         # the peak is a fixed part (a prefill chunk's activations) plus a part per row: two points give both
@@ -404,6 +408,7 @@ def capacity(model, caches: dict, args, device) -> list[dict]:
         rows.append({"cache": name, "batch": B, "tokens": B * args.context, "tps": best["tps"],
                      "peak_gib": best["peak_gib"], "cache_gib": best["cache_gib"], "weights_gib": weights,
                      "refused_batch": B + 1, "trials": sorted(runs)})
+        emit(rows[-1])
         print(f"capacity {name}: batch {B} at {args.context} tokens under {args.cap_gib} GiB, "
               f"{best['tps']:.0f} tok/s", flush=True)
     return rows
@@ -463,10 +468,13 @@ def main() -> None:
             name = f"quantization only: {args.baseline_cache}"
             caches[name] = baseline_projections(model, args.baseline_cache)
         by_context = args.context_capacity
-        rows = (context_capacity if by_context else capacity)(model, caches, args, device)
-        base = rows[0]
-        for row in rows:
-            kind = "capacity-context" if by_context else "capacity"
+        kind = "capacity-context" if by_context else "capacity"
+        done = []
+
+        def emit(row: dict) -> None:
+            """Write each cache's row as soon as it is measured (a run cut short keeps what it finished),
+            with its ratios to the first cache's (the uncompressed one)."""
+            base = (done or [row])[0]
             row.update(case=f"{kind} {args.shape} {args.key_mode} {label.removeprefix('stiefkv ')} "
                             f"{'B1' if by_context else f'ctx{args.context}'} cap{args.cap_gib:g}",
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
@@ -475,7 +483,10 @@ def main() -> None:
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
             row.setdefault("context", args.context)
-        utils.write_rows("serve_capacity", rows)
+            done.append(row)
+            utils.write_rows("serve_capacity", row)
+
+        (context_capacity if by_context else capacity)(model, caches, args, device, emit)
         return
     for case in args.cases:
         B, N = (int(x) for x in case.lower().split("x"))

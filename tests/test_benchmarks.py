@@ -195,6 +195,31 @@ def test_context_capacity_fill_is_what_a_prefill_leaves(bits):
         stiefkv.unload(model)
 
 
+def test_capacity_rows_are_written_as_each_cache_finishes(tmp_path, monkeypatch):
+    """A capacity run cut short (a device call's time limit) keeps the rows of the caches it finished, each
+    with its ratios to the uncompressed cache's."""
+    import json
+
+    import bench_serve as bs
+
+    def cut_short(model, caches, args, device, emit):
+        names = list(caches)
+        emit({"cache": names[0], "batch": 5, "tokens": 5 * args.context, "tps": 400.0})
+        emit({"cache": names[1], "batch": 11, "tokens": 11 * args.context, "tps": 880.0})
+        raise TimeoutError("the call's limit")
+
+    monkeypatch.setenv("STIEFKV_RESULTS_DIR", str(tmp_path))
+    monkeypatch.setattr(bs, "capacity", cut_short)
+    monkeypatch.setattr(sys, "argv", ["bench_serve.py", "--tiny", "--capacity", "--context", "64"])
+    with pytest.raises(TimeoutError):
+        bs.main()
+    rows = [json.loads(line) for line in (tmp_path / "serve_capacity.jsonl").read_text().splitlines()]
+    assert [r["batch"] for r in rows] == [5, 11]
+    assert rows[1]["capacity_ratio"] == pytest.approx(2.2) and rows[1]["tps_ratio"] == pytest.approx(2.2)
+    assert rows[0]["tps_ratio"] == 1.0 and rows[0]["case"] == rows[1]["case"]
+    assert rows[0]["provenance"]["run_id"] == rows[1]["provenance"]["run_id"]
+
+
 def test_capacity_claims_read_the_batch_runs_not_the_context_runs(tmp_path):
     """A newer context-capacity run with the same cache labels leaves the 32k batch claims on the batch run;
     a cache that fits nowhere renders as such."""
