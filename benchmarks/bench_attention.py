@@ -107,15 +107,6 @@ QUANT_SWEEP = [
     # value codes decoded just before the value dot (their decoded tile not live beside the logits)
     {"late_values": True},
     {"late_values": True, "max_registers": 168, "splits": 1.5},
-    # int4 post_rope, one query: the tile's padding rows put to work, each row group over its share of every
-    # key tile (a quarter of the softmax at GQA 4; 2026-12-03, tenth session)
-    {"pack_rows": True},
-    {"pack_rows": True, "block_n": 128},
-    {"pack_rows": True, "block_n": 512},
-    {"pack_rows": True, "num_warps": 8},
-    {"pack_rows": True, "num_warps": 2, "block_n": 128, "splits": 2},
-    {"pack_rows": True, "num_warps": 1, "block_n": 64, "splits": 4},
-    {"pack_rows": True, "splits": 1.5},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
@@ -268,8 +259,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                         nibble = [k for k in NIBBLE_OPTIONS if k in cfg]  # int4, and its key mode
                         if (cfg.get("fold_scales") and bits == 16) or (nibble and (
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
-                                cfg.get("keys_left") and mode != "pre_rope") or (
-                                cfg.get("pack_rows") and (bits != 4 or mode != "post_rope")):
+                                cfg.get("keys_left") and mode != "pre_rope"):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

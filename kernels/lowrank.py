@@ -49,7 +49,7 @@ from stiefkv.kernels._common import (
     as_float_latents,
     check_prior,
     interpreting,
-    merge_by_lse,
+    merge_prior,
     padded_dim,
 )
 
@@ -636,127 +636,6 @@ def _attend_range(
 
 
 @triton.jit
-def _packed_bytes(Z, start, end, offs_j, offs_c, stride_n, stride_r, RB: tl.constexpr, RB_R: tl.constexpr,
-                  NB: tl.constexpr):
-    """A packed tile's int4 bytes ``[NB, PACK·RB]``: row ``j``, column ``i·RB + c`` is byte ``c`` of key
-    ``start + i·NB + j`` (row group ``i``'s keys side by side along the channels); keys ``≥ end`` and bytes
-    ``≥ RB_R`` (rank padding) read as 0."""
-    key = start + (offs_c // RB)[None, :] * NB + offs_j[:, None]
-    byte = offs_c % RB
-    ok = key < end
-    if RB_R < RB:
-        ok = ok & (byte < RB_R)[None, :]
-    return tl.load(Z + key * stride_n + byte[None, :] * stride_r, mask=ok, other=0)
-
-
-@triton.jit
-def _packed_fetch(ZK, SK, LK, ZV, SV, LV, BIAS, start, end, offs_j, offs_ck, offs_cv, offs_i, group_m,
-                  stride_kn, stride_kr, stride_vn, stride_vr, stride_skn, stride_svn, stride_bn,
-                  RBK: tl.constexpr, RBK_R: tl.constexpr, RBV: tl.constexpr, RBV_R: tl.constexpr,
-                  NB: tl.constexpr, HAS_BIAS: tl.constexpr):
-    """The reads of one packed tile (:func:`_attend_packed`), nothing computed: key and value bytes, the
-    keys' scales, lows and biases by row ``[BLOCK_M, NB]`` (row ``m`` of group ``group_m``), the values'
-    by key ``[NB, PACK]``."""
-    kr = _packed_bytes(ZK, start, end, offs_j, offs_ck, stride_kn, stride_kr, RBK, RBK_R, NB)
-    vr = _packed_bytes(ZV, start, end, offs_j, offs_cv, stride_vn, stride_vr, RBV, RBV_R, NB)
-    key_m = start + group_m[:, None] * NB + offs_j[None, :]  # [BLOCK_M, NB]
-    ok_m = key_m < end
-    ks = tl.load(SK + key_m * stride_skn, mask=ok_m, other=0.0).to(tl.float32)
-    kl = tl.load(LK + key_m * stride_skn, mask=ok_m, other=0.0).to(tl.float32)
-    bias = ks
-    if HAS_BIAS:
-        bias = tl.load(BIAS + key_m * stride_bn, mask=ok_m, other=0.0).to(tl.float32)
-    key_v = start + offs_i[None, :] * NB + offs_j[:, None]  # [NB, PACK]
-    vs = tl.load(SV + key_v * stride_svn, mask=key_v < end, other=0.0).to(tl.float16)
-    vl = tl.load(LV + key_v * stride_svn, mask=key_v < end, other=0.0).to(tl.float16)
-    return kr, ks, kl, bias, vr, vs, vl
-
-
-@triton.jit
-def _attend_packed(
-    acc, l_i, m_i, qe, qo, q1sum, bias_scale, start, end, group_m,
-    ZK, ZV, BIAS, SK, LK, SV, LV,
-    stride_kn, stride_kr, stride_vn, stride_vr, stride_bn, stride_skn, stride_svn,
-    R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr, GROUP: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PACK: tl.constexpr, HAS_BIAS: tl.constexpr,
-    DOT_PREC: tl.constexpr, UPCAST: tl.constexpr,
-):
-    """Decode of one query over int4 ``post_rope`` keys and values (token layout, one scale group) with
-    every row of the tile doing work. A one-query GQA group fills ``GROUP`` of the tile's 16 rows; the
-    other rows, padding in :func:`_attend_range`, cost the softmax as much as real ones. Here row
-    ``m = i·GROUP + h`` is head ``h`` over row group ``i``'s keys: of each ``BLOCK_N`` keys, group ``i``
-    sees ``[i·NB, (i+1)·NB)`` (``NB = BLOCK_N / PACK``). The key tile is loaded as ``[NB, PACK·r/2]``
-    (the groups' keys side by side along the channels) and the queries ``qe``, ``qo`` ``[BLOCK_M,
-    PACK·r/2]`` (even and odd channels of ``q'``, ``1024 + code`` folded as in ``FOLD_NIB``) are zero
-    outside their group's block, so one dot gives every row its own keys' logits ``[BLOCK_M, NB]``: the
-    softmax works on ``BLOCK_N / PACK`` columns, all real. The values go the same way into
-    ``[BLOCK_M, PACK·r_v/2]`` accumulators whose diagonal blocks are kept. Each row runs its own online
-    softmax; the ``PACK`` rows of a head merge at the end (:func:`_merge_packed`), reads one tile ahead
-    (``PREFETCH``). Returns the accumulators' even and odd halves (not yet merged), ``ℓ`` and ``m``."""
-    NB: tl.constexpr = BLOCK_N // PACK
-    RBK: tl.constexpr = R_K_P2 // 2
-    RBV: tl.constexpr = R_V_P2 // 2
-    offs_j = tl.arange(0, NB)
-    offs_ck = tl.arange(0, PACK * RBK)
-    offs_cv = tl.arange(0, PACK * RBV)
-    offs_i = tl.arange(0, PACK)
-    acc_e, acc_o = acc
-    kr, ks, kl, bias, vr, vs, vl = _packed_fetch(
-        ZK, SK, LK, ZV, SV, LV, BIAS, start, end, offs_j, offs_ck, offs_cv, offs_i, group_m,
-        stride_kn, stride_kr, stride_vn, stride_vr, stride_skn, stride_svn, stride_bn,
-        RBK, (R_K + 1) // 2, RBV, (R_V + 1) // 2, NB, HAS_BIAS)
-    for start_n in range(start, end, BLOCK_N):
-        ze, zo = _nibbles_to_half(kr, not UPCAST)  # 1024 + code
-        k_scale, k_low, k_bias = ks, kl, bias
-        ve, vo = _nibbles_to_half(vr, not UPCAST)
-        ve = ((ve - 1024.0).reshape(NB, PACK, RBV) * vs[:, :, None] + vl[:, :, None]).reshape(NB, PACK * RBV)
-        vo = ((vo - 1024.0).reshape(NB, PACK, RBV) * vs[:, :, None] + vl[:, :, None]).reshape(NB, PACK * RBV)
-        visible = (start_n + group_m[:, None] * NB + offs_j[None, :]) < end
-        kr, ks, kl, bias, vr, vs, vl = _packed_fetch(
-            ZK, SK, LK, ZV, SV, LV, BIAS, start_n + BLOCK_N, end, offs_j, offs_ck, offs_cv, offs_i, group_m,
-            stride_kn, stride_kr, stride_vn, stride_vr, stride_skn, stride_svn, stride_bn,
-            RBK, (R_K + 1) // 2, RBV, (R_V + 1) // 2, NB, HAS_BIAS)
-        s = _dot(qe, tl.trans(ze), tl.zeros([BLOCK_M, NB], dtype=tl.float32), DOT_PREC, UPCAST)
-        s = _dot(qo, tl.trans(zo), s, DOT_PREC, UPCAST)
-        # q'·(code·scale + low) = scale·(q'·(1024 + code)) + (low − 1024·scale)·Σq'
-        s = s * k_scale + q1sum[:, None] * (k_low - 1024.0 * k_scale)
-        if HAS_BIAS:
-            s += k_bias * bias_scale
-        s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc_e = _dot(p.to(ve.dtype), ve, acc_e * alpha[:, None], DOT_PREC, UPCAST)
-        acc_o = _dot(p.to(vo.dtype), vo, acc_o * alpha[:, None], DOT_PREC, UPCAST)
-        m_i = m_new
-    return acc_e, acc_o, l_i, m_i
-
-
-@triton.jit
-def _merge_packed(acc_e, acc_o, l_i, m_i, group_m, R_V_P2: tl.constexpr, GROUP: tl.constexpr,
-                  BLOCK_M: tl.constexpr, PACK: tl.constexpr):
-    """The ``PACK`` row groups of :func:`_attend_packed` merged into one softmax state per head: each row
-    keeps its group's block of the accumulators, and the rows of a head combine as key splits do. Returns
-    ``acc [BLOCK_M, R_V_P2]``, ``ℓ``, ``m`` with every row holding its head's merged state."""
-    RBV: tl.constexpr = R_V_P2 // 2
-    own = (tl.arange(0, PACK * RBV) // RBV)[None, :] == group_m[:, None]
-    acc_e = tl.sum(tl.where(own, acc_e, 0.0).reshape(BLOCK_M, PACK, RBV), 1)  # [BLOCK_M, RBV]
-    acc_o = tl.sum(tl.where(own, acc_o, 0.0).reshape(BLOCK_M, PACK, RBV), 1)
-    m2 = m_i.reshape(PACK, GROUP)
-    m_all = tl.max(m2, 0)  # [GROUP]
-    w = tl.exp2(m2 - m_all[None, :])  # [PACK, GROUP]
-    l_all = tl.sum(w * l_i.reshape(PACK, GROUP), 0)
-    e_all = tl.sum(w[:, :, None] * acc_e.reshape(PACK, GROUP, RBV), 0)  # [GROUP, RBV]
-    o_all = tl.sum(w[:, :, None] * acc_o.reshape(PACK, GROUP, RBV), 0)
-    acc_e = tl.broadcast_to(e_all[None, :, :], [PACK, GROUP, RBV]).reshape(BLOCK_M, RBV)
-    acc_o = tl.broadcast_to(o_all[None, :, :], [PACK, GROUP, RBV]).reshape(BLOCK_M, RBV)
-    l_i = tl.broadcast_to(l_all[None, :], [PACK, GROUP]).reshape(BLOCK_M)
-    m_i = tl.broadcast_to(m_all[None, :], [PACK, GROUP]).reshape(BLOCK_M)
-    return tl.join(acc_e, acc_o).reshape(BLOCK_M, R_V_P2), l_i, m_i
-
-
-@triton.jit
 def _epilogue_store(
     acc, l_i, PV, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
     HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr, HAS_PV: tl.constexpr,
@@ -859,7 +738,7 @@ def _lowrank_attn_fwd(
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
     FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
     K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1, HAS_PRIOR: tl.constexpr = False,
-    LATE_V: tl.constexpr = False, PACK: tl.constexpr = 1,
+    LATE_V: tl.constexpr = False,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -940,26 +819,6 @@ def _lowrank_attn_fwd(
             p1t_o = p1t
             p2t_o = p2t
         inv_freq = tl.load(INV_FREQ + offs_h)
-    elif PACK > 1:  # one query, every row a head over its row group's keys (_attend_packed)
-        RBK: tl.constexpr = R_K_P2 // 2
-        group_m = offs_m // GROUP
-        Q_all = Q + b * stride_qb + (g * GROUP + offs_m % GROUP).to(tl.int64) * stride_qh
-        offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(Q_all[:, None] + offs_d[None, :] * stride_qd).to(DTYPE)
-        offs_c = tl.arange(0, PACK * RBK)
-        offs_e = 2 * (offs_c % RBK)
-        pk_ptrs = PK_g + offs_d[:, None] * stride_pkd + offs_e[None, :] * stride_pkr
-        pk = tl.load(pk_ptrs, mask=(offs_e < R_K)[None, :], other=0.0).to(DTYPE)  # [d, PACK·RBK]
-        pk_o = tl.load(pk_ptrs + stride_pkr, mask=(offs_e + 1 < R_K)[None, :], other=0.0).to(DTYPE)
-        own = (offs_c // RBK)[None, :] == group_m[:, None]
-        zero = tl.zeros([BLOCK_M, PACK * RBK], dtype=tl.float32)
-        q1 = tl.where(own, _dot(q, pk, zero, DOT_PREC, UPCAST) * qk_scale, 0.0).to(DTYPE)
-        q2 = tl.where(own, _dot(q, pk_o, zero, DOT_PREC, UPCAST) * qk_scale, 0.0).to(DTYPE)
-        q1sum = tl.sum(q1.to(tl.float32), 1) + tl.sum(q2.to(tl.float32), 1)
-        p1t = pk
-        p2t = pk
-        p1t_o = pk
-        p2t_o = pk
     elif NIB_K:  # post_rope over int4 key codes met as even and odd channels: q1, q2 = q' there
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
@@ -1005,34 +864,24 @@ def _lowrank_attn_fwd(
         acc, l_i, m_i = _prior_state(PRIOR_O, PRIOR_LSE, b, g * GROUP + head, q_idx, row_ok & first,
                                      stride_ob, stride_oh, stride_on, stride_od, stride_prb, stride_prh,
                                      stride_prn, acc, l_i, m_i, R_V, R_V_P2)
-    if PACK > 1:
-        RBV: tl.constexpr = R_V_P2 // 2
-        halves = (tl.zeros([BLOCK_M, PACK * RBV], dtype=tl.float32),
-                  tl.zeros([BLOCK_M, PACK * RBV], dtype=tl.float32))
-        acc_e, acc_o, l_i, m_i = _attend_packed(
-            halves, l_i, m_i, q1, q2, q1sum, _LOG2E, lo, hi, group_m, ZK_bg, ZV_bg, BIAS_bg, SK_bg, LK_bg,
-            SV_bg, LV_bg, stride_kn, stride_kr, stride_vn, stride_vr, stride_bn, stride_skn, stride_svn,
-            R_K, R_V, R_K_P2, R_V_P2, GROUP, BLOCK_M, BLOCK_N, PACK, HAS_BIAS, DOT_PREC, UPCAST)
-        acc, l_i, m_i = _merge_packed(acc_e, acc_o, l_i, m_i, group_m, R_V_P2, GROUP, BLOCK_M, PACK)
-    else:
-        acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
-            ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
-            stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-            stride_skn, stride_skgr, stride_svn, stride_svgr,
-            HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False,
-            FAST_SINCOS, DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH,
-            NIB_K, NIB_V, FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
-        )
-        acc, l_i, m_i = _attend_range(
-            acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
-            ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
-            stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
-            stride_skn, stride_skgr, stride_svn, stride_svgr,
-            HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True,
-            FAST_SINCOS, DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH,
-            NIB_K, NIB_V, FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
-        )
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
+        stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        stride_skn, stride_skgr, stride_svn, stride_svgr,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
+    )
+    acc, l_i, m_i = _attend_range(
+        acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
+        ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
+        stride_kn, stride_kr, stride_vn, stride_vr, stride_posn, stride_bn,
+        stride_skn, stride_skgr, stride_svn, stride_svgr,
+        HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
+        DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
+    )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
         + q_idx.to(tl.int64) * stride_on
@@ -1307,41 +1156,23 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
     step = max(_common.QUANT_GROUP, code_slice // _common.QUANT_GROUP * _common.QUANT_GROUP)
     own = max(0, Nk - Nq) // _common.QUANT_GROUP * _common.QUANT_GROUP  # channel scales: aligned starts
     bounds = [(a, min(a + step, own)) for a in range(0, own, step)] + [(own, Nk)]
-    o = lse = None
-    if prior is not None:
-        o, lse = prior[0].float(), prior[1].float()
+    state = None if prior is None else (prior[0].float(), prior[1].float())  # (output, log-sum-exp)
     for a, c in bounds:
         held = None if lengths is None else (c - torch.clamp(Nk - lengths, min=a)).clamp(0, c - a)
         part = dict(positions=None if positions is None else positions[..., a:c],
                     bias=None if bias is None else bias[..., a:c], lengths=held)
         zk = as_float_latents(_slice_keys(z_k, a, c), q.dtype)
         zv = as_float_latents(_slice_keys(z_v, a, c), q.dtype)
-        o_s, lse_s = lowrank_attention(q, zk, zv, P_k, None, key_mode=key_mode, rope=rope,
-                                       causal=causal and c == Nk, scale=scale, return_lse=True, code_slice=0,
-                                       **part)
-        if o is None:
-            o, lse = o_s.float(), lse_s
-        else:
-            o = merge_by_lse(o, lse, o_s, lse_s, torch.float32)
-            lse = torch.logaddexp(lse, lse_s)
+        own_keys = causal and c == Nk  # only the last part holds the queries' own keys
+        o, lse = lowrank_attention(q, zk, zv, P_k, None, key_mode=key_mode, rope=rope, causal=own_keys,
+                                   scale=scale, return_lse=True, code_slice=0, **part)
+        state = (o.float(), lse) if state is None else merge_prior(state, o, lse, torch.float32, True)
+    o, lse = state
     if P_v is not None:  # head h reads its KV head's basis: [B, G, H/G, Nq, r] against [G, d, r]
         G = P_v.shape[0]
         o = torch.einsum("bgmnr,gdr->bgmnd", o.view(B, G, H // G, Nq, -1), P_v.float()).reshape(B, H, Nq, -1)
     o = o.to(q.dtype)
     return (o, lse) if return_lse else o
-
-
-def _pack_rows(cfg, n_q, group, k_bits, v_bits, channel, log8, r_k_p2, r_v_p2, pre, half, prior) -> int:
-    """Row groups of :func:`_attend_packed` (1: not packed). Its case: one query, ``post_rope`` int4 keys
-    and values in the token layout with min–max scales in one group (the ``nibble_fold`` loop's), 16-bit
-    queries, a power-of-two GQA group smaller than the tile, and key tiles that leave ≥ 16 keys a group."""
-    if not (cfg.get("pack_rows") and cfg.get("prefetch") and n_q == 1 and k_bits == 4 and v_bits == 4
-            and not channel and not log8 and not pre and half and not prior
-            and 32 <= r_k_p2 <= _common.QUANT_GROUP and 32 <= r_v_p2 <= _common.QUANT_GROUP
-            and group & (group - 1) == 0 and group < cfg["block_m"]):
-        return 1
-    pack = cfg["block_m"] // group
-    return pack if cfg["block_n"] % pack == 0 and cfg["block_n"] // pack >= MIN_DOT else 1
 
 
 def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg,
@@ -1425,8 +1256,6 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
         HAS_PRIOR=prior is not None, LATE_V=bool(cfg.get("prefetch")) and bool(cfg.get("late_values")),
-        PACK=_pack_rows(cfg, Nq, group, k_bits, v_bits, k_channel or v_channel, k_log8 or v_log8, r_k_p2,
-                        r_v_p2, pre, half, prior is not None),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") and not interpreting() else {}),
     )
@@ -1462,7 +1291,6 @@ def lowrank_attention(
     keys_left: bool | None = None,
     max_registers: int | None = None,
     late_values: bool | None = None,
-    pack_rows: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -1506,9 +1334,6 @@ def lowrank_attention(
         fitting more programs an SM at the price of spills; ``None``: the compiler's choice.
         ``late_values`` (with ``prefetch``): decode a tile's value codes just before the value dot instead
         of at the top of the loop, so the decoded tile is not live beside the logits; a candidate, off.
-        ``pack_rows``: decode of one query over int4 ``post_rope`` keys and values (the ``nibble_fold``
-        case) with the tile's padding rows put to work, each row group over its own share of every key
-        tile (:func:`_attend_packed`: a quarter of the softmax work at a GQA group of 4); a candidate, off.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1564,7 +1389,7 @@ def lowrank_attention(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
-                     late_values=late_values, pack_rows=pack_rows)
+                     late_values=late_values)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:

@@ -446,57 +446,6 @@ def test_late_values_decode_the_same_tile(bits, ranks, key_mode):
     assert_close(late, default, atol=atol, rtol=rtol, what=f"int{bits} {key_mode}, late against default")
 
 
-@pytest.mark.parametrize("heads,ranks,block_n", [(8, (56, 48), 256), (4, (64, 40), 128), (16, (32, 24), 64),
-                                                  (8, (40, 64), 64)])
-def test_packed_rows_decode_the_same_attention(heads, ranks, block_n):
-    """``pack_rows`` (every row of the tile a head over its own share of each key tile, the row groups
-    merged at the end) against the reference and the default loop: int4 ``post_rope``, GQA 4, 2 and 8
-    (4, 8 and 2 row groups), odd ranks, per-key bias, left padding, 700 keys over 3 splits (a group's share
-    of the last tile partly or wholly past the end), 16-key shares at 64-key tiles under GQA 4."""
-    r_k, r_v = ranks
-    args, kwargs = make_inputs(3, heads, 2, 1, 700, 128, r_k, r_v, torch.bfloat16)
-    q, z_k, z_v, P_k, P_v = args
-    qk, qv = quantize_latents(z_k, 4), quantize_latents(z_v, 4)
-    cfg = dict(pack_rows=True, prefetch=True, block_m=16, block_n=block_n)
-    assert lk._pack_rows(cfg, 1, heads // 2, 4, 4, False, False, lk.padded_dim(r_k), lk.padded_dim(r_v),
-                         False, True, False) == 16 // (heads // 2)
-    with torch.no_grad():
-        expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, P_v,
-                             key_mode="post_rope", **kwargs)
-        packed = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, num_splits=3,
-                                      block_n=block_n, pack_rows=True)
-        default = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, num_splits=3,
-                                       block_n=block_n)
-    atol, rtol = TOL[torch.bfloat16]
-    what = f"int4 post_rope GQA {heads // 2} r{r_k}/{r_v} tile {block_n}"
-    assert_close(packed, expected, atol=atol, rtol=rtol, what=what + ", packed rows")
-    assert_close(packed, default, atol=atol, rtol=rtol, what=what + ", packed against default")
-
-
-def test_packed_rows_only_where_their_case_holds():
-    """``pack_rows`` falls back to the default loop outside its case (a GQA group that is not a power of
-    two, ``pre_rope``, several queries, int8 values, shares under 16 keys) and says so through
-    :func:`_pack_rows`; the fallback gives the reference's attention."""
-    cfg = dict(pack_rows=True, prefetch=True, block_m=16, block_n=256)
-    ok = dict(n_q=1, group=4, k_bits=4, v_bits=4, channel=False, log8=False, r_k_p2=64, r_v_p2=64, pre=False,
-              half=True, prior=False)
-    assert lk._pack_rows(cfg, **ok) == 4
-    for change in (dict(group=5), dict(pre=True), dict(n_q=2), dict(v_bits=8), dict(r_v_p2=128),
-                   dict(log8=True), dict(prior=True), dict(half=False), dict(group=16)):
-        assert lk._pack_rows(cfg, **(ok | change)) == 1, change
-    assert lk._pack_rows(dict(cfg, block_n=32), **ok) == 1  # 8 keys a group
-    assert lk._pack_rows(dict(cfg, pack_rows=False), **ok) == 1
-    args, kwargs = make_inputs(2, 10, 2, 1, 300, 128, 40, 24, torch.bfloat16)
-    q, z_k, z_v, P_k, P_v = args
-    qk, qv = quantize_latents(z_k, 4), quantize_latents(z_v, 4)
-    with torch.no_grad():
-        expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, P_v,
-                             key_mode="post_rope", **kwargs)
-        out = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, pack_rows=True)
-    atol, rtol = TOL[torch.bfloat16]
-    assert_close(out, expected, atol=atol, rtol=rtol, what="int4 post_rope GQA 5, pack_rows asked")
-
-
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("bits,ranks,nq", [(4, (40, 24), 37), (8, (56, 48), 19), (4, (64, 33), 70)])
 def test_prefill_over_codes_in_key_slices(key_mode, bits, ranks, nq):
