@@ -261,14 +261,20 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
     (None: the uncompressed model on transformers' static cache); None when it runs out of memory."""
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
     served = None
+    start = time.perf_counter()
     try:
         if proj is not None:
             stiefkv.load(model, proj)
         served = Served(model, ids, N + 2 + 2 * args.new_tokens, args.chunk, True)
         served.decode_tps(args.new_tokens)
-        return {"batch": B, "tps": served.decode_tps(args.new_tokens), "peak_gib": served.peak_gib,
-                "cache_gib": served.cache_bytes / GIB}
+        out = {"batch": B, "tps": served.decode_tps(args.new_tokens), "peak_gib": served.peak_gib,
+               "cache_gib": served.cache_bytes / GIB}
+        # a progress line per trial: a call cut short by a time limit still tells what ran
+        print(f"  trial {B}x{N}: {out['tps']:.0f} tok/s, peak {out['peak_gib']:.2f} GiB "
+              f"({time.perf_counter() - start:.0f} s)", flush=True)
+        return out
     except torch.cuda.OutOfMemoryError:
+        print(f"  trial {B}x{N}: out of memory ({time.perf_counter() - start:.0f} s)", flush=True)
         return None
     finally:
         if proj is not None:
@@ -385,16 +391,20 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
     weights = torch.cuda.memory_allocated() / GIB
     rows = []
     for name, proj in caches.items():
-        runs = {1: trial(model, proj, 1, args.context, args, device)}
-        if runs[1] is None:
-            rows.append({"cache": name, "batch": 0})
-            emit(rows[-1])
-            continue
-        runs[2] = trial(model, proj, 2, args.context, args, device)
-        # the peak is a fixed part (a prefill chunk's activations) plus a part per row: two points give both
-        per_row = runs[1]["peak_gib"] if runs[2] is None else runs[2]["peak_gib"] - runs[1]["peak_gib"]
-        fixed = runs[1]["peak_gib"] - per_row
-        B = max(1, int((args.cap_gib - weights - fixed) / per_row))
+        if proj is not None and args.start_batch:
+            runs, B = {}, args.start_batch
+        else:
+            runs = {1: trial(model, proj, 1, args.context, args, device)}
+            if runs[1] is None:
+                rows.append({"cache": name, "batch": 0})
+                emit(rows[-1])
+                continue
+            runs[2] = trial(model, proj, 2, args.context, args, device)
+            # the peak is a fixed part (a prefill chunk's activations) plus a part per row: two points give
+            # both
+            per_row = runs[1]["peak_gib"] if runs[2] is None else runs[2]["peak_gib"] - runs[1]["peak_gib"]
+            fixed = runs[1]["peak_gib"] - per_row
+            B = max(1, int((args.cap_gib - weights - fixed) / per_row))
         while B not in runs or runs[B] is not None:
             runs[B] = runs.get(B) or trial(model, proj, B, args.context, args, device)
             if runs[B] is None:
@@ -447,6 +457,9 @@ def main() -> None:
                              "filled directly, not prefilled)")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cap-gib", type=float, default=40.0)
+    parser.add_argument("--start-batch", type=int, default=None,
+                        help="--capacity: start StiefKV's search at this batch, not the one its peaks at 1 "
+                             "and 2 rows predict (each trial at tens of rows is a minute of prefill)")
     args = parser.parse_args()
     if args.code_slice is not None:
         from stiefkv.kernels import lowrank
@@ -479,7 +492,7 @@ def main() -> None:
                             f"{'B1' if by_context else f'ctx{args.context}'} cap{args.cap_gib:g}",
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
                        new_tokens=args.new_tokens, key_mode=args.key_mode, prefill_tokens=args.chunk,
-                       code_slice=args.code_slice,
+                       code_slice=args.code_slice, start_batch=args.start_batch,
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
             row.setdefault("context", args.context)

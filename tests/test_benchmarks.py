@@ -158,6 +158,8 @@ def test_bench_serve_runs_on_a_tiny_model(recent):
     assert line.startswith(f"serve tiny pre_rope 0.5 {label} B2 ctx40: transformers static"), line
     assert "StiefKV" in line
     assert ("quantization only (kivi2)" in line) == bool(recent), line
+    if recent:
+        return
     bad = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--baseline-cache",
                           "kivi5"], capture_output=True, text=True, timeout=300)
     assert bad.returncode != 0 and "'kivi5' is not a baseline; choose one of int8" in bad.stderr
