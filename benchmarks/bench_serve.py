@@ -390,8 +390,8 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
     torch.cuda.set_per_process_memory_fraction(cap / total, index)
     weights = torch.cuda.memory_allocated() / GIB
     rows = []
-    for name, proj in caches.items():
-        if proj is not None and args.start_batch:
+    for i, (name, proj) in enumerate(caches.items()):
+        if i and args.start_batch:  # not the first cache, the uncompressed baseline (a few rows)
             runs, B = {}, args.start_batch
         else:
             runs = {1: trial(model, proj, 1, args.context, args, device)}
@@ -444,7 +444,7 @@ def main() -> None:
                         help="prompt tokens a prefill forward takes over all rows (generate's prefill_chunk)")
     parser.add_argument("--code-slice", type=int, default=None, metavar="KEYS",
                         help="prefill over codes dequantizes this many keys at a time (kernels.lowrank."
-                             "PREFILL_CODE_SLICE; default: its value, the whole cache when None)")
+                             "PREFILL_CODE_SLICE; default: its value, 4096)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
     parser.add_argument("--compiled", action="store_true",
                         help="also time generate over transformers' StaticCache, compiled by transformers on "
@@ -461,10 +461,11 @@ def main() -> None:
                         help="--capacity: start StiefKV's search at this batch, not the one its peaks at 1 "
                              "and 2 rows predict (each trial at tens of rows is a minute of prefill)")
     args = parser.parse_args()
-    if args.code_slice is not None:
-        from stiefkv.kernels import lowrank
+    from stiefkv.kernels import lowrank
 
+    if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
+    args.code_slice = lowrank.PREFILL_CODE_SLICE  # the rows record the slice in effect
     if args.tiny:
         args.shape = "tiny"
     print(utils.header(), flush=True)

@@ -12,8 +12,10 @@
 #     capacity12 the 12.5 % capacity run alone, beside KIVI-2 (about 4 minutes)
 #     serveq     bench_serve.py 8x16k with a quantization-only cache of about the same bytes served beside
 #                StiefKV: 50 % bf16 / int8 (53.5 %), 50 % ranks x int8 (26.7 %) / int4 (28.1 %), both key modes
-#     capacity12post the same bytes with post_rope keys (ranks 56 x int4; its int4 kernel is ~2x faster)
-#     capacity12slice  capacity12post with the prefill over codes dequantizing 4096 keys at a time
+#     capacity12post the same bytes with post_rope keys (ranks 56 x int4; its int4 kernel is ~2x faster),
+#                its search from 44 rows (43 in the eleventh session; a trial at 40+ rows is ~5 minutes)
+#     capacity12whole  capacity12post with the prefill over codes dequantizing the whole cache at once (the
+#                default before PREFILL_CODE_SLICE = 4096)
 #     capacitypost  the 50 % capacity run with post_rope keys, beside int8 (quantization only)
 #     context    bench_serve.py --context-capacity (one row, the cache filled directly): 50 % and 12.5 %
 #     window     bench_serve.py 8x16k with int8 codes behind a 16-token exact window (what --bits auto keeps
@@ -59,10 +61,10 @@ for s in "$@"; do
         --baseline-cache kivi2 ;;
     capacity12post)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
-        --key-mode post_rope ;;
-    capacity12slice)  # the 12.5 % post_rope capacity with the prefill over codes in slices of 4096 keys
+        --key-mode post_rope --start-batch 44 ;;
+    capacity12whole)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
-        --key-mode post_rope --code-slice 4096 ;;
+        --key-mode post_rope --code-slice 0 ;;
     capacitypost)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --key-mode post_rope \
         --baseline-cache int8 ;;

@@ -222,6 +222,38 @@ def test_capacity_rows_are_written_as_each_cache_finishes(tmp_path, monkeypatch)
     assert rows[0]["provenance"]["run_id"] == rows[1]["provenance"]["run_id"]
 
 
+def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monkeypatch):
+    """The capacity search ends on a batch that ran with the next one refused, from the batch the peaks of
+    1 and 2 rows predict or, for StiefKV's caches only, from ``--start-batch`` (above or below the answer)."""
+    import argparse
+    import types
+
+    import bench_serve as bs
+
+    fits = {"base": 5, "ours": 43}
+    tried = {name: [] for name in fits}
+
+    def trial(model, proj, B, N, args, device):
+        tried[proj].append(B)
+        if B > fits[proj]:
+            return None
+        return {"batch": B, "tps": 10.0 * B, "peak_gib": 4.0 * B / fits[proj], "cache_gib": 0.0}
+
+    cuda = types.SimpleNamespace(current_device=lambda: 0, memory_allocated=lambda: 0,
+                                 set_per_process_memory_fraction=lambda *a: None,
+                                 get_device_properties=lambda i: types.SimpleNamespace(total_memory=2**40))
+    monkeypatch.setattr(bs, "trial", trial)
+    monkeypatch.setattr(bs.torch, "cuda", cuda)
+    for start in (None, 47, 40):
+        for name in tried:
+            tried[name].clear()
+        args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=start)
+        rows = bs.capacity(None, {"uncompressed": "base", "stiefkv": "ours"}, args, "cuda")
+        assert [(r["batch"], r["refused_batch"]) for r in rows] == [(5, 6), (43, 44)], start
+        assert tried["base"][:2] == [1, 2]
+        assert (tried["ours"][0] == start) if start else (tried["ours"][:2] == [1, 2])
+
+
 def test_capacity_claims_read_the_batch_runs_not_the_context_runs(tmp_path):
     """A newer context-capacity run with the same cache labels leaves the 32k batch claims on the batch run;
     a cache that fits nowhere renders as such."""
