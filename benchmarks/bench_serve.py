@@ -390,8 +390,8 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
     torch.cuda.set_per_process_memory_fraction(cap / total, index)
     weights = torch.cuda.memory_allocated() / GIB
     rows = []
-    for i, (name, proj) in enumerate(caches.items()):
-        if i and args.start_batch:  # not the first cache, the uncompressed baseline (a few rows)
+    for name, proj in caches.items():
+        if args.start_batch and name.startswith("stiefkv"):  # not the baselines
             runs, B = {}, args.start_batch
         else:
             runs = {1: trial(model, proj, 1, args.context, args, device)}
@@ -458,8 +458,9 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cap-gib", type=float, default=40.0)
     parser.add_argument("--start-batch", type=int, default=None,
-                        help="--capacity: start StiefKV's search at this batch, not the one its peaks at 1 "
-                             "and 2 rows predict (each trial at tens of rows is a minute of prefill)")
+                        help="--capacity: start StiefKV's search (not the baselines') at this batch, not the "
+                             "one its peaks at 1 and 2 rows predict (a trial at tens of rows is minutes of "
+                             "prefill)")
     args = parser.parse_args()
     from stiefkv.kernels import lowrank
 

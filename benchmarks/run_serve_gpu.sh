@@ -16,6 +16,10 @@
 #                its search from 44 rows (43 in the eleventh session; a trial at 40+ rows is ~5 minutes)
 #     capacity12whole  capacity12post with the prefill over codes dequantizing the whole cache at once (the
 #                default before PREFILL_CODE_SLICE = 4096)
+#     capacity12kivi capacity12post beside KIVI-2 (quantization only, 17.3 %): the same-bytes baseline
+#                (about 10 minutes: a call of its own)
+#     widesweep  the int4 post_rope kernel's sweep (prefetch off at the wide tile among it) at 4x128k, 16x16k,
+#                29x32k and 43x32k, r 56 (prefetch off took 0.596 -> 0.481 ms at 43x32k, eleventh session)
 #     capacitypost  the 50 % capacity run with post_rope keys, beside int8 (quantization only)
 #     context    bench_serve.py --context-capacity (one row, the cache filled directly): 50 % and 12.5 %
 #     window     bench_serve.py 8x16k with int8 codes behind a 16-token exact window (what --bits auto keeps
@@ -62,6 +66,12 @@ for s in "$@"; do
     capacity12post)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
         --key-mode post_rope --start-batch 44 ;;
+    capacity12kivi)
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
+        --key-mode post_rope --start-batch 44 --baseline-cache kivi2 ;;
+    widesweep)
+      step widesweep python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes post_rope \
+        --shapes 4x131072 16x16384 29x32768 43x32768 --rank 56 ;;
     capacity12whole)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
         --key-mode post_rope --code-slice 0 ;;

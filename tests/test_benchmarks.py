@@ -230,7 +230,7 @@ def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monke
 
     import bench_serve as bs
 
-    fits = {"base": 5, "ours": 43}
+    fits = {"base": 5, "ours": 43, "kivi": 30}
     tried = {name: [] for name in fits}
 
     def trial(model, proj, B, N, args, device):
@@ -248,9 +248,11 @@ def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monke
         for name in tried:
             tried[name].clear()
         args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=start)
-        rows = bs.capacity(None, {"uncompressed": "base", "stiefkv": "ours"}, args, "cuda")
-        assert [(r["batch"], r["refused_batch"]) for r in rows] == [(5, 6), (43, 44)], start
-        assert tried["base"][:2] == [1, 2]
+        caches = {"uncompressed (our kernels)": "base", "stiefkv 0.4375 int4": "ours",
+                  "quantization only: kivi2": "kivi"}
+        rows = bs.capacity(None, caches, args, "cuda")
+        assert [(r["batch"], r["refused_batch"]) for r in rows] == [(5, 6), (43, 44), (30, 31)], start
+        assert tried["base"][:2] == tried["kivi"][:2] == [1, 2]
         assert (tried["ours"][0] == start) if start else (tried["ours"][:2] == [1, 2])
 
 
