@@ -415,6 +415,10 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
             if B not in runs:
                 runs[B] = trial(model, proj, B, args.context, args, device)
         best = runs[B]
+        if best is None:  # a --start-batch search that walked down to one row, and one row did not fit
+            rows.append({"cache": name, "batch": 0, "trials": sorted(runs)})
+            emit(rows[-1])
+            continue
         rows.append({"cache": name, "batch": B, "tokens": B * args.context, "tps": best["tps"],
                      "peak_gib": best["peak_gib"], "cache_gib": best["cache_gib"], "weights_gib": weights,
                      "refused_batch": B + 1, "trials": sorted(runs)})

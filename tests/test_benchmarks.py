@@ -254,6 +254,10 @@ def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monke
         assert [(r["batch"], r["refused_batch"]) for r in rows] == [(5, 6), (43, 44), (30, 31)], start
         assert tried["base"][:2] == tried["kivi"][:2] == [1, 2]
         assert (tried["ours"][0] == start) if start else (tried["ours"][:2] == [1, 2])
+    fits["ours"] = 0  # nothing fits: a row that says so, from either start
+    for start in (None, 3):
+        args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=start)
+        assert bs.capacity(None, caches, args, "cuda")[1]["batch"] == 0
 
 
 def test_capacity_claims_read_the_batch_runs_not_the_context_runs(tmp_path):
