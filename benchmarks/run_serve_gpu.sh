@@ -20,6 +20,9 @@
 #                (about 10 minutes: a call of its own)
 #     widesweep  the int4 post_rope kernel's sweep (prefetch off at the wide tile among it) at 4x128k, 16x16k,
 #                29x32k and 43x32k, r 56 (prefetch off took 0.596 -> 0.481 ms at 43x32k, eleventh session)
+#     prefillprof one prefill forward (4096 tokens over the rows) at capacity: the 12.5 % post_rope cache at
+#                43x32k in 4096-key slices and whole, the uncompressed cache at 5x32k (where the 43-row
+#                trial's 286 s of prefill go, against 17 s for 5 uncompressed rows)
 #     capacitypost  the 50 % capacity run with post_rope keys, beside int8 (quantization only)
 #     context    bench_serve.py --context-capacity (one row, the cache filled directly): 50 % and 12.5 %
 #     window     bench_serve.py 8x16k with int8 codes behind a 16-token exact window (what --bits auto keeps
@@ -72,6 +75,11 @@ for s in "$@"; do
     widesweep)
       step widesweep python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes post_rope \
         --shapes 4x131072 16x16384 29x32768 43x32768 --rank 56 ;;
+    prefillprof)
+      prof="python3 benchmarks/experiments/profile_serve_step.py --prefill --key-mode post_rope --budget 0.4375"
+      step prefill-sliced $prof --case 43x32768 --stores "int4 codes" --fused-writes on
+      step prefill-whole $prof --case 43x32768 --stores "int4 codes" --fused-writes on --code-slice 0
+      step prefill-uncompressed $prof --case 5x32768 --stores "uncompressed (our kernels)" ;;
     capacity12whole)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
         --key-mode post_rope --code-slice 0 ;;

@@ -6,6 +6,10 @@ run twice by default: written by the quantize-on-write kernel and by PyTorch ope
 
     python benchmarks/experiments/profile_serve_step.py --case 8x16384 [--key-mode pre_rope]
     python benchmarks/experiments/profile_serve_step.py --tiny      # a CPU smoke run: eager, no profile
+
+``--prefill``: one prefill forward instead (``stiefkv.generate``'s share of ``--prefill-tokens`` a row,
+written behind the ``CONTEXT`` tokens already held; eager, as generate runs it), for the question of where a
+prefill at capacity spends its time (``--code-slice``: the keys a prefill over codes dequantizes at a time).
 """
 
 from __future__ import annotations
@@ -31,7 +35,8 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import stiefkv  # noqa: E402
 from stiefkv import static_cache  # noqa: E402
-from stiefkv.serve import DecodeState, Runner, make_cache  # noqa: E402
+from stiefkv.kernels import lowrank  # noqa: E402
+from stiefkv.serve import PREFILL_TOKENS, DecodeState, Runner, chunk_per_row, make_cache  # noqa: E402
 
 # label: (bits, recent) of both latents, None for the uncompressed cache on our kernels
 STORES = {"uncompressed (our kernels)": None, "bf16 latents": (16, 0), "int8 codes": (8, 0),
@@ -56,10 +61,53 @@ def kernel_table(prof, steps: int, rows: int) -> tuple[int, float, list[tuple[st
     return count, total, [(name[:70], len(v) // steps, sum(v) / steps) for name, v in top]
 
 
+def run_prefill(runner, B: int, N: int, args, device, label: str) -> None:
+    """Time one prefill forward of a row's share of ``--prefill-tokens`` behind ``N`` held tokens, the
+    cache's counters set back to ``N`` before each, and list its kernels (CUDA)."""
+    n = chunk_per_row(args.prefill_tokens, B)
+    ids = torch.zeros(B, n, dtype=torch.long, device=device)
+    positions = torch.arange(N, N + n, device=device).expand(B, n)
+    slots = positions[0]
+
+    def forward() -> None:
+        runner.cache.filled.fill_(N)
+        runner.cache.seen = N
+        runner.forward(ids, positions, slots)
+
+    forward()  # compile and warm
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync()
+    start = time.perf_counter()
+    for _ in range(args.steps):
+        forward()
+    sync()
+    ms = 1e3 * (time.perf_counter() - start) / args.steps
+    print(f"{label:28s} prefill forward of {n} tokens a row behind {N}: {ms:8.2f} ms "
+          f"({B * n / ms * 1e3:8.0f} prompt tokens/s)", flush=True)
+    if device.type == "cuda":
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            forward()
+            sync()
+        count, gpu_ms, top = kernel_table(prof, 1, args.rows)
+        print(f"    {count} kernels, {gpu_ms:.2f} ms of GPU time", flush=True)
+        for name, k, t in top:
+            print(f"    {t:7.3f} ms  {k:5d}×  {name}", flush=True)
+
+
 def run(model, label: str, store, B: int, N: int, args, device) -> None:
     stiefkv.load(model, projections(model, store, args.budget, args.key_mode))
-    runner = Runner(model, make_cache(model, B, N + 4 * args.steps + 8), None)
+    extra = chunk_per_row(args.prefill_tokens, B) if args.prefill else 4 * args.steps + 8
+    runner = Runner(model, make_cache(model, B, N + extra), None)
     fill_synthetic(runner.cache, N)
+    if args.prefill:
+        with torch.inference_mode():
+            run_prefill(runner, B, N, args, device, label)
+        stiefkv.unload(model)
+        del runner
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return
     tokens = torch.zeros(B, 4 * args.steps + 8, dtype=torch.long, device=device)
     state = DecodeState(tokens, torch.full((B, 1), N, device=device), N)
     with torch.inference_mode():
@@ -103,8 +151,15 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=12, help="kernels listed per store")
     ap.add_argument("--fused-writes", default="both", choices=["on", "off", "both"],
                     help="codes written by the quantize-on-write kernel, by PyTorch, or each in turn")
+    ap.add_argument("--prefill", action="store_true", help="one prefill forward, not a decode step")
+    ap.add_argument("--prefill-tokens", type=int, default=PREFILL_TOKENS,
+                    help="tokens a prefill forward takes over all rows (generate's prefill_chunk)")
+    ap.add_argument("--code-slice", type=int, default=None, metavar="KEYS",
+                    help="keys a prefill over codes dequantizes at a time (default: PREFILL_CODE_SLICE)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
+    if args.code_slice is not None:
+        lowrank.PREFILL_CODE_SLICE = args.code_slice
     if args.tiny:
         args.shape, args.case, args.steps = "tiny", "2x300", 2
     device = torch.device("cpu" if args.tiny else "cuda")
