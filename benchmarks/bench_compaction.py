@@ -37,6 +37,8 @@ VARIANTS = {
     "am repeat2": {"repeat": (8192, 2)}, "am repeat4": {"repeat": (8192, 4)},
     # past the positions (C 7680 on SmolLM2) in segments after 256 tokens of lead-in instead of 64
     "am repeat lead256": {"repeat": (8192, 1, 256)},
+    # past the positions in one reading at positions beyond the model's (RoPE extrapolated)
+    "am repeat past": {"repeat": (8192, 1, 0, True)},
     "attention study256": {"self_study": 256},
     # self-study after a generic instruction about the text (never the task's question), greedy
     "am facts64": {"self_study": 64, "study_prompt": "\n\nSummarize the key facts of the text above.\n",

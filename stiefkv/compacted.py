@@ -253,7 +253,7 @@ def repeat_room(model, context: int) -> int | None:
 
 @torch.no_grad()
 def repeat_queries(model, ids: torch.Tensor, cache, tokens: int, every: int = 1,
-                   lead: int = REPEAT_LEAD) -> list[torch.Tensor]:
+                   lead: int = REPEAT_LEAD, past: bool = False) -> list[torch.Tensor]:
     """Per layer the rotated queries ``[B, H, ⌈n/every⌉, d]`` of the prompt's last ``n = min(tokens, C)``
     tokens read again right after it, at positions ``C …`` on top of ``cache`` (restored exactly
     afterwards): a second reading looks back at every token of the first, so the block's keys all meet
@@ -262,14 +262,16 @@ def repeat_queries(model, ids: torch.Tensor, cache, tokens: int, every: int = 1,
     Where ``C + n`` would pass the model's positions, the second reading goes in segments that each fill
     the positions left (``C …`` again for every segment, the cache cut back to ``C`` between them), each
     after a lead-in of up to ``lead`` tokens (at most half the positions left) before it, their queries
-    dropped, so that its first queries read on from their own text as a whole second reading's do."""
+    dropped, so that its first queries read on from their own text as a whole second reading's do.
+    ``past=True`` reads it in one go instead, at positions past the model's last (RoPE extrapolated; the
+    distance from a token to its first reading, ``C``, stays within them)."""
     _refuse_latent(cache, "reading the prompt again")
     if tokens < 1 or every < 1 or lead < 0:
         raise ValueError(f"reading the prompt again takes tokens ≥ 1, every ≥ 1 and lead ≥ 0; got {tokens}, "
                          f"{every} and {lead}")
     C = ids.shape[1]
     n = min(tokens, C)
-    room = repeat_room(model, C)
+    room = None if past else repeat_room(model, C)
     lead_most = 0 if room is None or n <= room else min(lead, room // 2)
     span = n if room is None or n <= room else room - lead_most
     grabbed: dict[int, list[torch.Tensor]] = {}

@@ -70,8 +70,9 @@ def _reference(model, ids: torch.Tensor, method: str, window: int, options: dict
     """The prompt's cache, the reference queries ``method`` reads, and ``options`` less the two that shape
     them (for AM and its eviction): ``self_study=N`` (the queries of N sampled tokens added; after
     ``study_prompt``, ids of an instruction, if given; argmax tokens with ``study_greedy``) and
-    ``repeat=(N, every[, lead])`` (the queries of the last N prompt tokens read again instead of the
-    window's; past the model's positions in segments after ``lead`` tokens of lead-in)."""
+    ``repeat=(N, every[, lead[, past]])`` (the queries of the last N prompt tokens read again instead of
+    the window's; past the model's positions in segments after ``lead`` tokens of lead-in, or with
+    ``past`` in one reading at positions beyond the model's)."""
     options = dict(options)
     study = options.pop("self_study", 0)
     ask = options.pop("study_prompt", None)

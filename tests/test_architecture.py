@@ -10,7 +10,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = {"stiefkv": ROOT / "stiefkv", "stiefkv.calibrate": ROOT / "calibrate",
-            "stiefkv.kernels": ROOT / "kernels"}
+            "stiefkv.kernels": ROOT / "stiefkv" / "kernels"}
 # Serving: what `import stiefkv` and `stiefkv.load` need. Evaluation shares the neutral stiefkv.layers.
 SERVING = ["stiefkv", "stiefkv.attention", "stiefkv.cache", "stiefkv.layers", "stiefkv.models",
            "stiefkv.projections"]
@@ -108,3 +108,16 @@ def test_serving_loads_and_runs_without_geoopt():
     result = subprocess.run([sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True,
                             timeout=300)
     assert result.returncode == 0 and result.stdout.strip().endswith("ok"), result.stderr[-3000:]
+
+
+def test_no_top_level_folder_shadows_an_installed_distribution():
+    """A package folder at the checkout's top shadows any installed module of its name wherever Python
+    starts there (``python -m pytest``): transformers 5.25 depends on Hugging Face's ``kernels``, which the
+    kernels' old top-level folder hid, so loading any model failed."""
+    from importlib.metadata import packages_distributions
+
+    installed = packages_distributions()
+    ours = [p.name for p in ROOT.iterdir() if (p / "__init__.py").is_file() and p.name != "tests"]
+    assert "stiefkv" in ours
+    clashes = {name: installed[name] for name in ours if name in installed and name != "stiefkv"}
+    assert not clashes, f"top-level folders shadow installed packages: {clashes}"

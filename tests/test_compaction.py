@@ -396,6 +396,15 @@ def test_reading_again_past_the_positions_goes_in_segments():
     last, tail = last_segment(100)
     for q, t in zip(longer, tail):
         torch.testing.assert_close(q[:, :, last:], t[:, :, 100:], rtol=1e-5, atol=1e-5)
+    # past=True: one reading at positions 300 … 599, as on the same model with positions enough for it
+    past = repeat_queries(model, ids, cache, 300, past=True)
+    model.config.max_position_embeddings = 600
+    try:
+        roomy = repeat_queries(model, ids, cache, 300)
+    finally:
+        model.config.max_position_embeddings = 512
+    for p, r, q in zip(past, roomy, whole):
+        assert torch.equal(p, r) and not torch.allclose(p[:, :, 150:], q[:, :, 150:])
     read = stiefkv.prefill(model, ids, repeat=300)
     assert all(torch.equal(q, r) for q, r in zip(read.reference_queries, whole))
     assert stiefkv.compact(model, read, keep=0.2).get_seq_length() == 300

@@ -1,4 +1,4 @@
-"""The quantize-on-write kernel (``kernels/quantize.py``) against ``stiefkv.quant.quantize`` then
+"""The quantize-on-write kernel (``stiefkv/kernels/quantize.py``) against ``stiefkv.quant.quantize`` then
 ``index_copy_``: every byte of the codes, scales and lows equal, under the Triton interpreter on the CPU (and
 compiled where CUDA is present)."""
 

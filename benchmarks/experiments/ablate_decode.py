@@ -4,7 +4,7 @@ out, at the same shapes and configuration, and read each stage's cost from the d
     python benchmarks/experiments/ablate_decode.py           # CUDA: device time of each variant (CUDA graphs)
     python benchmarks/experiments/ablate_decode.py --static  # no GPU: compile for sm_90, registers, SASS
 
-The variants are built from ``kernels/lowrank.py`` by replacing lines of ``_attend_range``, so they
+The variants are built from ``stiefkv/kernels/lowrank.py`` by replacing lines of ``_attend_range``, so they
 always match the kernel in the tree; their outputs are wrong by design (only their time means something):
 - ``no sin/cos``: ``sin, cos = angle, angle`` (no MUFU or polynomial; the rotation's arithmetic stays);
 - ``no rotation``: the rebuilt halves go to the score dots unrotated (the positions, angles and sin/cos
@@ -25,7 +25,7 @@ import tempfile
 
 import torch
 
-SRC = pathlib.Path(__file__).resolve().parents[2] / "kernels" / "lowrank.py"
+SRC = pathlib.Path(__file__).resolve().parents[2] / "stiefkv" / "kernels" / "lowrank.py"
 FAST = "        sin, cos = _sincos_fast(angle)\n"
 POLY = "        sin, cos = _sincos(angle)\n"
 ROT = "    k1 = (a1 * cos - a2 * sin).to(dtype)\n    k2 = (a2 * cos + a1 * sin).to(dtype)\n"

@@ -4,7 +4,7 @@ timed by CUDA-graph replay at the issue's shapes, and the host time of one call 
 
     python3 benchmarks/experiments/try_decode_variants.py
 
-Like ``ablate_decode.py``, the variants are edits of ``kernels/lowrank.py`` (applied to the kernel
+Like ``ablate_decode.py``, the variants are edits of ``stiefkv/kernels/lowrank.py`` (applied to the kernel
 in the tree, refused when a line they edit is gone):
 - ``merge x4``: the split merge loads four splits per iteration (more loads in flight); measured in run 7
   and kept, so it is the kernel in the tree now and no longer a variant here;
