@@ -410,6 +410,7 @@ def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
     r_k, r_v = ranks
     wide = lk._default_config(2, 700, "post_rope", 2, 132, r_k, True, 4, nibbles_kv=lk.padded_dim(r_v) <= 64)
     assert wide["block_n"] == (lk.WIDE_NIBBLE_TILE if lk.padded_dim(r_v) <= 64 else 128)
+    assert wide["prefetch"] == (lk.padded_dim(r_v) > 64)  # the wide tile leaves copies to the pipeliner
     assert lk._default_config(2, 700, "pre_rope", 2, 132, r_k, True, 4, nibbles_kv=True)["block_n"] == 128
     args, kwargs = make_inputs(1, 4, 2, 1, 700, 128, r_k, r_v, torch.bfloat16)
     q, z_k, z_v, P_k, P_v = args
@@ -421,9 +422,12 @@ def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
         out = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, num_splits=2)
         narrow = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, num_splits=2,
                                       block_n=128)
+        fetched = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, num_splits=2,
+                                       prefetch=True)
     atol, rtol = TOL[torch.bfloat16]
     assert_close(out, expected, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, default tile")
     assert_close(out, narrow, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, 256 against 128")
+    assert_close(fetched, expected, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, prefetch")
 
 
 @pytest.mark.parametrize("bits,ranks,key_mode", [(4, (56, 48), "post_rope"), (4, (40, 72), "pre_rope"),

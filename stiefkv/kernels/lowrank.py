@@ -46,7 +46,6 @@ from stiefkv.kernels._common import (
     MIN_DOT,
     QuantizedLatents,
     RopeSpec,
-    as_float_latents,
     check_prior,
     interpreting,
     merge_prior,
@@ -968,7 +967,10 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     session). ``post_rope`` decode over int4 keys and values in the token layout at padded ranks ≤ 64
     (``nibbles_kv``) takes tiles of 256 keys: a quarter of bf16's bytes a key, so as many bytes a tile as
     bf16's 64; 0.270 → 0.2245 ms at 4×128k and 0.142 → 0.1195 at 16×16k, r 64 (H200, 2026-12-03). Not
-    ``pre_rope``: its rebuilt keys spill at 256 (0.530 → 1.197 ms); nor int8 (0.264 → 0.280 ms at 4×128k)."""
+    ``pre_rope``: its rebuilt keys spill at 256 (0.530 → 1.197 ms); nor int8 (0.264 → 0.280 ms at 4×128k).
+    Those wide tiles do not prefetch (the pipeliner's copies instead, and so no ``nibble_fold``): r 56 at
+    4×128k 0.2325 → 0.1833 ms, 16×16k 0.1232 → 0.1002, 29×32k 0.4454 → 0.3475, 43×32k 0.5966 → 0.4815 at
+    the same splits, the fastest of each shape's sweep (H200, 2026-12-03, twelfth session)."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if wide else 1)
@@ -976,7 +978,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         if wide:
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
-                    prefetch=codes, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
+                    prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
                     keys_left=k_bits in (16, 4))
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
@@ -1145,6 +1147,16 @@ def _slice_keys(z, a: int, c: int):
                       low=z.low[:, :, rows] if z.low is not None else None)
 
 
+def _floats(z, dtype: torch.dtype):
+    """Float latents as they are, codes dequantized in one Triton pass (``dequantize.py``; imported here
+    because that module reads this one's log8 decoder)."""
+    if not isinstance(z, QuantizedLatents):
+        return z
+    from stiefkv.kernels.dequantize import dequantize_latents
+
+    return dequantize_latents(z, dtype)
+
+
 def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid,
                            scale, return_lse, prior, code_slice):
     """Prefill over codes with the dequantized copy bounded: the keys before the queries' own (seen by every
@@ -1162,8 +1174,8 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
         held = None if lengths is None else (c - torch.clamp(Nk - lengths, min=a)).clamp(0, c - a)
         part = dict(positions=None if positions is None else positions[..., a:c],
                     bias=None if bias is None else bias[..., a:c], lengths=held)
-        zk = as_float_latents(_slice_keys(z_k, a, c), q.dtype)
-        zv = as_float_latents(_slice_keys(z_v, a, c), q.dtype)
+        zk = _floats(_slice_keys(z_k, a, c), q.dtype)
+        zv = _floats(_slice_keys(z_v, a, c), q.dtype)
         own_keys = causal and c == Nk  # only the last part holds the queries' own keys
         o, lse = lowrank_attention(q, zk, zv, P_k, None, key_mode=key_mode, rope=rope, causal=own_keys,
                                    scale=scale, return_lse=True, code_slice=0, **part)
@@ -1368,7 +1380,7 @@ def lowrank_attention(
         # interpreter, but a post_rope int8 prefill (ranks 40/24 padded to 64/32) hit an illegal memory access
         # on the H200 (triton 3.6, 2026-12-01) that the device time left could not locate. Decode reads codes
         # in place (checked on the GPU against the reference).
-        z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
+        z_k, z_v = _floats(z_k, q.dtype), _floats(z_v, q.dtype)
     if n_rows > DECODE_BLOCK_M:  # prefill: see _pad_rank
         if z_k.shape[3] != padded_dim(z_k.shape[3]):
             z_k, P_k = (_pad_codes if isinstance(z_k, QuantizedLatents) else _pad_rank)(z_k, P_k)

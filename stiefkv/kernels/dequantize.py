@@ -1,0 +1,89 @@
+"""Codes back to floats in one pass: :class:`QuantizedLatents` → ``[B, G, N, rank]`` in the queries' dtype.
+
+The prefill over codes attends a dequantized copy of the held latents (slice by slice; the in-register
+path hit an illegal memory access in 128-row prefill tiles on the H200, ``lowrank.py``). Done with PyTorch
+operators (:meth:`QuantizedLatents.dequantize`: int64 codes, float32 scales repeated per channel, several
+passes over each), that copy cost ~1.1 of the 1.49 s a prefill forward of 43 rows × 95 tokens took behind
+32k held tokens of a 12.5 % cache (H200, ``profile_serve_step.py --prefill``): ~75 % of the prefill. Here one
+program reads ``BLOCK`` output elements' codes and scales and writes them once.
+
+Element ``(token t, channel c)`` of a row is code ``c`` (bits ``bits·c … bits·c + bits − 1`` of the row's
+little-endian bytes, ``stiefkv.quant.pack``: a 3-bit code may straddle two bytes) times its group's scale
+plus its low (per token and group of :data:`QUANT_GROUP` channels, or per channel and group of tokens in
+the channel layout; from the log8 code with ``log8``), computed in float32 as the reference does, then
+rounded to the output dtype (to nearest, ties to even, on the interpreter too). Every index is flat and
+one-dimensional, so no load is masked in two dimensions.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stiefkv.kernels._common import QUANT_GROUP, QuantizedLatents, interpreting
+from stiefkv.kernels.lowrank import _log8
+
+GROUP = tl.constexpr(QUANT_GROUP)
+BLOCK = 1024  # output elements a program: a memory-bound pass, tiles only need to be wide
+
+
+@triton.jit
+def _to_bf16(x):
+    """float32 → bfloat16 rounded to nearest, ties to even, in integer arithmetic: as the GPU and torch
+    round, where Triton's interpreter truncates (a bias that moved prefill outputs past the tests'
+    tolerance). NaN stays NaN (its payload could round up into infinity)."""
+    bits = x.to(tl.int32, bitcast=True)
+    up = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+    up = tl.where(x != x, 0x7FC0, up)
+    return up.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _dequantize_fwd(Z, S, L, OUT, total, N, G, R,
+                    stride_zb, stride_zg, stride_zn, stride_zr, stride_sb, stride_sg, stride_sn, stride_sc,
+                    BITS: tl.constexpr, CH: tl.constexpr, LOG8: tl.constexpr, BLOCK_E: tl.constexpr):
+    e = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ok = e < total
+    c = e % R
+    t = (e // R) % N
+    bg = e // (R * N)
+    b, g = bg // G, bg % G
+    bit = c * BITS
+    row = Z + b * stride_zb + g * stride_zg + t * stride_zn
+    word = tl.load(row + (bit // 8) * stride_zr, mask=ok, other=0).to(tl.int32)
+    if BITS == 3:  # codes 2 and 5 of each eight cross a byte boundary
+        spill = ok & ((bit % 8) + BITS > 8)
+        word = word | (tl.load(row + (bit // 8 + 1) * stride_zr, mask=spill, other=0).to(tl.int32) << 8)
+    code = ((word >> (bit % 8).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
+    if CH:  # scales [B, G, token groups, rank]
+        at = b * stride_sb + g * stride_sg + (t // GROUP) * stride_sn + c * stride_sc
+    else:  # scales [B, G, N, channel groups]
+        at = b * stride_sb + g * stride_sg + t * stride_sn + (c // GROUP) * stride_sc
+    if LOG8:
+        scale, low = _log8(tl.load(S + at, mask=ok, other=0), BITS)
+    else:
+        scale = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
+        low = tl.load(L + at, mask=ok, other=0.0).to(tl.float32)
+    z = code * scale + low
+    if OUT.dtype.element_ty == tl.bfloat16:
+        z = _to_bf16(z)
+    tl.store(OUT + e, z.to(OUT.dtype.element_ty), mask=ok)
+
+
+def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype) -> torch.Tensor:
+    """``z`` as ``[B, G, N, rank]`` floats in ``dtype`` (contiguous): the Triton pass on CUDA or under the
+    interpreter, :meth:`QuantizedLatents.dequantize` (the reference) elsewhere. Equal to the reference but
+    where the device fuses the multiply and add (one float32 rounding fewer)."""
+    if z.codes.device.type != "cuda" and not interpreting():
+        return z.dequantize(dtype)
+    B, G, N, R = z.shape
+    out = torch.empty(B, G, N, R, dtype=dtype, device=z.codes.device)
+    total = out.numel()
+    if total == 0:
+        return out
+    low = z.scale if z.low is None else z.low  # log8: the scale codes give the low
+    _dequantize_fwd[(triton.cdiv(total, BLOCK),)](
+        z.codes, z.scale, low, out, total, N, G, R, *z.codes.stride(), *z.scale.stride(),
+        BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK)
+    return out

@@ -1,0 +1,78 @@
+"""The one-pass dequantization (``stiefkv/kernels/dequantize.py``) against ``QuantizedLatents.dequantize``:
+every code width, both layouts, log8 scales, odd ranks and token counts, a strided slice of a larger
+buffer, under the Triton interpreter on the CPU (and compiled where CUDA is present)."""
+
+import pytest
+import torch
+
+from stiefkv.kernels import QuantizedLatents
+from stiefkv.quant import QuantSpec, quantize
+
+pytest.importorskip("triton")
+from stiefkv.kernels.dequantize import dequantize_latents  # noqa: E402
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def codes_of(z: torch.Tensor, spec: QuantSpec) -> QuantizedLatents:
+    qz = quantize(z, spec)
+    low = None if qz.low is None else qz.low.to(DEVICE)
+    return QuantizedLatents(qz.codes.to(DEVICE), qz.scale.to(DEVICE), low, spec.bits, qz.rank, spec.layout,
+                            spec.log8)
+
+
+def check(z: QuantizedLatents, dtype: torch.dtype) -> None:
+    want = z.dequantize(dtype).cpu()
+    got = dequantize_latents(z, dtype).cpu()
+    assert got.shape == want.shape and got.dtype == dtype
+    assert torch.equal(got.isnan(), want.isnan())
+    got, want = got.nan_to_num(), want.nan_to_num()
+    if DEVICE == "cpu":  # the interpreter computes as the reference does: bit for bit
+        assert torch.equal(got, want), f"differ at {(got != want).nonzero()[:4].tolist()}"
+    else:  # within one unit of the output's last place: the device fuses the multiply-add (one rounding less)
+        ulp = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp * want.abs().max().item())
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_every_width_and_layout(bits, layout):
+    g = torch.Generator().manual_seed(bits * 7 + len(layout))
+    r = 72 if layout == "token" else 13  # two channel groups, the second partial; an odd rank
+    N = 70 if layout == "token" else 192  # channel scales are per 64 tokens
+    z = torch.randn(2, 3, N, r, generator=g) * torch.logspace(-2, 1, N)[None, None, :, None]
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        check(codes_of(z, QuantSpec(bits, layout)), dtype)
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_log8_scales(bits):
+    z = torch.randn(1, 2, 33, 56, generator=torch.Generator().manual_seed(bits)) * 3
+    check(codes_of(z, QuantSpec(bits, "token", log8=True)), torch.bfloat16)
+
+
+def test_a_strided_slice_of_a_larger_buffer():
+    """The prefill's key slices: codes and scales viewed out of a buffer of more tokens."""
+    z = torch.randn(2, 5, 100, 40, generator=torch.Generator().manual_seed(3))
+    whole = codes_of(z, QuantSpec(4, "token"))
+    part = whole._replace(codes=whole.codes[:, :, 17:83], scale=whole.scale[:, :, 17:83],
+                          low=whole.low[:, :, 17:83])
+    assert not part.codes.is_contiguous()
+    check(part, torch.bfloat16)
+    got = dequantize_latents(part, torch.float32).cpu()
+    torch.testing.assert_close(got, dequantize_latents(whole, torch.float32).cpu()[:, :, 17:83],
+                               rtol=0, atol=0)
+
+
+def test_a_nan_group_stays_nan():
+    z = torch.randn(2, 2, 9, 70, generator=torch.Generator().manual_seed(4))
+    z[1, 0, 3, 66] = float("nan")  # the second channel group of one token
+    q = codes_of(z, QuantSpec(4, "token"))
+    assert q.dequantize(torch.float32).isnan().sum() == 6  # that group's 6 channels
+    check(q, torch.bfloat16)
+
+
+def test_no_tokens():
+    z = codes_of(torch.randn(1, 2, 64, 24), QuantSpec(8, "token"))
+    empty = z._replace(codes=z.codes[:, :, :0], scale=z.scale[:, :, :0], low=z.low[:, :, :0])
+    assert dequantize_latents(empty, torch.bfloat16).shape == (1, 2, 0, 24)
