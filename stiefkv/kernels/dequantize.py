@@ -40,35 +40,39 @@ def _to_bf16(x):
 
 
 @triton.jit
-def _dequantize_fwd(Z, S, L, OUT, total, N, G, R,
+def _dequantize_fwd(Z, S, L, OUT, N, G,
                     stride_zb, stride_zg, stride_zn, stride_zr, stride_sb, stride_sg, stride_sn, stride_sc,
-                    BITS: tl.constexpr, CH: tl.constexpr, LOG8: tl.constexpr, BLOCK_E: tl.constexpr):
-    e = tl.program_id(0).to(tl.int64) * BLOCK_E + tl.arange(0, BLOCK_E)
-    ok = e < total
+                    R: tl.constexpr, BITS: tl.constexpr, CH: tl.constexpr, LOG8: tl.constexpr,
+                    BLOCK_E: tl.constexpr):
+    # one (batch row, KV head) a program row: its base offsets in 64 bits, the rest in 32 (the first
+    # version's 64-bit divisions per element ran at a tenth of the copy bandwidth), R a constant divisor
+    bg = tl.program_id(1)
+    b, g = (bg // G).to(tl.int64), (bg % G).to(tl.int64)
+    e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    ok = e < N * R
     c = e % R
-    t = (e // R) % N
-    bg = e // (R * N)
-    b, g = bg // G, bg % G
+    t = e // R
     bit = c * BITS
     row = Z + b * stride_zb + g * stride_zg + t * stride_zn
     word = tl.load(row + (bit // 8) * stride_zr, mask=ok, other=0).to(tl.int32)
     if BITS == 3:  # codes 2 and 5 of each eight cross a byte boundary
         spill = ok & ((bit % 8) + BITS > 8)
         word = word | (tl.load(row + (bit // 8 + 1) * stride_zr, mask=spill, other=0).to(tl.int32) << 8)
-    code = ((word >> (bit % 8).to(tl.int32)) & ((1 << BITS) - 1)).to(tl.float32)
+    code = ((word >> (bit % 8)) & ((1 << BITS) - 1)).to(tl.float32)
+    head = S + b * stride_sb + g * stride_sg
     if CH:  # scales [B, G, token groups, rank]
-        at = b * stride_sb + g * stride_sg + (t // GROUP) * stride_sn + c * stride_sc
+        at = (t // GROUP) * stride_sn + c * stride_sc
     else:  # scales [B, G, N, channel groups]
-        at = b * stride_sb + g * stride_sg + t * stride_sn + (c // GROUP) * stride_sc
+        at = t * stride_sn + (c // GROUP) * stride_sc
     if LOG8:
-        scale, low = _log8(tl.load(S + at, mask=ok, other=0), BITS)
+        scale, low = _log8(tl.load(head + at, mask=ok, other=0), BITS)
     else:
-        scale = tl.load(S + at, mask=ok, other=0.0).to(tl.float32)
-        low = tl.load(L + at, mask=ok, other=0.0).to(tl.float32)
+        scale = tl.load(head + at, mask=ok, other=0.0).to(tl.float32)
+        low = tl.load(L + b * stride_sb + g * stride_sg + at, mask=ok, other=0.0).to(tl.float32)
     z = code * scale + low
     if OUT.dtype.element_ty == tl.bfloat16:
         z = _to_bf16(z)
-    tl.store(OUT + e, z.to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + bg.to(tl.int64) * N * R + e, z.to(OUT.dtype.element_ty), mask=ok)
 
 
 def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype) -> torch.Tensor:
@@ -79,11 +83,10 @@ def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype) -> torch.Tensor:
         return z.dequantize(dtype)
     B, G, N, R = z.shape
     out = torch.empty(B, G, N, R, dtype=dtype, device=z.codes.device)
-    total = out.numel()
-    if total == 0:
+    if out.numel() == 0:
         return out
     low = z.scale if z.low is None else z.low  # log8: the scale codes give the low
-    _dequantize_fwd[(triton.cdiv(total, BLOCK),)](
-        z.codes, z.scale, low, out, total, N, G, R, *z.codes.stride(), *z.scale.stride(),
-        BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK)
+    _dequantize_fwd[(triton.cdiv(N * R, BLOCK), B * G)](
+        z.codes, z.scale, low, out, N, G, *z.codes.stride(), *z.scale.stride(),
+        R=R, BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK)
     return out
