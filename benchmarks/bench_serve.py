@@ -379,6 +379,18 @@ def context_capacity(model, caches: dict, args, device, emit=lambda row: None,
     return rows
 
 
+def start_of(name: str, args) -> int | None:
+    """Where ``--capacity`` starts a cache's search, when not from its peaks at 1 and 2 rows: StiefKV's at
+    ``--start-batch``, a quantization-only baseline's at ``--baseline-start-batch`` (their peaks predict far
+    more rows than fit, and each trial at tens of rows is minutes of prefill); the uncompressed cache's
+    search takes seconds."""
+    if name.startswith("stiefkv"):
+        return args.start_batch
+    if name.startswith("quantization only"):
+        return getattr(args, "baseline_start_batch", None)
+    return None
+
+
 def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[dict]:
     """The largest batch at ``--context`` tokens that serves under ``--cap-gib`` (weights included), for
     each cache, and the decode tokens/s there. The search starts from the batch that the peaks of one and
@@ -391,8 +403,8 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
     weights = torch.cuda.memory_allocated() / GIB
     rows = []
     for name, proj in caches.items():
-        if args.start_batch and name.startswith("stiefkv"):  # not the baselines
-            runs, B = {}, args.start_batch
+        if start_of(name, args):
+            runs, B = {}, start_of(name, args)
         else:
             runs = {1: trial(model, proj, 1, args.context, args, device)}
             if runs[1] is None:
@@ -465,6 +477,9 @@ def main() -> None:
                         help="--capacity: start StiefKV's search (not the baselines') at this batch, not the "
                              "one its peaks at 1 and 2 rows predict (a trial at tens of rows is minutes of "
                              "prefill)")
+    parser.add_argument("--baseline-start-batch", type=int, default=None,
+                        help="--capacity: start the --baseline-cache search at this batch (KIVI-2's peaks at "
+                             "1 and 2 rows predicted 30 rows at 32k under 40 GiB, where 16 fit)")
     args = parser.parse_args()
     from stiefkv.kernels import lowrank
 
@@ -499,6 +514,7 @@ def main() -> None:
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
                        new_tokens=args.new_tokens, key_mode=args.key_mode, prefill_tokens=args.chunk,
                        code_slice=args.code_slice, start_batch=args.start_batch,
+                       baseline_start_batch=args.baseline_start_batch,
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
             row.setdefault("context", args.context)

@@ -13,11 +13,12 @@
 #     serveq     bench_serve.py 8x16k with a quantization-only cache of about the same bytes served beside
 #                StiefKV: 50 % bf16 / int8 (53.5 %), 50 % ranks x int8 (26.7 %) / int4 (28.1 %), both key modes
 #     capacity12post the same bytes with post_rope keys (ranks 56 x int4; its int4 kernel is ~2x faster),
-#                its search from 44 rows (43 in the eleventh session; a trial at 40+ rows is ~5 minutes)
+#                its search from 45 rows (45 in the twelfth session; a trial at 45 rows ~2 minutes)
 #     capacity12whole  capacity12post with the prefill over codes dequantizing the whole cache at once (the
 #                default before PREFILL_CODE_SLICE = 4096)
-#     capacity12kivi capacity12post beside KIVI-2 (quantization only, 17.3 %): the same-bytes baseline
-#                (about 10 minutes: a call of its own)
+#     capacity12kivi capacity12post beside KIVI-2 (quantization only, 17.3 %): the same-bytes baseline,
+#                its search from 16 rows (its peaks predict 30; the twelfth session's call timed out walking
+#                down from there); StiefKV's 45-row trial ~2 minutes: a call of its own
 #     widesweep  the int4 post_rope kernel's sweep (prefetch off at the wide tile among it) at 4x128k, 16x16k,
 #                29x32k and 43x32k, r 56 (prefetch off took 0.596 -> 0.481 ms at 43x32k, eleventh session)
 #     prefillprof one prefill forward (4096 tokens over the rows) at capacity: the 12.5 % post_rope cache at
@@ -68,10 +69,10 @@ for s in "$@"; do
         --baseline-cache kivi2 ;;
     capacity12post)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
-        --key-mode post_rope --start-batch 44 ;;
+        --key-mode post_rope --start-batch 45 ;;
     capacity12kivi)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
-        --key-mode post_rope --start-batch 44 --baseline-cache kivi2 ;;
+        --key-mode post_rope --start-batch 45 --baseline-cache kivi2 --baseline-start-batch 16 ;;
     widesweep)
       step widesweep python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes post_rope \
         --shapes 4x131072 16x16384 29x32768 43x32768 --rank 56 ;;

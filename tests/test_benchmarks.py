@@ -224,7 +224,8 @@ def test_capacity_rows_are_written_as_each_cache_finishes(tmp_path, monkeypatch)
 
 def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monkeypatch):
     """The capacity search ends on a batch that ran with the next one refused, from the batch the peaks of
-    1 and 2 rows predict or, for StiefKV's caches only, from ``--start-batch`` (above or below the answer)."""
+    1 and 2 rows predict or, for StiefKV's caches only, from ``--start-batch``, and for the baseline from
+    ``--baseline-start-batch`` (above or below the answer)."""
     import argparse
     import types
 
@@ -244,16 +245,18 @@ def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monke
                                  get_device_properties=lambda i: types.SimpleNamespace(total_memory=2**40))
     monkeypatch.setattr(bs, "trial", trial)
     monkeypatch.setattr(bs.torch, "cuda", cuda)
-    for start in (None, 47, 40):
+    for start, base_start in ((None, None), (47, None), (40, 33), (40, 12)):
         for name in tried:
             tried[name].clear()
-        args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=start)
+        args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=start,
+                                  baseline_start_batch=base_start)
         caches = {"uncompressed (our kernels)": "base", "stiefkv 0.4375 int4": "ours",
                   "quantization only: kivi2": "kivi"}
         rows = bs.capacity(None, caches, args, "cuda")
         assert [(r["batch"], r["refused_batch"]) for r in rows] == [(5, 6), (43, 44), (30, 31)], start
-        assert tried["base"][:2] == tried["kivi"][:2] == [1, 2]
+        assert tried["base"][:2] == [1, 2]
         assert (tried["ours"][0] == start) if start else (tried["ours"][:2] == [1, 2])
+        assert (tried["kivi"][0] == base_start) if base_start else (tried["kivi"][:2] == [1, 2])
     fits["ours"] = 0  # nothing fits: a row that says so, from either start
     for start in (None, 3):
         args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=start)
