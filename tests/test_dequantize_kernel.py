@@ -59,6 +59,9 @@ def test_a_strided_slice_of_a_larger_buffer():
                           low=whole.low[:, :, 17:83])
     assert not part.codes.is_contiguous()
     check(part, torch.bfloat16)
+    # lows laid out apart from the scales (a copy of another stride): read with their own strides
+    apart = whole.low.transpose(0, 1).contiguous().transpose(0, 1)[:, :, 17:83]
+    check(part._replace(low=apart), torch.float16)
     got = dequantize_latents(part, torch.float32).cpu()
     torch.testing.assert_close(got, dequantize_latents(whole, torch.float32).cpu()[:, :, 17:83],
                                rtol=0, atol=0)

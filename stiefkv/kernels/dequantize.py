@@ -85,8 +85,10 @@ def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype) -> torch.Tensor:
     out = torch.empty(B, G, N, R, dtype=dtype, device=z.codes.device)
     if out.numel() == 0:
         return out
-    low = z.scale if z.low is None else z.low  # log8: the scale codes give the low
+    scale, low = z.scale, (z.scale if z.low is None else z.low)  # log8: the scale codes give the low
+    if low.stride() != scale.stride():  # the kernel reads both with the scales' strides
+        scale, low = scale.contiguous(), low.contiguous()
     _dequantize_fwd[(triton.cdiv(N * R, BLOCK), B * G)](
-        z.codes, z.scale, low, out, N, G, *z.codes.stride(), *z.scale.stride(),
+        z.codes, scale, low, out, N, G, *z.codes.stride(), *scale.stride(),
         R=R, BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK)
     return out
