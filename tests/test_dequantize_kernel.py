@@ -67,6 +67,20 @@ def test_a_strided_slice_of_a_larger_buffer():
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_a_padded_width_reads_zeros_past_the_rank(layout):
+    """``width``: the prefill tiles' padded rank written in the same pass, the channels past the rank 0."""
+    z = torch.randn(2, 3, 128, 40, generator=torch.Generator().manual_seed(9))
+    q = codes_of(z, QuantSpec(4, layout))
+    for dtype in (torch.float32, torch.bfloat16):
+        wide = dequantize_latents(q, dtype, width=64).cpu()
+        assert wide.shape == (2, 3, 128, 64) and wide.is_contiguous()
+        assert torch.equal(wide[..., :40], dequantize_latents(q, dtype).cpu())
+        assert torch.equal(wide[..., 40:], torch.zeros(2, 3, 128, 24, dtype=dtype))
+    with pytest.raises(ValueError, match="width 32 is narrower than the latents' rank 40"):
+        dequantize_latents(q, torch.float32, width=32)
+
+
 def test_a_nan_group_stays_nan():
     z = torch.randn(2, 2, 9, 70, generator=torch.Generator().manual_seed(4))
     z[1, 0, 3, 66] = float("nan")  # the second channel group of one token

@@ -18,6 +18,7 @@ one-dimensional, so no load is masked in two dimensions.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -42,16 +43,17 @@ def _to_bf16(x):
 @triton.jit
 def _dequantize_fwd(Z, S, L, OUT, N, G,
                     stride_zb, stride_zg, stride_zn, stride_zr, stride_sb, stride_sg, stride_sn, stride_sc,
-                    R: tl.constexpr, BITS: tl.constexpr, CH: tl.constexpr, LOG8: tl.constexpr,
-                    BLOCK_E: tl.constexpr):
+                    R: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, CH: tl.constexpr,
+                    LOG8: tl.constexpr, BLOCK_E: tl.constexpr):
     # one (batch row, KV head) a program row: its base offsets in 64 bits, the rest in 32 (the first
     # version's 64-bit divisions per element ran at a tenth of the copy bandwidth), R a constant divisor
     bg = tl.program_id(1)
     b, g = (bg // G).to(tl.int64), (bg % G).to(tl.int64)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
-    ok = e < N * R
-    c = e % R
-    t = e // R
+    c = e % W  # channels R … W − 1 (the prefill tiles' padding) are written as 0
+    t = e // W
+    inside = e < N * W
+    ok = inside & (c < R)
     bit = c * BITS
     row = Z + b * stride_zb + g * stride_zg + t * stride_zn
     word = tl.load(row + (bit // 8) * stride_zr, mask=ok, other=0).to(tl.int32)
@@ -69,26 +71,31 @@ def _dequantize_fwd(Z, S, L, OUT, N, G,
     else:
         scale = tl.load(head + at, mask=ok, other=0.0).to(tl.float32)
         low = tl.load(L + b * stride_sb + g * stride_sg + at, mask=ok, other=0.0).to(tl.float32)
-    z = code * scale + low
+    z = tl.where(ok, code * scale + low, 0.0)
     if OUT.dtype.element_ty == tl.bfloat16:
         z = _to_bf16(z)
-    tl.store(OUT + bg.to(tl.int64) * N * R + e, z.to(OUT.dtype.element_ty), mask=ok)
+    tl.store(OUT + bg.to(tl.int64) * N * W + e, z.to(OUT.dtype.element_ty), mask=inside)
 
 
-def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype) -> torch.Tensor:
-    """``z`` as ``[B, G, N, rank]`` floats in ``dtype`` (contiguous): the Triton pass on CUDA or under the
-    interpreter, :meth:`QuantizedLatents.dequantize` (the reference) elsewhere. Equal to the reference but
-    where the device fuses the multiply and add (one float32 rounding fewer)."""
-    if z.codes.device.type != "cuda" and not interpreting():
-        return z.dequantize(dtype)
+def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+    """``z`` as ``[B, G, N, width]`` floats in ``dtype`` (contiguous; ``width`` ≥ the rank, the rank by
+    default, channels past the rank 0: the padded width the prefill tiles read, written in the same pass):
+    the Triton pass on CUDA or under the interpreter, :meth:`QuantizedLatents.dequantize` (the reference)
+    elsewhere. Equal to the reference but where the device fuses the multiply and add (one float32
+    rounding fewer)."""
     B, G, N, R = z.shape
-    out = torch.empty(B, G, N, R, dtype=dtype, device=z.codes.device)
+    width = R if width is None else width
+    if width < R:
+        raise ValueError(f"width {width} is narrower than the latents' rank {R}")
+    if z.codes.device.type != "cuda" and not interpreting():
+        return F.pad(z.dequantize(dtype), (0, width - R))
+    out = torch.empty(B, G, N, width, dtype=dtype, device=z.codes.device)
     if out.numel() == 0:
         return out
     scale, low = z.scale, (z.scale if z.low is None else z.low)  # log8: the scale codes give the low
     if low.stride() != scale.stride():  # the kernel reads both with the scales' strides
         scale, low = scale.contiguous(), low.contiguous()
-    _dequantize_fwd[(triton.cdiv(N * R, BLOCK), B * G)](
+    _dequantize_fwd[(triton.cdiv(N * width, BLOCK), B * G)](
         z.codes, scale, low, out, N, G, *z.codes.stride(), *scale.stride(),
-        R=R, BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK)
+        R=R, W=width, BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK)
     return out

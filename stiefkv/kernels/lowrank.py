@@ -1147,14 +1147,17 @@ def _slice_keys(z, a: int, c: int):
                       low=z.low[:, :, rows] if z.low is not None else None)
 
 
-def _floats(z, dtype: torch.dtype):
-    """Float latents as they are, codes dequantized in one Triton pass (``dequantize.py``; imported here
-    because that module reads this one's log8 decoder)."""
+def _floats(z, P: torch.Tensor | None, dtype: torch.dtype):
+    """``(latents, basis)`` for a prefill tile: float latents and their basis as they are (the call pads
+    them, :func:`_pad_rank`), codes dequantized in one Triton pass (``dequantize.py``; imported here because
+    that module reads this one's log8 decoder) straight to the padded rank, the basis padded to match
+    (a separate pad of the dequantized copy cost a fill and a copy of it)."""
     if not isinstance(z, QuantizedLatents):
-        return z
+        return z, P
     from stiefkv.kernels.dequantize import dequantize_latents
 
-    return dequantize_latents(z, dtype)
+    width = padded_dim(z.rank)
+    return dequantize_latents(z, dtype, width), (F.pad(P, (0, width - z.rank)) if P is not None else None)
 
 
 def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid,
@@ -1174,11 +1177,12 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
         held = None if lengths is None else (c - torch.clamp(Nk - lengths, min=a)).clamp(0, c - a)
         part = dict(positions=None if positions is None else positions[..., a:c],
                     bias=None if bias is None else bias[..., a:c], lengths=held)
-        zk = _floats(_slice_keys(z_k, a, c), q.dtype)
-        zv = _floats(_slice_keys(z_v, a, c), q.dtype)
+        zk, Pk = _floats(_slice_keys(z_k, a, c), P_k, q.dtype)
+        zv, _ = _floats(_slice_keys(z_v, a, c), None, q.dtype)
         own_keys = causal and c == Nk  # only the last part holds the queries' own keys
-        o, lse = lowrank_attention(q, zk, zv, P_k, None, key_mode=key_mode, rope=rope, causal=own_keys,
+        o, lse = lowrank_attention(q, zk, zv, Pk, None, key_mode=key_mode, rope=rope, causal=own_keys,
                                    scale=scale, return_lse=True, code_slice=0, **part)
+        o = o[..., :z_v.shape[3]]  # codes' values come back at the padded rank
         state = (o.float(), lse) if state is None else merge_prior(state, o, lse, torch.float32, True)
     o, lse = state
     if P_v is not None:  # head h reads its KV head's basis: [B, G, H/G, Nq, r] against [G, d, r]
@@ -1380,7 +1384,7 @@ def lowrank_attention(
         # interpreter, but a post_rope int8 prefill (ranks 40/24 padded to 64/32) hit an illegal memory access
         # on the H200 (triton 3.6, 2026-12-01) that the device time left could not locate. Decode reads codes
         # in place (checked on the GPU against the reference).
-        z_k, z_v = _floats(z_k, q.dtype), _floats(z_v, q.dtype)
+        (z_k, P_k), (z_v, P_v) = _floats(z_k, P_k, q.dtype), _floats(z_v, P_v, q.dtype)
     if n_rows > DECODE_BLOCK_M:  # prefill: see _pad_rank
         if z_k.shape[3] != padded_dim(z_k.shape[3]):
             z_k, P_k = (_pad_codes if isinstance(z_k, QuantizedLatents) else _pad_rank)(z_k, P_k)
