@@ -4,6 +4,7 @@
 # appended to $STIEFKV_RESULTS_DIR/run.log (see run_speed_gpu.sh for the provenance variables to pass).
 #   usage: run_serve_gpu.sh STEP...    (steps, run in the order given:)
 #     tests      the CUDA tests of the kernels over codes and of the static cache / captured decode
+#     dequant    the CUDA tests of the one-pass dequantization and of the prefill over codes (~1 minute)
 #     quant      bench_attention.py --tables quant (decode over int8/int4 codes against SDPA, 4 shapes)
 #     serve      bench_serve.py, Llama-3-8B shapes, 8x16k, 50 % ranks: bf16 both key modes, int8 and int4
 #     serve_all  bench_serve.py, 8b and 1b, the three batch x context cases, pre_rope bf16
@@ -38,6 +39,10 @@ for s in "$@"; do
     tests) step tests python3 -m pytest -q -ra -p no:cacheprovider tests/test_serve.py \
              tests/test_lowrank_kernel.py \
              -k "quantized or valid or serve or static or captured or filled or prefetch or no_reads" ;;
+    dequant)
+      step dequant python3 -m pytest -q -ra -p no:cacheprovider tests/test_dequantize_kernel.py
+      step prefill-codes python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py \
+        -k prefill_over_codes ;;
     quant) step quant python3 benchmarks/bench_attention.py --tables quant ;;
     serve)
       serve --shape 8b --cases 8x16384 --key-mode pre_rope
