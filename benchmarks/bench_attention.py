@@ -72,7 +72,7 @@ QUANT_SWEEP = [
     # split without its two refinements (defaults since the second session of 2026-12-02)
     {"nibbles": False},
     {"nibble_rebuild": False},
-    {"nibble_fold": False},
+    {"nibble_fold": False, "prefetch": True},  # the fold needs the prefetch (off on the wide int4 tile)
     # pre_rope: the rotated keys as the logits dot's left operand, from registers (2026-12-02, third session;
     # the default over float latents and int4 keys since)
     {"keys_left": False},
@@ -105,8 +105,8 @@ QUANT_SWEEP = [
     {"max_registers": 128, "splits": 2},
     {"max_registers": 128, "splits": 2, "block_n": 128},
     # value codes decoded just before the value dot (their decoded tile not live beside the logits)
-    {"late_values": True},
-    {"late_values": True, "max_registers": 168, "splits": 1.5},
+    {"late_values": True, "prefetch": True},  # as the fold, it needs the prefetch
+    {"late_values": True, "prefetch": True, "max_registers": 168, "splits": 1.5},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")

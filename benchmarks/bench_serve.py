@@ -385,7 +385,7 @@ def start_of(name: str, args) -> int | None:
     more rows than fit, and each trial at tens of rows is minutes of prefill); the uncompressed cache's
     search takes seconds."""
     if name.startswith("stiefkv"):
-        return args.start_batch
+        return getattr(args, "start_batch", None)
     if name.startswith("quantization only"):
         return getattr(args, "baseline_start_batch", None)
     return None

@@ -48,7 +48,7 @@ SLOT_ALIGN = 16  # a static cache's slots per row are a multiple of this (see St
 
 
 def _fused_write(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
-    """Whether per-token codes are written by the quantize-on-write kernel (``kernels/quantize.py``: one
+    """Whether per-token codes are written by the quantize-on-write kernel (``kernels.quantize``: one
     launch per latent, bit for bit ``quantize`` and ``index_copy_``, which take a few dozen operators): on
     CUDA with Triton unless the model was loaded with ``backend="reference"``, for min–max or log8 groups
     (``mse`` ranges stay with PyTorch)."""

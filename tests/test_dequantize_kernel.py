@@ -31,7 +31,9 @@ def check(z: QuantizedLatents, dtype: torch.dtype) -> None:
         assert torch.equal(got, want), f"differ at {(got != want).nonzero()[:4].tolist()}"
     else:  # within one unit of the output's last place: the device fuses the multiply-add (one rounding less)
         ulp = {torch.float32: 2 ** -23, torch.float16: 2 ** -10, torch.bfloat16: 2 ** -7}[dtype]
-        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=ulp * want.abs().max().item())
+        # and near zero the fused float32 result differs by up to 2^-23 of the largest product
+        atol = 2 ** -22 * want.abs().max().item()
+        torch.testing.assert_close(got.float(), want.float(), rtol=ulp, atol=atol)
 
 
 @pytest.mark.parametrize("bits", [8, 4, 3, 2])

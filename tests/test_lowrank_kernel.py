@@ -442,9 +442,11 @@ def test_late_values_decode_the_same_tile(bits, ranks, key_mode):
     with torch.no_grad():
         expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, P_v,
                              key_mode=key_mode, **kwargs)
+        # late_values needs the prefetch, which the wide int4 tile no longer takes by default
         late = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode=key_mode, **kwargs, num_splits=3,
-                                    late_values=True)
-        default = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode=key_mode, **kwargs, num_splits=3)
+                                    late_values=True, prefetch=True)
+        default = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode=key_mode, **kwargs, num_splits=3,
+                                       prefetch=True)
     atol, rtol = TOL[torch.bfloat16]
     assert_close(late, expected, atol=atol, rtol=rtol, what=f"int{bits} {key_mode}, late values")
     assert_close(late, default, atol=atol, rtol=rtol, what=f"int{bits} {key_mode}, late against default")

@@ -88,7 +88,8 @@ def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype, width: int | Non
     if width < R:
         raise ValueError(f"width {width} is narrower than the latents' rank {R}")
     if z.codes.device.type != "cuda" and not interpreting():
-        return F.pad(z.dequantize(dtype), (0, width - R))
+        out = z.dequantize(dtype)
+        return out if width == R else F.pad(out, (0, width - R))
     out = torch.empty(B, G, N, width, dtype=dtype, device=z.codes.device)
     if out.numel() == 0:
         return out

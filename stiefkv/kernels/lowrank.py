@@ -1335,7 +1335,8 @@ def lowrank_attention(
         take the fp16 bit trick, not measured since).
         ``prefetch``: read each key and value tile (latents or codes, scales, lows, positions) one tile ahead
         in registers (not with ``fold_scales``); decode only, like ``num_splits``; ``None``: on for codes
-        (see :func:`_default_config`).
+        but the wide int4 ``post_rope`` tile (see :func:`_default_config`), so that ``nibble_fold`` and
+        ``late_values``, which need it, are off there unless ``prefetch=True`` is asked.
         ``nibbles``: int4 codes in the token layout (values, and ``post_rope`` keys; padded ranks ≥ 32) are
         met as their even and odd channels, the low and high nibbles of each byte, in two dots of half the
         depth, instead of being interleaved back into one tile; ``None``: on for decode over codes (see
@@ -1388,7 +1389,7 @@ def lowrank_attention(
     if n_rows > DECODE_BLOCK_M:  # prefill: see _pad_rank
         if z_k.shape[3] != padded_dim(z_k.shape[3]):
             z_k, P_k = (_pad_codes if isinstance(z_k, QuantizedLatents) else _pad_rank)(z_k, P_k)
-        if r_v != padded_dim(r_v):
+        if z_v.shape[3] != padded_dim(z_v.shape[3]):  # not where _floats padded the codes' values
             z_v, P_v = (_pad_codes if isinstance(z_v, QuantizedLatents) else _pad_rank)(z_v, P_v)
     codes = isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
     k_bits = z_k.bits if isinstance(z_k, QuantizedLatents) else 16
