@@ -91,6 +91,19 @@ def test_a_nan_group_stays_nan():
     check(q, torch.bfloat16)
 
 
+def test_a_channel_layout_slice():
+    """The prefill's slices of channel-layout codes: tokens from a multiple of 64, their scale rows with
+    them (``_slice_keys``)."""
+    from stiefkv.kernels.lowrank import _slice_keys
+
+    z = torch.randn(1, 2, 250, 27, generator=torch.Generator().manual_seed(6))
+    whole = codes_of(torch.cat([z, torch.zeros(1, 2, 6, 27)], 2), QuantSpec(3, "channel"))
+    part = _slice_keys(whole, 128, 250)
+    check(part, torch.bfloat16)
+    torch.testing.assert_close(dequantize_latents(part, torch.float32).cpu(),
+                               dequantize_latents(whole, torch.float32).cpu()[:, :, 128:250], rtol=0, atol=0)
+
+
 def test_no_tokens():
     z = codes_of(torch.randn(1, 2, 64, 24), QuantSpec(8, "token"))
     empty = z._replace(codes=z.codes[:, :, :0], scale=z.scale[:, :, :0], low=z.low[:, :, :0])
