@@ -268,10 +268,10 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
         served = Served(model, ids, N + 2 + 2 * args.new_tokens, args.chunk, True)
         served.decode_tps(args.new_tokens)
         out = {"batch": B, "tps": served.decode_tps(args.new_tokens), "peak_gib": served.peak_gib,
-               "cache_gib": served.cache_bytes / GIB}
+               "cache_gib": served.cache_bytes / GIB, "seconds": time.perf_counter() - start}
         # a progress line per trial: a call cut short by a time limit still tells what ran
         print(f"  trial {B}x{N}: {out['tps']:.0f} tok/s, peak {out['peak_gib']:.2f} GiB "
-              f"({time.perf_counter() - start:.0f} s)", flush=True)
+              f"({out['seconds']:.0f} s)", flush=True)
         return out
     except torch.cuda.OutOfMemoryError:
         print(f"  trial {B}x{N}: out of memory ({time.perf_counter() - start:.0f} s)", flush=True)
@@ -433,7 +433,8 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
             continue
         rows.append({"cache": name, "batch": B, "tokens": B * args.context, "tps": best["tps"],
                      "peak_gib": best["peak_gib"], "cache_gib": best["cache_gib"], "weights_gib": weights,
-                     "refused_batch": B + 1, "trials": sorted(runs)})
+                     "refused_batch": B + 1, "trials": sorted(runs),
+                     "trial_seconds": best.get("seconds")})  # prefill and decode of that batch
         emit(rows[-1])
         print(f"capacity {name}: batch {B} at {args.context} tokens under {args.cap_gib} GiB, "
               f"{best['tps']:.0f} tok/s", flush=True)
