@@ -43,7 +43,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 import stiefkv
 from stiefkv.models import dims_of, fingerprint
 from stiefkv.quant import QuantSpec
-from stiefkv.serve import PREFILL_TOKENS, DecodeState, Runner, make_cache
+from stiefkv.serve import PREFILL_TOKENS, DecodeState, Runner, chunk_per_row, make_cache
 
 LLAMA_8B = {
     "vocab_size": 128256,
@@ -68,7 +68,9 @@ def sync(device) -> None:
 class Served:
     """One model's cache, prefilled and with its decode step captured, ready to replay."""
 
-    def __init__(self, model, ids, max_length: int, chunk: int, capture: bool):
+    def __init__(self, model, ids, max_length: int, chunk: int, capture: bool, fill: int = 0):
+        """``fill``: the first ``fill`` tokens of every row are written directly (:func:`fill_synthetic`,
+        random latents) and only the rest is prefilled (its forwards attend over the filled tokens)."""
         device = ids.device
         B, N = ids.shape
         sync(device)
@@ -79,7 +81,9 @@ class Served:
         positions = torch.arange(N, device=device)[None].expand(B, N)
         start = time.perf_counter()
         with torch.inference_mode():
-            logits = self.runner.prefill(ids, positions, chunk)
+            if fill:
+                fill_synthetic(self.runner.cache, fill)
+            logits = self.runner.prefill(ids[:, fill:], positions[:, fill:], chunk, start=fill)
             sync(device)
             self.prefill_s = time.perf_counter() - start
             self.cache_bytes = _cache_bytes(self.runner.cache)  # transformers allocates on the first write
@@ -265,7 +269,7 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
     try:
         if proj is not None:
             stiefkv.load(model, proj)
-        served = Served(model, ids, N + 2 + 2 * args.new_tokens, args.chunk, True)
+        served = Served(model, ids, N + 2 + 2 * args.new_tokens, args.chunk, True, filled_first(B, N, args))
         served.decode_tps(args.new_tokens)
         out = {"batch": B, "tps": served.decode_tps(args.new_tokens), "peak_gib": served.peak_gib,
                "cache_gib": served.cache_bytes / GIB, "seconds": time.perf_counter() - start}
@@ -282,6 +286,16 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
         del served, ids
         gc.collect()
         torch.cuda.empty_cache()
+
+
+def filled_first(B: int, N: int, args) -> int:
+    """With ``--fill-first``, the tokens of each row a capacity trial writes directly: all but its last
+    two prefill forwards' (``--chunk`` tokens over the ``B`` rows each), which attend over the filled
+    cache as a whole prefill's last forwards do; the prefill over codes merges fixed-size slices of keys,
+    so no forward's transient grows with the tokens held."""
+    if not getattr(args, "fill_first", False):
+        return 0
+    return max(0, N - 2 * chunk_per_row(args.chunk, B))
 
 
 def fill_synthetic(cache, n: int) -> None:
@@ -391,11 +405,35 @@ def start_of(name: str, args) -> int | None:
     return None
 
 
+def boundary(run, runs: dict, B: int) -> int:
+    """The largest batch that ``run`` serves (``run(b)`` is None when ``b`` rows do not fit), searched from
+    ``B`` with ``runs`` (batch → result) already known: steps of 1, 2, 4, … away from ``B`` while the answer
+    stays on the same side, then halving the bracket, so that a start far from the answer costs a few
+    trials, not one per row (a trial at tens of rows of 32k is minutes of prefill; one that runs out of
+    memory late in the prefill costs as much). Every batch it rests on ran, and so did the next one up,
+    refused (0: one row did not fit)."""
+    step = 1
+    while True:
+        if B not in runs:
+            runs[B] = run(B)
+        fits = [b for b, r in runs.items() if r is not None]
+        refused = [b for b, r in runs.items() if r is None]
+        lo, hi = max(fits, default=0), min((b for b in refused if b > max(fits, default=0)), default=None)
+        if hi is not None and hi == lo + 1:
+            return lo
+        if hi is None:  # still fitting: gallop up
+            B, step = lo + step, step * 2
+        elif not fits:  # still refused: gallop down
+            B, step = max(1, hi - step), step * 2
+        else:
+            B = (lo + hi) // 2
+
+
 def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[dict]:
     """The largest batch at ``--context`` tokens that serves under ``--cap-gib`` (weights included), for
-    each cache, and the decode tokens/s there. The search starts from the batch that the peaks of one and
-    two rows predict, then walks up while it fits and down while it does not: the answer is a batch that ran
-    and the next one that did not."""
+    each cache, and the decode tokens/s there. The search (:func:`boundary`) starts from the batch that the
+    peaks of one and two rows predict, or from ``--start-batch`` / ``--baseline-start-batch``: the answer is
+    a batch that ran and the next one that did not."""
     cap = args.cap_gib * GIB
     index = torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
@@ -417,16 +455,8 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
             per_row = runs[1]["peak_gib"] if runs[2] is None else runs[2]["peak_gib"] - runs[1]["peak_gib"]
             fixed = runs[1]["peak_gib"] - per_row
             B = max(1, int((args.cap_gib - weights - fixed) / per_row))
-        while B not in runs or runs[B] is not None:
-            runs[B] = runs.get(B) or trial(model, proj, B, args.context, args, device)
-            if runs[B] is None:
-                break
-            B += 1
-        while runs.get(B) is None and B > 1:
-            B -= 1
-            if B not in runs:
-                runs[B] = trial(model, proj, B, args.context, args, device)
-        best = runs[B]
+        B = boundary(lambda b: trial(model, proj, b, args.context, args, device), runs, B)
+        best = runs.get(B)
         if best is None:  # a --start-batch search that walked down to one row, and one row did not fit
             rows.append({"cache": name, "batch": 0, "trials": sorted(runs)})
             emit(rows[-1])
@@ -474,6 +504,10 @@ def main() -> None:
                              "filled directly, not prefilled)")
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--cap-gib", type=float, default=40.0)
+    parser.add_argument("--fill-first", action="store_true",
+                        help="--capacity: write each trial's cache directly (random latents) up to its last "
+                             "two prefill forwards, which run for real (minutes of prefill a trial become "
+                             "seconds; the case gets ' filled')")
     parser.add_argument("--start-batch", type=int, default=None,
                         help="--capacity: start StiefKV's search (not the baselines') at this batch, not the "
                              "one its peaks at 1 and 2 rows predict (a trial at tens of rows is minutes of "
@@ -511,7 +545,8 @@ def main() -> None:
             with its ratios to the first cache's (the uncompressed one)."""
             base = (done or [row])[0]
             row.update(case=f"{kind} {args.shape} {args.key_mode} {label.removeprefix('stiefkv ')} "
-                            f"{'B1' if by_context else f'ctx{args.context}'} cap{args.cap_gib:g}",
+                            f"{'B1' if by_context else f'ctx{args.context}'} cap{args.cap_gib:g}"
+                            + (" filled" if args.fill_first and not by_context else ""),
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
                        new_tokens=args.new_tokens, key_mode=args.key_mode, prefill_tokens=args.chunk,
                        code_slice=args.code_slice, start_batch=args.start_batch,

@@ -18,9 +18,12 @@
 #     capacity12whole  capacity12post with the prefill over codes dequantizing the whole cache at once (the
 #                default before PREFILL_CODE_SLICE = 4096)
 #     capacity12kivi capacity12post beside KIVI-2 (quantization only, 17.3 %): the same-bytes baseline,
-#                StiefKV from 46 rows and KIVI-2 from 28 (thirteenth session: 16 and 17 KIVI-2 rows fit at
-#                13.91 and 14.78 GiB, 0.87 GiB a row, so ~28 under the 25 GiB left beside the weights; a
-#                KIVI-2 trial at 16 rows took 122 s, StiefKV's at 46 rows 99 s): a call of its own
+#                StiefKV from 46 rows and KIVI-2 from 22 (thirteenth session: 16 and 17 KIVI-2 rows fit,
+#                122 and 127 s a trial; 28 and 27 ran out of memory after 118 and 213 s; StiefKV's 46-row
+#                trial 99 s): over one call's 10 minutes; the search gallops then bisects (bench_serve.boundary)
+#     capacity12filled capacity12kivi with --fill-first (each trial's cache written directly up to its last
+#                two prefill forwards, which run): seconds a trial; compare its boundaries with the prefilled
+#                runs' (uncompressed 5/6, StiefKV 46/47 at 9d430a7) before quoting it
 #     widesweep  the int4 post_rope kernel's sweep (prefetch off at the wide tile among it) at 4x128k, 16x16k,
 #                29x32k and 43x32k, r 56 (prefetch off took 0.596 -> 0.481 ms at 43x32k, eleventh session)
 #     prefillprof one prefill forward (4096 tokens over the rows) at capacity: the 12.5 % post_rope cache at
@@ -78,7 +81,10 @@ for s in "$@"; do
         --key-mode post_rope --start-batch 45 ;;
     capacity12kivi)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
-        --key-mode post_rope --start-batch 46 --baseline-cache kivi2 --baseline-start-batch 28 ;;
+        --key-mode post_rope --start-batch 46 --baseline-cache kivi2 --baseline-start-batch 22 ;;
+    capacity12filled)
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
+        --key-mode post_rope --baseline-cache kivi2 --fill-first ;;
     widesweep)
       step widesweep python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes post_rope \
         --shapes 4x131072 16x16384 29x32768 43x32768 --rank 56 ;;

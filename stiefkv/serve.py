@@ -187,15 +187,17 @@ class Runner:
         zero = torch.zeros((), dtype=dtype, device=slots.device)
         return torch.where(visible, zero, torch.finfo(dtype).min)
 
-    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, tokens: int) -> torch.Tensor:
-        """Write the prompt ``ids`` ``[B, N]`` into the cache, ``tokens`` a forward over all rows (a row's
-        share at least 1); the logits of the last prompt token."""
+    def prefill(self, ids: torch.Tensor, positions: torch.Tensor, tokens: int,
+                start: int = 0) -> torch.Tensor:
+        """Write the prompt ``ids`` ``[B, N]`` into the cache from slot ``start`` (the slots before it already
+        written), ``tokens`` a forward over all rows (a row's share at least 1); the logits of the last
+        prompt token."""
         B, N = ids.shape
         chunk = chunk_per_row(tokens, B)
         logits = None
         for lo in range(0, N, chunk):
             hi = min(N, lo + chunk)
-            slots = torch.arange(lo, hi, device=ids.device)
+            slots = torch.arange(start + lo, start + hi, device=ids.device)
             logits = self.forward(ids[:, lo:hi], positions[:, lo:hi], slots)
         return logits
 

@@ -263,6 +263,57 @@ def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monke
         assert bs.capacity(None, caches, args, "cuda")[1]["batch"] == 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_capacity_boundary_search_gallops_and_bisects(seed):
+    """``boundary`` finds the largest batch that fits from any start, far above or below it, resting on a
+    batch that ran with the next one refused, in a number of trials logarithmic in the distance (a KIVI-2
+    trial at 27 rows of 32k ran 213 s before running out of memory)."""
+    import math
+    import random
+
+    import bench_serve as bs
+
+    rng = random.Random(seed)
+    for _ in range(50):
+        fit = rng.choice([0, 1, 2, rng.randint(3, 200)])
+        start = rng.randint(1, 250)
+        runs = {}
+        answer = bs.boundary(lambda b: {"batch": b} if b <= fit else None, runs, start)
+        assert answer == fit, (fit, start)
+        assert (fit == 0 or runs[fit] is not None) and runs[fit + 1] is None
+        assert len(runs) <= 2 * math.log2(abs(start - fit) + 1) + 3, (fit, start, sorted(runs))
+
+
+def test_filled_capacity_trials_prefill_the_last_two_forwards(monkeypatch):
+    """``--fill-first``: a trial writes all but its last two prefill forwards' tokens directly and prefills
+    the rest behind them, at their positions; a batch whose two forwards cover the context prefills all."""
+    import argparse
+
+    import bench_serve as bs
+    from bench_generate import random_projections
+
+    import stiefkv
+    from stiefkv.serve import Runner
+    from tests.tiny import tiny_model
+
+    args = argparse.Namespace(fill_first=True, chunk=12)
+    assert bs.filled_first(3, 40, args) == 40 - 8 and bs.filled_first(1, 20, args) == 0
+    assert bs.filled_first(3, 40, argparse.Namespace(chunk=12)) == 0
+    model = tiny_model("llama", heads=6, kv_heads=2, head_dim=24)
+    stiefkv.load(model, random_projections(model, 0.5, "post_rope"))
+    calls = []
+    forward = Runner.forward
+    monkeypatch.setattr(Runner, "forward", lambda self, ids, pos, slots: calls.append(pos[0].tolist())
+                        or forward(self, ids, pos, slots))
+    ids = torch.randint(2, 97, (3, 40))
+    served = bs.Served(model, ids, 48, 12, False, bs.filled_first(3, 40, args))
+    assert calls[:2] == [list(range(32, 36)), list(range(36, 40))]
+    cache = served.runner.cache  # the prompt and the one eager decode step Served runs without capture
+    assert cache.seen == 41 and int(cache.filled) == 41 and len(calls) == 3
+    assert cache.positions[:, :41].eq(torch.arange(41)).all()
+    assert served.logits.isfinite().all()
+
+
 def test_capacity_claims_read_the_batch_runs_not_the_context_runs(tmp_path):
     """A newer context-capacity run with the same cache labels leaves the 32k batch claims on the batch run;
     a cache that fits nowhere renders as such."""

@@ -63,6 +63,26 @@ def test_prefill_forwards_take_a_bounded_number_of_tokens_over_the_rows(batch, t
     assert max(b * n for b, n in shapes) <= max(tokens, batch)
 
 
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope", None])
+def test_prefill_resumed_from_a_slot_continues_the_one_before(key_mode):
+    """``Runner.prefill(start=)`` (bench_serve's filled capacity trials prefill a cache's last chunks with it)
+    writes behind the slots a first prefill wrote: the logits of one prefill, on the static latent cache (it
+    writes at its own device counter) and on transformers' ``StaticCache`` of an uncompressed model (None:
+    it writes at the slots given)."""
+    from stiefkv.serve import make_cache
+
+    model = served(key_mode) if key_mode else tiny_model("llama", heads=6, kv_heads=2, head_dim=24)
+    ids, _ = prompt(batch=3, n=23, padded=False)
+    positions = torch.arange(23)[None].expand(3, 23)
+    with torch.inference_mode():
+        expected = Runner(model, make_cache(model, 3, 32), None).prefill(ids, positions, 6)
+        parts = Runner(model, make_cache(model, 3, 32), None)
+        parts.prefill(ids[:, :17], positions[:, :17], 6)
+        got = parts.prefill(ids[:, 17:], positions[:, 17:], 6, start=17)
+    assert not got.isnan().any()
+    torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)  # float32
+
+
 def test_transformers_static_generate_uses_the_static_latent_cache():
     model = served()
     ids, mask = prompt()
