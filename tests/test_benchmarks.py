@@ -165,7 +165,7 @@ def test_bench_serve_runs_on_a_tiny_model(recent):
     assert bad.returncode != 0 and "'kivi5' is not a baseline; choose one of int8" in bad.stderr
 
 
-@pytest.mark.parametrize("bits", [16, 8])
+@pytest.mark.parametrize("bits", [16, 8, "kivi2"])
 def test_context_capacity_fill_is_what_a_prefill_leaves(bits):
     """bench_serve.fill_synthetic (the context-capacity trials' cache, written without a prefill) leaves the
     counters a prefill of the same length leaves, and a decode step reads it and advances them."""
@@ -179,7 +179,11 @@ def test_context_capacity_fill_is_what_a_prefill_leaves(bits):
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**bs.TINY)).eval()
     proj = bs.random_projections(model, 0.5, "pre_rope")
-    if bits < 16:
+    if bits == "kivi2":  # channel-layout keys and an exact ring: --fill-first's KIVI-2 trials
+        from stiefkv.evaluate import BASELINES
+
+        proj.quant = [BASELINES["kivi2"]] * len(proj.keys)
+    elif bits < 16:
         proj.quant = [(QuantSpec(bits, "token"), QuantSpec(bits, "token"))] * len(proj.keys)
     stiefkv.load(model, proj)
     try:
