@@ -223,11 +223,32 @@ class WindowedCodes:
         rows = n if self.spec.layout == "token" else n // GROUP
         codes = _quantized(self, self.codes[:, :, :n], self.scale[:, :, :rows],
                            _rows_of(self.low, slice(rows)), self.spec.layout)
+        if upto is not None:
+            return self._read_upto(codes, filled, dtype, upto)
         # a last slot where the ring entries that hold no exact token land
         z = torch.cat([codes.dequantize(dtype), self.ring.new_zeros(B, G, 1, self.rank, dtype=dtype)], 2)
         newest, exact = self.ring_slots(filled)
         z.index_copy_(2, torch.where(exact, newest, n), self.ring.to(dtype))
         return z[:, :, : min(self.length, n)]
+
+    def _read_upto(self, codes: QuantizedLatents, filled: torch.Tensor, dtype: torch.dtype,
+                   upto: int) -> torch.Tensor:
+        """:meth:`read` of a forward of several tokens, ``upto`` (= ``filled``) known to the host: the codes
+        dequantized in one pass (Triton on CUDA), then only the last ``window`` slots, where every exact
+        token lies, taken from the ring where they are exact. A prefill chunk at 27 rows × 32k held tokens
+        (KIVI-2's channel keys) took three whole bf16 copies of the layer's latent and int64 unpacking
+        intermediates this way before (a copy with a spare slot for the ring's other entries): the peak
+        that ran out of memory under 40 GiB."""
+        from stiefkv.kernels.dequantize import dequantize_latents  # it imports the kernels package
+
+        z = dequantize_latents(codes, dtype)[:, :, : min(self.length, upto)]
+        lo = max(0, upto - self.window)
+        slots = torch.arange(lo, upto, device=filled.device)
+        exact = (slots >= quantized_length(filled, self.spec))[None, None, :, None]
+        ring = self.ring.index_select(2, slots % self.window).to(dtype)
+        tail = z[:, :, lo:upto]
+        tail.copy_(torch.where(exact, ring, tail))
+        return z
 
     def latents(self) -> QuantizedLatents:
         """The codes of every slot as the kernels read them."""
@@ -302,8 +323,10 @@ def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``n`` slots as float latents (codes dequantized to ``dtype``: the exact band such a forward
     reads goes to the reference, which takes floats)."""
     if isinstance(z, QuantizedLatents):
-        return z._replace(codes=z.codes[:, :, :n], scale=z.scale[:, :, :n],
-                          low=_rows_of(z.low, slice(n))).dequantize(dtype)
+        from stiefkv.kernels.dequantize import dequantize_latents  # it imports the kernels package
+
+        return dequantize_latents(z._replace(codes=z.codes[:, :, :n], scale=z.scale[:, :, :n],
+                                             low=_rows_of(z.low, slice(n))), dtype)
     return z[:, :, :n]
 
 

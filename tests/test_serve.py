@@ -452,3 +452,27 @@ def test_windowed_static_cache_bytes_and_crop():
     keys = 112 * 8 + 112  # int4: 11 codes in two 8-code words of 4 bytes; one scale code a slot (112 slots)
     values = slots * 4 + slots + 80 * rank_v * 4  # int2 behind a window: whole groups of slots
     assert cache.nbytes == 2 * 3 * 2 * (keys + values) + 3 * 112 * 4 + 4  # positions: 100 rounded to 16
+
+
+@pytest.mark.parametrize("specs", [("int2-channel-r16", "int3-token-r16"),
+                                   ("int4-token-r40", "int8-token-r16")], ids=lambda s: "_".join(s))
+def test_windowed_read_of_a_prefill_equals_the_whole_read(specs):
+    """A prefill forward's read of a windowed store (``upto``: codes dequantized once, the exact tokens laid
+    over the last ``window`` slots from the ring) gives the whole-buffer read's first slots, exact tokens
+    included, after chunks that end inside a group and inside the window."""
+    from stiefkv.static_cache import WindowedCodes
+
+    model = windowed_served(*specs)
+    ids, _ = prompt(batch=2, n=157, seed=4, padded=False)
+    cache = StaticLatentCache(model, 2, 200)
+    checked = 0
+    for lo, hi in ((0, 70), (70, 101), (101, 157)):
+        model(ids[:, lo:hi], past_key_values=cache, use_cache=True)
+        for buf in (*cache.keys_buf, *cache.values_buf):
+            if isinstance(buf, WindowedCodes):
+                whole = buf.read(cache.filled, torch.float32)[:, :, :hi]
+                part = buf.read(cache.filled, torch.float32, upto=hi)
+                assert part.shape == whole.shape and not part.isnan().any()
+                torch.testing.assert_close(part, whole, atol=0, rtol=0)  # the same values, moved
+                checked += 1
+    assert checked == 3 * 2 * len(cache.keys_buf)
