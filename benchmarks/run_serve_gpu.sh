@@ -26,6 +26,9 @@
 #                runs' (uncompressed 5/6, StiefKV 46/47 at 9d430a7) before quoting it
 #     widesweep  the int4 post_rope kernel's sweep (prefetch off at the wide tile among it) at 4x128k, 16x16k,
 #                29x32k and 43x32k, r 56 (prefetch off took 0.596 -> 0.481 ms at 43x32k, eleventh session)
+#     windowtests the CUDA tests of the static cache's windowed stores and of CodesAndBand (a prefill over
+#                windowed codes reads the codes below its exact band in slices; thirteenth session, CPU only)
+#     windowprefill one prefill forward at 43x32k, int4 codes beside int4 behind a 16-token exact window
 #     prefillprof one prefill forward (4096 tokens over the rows) at capacity: the 12.5 % post_rope cache at
 #                43x32k in 4096-key slices and whole, the uncompressed cache at 5x32k (where the 43-row
 #                trial's 286 s of prefill go, against 17 s for 5 uncompressed rows)
@@ -88,6 +91,11 @@ for s in "$@"; do
     widesweep)
       step widesweep python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes post_rope \
         --shapes 4x131072 16x16384 29x32768 43x32768 --rank 56 ;;
+    windowtests) step windowtests python3 -m pytest -q -ra -p no:cacheprovider tests/test_serve.py \
+      tests/test_dequantize_kernel.py -k "windowed or layout or band or quantized or tokens" ;;
+    windowprefill)
+      step prefill-window python3 benchmarks/experiments/profile_serve_step.py --prefill --key-mode post_rope \
+        --budget 0.4375 --case 43x32768 --stores "int4 codes,int4 r16" --fused-writes on ;;
     prefillprof)
       prof="python3 benchmarks/experiments/profile_serve_step.py --prefill --key-mode post_rope --budget 0.4375"
       step prefill-sliced $prof --case 43x32768 --stores "int4 codes" --fused-writes on

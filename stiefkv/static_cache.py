@@ -20,7 +20,7 @@ from torch import nn
 
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, lengths_from_mask
-from stiefkv.kernels import QuantizedLatents
+from stiefkv.kernels import CodesAndBand, QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.models import decoder_layers
 from stiefkv.quant import (
@@ -242,13 +242,18 @@ class WindowedCodes:
         from stiefkv.kernels.dequantize import dequantize_latents  # it imports the kernels package
 
         z = dequantize_latents(codes, dtype)[:, :, : min(self.length, upto)]
-        lo = max(0, upto - self.window)
+        self._lay_exact(z, 0, filled, upto)
+        return z
+
+    def _lay_exact(self, z: torch.Tensor, first: int, filled: torch.Tensor, upto: int) -> None:
+        """Lay the exact tokens (of the ``filled`` = ``upto`` written) over ``z``, the latents of slots
+        ``first … upto − 1``, in place: every exact token lies in the last ``window`` slots."""
+        lo = max(first, upto - self.window)
         slots = torch.arange(lo, upto, device=filled.device)
         exact = (slots >= quantized_length(filled, self.spec))[None, None, :, None]
-        ring = self.ring.index_select(2, slots % self.window).to(dtype)
-        tail = z[:, :, lo:upto]
+        ring = self.ring.index_select(2, slots % self.window).to(z.dtype)
+        tail = z[:, :, lo - first: upto - first]
         tail.copy_(torch.where(exact, ring, tail))
-        return z
 
     def latents(self) -> QuantizedLatents:
         """The codes of every slot as the kernels read them."""
@@ -328,6 +333,21 @@ def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
         return dequantize_latents(z._replace(codes=z.codes[:, :, :n], scale=z.scale[:, :, :n],
                                              low=_rows_of(z.low, slice(n))), dtype)
     return z[:, :, :n]
+
+
+def _codes_and_band(store, filled: torch.Tensor, dtype: torch.dtype, split: int, upto: int) -> CodesAndBand:
+    """A prefill forward's read of a code store (``upto`` = ``filled`` slots written, known to the host):
+    the codes below ``split`` (where the forward's exact band starts: no store holds a token exact below it)
+    as they are, and the slots from there dequantized, with a windowed store's exact tokens laid over
+    them."""
+    from stiefkv.kernels.dequantize import dequantize_latents  # it imports the kernels package
+
+    codes = store.latents()
+    first = split if store.spec.layout == "token" else split // GROUP * GROUP  # whole channel groups
+    band = dequantize_latents(codes.tokens(first, upto), dtype)
+    if isinstance(store, WindowedCodes):
+        store._lay_exact(band, first, filled, upto)
+    return CodesAndBand(codes.tokens(0, split), band[:, :, split - first:])
 
 
 def _as_float(buf, dtype: torch.dtype) -> torch.Tensor:
@@ -527,15 +547,19 @@ class StaticLatentCache(LatentCache):
         slots = self._slots.to(z_k.device)
         if n == 1 and layer_idx in self.split_layers:
             return self._ring_split(layer_idx, slots, z_k, z_v), None, self.positions.to(z_k.device), None
+        stores = (self.keys_buf[layer_idx], self.values_buf[layer_idx])
+        # a prefill forward over two code stores reads the codes below its exact band as they are
+        banded = self._cut and all(isinstance(s, (CodeBuffer, WindowedCodes)) for s in stores)
         read, tails = [], []
-        for buf, z in ((self.keys_buf[layer_idx], z_k), (self.values_buf[layer_idx], z_v)):
+        for buf, z in zip(stores, (z_k, z_v)):
             if isinstance(buf, WindowedCodes):
                 if n > 1:
                     buf.write_many(self._start, z)
                 else:
                     buf.write_one(slots, z)
                 tails.append(buf.tail or (z, self._start))
-                read.append(buf.read(self.filled.to(z.device), z.dtype, self.seen if self._cut else None))
+                if not banded:
+                    read.append(buf.read(self.filled.to(z.device), z.dtype, self.seen if self._cut else None))
             elif isinstance(buf, CodeBuffer):
                 buf.write(slots, z)
                 tails.append((z, self._start))
@@ -550,7 +574,12 @@ class StaticLatentCache(LatentCache):
         positions = self.positions.to(z_k.device)
         if self._cut:  # every layer cut to the tokens held, as a dynamic cache hands them over
             self._tails[layer_idx] = tuple(tails)
-            read = [_cut(z, self.seen, z_k.dtype) for z in read]
+            if banded:  # where exact_band will start the band: the first exact token of either store
+                split = min(start for _, start in tails)
+                read = [_codes_and_band(s, self.filled.to(z_k.device), z_k.dtype, split, self.seen)
+                        for s in stores]
+            else:
+                read = [_cut(z, self.seen, z_k.dtype) for z in read]
             positions = positions[:, : self.seen]
         return read[0], read[1], positions, lengths
 

@@ -108,3 +108,31 @@ def test_no_tokens():
     z = codes_of(torch.randn(1, 2, 64, 24), QuantSpec(8, "token"))
     empty = z._replace(codes=z.codes[:, :, :0], scale=z.scale[:, :, :0], low=z.low[:, :, :0])
     assert dequantize_latents(empty, torch.bfloat16).shape == (1, 2, 0, 24)
+
+
+@pytest.mark.parametrize("layout", ["token", "channel"])
+def test_token_slices_and_codes_beside_a_band(layout):
+    """``QuantizedLatents.tokens`` (the prefill's key slices) and :class:`CodesAndBand` (a static cache's
+    prefill read: codes below the exact band, floats from it): each slice the kernels take is what slicing
+    the whole dequantized latents gives; any other read gets the whole."""
+    from stiefkv.kernels import CodesAndBand
+
+    z = torch.randn(2, 3, 192, 13, generator=torch.Generator().manual_seed(len(layout)))
+    codes = codes_of(z, QuantSpec(3, layout))  # 192: the channel layout quantizes whole groups of tokens
+    codes = codes._replace(codes=codes.codes[:, :, :150], scale=codes.scale[:, :, :150] if layout == "token"
+                           else codes.scale, low=codes.low[:, :, :150] if layout == "token" else codes.low)
+    whole = codes.dequantize(torch.float32)
+    for a, c in ((0, 150), (64, 129), (0, 71), (128, 150)):
+        assert torch.equal(codes.tokens(a, c).dequantize(torch.float32), whole[:, :, a:c])
+    if layout == "channel":
+        with pytest.raises(ValueError, match="multiple of 64"):
+            codes.tokens(70, 90)
+    split = 71
+    mixed = CodesAndBand(codes.tokens(0, split), whole[:, :, split:])
+    assert mixed.shape == whole.shape and mixed.split == split and mixed.dtype == torch.float32
+    assert mixed[:, :, :split] is mixed.below
+    for a, c in ((71, 150), (80, 120), (100, None)):
+        assert torch.equal(mixed[:, :, a:c], whole[:, :, a:c])
+    for index in ((slice(None), slice(None), slice(0, 90)), (slice(None), slice(None), slice(5, 80)), 1):
+        assert torch.equal(mixed[index], whole[index])
+    assert torch.equal(mixed.materialize(), whole)

@@ -311,27 +311,34 @@ def test_a_reference_backend_keeps_the_pytorch_write():
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's run (CUDA: the GPU tests)")
-def test_chunked_prefill_with_an_exact_band_on_the_kernels(monkeypatch):
+@pytest.mark.parametrize("specs,first", [(("int8-token-r16", "int4-token-r16"), 45),
+                                         (("int2-channel-r16", "int3-token-r16"), 90),  # a whole group held
+                                         (("int4-token", "int8-token-r16"), 45)], ids=str)
+def test_chunked_prefill_with_an_exact_band_on_the_kernels(specs, first, monkeypatch):
     """The Triton backend (interpreted) splits a prefill chunk's attention at its exact band (kernel below,
-    reference on the band): a windowed store's chunked prefill and decode give the reference backend's
-    logits, left padding included."""
+    reference on the band), the keys below it handed over as codes (no dequantized copy of every held
+    token, :class:`~stiefkv.kernels.CodesAndBand`): a windowed store's chunked prefill and decode give the
+    reference backend's logits, left padding included."""
     import os
+
+    from stiefkv.kernels import CodesAndBand
 
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("the kernels run on the CPU interpreted only")
-    model = windowed_served("int8-token-r16", "int4-token-r16", dtype=torch.float32, head_dim=32,
-                            backend="triton")
+    model = windowed_served(*specs, dtype=torch.float32, head_dim=32, backend="triton")
     ids, mask = prompt(batch=2, n=100, seed=4)
     runs, splits = [], []
     split = stiefkv.kernels._below_and_band
     monkeypatch.setattr(stiefkv.kernels, "_below_and_band",
-                        lambda *a, **k: splits.append(1) or split(*a, **k))
+                        lambda *a, **k: splits.append((type(a[1]), type(a[1][:, :, :a[1].split])))
+                        or split(*a, **k))
     for backend in ("triton", "reference"):
         for layer in model.model.layers:
             layer.self_attn.backend = backend
         with torch.no_grad():  # the kernels are inference-only
-            runs.append(prefill_then_decode(model, StaticLatentCache(model, 2, 110), ids, mask, 45, 3))
-    assert len(splits) == 2  # the second chunk, in each layer (the first chunk's band holds every key)
+            runs.append(prefill_then_decode(model, StaticLatentCache(model, 2, 110), ids, mask, first, 3))
+    # the second chunk, in each layer (the first chunk's band holds every key), below it codes
+    assert splits == [(CodesAndBand, stiefkv.kernels.QuantizedLatents)] * 2
     for step, (a, b) in enumerate(zip(*runs)):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4, msg=lambda m: f"forward {step}: {m}")
 

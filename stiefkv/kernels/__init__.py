@@ -18,7 +18,17 @@ import logging
 
 import torch
 
-from ._common import KEY_MODES, ExactTail, QuantizedLatents, RopeSpec, check_prior, merge_by_lse, merge_prior
+from ._common import (
+    KEY_MODES,
+    CodesAndBand,
+    ExactTail,
+    QuantizedLatents,
+    RopeSpec,
+    as_float_latents,
+    check_prior,
+    merge_by_lse,
+    merge_prior,
+)
 from .reference import attention_kl as attention_kl_reference
 from .reference import lowrank_attention as lowrank_attention_reference
 from .reference import rope_latent as rope_latent_reference
@@ -26,7 +36,8 @@ from .reference import rope_latent as rope_latent_reference
 BACKENDS = ("auto", "triton", "reference")
 log = logging.getLogger(__name__)
 
-__all__ = ["BACKENDS", "KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec", "attention_kl",
+__all__ = ["BACKENDS", "KEY_MODES", "CodesAndBand", "ExactTail", "QuantizedLatents", "RopeSpec",
+           "attention_kl",
            "attention_kl_reference", "kernel_runs", "lowrank_attention", "lowrank_attention_reference",
            "rope_latent", "rope_latent_reference", "triton_available"]
 
@@ -171,7 +182,10 @@ def lowrank_attention(
     if exact is not None:
         if _use_kernel(backend, q.device, needs_grad=needs_grad) and _band_splits(q, z_k, z_v, exact, kwargs):
             return _below_and_band(q, z_k, z_v, P_k, P_v, exact, backend, **kwargs)
+        z_k, z_v = (as_float_latents(z, q.dtype) if isinstance(z, CodesAndBand) else z for z in (z_k, z_v))
         return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, exact=exact, **kwargs)
+    if isinstance(z_k, CodesAndBand) or isinstance(z_v, CodesAndBand):  # read whole without a band to split
+        z_k, z_v = (as_float_latents(z, q.dtype) if isinstance(z, CodesAndBand) else z for z in (z_k, z_v))
     if _use_kernel(backend, q.device, needs_grad=needs_grad):
         from . import lowrank
 
@@ -185,12 +199,15 @@ def lowrank_attention(
 
 
 def _band_splits(q, z_k, z_v, exact: ExactTail, kwargs: dict) -> bool:
-    """Whether a forward with an exact band has keys below it to give the kernel: float latents (codes and
-    their channel groups are not cut here), keys older than the band, a band that starts at or before the
-    first query when causal (else the keys below it are not all visible to every query), one forward's own
-    count (no ``n_valid``) and its output alone (no ``return_lse``)."""
-    plain = isinstance(z_k, torch.Tensor) and isinstance(z_v, torch.Tensor)
+    """Whether a forward with an exact band has keys below it to give the kernel: float latents, or a static
+    cache's :class:`CodesAndBand` split where the band starts (codes are not cut here: their channel groups),
+    keys older than the band, a band that starts at or before the first query when causal (else the keys
+    below it are not all visible to every query), one forward's own count (no ``n_valid``) and its output
+    alone (no ``return_lse``)."""
     band = exact.z_k.shape[2]
+    cut = z_k.shape[2] - band
+    plain = all(isinstance(z, torch.Tensor) or (isinstance(z, CodesAndBand) and z.split == cut)
+                for z in (z_k, z_v))
     return (plain and z_k.shape[2] > band and (band >= q.shape[2] or not kwargs["causal"])
             and kwargs["n_valid"] is None and not kwargs["return_lse"] and "prior" not in kwargs)
 

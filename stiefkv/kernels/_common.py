@@ -141,6 +141,18 @@ class QuantizedLatents(NamedTuple):
     def shape(self) -> torch.Size:
         return torch.Size((*self.codes.shape[:3], self.rank))
 
+    def tokens(self, a: int, c: int) -> QuantizedLatents:
+        """Tokens ``[a, c)`` (``a`` a multiple of :data:`QUANT_GROUP` for the channel layout, whose scales are
+        per group of tokens)."""
+        if self.layout == "channel":
+            if a % QUANT_GROUP:
+                raise ValueError(f"a channel-layout slice starts at a multiple of {QUANT_GROUP}; got {a}")
+            rows = slice(a // QUANT_GROUP, -(-c // QUANT_GROUP))
+        else:
+            rows = slice(a, c)
+        return self._replace(codes=self.codes[:, :, a:c], scale=self.scale[:, :, rows],
+                             low=self.low[:, :, rows] if self.low is not None else None)
+
     @property
     def device(self) -> torch.device:
         return self.codes.device
@@ -186,8 +198,56 @@ QUANT_GROUP = 64
 KERNEL_BITS = (8, 4, 3, 2)  # code widths the Triton kernels dequantize in registers
 
 
+class CodesAndBand:
+    """Latents ``[B, G, N, r]`` of a prefill forward over a static cache's codes: the first ``split`` as
+    :class:`QuantizedLatents` (``below``), the rest — the forward's exact band and the codes inside it — as
+    floats (``band``). The kernels' below-and-band path reads the codes in slices (``lowrank.py``'s prefill
+    over codes) and the band as floats; a whole dequantized copy of every held token a forward (what a
+    windowed store's prefill read before: at 27 rows × 32k KIVI-2 ran out of memory on it) is never made.
+    Sliced at the split or inside the band; any other read (the reference's) gets it whole
+    (:meth:`materialize`)."""
+
+    __slots__ = ("below", "band")
+
+    def __init__(self, below: QuantizedLatents, band: torch.Tensor):
+        self.below, self.band = below, band
+
+    @property
+    def split(self) -> int:
+        return self.below.shape[2]
+
+    @property
+    def shape(self) -> torch.Size:
+        B, G, n, r = self.band.shape
+        return torch.Size((B, G, self.split + n, r))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.band.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.band.device
+
+    def materialize(self) -> torch.Tensor:
+        return torch.cat([self.below.dequantize(self.band.dtype), self.band], 2)
+
+    def __getitem__(self, index):
+        token_slice = (isinstance(index, tuple) and len(index) == 3 and index[0] == slice(None)
+                       and index[1] == slice(None) and isinstance(index[2], slice) and index[2].step is None)
+        if token_slice:
+            a, c, _ = index[2].indices(self.shape[2])
+            if a == 0 and c == self.split:
+                return self.below
+            if a >= self.split:
+                return self.band[:, :, a - self.split: max(a, c) - self.split]
+        return self.materialize()[index]
+
+
 def as_float_latents(z, dtype: torch.dtype) -> torch.Tensor:
-    """``z`` itself, or :class:`QuantizedLatents` dequantized to ``dtype``."""
+    """``z`` itself, or :class:`QuantizedLatents` (or :class:`CodesAndBand`) dequantized to ``dtype``."""
+    if isinstance(z, CodesAndBand):
+        return z.materialize().to(dtype)
     return z.dequantize(dtype) if isinstance(z, QuantizedLatents) else z
 
 

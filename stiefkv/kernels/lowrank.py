@@ -1137,14 +1137,7 @@ PREFILL_CODE_SLICE: int | None = 4096
 def _slice_keys(z, a: int, c: int):
     """Keys ``[a, c)`` of latents ``[B, G, N, r]``, float or codes (``a`` a multiple of QUANT_GROUP for the
     channel layout, whose scales are per group of tokens)."""
-    if not isinstance(z, QuantizedLatents):
-        return z[:, :, a:c]
-    if z.layout == "channel":
-        rows = slice(a // _common.QUANT_GROUP, -(-c // _common.QUANT_GROUP))
-    else:
-        rows = slice(a, c)
-    return z._replace(codes=z.codes[:, :, a:c], scale=z.scale[:, :, rows],
-                      low=z.low[:, :, rows] if z.low is not None else None)
+    return z.tokens(a, c) if isinstance(z, QuantizedLatents) else z[:, :, a:c]
 
 
 def _floats(z, P: torch.Tensor | None, dtype: torch.dtype):
