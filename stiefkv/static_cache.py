@@ -21,7 +21,7 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, lengths_from_mask
 from stiefkv.kernels import CodesAndBand, QuantizedLatents
-from stiefkv.kernels._common import KERNEL_BITS
+from stiefkv.kernels._common import KERNEL_BITS, dequantized
 from stiefkv.models import decoder_layers
 from stiefkv.quant import (
     GROUP,
@@ -235,13 +235,11 @@ class WindowedCodes:
                    upto: int) -> torch.Tensor:
         """:meth:`read` of a forward of several tokens, ``upto`` (= ``filled``) known to the host: the codes
         dequantized in one pass (Triton on CUDA), then only the last ``window`` slots, where every exact
-        token lies, taken from the ring where they are exact. A prefill chunk at 27 rows × 32k held tokens
-        (KIVI-2's channel keys) took three whole bf16 copies of the layer's latent and int64 unpacking
-        intermediates this way before (a copy with a spare slot for the ring's other entries): the peak
-        that ran out of memory under 40 GiB."""
-        from stiefkv.kernels.dequantize import dequantize_latents  # it imports the kernels package
-
-        z = dequantize_latents(codes, dtype)[:, :, : min(self.length, upto)]
+        token lies, taken from the ring where they are exact. Only where the layer's other store is float:
+        beside codes a prefill forward reads :func:`_codes_and_band` (codes below its band, no whole copy).
+        Before, three whole bf16 copies of the latent and int64 unpacking intermediates a forward (a copy
+        with a spare slot for the ring's other entries) ran KIVI-2 out of memory at 27 rows × 32k."""
+        z = dequantized(codes, dtype)[:, :, : min(self.length, upto)]
         self._lay_exact(z, 0, filled, upto)
         return z
 
@@ -328,9 +326,7 @@ def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
     """The first ``n`` slots as float latents (codes dequantized to ``dtype``: the exact band such a forward
     reads goes to the reference, which takes floats)."""
     if isinstance(z, QuantizedLatents):
-        from stiefkv.kernels.dequantize import dequantize_latents  # it imports the kernels package
-
-        return dequantize_latents(z._replace(codes=z.codes[:, :, :n], scale=z.scale[:, :, :n],
+        return dequantized(z._replace(codes=z.codes[:, :, :n], scale=z.scale[:, :, :n],
                                              low=_rows_of(z.low, slice(n))), dtype)
     return z[:, :, :n]
 
@@ -340,11 +336,9 @@ def _codes_and_band(store, filled: torch.Tensor, dtype: torch.dtype, split: int,
     the codes below ``split`` (where the forward's exact band starts: no store holds a token exact below it)
     as they are, and the slots from there dequantized, with a windowed store's exact tokens laid over
     them."""
-    from stiefkv.kernels.dequantize import dequantize_latents  # it imports the kernels package
-
     codes = store.latents()
     first = split if store.spec.layout == "token" else split // GROUP * GROUP  # whole channel groups
-    band = dequantize_latents(codes.tokens(first, upto), dtype)
+    band = dequantized(codes.tokens(first, upto), dtype)
     if isinstance(store, WindowedCodes):
         store._lay_exact(band, first, filled, upto)
     return CodesAndBand(codes.tokens(0, split), band[:, :, split - first:])

@@ -375,6 +375,53 @@ def prefill_then_decode(model, cache, ids, mask, chunk: int, steps: int) -> list
     return logits
 
 
+# prefill chunks over codes below an exact band: channel codes read by the decode tile (2 or 5 queries) and
+# by the prefill tiles, splits that are not multiples of 64, w8 and log8 windows, a plain store beside one
+BAND_CASES = [(("int2-channel", "int3-token-r16"), (130, 2, 70)),
+              (("int2-channel-r16", "int3-token-r16"), (71, 30, 5, 60)),
+              (("int3-token-r16", "int2-channel"), (130, 5, 66, 40)),
+              (("int2-channel-r16-w8", "int3-token-log8-r16-w8"), (45, 50, 7, 80)),
+              (("int4-token", "int4-token-r16"), (300, 2, 250))]
+
+
+@on_gpu
+@pytest.mark.parametrize("slice_keys", [64, 4096])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("specs,chunks", BAND_CASES, ids=str)
+def test_compiled_prefill_over_codes_below_a_band(specs, chunks, key_mode, slice_keys, monkeypatch):
+    """CUDA: prefill chunks over windowed codes (codes below the band, :class:`~stiefkv.kernels.CodesAndBand`,
+    in 64- or 4096-key slices) and three decode steps give the reference backend's logits, left padding
+    included. Tolerance: float32 2e-3, bf16 6e-2 (the reference computes in float32 either way)."""
+    from stiefkv.kernels import lowrank
+
+    monkeypatch.setattr(lowrank, "PREFILL_CODE_SLICE", slice_keys)
+    for dtype, tol in ((torch.float32, 2e-3), (torch.bfloat16, 6e-2)):
+        model = windowed_served(*specs, key_mode=key_mode, device="cuda", dtype=dtype, head_dim=64,
+                                backend="triton")
+        n = sum(chunks)
+        ids, mask = prompt(batch=3, n=n, seed=4, device="cuda")
+        mask[1, :90] = 0
+        runs = []
+        for backend in ("triton", "reference"):
+            for layer in model.model.layers:
+                layer.self_attn.backend = backend
+            cache, logits, lo = StaticLatentCache(model, 3, n + 8), [], 0
+            with torch.no_grad():
+                for k in chunks:
+                    logits.append(model(ids[:, lo:lo + k], attention_mask=mask[:, :lo + k],
+                                        past_key_values=cache).logits.float())
+                    lo += k
+                token, seen = logits[-1][:, -1:].argmax(-1), mask
+                for _ in range(3):
+                    seen = torch.cat([seen, torch.ones_like(token)], 1)
+                    logits.append(model(token, attention_mask=seen, past_key_values=cache).logits.float())
+                    token = logits[-1][:, -1:].argmax(-1)
+            runs.append(logits)
+        for step, (a, b) in enumerate(zip(*runs)):
+            assert not a.isnan().any()
+            torch.testing.assert_close(a, b, atol=tol, rtol=tol, msg=lambda m: f"{dtype} forward {step}: {m}")
+
+
 FUSED_WRITES = [("int8-token", "int4-token"), ("int4-token-log8", "int2-token-log8-r16"),
                 ("int8-token-r16", "int3-token-r16"), ("int2-channel-r16", "int4-token-r40"),
                 ("int4-channel-w8", "int2-token-log8-r16-w8")]

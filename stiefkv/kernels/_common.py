@@ -230,11 +230,13 @@ class CodesAndBand:
         return self.band.device
 
     def materialize(self) -> torch.Tensor:
-        return torch.cat([self.below.dequantize(self.band.dtype), self.band], 2)
+        return torch.cat([dequantized(self.below, self.band.dtype), self.band], 2)
 
     def __getitem__(self, index):
-        token_slice = (isinstance(index, tuple) and len(index) == 3 and index[0] == slice(None)
-                       and index[1] == slice(None) and isinstance(index[2], slice) and index[2].step is None)
+        whole = slice(None)
+        token_slice = (isinstance(index, tuple) and len(index) == 3
+                       and all(isinstance(i, slice) for i in index) and index[0] == whole
+                       and index[1] == whole and index[2].step is None)
         if token_slice:
             a, c, _ = index[2].indices(self.shape[2])
             if a == 0 and c == self.split:
@@ -242,6 +244,16 @@ class CodesAndBand:
             if a >= self.split:
                 return self.band[:, :, a - self.split: max(a, c) - self.split]
         return self.materialize()[index]
+
+
+def dequantized(z: QuantizedLatents, dtype: torch.dtype) -> torch.Tensor:
+    """``z`` as floats in ``dtype``: in one Triton pass where Triton runs (CUDA, or its interpreter), else
+    the reference, so that a CPU without Triton (an optional extra) never imports it."""
+    if z.codes.device.type == "cuda" or interpreting():
+        from .dequantize import dequantize_latents
+
+        return dequantize_latents(z, dtype)
+    return z.dequantize(dtype)
 
 
 def as_float_latents(z, dtype: torch.dtype) -> torch.Tensor:
