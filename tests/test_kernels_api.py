@@ -59,8 +59,8 @@ def kernel_calls(monkeypatch):
 
 
 def test_public_api():
-    assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "ExactTail", "QuantizedLatents", "RopeSpec",
-                                    "attention_kl", "attention_kl_reference", "kernel_runs",
+    assert set(kernels.__all__) == {"BACKENDS", "KEY_MODES", "CodesAndBand", "ExactTail", "QuantizedLatents",
+                                    "RopeSpec", "attention_kl", "attention_kl_reference", "kernel_runs",
                                     "lowrank_attention", "lowrank_attention_reference", "rope_latent",
                                     "rope_latent_reference", "triton_available"}
 

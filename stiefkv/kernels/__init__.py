@@ -37,9 +37,8 @@ BACKENDS = ("auto", "triton", "reference")
 log = logging.getLogger(__name__)
 
 __all__ = ["BACKENDS", "KEY_MODES", "CodesAndBand", "ExactTail", "QuantizedLatents", "RopeSpec",
-           "attention_kl",
-           "attention_kl_reference", "kernel_runs", "lowrank_attention", "lowrank_attention_reference",
-           "rope_latent", "rope_latent_reference", "triton_available"]
+           "attention_kl", "attention_kl_reference", "kernel_runs", "lowrank_attention",
+           "lowrank_attention_reference", "rope_latent", "rope_latent_reference", "triton_available"]
 
 
 @functools.cache
