@@ -418,7 +418,8 @@ def boundary(run, runs: dict, B: int) -> int:
             runs[B] = run(B)
         fits = [b for b, r in runs.items() if r is not None]
         refused = [b for b, r in runs.items() if r is None]
-        lo, hi = max(fits, default=0), min((b for b in refused if b > max(fits, default=0)), default=None)
+        lo = max(fits, default=0)
+        hi = min((b for b in refused if b > lo), default=None)
         if hi is not None and hi == lo + 1:
             return lo
         if hi is None:  # still fitting: gallop up

@@ -327,7 +327,7 @@ def _cut(z, n: int, dtype: torch.dtype) -> torch.Tensor:
     reads goes to the reference, which takes floats)."""
     if isinstance(z, QuantizedLatents):
         return dequantized(z._replace(codes=z.codes[:, :, :n], scale=z.scale[:, :, :n],
-                                             low=_rows_of(z.low, slice(n))), dtype)
+                                      low=_rows_of(z.low, slice(n))), dtype)
     return z[:, :, :n]
 
 

@@ -178,13 +178,13 @@ def lowrank_attention(
                   lengths=lengths, n_valid=n_valid, scale=scale, return_lse=return_lse)
     if prior is not None:
         kwargs["prior"] = prior
+    if (exact is not None and _use_kernel(backend, q.device, needs_grad=needs_grad)
+            and _band_splits(q, z_k, z_v, exact, kwargs)):
+        return _below_and_band(q, z_k, z_v, P_k, P_v, exact, backend, **kwargs)
+    # codes beside a band not split here are read whole (plain codes stay codes: the kernel reads them)
+    z_k, z_v = (as_float_latents(z, q.dtype) if isinstance(z, CodesAndBand) else z for z in (z_k, z_v))
     if exact is not None:
-        if _use_kernel(backend, q.device, needs_grad=needs_grad) and _band_splits(q, z_k, z_v, exact, kwargs):
-            return _below_and_band(q, z_k, z_v, P_k, P_v, exact, backend, **kwargs)
-        z_k, z_v = (as_float_latents(z, q.dtype) if isinstance(z, CodesAndBand) else z for z in (z_k, z_v))
         return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, exact=exact, **kwargs)
-    if isinstance(z_k, CodesAndBand) or isinstance(z_v, CodesAndBand):  # read whole without a band to split
-        z_k, z_v = (as_float_latents(z, q.dtype) if isinstance(z, CodesAndBand) else z for z in (z_k, z_v))
     if _use_kernel(backend, q.device, needs_grad=needs_grad):
         from . import lowrank
 
