@@ -986,10 +986,13 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
 
 
 def _token_int4(z) -> bool:
-    """Whether ``z`` holds int4 codes in the token layout at a padded rank ≤ 64 (min–max scales): the
-    latents ``nibbles_kv`` tiles were measured on."""
+    """Whether ``z`` holds int4 codes in the token layout at a padded rank of 32 to 64 (min–max scales): the
+    latents ``nibbles_kv`` tiles were measured on, and the ranks the kernel meets as nibbles. Below 32 the
+    codes are unpacked whole, and that loop at 256-key tiles without prefetch gave wrong logits on the H200
+    (triton 3.6, 2026-12-03: r 11/13 and 16/16, errors 0.3 on outputs of 0.2-0.8, right with prefetch and
+    under the interpreter), so those ranks keep the 128-key tile."""
     return (isinstance(z, QuantizedLatents) and z.bits == 4 and z.layout != "channel" and not z.log8
-            and padded_dim(z.shape[3]) <= 64)
+            and 32 <= padded_dim(z.shape[3]) <= 64)
 
 
 def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
