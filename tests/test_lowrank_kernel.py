@@ -356,6 +356,9 @@ QUANT_CASES = [
     ("prefill_chunk", 2, 6, 2, 19, 61, 72, 32, 1),
     ("decode_odd", 1, 4, 2, 1, 90, 25, 41, 2),  # odd ranks: a last byte with one nibble, split keys
     ("decode_narrow", 1, 4, 2, 1, 40, 13, 16, 1),  # padded ranks below 32: int4 interleaved, not split
+    # three queries in the decode tile over 284 keys (full tiles, then the causal one), GQA 3, ranks padded
+    # to 16: where the 256-key int4 tile gave wrong logits on the H200
+    ("decode_multi", 3, 6, 2, 3, 284, 11, 13, 1),
 ]
 
 
