@@ -142,8 +142,22 @@ def prefill_with_queries(model, ids: torch.Tensor, window: int, shift: bool = Tr
 
     cache = _new_cache(model)
     with _queries_seen(model, take):
-        model(ids, use_cache=True, **{cache_keyword(model): cache})
+        out = model(ids, use_cache=True, **{cache_keyword(model): cache})
+    cache.prompt_surprise = surprise(out.logits, ids)
     return cache, [queries[i] for i in range(len(queries))]
+
+
+def surprise(logits: torch.Tensor, ids: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """Each prompt token's surprise ``[B, C]`` (float32): the model's loss on it, −log p(x_t | x_<t), from
+    the prompt's own forward; the first token, which nothing predicts, +inf. In slices of ``rows``
+    positions, so that no float32 copy of all the logits is made."""
+    B, C = ids.shape
+    out = torch.full((B, C), float("inf"), device=ids.device)
+    for a in range(0, C - 1, rows):
+        b = min(a + rows, C - 1)
+        out[:, a + 1:b + 1] = torch.nn.functional.cross_entropy(
+            logits[:, a:b].float().flatten(0, 1), ids[:, a + 1:b + 1].flatten(), reduction="none").view(B, -1)
+    return out
 
 
 def _new_cache(model):
@@ -312,8 +326,9 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     differ, padded to their layer's largest), ``layers`` (those counts pooled per layer, equal for its heads:
     no padding), ``layers-max`` (each layer's largest head count for all its heads, at the cut that stores
     ``t`` per head on average)."""
+    pins = pinned_tokens(cache, t, options.pop("pin", 0), method)
     if isinstance(cache, LatentCache):
-        return _build_latent(model, cache, queries, t, method, **options)
+        return _build_latent(model, cache, queries, t, method, pins, **options)
     if method in presses.PRESSES:
         return _pressed(model, cache, queries, t, method)
     layers = decoder_layers(model)
@@ -321,15 +336,67 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     keys = [cache.layers[i].keys for i in range(len(layers))]
     values = [cache.layers[i].values for i in range(len(layers))]
     scales = [la.self_attn.scaling for la in layers]
-    for i, (kept, beta, fitted, _) in enumerate(compact_layers(keys, values, queries, t, scales=scales,
-                                                               method=method, **options)):
-        new.add_layer(kept.to(keys[i].dtype), fitted.to(values[i].dtype), beta)
+    rest, exact = _split_pinned(keys, values, pins)
+    fits = compact_layers(*rest, queries, t - _count(pins), scales=scales, method=method, **options)
+    for i, (kept, beta, fitted, _) in enumerate(fits):
+        kept, fitted = kept.to(keys[i].dtype), fitted.to(values[i].dtype)
+        if pins is not None:  # the pinned tokens as they are, β = 0, behind the compacted rest
+            (pk, pv), exact[i] = exact[i], None
+            kept, fitted = torch.cat([kept, pk], 2), torch.cat([fitted, pv], 2)
+            beta = torch.cat([beta, beta.new_zeros(*beta.shape[:2], pk.shape[2])], 2)
+        new.add_layer(kept, fitted, beta)
     install_hooks(model)
     return new
 
 
+def pinned_tokens(cache, t: int, pin: float, method: str) -> torch.Tensor | None:
+    """The tokens ``[B, p]`` (ascending) that ``pin`` of the ``t`` kept entries hold exact: each row's most
+    surprising prompt tokens (:func:`surprise`, recorded by :func:`prefill`), the first token among them.
+    A token the model could not predict carries what the rest of the prompt does not (a pass key's digits
+    in repeated filler), and queries of the prompt's window rarely read it, so attention matching alone
+    lets it go (docs/notes/compaction.md). None for ``pin=0``."""
+    if not 0 <= pin < 1:
+        raise ValueError(f"pin is the share of the kept entries held exact, in [0, 1); got {pin}")
+    if not pin:
+        return None
+    if method in presses.PRESSES:
+        raise ValueError(f"pin is an option of attention matching and its eviction, not of kvpress's "
+                         f"{method!r}")
+    score = getattr(cache, "prompt_surprise", None)
+    if score is None:
+        raise ValueError("pin needs each prompt token's surprise, which stiefkv.prefill(model, ids) records "
+                         "on the cache: prefill with it (or pass pin=0)")
+    p = int(pin * t)  # < t: pin < 1
+    return score.topk(p, dim=1).indices.sort(dim=1).values if p else None
+
+
+def _count(pins: torch.Tensor | None) -> int:
+    return 0 if pins is None else pins.shape[1]
+
+
+def _take(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """Tokens ``index`` ``[B, n]`` (the same for every head) of ``x`` ``[B, G, T, d]``."""
+    return torch.gather(x, 2, index[:, None, :, None].expand(-1, x.shape[1], -1, x.shape[3]))
+
+
+def _others(pins: torch.Tensor, T: int) -> torch.Tensor:
+    """The tokens ``[B, T − p]`` (ascending) that are not in ``pins`` ``[B, p]``."""
+    free = torch.ones(pins.shape[0], T, dtype=torch.bool, device=pins.device).scatter_(1, pins, False)
+    return free.nonzero()[:, 1].view(pins.shape[0], -1)
+
+
+def _split_pinned(keys: list, values: list, pins: torch.Tensor | None):
+    """``(keys, values)`` of the tokens left to compact, and per layer the pinned tokens' ``(keys, values)``
+    (None without pins)."""
+    if pins is None:
+        return (keys, values), None
+    rest = _others(pins, keys[0].shape[2])
+    return ([_take(k, rest) for k in keys], [_take(v, rest) for v in values]), \
+        [(_take(k, pins), _take(v, pins)) for k, v in zip(keys, values)]
+
+
 def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int, method: str,
-                  **options) -> LatentCache:
+                  pins: torch.Tensor | None = None, **options) -> LatentCache:
     """:func:`build` for a served model's :class:`~stiefkv.cache.LatentCache`: the keys are scored and chosen
     as attention sees them (rebuilt from the latents, rotated at their positions), and each kept entry keeps
     its latent and position; the values are fitted in the latent space (``P_v`` is orthonormal, so a fit
@@ -351,10 +418,17 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
             for (z_k, _), la in zip(latents, layers)]
     new = LatentCache()
     new.length = T
-    fits = compact_layers(keys, [z_v for _, z_v in latents], queries, t, method=method,
+    (keys, values), exact = _split_pinned(keys, [z_v for _, z_v in latents], pins)
+    fits = compact_layers(keys, values, queries, t - _count(pins), method=method,
                           scales=[la.self_attn.scaling for la in layers], **options)
     for i, (layer, (_, beta, fitted, index)) in enumerate(zip(layers, fits)):
         z_k, z_v = latents[i]
+        if pins is not None:  # index into the tokens left, then the pinned ones exact (β = 0) behind them
+            others = _others(pins, T)[:, None].expand(-1, G, -1)
+            index = torch.cat([torch.gather(others, 2, index), pins[:, None].expand(-1, G, -1)], 2)
+            fitted = torch.cat([fitted.to(z_v.dtype), exact[i][1]], 2)
+            beta = torch.cat([beta, beta.new_zeros(B, G, pins.shape[1])], 2)
+            exact[i] = None
         kept = torch.gather(z_k, 2, index[..., None].expand(-1, -1, -1, z_k.shape[-1]))
         new.add_compacted_layer(kept, fitted.to(z_v.dtype), torch.gather(positions, 2, index), beta,
                                 quant=layer.self_attn.quant)
@@ -470,8 +544,10 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     kept on the cache. ``options``: ``selection`` (``attention`` | ``omp``), ``fit_beta``,
     ``refit_values``, ``allocation``, ``pooling``, ``solver``, ``ridge``, ``block`` (longer layers are
     compacted in blocks of that many tokens; None for whole layers) (defaults:
-    :data:`~stiefkv.compaction.AM_DEFAULTS`). The result continues with ``model(ids, past_key_values=...)``
-    or ``model.generate(...)`` at the prompt's original positions."""
+    :data:`~stiefkv.compaction.AM_DEFAULTS`), and ``pin`` (default 0): the share of the kept entries that
+    hold the prompt's most surprising tokens exact, β = 0, beside the rest compacted (:func:`pinned_tokens`;
+    a pass key kept where the window's queries lose it). The result continues with
+    ``model(ids, past_key_values=...)`` or ``model.generate(...)`` at the prompt's original positions."""
     if not 0 < keep <= 1:
         raise ValueError(f"keep must be in (0, 1] (the fraction of the prompt's tokens kept), got {keep}")
     if method not in METHODS:

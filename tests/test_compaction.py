@@ -444,6 +444,86 @@ def test_bad_compact_requests_are_refused():
         stiefkv.prefill(model, ids, window=0)
 
 
+def test_surprise_is_the_models_loss_on_each_prompt_token():
+    """``prefill`` records each prompt token's loss from the prompt's own forward (the first token +inf),
+    the same in slices of any size as all at once."""
+    import stiefkv
+    from stiefkv.compacted import surprise
+
+    model, ids = tiny_prompt(12, 41)
+    cache = stiefkv.prefill(model, ids, window=8)
+    logits = model(ids).logits.float()
+    want = torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:], reduction="none")
+    got = cache.prompt_surprise
+    assert got.shape == (1, 41) and got[0, 0] == float("inf")
+    torch.testing.assert_close(got[0, 1:], want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(surprise(logits, ids, rows=7), got, atol=1e-5, rtol=1e-5)
+
+
+def test_pinned_tokens_stay_exact_beside_the_compacted_rest():
+    """``pin``: the most surprising tokens sit behind the compacted rest as they are (β = 0), the rest is the
+    compaction of the other tokens to the entries left; kept whole by eviction with half the tokens pinned,
+    the continuation is the uncompressed one (attention over a block split in two is attention over both)."""
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from stiefkv.compaction import compact_layers
+    from stiefkv.models import decoder_layers
+
+    model, ids = tiny_prompt(13, 67)
+    C = 53
+    key = cache_keyword(model)
+    full = model(ids).logits[:, C:]
+    whole = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=1.0, pin=0.5,
+                            method="attention", allocation="uniform")
+    torch.testing.assert_close(model(ids[:, C:], **{key: whole}).logits, full, atol=1e-5, rtol=1e-4)
+
+    cache = stiefkv.prefill(model, ids[:, :C], window=16)
+    t = round(0.3 * C)
+    p = int(0.4 * t)
+    pins = cache.prompt_surprise.topk(p, dim=1).indices.sort(dim=1).values
+    assert 0 in pins[0].tolist()  # the first token, which nothing predicts
+    rest = [i for i in range(C) if i not in pins[0].tolist()]
+    layers = decoder_layers(model)
+    keys = [cache.layers[i].keys for i in range(len(layers))]
+    values = [cache.layers[i].values for i in range(len(layers))]
+    scales = [la.self_attn.scaling for la in layers]
+    want = list(compact_layers([k[:, :, rest] for k in keys], [v[:, :, rest] for v in values],
+                               cache.reference_queries, t - p, scales=scales))
+    got = stiefkv.compact(model, cache, keep=0.3, pin=0.4)
+    for i, (kept, beta, fitted, _) in enumerate(want):
+        n = kept.shape[2]
+        assert got.prefix[i] == n + p
+        torch.testing.assert_close(got.layers[i].keys[:, :, :n], kept)
+        torch.testing.assert_close(got.layers[i].values[:, :, :n], fitted)
+        torch.testing.assert_close(got.beta[i][..., :n], beta)
+        assert torch.equal(got.layers[i].keys[:, :, n:n + p], keys[i][:, :, pins[0]])
+        assert torch.equal(got.layers[i].values[:, :, n:n + p], values[i][:, :, pins[0]])
+        assert not got.beta[i][..., n:n + p].any()
+    out = model.generate(ids[:, :C + 1], **{key: got}, max_new_tokens=5, do_sample=False)
+    assert out.shape == (1, C + 6) and got.get_seq_length() == C + 5
+
+
+def test_bad_pins_are_refused():
+    from transformers import DynamicCache
+
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from stiefkv.compacted import build
+
+    model, ids = tiny_prompt(14, 30)
+    cache = stiefkv.prefill(model, ids, window=8)
+    for pin in (-0.1, 1.0):
+        with pytest.raises(ValueError, match="pin is the share"):
+            stiefkv.compact(model, cache, pin=pin)
+    plain = DynamicCache()
+    model(ids, **{cache_keyword(model): plain})
+    plain.reference_queries = cache.reference_queries
+    with pytest.raises(ValueError, match="records on the cache"):
+        stiefkv.compact(model, plain, pin=0.5)
+    with pytest.raises(ValueError, match="not of kvpress"):
+        build(model, cache, cache.reference_queries, 10, "snapkv", pin=0.5)
+
+
 def _one_token_cache(model, ids):
     from transformers import DynamicCache
 

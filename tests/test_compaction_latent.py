@@ -78,6 +78,25 @@ def test_latent_compaction_with_identity_bases_is_the_uncompressed_models(key_mo
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_latent_pins_are_the_uncompressed_models(key_mode):
+    """``pin`` on a served model's cache: with identity bases, the plain model's pinned compaction (each
+    pinned token exact at its own position, β = 0)."""
+    model, ids = prompt(5, 71)
+    C = 59
+    plain = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3, pin=0.4)
+    want = continuation(model, plain, ids, C)
+    with compressed(model, identity(model, key_mode)):
+        latent = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3, pin=0.4)
+        assert latent.prefix == plain.prefix
+        got = continuation(model, latent, ids, C)
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    p = int(0.4 * round(0.3 * C))
+    for b, n, pos in zip(latent.beta, latent.prefix, latent.head_positions):
+        assert not b[..., n - p:n].any()  # the pinned tokens, behind the compacted rest
+        assert torch.equal(pos[..., n - p:n], pos[:, :1, n - p:n].expand_as(pos[..., n - p:n]))
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_keeping_every_token_of_a_low_rank_cache_continues_as_the_uncompacted(key_mode):
     model, ids = prompt(4, 50)
     C, new = 41, 6
