@@ -361,6 +361,29 @@ def compaction_claims(res: Results, claim) -> None:
               " / ".join(format(x["accuracy"], ".2f") for x in xs)
               + f" (uncompr. {each('accuracy_full', '.2f')})",
               "≥ 0.9×", all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs), xs)
+    pinned_claim(res, claim)
+
+
+def pinned_claim(res: Results, claim) -> None:
+    """Pass keys with ``pin=0.25`` (the prompt's most surprising tokens held exact), at every context
+    measured, beside the default of the same run where that run measured it."""
+    rows = [x for x in res.cases("retrieval", only=lambda case: case.startswith("am pin0.25 passkey"))
+            if x["keep"] == 0.1]
+    per = {x["context"]: x for x in sorted(rows, key=lambda x: (x["context"], x["samples"]))}
+    if not per:
+        return
+    xs = [per[c] for c in sorted(per)]
+    same = [next((d for d in res.rows("retrieval") if d.get("method") == "am" and d["keep"] == 0.1
+                  and d["provenance"]["run_id"] == x["provenance"]["run_id"]), None) for x in xs]
+    where = " / ".join(sorted({x["case"].split()[-1].upper() for x in xs}))
+    samples = " / ".join(dict.fromkeys(str(x["samples"]) for x in xs))
+    full = " / ".join(dict.fromkeys(format(x["accuracy_full"], ".2f") for x in xs))
+    claim(f"… AM with `pin=0.25` (the prompt's most surprising tokens exact), C "
+          f"{' / '.join(map(str, sorted(per)))}, {samples} prompts, {where}; the default of the same run in "
+          "brackets",
+          " / ".join(f"{x['accuracy']:.2f}" + (f" ({d['accuracy']:.2f})" if d else "")
+                     for x, d in zip(xs, same)) + f" (uncompr. {full})",
+          "≥ 0.9×", all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs), xs + [d for d in same if d])
 
 
 # ------------------------------------------------------------------------------------------------ quality
