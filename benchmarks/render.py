@@ -379,8 +379,8 @@ def pinned_claim(res: Results, claim) -> None:
     samples = " / ".join(dict.fromkeys(str(x["samples"]) for x in xs))
     full = " / ".join(dict.fromkeys(format(x["accuracy_full"], ".2f") for x in xs))
     claim(f"… AM with `pin=0.25` (the prompt's most surprising tokens exact), C "
-          f"{' / '.join(map(str, sorted(per)))}, {samples} prompts, {where}; the default of the same run in "
-          "brackets",
+          f"{' / '.join(map(str, sorted(per)))}, {samples} prompts, {where}; the same run's default "
+          "in brackets",
           " / ".join(f"{x['accuracy']:.2f}" + (f" ({d['accuracy']:.2f})" if d else "")
                      for x, d in zip(xs, same)) + f" (uncompr. {full})",
           "≥ 0.9×", all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs), xs + [d for d in same if d])
