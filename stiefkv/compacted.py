@@ -336,14 +336,14 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     keys = [cache.layers[i].keys for i in range(len(layers))]
     values = [cache.layers[i].values for i in range(len(layers))]
     scales = [la.self_attn.scaling for la in layers]
-    rest, exact = _split_pinned(keys, values, pins)
-    fits = compact_layers(*rest, queries, t - _count(pins), scales=scales, method=method, **options)
+    fits = compact_layers(*_unpinned(keys, values, pins), queries, t - _count(pins), scales=scales,
+                          method=method, **options)
     for i, (kept, beta, fitted, _) in enumerate(fits):
         kept, fitted = kept.to(keys[i].dtype), fitted.to(values[i].dtype)
         if pins is not None:  # the pinned tokens as they are, β = 0, behind the compacted rest
-            (pk, pv), exact[i] = exact[i], None
-            kept, fitted = torch.cat([kept, pk], 2), torch.cat([fitted, pv], 2)
-            beta = torch.cat([beta, beta.new_zeros(*beta.shape[:2], pk.shape[2])], 2)
+            kept = torch.cat([kept, _take(keys[i], pins)], 2)
+            fitted = torch.cat([fitted, _take(values[i], pins)], 2)
+            beta = torch.cat([beta, beta.new_zeros(*beta.shape[:2], pins.shape[1])], 2)
         new.add_layer(kept, fitted, beta)
     install_hooks(model)
     return new
@@ -385,14 +385,12 @@ def _others(pins: torch.Tensor, T: int) -> torch.Tensor:
     return free.nonzero()[:, 1].view(pins.shape[0], -1)
 
 
-def _split_pinned(keys: list, values: list, pins: torch.Tensor | None):
-    """``(keys, values)`` of the tokens left to compact, and per layer the pinned tokens' ``(keys, values)``
-    (None without pins)."""
+def _unpinned(keys: list, values: list, pins: torch.Tensor | None) -> tuple[list, list]:
+    """Per layer the keys and values of the tokens left to compact (all of them without pins)."""
     if pins is None:
-        return (keys, values), None
+        return keys, values
     rest = _others(pins, keys[0].shape[2])
-    return ([_take(k, rest) for k in keys], [_take(v, rest) for v in values]), \
-        [(_take(k, pins), _take(v, pins)) for k, v in zip(keys, values)]
+    return [_take(k, rest) for k in keys], [_take(v, rest) for v in values]
 
 
 def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int, method: str,
@@ -418,17 +416,15 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
             for (z_k, _), la in zip(latents, layers)]
     new = LatentCache()
     new.length = T
-    (keys, values), exact = _split_pinned(keys, [z_v for _, z_v in latents], pins)
-    fits = compact_layers(keys, values, queries, t - _count(pins), method=method,
-                          scales=[la.self_attn.scaling for la in layers], **options)
+    fits = compact_layers(*_unpinned(keys, [z_v for _, z_v in latents], pins), queries, t - _count(pins),
+                          method=method, scales=[la.self_attn.scaling for la in layers], **options)
+    others = None if pins is None else _others(pins, T)[:, None].expand(-1, G, -1)
     for i, (layer, (_, beta, fitted, index)) in enumerate(zip(layers, fits)):
         z_k, z_v = latents[i]
         if pins is not None:  # index into the tokens left, then the pinned ones exact (β = 0) behind them
-            others = _others(pins, T)[:, None].expand(-1, G, -1)
             index = torch.cat([torch.gather(others, 2, index), pins[:, None].expand(-1, G, -1)], 2)
-            fitted = torch.cat([fitted.to(z_v.dtype), exact[i][1]], 2)
+            fitted = torch.cat([fitted.to(z_v.dtype), _take(z_v, pins)], 2)
             beta = torch.cat([beta, beta.new_zeros(B, G, pins.shape[1])], 2)
-            exact[i] = None
         kept = torch.gather(z_k, 2, index[..., None].expand(-1, -1, -1, z_k.shape[-1]))
         new.add_compacted_layer(kept, fitted.to(z_v.dtype), torch.gather(positions, 2, index), beta,
                                 quant=layer.self_attn.quant)
