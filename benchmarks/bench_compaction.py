@@ -40,7 +40,8 @@ VARIANTS = {
     # past the positions in one reading at positions beyond the model's (RoPE extrapolated)
     "am repeat past": {"repeat": (8192, 1, 0, True)},
     # the prompt's most surprising tokens held exact (β = 0) in a share of the kept entries
-    "am pin0.25": {"pin": 0.25}, "am pin0.5": {"pin": 0.5},
+    "am pin0.1": {"pin": 0.1}, "am pin0.15": {"pin": 0.15}, "am pin0.25": {"pin": 0.25},
+    "am pin0.5": {"pin": 0.5}, "am repeat pin0.1": {"repeat": (8192, 1), "pin": 0.1},
     "attention study256": {"self_study": 256},
     # self-study after a generic instruction about the text (never the task's question), greedy
     "am facts64": {"self_study": 64, "study_prompt": "\n\nSummarize the key facts of the text above.\n",
