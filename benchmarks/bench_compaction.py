@@ -39,9 +39,11 @@ VARIANTS = {
     "am repeat lead256": {"repeat": (8192, 1, 256)},
     # past the positions in one reading at positions beyond the model's (RoPE extrapolated)
     "am repeat past": {"repeat": (8192, 1, 0, True)},
-    # the prompt's most surprising tokens held exact (β = 0) in a share of the kept entries
-    "am pin0.1": {"pin": 0.1}, "am pin0.15": {"pin": 0.15}, "am pin0.25": {"pin": 0.25},
-    "am pin0.5": {"pin": 0.5}, "am repeat pin0.1": {"repeat": (8192, 1), "pin": 0.1},
+    # the prompt's most surprising tokens held exact (β = 0) in a share of the kept entries (pin0: none, AM's
+    # default before the fifteenth session; the default is a tenth, at least 64, at most a quarter)
+    "am pin0": {"pin": 0}, "am pin0.1": {"pin": 0.1}, "am pin0.15": {"pin": 0.15},
+    "am pin0.25": {"pin": 0.25}, "am pin0.5": {"pin": 0.5},
+    "am repeat pin0.1": {"repeat": (8192, 1), "pin": 0.1},
     "attention study256": {"self_study": 256},
     # self-study after a generic instruction about the text (never the task's question), greedy
     "am facts64": {"self_study": 64, "study_prompt": "\n\nSummarize the key facts of the text above.\n",
@@ -90,14 +92,18 @@ def main() -> None:
                + (f" chunks{args.chunks}" if args.chunks else "") + _window(args)
                + (f" {Path(args.projections).stem}" if args.projections else "") + f" {args.device}",
                **r.as_dict(), "method": name,
-               "options": (effective_options(name.split()[0], options)
-                           if name.split()[0] in AM_METHODS else {}), "window": args.window,
+               "options": _recorded(name.split()[0], options), "window": args.window,
                "seconds": time.perf_counter() - t0}
         utils.write_rows("compaction", row)
         print(f"{row['case']}: PPL {r.ppl:.3f} (uncompressed {r.ppl_full:.3f}, served whole {r.ppl_ranks}, "
               f"bytes {r.bytes_fraction:.4f}), {r.kept_tokens} of "
               f"{args.context} tokens kept ({r.held_tokens:.0f} held), {r.chunks} chunks, "
               f"{row['seconds']:.0f} s", flush=True)
+
+
+def _recorded(method: str, options: dict) -> dict:
+    """A row's options: the fit's over its defaults and ``pin`` (None: the default), for AM's methods."""
+    return {**effective_options(method, options), "pin": options.get("pin")} if method in AM_METHODS else {}
 
 
 def _tokenized(tok, options: dict) -> dict:
@@ -121,7 +127,7 @@ def retrieval_row(model, tok, args, name: str, options: dict) -> None:
     row = {"case": f"{name} passkey C{args.context} keep{args.keep:g} n{args.samples}{_window(args)} "
                    f"{args.device}",
            **r.as_dict(), "method": name,
-           "options": effective_options(method, options) if method in AM_METHODS else {},
+           "options": _recorded(method, options),
            "window": args.window, "seconds": time.perf_counter() - t0}
     utils.write_rows("retrieval", row)
     print(f"{row['case']}: accuracy {r.accuracy:.2f} (uncompressed {r.accuracy_full:.2f}), "

@@ -326,7 +326,7 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     differ, padded to their layer's largest), ``layers`` (those counts pooled per layer, equal for its heads:
     no padding), ``layers-max`` (each layer's largest head count for all its heads, at the cut that stores
     ``t`` per head on average)."""
-    pins = pinned_tokens(cache, t, options.pop("pin", 0), method)
+    pins = pinned_tokens(cache, t, options.pop("pin", None), method)
     if isinstance(cache, LatentCache):
         return _build_latent(model, cache, queries, t, method, pins, **options)
     if method in presses.PRESSES:
@@ -349,25 +349,45 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     return new
 
 
-def pinned_tokens(cache, t: int, pin: float, method: str) -> torch.Tensor | None:
-    """The tokens ``[B, p]`` (ascending) that ``pin`` of the ``t`` kept entries hold exact: each row's most
-    surprising prompt tokens (:func:`surprise`, recorded by :func:`prefill`), the first token among them.
-    A token the model could not predict carries what the rest of the prompt does not (a pass key's digits
-    in repeated filler), and queries of the prompt's window rarely read it, so attention matching alone
-    lets it go (docs/notes/compaction.md). None for ``pin=0``."""
-    if not 0 <= pin < 1:
-        raise ValueError(f"pin is the share of the kept entries held exact, in [0, 1); got {pin}")
-    if not pin:
+# pin's default (pin=None) for AM: a tenth of the kept entries, at least PIN_FLOOR tokens but at most a
+# quarter of them. A pass key's digits rank ~20-62 in the prompt's surprise whatever its length, so a share
+# alone loses them in short prompts (C 2048, a tenth: 0.55 of the pass keys) and a large share costs the
+# perplexity of long ones (C 4096, a quarter: ΔPPL +1.75 against +1.40 for a tenth; docs/notes/compaction.md).
+PIN_SHARE, PIN_FLOOR, PIN_CAP = 0.1, 64, 0.25
+
+
+def pin_count(pin: float | None, t: int, method: str) -> int:
+    """How many of the ``t`` kept entries hold exact tokens: ``int(pin · t)`` for a share ``pin`` in
+    [0, 1); for ``pin=None`` AM's default (:data:`PIN_SHARE`, :data:`PIN_FLOOR`, :data:`PIN_CAP`) and none
+    for the other methods."""
+    if pin is None:
+        return max(int(PIN_SHARE * t), min(PIN_FLOOR, int(PIN_CAP * t))) if method == "am" else 0
+    if isinstance(pin, bool) or not isinstance(pin, (int, float)) or not 0 <= pin < 1:
+        raise ValueError(f"pin is the share of the kept entries held exact, in [0, 1) (None for the "
+                         f"default); got {pin!r}")
+    return int(pin * t)  # < t: pin < 1
+
+
+def pinned_tokens(cache, t: int, pin: float | None, method: str) -> torch.Tensor | None:
+    """The tokens ``[B, p]`` (ascending) that :func:`pin_count` of the ``t`` kept entries hold exact: each
+    row's most surprising prompt tokens (:func:`surprise`, recorded by :func:`prefill`), the first token
+    among them. A token the model could not predict carries what the rest of the prompt does not (a pass
+    key's digits in repeated filler), and queries of the prompt's window rarely read it, so attention
+    matching alone lets it go (docs/notes/compaction.md). None when no token is pinned, and for the
+    default on a cache that :func:`prefill` did not make (no surprise recorded)."""
+    p = pin_count(pin, t, method)
+    if not p:
         return None
     if method in presses.PRESSES:
         raise ValueError(f"pin is an option of attention matching and its eviction, not of kvpress's "
                          f"{method!r}")
     score = getattr(cache, "prompt_surprise", None)
+    if score is None and pin is None:
+        return None
     if score is None:
         raise ValueError("pin needs each prompt token's surprise, which stiefkv.prefill(model, ids) records "
                          "on the cache: prefill with it (or pass pin=0)")
-    p = int(pin * t)  # < t: pin < 1
-    return score.topk(p, dim=1).indices.sort(dim=1).values if p else None
+    return score.topk(p, dim=1).indices.sort(dim=1).values
 
 
 def _count(pins: torch.Tensor | None) -> int:
@@ -540,9 +560,10 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     kept on the cache. ``options``: ``selection`` (``attention`` | ``omp``), ``fit_beta``,
     ``refit_values``, ``allocation``, ``pooling``, ``solver``, ``ridge``, ``block`` (longer layers are
     compacted in blocks of that many tokens; None for whole layers) (defaults:
-    :data:`~stiefkv.compaction.AM_DEFAULTS`), and ``pin`` (default 0): the share of the kept entries that
-    hold the prompt's most surprising tokens exact, β = 0, beside the rest compacted (:func:`pinned_tokens`;
-    a pass key kept where the window's queries lose it). The result continues with
+    :data:`~stiefkv.compaction.AM_DEFAULTS`), and ``pin``: the share of the kept entries that hold the
+    prompt's most surprising tokens exact, β = 0, beside the rest compacted (:func:`pinned_tokens`; a pass key
+    kept where the window's queries lose it); by default (None) for AM a tenth, at least 64 tokens, at most a
+    quarter (:func:`pin_count`), none for ``attention``; ``pin=0`` for none. The result continues with
     ``model(ids, past_key_values=...)`` or ``model.generate(...)`` at the prompt's original positions."""
     if not 0 < keep <= 1:
         raise ValueError(f"keep must be in (0, 1] (the fraction of the prompt's tokens kept), got {keep}")

@@ -503,6 +503,46 @@ def test_pinned_tokens_stay_exact_beside_the_compacted_rest():
     assert out.shape == (1, C + 6) and got.get_seq_length() == C + 5
 
 
+@pytest.mark.parametrize("t,method,want", [(205, "am", 51), (410, "am", 64), (768, "am", 76),
+                                           (2000, "am", 200), (21, "am", 5), (3, "am", 0),
+                                           (410, "attention", 0)])
+def test_the_default_pin_is_a_tenth_with_a_floor_of_64_capped_at_a_quarter(t, method, want):
+    from stiefkv.compacted import pin_count
+
+    assert pin_count(None, t, method) == want
+    assert pin_count(0, t, method) == 0 and pin_count(0.3, t, method) == int(0.3 * t)
+
+
+def test_the_default_compaction_pins_the_default_count_and_a_cache_without_surprise_pins_none():
+    """``pin=None`` (the default) is the explicit share that gives :func:`pin_count`'s count; a cache that
+    :func:`stiefkv.prefill` did not make (no surprise recorded) compacts without pins, as ``pin=0``."""
+    from transformers import DynamicCache
+
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from stiefkv.compacted import pin_count
+
+    model, ids = tiny_prompt(21, 71)
+    cache = stiefkv.prefill(model, ids, window=12)
+    t = round(0.4 * 71)
+    p = pin_count(None, t, "am")
+    assert p == 7
+    default = stiefkv.compact(model, cache, keep=0.4)
+    explicit = stiefkv.compact(model, cache, keep=0.4, pin=(p + 0.5) / t)
+    unpinned = stiefkv.compact(model, cache, keep=0.4, pin=0)
+    for i in range(len(default.layers)):
+        assert torch.equal(default.layers[i].keys, explicit.layers[i].keys)
+        assert torch.equal(default.beta[i], explicit.beta[i])
+    assert not all(torch.equal(a.keys, b.keys) for a, b in zip(default.layers, unpinned.layers))
+    plain = DynamicCache()
+    model(ids, **{cache_keyword(model): plain})
+    plain.reference_queries = cache.reference_queries
+    quiet = stiefkv.compact(model, plain, keep=0.4)
+    for i in range(len(quiet.layers)):
+        torch.testing.assert_close(quiet.layers[i].keys, unpinned.layers[i].keys)
+        torch.testing.assert_close(quiet.beta[i], unpinned.beta[i])
+
+
 def test_bad_pins_are_refused():
     from transformers import DynamicCache
 
@@ -512,7 +552,7 @@ def test_bad_pins_are_refused():
 
     model, ids = tiny_prompt(14, 30)
     cache = stiefkv.prefill(model, ids, window=8)
-    for pin in (-0.1, 1.0):
+    for pin in (-0.1, 1.0, True, "0.1"):
         with pytest.raises(ValueError, match="pin is the share"):
             stiefkv.compact(model, cache, pin=pin)
     plain = DynamicCache()
