@@ -281,7 +281,7 @@ def compaction_claims(res: Results, claim) -> None:
     """Issue 15: AM's ΔPPL against the best kvpress press's at C 4096, keep 0.1, on the whole test set."""
     from stiefkv.presses import PRESSES
 
-    rows = [r for r in res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+    rows = [r for r in compaction_rows(res, "compaction", lambda case: case.endswith(" cuda"))
             if r["context"] == 4096 and r["keep"] == 0.1 and not r.get("projections")
             and " chunks" not in r["case"]]
     am = next((r for r in reversed(rows) if compaction_label(r) == "am (default)"), None)
@@ -305,7 +305,7 @@ def compaction_claims(res: Results, claim) -> None:
             continue
         ratio = (r["ppl"] - r["ppl_full"]) / (best["ppl"] - best["ppl_full"]) if best else None
         claim(
-            f"Compaction (keep {r['keep']:g}) × `{Path(r['projections']).stem}` "
+            f"Compaction ({compaction_label(r)}, keep {r['keep']:g}) × `{Path(r['projections']).stem}` "
             f"({r['bytes_fraction']:.3f} of the bf16 bytes), C 4096, {r['chunks']} chunks: ΔPPL / the best "
             "press's alone",
             f"{ratio:.2f}× ({r['ppl'] - r['ppl_full']:+.2f} / {best['method']} "
@@ -329,21 +329,7 @@ def compaction_claims(res: Results, claim) -> None:
               f"{best['seconds']:.2f} s, {other})", "≤ 2 s", r["seconds"] <= 2, [r, best])
     from stiefkv.compacted import DEFAULT_WINDOW
 
-    rows = [r for r in res.cases("retrieval", only=lambda case: case.startswith("am "))
-            if r["keep"] == 0.1 and r["context"] == 4096]
-    default = [r for r in rows if r["method"] == "am" and r["window"] == DEFAULT_WINDOW]
-    r = max(default, key=lambda r: (r["case"].endswith(" cuda"), r["samples"])) if default else None
-    best = max((x for x in rows if x["samples"] == r["samples"]), key=lambda x: x["accuracy"]) if r else None
-    claim(
-        f"Pass key, C 4096, keep 0.1: AM / uncompressed accuracy ({r['samples'] if r else '?'} prompts; "
-        "best of the sweep beside it)",
-        f"{r['accuracy']:.2f} / {r['accuracy_full']:.2f} (best {best['accuracy']:.2f}: "
-        f"{best['case'].split(' passkey')[0]}, queries of the last {best['window']})"
-        if r else "",
-        "≥ 0.9×",
-        r is not None and r["accuracy"] >= 0.9 * r["accuracy_full"],
-        [r, best],
-    )
+    retrieval_claim(res, claim, DEFAULT_WINDOW)
     # the option that reads the prompt again, at every context measured (segments past the positions)
     again = [x for x in res.cases("retrieval", only=lambda case: case.startswith("am repeat passkey"))
              if x["keep"] == 0.1 and x["method"] == "am repeat" and x["case"].endswith(" cuda")]
@@ -361,29 +347,31 @@ def compaction_claims(res: Results, claim) -> None:
               " / ".join(format(x["accuracy"], ".2f") for x in xs)
               + f" (uncompr. {each('accuracy_full', '.2f')})",
               "≥ 0.9×", all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs), xs)
-    pinned_claim(res, claim)
 
 
-def pinned_claim(res: Results, claim) -> None:
-    """Pass keys with ``pin=0.25`` (the prompt's most surprising tokens held exact), at every context
-    measured, beside the default of the same run where that run measured it."""
-    rows = [x for x in res.cases("retrieval", only=lambda case: case.startswith("am pin0.25 passkey"))
-            if x["keep"] == 0.1]
-    per = {x["context"]: x for x in sorted(rows, key=lambda x: (x["context"], x["samples"]))}
-    if not per:
-        return
-    xs = [per[c] for c in sorted(per)]
-    same = [next((d for d in res.rows("retrieval") if d.get("method") == "am" and d["keep"] == 0.1
-                  and d["provenance"]["run_id"] == x["provenance"]["run_id"]), None) for x in xs]
-    where = " / ".join(sorted({x["case"].split()[-1].upper() for x in xs}))
+def retrieval_claim(res: Results, claim, window: int) -> None:
+    """Pass keys with AM's defaults (keep 0.1, H200) at every context measured, beside ``pin=0`` (the default
+    before ``pin``'s) of the same run where it ran, else its newest row; the best of the C 4096 sweep."""
+    rows = [r for r in compaction_rows(res, "retrieval", lambda case: case.startswith("am "))
+            if r["keep"] == 0.1 and r["case"].endswith(" cuda") and r["window"] == window]
+    default = {r["context"]: r for r in rows if compaction_label(r) == "am (default)"}
+    unpinned = [r for r in rows if compaction_label(r) == "am (pin 0)"]
+    xs = [default[c] for c in sorted(default)]
+    before = [next((d for d in reversed(unpinned) if d["provenance"]["run_id"] == x["provenance"]["run_id"]
+                    and d["context"] == x["context"]),
+                   next((d for d in reversed(unpinned) if d["context"] == x["context"]), None)) for x in xs]
+    sweep = [x for x in compaction_rows(res, "retrieval", lambda case: case.startswith("am "))
+             if x["keep"] == 0.1 and x["context"] == 4096 and x["samples"] == 20]
+    best = max(sweep, key=lambda x: x["accuracy"]) if sweep else None
     samples = " / ".join(dict.fromkeys(str(x["samples"]) for x in xs))
     full = " / ".join(dict.fromkeys(format(x["accuracy_full"], ".2f") for x in xs))
-    claim(f"… AM with `pin=0.25` (the prompt's most surprising tokens exact), C "
-          f"{' / '.join(map(str, sorted(per)))}, {samples} prompts, {where}; the same run's default "
-          "in brackets",
+    claim(f"Pass key, keep 0.1, AM's defaults, C {' / '.join(map(str, sorted(default)))}, {samples} prompts "
+          "(`pin=0` in brackets; best of the C 4096 sweep)",
           " / ".join(f"{x['accuracy']:.2f}" + (f" ({d['accuracy']:.2f})" if d else "")
-                     for x, d in zip(xs, same)) + f" (uncompr. {full})",
-          "≥ 0.9×", all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs), xs + [d for d in same if d])
+                     for x, d in zip(xs, before)) + f" (uncompr. {full})"
+          + (f"; best {best['accuracy']:.2f} ({best['case'].split(' passkey')[0]})" if best else ""),
+          "≥ 0.9×", bool(xs) and all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs),
+          xs + [d for d in before if d] + ([best] if best else []))
 
 
 # ------------------------------------------------------------------------------------------------ quality
@@ -1260,10 +1248,28 @@ def compaction_label(r: dict) -> str:
     options = r.get("options") or {}
     if method not in ("am", "attention"):
         return method
-    base = AM_DEFAULTS if method == "am" else {"allocation": "uniform", "pooling": "mean"}
+    base = ({**AM_DEFAULTS, "pin": None} if method == "am"
+            else {"allocation": "uniform", "pooling": "mean", "pin": None})
+    if method == "am":  # rows from before pin's default (the fifteenth session) compacted without pins
+        options = {"pin": 0, **options}
     changed = [f"{k} {v}" if not isinstance(v, bool) else f"{'' if v else 'no '}{k}"
                for k, v in sorted(options.items()) if base.get(k, True if isinstance(v, bool) else None) != v]
     return f"{method} ({', '.join(changed)})" if changed else f"{method} (default)"
+
+
+def compaction_rows(res: Results, name: str, only: Callable[[str], bool]) -> list[dict]:
+    """The newest measured row of each setting, in the order they first appear: a setting is the case less
+    its variant's name, with :func:`compaction_label` in its place (a variant's name meant other options
+    before a default changed, and two names may spell one set of options)."""
+    newest: dict[tuple, dict] = {}
+    for r in res.rows(name):
+        if only(r.get("case", "")) and measured_row(r):
+            rest = r["case"][len(r["method"]):] if r["case"].startswith(r["method"]) else r["case"]
+            newest[(compaction_label(r), rest)] = r  # a key keeps its first place
+    out = list(newest.values())
+    for r in out:
+        res.used[id(r)] = (name, r)
+    return out
 
 
 def compaction(res: Results) -> str:
@@ -1272,7 +1278,7 @@ def compaction(res: Results) -> str:
     notes."""
     from stiefkv.presses import PRESSES
 
-    rows = [r for r in res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+    rows = [r for r in compaction_rows(res, "compaction", lambda case: case.endswith(" cuda"))
             if not r.get("projections") and " chunks" not in r["case"]]
     best: dict[tuple, float] = {}
     for r in rows:
@@ -1296,7 +1302,7 @@ def composed_rows(res: Results) -> list[tuple[dict, dict | None]]:
     press at keep 0.1 of its chunks, which the target compares with."""
     from stiefkv.presses import PRESSES
 
-    rows = [r for r in res.cases("compaction", only=lambda case: case.endswith(" cuda"))
+    rows = [r for r in compaction_rows(res, "compaction", lambda case: case.endswith(" cuda"))
             if r["context"] == 4096]
     served = [r for r in rows if r.get("projections")]
     out = []
@@ -1308,7 +1314,7 @@ def composed_rows(res: Results) -> list[tuple[dict, dict | None]]:
         def beside(r, best=best):
             return not r.get("projections") and (
                 (best and r["case"] == best["case"]) or (r["method"] in PRESSES and r["keep"] < 0.1)
-                or (r["keep"] == 0.1 and compaction_label(r) == "am (default)"))
+                or (r["keep"] == 0.1 and compaction_label(r) in ("am (default)", "am (pin 0)")))
 
         out += [(r, best) for r in [r for r in same if r.get("projections")] + [r for r in same if beside(r)]]
     return out

@@ -400,11 +400,16 @@ def _inspect_table(proj) -> str:
               help="am = attention matching (keys, β and values fitted); attention evicts all but the keys "
                    "the same reference queries attend to most; the others are kvpress's presses, scored as "
                    "kvpress defines them (stiefkv/presses.py).")
+@click.option("--pin", type=float, default=None,
+              help="With --compact (am, attention): the share of the kept entries that hold the prompt's "
+                   "most surprising tokens exact, in [0, 1); 0 for none. Default: am a tenth (at least 64 "
+                   "tokens, at most a quarter), attention none.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options
 def evaluate(model, projections, baseline, data, window, windows, batch_size, backend, attention_kl,
-             kl_context, compact, context, passkey, compact_method, json_path, device, dtype, seed, debug):
+             kl_context, compact, context, passkey, compact_method, pin, json_path, device, dtype, seed,
+             debug):
     """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL (or, with
     --compact, the perplexity after a compacted context)."""
     import stiefkv
@@ -441,6 +446,10 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                             "model): drop --passkey, or --projections")
         if context < 2:
             raise UserError(f"--context must be ≥ 2, got {context}")
+    if pin is not None and (compact is None or compact_method not in ("am", "attention") or not 0 <= pin < 1):
+        raise UserError(f"--pin is the share of the kept entries held exact, with --compact and "
+                        f"--compact-method am or attention, in [0, 1); got --pin {pin} (--compact {compact}, "
+                        f"--compact-method {compact_method})")
     if passkey is not None and (compact is None or passkey < 1):
         raise UserError("--passkey N (N ≥ 1 prompts) measures retrieval after a compacted context: give "
                         f"--compact too (got --passkey {passkey}, --compact {compact})")
@@ -462,12 +471,13 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         if compact is not None:
             from stiefkv.longcontext import evaluate_compacted, evaluate_retrieval
 
+            pinned = {} if pin is None else {"pin": pin}
             if passkey is not None:
                 result = evaluate_retrieval(m, tok, context=context, keep=compact, method=compact_method,
-                                            samples=passkey, seed=seed)
+                                            samples=passkey, seed=seed, **pinned)
             else:
                 result = evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
-                                            chunks=windows, data=data, projections=proj)
+                                            chunks=windows, data=data, projections=proj, **pinned)
             if json_path is not None and not to_stdout:
                 _write_json(json_path, result.as_dict())
             return result

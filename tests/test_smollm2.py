@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import math
 import os
 from pathlib import Path
 
@@ -160,6 +161,15 @@ def test_cli_compressed_context_perplexity(tmp_path):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output[r.output.index("{"):])
     assert doc["ppl"] == pytest.approx(doc["ppl_full"], rel=1e-4)
+    ppl = {}  # --pin reaches compact: no pins and half the kept entries pinned score apart
+    for pin in ("0", "0.5"):
+        r = runner.invoke(main, ["eval", "smollm2", "--compact", "0.1", "--context", "256", "--windows", "1",
+                                 "--pin", pin, "--json", "-"])
+        assert r.exit_code == 0, r.output
+        doc = json.loads(r.output[r.output.index("{"):])
+        ppl[pin] = doc["ppl"]
+        assert math.isfinite(doc["ppl"]) and doc["ppl"] > doc["ppl_full"]
+    assert ppl["0"] != ppl["0.5"]
     r = runner.invoke(main, ["eval", "smollm2", "--compact", "0.5", "--context", "300", "--passkey", "2",
                              "--json", "-"])
     assert r.exit_code == 0, r.output
@@ -169,7 +179,11 @@ def test_cli_compressed_context_perplexity(tmp_path):
                           (["--compact", "0.1", "--baseline", "kivi4"], "drop --baseline"),
                           (["--compact", "0.1", "--projections", __file__, "--passkey", "2"],
                            "drop --passkey"),
-                          (["--passkey", "3"], "give --compact too")):
+                          (["--passkey", "3"], "give --compact too"),
+                          (["--compact", "0.1", "--pin", "1.5"], "got --pin 1.5"),
+                          (["--pin", "0.1"], "--pin is the share"),
+                          (["--compact", "0.1", "--compact-method", "snapkv", "--pin", "0.1"],
+                           "--compact-method snapkv")):
         r = runner.invoke(main, ["eval", "smollm2", *args])
         assert r.exit_code == 2 and message in r.output, r.output
 
