@@ -297,11 +297,14 @@ def compaction_claims(res: Results, claim) -> None:
         [am, best],
     )
     composed = [(r, best) for r, best in composed_rows(res) if r.get("projections")]
+    def weight(r):  # the same cache on more chunks says it better; then with today's defaults
+        return r["chunks"], compaction_label(r) == "am (default)"
+
     most = {}
     for r, _ in composed:
-        most[Path(r["projections"]).stem] = max(most.get(Path(r["projections"]).stem, 0), r["chunks"])
+        most[Path(r["projections"]).stem] = max(most.get(Path(r["projections"]).stem, (0, False)), weight(r))
     for r, best in composed:
-        if r["chunks"] < most[Path(r["projections"]).stem]:  # the same cache on more chunks says it better
+        if weight(r) < most[Path(r["projections"]).stem]:
             continue
         ratio = (r["ppl"] - r["ppl_full"]) / (best["ppl"] - best["ppl_full"]) if best else None
         claim(
