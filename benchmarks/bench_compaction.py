@@ -20,6 +20,7 @@ import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 import stiefkv
+from stiefkv.compacted import PIN_CAP, PIN_FLOOR, PIN_SHARE
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
 from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted, evaluate_retrieval
@@ -102,8 +103,14 @@ def main() -> None:
 
 
 def _recorded(method: str, options: dict) -> dict:
-    """A row's options: the fit's over its defaults and ``pin`` (None: the default), for AM's methods."""
-    return {**effective_options(method, options), "pin": options.get("pin")} if method in AM_METHODS else {}
+    """A row's options, for AM's methods: the fit's over its defaults and ``pin`` as it was resolved (the
+    default's share, floor and cap, so a later default cannot take the row for its own)."""
+    if method not in AM_METHODS:
+        return {}
+    pin = options.get("pin")
+    if pin is None:
+        pin = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP} if method == "am" else 0
+    return {**effective_options(method, options), "pin": pin}
 
 
 def _tokenized(tok, options: dict) -> dict:

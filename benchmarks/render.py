@@ -353,26 +353,34 @@ def compaction_claims(res: Results, claim) -> None:
 
 
 def retrieval_claim(res: Results, claim, window: int) -> None:
-    """Pass keys with AM's defaults (keep 0.1, H200) at every context measured, beside ``pin=0`` (the default
-    before ``pin``'s) of the same run where it ran, else its newest row; the best of the C 4096 sweep."""
-    rows = [r for r in compaction_rows(res, "retrieval", lambda case: case.startswith("am "))
-            if r["keep"] == 0.1 and r["case"].endswith(" cuda") and r["window"] == window]
-    default = {r["context"]: r for r in rows if compaction_label(r) == "am (default)"}
-    unpinned = [r for r in rows if compaction_label(r) == "am (pin 0)"]
+    """Pass keys with AM's defaults (keep 0.1, H200, the default window) at every context measured (the most
+    prompts, then the newest), beside ``pin=0`` of the same run where it ran, else its newest row; the best
+    of the C 4096 sweep with as many prompts (the default where it ties)."""
+    def gpu_am(case: str) -> bool:
+        return case.startswith("am ") and case.endswith(" cuda")
+
+    rows = [r for r in compaction_rows(res, "retrieval", gpu_am) if r["keep"] == 0.1]
+    default: dict[int, dict] = {}
+    for r in rows:
+        if compaction_label(r) == "am (default)" and r["window"] == window and (
+                r["context"] not in default or r["samples"] >= default[r["context"]]["samples"]):
+            default[r["context"]] = r
+    unpinned = [r for r in rows if compaction_label(r) == "am (pin 0)" and r["window"] == window]
     xs = [default[c] for c in sorted(default)]
     before = [next((d for d in reversed(unpinned) if d["provenance"]["run_id"] == x["provenance"]["run_id"]
                     and d["context"] == x["context"]),
                    next((d for d in reversed(unpinned) if d["context"] == x["context"]), None)) for x in xs]
-    sweep = [x for x in compaction_rows(res, "retrieval", lambda case: case.startswith("am "))
-             if x["keep"] == 0.1 and x["context"] == 4096 and x["samples"] == 20]
-    best = max(sweep, key=lambda x: x["accuracy"]) if sweep else None
+    at = default.get(4096)
+    sweep = [x for x in rows if at and x["context"] == 4096 and x["samples"] == at["samples"]]
+    best = max(sweep, key=lambda x: (x["accuracy"], x is at)) if sweep else None
     samples = " / ".join(dict.fromkeys(str(x["samples"]) for x in xs))
     full = " / ".join(dict.fromkeys(format(x["accuracy_full"], ".2f") for x in xs))
     claim(f"Pass key, keep 0.1, AM's defaults, C {' / '.join(map(str, sorted(default)))}, {samples} prompts "
           "(`pin=0` in brackets; best of the C 4096 sweep)",
           " / ".join(f"{x['accuracy']:.2f}" + (f" ({d['accuracy']:.2f})" if d else "")
                      for x, d in zip(xs, before)) + f" (uncompr. {full})"
-          + (f"; best {best['accuracy']:.2f} ({best['case'].split(' passkey')[0]})" if best else ""),
+          + (f"; best {best['accuracy']:.2f} ({compaction_label(best)}, window {best['window']})"
+             if best else ""),
           "≥ 0.9×", bool(xs) and all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs),
           xs + [d for d in before if d] + ([best] if best else []))
 
@@ -1243,32 +1251,48 @@ def runs(res: Results) -> str:
 
 
 # ------------------------------------------------------------------------------------- compaction (issue 15)
+# What a row's ``"pin": null`` meant when it was written (2026-12-04, `b925ea8` on): AM's default then.
+PIN_NULL_MEANT = {"share": 0.1, "floor": 64, "cap": 0.25}
+
+
 def compaction_label(r: dict) -> str:
-    """A row's method, with AM's options where they differ from the defaults of the current code."""
+    """A row's method, with AM's options where they differ from the defaults of the current code. A row
+    without ``pin`` predates it (none pinned); ``null`` is the default of its day (:data:`PIN_NULL_MEANT`)."""
+    from stiefkv.compacted import PIN_CAP, PIN_FLOOR, PIN_SHARE
     from stiefkv.compaction import AM_DEFAULTS
 
     method = r["method"].split()[0]
-    options = r.get("options") or {}
+    options = dict(r.get("options") or {})
     if method not in ("am", "attention"):
         return method
-    base = ({**AM_DEFAULTS, "pin": None} if method == "am"
-            else {"allocation": "uniform", "pooling": "mean", "pin": None})
-    if method == "am":  # rows from before pin's default (the fifteenth session) compacted without pins
-        options = {"pin": 0, **options}
-    changed = [f"{k} {v}" if not isinstance(v, bool) else f"{'' if v else 'no '}{k}"
+    if method == "am":
+        options["pin"] = PIN_NULL_MEANT if options.get("pin", 0) is None else options.get("pin", 0)
+        base = {**AM_DEFAULTS, "pin": {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP}}
+    else:
+        options["pin"] = options.get("pin") or 0  # eviction pins none by default
+        base = {"allocation": "uniform", "pooling": "mean", "pin": 0}
+
+    def shown(v) -> str:
+        if isinstance(v, dict):
+            return f"{v['share']:g}, ≥ {v['floor']}, ≤ {v['cap']:g}"
+        return f"{v:g}" if isinstance(v, float) else str(v)
+
+    changed = [f"{k} {shown(v)}" if not isinstance(v, bool) else f"{'' if v else 'no '}{k}"
                for k, v in sorted(options.items()) if base.get(k, True if isinstance(v, bool) else None) != v]
     return f"{method} ({', '.join(changed)})" if changed else f"{method} (default)"
 
 
 def compaction_rows(res: Results, name: str, only: Callable[[str], bool]) -> list[dict]:
-    """The newest measured row of each setting, in the order they first appear: a setting is the case less
-    its variant's name, with :func:`compaction_label` in its place (a variant's name meant other options
-    before a default changed, and two names may spell one set of options)."""
+    """The newest measured row (else transcribed) of each setting, in the order they first appear: the case
+    less its variant's name, with :func:`compaction_label` in its place (a variant's name meant other
+    options before a default changed, and two names may spell one set of options)."""
     newest: dict[tuple, dict] = {}
     for r in res.rows(name):
-        if only(r.get("case", "")) and measured_row(r):
+        if only(r.get("case", "")):
             rest = r["case"][len(r["method"]):] if r["case"].startswith(r["method"]) else r["case"]
-            newest[(compaction_label(r), rest)] = r  # a key keeps its first place
+            key = (compaction_label(r), rest)  # a key keeps its first place
+            if measured_row(r) or key not in newest or not measured_row(newest[key]):
+                newest[key] = r
     out = list(newest.values())
     for r in out:
         res.used[id(r)] = (name, r)

@@ -23,7 +23,14 @@ from tqdm.auto import tqdm
 
 from stiefkv import presses
 from stiefkv.cache import cache_keyword
-from stiefkv.compacted import DEFAULT_WINDOW, build, prefill_with_queries, repeat_queries, study_queries
+from stiefkv.compacted import (
+    DEFAULT_WINDOW,
+    build,
+    pin_count,
+    prefill_with_queries,
+    repeat_queries,
+    study_queries,
+)
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
 from stiefkv.models import check_context
@@ -143,6 +150,7 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     if method in AM_METHODS:
         effective_options(method, options)
+        pin_count(options.get("pin"), 1, method)  # a bad pin is refused before any forward
     if context <= presses.SNAPKV_WINDOW and method == "snapkv":
         raise ValueError(f"snapkv needs a context longer than its window of {presses.SNAPKV_WINDOW} tokens")
     if context < 2 or score < 2:
@@ -264,6 +272,9 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
         raise ValueError(f"keep must be in (0, 1], got {keep}")
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
+    if method in AM_METHODS:
+        effective_options(method, options)
+        pin_count(options.get("pin"), 1, method)
     check_context(model.config, context + 32, "context + question")
     rng = random.Random(seed)
     right = right_full = 0

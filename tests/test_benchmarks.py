@@ -69,6 +69,38 @@ def test_render_prefers_the_newest_measured_row(tmp_path):
     assert [r["v"] for r in res.cases("f")] == [2, 4]
 
 
+def test_compaction_rows_are_labelled_by_their_options_and_the_pass_key_claim_finds_its_run(tmp_path):
+    """A row without ``pin`` predates it (pin 0) and merges with a later ``am pin0`` row of the same setting
+    (the newest shown); ``null`` is the default of its day, 0.0 is 0, and eviction's 0 is its default; the
+    pass-key claim brackets the default with ``pin=0`` of the same run."""
+    fit = {"allocation": "layers-max", "pooling": "rms", "solver": "projected", "block": 4096}
+
+    def row(method, options, run, accuracy, context=4096):
+        return {"case": f"{method} passkey C{context} keep0.1 n20 cuda", "method": method, "keep": 0.1,
+                "context": context, "samples": 20, "accuracy": accuracy, "accuracy_full": 1.0,
+                "window": 1024, "options": options, "remeasured": True,
+                "provenance": {"run_id": run, "date": run}}
+
+    rows = [row("am", fit, "a", 0.25), row("am pin0", {**fit, "pin": 0}, "b", 0.3),
+            row("am", {**fit, "pin": None}, "b", 0.95), row("am", {**fit, "pin": None}, "b", 1.0, 2048),
+            row("am pin0", {**fit, "pin": 0.0}, "c", 0.5, 2048)]
+    (tmp_path / "retrieval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = render.Results(tmp_path)
+    got = render.compaction_rows(res, "retrieval", lambda case: True)
+    assert [(render.compaction_label(r), r["accuracy"]) for r in got] == [
+        ("am (pin 0)", 0.3), ("am (default)", 0.95), ("am (default)", 1.0), ("am (pin 0)", 0.5)]
+    assert render.compaction_label({"method": "attention", "options": {"allocation": "uniform",
+                                                                       "pooling": "mean", "pin": 0}}) \
+        == "attention (default)"
+    assert render.compaction_label({"method": "am", "options": {**fit, "pin": {
+        "share": 0.2, "floor": 64, "cap": 0.25}}}) == "am (pin 0.2, ≥ 64, ≤ 0.25)"
+    claims = []
+    render.retrieval_claim(res, lambda *a: claims.append(a), 1024)
+    (text, value, _, met, shown), = claims
+    assert "C 2048 / 4096" in text and met
+    assert value.startswith("1.00 (0.50) / 0.95 (0.30)")  # C 2048: run c's, the only one; C 4096: run b's
+
+
 def test_render_refuses_unknown_blocks(tmp_path):
     with pytest.raises(ValueError, match="unknown render blocks"):
         render.render("<!-- render:nope -->\n<!-- /render:nope -->\n", render.Results(tmp_path))

@@ -543,6 +543,29 @@ def test_the_default_compaction_pins_the_default_count_and_a_cache_without_surpr
         torch.testing.assert_close(quiet.beta[i], unpinned.beta[i])
 
 
+def test_pins_of_a_cache_cropped_after_prefill_are_among_its_own_tokens():
+    """A cache cropped after :func:`stiefkv.prefill` pins the most surprising of the tokens it still holds;
+    a share given as a numpy scalar is a share."""
+    import numpy as np
+
+    import stiefkv
+
+    model, ids = tiny_prompt(23, 61)
+    cache = stiefkv.prefill(model, ids, window=12)
+    score = cache.prompt_surprise
+    for layer in cache.layers:  # crop (whose argument's meaning changed across transformers releases)
+        layer.keys, layer.values = layer.keys[:, :, :40], layer.values[:, :, :40]
+    got = stiefkv.compact(model, cache, keep=0.5, pin=np.float32(0.3))
+    p = int(float(np.float32(0.3)) * 20)
+    pins = score[:, :40].topk(p, dim=1).indices.sort(dim=1).values
+    assert int(pins.max()) < 40 and int(score[0].argmax()) in pins[0].tolist()
+    for i in range(len(got.layers)):
+        n = got.prefix[i] - p
+        assert torch.equal(got.layers[i].keys[:, :, n:n + p], cache.layers[i].keys[:, :, pins[0]])
+    default = stiefkv.compact(model, cache, keep=0.5)
+    assert default.get_seq_length() == 40
+
+
 def test_bad_pins_are_refused():
     from transformers import DynamicCache
 
@@ -552,7 +575,7 @@ def test_bad_pins_are_refused():
 
     model, ids = tiny_prompt(14, 30)
     cache = stiefkv.prefill(model, ids, window=8)
-    for pin in (-0.1, 1.0, True, "0.1"):
+    for pin in (-0.1, 1.0, True, False, "0.1", float("nan")):
         with pytest.raises(ValueError, match="pin is the share"):
             stiefkv.compact(model, cache, pin=pin)
     plain = DynamicCache()
