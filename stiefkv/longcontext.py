@@ -55,6 +55,7 @@ class CompactedResult:
     projections: str | None = None  # the served model's checkpoint (its latent cache compacted), or None
     ppl_ranks: float | None = None  # with projections: the served model with the whole context
     bytes_fraction: float | None = None  # the compacted context's bytes / its bf16 cache's
+    pinned_tokens: int = 0  # of the entries kept, the prompt's most surprising tokens held exact (pin)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -172,7 +173,13 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     ppl_ranks = float(torch.exp(torch.tensor(nll_ranks / tokens))) if served is not None else None
     entry, full = entry_bytes(model, proj, max(1, round(held)))
     return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept, held,
-                           name, ppl_ranks, held * entry / (context * full))
+                           name, ppl_ranks, held * entry / (context * full), _pinned(kept, method, options))
+
+
+def _pinned(kept: int, method: str, options: dict) -> int:
+    """The exact tokens among ``kept`` entries a head that ``options``' ``pin`` gives (prefill records the
+    surprise they need)."""
+    return pin_count(options.get("pin"), kept, method) if method in AM_METHODS else 0
 
 
 def _served(model, projections, method: str):
@@ -190,13 +197,17 @@ def _served(model, projections, method: str):
     return proj, Switch(model, proj), name or proj.method
 
 
+def _kept(r) -> str:
+    return f"{r.kept_tokens} ({r.keep:g}" + (f"; {r.pinned_tokens} exact)" if r.pinned_tokens else ")")
+
+
 def format_compacted(r: CompactedResult) -> str:
     """A markdown table of one compressed-context result."""
     delta = 100 * (r.ppl / r.ppl_full - 1)
     return "\n".join([
         "| method | context | kept per head | chunks | scored tokens | PPL | uncompressed | ΔPPL |",
         "|---|---|---|---|---|---|---|---|",
-        f"| {r.method} | {r.context} | {r.kept_tokens} ({r.keep:g}) | {r.chunks} | {r.tokens} "
+        f"| {r.method} | {r.context} | {_kept(r)} | {r.chunks} | {r.tokens} "
         f"| {r.ppl:.3f} | {r.ppl_full:.3f} | {delta:+.1f} % |",
     ])
 
@@ -224,6 +235,7 @@ class RetrievalResult:
     accuracy_full: float
     kept_tokens: int
     held_tokens: float
+    pinned_tokens: int = 0  # of the entries kept, the prompt's most surprising tokens held exact (pin)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -288,7 +300,7 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
         right, right_full = right + (key in answer), right_full + memo[context, seed, i]
         held += h / samples
     return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
-                           held)
+                           held, _pinned(kept, method, options))
 
 
 def format_retrieval(r: RetrievalResult) -> str:
@@ -296,6 +308,6 @@ def format_retrieval(r: RetrievalResult) -> str:
     return "\n".join([
         "| method | context | kept per head | prompts (seed) | accuracy | uncompressed |",
         "|---|---|---|---|---|---|",
-        f"| {r.method} | {r.context} | {r.kept_tokens} ({r.keep:g}) | {r.samples} ({r.seed}) "
+        f"| {r.method} | {r.context} | {_kept(r)} | {r.samples} ({r.seed}) "
         f"| {r.accuracy:.2f} | {r.accuracy_full:.2f} |",
     ])

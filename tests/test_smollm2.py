@@ -155,6 +155,7 @@ def test_cli_compressed_context_perplexity(tmp_path):
     assert r.exit_code == 0, r.output
     doc = json.loads(out.read_text())
     assert doc["kept_tokens"] == 26 and doc["tokens"] == 511 and doc["chunks"] == 1
+    assert doc["pinned_tokens"] == 0  # eviction pins none unless asked
     assert doc["ppl"] > doc["ppl_full"] > 1 and f"{doc['ppl']:.3f}" in r.output
     r = runner.invoke(main, ["eval", "smollm2", "--compact", "1", "--context", "256", "--windows", "1",
                              "--compact-method", "recent", "--json", "-"])
@@ -164,10 +165,12 @@ def test_cli_compressed_context_perplexity(tmp_path):
     ppl = {}  # --pin reaches compact: no pins and half the kept entries pinned score apart
     for pin in ("0", "0.5"):
         r = runner.invoke(main, ["eval", "smollm2", "--compact", "0.1", "--context", "256", "--windows", "1",
-                                 "--pin", pin, "--json", "-"])
+                                 "--pin", pin, "--json", str(out)])
         assert r.exit_code == 0, r.output
-        doc = json.loads(r.output[r.output.index("{"):])
+        doc = json.loads(out.read_text())
         ppl[pin] = doc["ppl"]
+        assert doc["pinned_tokens"] == {"0": 0, "0.5": 13}[pin]
+        assert {"0": "| 26 (0.1) |", "0.5": "| 26 (0.1; 13 exact) |"}[pin] in r.output
         assert math.isfinite(doc["ppl"]) and doc["ppl"] > doc["ppl_full"]
     assert ppl["0"] != ppl["0.5"]
     r = runner.invoke(main, ["eval", "smollm2", "--compact", "0.5", "--context", "300", "--passkey", "2",
@@ -175,6 +178,7 @@ def test_cli_compressed_context_perplexity(tmp_path):
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output[r.output.index("{"):])
     assert doc["samples"] == 2 and doc["accuracy_full"] == 1.0 and 0 <= doc["accuracy"] <= 1
+    assert doc["pinned_tokens"] == 37  # AM's default at 150 kept: a quarter (37) under the floor of 64
     for args, message in ((["--compact", "1.5"], "--compact must be in (0, 1]"),
                           (["--compact", "0.1", "--baseline", "kivi4"], "drop --baseline"),
                           (["--compact", "0.1", "--projections", __file__, "--passkey", "2"],
