@@ -3,9 +3,10 @@ of Llama-3-8B shapes in ≤ 2 s on the H200).
 
 Random keys, values and reference queries at the model's shapes stand in for a prefilled cache (the time
 does not depend on the weights): per layer ``[1, G, T, d]`` keys and values and ``[1, H, window, d]``
-queries, bf16 on the device. Timed: :func:`stiefkv.compaction.compact_layers` (what ``stiefkv.compact``
-runs after the prefill) with AM's defaults (``--block`` another block), synchronised, the best of
-``--repeat`` after one warm-up; and the peak memory above the inputs.
+queries, bf16 on the device, and a random surprise per token for ``pin``. Timed: the choice of the pinned
+tokens and :func:`stiefkv.compacted.compact_pinned` (what ``stiefkv.compact`` runs after the prefill) with
+AM's defaults (``--block`` another block, ``--pin`` another share), synchronised, the best of ``--repeat``
+after one warm-up; and the peak memory above the inputs.
 One row per length to ``benchmarks/results/compaction_speed.jsonl``.
 
     python benchmarks/bench_compaction_speed.py --lengths 4096,8192,16384,32768 --device cuda
@@ -19,7 +20,8 @@ import time
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-from stiefkv.compaction import AM_DEFAULTS, compact_layers
+from stiefkv.compacted import PIN_CAP, PIN_FLOOR, PIN_SHARE, compact_pinned, pin_count
+from stiefkv.compaction import AM_DEFAULTS
 
 SHAPES = {"llama3-8b": dict(layers=32, heads=32, kv_heads=8, head_dim=128),
           "smollm2": dict(layers=30, heads=9, kv_heads=3, head_dim=64),
@@ -32,8 +34,11 @@ def synced(device: str) -> float:
     return time.perf_counter()
 
 
-def compact_all(keys, values, queries, t: int, scale: float, **options) -> None:
-    for _ in compact_layers(list(keys), values, queries, t, scales=[scale] * len(keys), **options):
+def compact_all(keys, values, queries, t: int, scale: float, surprise: torch.Tensor, pin: float | None,
+                **options) -> None:
+    p = pin_count(pin, t, "am")
+    pins = surprise.topk(p, dim=1).indices.sort(dim=1).values if p else None
+    for _ in compact_pinned(list(keys), values, queries, t, pins, scales=[scale] * len(keys), **options):
         pass
 
 
@@ -47,6 +52,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--block", default="default",
                     help="AM's block in tokens: 'default' (AM_DEFAULTS), 'none' (the whole layer), or N")
+    ap.add_argument("--pin", default="default",
+                    help="the share of the kept entries held exact: 'default' (AM's), or a share (0: none)")
     args = ap.parse_args()
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
@@ -55,11 +62,15 @@ def main() -> None:
     g = torch.Generator(device=args.device).manual_seed(0)
     options = {} if args.block == "default" else {"block": None if args.block == "none" else int(args.block)}
     label = "" if args.block == "default" else f" block {args.block}"
+    pin = None if args.pin == "default" else float(args.pin)
+    label += "" if pin is None else f" pin{pin:g}"
+    resolved = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP} if pin is None else pin
     for T in (int(x) for x in args.lengths.split(",")):
         make = lambda *shape: torch.randn(*shape, generator=g, device=args.device, dtype=dtype)  # noqa: E731
         keys = [make(1, s["kv_heads"], T, s["head_dim"]) for _ in range(s["layers"])]
         values = [make(1, s["kv_heads"], T, s["head_dim"]) for _ in range(s["layers"])]
         queries = [make(1, s["heads"], min(args.window, T), s["head_dim"]) for _ in range(s["layers"])]
+        surprise = torch.rand(1, T, generator=g, device=args.device)
         t = max(1, round(args.keep * T))
         scale = s["head_dim"] ** -0.5
         if args.device.startswith("cuda"):
@@ -68,11 +79,12 @@ def main() -> None:
         times = []
         for _ in range(args.repeat + 1):
             t0 = synced(args.device)
-            compact_all(keys, values, queries, t, scale, **options)
+            compact_all(keys, values, queries, t, scale, surprise, pin, **options)
             times.append(synced(args.device) - t0)
         peak = (torch.cuda.max_memory_allocated() - base) / 2**30 if args.device.startswith("cuda") else None
         row = {"case": f"{args.shape} T{T} keep{args.keep:g}{label} {args.device}", "shape": args.shape,
-               "tokens": T, "keep": args.keep, "window": args.window, "options": {**AM_DEFAULTS, **options},
+               "tokens": T, "keep": args.keep, "window": args.window,
+               "options": {**AM_DEFAULTS, **options, "pin": resolved},
                "seconds": min(times[1:]), "seconds_all": times, "peak_gib_above_inputs": peak}
         utils.write_rows("compaction_speed", row)
         print(f"{row['case']}: {row['seconds']:.2f} s (runs {', '.join(f'{x:.2f}' for x in times)}), "

@@ -338,17 +338,27 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     keys = [cache.layers[i].keys for i in range(len(layers))]
     values = [cache.layers[i].values for i in range(len(layers))]
     scales = [la.self_attn.scaling for la in layers]
+    for kept, beta, fitted in compact_pinned(keys, values, queries, t, pins, scales=scales, method=method,
+                                             **options):
+        new.add_layer(kept, fitted, beta)
+    install_hooks(model)
+    return new
+
+
+def compact_pinned(keys: list[torch.Tensor], values: list[torch.Tensor], queries: list[torch.Tensor], t: int,
+                   pins: torch.Tensor | None, *, scales: list[float], method: str = "am", **options):
+    """Per layer ``(keys, β, values)`` of :func:`~stiefkv.compaction.compact_layers` over the tokens not in
+    ``pins`` ``[B, p]`` to ``t − p`` entries, then the pinned tokens as they are, β = 0, behind them (what
+    :func:`build` stores for a ``DynamicCache``; timed by ``bench_compaction_speed.py``)."""
     fits = compact_layers(*_unpinned(keys, values, pins), queries, t - _count(pins), scales=scales,
                           method=method, **options)
     for i, (kept, beta, fitted, _) in enumerate(fits):
         kept, fitted = kept.to(keys[i].dtype), fitted.to(values[i].dtype)
-        if pins is not None:  # the pinned tokens as they are, β = 0, behind the compacted rest
+        if pins is not None:
             kept = torch.cat([kept, _take(keys[i], pins)], 2)
             fitted = torch.cat([fitted, _take(values[i], pins)], 2)
             beta = torch.cat([beta, beta.new_zeros(*beta.shape[:2], pins.shape[1])], 2)
-        new.add_layer(kept, fitted, beta)
-    install_hooks(model)
-    return new
+        yield kept, beta, fitted
 
 
 # pin's default (pin=None) for AM: a tenth of the kept entries, at least PIN_FLOOR tokens but at most a

@@ -101,6 +101,21 @@ def test_compaction_rows_are_labelled_by_their_options_and_the_pass_key_claim_fi
     assert value.startswith("1.00 (0.50) / 0.95 (0.30)")  # C 2048: run c's, the only one; C 4096: run b's
 
 
+def test_bench_compaction_speed_times_the_pinned_default_and_records_it(results, monkeypatch):
+    """``bench_compaction_speed.py`` times what ``compact`` runs, pins included, and records the pin as
+    resolved: the default's row is the default, ``--pin 0``'s is not."""
+    import bench_compaction_speed as bcs
+
+    for pin in ("default", "0"):
+        monkeypatch.setattr(sys, "argv", ["bench_compaction_speed.py", "--shape", "tiny", "--lengths", "301",
+                                          "--device", "cpu", "--repeat", "1", "--pin", pin])
+        bcs.main()
+    rows = utils.read_rows(results / "compaction_speed.jsonl")
+    assert [r["case"] for r in rows] == ["tiny T301 keep0.1 cpu", "tiny T301 keep0.1 pin0 cpu"]
+    labels = [render.compaction_label({"method": "am", "options": r["options"]}) for r in rows]
+    assert labels == ["am (default)", "am (pin 0)"] and all(r["seconds"] > 0 for r in rows)
+
+
 def test_render_refuses_unknown_blocks(tmp_path):
     with pytest.raises(ValueError, match="unknown render blocks"):
         render.render("<!-- render:nope -->\n<!-- /render:nope -->\n", render.Results(tmp_path))
