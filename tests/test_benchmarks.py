@@ -109,7 +109,8 @@ def test_bench_compaction_speed_times_the_pinned_default_and_records_it(results,
     for pin in ("default", "0"):
         monkeypatch.setattr(sys, "argv", ["bench_compaction_speed.py", "--shape", "tiny", "--lengths", "301",
                                           "--device", "cpu", "--repeat", "1", "--pin", pin])
-        bcs.main()
+        with torch.no_grad():  # main() turns gradients off for the process; this restores them after
+            bcs.main()
     rows = utils.read_rows(results / "compaction_speed.jsonl")
     assert [r["case"] for r in rows] == ["tiny T301 keep0.1 cpu", "tiny T301 keep0.1 pin0 cpu"]
     labels = [render.compaction_label({"method": "am", "options": r["options"]}) for r in rows]
