@@ -20,7 +20,7 @@ import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 import stiefkv
-from stiefkv.compacted import PIN_CAP, PIN_FLOOR, PIN_SHARE
+from stiefkv.compacted import DEFAULT_PIN
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
 from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted, evaluate_retrieval
@@ -109,7 +109,7 @@ def _recorded(method: str, options: dict) -> dict:
         return {}
     pin = options.get("pin")
     if pin is None:
-        pin = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP} if method == "am" else 0
+        pin = DEFAULT_PIN if method == "am" else 0
     return {**effective_options(method, options), "pin": pin}
 
 

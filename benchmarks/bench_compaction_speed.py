@@ -20,7 +20,7 @@ import time
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-from stiefkv.compacted import PIN_CAP, PIN_FLOOR, PIN_SHARE, compact_pinned, pin_count
+from stiefkv.compacted import DEFAULT_PIN, compact_pinned, most_surprising, pin_count
 from stiefkv.compaction import AM_DEFAULTS
 
 SHAPES = {"llama3-8b": dict(layers=32, heads=32, kv_heads=8, head_dim=128),
@@ -37,7 +37,7 @@ def synced(device: str) -> float:
 def compact_all(keys, values, queries, t: int, scale: float, surprise: torch.Tensor, pin: float | None,
                 **options) -> None:
     p = pin_count(pin, t, "am")
-    pins = surprise.topk(p, dim=1).indices.sort(dim=1).values if p else None
+    pins = most_surprising(surprise, p) if p else None
     for _ in compact_pinned(list(keys), values, queries, t, pins, scales=[scale] * len(keys), **options):
         pass
 
@@ -64,7 +64,7 @@ def main() -> None:
     label = "" if args.block == "default" else f" block {args.block}"
     pin = None if args.pin == "default" else float(args.pin)
     label += "" if pin is None else f" pin{pin:g}"
-    resolved = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP} if pin is None else pin
+    resolved = DEFAULT_PIN if pin is None else pin
     for T in (int(x) for x in args.lengths.split(",")):
         make = lambda *shape: torch.randn(*shape, generator=g, device=args.device, dtype=dtype)  # noqa: E731
         keys = [make(1, s["kv_heads"], T, s["head_dim"]) for _ in range(s["layers"])]

@@ -379,16 +379,23 @@ def retrieval_claim(res: Results, claim, window: int) -> None:
     at = default.get(4096)
     sweep = [x for x in rows if at and x["context"] == 4096 and x["samples"] == at["samples"]]
     best = max(sweep, key=lambda x: (x["accuracy"], x is at)) if sweep else None
+    from stiefkv.presses import PRESSES  # what a user would evict with instead, where measured at C 4096
+
+    pressed = [x for x in res.cases("retrieval", only=lambda case: case.endswith(" cuda"))
+               if at and x["method"] in PRESSES and x["keep"] == 0.1 and x["context"] == 4096
+               and x["samples"] == at["samples"]]
+    press = max(pressed, key=lambda x: x["accuracy"]) if pressed else None
     samples = " / ".join(dict.fromkeys(str(x["samples"]) for x in xs))
     full = " / ".join(dict.fromkeys(format(x["accuracy_full"], ".2f") for x in xs))
     claim(f"Pass key, keep 0.1, AM's defaults, C {' / '.join(map(str, sorted(default)))}, {samples} prompts "
-          "(`pin=0` in brackets; best of the C 4096 sweep)",
+          "(`pin=0` in brackets; at C 4096 the sweep's best and the best press)",
           " / ".join(f"{x['accuracy']:.2f}" + (f" ({d['accuracy']:.2f})" if d else "")
                      for x, d in zip(xs, before)) + f" (uncompr. {full})"
           + (f"; best {best['accuracy']:.2f} ({compaction_label(best)}, window {best['window']})"
-             if best else ""),
+             if best else "")
+          + (f"; best press {press['accuracy']:.2f} ({press['method']})" if press else ""),
           "≥ 0.9×", bool(xs) and all(x["accuracy"] >= 0.9 * x["accuracy_full"] for x in xs),
-          xs + [d for d in before if d] + ([best] if best else []))
+          xs + [d for d in before if d] + ([best] if best else []) + ([press] if press else []))
 
 
 # ------------------------------------------------------------------------------------------------ quality
@@ -1264,7 +1271,7 @@ PIN_NULL_MEANT = {"share": 0.1, "floor": 64, "cap": 0.25}
 def compaction_label(r: dict) -> str:
     """A row's method, with AM's options where they differ from the defaults of the current code. A row
     without ``pin`` predates it (none pinned); ``null`` is the default of its day (:data:`PIN_NULL_MEANT`)."""
-    from stiefkv.compacted import PIN_CAP, PIN_FLOOR, PIN_SHARE
+    from stiefkv.compacted import DEFAULT_PIN
     from stiefkv.compaction import AM_DEFAULTS
 
     method = r["method"].split()[0]
@@ -1273,7 +1280,7 @@ def compaction_label(r: dict) -> str:
         return method
     if method == "am":
         options["pin"] = PIN_NULL_MEANT if options.get("pin", 0) is None else options.get("pin", 0)
-        base = {**AM_DEFAULTS, "pin": {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP}}
+        base = {**AM_DEFAULTS, "pin": DEFAULT_PIN}
     else:
         options["pin"] = options.get("pin") or 0  # eviction pins none by default
         base = {"allocation": "uniform", "pooling": "mean", "pin": 0}

@@ -366,6 +366,7 @@ def compact_pinned(keys: list[torch.Tensor], values: list[torch.Tensor], queries
 # alone loses them in short prompts (C 2048, a tenth: 0.55 of the pass keys) and a large share costs the
 # perplexity of long ones (C 4096, a quarter: ΔPPL +1.75 against +1.40 for a tenth; docs/notes/compaction.md).
 PIN_SHARE, PIN_FLOOR, PIN_CAP = 0.1, 64, 0.25
+DEFAULT_PIN = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP}  # as result rows record it
 
 
 def pin_count(pin: float | None, t: int, method: str) -> int:
@@ -401,7 +402,11 @@ def pinned_tokens(cache, t: int, pin: float | None, method: str) -> torch.Tensor
                          "on the cache: prefill with it (or pass pin=0)")
     # a cache cropped after prefill holds the first tokens it scored; one extended since holds tokens it did
     # not score, which are never pinned
-    score = score[:, :cache.get_seq_length()]
+    return most_surprising(score[:, :cache.get_seq_length()], p)
+
+
+def most_surprising(score: torch.Tensor, p: int) -> torch.Tensor:
+    """Each row's ``p`` (at most its length) tokens of highest ``score`` ``[B, T]``, ascending."""
     return score.topk(min(p, score.shape[1]), dim=1).indices.sort(dim=1).values
 
 
