@@ -3,14 +3,17 @@ against the PyTorch reference backend on the same tokens (issue 14, docs/notes/s
 
 The wide int4 tile computed wrong logits on the H200 at ranks padded to 16 (r 11/13 and 16/16), bf16,
 one to three queries: decode. Random-input kernel tests found it; this checks the model end to end.
-Per case: PCA bases cut to the ranks (bf16 model on CUDA, int4 per-token codes for keys and values), a
-prefill of a WikiText-2 test prompt for each of ``--batch`` rows, then ``--steps`` decode steps fed the
-text's next tokens (teacher forcing: both backends see the same inputs). Reported: the largest logit
-difference over the largest logit, and how often the two backends' next tokens agree. The control cases
-(ranks 24/40, and int8 at 16/16) take the loops the fix did not touch.
+Per case: PCA bases cut to the ranks (int4 per-token codes for keys and values), a prefill of a WikiText-2
+test prompt for each of ``--batch`` rows, then ``--steps`` decode steps fed the text's next tokens (teacher
+forcing: every run sees the same inputs). The truth is the PyTorch reference backend on the float32 model;
+the bf16 model is served by both backends, and each one's mean KL from the truth and its next-token
+agreement with it are reported. The bf16 reference backend's distance is the noise level: rounding moves
+int4 codes by a step, and with them the logits, in every backend. A case fails where the kernels' KL is
+more than ``--max-ratio`` times the bf16 reference's (plus ``--kl-floor``). The control cases (int8; r 7/16)
+take loops the fix did not touch.
 
     usage: python benchmarks/experiments/smollm2_int4_decode_check.py MODEL [--steps 32] [--batch 3]
-Exits 1 when a case's agreement falls below ``--min-agree`` or its error above ``--max-rel``.
+Exits 1 when a case fails.
 """
 
 import argparse
@@ -25,7 +28,7 @@ from stiefkv.projections import Projections
 from stiefkv.quant import QuantSpec
 
 CASES = [  # (r_k, r_v, bits)
-    (11, 13, 4), (16, 16, 4), (7, 16, 4), (24, 40, 4), (16, 16, 8),
+    (11, 13, 4), (16, 16, 4), (24, 40, 4), (64, 64, 4), (7, 16, 4), (16, 16, 8), (24, 40, 8),
 ]
 
 
@@ -58,8 +61,8 @@ def main() -> int:
     ap.add_argument("--prompt", type=int, default=300)
     ap.add_argument("--steps", type=int, default=32)
     ap.add_argument("--batch", type=int, default=3)
-    ap.add_argument("--min-agree", type=float, default=0.9)
-    ap.add_argument("--max-rel", type=float, default=0.05)
+    ap.add_argument("--max-ratio", type=float, default=2.0)
+    ap.add_argument("--kl-floor", type=float, default=1e-3)
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("this check compiles the kernels: it needs a CUDA device", file=sys.stderr)
@@ -67,7 +70,7 @@ def main() -> int:
     model, tok = stiefkv.load_model(args.model, device="cuda")
     proj = stiefkv.calibrate(model, tok, budget=1.0, bits="16", method="pca", allocation="uniform",
                              key_mode="post_rope", num_sequences=8, seq_len=256)
-    model.to(torch.bfloat16)
+    model.to(torch.bfloat16)  # every run holds the same (bf16-rounded) weights; the truth computes in fp32
     stream = token_stream(tok, load_texts("wikitext2", "test"))
     n = args.prompt + args.steps
     rows = torch.stack([stream[i * 5 * n:i * 5 * n + n] for i in range(args.batch)]).cuda()
@@ -75,17 +78,18 @@ def main() -> int:
     failed = False
     for r_k, r_v, bits in CASES:
         p = cut(proj, r_k, r_v, bits)
-        ref = forced_logits(model, p, "reference", prompt, follow)
-        tri = forced_logits(model, p, "triton", prompt, follow)
-        ok_vals = bool(torch.isfinite(tri).all())
-        rel = float((tri - ref).abs().max() / ref.abs().max())
-        agree = float((tri.argmax(-1) == ref.argmax(-1)).float().mean())
-        text_agree = float((ref.argmax(-1)[:, :-1] == follow[:, 1:]).float().mean())
-        bad = (not ok_vals) or rel > args.max_rel or agree < args.min_agree
+        truth = forced_logits(model.float(), p, "reference", prompt, follow).log_softmax(-1)
+        model.to(torch.bfloat16)
+        runs = {b: forced_logits(model, p, b, prompt, follow).log_softmax(-1)
+                for b in ("reference", "triton")}
+        kl = {b: float((truth.exp() * (truth - lp)).sum(-1).mean()) for b, lp in runs.items()}
+        agree = {b: float((lp.argmax(-1) == truth.argmax(-1)).float().mean()) for b, lp in runs.items()}
+        finite = bool(torch.isfinite(runs["triton"]).all())
+        bad = not finite or kl["triton"] > args.max_ratio * kl["reference"] + args.kl_floor
         failed |= bad
-        print(json.dumps({"r_k": r_k, "r_v": r_v, "bits": bits, "key_mode": "post_rope", "dtype": "bf16",
-                          "max_rel_logit_diff": round(rel, 5), "argmax_agree": round(agree, 4),
-                          "reference_top1_on_text": round(text_agree, 4), "finite": ok_vals,
+        print(json.dumps({"r_k": r_k, "r_v": r_v, "bits": bits, "key_mode": "post_rope",
+                          "kl_from_fp32": {b: round(v, 5) for b, v in kl.items()},
+                          "top1_agree_fp32": {b: round(v, 4) for b, v in agree.items()}, "finite": finite,
                           "result": "FAIL" if bad else "ok"}), flush=True)
     return 1 if failed else 0
 
