@@ -425,12 +425,37 @@ def _others(pins: torch.Tensor, T: int) -> torch.Tensor:
     return free.nonzero()[:, 1].view(pins.shape[0], -1)
 
 
-def _unpinned(keys: list, values: list, pins: torch.Tensor | None) -> tuple[list, list]:
+def _unpinned(keys: list, values: list, pins: torch.Tensor | None) -> tuple:
     """Per layer the keys and values of the tokens left to compact (all of them without pins)."""
     if pins is None:
         return keys, values
     rest = _others(pins, keys[0].shape[2])
-    return [_take(k, rest) for k in keys], [_take(v, rest) for v in values]
+    return _Gathered(keys, rest), _Gathered(values, rest)
+
+
+class _Gathered:
+    """Per layer the tokens ``index`` ``[B, n]`` of ``layers``, gathered when a layer is read, so that the
+    compaction holds one layer's unpinned tokens at a time: a list of every layer's held a second copy of
+    the cache (peak +7.6 GiB against +4.0 without pins at 32k tokens of Llama-3-8B shapes, H200). A layer set
+    to None (:func:`~stiefkv.compaction.compact_layers` lets each go once done) is dropped."""
+
+    def __init__(self, layers: list, index: torch.Tensor):
+        self._layers, self._index = list(layers), index
+
+    def __len__(self) -> int:
+        return len(self._layers)
+
+    def __getitem__(self, i: int):
+        x = self._layers[i]
+        return None if x is None else _take(x, self._index)
+
+    def __setitem__(self, i: int, value) -> None:
+        if value is not None:
+            raise TypeError("a gathered layer is read-only; it can only be let go (None)")
+        self._layers[i] = None
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int, method: str,

@@ -710,3 +710,26 @@ def test_a_query_far_above_every_chosen_key_leaves_the_fit_finite(gap):
                                                     counts=counts, block=block)
         assert 0 not in index.tolist()[0][0]
         assert torch.isfinite(beta).all() and torch.isfinite(fitted).all(), (gap, counts)
+
+
+def test_unpinned_layers_are_gathered_one_at_a_time_and_let_go():
+    """The tokens left to compact are gathered from each layer when it is read (not every layer up front,
+    which held a second copy of the cache), equal to indexing them; a layer set to None is dropped."""
+    from stiefkv.compacted import _unpinned
+
+    g = torch.Generator().manual_seed(7)
+    keys = [torch.randn(2, 3, 29, 5, generator=g) for _ in range(4)]
+    values = [torch.randn(2, 3, 29, 7, generator=g) for _ in range(4)]
+    pins = torch.stack([torch.tensor([0, 4, 17]), torch.tensor([0, 11, 28])])
+    k, v = _unpinned(keys, values, pins)
+    assert len(k) == len(v) == 4
+    for b in range(2):
+        rest = [i for i in range(29) if i not in pins[b].tolist()]
+        for i in range(4):
+            assert torch.equal(k[i][b], keys[i][b][:, rest]) and torch.equal(v[i][b], values[i][b][:, rest])
+    assert [x.shape for x in k] == [(2, 3, 26, 5)] * 4
+    k[1] = None
+    assert k[1] is None and torch.equal(k[2], list(k)[2]) and keys[1] is not None
+    with pytest.raises(TypeError, match="read-only"):
+        k[0] = keys[0]
+    assert _unpinned(keys, values, None) == (keys, values)
