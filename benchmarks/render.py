@@ -892,7 +892,9 @@ def context_claims(res: Results, claim) -> None:
     for r in picked:
         res.used[id(r)] = ("serve_capacity", r)
     caps, tps = [r["capacity_ratio"] for r in picked], [r["tps_ratio"] for r in picked]
-    claim("Longest context of one row under 40 GiB, 50 % / 12.5 % over uncompressed",
+    modes = {r.get("key_mode", "pre_rope") for r in picked}
+    keys = f", `{modes.pop()}` keys" if len(modes) == 1 else ""
+    claim(f"Longest context of one row under 40 GiB, 50 % / 12.5 %{keys} over uncompressed",
           f"{caps[0]:.2f}× / {caps[1]:.2f}×", "≥ 1.9× / ≥ 6×", caps[0] >= 1.9 and caps[1] >= 6, picked)
     claim("… decode tok/s there, 50 % / 12.5 % over uncompressed", f"{tps[0]:.2f}× / {tps[1]:.2f}×",
           "≥ 1.8× / ≥ 4×", tps[0] >= 1.8 and tps[1] >= 4, picked)

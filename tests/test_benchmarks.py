@@ -127,8 +127,8 @@ def test_benchmarks_md_is_rendered_from_the_committed_rows():
     assert render.render(text, render.Results(utils.RESULTS)) == text, "run: python benchmarks/render.py"
     # a results document, not a log: history goes to docs/notes/ (raised from 42 000 for §3 serving, after
     # the settled kernel questions moved to docs/notes/kernel-tries.md; to 48 000 for the capacity by
-    # context and the windowed serving rows)
-    assert len(text.encode()) <= 48_000
+    # context and the windowed serving rows; to 50 000 for compaction at C 1024 and 7680 beside the presses)
+    assert len(text.encode()) <= 50_000
 
 
 def test_committed_result_files_stay_small():
