@@ -41,7 +41,8 @@ VARIANTS = {
     # past the positions in one reading at positions beyond the model's (RoPE extrapolated)
     "am repeat past": {"repeat": (8192, 1, 0, True)},
     # the prompt's most surprising tokens held exact (β = 0) in a share of the kept entries (pin0: none, AM's
-    # default before the fifteenth session; the default is a tenth, at least 64, at most a quarter)
+    # default before the fifteenth session; the default is a tenth, at least 64, at most a quarter, none below
+    # 128 kept entries)
     "am pin0": {"pin": 0}, "am pin0.1": {"pin": 0.1}, "am pin0.15": {"pin": 0.15},
     "am pin0.25": {"pin": 0.25}, "am pin0.5": {"pin": 0.5},
     "am repeat pin0.1": {"repeat": (8192, 1), "pin": 0.1},

@@ -322,7 +322,7 @@ def compaction_claims(res: Results, claim) -> None:
     from stiefkv.compaction import AM_DEFAULTS
 
     def label(x: dict) -> str:
-        return compaction_label({"method": "am", "options": x["options"]})
+        return compaction_label({**x, "method": "am"})
 
     # the defaults' newest row; rows from before pin timed none (`pin=0` in the claim until a pinned row)
     default = [r for r in speed if label(r) in ("am (default)", "am (pin 0)")]
@@ -1272,7 +1272,9 @@ PIN_NULL_MEANT = {"share": 0.1, "floor": 64, "cap": 0.25}
 
 def compaction_label(r: dict) -> str:
     """A row's method, with AM's options where they differ from the defaults of the current code. A row
-    without ``pin`` predates it (none pinned); ``null`` is the default of its day (:data:`PIN_NULL_MEANT`)."""
+    without ``pin`` predates it (none pinned); ``null`` is the default of its day (:data:`PIN_NULL_MEANT`).
+    Where the row says how many entries it kept, a pin that pins as many tokens there as the current default
+    is the default (the most surprising tokens: the same ones), whatever rule it was recorded as."""
     from stiefkv.compacted import DEFAULT_PIN
     from stiefkv.compaction import AM_DEFAULTS
 
@@ -1283,18 +1285,38 @@ def compaction_label(r: dict) -> str:
     if method == "am":
         options["pin"] = PIN_NULL_MEANT if options.get("pin", 0) is None else options.get("pin", 0)
         base = {**AM_DEFAULTS, "pin": DEFAULT_PIN}
+        t = kept_entries(r)
+        if t is not None and pins_at(options["pin"], t) == pins_at(DEFAULT_PIN, t):
+            options["pin"] = DEFAULT_PIN
     else:
         options["pin"] = options.get("pin") or 0  # eviction pins none by default
         base = {"allocation": "uniform", "pooling": "mean", "pin": 0}
 
     def shown(v) -> str:
         if isinstance(v, dict):
-            return f"{v['share']:g}, ≥ {v['floor']}, ≤ {v['cap']:g}"
+            return f"{v['share']:g}, ≥ {v['floor']}, ≤ {v['cap']:g}" + (f", from {v['from']}" if "from" in v
+                                                                         else "")
         return f"{v:g}" if isinstance(v, float) else str(v)
 
     changed = [f"{k} {shown(v)}" if not isinstance(v, bool) else f"{'' if v else 'no '}{k}"
                for k, v in sorted(options.items()) if base.get(k, True if isinstance(v, bool) else None) != v]
     return f"{method} ({', '.join(changed)})" if changed else f"{method} (default)"
+
+
+def kept_entries(r: dict) -> int | None:
+    """The entries a row kept per KV head (``kept_tokens``; a speed row's ``keep · tokens``), if it says."""
+    if r.get("kept_tokens") is not None:
+        return int(r["kept_tokens"])
+    if r.get("tokens") is not None and r.get("keep") is not None:
+        return max(1, round(r["keep"] * r["tokens"]))
+    return None
+
+
+def pins_at(pin, t: int) -> int:
+    """The tokens a recorded pin (a share, or a default rule's dict) holds exact at ``t`` kept entries."""
+    from stiefkv.compacted import rule_count
+
+    return rule_count(pin, t) if isinstance(pin, dict) else int(float(pin) * t)
 
 
 def compaction_rows(res: Results, name: str, only: Callable[[str], bool]) -> list[dict]:

@@ -403,7 +403,7 @@ def _inspect_table(proj) -> str:
 @click.option("--pin", type=float, default=None,
               help="With --compact (am, attention): the share of the kept entries that hold the prompt's "
                    "most surprising tokens exact, in [0, 1); 0 for none. Default: am a tenth (at least 64 "
-                   "tokens, at most a quarter), attention none.")
+                   "tokens, at most a quarter; none below 128 kept entries), attention none.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
               help="Also write the results as JSON to this file ('-' for stdout).")
 @common_options

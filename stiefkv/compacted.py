@@ -362,19 +362,31 @@ def compact_pinned(keys: list[torch.Tensor], values: list[torch.Tensor], queries
 
 
 # pin's default (pin=None) for AM: a tenth of the kept entries, at least PIN_FLOOR tokens but at most a
-# quarter of them. A pass key's digits rank ~20-62 in the prompt's surprise whatever its length, so a share
-# alone loses them in short prompts (C 2048, a tenth: 0.55 of the pass keys) and a large share costs the
-# perplexity of long ones (C 4096, a quarter: ΔPPL +1.75 against +1.40 for a tenth; docs/notes/compaction.md).
-PIN_SHARE, PIN_FLOOR, PIN_CAP = 0.1, 64, 0.25
-DEFAULT_PIN = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP}  # as result rows record it
+# quarter of them, and none where fewer than PIN_FROM entries are kept. A pass key's digits rank ~20-62 in the
+# prompt's surprise whatever its length, so a share alone loses them in short prompts (C 2048, a tenth: 0.55
+# of the pass keys) and a large share costs the perplexity of long ones (C 4096, a quarter: ΔPPL +1.75 against
+# +1.40 for a tenth). At 102 kept entries (C 1024) AM keeps the pass key without pins (1.00 of 20, CPU) and
+# pins cost ΔPPL +2.41 against +1.44 (H200, whole set); at 205 (C 2048) they are needed. PIN_FROM lies
+# between those two, a choice, not a measurement (docs/notes/compaction.md).
+PIN_SHARE, PIN_FLOOR, PIN_CAP, PIN_FROM = 0.1, 64, 0.25, 128
+# as result rows record it
+DEFAULT_PIN = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP, "from": PIN_FROM}
+
+
+def rule_count(rule: dict, t: int) -> int:
+    """The pins of a default rule (:data:`DEFAULT_PIN`'s form) at ``t`` kept entries; a rule recorded without
+    ``from`` (the default of 2026-12-04's fifteenth session) pinned at every ``t``."""
+    if t < rule.get("from", 0):
+        return 0
+    return max(int(rule["share"] * t), min(rule["floor"], int(rule["cap"] * t)))
 
 
 def pin_count(pin: float | None, t: int, method: str) -> int:
     """How many of the ``t`` kept entries hold exact tokens: ``int(pin · t)`` for a share ``pin`` in
-    [0, 1); for ``pin=None`` AM's default (:data:`PIN_SHARE`, :data:`PIN_FLOOR`, :data:`PIN_CAP`) and none
-    for the other methods."""
+    [0, 1); for ``pin=None`` AM's default (:data:`DEFAULT_PIN`: :func:`rule_count`) and none for the other
+    methods."""
     if pin is None:
-        return max(int(PIN_SHARE * t), min(PIN_FLOOR, int(PIN_CAP * t))) if method == "am" else 0
+        return rule_count(DEFAULT_PIN, t) if method == "am" else 0
     if isinstance(pin, bool) or not isinstance(pin, numbers.Real) or not 0 <= pin < 1:
         raise ValueError(f"pin is the share of the kept entries held exact, in [0, 1) (None for the "
                          f"default); got {pin!r}")
@@ -608,8 +620,9 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     :data:`~stiefkv.compaction.AM_DEFAULTS`), and ``pin``: the share of the kept entries that hold the
     prompt's most surprising tokens exact, β = 0, beside the rest compacted (:func:`pinned_tokens`; a pass key
     kept where the window's queries lose it); by default (None) for AM a tenth, at least 64 tokens, at most a
-    quarter (:func:`pin_count`), none for ``attention``; ``pin=0`` for none. The result continues with
-    ``model(ids, past_key_values=...)`` or ``model.generate(...)`` at the prompt's original positions."""
+    quarter, none below 128 kept entries (:func:`pin_count`), none for ``attention``; ``pin=0`` for none.
+    The result continues with ``model(ids, past_key_values=...)`` or ``model.generate(...)`` at the prompt's
+    original positions."""
     if not 0 < keep <= 1:
         raise ValueError(f"keep must be in (0, 1] (the fraction of the prompt's tokens kept), got {keep}")
     if method not in METHODS:

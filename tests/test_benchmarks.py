@@ -78,6 +78,7 @@ def test_compaction_rows_are_labelled_by_their_options_and_the_pass_key_claim_fi
     def row(method, options, run, accuracy, context=4096):
         return {"case": f"{method} passkey C{context} keep0.1 n20 cuda", "method": method, "keep": 0.1,
                 "context": context, "samples": 20, "accuracy": accuracy, "accuracy_full": 1.0,
+                "kept_tokens": round(0.1 * context),
                 "window": 1024, "options": options, "remeasured": True,
                 "provenance": {"run_id": run, "date": run}}
 
@@ -94,6 +95,16 @@ def test_compaction_rows_are_labelled_by_their_options_and_the_pass_key_claim_fi
         == "attention (default)"
     assert render.compaction_label({"method": "am", "options": {**fit, "pin": {
         "share": 0.2, "floor": 64, "cap": 0.25}}}) == "am (pin 0.2, ≥ 64, ≤ 0.25)"
+    # the default recorded before "from" (pins at every count) is the default where it pins as many tokens
+    before = {"share": 0.1, "floor": 64, "cap": 0.25}
+    assert render.compaction_label({"method": "am", "kept_tokens": 410, "options": {**fit, "pin": before}}) \
+        == "am (default)"
+    assert render.compaction_label({"method": "am", "kept_tokens": 102, "options": {**fit, "pin": before}}) \
+        == "am (pin 0.1, ≥ 64, ≤ 0.25)"
+    assert render.compaction_label({"method": "am", "kept_tokens": 102, "options": {**fit, "pin": 0}}) \
+        == "am (default)"
+    assert render.compaction_label({"method": "am", "kept_tokens": 410, "options": {**fit, "pin": 0}}) \
+        == "am (pin 0)"
     claims = []
     render.retrieval_claim(res, lambda *a: claims.append(a), 1024)
     (text, value, _, met, shown), = claims
@@ -107,12 +118,12 @@ def test_bench_compaction_speed_times_the_pinned_default_and_records_it(results,
     import bench_compaction_speed as bcs
 
     for pin in ("default", "0"):
-        monkeypatch.setattr(sys, "argv", ["bench_compaction_speed.py", "--shape", "tiny", "--lengths", "301",
+        monkeypatch.setattr(sys, "argv", ["bench_compaction_speed.py", "--shape", "tiny", "--lengths", "1301",
                                           "--device", "cpu", "--repeat", "1", "--pin", pin])
         with torch.no_grad():  # main() turns gradients off for the process; this restores them after
             bcs.main()
     rows = utils.read_rows(results / "compaction_speed.jsonl")
-    assert [r["case"] for r in rows] == ["tiny T301 keep0.1 cpu", "tiny T301 keep0.1 pin0 cpu"]
+    assert [r["case"] for r in rows] == ["tiny T1301 keep0.1 cpu", "tiny T1301 keep0.1 pin0 cpu"]
     labels = [render.compaction_label({"method": "am", "options": r["options"]}) for r in rows]
     assert labels == ["am (default)", "am (pin 0)"] and all(r["seconds"] > 0 for r in rows)
 

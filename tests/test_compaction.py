@@ -504,9 +504,9 @@ def test_pinned_tokens_stay_exact_beside_the_compacted_rest():
 
 
 @pytest.mark.parametrize("t,method,want", [(205, "am", 51), (410, "am", 64), (768, "am", 76),
-                                           (2000, "am", 200), (21, "am", 5), (3, "am", 0),
-                                           (410, "attention", 0)])
-def test_the_default_pin_is_a_tenth_with_a_floor_of_64_capped_at_a_quarter(t, method, want):
+                                           (2000, "am", 200), (128, "am", 32), (127, "am", 0),
+                                           (102, "am", 0), (3, "am", 0), (410, "attention", 0)])
+def test_the_default_pin_is_a_tenth_with_a_floor_of_64_capped_at_a_quarter_from_128_kept(t, method, want):
     from stiefkv.compacted import pin_count
 
     assert pin_count(None, t, method) == want
@@ -522,14 +522,18 @@ def test_the_default_compaction_pins_the_default_count_and_a_cache_without_surpr
     from stiefkv.cache import cache_keyword
     from stiefkv.compacted import pin_count
 
-    model, ids = tiny_prompt(21, 71)
+    model, ids = tiny_prompt(21, 331)
     cache = stiefkv.prefill(model, ids, window=12)
-    t = round(0.4 * 71)
+    t = round(0.4 * 331)
     p = pin_count(None, t, "am")
-    assert p == 7
+    assert p == 33  # a quarter of 132 under the floor of 64
     default = stiefkv.compact(model, cache, keep=0.4)
     explicit = stiefkv.compact(model, cache, keep=0.4, pin=(p + 0.5) / t)
     unpinned = stiefkv.compact(model, cache, keep=0.4, pin=0)
+    few = stiefkv.compact(model, cache, keep=0.3)  # 99 kept entries: none pinned by default
+    few_unpinned = stiefkv.compact(model, cache, keep=0.3, pin=0)
+    for a, b in zip(few.layers, few_unpinned.layers):
+        assert torch.equal(a.keys, b.keys) and torch.equal(a.values, b.values)
     for i in range(len(default.layers)):
         assert torch.equal(default.layers[i].keys, explicit.layers[i].keys)
         assert torch.equal(default.beta[i], explicit.beta[i])
