@@ -1294,8 +1294,8 @@ def compaction_label(r: dict) -> str:
 
     def shown(v) -> str:
         if isinstance(v, dict):
-            return f"{v['share']:g}, ≥ {v['floor']}, ≤ {v['cap']:g}" + (f", from {v['from']}" if "from" in v
-                                                                         else "")
+            # a rule recorded before "from" pinned at every count
+            return f"{v['share']:g}, ≥ {v['floor']}, ≤ {v['cap']:g}, from {v.get('from', 0)}"
         return f"{v:g}" if isinstance(v, float) else str(v)
 
     changed = [f"{k} {shown(v)}" if not isinstance(v, bool) else f"{'' if v else 'no '}{k}"
@@ -1304,10 +1304,11 @@ def compaction_label(r: dict) -> str:
 
 
 def kept_entries(r: dict) -> int | None:
-    """The entries a row kept per KV head (``kept_tokens``; a speed row's ``keep · tokens``), if it says."""
+    """The entries a row kept per KV head (``kept_tokens``; a speed row's ``keep · tokens``: elsewhere
+    ``tokens`` counts the scored tokens), if it says."""
     if r.get("kept_tokens") is not None:
         return int(r["kept_tokens"])
-    if r.get("tokens") is not None and r.get("keep") is not None:
+    if r.get("bench") == "compaction_speed" and r.get("tokens") and r.get("keep"):
         return max(1, round(r["keep"] * r["tokens"]))
     return None
 

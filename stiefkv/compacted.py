@@ -458,6 +458,8 @@ class _Gathered:
         return len(self._layers)
 
     def __getitem__(self, i: int):
+        if not isinstance(i, int):
+            raise TypeError(f"gathered layers are read one at a time, by an int index; got {i!r}")
         x = self._layers[i]
         return None if x is None else _take(x, self._index)
 
@@ -493,7 +495,9 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
             for (z_k, _), la in zip(latents, layers)]
     new = LatentCache()
     new.length = T
-    fits = compact_layers(*_unpinned(keys, [z_v for _, z_v in latents], pins), queries, t - _count(pins),
+    rest_keys, rest_values = _unpinned(keys, [z_v for _, z_v in latents], pins)
+    del keys  # the compaction lets each layer's rebuilt keys go once it is done
+    fits = compact_layers(rest_keys, rest_values, queries, t - _count(pins),
                           method=method, scales=[la.self_attn.scaling for la in layers], **options)
     others = None if pins is None else _others(pins, T)[:, None].expand(-1, G, -1)
     for i, (layer, (_, beta, fitted, index)) in enumerate(zip(layers, fits)):

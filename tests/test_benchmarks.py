@@ -94,13 +94,13 @@ def test_compaction_rows_are_labelled_by_their_options_and_the_pass_key_claim_fi
                                                                        "pooling": "mean", "pin": 0}}) \
         == "attention (default)"
     assert render.compaction_label({"method": "am", "options": {**fit, "pin": {
-        "share": 0.2, "floor": 64, "cap": 0.25}}}) == "am (pin 0.2, ≥ 64, ≤ 0.25)"
+        "share": 0.2, "floor": 64, "cap": 0.25}}}) == "am (pin 0.2, ≥ 64, ≤ 0.25, from 0)"
     # the default recorded before "from" (pins at every count) is the default where it pins as many tokens
     before = {"share": 0.1, "floor": 64, "cap": 0.25}
     assert render.compaction_label({"method": "am", "kept_tokens": 410, "options": {**fit, "pin": before}}) \
         == "am (default)"
     assert render.compaction_label({"method": "am", "kept_tokens": 102, "options": {**fit, "pin": before}}) \
-        == "am (pin 0.1, ≥ 64, ≤ 0.25)"
+        == "am (pin 0.1, ≥ 64, ≤ 0.25, from 0)"
     assert render.compaction_label({"method": "am", "kept_tokens": 102, "options": {**fit, "pin": 0}}) \
         == "am (default)"
     assert render.compaction_label({"method": "am", "kept_tokens": 410, "options": {**fit, "pin": 0}}) \

@@ -736,4 +736,6 @@ def test_unpinned_layers_are_gathered_one_at_a_time_and_let_go():
     assert k[1] is None and torch.equal(k[2], list(k)[2]) and keys[1] is not None
     with pytest.raises(TypeError, match="read-only"):
         k[0] = keys[0]
+    with pytest.raises(TypeError, match="one at a time"):
+        k[1:3]
     assert _unpinned(keys, values, None) == (keys, values)

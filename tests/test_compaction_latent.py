@@ -51,20 +51,22 @@ def kept_whole(model, ids, C: int, tol: float) -> LatentCache:
     return whole
 
 
-@pytest.mark.parametrize("allocation, block", [("layers-max", 4096), ("layers-max", 23), ("global", 4096)])
+@pytest.mark.parametrize("allocation, block, pin", [("layers-max", 4096, None), ("layers-max", 23, None),
+                                                    ("global", 4096, None), ("global", 4096, 0.4)])
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-def test_latent_compaction_with_identity_bases_is_the_uncompressed_models(key_mode, allocation, block):
-    """Also in blocks of 23 tokens (3 blocks of the 59-token prompt)."""
+def test_latent_compaction_with_identity_bases_is_the_uncompressed_models(key_mode, allocation, block, pin):
+    """Also in blocks of 23 tokens (3 blocks of the 59-token prompt), and with pins (the default pins none
+    at 18 kept entries)."""
     torch.manual_seed(0)
     model, ids = prompt(3, 71)
     C = 59
     plain = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3,
-                            allocation=allocation, block=block)
+                            allocation=allocation, block=block, pin=pin)
     want = continuation(model, plain, ids, C)
     with compressed(model, identity(model, key_mode)):
         cache = stiefkv.prefill(model, ids[:, :C], window=16)
         assert isinstance(cache, LatentCache)
-        latent = stiefkv.compact(model, cache, keep=0.3, allocation=allocation, block=block)
+        latent = stiefkv.compact(model, cache, keep=0.3, allocation=allocation, block=block, pin=pin)
         assert isinstance(latent, LatentCache) and latent.compacted and latent.get_seq_length() == C
         assert latent.prefix == plain.prefix
         got = continuation(model, latent, ids, C)

@@ -41,6 +41,14 @@ def cut(proj: Projections, r_k: int, r_v: int, bits: int) -> Projections:
                        quant=[(spec, spec)] * len(proj.keys))
 
 
+def to_dtype(model, dtype: torch.dtype):
+    """``model`` with its parameters in ``dtype``; its buffers (RoPE's inverse frequencies) stay float32, as
+    ``from_pretrained(dtype=...)`` leaves them (``Module.to`` would round them too)."""
+    for param in model.parameters():
+        param.data = param.data.to(dtype)
+    return model
+
+
 @torch.no_grad()
 def forced_logits(model, proj, backend: str, prompt: torch.Tensor, follow: torch.Tensor) -> torch.Tensor:
     """Next-token logits ``[B, steps, V]`` (float32) of the decode steps after a prefill of ``prompt``."""
@@ -70,7 +78,7 @@ def main() -> int:
     model, tok = stiefkv.load_model(args.model, device="cuda")
     proj = stiefkv.calibrate(model, tok, budget=1.0, bits="16", method="pca", allocation="uniform",
                              key_mode="post_rope", num_sequences=8, seq_len=256)
-    model.to(torch.bfloat16)  # every run holds the same (bf16-rounded) weights; the truth computes in fp32
+    to_dtype(model, torch.bfloat16)  # every run holds the same (bf16-rounded) weights; the truth in fp32
     stream = token_stream(tok, load_texts("wikitext2", "test"))
     n = args.prompt + args.steps
     rows = torch.stack([stream[i * 5 * n:i * 5 * n + n] for i in range(args.batch)]).cuda()
@@ -78,13 +86,13 @@ def main() -> int:
     failed = False
     for r_k, r_v, bits in CASES:
         p = cut(proj, r_k, r_v, bits)
-        truth = forced_logits(model.float(), p, "reference", prompt, follow).log_softmax(-1)
-        model.to(torch.bfloat16)
+        truth = forced_logits(to_dtype(model, torch.float32), p, "reference", prompt, follow).log_softmax(-1)
+        to_dtype(model, torch.bfloat16)
         runs = {b: forced_logits(model, p, b, prompt, follow).log_softmax(-1)
                 for b in ("reference", "triton")}
         kl = {b: float((truth.exp() * (truth - lp)).sum(-1).mean()) for b, lp in runs.items()}
         agree = {b: float((lp.argmax(-1) == truth.argmax(-1)).float().mean()) for b, lp in runs.items()}
-        finite = bool(torch.isfinite(runs["triton"]).all())
+        finite = all(bool(torch.isfinite(x).all()) for x in (truth, *runs.values()))
         bad = not finite or kl["triton"] > args.max_ratio * kl["reference"] + args.kl_floor
         failed |= bad
         print(json.dumps({"r_k": r_k, "r_v": r_v, "bits": bits, "key_mode": "post_rope",
