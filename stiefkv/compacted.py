@@ -366,8 +366,9 @@ def compact_pinned(keys: list[torch.Tensor], values: list[torch.Tensor], queries
 # prompt's surprise whatever its length, so a share alone loses them in short prompts (C 2048, a tenth: 0.55
 # of the pass keys) and a large share costs the perplexity of long ones (C 4096, a quarter: ΔPPL +1.75 against
 # +1.40 for a tenth). At 102 kept entries (C 1024) AM keeps the pass key without pins (1.00 of 20, CPU) and
-# pins cost ΔPPL +2.41 against +1.44 (H200, whole set); at 205 (C 2048) they are needed. PIN_FROM lies
-# between those two, a choice, not a measurement (docs/notes/compaction.md).
+# pins cost ΔPPL +2.41 against +1.44 (H200, whole set); at 154 (C 1536: 0.95 against 0.85) and 205 (C 2048:
+# 1.00 against 0.55) they are needed. PIN_FROM lies between 102 and 154, a choice, not a measurement
+# (docs/notes/compaction.md).
 PIN_SHARE, PIN_FLOOR, PIN_CAP, PIN_FROM = 0.1, 64, 0.25, 128
 # as result rows record it
 DEFAULT_PIN = {"share": PIN_SHARE, "floor": PIN_FLOOR, "cap": PIN_CAP, "from": PIN_FROM}
