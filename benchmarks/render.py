@@ -1315,9 +1315,9 @@ def kept_entries(r: dict) -> int | None:
 
 def pins_at(pin, t: int) -> int:
     """The tokens a recorded pin (a share, or a default rule's dict) holds exact at ``t`` kept entries."""
-    from stiefkv.compacted import rule_count
+    from stiefkv.compacted import pin_count, rule_count
 
-    return rule_count(pin, t) if isinstance(pin, dict) else int(float(pin) * t)
+    return rule_count(pin, t) if isinstance(pin, dict) else pin_count(pin, t, "am")
 
 
 def compaction_rows(res: Results, name: str, only: Callable[[str], bool]) -> list[dict]:
