@@ -92,6 +92,64 @@ def projected(model, mats: list[dict[str, torch.Tensor]]):
 
 
 @torch.no_grad()
+def _shared(arm: str, name: str) -> bool:
+    return arm == "shared" or arm == "shared-v" and name == "v_proj"
+
+
+@torch.no_grad()
+def kl_profiles(model, seqs: torch.Tensor, covs, G: int, d: int, arm: str, step: int = 8) -> torch.Tensor:
+    """``[L, 2, d / step]``: next-token KL(p ‖ p') on ``seqs`` with one layer's keys (0) or values (1) cut to
+    rank ``j · step`` per head (``j = 1 … d / step``; the same bytes shared: ``G · j · step``), all else
+    exact: the profile a DP allocation spends the budget on (additive, as the product's ``kl`` profiles)."""
+    seqs = seqs.to(model.device)
+    ref = torch.log_softmax(model(seqs, use_cache=False).logits.float(), -1)
+    n = d // step
+    out = torch.zeros(len(covs), 2, n)
+    L = len(covs)
+    for layer in range(L):
+        for i, name in enumerate(("k_proj", "v_proj")):
+            for j in range(1, n):
+                mats = [{"k_proj": torch.eye(G * d), "v_proj": torch.eye(G * d)} for _ in range(L)]
+                mats[layer][name] = projectors(covs[layer][name], G, d, j * step, _shared(arm, name))
+                with projected(model, mats):
+                    logp = torch.log_softmax(model(seqs, use_cache=False).logits.float(), -1)
+                out[layer, i, j - 1] = (ref.exp() * (ref - logp)).sum(-1).mean()
+    return out
+
+
+def dp_ranks(profile: torch.Tensor, budget: float, step: int = 8) -> list[tuple[int, int]]:
+    """Per layer ``(r_k, r_v)`` per head, multiples of ``step``, at most ``budget`` of the bytes in all,
+    minimising the summed profile KL."""
+    L, _, n = profile.shape
+    items = profile.reshape(L * 2, n).tolist()
+    cap = int(budget * n * L * 2 + 1e-6)
+    inf = float("inf")
+    best = [0.0] + [inf] * cap  # best[c]: least KL with c units spent over the items so far
+    choice = []
+    for kl in items:
+        nxt, pick = [inf] * (cap + 1), [0] * (cap + 1)
+        for c, v in enumerate(best):
+            if v == inf:
+                continue
+            for j in range(1, n + 1):
+                if c + j > cap:
+                    break
+                cost = v + kl[j - 1]
+                if cost < nxt[c + j]:
+                    nxt[c + j], pick[c + j] = cost, j
+        best = nxt
+        choice.append(pick)
+    c = min(range(cap + 1), key=lambda k: best[k])
+    js = []
+    for pick in reversed(choice):
+        j = pick[c]
+        js.append(j)
+        c -= j
+    js = js[::-1]
+    return [(js[2 * i] * step, js[2 * i + 1] * step) for i in range(L)]
+
+
+@torch.no_grad()
 def perplexity(model, windows: torch.Tensor) -> float:
     nll, n = 0.0, 0
     for ids in windows:
@@ -112,6 +170,9 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.25])
     ap.add_argument("--arms", nargs="+", default=["per-head", "shared"],
                     help="per-head, shared (keys and values), shared-v (values shared, keys per head)")
+    ap.add_argument("--dp", action="store_true",
+                    help="also each arm with ranks allocated by DP on next-token KL profiles")
+    ap.add_argument("--profile-seqs", type=int, default=8)
     ap.add_argument("--compact-chunks", type=int, default=0,
                     help="also compact C 4096 contexts to keep 0.1 (AM defaults) under each arm's "
                          "projection, on this many chunks, with the uncompressed model's AM and "
@@ -131,10 +192,31 @@ def main() -> None:
     if args.compact_chunks:
         for method in ("am", "expected_attention"):
             _compacted(model, tok, method, "uncompressed", None, args.compact_chunks)
+    profiles = {}
+    if args.dp:
+        seqs = calibration_sequences(model, tok, num_sequences=args.profile_seqs, seq_len=args.seq_len,
+                                     seed=1)
+        for arm in args.arms:
+            t0 = time.perf_counter()
+            profiles[arm] = kl_profiles(model, seqs, covs, G, d, arm)
+            print(f"{arm}: KL profiles {time.perf_counter() - t0:.0f} s", flush=True)
     for budget in args.budgets:
         r = round(budget * d)
         for arm in args.arms:
-            mats = [{n: projectors(c[n], G, d, r, arm == "shared" or arm == "shared-v" and n == "v_proj")
+            if arm in profiles:
+                ranks = dp_ranks(profiles[arm], budget)
+                mats = [{"k_proj": projectors(c["k_proj"], G, d, rk, _shared(arm, "k_proj")),
+                         "v_proj": projectors(c["v_proj"], G, d, rv, _shared(arm, "v_proj"))}
+                        for c, (rk, rv) in zip(covs, ranks)]
+                with projected(model, mats):
+                    ppl = perplexity(model, windows)
+                print(json.dumps({"arm": f"{arm} dp", "budget": budget, "ppl": round(ppl, 4),
+                                  "dppl_pct": round(100 * (ppl / base - 1), 1),
+                                  "ranks_k": [rk for rk, _ in ranks], "ranks_v": [rv for _, rv in ranks]}),
+                      flush=True)
+                if args.compact_chunks:
+                    _compacted(model, tok, "am", f"{arm} dp {budget:g}", mats, args.compact_chunks)
+            mats = [{n: projectors(c[n], G, d, r, _shared(arm, n))
                      for n in ("k_proj", "v_proj")} for c in covs]
             res = {n: sum(residual_energy(c[n], m[n]) for c, m in zip(covs, mats)) / len(covs)
                    for n in ("k_proj", "v_proj")}
