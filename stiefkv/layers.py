@@ -7,6 +7,11 @@ its projections but keeps its own path: folded bases, a cast key basis and the l
 Everything here is differentiable in the bases ``P_k`` ``[G, d, r_k]`` and ``P_v`` ``[G, d, r_v]`` and
 runs on unpadded batches (causal attention, no key mask). Errors are on the decoder-layer output ``y``
 ``[B, N, D]``: relative error ``‖ŷ − y‖_F / ‖y‖_F`` and the mean per-token cosine similarity.
+
+A basis of shape ``[1, G·d, r]`` is shared by the layer's KV heads (Palu's grouped heads): one latent a
+token, ``z = Σ_g P_gᵀ x_g`` with ``P_g`` its ``g``-th block of ``d`` rows, rebuilt as ``P_g z`` for head
+``g`` (:func:`to_latent`, :func:`per_head`). Only this module takes them so far: the checkpoint, the cache
+and the kernels do not (``docs/notes/calibration-choices.md``).
 """
 
 from __future__ import annotations
@@ -96,10 +101,39 @@ def project_qkv(attn: nn.Module, hidden_states: torch.Tensor, *, keys: bool = Tr
     return q.transpose(1, 2), k, v
 
 
+def is_shared(P: torch.Tensor, d: int) -> bool:
+    """Whether the basis ``P`` is one ``[1, G·d, r]`` for all of a layer's KV heads of dim ``d``."""
+    return P.shape[-2] != d
+
+
 def to_latent(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """``z = Pᵀ x``: ``[B, G, N, d]`` through ``[G, d, r]`` (float32) → ``[B, G, N, r]`` in ``x``'s dtype."""
+    """``z = Pᵀ x``: ``[B, G, N, d]`` through ``[G, d, r]`` (float32) → ``[B, G, N, r]`` in ``x``'s dtype;
+    through a shared ``[1, G·d, r]`` → ``[B, 1, N, r]``, the heads' channels side by side."""
+    if is_shared(P, x.shape[-1]):
+        B, G, N, d = x.shape
+        if P.shape[-2] != G * d:
+            raise ValueError(f"a shared basis needs G·d = {G * d} rows for {G} KV heads of dim {d}; got "
+                             f"{tuple(P.shape)}")
+        x = x.transpose(1, 2).reshape(B, 1, N, G * d)
     # matmul broadcasts over B; einsum's host time per call measured ~2.6× larger
     return torch.matmul(x.float(), P).to(x.dtype)
+
+
+def per_head(z: torch.Tensor, P: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Latents ``[B, G, N, r]`` and bases ``[G, d, r]`` as attention reads them: a shared basis's one
+    latent is every head's (a view), its ``g``-th block of ``d`` rows head ``g``'s basis."""
+    if z.shape[1] == G and P.shape[0] == G:
+        return z, P
+    return z.expand(z.shape[0], G, *z.shape[2:]), P.reshape(G, P.shape[-2] // G, P.shape[-1])
+
+
+def rebuild(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
+    """``[B, G, N, d]`` projected onto the bases' span and back (what the latents of ``x`` reproduce)."""
+    z = to_latent(x, P).float()
+    if not is_shared(P, x.shape[-1]):
+        return torch.matmul(z, P.transpose(-1, -2)).to(x.dtype)
+    B, G, N, d = x.shape
+    return torch.matmul(z, P.transpose(-1, -2)).reshape(B, N, G, d).transpose(1, 2).to(x.dtype)
 
 
 def exact_band(quant: tuple[QuantSpec, QuantSpec], n_queries: int, read: tuple[torch.Tensor, torch.Tensor],
@@ -149,7 +183,11 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
     stored = tuple(fake_quant(z, spec, straight_through=straight_through, held=h)
                    for z, spec, h in zip((z_k, z_v), quant, held))
     exact = exact_band(quant, N, stored, tuple((h, 0) for h in held))
-    out = kernels.lowrank_attention(q, *stored, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
+    G = k.shape[1]
+    (z_k, P_k), (z_v, P_v) = per_head(stored[0], P_k, G), per_head(stored[1], P_v, G)
+    if exact is not None and (exact.z_k.shape[1], exact.z_v.shape[1]) != (G, G):
+        exact = exact._replace(z_k=exact.z_k.expand(-1, G, -1, -1), z_v=exact.z_v.expand(-1, G, -1, -1))
+    out = kernels.lowrank_attention(q, z_k, z_v, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
                                     positions=positions, rope=rope, causal=True, lengths=None,
                                     scale=attn.scaling, exact=exact, backend=backend)
     return attn.o_proj(out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype))
@@ -181,8 +219,7 @@ def attention_queries_keys(attn: nn.Module, normed: torch.Tensor, P_k: torch.Ten
     q, k_rot = rotate_with(q, cos, sin), rotate_with(k, cos, sin)
     if P_k is None:
         return q, k_rot, k_rot
-    project = lambda x: torch.einsum("bgnd,gdr,ger->bgne", x.float(), P_k, P_k).to(x.dtype)  # noqa: E731
-    k_low = rotate_with(project(k), cos, sin) if key_mode == "pre_rope" else project(k_rot)
+    k_low = rotate_with(rebuild(k, P_k), cos, sin) if key_mode == "pre_rope" else rebuild(k_rot, P_k)
     return q, k_rot, k_low
 
 
