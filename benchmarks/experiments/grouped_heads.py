@@ -149,6 +149,38 @@ def dp_ranks(profile: torch.Tensor, budget: float, step: int = 8) -> list[tuple[
     return [(js[2 * i] * step, js[2 * i + 1] * step) for i in range(L)]
 
 
+def refined_projectors(model, tok, covs, ranks, arm: str, G: int, d: int, args) -> list[dict]:
+    """The product's second pass (``stiefel``, ``sequential``, its defaults) from PCA bases at ``ranks`` (per
+    head; shared: ``G`` times that jointly), through :mod:`stiefkv.layers`' shared bases for ``shared``."""
+    from stiefkv.calibrate.pca import top_eigenvectors
+    from stiefkv.calibrate.pipeline import CalibrationConfig, second_pass
+    from stiefkv.calibrate.state import CalibrationState
+
+    shared = arm == "shared"
+    state = CalibrationState(settings={}, fingerprint={})
+    for c in covs:
+        for name, eigs in (("k_proj", state.eig_k), ("v_proj", state.eig_v)):
+            m = c[name]
+            eigs.append(top_eigenvectors(m[None], G * d) if shared else
+                        top_eigenvectors(torch.stack([m[g * d:(g + 1) * d, g * d:(g + 1) * d]
+                                                      for g in range(G)]), d))
+    state.ranks = [(G * rk, G * rv) if shared else (rk, rv) for rk, rv in ranks]
+    cfg = CalibrationConfig(budget=0.5, bits="16", rotation=False, num_sequences=args.num_sequences,
+                            seq_len=args.seq_len).validate()
+    seqs = calibration_sequences(model, tok, num_sequences=args.num_sequences, seq_len=args.seq_len)
+    t0 = time.perf_counter()
+    second_pass(model, seqs, cfg, state, None)
+    print(f"{arm}: second pass {time.perf_counter() - t0:.0f} s", flush=True)
+
+    def dense(P):
+        P = P.double()
+        if P.shape[0] == 1:
+            return (P[0] @ P[0].T).float()
+        return torch.block_diag(*(p @ p.T for p in P)).float()
+
+    return [{"k_proj": dense(k), "v_proj": dense(v)} for k, v in zip(state.keys, state.values)]
+
+
 @torch.no_grad()
 def perplexity(model, windows: torch.Tensor) -> float:
     nll, n = 0.0, 0
@@ -173,6 +205,8 @@ def main() -> None:
     ap.add_argument("--dp", action="store_true",
                     help="also each arm with ranks allocated by DP on next-token KL profiles")
     ap.add_argument("--profile-seqs", type=int, default=8)
+    ap.add_argument("--refine", action="store_true",
+                    help="with --dp: also the DP ranks refined by the product's Stiefel second pass")
     ap.add_argument("--compact-chunks", type=int, default=0,
                     help="also compact C 4096 contexts to keep 0.1 (AM defaults) under each arm's "
                          "projection, on this many chunks, with the uncompressed model's AM and "
@@ -216,6 +250,15 @@ def main() -> None:
                       flush=True)
                 if args.compact_chunks:
                     _compacted(model, tok, "am", f"{arm} dp {budget:g}", mats, args.compact_chunks)
+                if args.refine and arm in ("per-head", "shared"):
+                    mats = refined_projectors(model, tok, covs, ranks, arm, G, d, args)
+                    with projected(model, mats):
+                        ppl = perplexity(model, windows)
+                    print(json.dumps({"arm": f"{arm} dp stiefel", "budget": budget, "ppl": round(ppl, 4),
+                                      "dppl_pct": round(100 * (ppl / base - 1), 1)}), flush=True)
+                    if args.compact_chunks:
+                        _compacted(model, tok, "am", f"{arm} dp stiefel {budget:g}", mats,
+                                   args.compact_chunks)
             mats = [{n: projectors(c[n], G, d, r, _shared(arm, n))
                      for n in ("k_proj", "v_proj")} for c in covs]
             res = {n: sum(residual_energy(c[n], m[n]) for c, m in zip(covs, mats)) / len(covs)
