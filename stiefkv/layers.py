@@ -11,7 +11,7 @@ runs on unpadded batches (causal attention, no key mask). Errors are on the deco
 A basis of shape ``[1, G·d, r]`` is shared by the layer's KV heads (Palu's grouped heads): one latent a
 token, ``z = Σ_g P_gᵀ x_g`` with ``P_g`` its ``g``-th block of ``d`` rows, rebuilt as ``P_g z`` for head
 ``g`` (:func:`to_latent`, :func:`per_head`). Only this module takes them so far: the checkpoint, the cache
-and the kernels do not (``docs/notes/calibration-choices.md``).
+and the kernels do not (``docs/notes/grouped-heads.md``).
 """
 
 from __future__ import annotations
