@@ -35,6 +35,7 @@ def main() -> None:
     ap.add_argument("--backend", default="reference")
     ap.add_argument("--extra", default="{}", help="JSON of further calibration keywords")
     ap.add_argument("--json", default=None, help="write all results to this file")
+    ap.add_argument("--tag", default="", help="appended to each row's case (a variant set by --extra)")
     args = ap.parse_args()
 
     model, tok = stiefkv.load_model(args.model, device=args.device)
@@ -114,7 +115,7 @@ def main() -> None:
                 "quality",
                 {
                     "case": f"{args.model} {key_mode} {budget:g} {args.method} {args.allocation} "
-                    f"w{args.windows or 'all'}",
+                    f"w{args.windows or 'all'}" + (f" {args.tag}" if args.tag else ""),
                     **common,
                     "key_mode": key_mode,
                     "budget": budget,

@@ -14,11 +14,13 @@ from stiefkv.models import decoder_layers
 
 
 class SecondMoments:
-    """Streaming ``Σ k kᵀ`` and ``Σ v vᵀ`` ``[G, d, d]`` (float64) for every layer."""
+    """Streaming ``Σ k kᵀ`` and ``Σ v vᵀ`` ``[G, d, d]`` (float64) for every layer; ``shared``: over the
+    heads' channels side by side, ``[1, G·d, G·d]``."""
 
-    def __init__(self, model, key_mode: str):
+    def __init__(self, model, key_mode: str, shared: bool = False):
         self.layers = decoder_layers(model)
         self.key_mode = key_mode
+        self.shared = shared
         self.keys: dict[int, torch.Tensor] = {}
         self.values: dict[int, torch.Tensor] = {}
 
@@ -29,6 +31,9 @@ class SecondMoments:
             k = rotate_with(k, *batch.position_embeddings)
         for store, x in ((self.keys, k), (self.values, v)):
             x = x.double()
+            if self.shared:
+                B, G, N, d = x.shape
+                x = x.transpose(1, 2).reshape(B, 1, N, G * d)
             m = torch.einsum("bgnd,bgne->gde", x, x)
             store[batch.layer_idx] = store[batch.layer_idx] + m if batch.layer_idx in store else m
 

@@ -96,6 +96,10 @@ class CalibrationConfig:
     learn_rotation : after refinement, turn each basis stored per token in ≤ 4 bits by a rotation learned on
         the orthogonal group to narrow its tokens' ranges (:mod:`stiefkv.calibrate.rotation`); kept per head
         only where it lowers the held-out quantization error.
+    share_heads : one basis per layer for all its KV heads (``[1, G·d, r]``, one latent a token, ranks in
+        steps of ``G · rank_step``) instead of one per head, at the same bytes: on SmolLM2 at 50 %, +14.0 %
+        PPL against +48.2 % (``docs/notes/grouped-heads.md``). bf16 latents only (``bits="16"``); served
+        through the dynamic latent cache, not the static one, nor compacted, yet.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
@@ -148,6 +152,7 @@ class CalibrationConfig:
     kernel_storage: bool = False
     log8: bool = True
     window8: bool = True
+    share_heads: bool = False
 
     def validate(self) -> "CalibrationConfig":
         if not 0 < self.budget <= 1:
@@ -183,6 +188,9 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.weighting == "kl" and self.profile != "pca":
             raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
+        if self.share_heads and self.bits != "16":
+            raise ValueError(f"share_heads stores bf16 latents only so far; got bits {self.bits}: "
+                             "add --bits 16")
         if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:
             raise ValueError(f"need steps ≥ 0, lr > 0 and kl_weight ≥ 0; got {self.steps}, {self.lr}, "
                              f"{self.kl_weight}")
@@ -352,10 +360,15 @@ def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
 
 def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:
     """bf16 latents: ranks per layer (uniform, or the knapsack over rank units)."""
+    g = dims.G if cfg.share_heads else 1  # shared: G·r jointly costs what r a head does
     if cfg.allocation == "uniform":
-        return allocate.uniform(dims.L, cfg.budget, dims.d, cfg.rank_step)
-    profiles = [LayerProfile(**p) for p in state.profiles]
-    return allocate.dp(profiles, cfg.budget, dims.d, cfg.rank_step, cfg.weighting)
+        ranks = allocate.uniform(dims.L, cfg.budget, dims.d, cfg.rank_step)
+    else:
+        profiles = [LayerProfile(**p) for p in state.profiles]
+        for p in profiles:
+            p.ranks = [r // g for r in p.ranks]
+        ranks = allocate.dp(profiles, cfg.budget, dims.d, cfg.rank_step, cfg.weighting)
+    return [(g * rk, g * rv) for rk, rv in ranks]
 
 
 PHASES = 2  # 1: PCA (and profiles), 2: bases at the allocated ranks
@@ -411,7 +424,7 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
     rope, dims = rope_spec(model.config), dims_of(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
     check_finite(inputs.hidden, "the token embeddings")
-    ranks = candidate_ranks(dims.d, cfg.rank_step)
+    ranks = [r * (dims.G if cfg.share_heads else 1) for r in candidate_ranks(dims.d, cfg.rank_step)]
     output_kl = None
     if cfg.allocation == "dp" and cfg.weighting == "kl":
         n = shard.held(min(KL_SEQUENCES, cfg.profile_sequences, shard.total))
@@ -436,11 +449,11 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
 def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_kl, ranks,
                      cfg: CalibrationConfig, rope, state: CalibrationState, shard: Shard) -> None:
     """Layer ``i``'s eigenvectors (and profile) appended to ``state``."""
-    d = dims_of(model.config).d
-    moments = SecondMoments(model, cfg.key_mode)
+    moments = SecondMoments(model, cfg.key_mode, shared=cfg.share_heads)
     for batch in inputs.batches():
         moments(batch)
-    eig_k, eig_v = (top_eigenvectors(shard.sum_(m[i]), d) for m in (moments.keys, moments.values))
+    eig_k, eig_v = (top_eigenvectors(shard.sum_(m[i]), m[i].shape[-1])  # all: d, or G·d shared
+                    for m in (moments.keys, moments.values))
     device = target.device
 
     def basis_k(r):

@@ -26,7 +26,7 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask
 from stiefkv.kernels import RopeSpec
-from stiefkv.layers import exact_band, project_qkv, rotate_with, to_latent
+from stiefkv.layers import exact_band, head_bases, head_latents, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
 from stiefkv.quant import FLOAT, QuantSpec, fake_quant, held_exact
@@ -75,12 +75,17 @@ class LowRankAttention(nn.Module):
         self.backend = backend
         self.quant = tuple(quant)
         device = attn.q_proj.weight.device
+        # a basis [1, G·d, r] shared by the KV heads: one latent a token, read by every head
+        self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
+        self.shared = P_k.shape[0] != self.kv_heads or P_v.shape[0] != self.kv_heads
+        if self.shared and any(q.quantized for q in quant):
+            raise ValueError("bases shared by the KV heads are served over bf16 latents only so far")
         self.register_buffer("P_k", P_k.detach().to(device, torch.float32), persistent=False)
         self.register_buffer("P_v", P_v.detach().to(device, torch.float32), persistent=False)
         self.rope = RopeSpec(rope.inv_freq.to(device), rope.attention_scaling)
         # P_v folded into o_proj (exact): attention returns its output in r_v dimensions and one matmul of
         # [D, H·r_v] replaces P_v's epilogue plus o_proj; measured faster on the H200 (BENCHMARKS.md §2, P_v).
-        o_fold = fold_values_into_o_proj(attn.o_proj.weight, self.P_v)
+        o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(self.P_v, self.kv_heads))
         self.register_buffer("o_fold", o_fold, persistent=False)
         fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)
         for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
@@ -93,27 +98,29 @@ class LowRankAttention(nn.Module):
         the module moves or ``P_k`` is written in place)."""
         key = (self.P_k.data_ptr(), self.P_k._version, self.P_k.device, dtype)
         if key != self._cast_key:
-            self._cast_P_k, self._cast_key = self.P_k.to(dtype), key
+            P = head_bases(self.P_k, self.kv_heads)  # a shared basis: head g's block of rows
+            self._cast_P_k, self._cast_key = P.to(dtype), key
         return self._cast_P_k
 
     def latents(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        """Queries ``[B, H, N, d]`` (rotated), ``z_k`` ``[B, G, N, r_k]`` and ``z_v`` ``[B, G, N, r_v]``."""
-        G = self.P_k.shape[0]
+        """Queries ``[B, H, N, d]`` (rotated), ``z_k`` ``[B, G, N, r_k]`` and ``z_v`` ``[B, G, N, r_v]``
+        (``[B, 1, N, r]`` for a shared basis)."""
         fold_keys = self.zk_weight is not None
         q, k, _ = project_qkv(self, hidden_states, keys=not fold_keys, values=False)
         rotated = not fold_keys and self.key_mode == "post_rope"  # keys rotated, then projected
         z_k = None
         if kernels.kernel_runs(self.backend, hidden_states, self.P_k):
             # one launch for what rotate_with and to_latent take ~13 small kernels a layer to do
-            q, z_k = kernels.rope_latent(q.transpose(1, 2), k.transpose(1, 2) if rotated else None, cos, sin,
-                                         self.P_k if rotated else None, backend=self.backend)
+            fused = rotated and self.P_k.shape[0] == self.kv_heads  # the kernel takes per-head bases
+            q, z_k = kernels.rope_latent(q.transpose(1, 2), k.transpose(1, 2) if fused else None, cos, sin,
+                                         self.P_k if fused else None, backend=self.backend)
         else:
             q = rotate_with(q, cos, sin)
         if fold_keys:
-            z_k = _folded_latent(hidden_states, self.zk_weight, self.zk_bias, G)
+            z_k = _folded_latent(hidden_states, self.zk_weight, self.zk_bias, self.P_k.shape[0])
         elif z_k is None:
             z_k = to_latent(rotate_with(k, cos, sin) if rotated else k, self.P_k)
-        return q, z_k, _folded_latent(hidden_states, self.zv_weight, self.zv_bias, G)
+        return q, z_k, _folded_latent(hidden_states, self.zv_weight, self.zv_bias, self.P_v.shape[0])
 
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, position_ids=None, **kwargs):
@@ -143,6 +150,11 @@ class LowRankAttention(nn.Module):
                 tails = tuple((held_exact(z, spec), 0) for z, spec in zip(fresh, self.quant))
             exact = exact_band(self.quant, N, (z_k, z_v), tails)
         bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
+        if self.shared:  # one latent a token: every head reads it (views, no copies)
+            z_k, z_v = head_latents(z_k, self.kv_heads), head_latents(z_v, self.kv_heads)
+            if exact is not None:
+                exact = exact._replace(z_k=head_latents(exact.z_k, self.kv_heads),
+                                       z_v=head_latents(exact.z_v, self.kv_heads))
         dtype = getattr(z_k, "dtype", q.dtype)  # codes of a static cache dequantize to the queries' dtype
         out = kernels.lowrank_attention(q, z_k, z_v, self.key_basis(dtype), None, key_mode=self.key_mode,
                                         positions=positions, rope=self.rope, causal=True, lengths=lengths,

@@ -33,7 +33,7 @@ from stiefkv.kernels import reference
 from stiefkv.layers import project_qkv, rotate_with
 from stiefkv.models import decoder_layers, max_positions
 from stiefkv.quant import Quantized
-from stiefkv.static_cache import StaticLatentCache
+from stiefkv.static_cache import StaticLatentCache, refuse_shared_bases
 
 HOOKS = "_stiefkv_compacted_hooks"
 DEFAULT_WINDOW = 1024  # reference queries: the prompt's last tokens (all of a shorter one), shifted after it
@@ -328,6 +328,8 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     differ, padded to their layer's largest), ``layers`` (those counts pooled per layer, equal for its heads:
     no padding), ``layers-max`` (each layer's largest head count for all its heads, at the cut that stores
     ``t`` per head on average)."""
+    if isinstance(cache, LatentCache):
+        refuse_shared_bases(model, "compaction")  # it keeps tokens per KV head; a shared latent has one
     pins = pinned_tokens(cache, t, options.pop("pin", None), method)
     if isinstance(cache, LatentCache):
         return _build_latent(model, cache, queries, t, method, pins, **options)
@@ -589,6 +591,8 @@ def check_cache(model, cache) -> int:
         raise ValueError("the cache does not belong to this model: a model served by stiefkv.load keeps a "
                          "stiefkv.LatentCache, any other model a DynamicCache; prefill with "
                          "stiefkv.prefill(model, ids) on the model you compact for")
+    if latent:
+        refuse_shared_bases(model, "compaction")
     layers = decoder_layers(model)
     held = [la for la in cache.layers if la.get_seq_length()]
     if not held:

@@ -10,8 +10,7 @@ runs on unpadded batches (causal attention, no key mask). Errors are on the deco
 
 A basis of shape ``[1, G·d, r]`` is shared by the layer's KV heads (Palu's grouped heads): one latent a
 token, ``z = Σ_g P_gᵀ x_g`` with ``P_g`` its ``g``-th block of ``d`` rows, rebuilt as ``P_g z`` for head
-``g`` (:func:`to_latent`, :func:`per_head`). Only this module takes them so far: the checkpoint, the cache
-and the kernels do not (``docs/notes/grouped-heads.md``).
+``g`` (:func:`to_latent`, :func:`head_latents`, :func:`head_bases`; ``docs/notes/grouped-heads.md``).
 """
 
 from __future__ import annotations
@@ -119,12 +118,16 @@ def to_latent(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
     return torch.matmul(x.float(), P).to(x.dtype)
 
 
-def per_head(z: torch.Tensor, P: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Latents ``[B, G, N, r]`` and bases ``[G, d, r]`` as attention reads them: a shared basis's one
-    latent is every head's (a view), its ``g``-th block of ``d`` rows head ``g``'s basis."""
-    if z.shape[1] == G and P.shape[0] == G:
-        return z, P
-    return z.expand(z.shape[0], G, *z.shape[2:]), P.reshape(G, P.shape[-2] // G, P.shape[-1])
+def head_latents(z: torch.Tensor, G: int) -> torch.Tensor:
+    """Latents ``[B, G, N, r]`` as attention reads them: a shared basis's one latent ``[B, 1, N, r]`` is
+    every head's (a view, no copy)."""
+    return z if z.shape[1] == G else z.expand(z.shape[0], G, *z.shape[2:])
+
+
+def head_bases(P: torch.Tensor, G: int) -> torch.Tensor:
+    """Bases ``[G, d, r]`` as attention reads them: a shared ``[1, G·d, r]``'s ``g``-th block of rows is
+    head ``g``'s."""
+    return P if P.shape[0] == G else P.reshape(G, P.shape[-2] // G, P.shape[-1])
 
 
 def rebuild(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
@@ -184,7 +187,8 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
                    for z, spec, h in zip((z_k, z_v), quant, held))
     exact = exact_band(quant, N, stored, tuple((h, 0) for h in held))
     G = k.shape[1]
-    (z_k, P_k), (z_v, P_v) = per_head(stored[0], P_k, G), per_head(stored[1], P_v, G)
+    z_k, z_v = head_latents(stored[0], G), head_latents(stored[1], G)
+    P_k, P_v = head_bases(P_k, G), head_bases(P_v, G)
     if exact is not None and (exact.z_k.shape[1], exact.z_v.shape[1]) != (G, G):
         exact = exact._replace(z_k=exact.z_k.expand(-1, G, -1, -1), z_v=exact.z_v.expand(-1, G, -1, -1))
     out = kernels.lowrank_attention(q, z_k, z_v, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,

@@ -1,6 +1,8 @@
 """The projection checkpoint: per-layer key and value bases plus provenance, in one safetensors file.
 
-Tensors ``layers.{i}.k`` ``[G, d, r_k]`` and ``layers.{i}.v`` ``[G, d, r_v]`` (float32); the header
+Tensors ``layers.{i}.k`` ``[G, d, r_k]`` and ``layers.{i}.v`` ``[G, d, r_v]`` (float32), or from version 8
+``[1, G·d, r]`` for a basis the layer's KV heads share (one latent a token; ``docs/notes/grouped-heads.md``);
+the header
 metadata key ``stiefkv`` holds a JSON document (format version, key mode, budget, ranks, the model's
 fingerprint, method and settings, per-layer errors, from version 2 a sha256 of the tensor data, and from
 version 3 how each layer's key and value latents are stored: ``"quant": [["int4-channel", "bf16"], …]``).
@@ -28,10 +30,10 @@ log = logging.getLogger(__name__)
 
 # 2 adds "tensors_sha256", 3 "quant", 4 least-squared-error encoders ("int2-token-mse"), 5 exact recent tokens
 # ("int4-token-r64"), 6 log8 scales ("int2-token-log8-r16"), 7 exact tokens held in int8
-# ("int2-channel-r16-w8"); each file is written at the lowest version that holds it, so older StiefKV reads
-# what it can; version 1 files load with a warning
-FORMAT_VERSION = 7
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7)
+# ("int2-channel-r16-w8"), 8 bases shared by a layer's KV heads ([1, G·d, r]); each file is written at the
+# lowest version that holds it, so older StiefKV reads what it can; version 1 files load with a warning
+FORMAT_VERSION = 8
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
 KEY_MODES = ("pre_rope", "post_rope")
 # The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
 PROJECTIONS_FILE = "stiefkv_projections.safetensors"
@@ -121,7 +123,8 @@ class Projections:
 
     Attributes
     ----------
-    keys, values : per layer ``[G, d, r_k]`` / ``[G, d, r_v]`` float32 with orthonormal columns.
+    keys, values : per layer ``[G, d, r_k]`` / ``[G, d, r_v]`` float32 with orthonormal columns, or
+        ``[1, G·d, r]``: one basis (and one latent a token) shared by the layer's KV heads.
     key_mode : ``"pre_rope"`` or ``"post_rope"``.
     fingerprint : what the model must match (see :func:`stiefkv.models.fingerprint`).
     budget : requested fraction of the full KV cache.
@@ -168,9 +171,9 @@ class Projections:
     def kv_bytes_per_token(self, context: int = REFERENCE_CONTEXT) -> float:
         """Bytes per token of a served cache holding ``context`` tokens, everything counted: every layer's
         latents at their storage (codes, scales and lows, the exact window) and the int32 positions."""
-        G = self.keys[0].shape[0]
-        latents = sum(G * (qk.bytes_per_token(rk, context) + qv.bytes_per_token(rv, context))
-                      for (rk, rv), (qk, qv) in zip(self.ranks, self.specs))
+        latents = sum(k.shape[0] * qk.bytes_per_token(rk, context)  # G latents a token, or 1 shared
+                      + v.shape[0] * qv.bytes_per_token(rv, context)
+                      for k, v, (rk, rv), (qk, qv) in zip(self.keys, self.values, self.ranks, self.specs))
         return latents + POSITION_BYTES
 
     @property
@@ -183,14 +186,20 @@ class Projections:
         """The latents' bytes per token over the uncompressed bf16 cache's ``L · G · 2d · 2``: with bf16
         latents ``Σ (r_k + r_v) / (L · 2d)``. (The positions, 4 bytes per token, are in
         :meth:`kv_bytes_per_token`.)"""
-        G, d = self.keys[0].shape[:2]
-        return (self.kv_bytes_per_token() - POSITION_BYTES) / (len(self.keys) * G * 2 * d * 2)
+        channels = self.keys[0].shape[0] * self.keys[0].shape[1]  # G·d, per head or shared
+        return (self.kv_bytes_per_token() - POSITION_BYTES) / (len(self.keys) * channels * 2 * 2)
+
+    @property
+    def shared(self) -> bool:
+        """Whether any layer has a basis shared by its KV heads (``[1, G·d, r]``)."""
+        return any(_shared_shape(P.shape, self.fingerprint) for P in self.keys + self.values)
 
     def validate(self, where: str = "projections") -> Projections:
         """Raise :class:`CheckpointError` unless every basis is finite, orthonormal and of a valid shape.
 
         Checks, per layer and latent: a float ``[G, d, r]`` tensor with ``G``/``d`` from the fingerprint
-        (when it has them) and ``1 ≤ r ≤ d``; every value finite; ``max |PᵀP − I| ≤``
+        (when it has them) and ``1 ≤ r ≤ d``, or a shared ``[1, G·d, r]`` with ``1 ≤ r ≤ G·d`` (bf16
+        latents only, so far); every value finite; ``max |PᵀP − I| ≤``
         :data:`ORTHONORMALITY_TOLERANCE`; and as many layers as the fingerprint's ``L``.
         """
         fp = self.fingerprint if isinstance(self.fingerprint, dict) else {}
@@ -205,7 +214,11 @@ class Projections:
                     shape = tuple(P.shape) if isinstance(P, torch.Tensor) else type(P).__name__
                     raise CheckpointError(f"{what} must be a float tensor [G, d, r], got {shape}")
                 g, dd, r = P.shape
-                if (_is_int(G) and g != G) or (_is_int(d) and dd != d):
+                if _shared_shape(P.shape, fp):
+                    if self.quantized:
+                        raise CheckpointError(f"{what} is shared by the layer's KV heads; quantized shared "
+                                              "latents are not supported yet: calibrate with --bits 16")
+                elif (_is_int(G) and g != G) or (_is_int(d) and dd != d):
                     raise CheckpointError(f"{what} has shape {tuple(P.shape)}; the fingerprint says G={G}, "
                                           f"d={d}")
                 if not 1 <= r <= dd:
@@ -228,6 +241,8 @@ class Projections:
         latent's encoder searches its range (which version 3 readers do not know), 5 when a latent keeps its
         recent tokens exact (which earlier readers would quantize), 6 when a latent has log8 scales, 7 when
         it holds its exact tokens in int8 (which earlier readers would keep in bf16)."""
+        if self.shared:
+            return 8
         if not self.quantized:
             return 2
         specs = [s for pair in self.quant for s in pair]
@@ -358,10 +373,17 @@ class Projections:
             )
         G, d = theirs["G"], theirs["d"]
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
-            if k.shape[:2] != (G, d) or v.shape[:2] != (G, d):
+            if not all(P.shape[:2] in ((G, d), (1, G * d)) for P in (k, v)):
                 raise CheckpointError(f"layer {i}: bases {tuple(k.shape)}/{tuple(v.shape)} do not fit G={G}, "
                                       f"d={d}")
         self.validate()
+
+
+def _shared_shape(shape, fingerprint) -> bool:
+    """A ``[1, G·d, r]`` basis of a model with ``G > 1`` KV heads of dim ``d`` (from ``fingerprint``)."""
+    fp = fingerprint if isinstance(fingerprint, dict) else {}
+    G, d = fp.get("G"), fp.get("d")
+    return _is_int(G) and _is_int(d) and G > 1 and tuple(shape[:2]) == (1, G * d)
 
 
 def _quant_of(doc: dict, path: Path) -> list[tuple[QuantSpec, QuantSpec]] | None:
@@ -438,8 +460,10 @@ def _check_header(doc, path: Path) -> None:
             raise bad(f"fingerprint {key} is {fp.get(key)!r}, not a positive integer")
     if fp["L"] != len(ranks):
         raise bad(f"ranks list {len(ranks)} layers but the model fingerprint has L={fp['L']}")
-    if any(x > fp["d"] for r in ranks for x in r):
-        raise bad(f"a rank exceeds the head dimension d={fp['d']} (ranks {ranks})")
+    most = fp["d"] * (fp["G"] if version >= 8 else 1)  # a shared basis spans the layer's G·d channels
+    if any(x > most for r in ranks for x in r):
+        raise bad(f"a rank exceeds the head dimension d={fp['d']} (ranks {ranks})" if most == fp["d"] else
+                  f"a rank exceeds the layer's G·d = {most} channels (ranks {ranks})")
     for key, kind in (("method", str), ("settings", dict), ("errors", list), ("tensors_sha256", str)):
         if key in doc and not isinstance(doc[key], kind):
             raise bad(f"{key} is a {type(doc[key]).__name__}, not a {kind.__name__}")

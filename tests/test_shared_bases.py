@@ -105,3 +105,127 @@ def test_shared_latents_quantize_and_stay_differentiable():
     out.pow(2).sum().backward()
     for P in (P_k, P_v):
         assert P.grad is not None and torch.isfinite(P.grad).all() and P.grad.abs().max() > 0
+
+
+# ------------------------------------------------------------------ calibration, checkpoint and serving
+
+
+class _Projected:
+    """``k_proj``/``v_proj`` outputs replaced by their projection onto shared bases (keys before RoPE): the
+    dense model a ``pre_rope`` cache of those latents reproduces."""
+
+    def __init__(self, model, proj):
+        self.model, self.proj, self.hooks = model, proj, []
+
+    def __enter__(self):
+        for layer, P_k, P_v in zip(self.model.model.layers, self.proj.keys, self.proj.values):
+            for name, P in (("k_proj", P_k[0]), ("v_proj", P_v[0])):
+                Pi = (P.double() @ P.double().T).float()
+                self.hooks.append(getattr(layer.self_attn, name).register_forward_hook(
+                    lambda _m, _i, out, Pi=Pi: out @ Pi))
+        return self
+
+    def __exit__(self, *exc):
+        for h in self.hooks:
+            h.remove()
+
+
+def shared_calibration(corpus, head_dim=24, **kw):
+    import stiefkv
+    from tests.utils import CharTokenizer
+
+    model = tiny_model(heads=6, kv_heads=3, head_dim=head_dim)
+    settings = dict(budget=0.5, bits="16", share_heads=True, data=str(corpus), num_sequences=6, seq_len=33,
+                    steps=4, step_sequences=2, seed=3) | kw
+    return model, stiefkv.calibrate(model, CharTokenizer(), **settings)
+
+
+@pytest.mark.parametrize("allocation", ["uniform", "dp"])
+def test_calibration_with_shared_heads_writes_shared_bases(corpus, tmp_path, allocation):
+    """``share_heads``: one ``[1, G·d, r]`` basis per latent and layer at ranks in steps of ``G · 8``, at the
+    budget's bytes (``r / (G·d)`` of them), orthonormal, through a checkpoint of format 8 and back."""
+    from stiefkv.projections import Projections
+
+    model, proj = shared_calibration(corpus, allocation=allocation)
+    assert proj.shared and proj.format_version == 8
+    for P in proj.keys + proj.values:
+        assert P.shape[:2] == (1, 72) and P.shape[2] % 24 == 0
+        assert_close(P[0].T @ P[0], torch.eye(P.shape[2]), atol=1e-5, rtol=0, what="orthonormal")
+    if allocation == "uniform":  # 0.5 · 24 rounds down to 8 a head: 24 shared by 3 heads
+        assert proj.ranks == [(24, 24)] * 2
+    bf16_cache = 2 * 2 * 72 * 2  # L · G·d · (k, v) · 2 bytes
+    assert proj.kv_bytes_per_token() - 4 == sum(2 * (rk + rv) for rk, rv in proj.ranks)
+    assert proj.achieved_budget == pytest.approx(sum(rk + rv for rk, rv in proj.ranks) * 2 / bf16_cache)
+    back = Projections.load(proj.save(tmp_path / "shared.safetensors"))
+    assert back.ranks == proj.ranks and all(torch.equal(a, b) for a, b in zip(back.keys, proj.keys))
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_served_shared_bases_match_the_dense_projection_and_decode_alike(corpus, key_mode):
+    """``stiefkv.load`` of a shared checkpoint: a forward equals the model whose keys and values are
+    projected densely, and token-by-token decoding through the latent cache (one latent a token) gives the
+    logits of the one forward."""
+    import stiefkv
+    from stiefkv.cache import LatentCache
+
+    model, proj = shared_calibration(corpus, key_mode=key_mode, method="pca")
+    ids = torch.randint(0, 97, (2, 19), generator=gen(11))
+    with torch.no_grad():
+        if key_mode == "pre_rope":
+            with _Projected(model, proj):
+                want = model(ids).logits
+        stiefkv.load(model, proj, backend="reference")
+        full = model(ids).logits
+        cache = LatentCache()
+        model(ids[:, :12], past_key_values=cache)
+        steps = [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(12, 19)]
+    if key_mode == "pre_rope":
+        assert_close(full, want, atol=2e-4, rtol=1e-4, what="served vs dense")
+    assert_close(torch.cat(steps, 1), full[:, 12:], atol=2e-4, rtol=1e-4, what="decode vs forward")
+    z = cache.layers[0].keys
+    assert z.shape[:3] == (2, 1, 19) and z.shape[3] == proj.ranks[0][0]
+
+
+def test_the_kernels_read_shared_latents_as_the_reference(corpus):
+    """The Triton kernels (the interpreter on a CPU) over one latent a token, read by every head through a
+    stride-0 view: prefill and decode give the reference backend's logits."""
+    import stiefkv
+    from stiefkv.cache import LatentCache
+
+    model, proj = shared_calibration(corpus, head_dim=32, method="pca")  # the kernels take d = 2^k ≥ 32
+    assert proj.shared
+    ids = torch.randint(0, 97, (1, 21), generator=gen(13))
+    out = {}
+    with torch.no_grad():
+        for backend in ("reference", "triton"):
+            stiefkv.load(model, proj, backend=backend)
+            cache = LatentCache()
+            prefill = model(ids[:, :17], past_key_values=cache).logits
+            steps = [model(ids[:, i:i + 1], past_key_values=cache).logits for i in range(17, 21)]
+            out[backend] = torch.cat([prefill, *steps], 1)
+    assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4, what="triton vs reference")
+
+
+def test_shared_heads_refuse_what_they_do_not_support_yet(corpus):
+    import stiefkv
+    from stiefkv import StaticLatentCache
+    from stiefkv.projections import CheckpointError
+    from stiefkv.quant import QuantSpec
+    from tests.utils import CharTokenizer
+
+    with pytest.raises(ValueError, match="add --bits 16"):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), share_heads=True, bits="auto")
+    model, proj = shared_calibration(corpus, method="pca", allocation="uniform")
+    quantized = stiefkv.Projections(keys=proj.keys, values=proj.values, key_mode=proj.key_mode,
+                                    fingerprint=proj.fingerprint, budget=0.5,
+                                    quant=[(QuantSpec(8, "token"), QuantSpec(8, "token"))] * 2)
+    with pytest.raises(CheckpointError, match="quantized shared latents are not supported yet"):
+        quantized.validate()
+    stiefkv.load(model, proj, backend="reference")
+    with pytest.raises(ValueError, match="static latent cache does not support bases shared"):
+        StaticLatentCache(model, 1, 32)
+    with torch.no_grad():
+        cache = stiefkv.LatentCache()
+        model(torch.randint(0, 97, (1, 40), generator=gen(12)), past_key_values=cache)
+        with pytest.raises(ValueError, match="compaction does not support bases shared"):
+            stiefkv.compact(model, cache, keep=0.5)
