@@ -157,6 +157,17 @@ def claims(res: Results) -> str:
     # quality (issue 3)
     seq50, pca50 = (res.pick(ISSUE3[0], f"pre_rope 0.5 {row}") for row in ("stiefel-dp-seq", "pca-uniform"))
     seq75 = res.pick(ISSUE3[0], "pre_rope 0.75 stiefel-dp-seq")
+    shared, heads = (res.pick("quality", f"{SHARED_MODEL} pre_rope 0.5 stiefel dp wall {tag}")
+                     for tag in ("share-heads", "per-head"))
+    if shared and heads:
+        ds, dh = (r["ppl"] / r["ppl_original"] - 1 for r in (shared, heads))
+        claim(
+            "SmolLM2 `pre_rope` 50 % ranks only: `--share-heads` / per-head bases (same run, bytes)",
+            f"{shared['ppl']:.2f} ({ds:+.1%}) against {heads['ppl']:.2f} ({dh:+.1%})",
+            "–",
+            None,
+            [shared, heads],
+        )
     if seq50 and pca50 and seq75:
         d50, dpca, d75 = (r["ppl"] / r["ppl_original"] - 1 for r in (seq50, pca50, seq75))
         claim(
@@ -465,6 +476,26 @@ def quality_variants(res: Results) -> str:
                 line = quality_line(r, False)
                 out.append([*line[:5], r["tag"], *line[5:]])
     return table(head, out)
+
+
+SHARED_MODEL = "/root/m/model.gguf"  # bench_quality.py's case names the model as the device found it
+
+
+def quality_shared(res: Results) -> str:
+    """``bench_quality.py --tag share-heads`` / ``per-head`` rows, `pre_rope`, Stiefel + DP, one run (the
+    rows: `quality.jsonl`, cases ``… stiefel dp wall share-heads`` / ``per-head``)."""
+    out = []
+    for budget in ("0.5", "0.25"):
+        for tag, what in (("per-head", "a basis per KV head"), ("share-heads", "`--share-heads`")):
+            r = res.pick("quality", f"{SHARED_MODEL} pre_rope {budget} stiefel dp wall {tag}")
+            if r is None:
+                continue
+            out.append([f"{100 * float(budget):g} %", what, f"{r['ppl']:.2f}",
+                        f"{100 * (r['ppl'] / r['ppl_original'] - 1):+.1f} %", f"{r['layer_rel_error']:.4f}",
+                        f"{r['next_token_kl']:.4f}", f"{r['kv_bytes_per_token']:.0f}",
+                        f"{r['calibration_seconds']:.0f}"])
+    return table(["budget", "bases", "PPL", "ΔPPL", "layer rel. err", "next-token KL",
+                  "KV B/token (measured, fp32 model)", "calib. s"], out)
 
 
 def quality_other(res: Results) -> str:
@@ -1407,6 +1438,7 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "quality": quality,
     "quality-variants": quality_variants,
     "quality-other": quality_other,
+    "quality-shared": quality_shared,
     "decode": decode,
     "prefill": prefill,
     "fold": fold,

@@ -341,6 +341,10 @@ class Projections:
                    budget=float(doc["budget"]), method=doc.get("method", "?"),
                    settings=doc.get("settings", {}), errors=doc.get("errors", []),
                    quant=_quant_of(doc, path))
+        if proj.shared and doc["format_version"] < 8:
+            raise CheckpointError(f"{path}: bases shared by the KV heads in a format version "
+                                  f"{doc['format_version']} file (they need 8): the file was edited; "
+                                  "recalibrate")
         if [list(r) for r in proj.ranks] != doc["ranks"]:
             raise CheckpointError(f"{path}: tensor shapes {proj.ranks} disagree with the ranks in its header "
                                   f"{doc['ranks']}: the file is damaged or was edited; recalibrate")

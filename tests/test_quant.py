@@ -579,8 +579,8 @@ def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
     assert back.header()["quant"][0] == ["int4-token", "int3-token"]
     plain = random_projections(model, 8, 8)
     assert plain.header()["format_version"] == 2 and "quant" not in plain.header()  # older readers take it
-    with pytest.raises(CheckpointError, match="format version 8; this StiefKV reads up to 7"):
-        _edited(tmp_path, path, lambda h: h.update(format_version=8))
+    with pytest.raises(CheckpointError, match="format version 9; this StiefKV reads up to 8"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=9))
     with pytest.raises(CheckpointError, match="'quant' in a format version 2"):
         _edited(tmp_path, path, lambda h: h.update(format_version=2))
     with pytest.raises(CheckpointError, match="bits must be one of"):

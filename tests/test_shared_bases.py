@@ -144,7 +144,7 @@ def shared_calibration(corpus, head_dim=24, **kw):
 def test_calibration_with_shared_heads_writes_shared_bases(corpus, tmp_path, allocation):
     """``share_heads``: one ``[1, G·d, r]`` basis per latent and layer at ranks in steps of ``G · 8``, at the
     budget's bytes (``r / (G·d)`` of them), orthonormal, through a checkpoint of format 8 and back."""
-    from stiefkv.projections import Projections
+    from stiefkv.projections import CheckpointError, Projections
 
     model, proj = shared_calibration(corpus, allocation=allocation)
     assert proj.shared and proj.format_version == 8
@@ -156,8 +156,25 @@ def test_calibration_with_shared_heads_writes_shared_bases(corpus, tmp_path, all
     bf16_cache = 2 * 2 * 72 * 2  # L · G·d · (k, v) · 2 bytes
     assert proj.kv_bytes_per_token() - 4 == sum(2 * (rk + rv) for rk, rv in proj.ranks)
     assert proj.achieved_budget == pytest.approx(sum(rk + rv for rk, rv in proj.ranks) * 2 / bf16_cache)
-    back = Projections.load(proj.save(tmp_path / "shared.safetensors"))
+    path = proj.save(tmp_path / "shared.safetensors")
+    back = Projections.load(path)
     assert back.ranks == proj.ranks and all(torch.equal(a, b) for a, b in zip(back.keys, proj.keys))
+    _with_version(path, 7)
+    with pytest.raises(CheckpointError, match="they need 8|exceeds the head dimension"):  # ranks > d
+        Projections.load(path)
+
+
+def _with_version(path, version: int) -> None:
+    """Rewrite ``path``'s header with another format version (its tensors and checksum unchanged)."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        doc = json.loads(f.metadata()["stiefkv"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors, str(path), metadata={"stiefkv": json.dumps(doc | {"format_version": version})})
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
@@ -184,6 +201,32 @@ def test_served_shared_bases_match_the_dense_projection_and_decode_alike(corpus,
     assert_close(torch.cat(steps, 1), full[:, 12:], atol=2e-4, rtol=1e-4, what="decode vs forward")
     z = cache.layers[0].keys
     assert z.shape[:3] == (2, 1, 19) and z.shape[3] == proj.ranks[0][0]
+
+
+def test_generate_over_shared_latents_is_greedy_decoding(corpus):
+    """``model.generate`` on a shared checkpoint (the latent cache it makes) picks, token by token, the
+    argmax of a forward over the whole sequence so far."""
+    import stiefkv
+
+    model, proj = shared_calibration(corpus, method="pca")
+    stiefkv.load(model, proj, backend="reference")
+    ids = torch.randint(1, 97, (1, 11), generator=gen(14))
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+        seq = ids
+        for _ in range(6):
+            seq = torch.cat([seq, model(seq).logits[:, -1:].argmax(-1)], 1)
+    assert torch.equal(out, seq)
+
+
+def test_cli_share_heads_needs_bf16_latents(corpus, tmp_path):
+    from click.testing import CliRunner
+
+    from stiefkv.cli import main
+
+    result = CliRunner().invoke(main, ["calibrate", "smollm2", "--share-heads", "-o", str(tmp_path / "x")])
+    assert result.exit_code != 0 and "add --bits 16" in result.output
+    assert "Traceback" not in result.output
 
 
 def test_the_kernels_read_shared_latents_as_the_reference(corpus):
