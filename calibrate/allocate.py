@@ -89,11 +89,13 @@ def per_latent(specs) -> dict[str, list[QuantSpec]]:
     return specs if isinstance(specs, dict) else {"k": specs, "v": specs}
 
 
-def smallest_budget(L: int, G: int, d: int, rank_step: int, specs) -> float:
+def smallest_budget(L: int, G: int, d: int, rank_step: int, specs, shared: bool = False) -> float:
     """The smallest budget a cache of these storages (a list, or one per latent) can meet: every latent at
-    rank ``rank_step`` in its cheapest storage, plus the positions."""
-    least = sum(min(spec.bytes_per_token(rank_step) for spec in s) for s in per_latent(specs).values())
-    return (L * G * least + POSITION_BYTES) / cache_bytes(L, G, d)
+    rank ``rank_step`` (``G · rank_step`` for one latent ``shared`` by the heads) in its cheapest storage,
+    plus the positions."""
+    rank, copies = (G * rank_step, 1) if shared else (rank_step, G)
+    least = sum(min(spec.bytes_per_token(rank) for spec in s) for s in per_latent(specs).values())
+    return (L * copies * least + POSITION_BYTES) / cache_bytes(L, G, d)
 
 
 def frontier(options: list[tuple[int, float]]) -> list[int]:
@@ -148,27 +150,29 @@ def knapsack_options(groups: list[list[tuple[int, float]]], capacity: int) -> li
     return chosen[::-1]
 
 
-def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs,
-               weighting: str = "kl") -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]]]:
+def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs, weighting: str = "kl",
+               shared: bool = False) -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]]]:
     """Per layer, separately for keys and values, the ``(rank, storage)`` minimising the summed profiled
     error under ``budget`` × the uncompressed bf16 cache's bytes per token, everything counted (codes,
     scales, lows, the positions). ``specs`` are the storages allowed (bf16 among them or not), one list for
     both latents or one per latent (``{"k": ..., "v": ...}``); full rank is a candidate, so a
-    quantization-only cache is one of the answers."""
+    quantization-only cache is one of the answers. ``shared``: each layer's latents are one a token for its
+    ``G`` heads (bases ``[1, G·d, r]``), profiled at ranks ``G · rank_step`` … ``G·d``."""
     L = len(profiles)
     specs = per_latent(specs)
-    floor = smallest_budget(L, G, d, rank_step, specs)
+    step, top, copies = (G * rank_step, G * d, 1) if shared else (rank_step, d, G)
+    floor = smallest_budget(L, G, d, rank_step, specs, shared)
     if budget < floor:
         raise ValueError(f"budget {budget:g} is below the smallest cache these bit widths can make, "
                          f"{floor:.4g} (rank {rank_step} at the fewest bits in every layer)")
     groups, labels = [], []
     for prof in profiles:
-        if prof.ranks != list(range(rank_step, d + 1, rank_step)):
-            raise ValueError(f"profile ranks {prof.ranks} are not the multiples of {rank_step} up to {d}")
+        if prof.ranks != list(range(step, top + 1, step)):
+            raise ValueError(f"profile ranks {prof.ranks} are not the multiples of {step} up to {top}")
         for which in ("k", "v"):
             opts = prof.options(which, weighting, specs[which])
             labels.append([(r, spec) for r, spec, _ in opts])
-            groups.append([(G * spec.cache_bytes(r, UNITS_PER_BYTE), err)
+            groups.append([(copies * spec.cache_bytes(r, UNITS_PER_BYTE), err)
                            for r, spec, err in opts])
     unit = math.gcd(*(c for g in groups for c, _ in g))
     groups = [[(c // unit, e) for c, e in g] for g in groups]

@@ -97,9 +97,9 @@ class CalibrationConfig:
         the orthogonal group to narrow its tokens' ranges (:mod:`stiefkv.calibrate.rotation`); kept per head
         only where it lowers the held-out quantization error.
     share_heads : one basis per layer for all its KV heads (``[1, G·d, r]``, one latent a token, ranks in
-        steps of ``G · rank_step``) instead of one per head, at the same bytes: on SmolLM2 at 50 %, +14.0 %
-        PPL against +48.2 % (``docs/notes/grouped-heads.md``). bf16 latents only (``bits="16"``); served
-        through the dynamic latent cache, not the static one, nor compacted, yet.
+        steps of ``G · rank_step``) instead of one per head, at the same bytes: on SmolLM2 at 50 %, ranks
+        only, +14.2 % PPL against +50.1 % (``docs/notes/grouped-heads.md``). Served through the dynamic
+        latent cache; not the static one, nor compacted, yet.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
@@ -188,9 +188,6 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.weighting == "kl" and self.profile != "pca":
             raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
-        if self.share_heads and self.bits != "16":
-            raise ValueError(f"share_heads stores bf16 latents only so far; got bits {self.bits}: "
-                             "add --bits 16")
         if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:
             raise ValueError(f"need steps ≥ 0, lr > 0 and kl_weight ≥ 0; got {self.steps}, {self.lr}, "
                              f"{self.kl_weight}")
@@ -334,7 +331,7 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
 def check_budget(cfg: CalibrationConfig, dims) -> None:
     """Refuse, before any work, a budget below the smallest cache the settings can represent."""
     specs = storages(cfg) or [FLOAT]
-    floor = allocate.smallest_budget(dims.L, dims.G, dims.d, cfg.rank_step, specs)
+    floor = allocate.smallest_budget(dims.L, dims.G, dims.d, cfg.rank_step, specs, cfg.share_heads)
     if specs == [FLOAT]:  # the bf16 allocation counts rank units, as earlier versions did: positions aside
         floor = cfg.rank_step / dims.d
     if cfg.budget < floor:
@@ -355,7 +352,8 @@ def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
     if specs is None:
         return choose_ranks(cfg, state, dims), None
     profiles = [LayerProfile(**p) for p in state.profiles]
-    return allocate.storage_dp(profiles, cfg.budget, dims.G, dims.d, cfg.rank_step, specs, cfg.weighting)
+    return allocate.storage_dp(profiles, cfg.budget, dims.G, dims.d, cfg.rank_step, specs, cfg.weighting,
+                               shared=cfg.share_heads)
 
 
 def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:

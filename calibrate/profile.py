@@ -18,7 +18,7 @@ import torch
 from stiefkv.calibrate.collect import Context, module_device
 from stiefkv.calibrate.distributed import SINGLE, Shard
 from stiefkv.kernels import RopeSpec
-from stiefkv.layers import LayerBatch, compressed_layer_output, project_qkv, rotate_with
+from stiefkv.layers import LayerBatch, compressed_layer_output, project_qkv, rotate_with, to_latent
 from stiefkv.quant import FLOAT, LAYOUTS, QUANT_BITS, QuantSpec, fake_quant
 
 WEIGHTINGS = ("output", "update", "kl")
@@ -137,7 +137,7 @@ def latent_noise(x: torch.Tensor | None, P: torch.Tensor, spec: QuantSpec, rotat
     (0 for no ``x``)."""
     if x is None:  # a process of a distributed run that holds none of these sequences
         return 0.0
-    z = torch.matmul(x, storage_basis(P, spec, rotation))
+    z = to_latent(x, storage_basis(P, spec, rotation))  # a shared basis reads the heads side by side
     return float((fake_quant(z, spec) - z).double().pow(2).sum())
 
 
@@ -161,7 +161,7 @@ def latent_noises(x: torch.Tensor | None, bases: list[torch.Tensor], spec: Quant
     per_chunk = max(1, NOISE_ELEMENTS // (x[..., :1].numel() * width))  # ranks quantized together
     out = []
     for first in range(0, len(bases), per_chunk):
-        latents = [torch.matmul(x, storage_basis(P, spec, rotation)) for P in bases[first:first + per_chunk]]
+        latents = [to_latent(x, storage_basis(P, spec, rotation)) for P in bases[first:first + per_chunk]]
         ranks = torch.tensor([z.shape[-1] for z in latents], device=x.device)
         z = torch.stack([torch.cat([z, z[..., -1:].expand(*z.shape[:-1], width - z.shape[-1])], -1)
                          for z in latents])

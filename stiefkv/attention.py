@@ -78,8 +78,6 @@ class LowRankAttention(nn.Module):
         # a basis [1, G·d, r] shared by the KV heads: one latent a token, read by every head
         self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
         self.shared = P_k.shape[0] != self.kv_heads or P_v.shape[0] != self.kv_heads
-        if self.shared and any(q.quantized for q in quant):
-            raise ValueError("bases shared by the KV heads are served over bf16 latents only so far")
         self.register_buffer("P_k", P_k.detach().to(device, torch.float32), persistent=False)
         self.register_buffer("P_v", P_v.detach().to(device, torch.float32), persistent=False)
         self.rope = RopeSpec(rope.inv_freq.to(device), rope.attention_scaling)

@@ -198,8 +198,8 @@ class Projections:
         """Raise :class:`CheckpointError` unless every basis is finite, orthonormal and of a valid shape.
 
         Checks, per layer and latent: a float ``[G, d, r]`` tensor with ``G``/``d`` from the fingerprint
-        (when it has them) and ``1 ≤ r ≤ d``, or a shared ``[1, G·d, r]`` with ``1 ≤ r ≤ G·d`` (bf16
-        latents only, so far); every value finite; ``max |PᵀP − I| ≤``
+        (when it has them) and ``1 ≤ r ≤ d``, or a shared ``[1, G·d, r]`` with ``1 ≤ r ≤ G·d``; every value
+        finite; ``max |PᵀP − I| ≤``
         :data:`ORTHONORMALITY_TOLERANCE`; and as many layers as the fingerprint's ``L``.
         """
         fp = self.fingerprint if isinstance(self.fingerprint, dict) else {}
@@ -214,11 +214,7 @@ class Projections:
                     shape = tuple(P.shape) if isinstance(P, torch.Tensor) else type(P).__name__
                     raise CheckpointError(f"{what} must be a float tensor [G, d, r], got {shape}")
                 g, dd, r = P.shape
-                if _shared_shape(P.shape, fp):
-                    if self.quantized:
-                        raise CheckpointError(f"{what} is shared by the layer's KV heads; quantized shared "
-                                              "latents are not supported yet: calibrate with --bits 16")
-                elif (_is_int(G) and g != G) or (_is_int(d) and dd != d):
+                if not _shared_shape(P.shape, fp) and ((_is_int(G) and g != G) or (_is_int(d) and dd != d)):
                     raise CheckpointError(f"{what} has shape {tuple(P.shape)}; the fingerprint says G={G}, "
                                           f"d={d}")
                 if not 1 <= r <= dd:
