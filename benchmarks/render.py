@@ -479,14 +479,16 @@ def quality_variants(res: Results) -> str:
 
 
 SHARED_MODEL = "/root/m/model.gguf"  # bench_quality.py's case names the model as the device found it
+SHARED_TAGS = (("per-head", "a basis per KV head"), ("share-heads", "`--share-heads`"))
 
 
 def quality_shared(res: Results) -> str:
     """``bench_quality.py --tag share-heads`` / ``per-head`` rows, `pre_rope`, Stiefel + DP, one run (the
     rows: `quality.jsonl`, cases ``… stiefel dp wall share-heads`` / ``per-head``)."""
     out = []
-    for budget in ("0.5", "0.25"):
-        for tag, what in (("per-head", "a basis per KV head"), ("share-heads", "`--share-heads`")):
+    for budget, tags in (("0.5", SHARED_TAGS), ("0.25", SHARED_TAGS),
+                         ("0.125", (("share-heads-auto", "`--share-heads`, `--bits auto`"),))):
+        for tag, what in tags:
             r = res.pick("quality", f"{SHARED_MODEL} pre_rope {budget} stiefel dp wall {tag}")
             if r is None:
                 continue
