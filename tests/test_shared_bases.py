@@ -240,13 +240,16 @@ def test_shared_heads_with_quantized_latents_serve_what_they_count(corpus, budge
     assert cache.nbytes / 40 == pytest.approx(proj.kv_bytes_per_token(40), rel=0.02)
 
 
-def test_cli_offers_share_heads():
+def test_cli_offers_share_heads_and_inspect_names_it(corpus, tmp_path):
     from click.testing import CliRunner
 
     from stiefkv.cli import main
 
     result = CliRunner().invoke(main, ["calibrate", "--help"])
     assert result.exit_code == 0 and "--share-heads" in result.output
+    _, proj = shared_calibration(corpus, method="pca")
+    result = CliRunner().invoke(main, ["inspect", str(proj.save(tmp_path / "s.safetensors"))])
+    assert result.exit_code == 0 and "bases shared by each layer's KV heads" in result.output
 
 
 def test_the_kernels_read_shared_latents_as_the_reference(corpus):
