@@ -378,13 +378,16 @@ def transformers_static_length(made) -> int:
                      "cache=stiefkv.StaticLatentCache(model, batch_size, max_length) to generate instead")
 
 
-def refuse_shared_bases(model: nn.Module, what: str) -> None:
-    """A clear error where ``what`` does not take bases shared by the KV heads yet (they are served through
-    the dynamic :class:`LatentCache` only; ``docs/notes/grouped-heads.md``)."""
-    if any(getattr(layer.self_attn, "shared", False) for layer in decoder_layers(model)):
-        raise ValueError(f"{what} does not support bases shared by the KV heads yet: use the dynamic "
-                         "LatentCache (plain model(...) / model.generate(...)), or a checkpoint calibrated "
-                         "with a basis per head")
+def refuse_shared_bases(model: nn.Module, what: str, quantized_only: bool = False) -> None:
+    """A clear error where ``what`` does not take bases shared by the KV heads yet (``quantized_only``: not
+    over quantized latents); ``docs/notes/grouped-heads.md``."""
+    if any(getattr(layer.self_attn, "shared", False)
+           and (not quantized_only or any(q.quantized for q in layer.self_attn.quant))
+           for layer in decoder_layers(model)):
+        latents, bf16 = ("quantized latents of ", " or with --bits 16") if quantized_only else ("", "")
+        raise ValueError(f"{what} does not support {latents}bases shared by the KV heads yet: use the "
+                         "dynamic LatentCache (plain model(...) / model.generate(...)), or a checkpoint "
+                         f"calibrated with a basis per head{bf16}")
 
 
 class StaticLatentCache(LatentCache):
@@ -412,7 +415,7 @@ class StaticLatentCache(LatentCache):
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"a static cache needs batch_size ≥ 1 and max_length ≥ 1, got {batch_size} and "
                              f"{max_length}")
-        refuse_shared_bases(model, "a static latent cache")
+        refuse_shared_bases(model, "a static latent cache", quantized_only=True)  # bf16: [B, 1, slots, r]
         self.rows, self.max_length = int(batch_size), int(max_length)
         # Slots allocated: max_length rounded up to 16, so that every (row, head) of a buffer starts on a
         # 16-byte boundary the kernels' compiler can see (a stride divisible by 16); at 32834 slots of 28-byte

@@ -272,13 +272,30 @@ def test_the_kernels_read_shared_latents_as_the_reference(corpus):
     assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4, what="triton vs reference")
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_static_cache_generation_over_shared_bf16_latents(corpus, backend):
+    """``stiefkv.generate`` (a static cache of one bf16 latent a token, eager on the CPU; the kernels under
+    the interpreter) gives ``model.generate``'s greedy tokens."""
+    import stiefkv
+
+    model, proj = shared_calibration(corpus, head_dim=32, method="pca")
+    stiefkv.load(model, proj, backend=backend)
+    ids = torch.randint(1, 97, (2, 13), generator=gen(16))
+    with torch.no_grad():
+        ours = stiefkv.generate(model, ids, max_new_tokens=6, eos_token_id=None)
+        theirs = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
+
+
 def test_shared_heads_refuse_what_they_do_not_support_yet(corpus):
     import stiefkv
     from stiefkv import StaticLatentCache
 
-    model, proj = shared_calibration(corpus, method="pca", allocation="uniform")
+    model, proj = shared_calibration(corpus, budget=0.3, bits="auto")
+    assert proj.quantized
     stiefkv.load(model, proj, backend="reference")
-    with pytest.raises(ValueError, match="static latent cache does not support bases shared"):
+    with pytest.raises(ValueError, match="static latent cache does not support quantized latents of bases "
+                                         "shared"):
         StaticLatentCache(model, 1, 32)
     with torch.no_grad():
         cache = stiefkv.LatentCache()
