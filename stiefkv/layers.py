@@ -189,8 +189,8 @@ def attention_block(attn: nn.Module, hidden_states: torch.Tensor, P_k: torch.Ten
     G = k.shape[1]
     z_k, z_v = head_latents(stored[0], G), head_latents(stored[1], G)
     P_k, P_v = head_bases(P_k, G), head_bases(P_v, G)
-    if exact is not None and (exact.z_k.shape[1], exact.z_v.shape[1]) != (G, G):
-        exact = exact._replace(z_k=exact.z_k.expand(-1, G, -1, -1), z_v=exact.z_v.expand(-1, G, -1, -1))
+    if exact is not None:
+        exact = exact._replace(z_k=head_latents(exact.z_k, G), z_v=head_latents(exact.z_v, G))
     out = kernels.lowrank_attention(q, z_k, z_v, P_k.to(z_k.dtype), P_v.to(z_v.dtype), key_mode=key_mode,
                                     positions=positions, rope=rope, causal=True, lengths=None,
                                     scale=attn.scaling, exact=exact, backend=backend)
