@@ -266,25 +266,27 @@ def main() -> None:
                 res = evaluate_through_cache(model, tok, stiefkv.LatentCache, name=name, window=2048,
                                              limit=args.windows, projections=proj)
             emit(through_cache_row(row, res, dims.L * dims.G * 2 * dims.d * 2))
-    cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16)
+    suffix = "" if not args.tag else "_" + "".join(c if c.isalnum() else "-" for c in args.tag)
+    # a tagged run's --extra applies to its ranks rows as well (e.g. share_heads at bf16)
+    extra16 = {k: v for k, v in extra.items() if k != "recent"} if args.tag else {}
+    cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16, **extra16)
     seqs = calibration_sequences(model, tok, data=cfg16.data, num_sequences=cfg16.num_sequences,
                                  seq_len=cfg16.seq_len, seed=cfg16.seed)
     if {"ranks", "pca-uniform-int4"} & set(kinds):
-        first16, fp16_s = first_pass_state(model, seqs, cfg16, args.outdir / "first_pass_bits16.safetensors",
-                                           args.device)
-        if "pca-uniform-int4" in kinds and ("pca-uniform-int4", 0.125, "") not in done:
+        path16 = args.outdir / f"first_pass_bits16{suffix}.safetensors"
+        first16, fp16_s = first_pass_state(model, seqs, cfg16, path16, args.device)
+        if "pca-uniform-int4" in kinds and ("pca-uniform-int4", 0.125, "") not in done and not args.tag:
             proj = pca_uniform_int4(model, first16, first16.eig_k[0].shape[1] // 2)
             emit(row_of("pca-uniform-int4", 0.125, proj, run_eval(proj), fp16_s, {}))
         # bf16 latents cannot go below one rank step per latent (rank 8 of 64: 12.5 %)
         floor16 = cfg16.rank_step / first16.eig_k[0].shape[1]
         for b in budgets if "ranks" in kinds else ():
-            if ("ranks", b, "") not in done and b >= floor16:
-                cfg = CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b)
+            if ("ranks", b, args.tag) not in done and b >= floor16:
+                cfg = CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b, **extra16)
                 proj, s = calibrated(model, seqs, first16, cfg, args.device)
                 emit(row_of("ranks", b, proj, run_eval(proj), fp16_s + s,
-                            {"first_pass_s": fp16_s, "second_pass_s": s}))
+                            {"first_pass_s": fp16_s, "second_pass_s": s, "tag": args.tag, "extra": extra16}))
     if "auto" in kinds:
-        suffix = "" if not args.tag else "_" + "".join(c if c.isalnum() else "-" for c in args.tag)
         firsts = {}  # one first pass per exact window the budgets resolve to: the profiles measure it
         for b in budgets:
             if ("auto", b, args.tag) not in done:

@@ -222,6 +222,46 @@ def test_strided_cache_views(key_mode):
     check(args, kwargs, key_mode=key_mode, num_splits=2, what="strided views")
 
 
+def shared_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, **kw):
+    """``make_inputs`` with one latent a token for all ``G`` KV heads, as a shared basis ``[1, G·d, r]``
+    serves it: latents ``[B, 1, N, r]`` expanded to ``[B, G, N, r]`` (stride 0 over heads), per-head bases
+    ``[G, d, r]`` cut from one orthonormal ``[G·d, r]`` (ranks may exceed ``d``)."""
+    (q, z_k, z_v, _, _), kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, **kw)
+    z_k = z_k[:, :1].expand(B, G, Nk, r_k)
+    z_v = z_v[:, :1].expand(B, G, Nk, r_v)
+    P_k = torch.linalg.qr(torch.randn(G * d, r_k))[0].reshape(G, d, r_k).to(z_k.device)
+    P_v = torch.linalg.qr(torch.randn(G * d, r_v))[0].reshape(G, d, r_v).to(z_k.device)
+    return (q, z_k, z_v, P_k, P_v), kwargs
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("path, Nq, splits", [("decode", 1, 1), ("decode_split", 1, 3), ("prefill", 23, 1)])
+def test_shared_latents_read_through_stride0_views(path, Nq, splits, key_mode):
+    """Bases shared by a layer's KV heads: every head reads the same latent through a stride-0 view, at ranks
+    above the head dimension (40 and 72 against d = 32) and GQA 3."""
+    args, kwargs = shared_inputs(2, 9, 3, Nq, 41, 32, 40, 72, torch.float16)
+    check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"shared {path}")
+
+
+# Shared bases at realistic sizes: SmolLM2 (G 3, d 64) at 50 %, Llama-3-8B heads (G 8, d 128) at 25 and 50 %.
+SHARED_GPU_CASES = [
+    ("smollm2_decode", 2, 9, 3, 1, 4099, 64, 96, 96),
+    ("smollm2_prefill", 1, 9, 3, 1000, 1000, 64, 96, 96),
+    ("llama8b_decode_25", 2, 32, 8, 1, 8195, 128, 256, 256),
+    ("llama8b_decode_50", 1, 32, 8, 1, 8195, 128, 512, 512),
+    ("llama8b_prefill_25", 1, 32, 8, 777, 777, 128, 256, 256),
+]
+
+
+@gpu_only
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", SHARED_GPU_CASES, ids=lambda c: c[0])
+def test_shared_latents_realistic_sizes_gpu(case, key_mode):
+    name, B, H, G, Nq, Nk, d, r_k, r_v = case
+    args, kwargs = shared_inputs(B, H, G, Nq, Nk, d, r_k, r_v, torch.bfloat16, pos_offset=0)
+    check(args, kwargs, key_mode=key_mode, what=f"{name} {key_mode}")
+
+
 @triton.jit
 def _sincos_kernel(X, S, C, N: tl.constexpr, FAST: tl.constexpr):
     offs = tl.arange(0, N)
