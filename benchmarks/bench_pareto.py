@@ -161,14 +161,17 @@ def plot(rows: list[dict], path: Path) -> Path:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    latest = {(r["row"], r["budget"]): r for r in rows  # a case measured again: its newest row
+    shared = lambda r: r.get("tag") == "share-heads"  # noqa: E731  (--extra '{"share_heads":true}')
+    latest = {(r["row"], r["budget"], shared(r)): r for r in rows  # a case measured again: its newest row
               if "ppl" in r and not r.get("protocol")
-              and (is_default_auto(r) if r.get("row") == "auto" else not r.get("tag"))}
+              and (shared(r) or (is_default_auto(r) if r.get("row") == "auto" else not r.get("tag")))}
     rows = list(latest.values())
     fig, ax = plt.subplots(figsize=(7, 4.5))
     named = lambda pattern: lambda r: re.fullmatch(pattern, r["row"]) is not None  # noqa: E731
-    groups = {"StiefKV auto": lambda r: r["row"] == "auto",
-              "StiefKV ranks only (bf16)": lambda r: r["row"] == "ranks",
+    groups = {"StiefKV auto": lambda r: r["row"] == "auto" and not shared(r),
+              "StiefKV auto, --share-heads": lambda r: r["row"] == "auto" and shared(r),
+              "StiefKV ranks only (bf16)": lambda r: r["row"] == "ranks" and not shared(r),
+              "StiefKV ranks only (bf16), --share-heads": lambda r: r["row"] == "ranks" and shared(r),
               "int-k per token": named(r"int\d"),  # the baselines as named, not their variants
               "KIVI-k": named(r"kivi\d"),
               "KIVI-k, no exact recent tokens": named(r"kivi\d-r0"),

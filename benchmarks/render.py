@@ -77,22 +77,6 @@ class Results:
             self.used[id(row)] = (name, row)
         return row
 
-    def pick_like(self, name: str, case: str, like: dict, recent: int | None = None) -> dict | None:
-        """The newest row of ``case`` scored, profiled and windowed as ``like`` was (the same ``scoring``, the
-        same ``profile_storages`` (rows before it was recorded measured every storage), and exact tokens
-        held in int8 or not: ``window8`` in ``like``, else as its storages say); with ``recent``, of that
-        many exact recent tokens (or none recorded)."""
-        from bench_pareto import exact_window
-
-        window8 = like.get("window8", window8_row(like))
-        rows = [r for r in self.rows(name) if r.get("case") == case and measured_row(r)
-                and r.get("scoring") == like.get("scoring")
-                and r.get("profile_storages", "all") == like.get("profile_storages", "all")
-                and window8_row(r) == window8 and (recent is None or exact_window(r) in (recent, None))]
-        if rows:
-            self.used[id(rows[-1])] = (name, rows[-1])
-        return rows[-1] if rows else None
-
     def cases(self, name: str, table: str | None = None,
               only: Callable[[str], bool] | None = None) -> list[dict]:
         """One picked row per case of ``table`` (and for which ``only`` holds), in the order the cases first
@@ -103,11 +87,6 @@ class Results:
                     only is None or only(r.get("case", ""))):
                 seen.append(r.get("case"))
         return [self.pick(name, case, table) for case in seen]
-
-
-def window8_row(r: dict) -> bool:
-    """Whether a row's cache held its exact tokens in int8 (``-w8`` storages; rows before it: bf16)."""
-    return any(str(s).endswith("-w8") for pair in r.get("storage") or [] for s in pair)
 
 
 def measured_row(r: dict) -> bool:
@@ -1028,6 +1007,7 @@ def streamkl_compiled(res: Results) -> str:
 # ------------------------------------------------------------------------------------------- bytes (issue 13)
 PARETO_BUDGETS = (0.5, 0.25, 0.1875, 0.125, 0.09375, 0.0625)
 BASELINE_NAMES = tuple(f"{k}{b}" for b in (8, 4, 3, 2) for k in ("int", "kivi"))
+SHARED_TAG = "share-heads"  # bench_pareto.py --extra '{"share_heads":true}' --tag share-heads
 
 
 def pareto_line(r: dict, label: str) -> list[str]:
@@ -1050,9 +1030,15 @@ def pareto(res: Results) -> str:
         if r is not None:
             as_variant = f" (measured as `{r['tag']}`)" if r.get("tag") else ""
             out.append(pareto_line(r, f"StiefKV auto, budget {100 * b:g} %{as_variant}"))
+        r = res.pick("pareto", f"auto {b} {SHARED_TAG}")
+        if r is not None:
+            out.append(pareto_line(r, f"StiefKV auto `--share-heads`, budget {100 * b:g} %"))
         r = res.pick("pareto", f"ranks {b}")
         if r is not None:
             out.append(pareto_line(r, f"StiefKV ranks only (bf16), budget {100 * b:g} %"))
+        r = res.pick("pareto", f"ranks {b} {SHARED_TAG}")
+        if r is not None:
+            out.append(pareto_line(r, f"StiefKV ranks only (bf16) `--share-heads`, budget {100 * b:g} %"))
     for name in BASELINE_NAMES:
         r = res.pick("pareto", name)
         if r is not None:
@@ -1080,34 +1066,6 @@ def auto_default(res: Results, b: float) -> dict | None:
     return rows[-1]
 
 
-def auto_recent16(res: Results, b: float) -> dict | None:
-    """The newest untagged ``auto b`` row with 16 exact tokens (or none recorded): the default the seeds and
-    variants of their day were measured against, at every budget."""
-    from bench_pareto import exact_window
-
-    rows = [r for r in res.rows("pareto") if r.get("case") == f"auto {b}" and measured_row(r)
-            and exact_window(r) in (16, None)]
-    if rows:
-        res.used[id(rows[-1])] = ("pareto", rows[-1])
-    return rows[-1] if rows else None
-
-
-def seeds_by_window(res: Results, seeded: list[dict]) -> dict[int | None, list[dict]]:
-    """The newest measured row of each seed tag, grouped by the exact window of its storages (the default's
-    window follows the budget, so one budget's seeds may have been measured at two windows)."""
-    from bench_pareto import exact_window
-
-    newest: dict[tuple, dict] = {}
-    for r in seeded:
-        if measured_row(r):
-            newest[(exact_window(r), r["tag"])] = r  # rows are in file order: the last is the newest
-    groups: dict[int | None, list[dict]] = {}
-    for (window, _), r in sorted(newest.items(), key=lambda kv: (str(kv[0][0]), kv[0][1])):
-        res.used[id(r)] = ("pareto", r)
-        groups.setdefault(window, []).append(r)
-    return groups
-
-
 def pareto_through_cache(res: Results) -> str:
     """The caches scored through themselves on a subset of windows (``bench_pareto.py --rows through-cache
     --windows N``): transformers' QuantizedCache beside StiefKV's cache at the same layouts."""
@@ -1119,100 +1077,6 @@ def pareto_through_cache(res: Results) -> str:
             out.append([r["case"], str(r["windows"]), f"{100 * r['bytes_fraction']:.2f} %",
                         f"{r['ppl']:.2f} ({r['ppl_original']:.2f})", f"{r['next_token_kl']:.4f}"])
     return table(head, out)
-
-
-def pareto_variants(res: Results) -> str:
-    from bench_pareto import exact_window
-
-    head = ["variant", "bytes / bf16", "PPL", "next-token KL", "calib. s", "against"]
-    out, tagged = [], {}
-    for r in res.rows("pareto"):
-        # "no STE" and "recent16" were the default of their day (reruns); seeds get one row below; recent64
-        # lost to 32 by far (docs/notes/quantized-latents.md)
-        tag = r.get("tag") or ""
-        if r.get("row") != "auto" or tag in ("", "no STE", "recent16", "recent64") or tag.startswith("seed"):
-            continue
-        r = res.pick("pareto", r["case"])
-        if r is None or not r.get("scoring") or any(x[0] is r for x in tagged.get(tag, ())):
-            continue  # rows scored before the band of exact keys: docs/notes/quantized-latents.md
-        # a variant that sets the profile itself is set against the default's (anchored) profile
-        like = {**r, "profile_storages": "anchors"} if "profile_storages" in r.get("extra", {}) else r
-        if "window8" in r.get("extra", {}):  # likewise the bf16 exact tokens against the default's int8 ones
-            like = {**like, "window8": True}
-        default = res.pick_like("pareto", f"auto {r['budget']}", like, recent=16)  # the day's default
-        against = f"default {default['ppl']:.2f}" if default else "–"
-        if default is None:  # the equal-bytes rows: the baseline of those bytes
-            scoring = {"scoring": r.get("scoring")}  # a baseline has no profile
-            same = [x for x in (res.pick_like("pareto", n, scoring) for n in BASELINE_NAMES)
-                    if x and abs(x["bytes_fraction"] - r["budget"]) < 1e-3]
-            base = min(same, key=lambda x: x["ppl"]) if same else None
-            against = (f"{base['case']} {base['ppl']:.2f} at {100 * base['bytes_fraction']:.2f} %" if base
-                       else "–")
-        tagged.setdefault(tag, []).append((r, default, against))
-    for tag, rows in tagged.items():
-        if len(rows) >= 3 and all(d for _, d, _ in rows) and all(scored(r) == r["case"] for r, _, _ in rows):
-            out.append(budgets_row(tag, rows))  # one row a variant measured at most budgets
-            continue
-        for r, _, against in rows:
-            out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
-                        f"{r['next_token_kl']:.4f}", f"{r['calibration_s']:.0f}", against])
-    seeded = [r for r in res.rows("pareto")
-              if r.get("row") == "auto" and (r.get("tag") or "").startswith("seed")]
-    for b in PARETO_BUDGETS:  # the default calibrated from other seeds: its noise, one row per exact window
-        for window, seeds in seeds_by_window(res, [r for r in seeded if r.get("budget") == b]).items():
-            default = auto_recent16(res, b) if window in (16, None) else auto_default(res, b)
-            if default is None or exact_window(default) not in (window, None):
-                continue
-            def each(key, spec, seeds=seeds):
-                return " / ".join(format(x[key], spec) for x in seeds)
-            out.append([f"auto {b:g} seeds {' / '.join(x['tag'][4:] for x in seeds)}"
-                        + (f" ({window} exact tokens)" if window not in (16, None) else ""),
-                        f"{100 * seeds[0]['bytes_fraction']:.2f} %", each("ppl", ".2f"),
-                        each("next_token_kl", ".3f"), each("calibration_s", ".0f"),
-                        f"default {default['ppl']:.2f}"])
-    every, defaults = [], []  # the default's anchored storage profile against every storage measured, one row
-    for b in PARETO_BUDGETS:
-        default = auto_recent16(res, b)
-        if default is None or default.get("profile_storages") != "anchors":
-            continue
-        rows = [r for r in res.rows("pareto") if r.get("case") == f"auto {b}" and measured_row(r)
-                and r.get("scoring") == default.get("scoring") and r.get("profile_storages", "all") == "all"]
-        if rows:
-            res.used[id(rows[-1])] = ("pareto", rows[-1])
-            every.append(rows[-1])
-            defaults.append(default)
-    if every:
-        budgets = " / ".join(f"{100 * r['budget']:g}" for r in every)
-        out.append([f"auto {budgets} % every storage profiled", "same",
-                    " / ".join(f"{r['ppl']:.2f}" for r in every),
-                    " / ".join(f"{r['next_token_kl']:.3f}" for r in every),
-                    " / ".join(f"{r['calibration_s']:.0f}" for r in every),
-                    "default " + " / ".join(f"{r['ppl']:.2f}" for r in defaults)])
-    for name in BASELINE_NAMES:  # the exact recent tokens alone, and the least-squared-error encoder alone
-        for suffix in ("-r0", " recent32", "-mse", "-vmse", "-w8"):
-            r = res.pick("pareto", name + suffix)
-            plain = None if r is None or not r.get("scoring") else res.pick_like("pareto", name, r)
-            if r is not None and plain is not None:
-                out.append([scored(r), f"{100 * r['bytes_fraction']:.2f} %", f"{r['ppl']:.2f}",
-                            f"{r['next_token_kl']:.4f}", "–", f"{name} {plain['ppl']:.2f}"])
-    return table(head, out)
-
-
-def budgets_row(tag: str, rows: list[tuple[dict, dict, str]]) -> list[str]:
-    """One variant at several budgets, largest first, against the default at each."""
-    rows = sorted(rows, key=lambda x: -x[0]["budget"])
-
-    def each(key, spec, at=0):
-        return " / ".join(format(x[at][key], spec) for x in rows)
-    budgets = " / ".join(f"{100 * r['budget']:g}" for r, _, _ in rows)
-    return [f"auto {budgets} % {tag}", "same",
-            each("ppl", ".2f"), each("next_token_kl", ".3f"), each("calibration_s", ".0f"),
-            "default " + each("ppl", ".2f", 1)]
-
-
-def scored(r: dict) -> str:
-    """A row's case, marked † when one forward read every key as stored (before the band of exact keys)."""
-    return r["case"] + ("" if r.get("scoring") else " †")
 
 
 def pareto_claims(res: Results, claim) -> None:
@@ -1241,6 +1105,7 @@ def pareto_claims(res: Results, claim) -> None:
             claim(f"auto {100 * b:g} %: PPL vs the smallest quantization-only cache (more bytes)",
                   f"{a['ppl']:.2f} vs {small['case']} {small['ppl']:.2f} "
                   f"({100 * small['bytes_fraction']:.1f} %)", "– (none of ≤ its bytes)", None, [a, small])
+    shared_claims(res, claim, auto, [x for x in base if x])
     for b, target in ((0.125, 27.5), (0.0625, 44.0)):
         a = auto[b]
         claim(f"auto {100 * b:g} %: PPL", f"{a['ppl']:.2f}" if a else "", f"≤ {target:g}",
@@ -1259,6 +1124,36 @@ def pareto_claims(res: Results, claim) -> None:
           f"({cpua['seconds'] / 60:.1f} / {cpu16['seconds'] / 60:.1f} min)"
           if cpu16 and cpua else "", "≤ 1.5×",
           bool(cpu16 and cpua and cpua["seconds"] <= 1.5 * cpu16["seconds"]), [cpu16, cpua])
+
+
+def shared_claims(res: Results, claim, auto: dict, base: list[dict]) -> None:
+    """Bases shared by a layer's KV heads with ``--bits auto``: against the per-head default at every budget,
+    and against the quantization-only caches."""
+    shared = {b: res.pick("pareto", f"auto {b} {SHARED_TAG}") for b in PARETO_BUDGETS}
+    pairs = [(b, shared[b], auto[b]) for b in PARETO_BUDGETS if shared[b] and auto[b]]
+    if pairs:
+        close = [abs(s["ppl"] / a["ppl"] - 1) < 1e-3 for _, s, a in pairs]  # within 0.1 %: a tie
+        lower = sum(s["ppl"] < a["ppl"] and not c for (_, s, a), c in zip(pairs, close))
+        budgets = " / ".join(f"{100 * b:g}" for b, _, _ in pairs)
+        claim(f"`--share-heads` auto / per-head auto, PPL at {budgets} %",
+              " / ".join(f"{s['ppl']:.2f}" for _, s, _ in pairs) + " against "
+              + " / ".join(f"{a['ppl']:.2f}" for _, _, a in pairs)
+              + f" (lower at {lower}, within 0.1 % at {sum(close)} of {len(pairs)})",
+              "–", None, [x for _, s, a in pairs for x in (s, a)])
+    parts, rows, ok = [], [], True
+    for b in (0.25, 0.1875, 0.125):
+        s = shared[b]
+        fitting = [x for x in base if x["bytes_fraction"] <= b + 1e-9]
+        best = min(fitting or base, key=lambda x: (x["ppl"],) if fitting else (x["bytes_fraction"], x["ppl"]))
+        if s is None:
+            continue
+        parts.append(f"{100 * b:g} %: {s['ppl']:.2f} vs {best['case']} {best['ppl']:.2f} "
+                     f"({100 * best['bytes_fraction']:.1f} %)")
+        rows += [s, best]
+        ok = ok and s["ppl"] < best["ppl"]
+    if parts:
+        claim("`--share-heads` auto: PPL vs the best quantization-only cache of ≤ its bytes (none at 12.5 %: "
+              "the smallest)", "; ".join(parts), "lower", ok, rows)
 
 
 # ------------------------------------------------------------------------------------------------ provenance
@@ -1453,7 +1348,6 @@ BLOCKS: dict[str, Callable[[Results], str]] = {
     "streamkl": streamkl,
     "streamkl-compiled": streamkl_compiled,
     "pareto": pareto,
-    "pareto-variants": pareto_variants,
     "pareto-through-cache": pareto_through_cache,
     "compaction": compaction,
     "compaction-composed": compaction_composed,

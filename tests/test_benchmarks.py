@@ -449,35 +449,3 @@ def test_serving_claims_read_the_newest_row_under_either_case_name(tmp_path):
         f.write(json.dumps(later) + "\n")
     line = claim_line()
     assert "| 0.50× |" in line and "missed" in line
-
-
-def test_seeds_render_per_exact_window_against_that_windows_default(tmp_path):
-    """Seeds measured at 16 exact tokens and again at 8 (the default's window below 10 %) give a row each,
-    the 8-token one set against the 8-token default, not the newest seed row over both."""
-    import json
-
-    prov = {"commit": "abc1234", "date": "2026-12-03 00:00:00 UTC", "gpu": {"name": "NVIDIA H200"}}
-
-    def row(ppl, window, tag=""):
-        r = {"bench": "pareto", "case": f"auto 0.0625{' ' + tag if tag else ''}", "row": "auto",
-             "budget": 0.0625, "ppl": ppl, "next_token_kl": 0.5, "calibration_s": 100.0,
-             "bytes_fraction": 0.0625, "storage": [[f"int2-channel-r{window}"] * 2], "scoring": "band",
-             "remeasured": True, "provenance": prov}
-        if tag:
-            r |= {"tag": tag, "extra": {"seed": int(tag[4:])}}
-        return r
-
-    rows = [row(44.76, 16), row(44.69, 16, "seed1"), row(45.01, 16, "seed2"), row(43.95, 8),
-            row(43.75, 8, "seed1"), row(44.31, 8, "seed2")]
-    (tmp_path / "pareto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    res = render.Results(tmp_path)
-    text = render.pareto_variants(res)
-    lines = [line for line in text.splitlines() if "seeds" in line]
-    assert len(lines) == 2, text
-    wide = next(line for line in lines if "8 exact tokens" not in line)
-    narrow = next(line for line in lines if "8 exact tokens" in line)
-    assert "44.69 / 45.01" in wide and "default 44.76" in wide
-    assert "43.75 / 44.31" in narrow and "default 43.95" in narrow
-    # the runs table: one line for the one file, machine and versions the rows used came from
-    lines = render.runs(res).splitlines()[2:]
-    assert len(lines) == 1 and lines[0].startswith("| `pareto.jsonl` | 1 | 2026-12-03 | H200 | `abc1234` |")
