@@ -1143,10 +1143,10 @@ def shared_claims(res: Results, claim, auto: dict, base: list[dict]) -> None:
     parts, rows, ok = [], [], True
     for b in (0.25, 0.1875, 0.125):
         s = shared[b]
+        if s is None or not base:
+            continue
         fitting = [x for x in base if x["bytes_fraction"] <= b + 1e-9]
         best = min(fitting or base, key=lambda x: (x["ppl"],) if fitting else (x["bytes_fraction"], x["ppl"]))
-        if s is None:
-            continue
         parts.append(f"{100 * b:g} %: {s['ppl']:.2f} vs {best['case']} {best['ppl']:.2f} "
                      f"({100 * best['bytes_fraction']:.1f} %)")
         rows += [s, best]
