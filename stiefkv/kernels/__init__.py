@@ -58,6 +58,12 @@ def _warn_grad_fallback() -> None:
                 "backend='auto' runs the PyTorch reference; call it under torch.no_grad() for the kernel")
 
 
+@functools.cache
+def _warn_tiles_fallback(reason: str) -> None:
+    """Say once per shape that ``auto`` left the kernel for the reference (see ``lowrank.TilesTooLarge``)."""
+    log.warning("%s: backend='auto' runs these through the PyTorch reference", reason.split(";")[0])
+
+
 def _use_kernel(backend: str, device: torch.device, *, needs_grad: bool = False) -> bool:
     """Resolve ``backend`` for inputs on ``device``; ``needs_grad`` keeps ``auto`` off a forward-only
     kernel."""
@@ -188,12 +194,17 @@ def lowrank_attention(
     if _use_kernel(backend, q.device, needs_grad=needs_grad):
         from . import lowrank
 
-        if prior is not None and P_v is not None:  # the kernel continues a softmax in the latent space only
-            check_prior(prior, q, q.shape[3])
-            out, lse = lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **dict(kwargs, return_lse=True,
-                                                                              prior=None))
-            return merge_prior(prior, out, lse, q.dtype, return_lse)
-        return lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs)
+        try:
+            if prior is not None and P_v is not None:  # the kernel continues a softmax in latent space only
+                check_prior(prior, q, q.shape[3])
+                out, lse = lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **dict(kwargs, return_lse=True,
+                                                                                  prior=None))
+                return merge_prior(prior, out, lse, q.dtype, return_lse)
+            return lowrank.lowrank_attention(q, z_k, z_v, P_k, P_v, **kwargs)
+        except lowrank.TilesTooLarge as err:
+            if backend != "auto":
+                raise
+            _warn_tiles_fallback(str(err))
     return lowrank_attention_reference(q, z_k, z_v, P_k, P_v, **kwargs)
 
 

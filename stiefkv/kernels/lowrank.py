@@ -1188,6 +1188,53 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
     return (o, lse) if return_lse else o
 
 
+class TilesTooLarge(ValueError):
+    """The kernel's tiles at these ranks exceed the GPU's shared memory at every tile size it tries."""
+
+
+# (ranks, head dim, dtypes, key mode, decode or not, config asked) -> the config that launched, or None
+_FITTED: dict[tuple, dict | None] = {}
+
+
+def _smaller_tiles(cfg: dict) -> dict | None:
+    """The next config to try where ``cfg`` ran out of shared memory: one pipeline stage, then key tiles
+    halved down to 16, then (prefill) query tiles of 64 rows; None past that."""
+    if cfg["num_stages"] > 1:
+        return dict(cfg, num_stages=1)
+    if cfg["block_n"] > MIN_DOT:
+        return dict(cfg, block_n=cfg["block_n"] // 2)
+    if cfg["block_m"] > 64:
+        return dict(cfg, block_m=64)
+    return None
+
+
+def _launch_fitting(args: tuple, cfg: dict, return_lse: bool, prior):
+    """:func:`_launch` at ranks above the head dimension (bases shared by a layer's KV heads: one latent a
+    token of rank up to ``G·d``), whose tiles of bases and latents may not fit the GPU's shared memory at the
+    default config (on the H200, ``[G, d, r]`` bases at d 128 and r 256 or 512: 237-467 KB asked, 227 KB
+    there): smaller tiles (:func:`_smaller_tiles`) until one launches, remembered per shape; a
+    :class:`TilesTooLarge` naming the ranks when none does."""
+    from triton.runtime.errors import OutOfResources
+
+    q, z_k, z_v = args[:3]
+    key = (z_k.shape[3], z_v.shape[3], q.shape[3], q.dtype, type(z_k), type(z_v), args[5],
+           tuple(sorted(cfg.items())))
+    fitted, tried, last = _FITTED.get(key, cfg), cfg, None
+    while fitted is not None:
+        try:
+            out = _launch(*args, fitted, return_lse, prior)
+            _FITTED[key] = fitted
+            return out
+        except OutOfResources as err:
+            tried, fitted, last = fitted, _smaller_tiles(fitted), err
+    _FITTED[key] = None
+    raise TilesTooLarge(
+        f"lowrank_attention: latents of ranks ({z_k.shape[3]}, {z_v.shape[3]}) at head dimension "
+        f"{q.shape[3]} need more shared memory than this GPU has, even in tiles of {tried['block_m']} "
+        f"queries × {tried['block_n']} keys in one stage{f' ({last})' if last else ''}; run them through the "
+        "PyTorch reference (backend='auto' does), or calibrate with lower ranks")
+
+
 def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg,
             return_lse=False, prior=None):
     B, H, Nq, d = q.shape
@@ -1416,8 +1463,11 @@ def lowrank_attention(
     scale = d**-0.5 if scale is None else float(scale)
     if prior is not None:
         prior = _check_prior(prior, q, r_v, z_v.shape[3], P_v)
-    out = _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale,
-                  cfg, return_lse, prior)
+    args = (q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale)
+    if max(padded_dim(z_k.shape[3]), padded_dim(z_v.shape[3])) <= d:  # ranks ≤ d: tiles measured to fit
+        out = _launch(*args, cfg, return_lse, prior)
+    else:
+        out = _launch_fitting(args, cfg, return_lse, prior)
     out, lse = out if return_lse else (out, None)
     if P_v is None and z_v.shape[3] != r_v:  # latent output of a padded value rank
         out = out[..., :r_v].contiguous()
