@@ -150,6 +150,9 @@ class LowRankAttention(nn.Module):
         bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
         if self.shared:  # one latent a token: every head reads it (views, no copies)
             z_k, z_v = head_latents(z_k, self.kv_heads), head_latents(z_v, self.kv_heads)
+            if positions.dim() == 3:  # a compacted prefix: one entry's position and β for all heads
+                positions = positions.expand(-1, self.kv_heads, -1)
+                bias = bias.expand(-1, self.kv_heads, -1) if bias is not None else None
             if exact is not None:
                 exact = exact._replace(z_k=head_latents(exact.z_k, self.kv_heads),
                                        z_v=head_latents(exact.z_v, self.kv_heads))

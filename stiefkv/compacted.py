@@ -30,10 +30,10 @@ from stiefkv import presses
 from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
-from stiefkv.layers import project_qkv, rotate_with
+from stiefkv.layers import head_bases, head_latents, project_qkv, rotate_with
 from stiefkv.models import decoder_layers, max_positions
 from stiefkv.quant import Quantized
-from stiefkv.static_cache import StaticLatentCache, refuse_shared_bases
+from stiefkv.static_cache import StaticLatentCache
 
 HOOKS = "_stiefkv_compacted_hooks"
 DEFAULT_WINDOW = 1024  # reference queries: the prompt's last tokens (all of a shorter one), shifted after it
@@ -328,8 +328,6 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     differ, padded to their layer's largest), ``layers`` (those counts pooled per layer, equal for its heads:
     no padding), ``layers-max`` (each layer's largest head count for all its heads, at the cut that stores
     ``t`` per head on average)."""
-    if isinstance(cache, LatentCache):
-        refuse_shared_bases(model, "compaction")  # it keeps tokens per KV head; a shared latent has one
     pins = pinned_tokens(cache, t, options.pop("pin", None), method)
     if isinstance(cache, LatentCache):
         return _build_latent(model, cache, queries, t, method, pins, **options)
@@ -491,11 +489,11 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     T = cache.get_seq_length()
     dtype = next(model.parameters()).dtype
     latents = [cache.read_layer(i, dtype) for i in range(len(layers))]
-    B, G = latents[0][0].shape[:2]
+    B, G = latents[0][0].shape[:2]  # G is 1 for bases shared by the KV heads: one latent a token
     positions = cache.positions[:, None].expand(B, G, T)
-    keys = [reference.rebuild_keys(z_k, la.self_attn.P_k, key_mode=la.self_attn.key_mode,
-                                   positions=cache.positions, rope=la.self_attn.rope)
-            for (z_k, _), la in zip(latents, layers)]
+    keys = [_rebuilt_keys(z_k, la.self_attn, cache.positions) for (z_k, _), la in zip(latents, layers)]
+    if G == 1 and layers[0].self_attn.kv_heads > 1:
+        queries = [_queries_of_shared(q, la.self_attn.kv_heads) for q, la in zip(queries, layers)]
     new = LatentCache()
     new.length = T
     rest_keys, rest_values = _unpinned(keys, [z_v for _, z_v in latents], pins)
@@ -514,6 +512,30 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
                                 quant=layer.self_attn.quant)
         _carry_key_codes(cache.layers[i], new.layers[i], index)
     return new
+
+
+def _rebuilt_keys(z_k: torch.Tensor, attn, positions: torch.Tensor) -> torch.Tensor:
+    """A served layer's keys as attention sees them, ``[B, G, T, d]``; for bases shared by its ``G`` KV heads
+    (latents ``[B, 1, T, r]``) the heads' keys side by side, ``[B, 1, T, G·d]``: one entry a token, chosen
+    and fitted once for all heads (:func:`_queries_of_shared`)."""
+    G = attn.kv_heads
+    keys = reference.rebuild_keys(head_latents(z_k, G), head_bases(attn.P_k, G), key_mode=attn.key_mode,
+                                  positions=positions, rope=attn.rope)
+    if z_k.shape[1] == G:
+        return keys
+    B, _, T, d = keys.shape
+    return keys.permute(0, 2, 1, 3).reshape(B, 1, T, G * d)
+
+
+def _queries_of_shared(q: torch.Tensor, G: int) -> torch.Tensor:
+    """Queries ``[B, H, n, d]`` of ``G`` KV heads against keys side by side (:func:`_rebuilt_keys`): each
+    query head's in its KV head's block of ``G·d`` channels, zeros elsewhere, so that its logits are its own
+    head's and every query head of the layer scores and fits the one shared entry."""
+    B, H, n, d = q.shape
+    wide = q.new_zeros(B, H, n, G, d)
+    heads = torch.arange(H, device=q.device)
+    wide[:, heads, :, heads // (H // G)] = q.transpose(0, 1)
+    return wide.reshape(B, H, n, G * d)
 
 
 def _carry_key_codes(before, after, index: torch.Tensor) -> None:
@@ -591,8 +613,6 @@ def check_cache(model, cache) -> int:
         raise ValueError("the cache does not belong to this model: a model served by stiefkv.load keeps a "
                          "stiefkv.LatentCache, any other model a DynamicCache; prefill with "
                          "stiefkv.prefill(model, ids) on the model you compact for")
-    if latent:
-        refuse_shared_bases(model, "compaction")
     layers = decoder_layers(model)
     held = [la for la in cache.layers if la.get_seq_length()]
     if not held:
@@ -606,6 +626,8 @@ def check_cache(model, cache) -> int:
     cfg = model.config
     G = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    if latent and getattr(layers[0].self_attn, "shared", False):
+        G = 1  # bases shared by the KV heads: one latent a token
     ok = len(held) == len(layers) and shape[1] == G and (latent or shape[3] == d)
     if not ok:
         raise ValueError(f"the cache does not belong to this model: it holds {len(held)} layers of keys "

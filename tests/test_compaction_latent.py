@@ -120,6 +120,60 @@ def test_keeping_every_token_of_a_low_rank_cache_continues_as_the_uncompacted(ke
         assert before < whole.nbytes / 3
 
 
+def test_queries_of_shared_heads_score_their_own_heads_keys():
+    """Keys of ``G`` heads side by side and each query in its head's block: every query head's logits
+    against the wide keys are its own KV head's (GQA 3)."""
+    from stiefkv.compacted import _queries_of_shared
+
+    g = torch.Generator().manual_seed(3)
+    B, H, G, n, T, d = 2, 6, 2, 5, 7, 8
+    q, k = torch.randn(B, H, n, d, generator=g), torch.randn(B, G, T, d, generator=g)
+    wide = k.permute(0, 2, 1, 3).reshape(B, 1, T, G * d)
+    got = _queries_of_shared(q, G) @ wide.transpose(-1, -2)
+    want = q @ k.repeat_interleave(H // G, 1).transpose(-1, -2)
+    torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.parametrize("specs", [None, ("int4-token", "int4-token-r5")])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_latents_shared_by_the_kv_heads_are_compacted_once_a_layer(key_mode, specs):
+    """Bases shared by a layer's KV heads (one latent a token, ``[B, 1, N, r]``): keeping every token
+    continues as the uncompacted cache does; AM at keep 0.3 keeps one entry set a layer, ``[B, 1, t, r]``
+    with positions and β ``[B, 1, t]``, the bytes shrink with it, and ``generate`` continues at the
+    prompt's positions."""
+    model, ids = prompt(6, 60, heads=6, kv_heads=3, head_dim=8)
+    C, new = 51, 5
+    proj = random_projections(model, 13, 11, key_mode=key_mode, shared=True)
+    if specs:
+        proj.quant = [tuple(QuantSpec.parse(s) for s in specs)] * dims_of(model.config).L
+    assert proj.shared
+    with compressed(model, proj):
+        whole = kept_whole(model, ids, C, tol=1e-3 if specs else 1e-4)
+        small = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=0.3)
+        z_k, z_v = small.read_layer(0, torch.float32)
+        t = z_k.shape[2]
+        assert z_k.shape[:2] == (1, 1) and z_v.shape[:3] == (1, 1, t) and t < C * 0.45
+        assert small.head_positions[0].shape == small.beta[0].shape == (1, 1, t)
+        assert small.nbytes < whole.nbytes * 0.6
+        out = model.generate(ids[:, :C + 1], **{cache_keyword(model): small}, max_new_tokens=new,
+                             do_sample=False)
+        assert out.shape == (1, C + 1 + new) and small.get_seq_length() == C + new
+
+
+def test_compacted_shared_latents_read_by_the_kernels_as_by_the_reference():
+    """The Triton kernels (the interpreter on a CPU) read a compacted shared prefix, its one position and β
+    an entry expanded to every head (stride 0), as the reference does."""
+    model, ids = prompt(7, 48, heads=6, kv_heads=2, head_dim=32)
+    C = 41
+    proj = random_projections(model, 40, 24, shared=True)
+    out = {}
+    for backend in ("reference", "triton"):
+        with compressed(model, proj, backend=backend), torch.no_grad():
+            small = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=12), keep=0.3)
+            out[backend] = continuation(model, small, ids, C)
+    torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4)
+
+
 @pytest.mark.parametrize("specs", [("int4-token", "int4-token"), ("int4-token", "int2-token-r5"),
                                    ("int3-token-log8", "int2-token-log8-r5"),
                                    ("int2-channel-r5-w8", "int3-token-log8-r7-w8"),

@@ -297,8 +297,3 @@ def test_shared_heads_refuse_what_they_do_not_support_yet(corpus):
     with pytest.raises(ValueError, match="static latent cache does not support quantized latents of bases "
                                          "shared"):
         StaticLatentCache(model, 1, 32)
-    with torch.no_grad():
-        cache = stiefkv.LatentCache()
-        model(torch.randint(0, 97, (1, 40), generator=gen(12)), past_key_values=cache)
-        with pytest.raises(ValueError, match="compaction does not support bases shared"):
-            stiefkv.compact(model, cache, keep=0.5)

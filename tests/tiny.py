@@ -46,11 +46,14 @@ def random_bases(G: int, d: int, r: int, generator=None) -> torch.Tensor:
 
 
 def random_projections(model, rk: int, rv: int, key_mode: str = "pre_rope",
-                       seed: int = 0) -> stiefkv.Projections:
+                       seed: int = 0, shared: bool = False) -> stiefkv.Projections:
+    """Random orthonormal bases: ``[G, d, r]`` a layer, or with ``shared`` one ``[1, G·d, r]`` for all its KV
+    heads (``rk``, ``rv`` then the shared latents' ranks)."""
     dims = dims_of(model.config)
     g = torch.Generator().manual_seed(seed)
-    keys = [random_bases(dims.G, dims.d, rk, g) for _ in range(dims.L)]
-    values = [random_bases(dims.G, dims.d, rv, g) for _ in range(dims.L)]
+    heads, width = (1, dims.G * dims.d) if shared else (dims.G, dims.d)
+    keys = [random_bases(heads, width, rk, g) for _ in range(dims.L)]
+    values = [random_bases(heads, width, rv, g) for _ in range(dims.L)]
     return stiefkv.Projections(keys=keys, values=values, key_mode=key_mode, fingerprint=fingerprint(model),
                                budget=(rk + rv) / (2 * dims.d), method="random")
 
