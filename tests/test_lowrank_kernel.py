@@ -315,15 +315,15 @@ SHARED_GPU_CASES = [
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", SHARED_GPU_CASES, ids=lambda c: c[0])
 def test_shared_latents_realistic_sizes_gpu(case, key_mode):
-    """Where no tile fits (``TilesTooLarge``), ``backend="auto"`` gives the reference's output instead."""
+    """Where no tile fits (``TilesTooLarge``: on the H200 ranks 512 at d 128, 2026-12-04), ``backend="auto"``
+    gives the reference's output instead."""
     import stiefkv.kernels as kernels
 
     name, B, H, G, Nq, Nk, d, r_k, r_v = case
     args, kwargs = shared_inputs(B, H, G, Nq, Nk, d, r_k, r_v, torch.bfloat16, pos_offset=0)
     try:
         check(args, kwargs, key_mode=key_mode, what=f"{name} {key_mode}")
-    except lk.TilesTooLarge as err:
-        warnings.warn(f"{name} {key_mode}: {err}")
+    except lk.TilesTooLarge:
         with torch.no_grad():
             out = kernels.lowrank_attention(*args, **kwargs, key_mode=key_mode, backend="auto")
             expected = reference(*args, **kwargs, key_mode=key_mode)
