@@ -109,7 +109,7 @@ QUANT_SWEEP = [
     {"late_values": True, "prefetch": True, "max_registers": 168, "splits": 1.5},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
-TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant")
+TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
 QUANT_BITS = (16, 8, 4)
 DTYPE = torch.bfloat16
 NAME = "attention"
@@ -186,6 +186,47 @@ def case_fields(B: int, N: int, budget: str, mode: str) -> dict:
 def read_bytes(x: dict, mode: str) -> int:
     n = (x["z_k"].numel() + x["z_v"].numel()) * x["z_k"].element_size()
     return n + (x["positions"].numel() * x["positions"].element_size() if mode == "pre_rope" else 0)
+
+
+def shared_inputs(B: int, N: int, R: int) -> dict:
+    """:func:`latent_inputs` for bases shared by the ``G`` KV heads: one latent ``[B, 1, N, R]`` a token read
+    by every head as a stride-0 view, and the heads' ``[G, d, R]`` blocks of one orthonormal ``[G·d, R]``
+    (as ``stiefkv.load`` serves a ``--share-heads`` checkpoint)."""
+    x = latent_inputs(B, 1, N, R)
+    x["z_k"] = x["z_k"][:, :1].contiguous().expand(B, G, N, R)
+    x["z_v"] = x["z_v"][:, :1].contiguous().expand(B, G, N, R)
+    x["P_k"] = utils.random_basis(1, G * D_HEAD, R, device=DEVICE).reshape(G, D_HEAD, R)
+    x["P_v"] = utils.random_basis(1, G * D_HEAD, R, device=DEVICE).reshape(G, D_HEAD, R)
+    return x
+
+
+def shared_rows(shapes) -> None:
+    """Decode over latents shared by the KV heads against a basis per head at the same bytes (rank ``G·r``
+    against ``r``; 12.5 % and 25 %: 50 % is rank 512, whose tiles no config fits on the H200), both key modes,
+    each over SDPA of the same run; latent output (``P_v`` folded into ``o_proj``, as served)."""
+    from stiefkv.kernels.lowrank import TilesTooLarge
+
+    for B, N in shapes:
+        sdpa = sdpa_decode_ms(B, N)
+        for budget, r in (("12.5%", 16), ("25%", 32)):
+            arms = {"per-head": latent_inputs(B, 1, N, r), "shared": shared_inputs(B, N, G * r)}
+            for mode in MODES:
+                for bases, x in arms.items():
+                    row = case_fields(B, N, "50%", mode) | {
+                        "case": f"shared-table {utils.shape_name(B, N)} {budget} {mode} {bases}",
+                        "table": "shared", "budget": budget, "bases": bases, "r": x["z_k"].shape[-1],
+                        "sdpa": sdpa}
+                    try:
+                        with torch.no_grad():
+                            row["ours"] = utils.graph_ms(kernel_call(x, mode, with_pv=False))
+                        row["ratio_median"] = row["ours"]["p50"] / sdpa["p50"]
+                    except TilesTooLarge as err:
+                        row["error"] = str(err)
+                    utils.write_rows(NAME, row)
+                    print(f"{row['case']}: {row.get('ours', {}).get('p50')} ms over SDPA "
+                          f"{sdpa['p50']:.4f} ({row.get('ratio_median')})", flush=True)
+            del arms
+            empty_cache()
 
 
 def decode_rows(shapes, copy: float) -> None:
@@ -465,6 +506,8 @@ def main() -> None:
         decode_rows(shapes, copy)
     if "quant" in args.tables:
         quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank, args.bits)
+    if "shared" in args.tables:
+        shared_rows(shapes)
     if "prefill" in args.tables:
         prefill_rows()
     if "sweep" in args.tables:

@@ -150,6 +150,28 @@ def test_committed_result_files_stay_small():
     assert not big, f"result files over 1 MiB: {big}"
 
 
+def test_bench_attention_shared_rows_on_the_cpu(results, monkeypatch):
+    """The shared-bases table at a tiny shape (the interpreter, the timer replaced): per-head and shared
+    arms in both key modes at two budgets, shared at G times the rank, each over SDPA."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU smoke test; on CUDA run the script itself")
+    import bench_attention as ba
+
+    def fake(fn, **kw):
+        fn()
+        return {"p20": 1.0, "p50": 2.0, "p80": 3.0}
+
+    monkeypatch.setattr(utils, "graph_ms", fake)
+    for name, value in {"DEVICE": "cpu", "H": 4, "G": 2, "D_HEAD": 32}.items():
+        monkeypatch.setattr(ba, name, value)
+    ba.shared_rows([(1, 70)])
+    rows = utils.read_rows(results / "attention.jsonl")
+    assert len(rows) == 8 and all(r["table"] == "shared" and r["ratio_median"] == 1.0 for r in rows)
+    assert {(r["bases"], r["budget"], r["r"]) for r in rows} == {
+        ("per-head", "12.5%", 16), ("shared", "12.5%", 32), ("per-head", "25%", 32), ("shared", "25%", 64)}
+
+
 def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
     """Decode, sweep and prefill rows at tiny shapes (the kernel under the interpreter, the timers replaced):
     every row names its case, carries SDPA beside the kernel, and the renderer reads them."""
