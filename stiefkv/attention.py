@@ -25,7 +25,7 @@ from torch import nn
 
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask
-from stiefkv.kernels import RopeSpec
+from stiefkv.kernels import CodesAndBand, QuantizedLatents, RopeSpec
 from stiefkv.layers import exact_band, head_bases, head_latents, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
@@ -149,7 +149,7 @@ class LowRankAttention(nn.Module):
             exact = exact_band(self.quant, N, (z_k, z_v), tails)
         bias = cache.bias(self.layer_idx) if cache is not None else None  # β of a compacted prefix
         if self.shared:  # one latent a token: every head reads it (views, no copies)
-            z_k, z_v = head_latents(z_k, self.kv_heads), head_latents(z_v, self.kv_heads)
+            z_k, z_v = heads_view(z_k, self.kv_heads), heads_view(z_v, self.kv_heads)
             if positions.dim() == 3:  # a compacted prefix: one entry's position and β for all heads
                 positions = positions.expand(-1, self.kv_heads, -1)
                 bias = bias.expand(-1, self.kv_heads, -1) if bias is not None else None
@@ -170,12 +170,31 @@ class LowRankAttention(nn.Module):
         same softmax (``prior=``: the kernel starts from the first call's output and log-sum-exp, so no
         merge kernels run between the two)."""
         common = dict(key_mode=self.key_mode, rope=self.rope, scale=self.scaling, backend=self.backend)
+        if self.shared:  # one latent a token, its codes and its ring read by every head (views)
+            G = self.kv_heads
+            split = split._replace(codes_k=heads_view(split.codes_k, G), codes_v=heads_view(split.codes_v, G),
+                                   ring_k=heads_view(split.ring_k, G), ring_v=heads_view(split.ring_v, G),
+                                   ring_bias=split.ring_bias.expand(-1, G, -1))
         o1, l1 = kernels.lowrank_attention(q, split.codes_k, split.codes_v, self.key_basis(q.dtype), None,
                                            positions=positions, lengths=split.codes_lengths,
                                            n_valid=split.n_codes, causal=True, return_lse=True, **common)
         return kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
                                          None, positions=split.ring_positions, bias=split.ring_bias,
                                          causal=False, prior=(o1, l1), **common)
+
+
+def heads_view(z, G: int):
+    """Latents of a basis shared by ``G`` KV heads (``[B, 1, N, r]``) as every head's, without copies:
+    floats, :class:`~stiefkv.kernels.QuantizedLatents` (codes and scales of a static cache, read in place by
+    the kernels) or :class:`~stiefkv.kernels.CodesAndBand`."""
+    if isinstance(z, torch.Tensor):
+        return head_latents(z, G)
+    if isinstance(z, QuantizedLatents):
+        return z._replace(codes=head_latents(z.codes, G), scale=head_latents(z.scale, G),
+                          low=None if z.low is None else head_latents(z.low, G))
+    if isinstance(z, CodesAndBand):
+        return CodesAndBand(heads_view(z.below, G), head_latents(z.band, G))
+    raise TypeError(f"latents of type {type(z).__name__} have no per-head view")
 
 
 class FoldedKV(NamedTuple):

@@ -378,17 +378,6 @@ def transformers_static_length(made) -> int:
                      "cache=stiefkv.StaticLatentCache(model, batch_size, max_length) to generate instead")
 
 
-def refuse_shared_codes(model: nn.Module) -> None:
-    """A clear error for quantized latents of bases shared by the KV heads, which the static cache does not
-    take yet: its code buffers and exact ring would need views over the heads
-    (``docs/notes/grouped-heads.md``)."""
-    if any(getattr(layer.self_attn, "shared", False) and any(q.quantized for q in layer.self_attn.quant)
-           for layer in decoder_layers(model)):
-        raise ValueError("a static latent cache does not support quantized latents of bases shared by the "
-                         "KV heads yet: use the dynamic LatentCache (model(...) / model.generate(...)), or "
-                         "a checkpoint calibrated with a basis per head or with --bits 16")
-
-
 class StaticLatentCache(LatentCache):
     """Latents ``[B, G, slots, r]`` per layer (``slots``: ``max_length`` rounded up to 16), preallocated on
     each layer's device: float; int8-int2 codes per token with no exact window (:class:`CodeBuffer`; the
@@ -414,7 +403,6 @@ class StaticLatentCache(LatentCache):
         if batch_size < 1 or max_length < 1:
             raise ValueError(f"a static cache needs batch_size ≥ 1 and max_length ≥ 1, got {batch_size} and "
                              f"{max_length}")
-        refuse_shared_codes(model)  # bf16 ones it holds as [B, 1, slots, r]
         self.rows, self.max_length = int(batch_size), int(max_length)
         # Slots allocated: max_length rounded up to 16, so that every (row, head) of a buffer starts on a
         # 16-byte boundary the kernels' compiler can see (a stride divisible by 16); at 32834 slots of 28-byte

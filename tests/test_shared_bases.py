@@ -287,13 +287,25 @@ def test_static_cache_generation_over_shared_bf16_latents(corpus, backend):
     assert torch.equal(ours, theirs)
 
 
-def test_shared_heads_refuse_what_they_do_not_support_yet(corpus):
+@pytest.mark.parametrize("storages", [("int4-token", "int4-token"), ("int4-token-r5-w8", "int2-channel-r5"),
+                                      "auto"])
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_static_cache_generation_over_shared_codes(corpus, backend, storages):
+    """``stiefkv.generate`` over codes of latents shared by the KV heads (``[B, 1, slots, …]``): codes the
+    kernels read in place, codes beside exact windows (the ring split of decode), and what ``--bits auto``
+    chose; greedy tokens equal ``model.generate``'s over the dynamic cache."""
     import stiefkv
-    from stiefkv import StaticLatentCache
+    from stiefkv.quant import QuantSpec
 
-    model, proj = shared_calibration(corpus, budget=0.3, bits="auto")
-    assert proj.quantized
-    stiefkv.load(model, proj, backend="reference")
-    with pytest.raises(ValueError, match="static latent cache does not support quantized latents of bases "
-                                         "shared"):
-        StaticLatentCache(model, 1, 32)
+    if storages == "auto":
+        model, proj = shared_calibration(corpus, head_dim=32, budget=0.3, bits="auto", method="pca")
+    else:
+        model, proj = shared_calibration(corpus, head_dim=32, method="pca")
+        proj.quant = [tuple(QuantSpec.parse(s) for s in storages)] * len(proj.keys)
+    assert proj.shared and proj.quantized
+    stiefkv.load(model, proj, backend=backend)
+    ids = torch.randint(1, 97, (2, 13), generator=gen(17))
+    with torch.no_grad():
+        ours = stiefkv.generate(model, ids, max_new_tokens=7, eos_token_id=None)
+        theirs = model.generate(ids, max_new_tokens=7, do_sample=False, pad_token_id=0)
+    assert torch.equal(ours, theirs)
