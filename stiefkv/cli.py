@@ -218,8 +218,8 @@ def main():
 @click.option("--share-heads", is_flag=True, default=DEFAULTS["share_heads"],
               help="One basis a layer for all its KV heads (one latent a token) instead of one a head, at "
                    "the same bytes: far better quality (SmolLM2 50 %, ranks only: +14 % PPL against +50 %). "
-                   "Compaction keeps one entry set a layer; the static cache (stiefkv.generate) takes it "
-                   "with --bits 16.")
+                   "Compaction keeps one entry set a layer. Slower decode where a layer has many KV heads "
+                   "(Llama-3-8B's 8: 2-4x the kernel time).")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
               help="stiefel = PCA start refined on the Stiefel manifold against the decoder-layer output; "
                    "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")
