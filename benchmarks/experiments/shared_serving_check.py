@@ -34,8 +34,7 @@ def main() -> None:
     import stiefkv
     from stiefkv.data import load_texts, token_stream
 
-    model, tok = stiefkv.load_model(args.model, device="cuda")
-    model = model.to(torch.bfloat16)
+    model, tok = stiefkv.load_model(args.model, device="cuda", dtype=torch.bfloat16)
     proj = stiefkv.Projections.load(args.ckpt)
     stiefkv.load(model, proj)
     print(f"checkpoint: shared {proj.shared}, quantized {proj.quantized}, ranks {proj.ranks[:3]} …, "
