@@ -46,6 +46,10 @@ THROUGH_CACHE = ("hf-quanto4", "hf-quanto2", "int4", "kivi4", "kivi2")
 # key as the cache holds it after the forward; since then each query reads exact the keys that decoding it
 # would have found exact (a filling per-channel group, the recent window): render compares like with like.
 SCORING = "band"
+# calibration settings of --extra that a bf16 (ranks-only) calibration takes too
+BF16_SETTINGS = ("share_heads", "method", "key_mode", "allocation", "weighting", "profile", "order", "data",
+                 "num_sequences", "seq_len", "profile_sequences", "steps", "lr", "step_sequences", "loss",
+                 "kl_weight", "rank_step", "seed")
 
 
 def synced(device: str) -> float:
@@ -203,8 +207,9 @@ def main() -> None:
     ap.add_argument("--baselines", default=None, help="comma-separated baseline names (default: all of "
                     "stiefkv.evaluate.BASELINES, and all of THROUGH_CACHE for the through-cache rows)")
     ap.add_argument("--windows", type=int, default=None, help="first N test windows (default: all)")
-    ap.add_argument("--extra", default="{}", help="JSON of calibration settings for the auto rows")
-    ap.add_argument("--tag", default="", help="label of an auto-row variant (with --extra)")
+    ap.add_argument("--extra", default="{}", help="JSON of calibration settings for the auto rows, and for "
+                    "the ranks rows those of BF16_SETTINGS (e.g. share_heads)")
+    ap.add_argument("--tag", default="", help="label of a variant's rows (with --extra)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--plot", nargs=2, type=Path, metavar=("JSONL", "PNG"), help="only draw the plot")
     args = ap.parse_args()
@@ -270,25 +275,27 @@ def main() -> None:
                                              limit=args.windows, projections=proj)
             emit(through_cache_row(row, res, dims.L * dims.G * 2 * dims.d * 2))
     suffix = "" if not args.tag else "_" + "".join(c if c.isalnum() else "-" for c in args.tag)
-    # a tagged run's --extra applies to its ranks rows as well (e.g. share_heads at bf16)
-    extra16 = {k: v for k, v in extra.items() if k != "recent"} if args.tag else {}
+    # --extra's settings that also mean something at bf16 (e.g. share_heads) make the ranks rows a variant
+    # too, under the tag; settings of quantized latents only (recent, …) leave them the plain rows
+    extra16 = {k: v for k, v in extra.items() if k in BF16_SETTINGS}
+    tag16, suffix16 = (args.tag, suffix) if extra16 else ("", "")
     cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16, **extra16)
     seqs = calibration_sequences(model, tok, data=cfg16.data, num_sequences=cfg16.num_sequences,
                                  seq_len=cfg16.seq_len, seed=cfg16.seed)
     if {"ranks", "pca-uniform-int4"} & set(kinds):
-        path16 = args.outdir / f"first_pass_bits16{suffix}.safetensors"
+        path16 = args.outdir / f"first_pass_bits16{suffix16}.safetensors"
         first16, fp16_s = first_pass_state(model, seqs, cfg16, path16, args.device)
-        if "pca-uniform-int4" in kinds and ("pca-uniform-int4", 0.125, "") not in done and not args.tag:
+        if "pca-uniform-int4" in kinds and ("pca-uniform-int4", 0.125, "") not in done and not extra16:
             proj = pca_uniform_int4(model, first16, first16.eig_k[0].shape[1] // 2)
             emit(row_of("pca-uniform-int4", 0.125, proj, run_eval(proj), fp16_s, {}))
         # bf16 latents cannot go below one rank step per latent (rank 8 of 64: 12.5 %)
         floor16 = cfg16.rank_step / first16.eig_k[0].shape[1]
         for b in budgets if "ranks" in kinds else ():
-            if ("ranks", b, args.tag) not in done and b >= floor16:
+            if ("ranks", b, tag16) not in done and b >= floor16:
                 cfg = CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b, **extra16)
                 proj, s = calibrated(model, seqs, first16, cfg, args.device)
                 emit(row_of("ranks", b, proj, run_eval(proj), fp16_s + s,
-                            {"first_pass_s": fp16_s, "second_pass_s": s, "tag": args.tag, "extra": extra16}))
+                            {"first_pass_s": fp16_s, "second_pass_s": s, "tag": tag16, "extra": extra16}))
     if "auto" in kinds:
         firsts = {}  # one first pass per exact window the budgets resolve to: the profiles measure it
         for b in budgets:

@@ -1143,20 +1143,23 @@ def shared_claims(res: Results, claim, auto: dict, base: list[dict]) -> None:
               + " / ".join(f"{a['ppl']:.2f}" for _, _, a in pairs)
               + f" (lower at {lower}, within 0.1 % at {sum(close)} of {len(pairs)})",
               "–", None, [x for _, s, a in pairs for x in (s, a)])
-    parts, rows, ok = [], [], True
+    parts, rows, ok, smallest = [], [], True, []
     for b in (0.25, 0.1875, 0.125):
         s = shared[b]
         if s is None or not base:
             continue
         fitting = [x for x in base if x["bytes_fraction"] <= b + 1e-9]
         best = min(fitting or base, key=lambda x: (x["ppl"],) if fitting else (x["bytes_fraction"], x["ppl"]))
+        if not fitting:
+            smallest.append(f"{100 * b:g} %")
         parts.append(f"{100 * b:g} %: {s['ppl']:.2f} vs {best['case']} {best['ppl']:.2f} "
                      f"({100 * best['bytes_fraction']:.1f} %)")
         rows += [s, best]
         ok = ok and s["ppl"] < best["ppl"]
     if parts:
-        claim("`--share-heads` auto: PPL vs the best quantization-only cache of ≤ its bytes (none at 12.5 %: "
-              "the smallest)", "; ".join(parts), "lower", ok, rows)
+        none = f" (none at {', '.join(smallest)}: the smallest)" if smallest else ""
+        claim(f"`--share-heads` auto: PPL vs the best quantization-only cache of ≤ its bytes{none}",
+              "; ".join(parts), "lower", ok, rows)
 
 
 # ------------------------------------------------------------------------------------------------ provenance

@@ -478,10 +478,11 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     """:func:`build` for a served model's :class:`~stiefkv.cache.LatentCache`: the keys are scored and chosen
     as attention sees them (rebuilt from the latents, rotated at their positions), and each kept entry keeps
     its latent and position; the values are fitted in the latent space (``P_v`` is orthonormal, so a fit
-    there is the fit of the full values restricted to the subspace). The prefix is stored as the model
-    stores latents (quantized layers quantize it again from the latents as read: the same codes for min–max
-    storages; per-token keys and int8-window keys carry their own codes over, since dequantized log8 codes
-    can ask for a finer scale)."""
+    there is the fit of the full values restricted to the subspace; for a basis shared by the KV heads, whose
+    heads each read their block of it, a least-squares proxy over every query head's latent outputs). The
+    prefix is stored as the model stores latents (quantized layers quantize it again from the latents as
+    read: the same codes for min–max storages; per-token keys and int8-window keys carry their own codes
+    over, since dequantized log8 codes can ask for a finer scale)."""
     if method in presses.PRESSES:
         raise ValueError(f"kvpress's {method!r} is a baseline for the uncompressed model's cache; a "
                          f"stiefkv.LatentCache is compacted by {' or '.join(repr(m) for m in METHODS)}")
@@ -492,8 +493,8 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     B, G = latents[0][0].shape[:2]  # G is 1 for bases shared by the KV heads: one latent a token
     positions = cache.positions[:, None].expand(B, G, T)
     keys = [_rebuilt_keys(z_k, la.self_attn, cache.positions) for (z_k, _), la in zip(latents, layers)]
-    if G == 1 and layers[0].self_attn.kv_heads > 1:
-        queries = [_queries_of_shared(q, la.self_attn.kv_heads) for q, la in zip(queries, layers)]
+    if G == 1 and layers[0].self_attn.kv_heads > 1:  # widened a layer at a time, as the fit reads it
+        queries = _Widened(queries, layers[0].self_attn.kv_heads)
     new = LatentCache()
     new.length = T
     rest_keys, rest_values = _unpinned(keys, [z_v for _, z_v in latents], pins)
@@ -525,6 +526,29 @@ def _rebuilt_keys(z_k: torch.Tensor, attn, positions: torch.Tensor) -> torch.Ten
         return keys
     B, _, T, d = keys.shape
     return keys.permute(0, 2, 1, 3).reshape(B, 1, T, G * d)
+
+
+class _Widened:
+    """Layers' queries as :func:`_queries_of_shared` widens them, made when the compaction reads a layer, not
+    all at once (``G×`` the queries' memory each); like :class:`_Gathered`, read by index and let go."""
+
+    def __init__(self, queries: list[torch.Tensor], G: int):
+        self._queries, self._G = list(queries), G
+
+    def __len__(self) -> int:
+        return len(self._queries)
+
+    def __getitem__(self, i: int):
+        q = self._queries[i]
+        return None if q is None else _queries_of_shared(q, self._G)
+
+    def __setitem__(self, i: int, value) -> None:
+        if value is not None:
+            raise TypeError("widened queries are read-only; a layer's can only be let go (None)")
+        self._queries[i] = None
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
 
 
 def _queries_of_shared(q: torch.Tensor, G: int) -> torch.Tensor:
@@ -626,12 +650,13 @@ def check_cache(model, cache) -> int:
     cfg = model.config
     G = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+    heads = f"{G} KV heads × {d}"
     if latent and getattr(layers[0].self_attn, "shared", False):
-        G = 1  # bases shared by the KV heads: one latent a token
+        G, heads = 1, f"one latent a token (bases shared by its {G} KV heads)"
     ok = len(held) == len(layers) and shape[1] == G and (latent or shape[3] == d)
     if not ok:
         raise ValueError(f"the cache does not belong to this model: it holds {len(held)} layers of keys "
-                         f"{list(shape)}, the model has {len(layers)} layers of {G} KV heads × {d}")
+                         f"{list(shape)}, the model has {len(layers)} layers of {heads}")
     return cache.get_seq_length() if latent else shape[2]
 
 
@@ -643,6 +668,8 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     The uncompressed model's ``DynamicCache`` becomes a :class:`CompactedCache`; the
     :class:`~stiefkv.cache.LatentCache` of a model served by :func:`stiefkv.load` (bf16 or quantized
     latents, either key mode) a compacted ``LatentCache``, whose β reaches the kernels as their ``bias``.
+    Latents of bases shared by a layer's KV heads (``--share-heads``: one latent a token) keep one entry set
+    a layer for all its heads, chosen and fitted by all its query heads (``keep`` of the tokens a layer).
 
     ``queries``: per layer ``[B, H, m, d]`` rotated reference queries; by default those :func:`prefill`
     kept on the cache. ``options``: ``selection`` (``attention`` | ``omp``), ``fit_beta``,

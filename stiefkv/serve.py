@@ -15,12 +15,17 @@ that the two are compared on equal terms (``benchmarks/bench_serve.py``).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
+from stiefkv import kernels
 from stiefkv.cache import cache_keyword
 from stiefkv.models import decoder_layers
 from stiefkv.static_cache import StaticLatentCache, transformers_static_length
+
+log = logging.getLogger(__name__)
 
 CAPTURE = ("auto", True, False)
 # Prompt tokens a prefill forward takes over all rows. Bounded over the batch, not a row: at capacity the
@@ -67,7 +72,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         if max_new_tokens > 1:
             state = DecodeState(tokens, positions[:, -1:] + 1, N)
             graph = capture is True or (capture == "auto" and device.type == "cuda" and _one_device(model))
-            (runner.decode_captured if graph else runner.decode_eager)(state, max_new_tokens - 1)
+            if graph:
+                runner.decode_captured(state, max_new_tokens - 1, demanded=capture is True)
+            else:
+                runner.decode_eager(state, max_new_tokens - 1)
     if eos_token_id == "model":
         eos_token_id, pad_token_id = _model_end_tokens(model, pad_token_id)
     if eos_token_id is not None:
@@ -216,22 +224,39 @@ class Runner:
         for _ in range(steps):
             self.step(state)
 
-    def decode_captured(self, state: DecodeState, steps: int) -> None:
-        """The first step runs eagerly (see :meth:`capture`); every later step replays the captured one."""
-        self.capture(state)
+    def decode_captured(self, state: DecodeState, steps: int, demanded: bool = False) -> None:
+        """The first step runs eagerly (see :meth:`capture`); every later step replays the captured one. Where
+        the eager step ran a layer on the PyTorch reference (``kernels.reference_fallbacks``: ranks whose
+        kernel tiles fit no GPU config), which a graph cannot capture, the rest runs eagerly, or with
+        ``demanded`` (``capture=True``) a clear error."""
+        if not self.capture(state):
+            if demanded:
+                raise ValueError("capture=True: a layer of this model attends through the PyTorch reference "
+                                 "(its latent ranks fit no tile of the Triton kernels on this GPU, see the "
+                                 "warning above), which a CUDA graph cannot capture; use capture='auto' (it "
+                                 "decodes eagerly then) or a checkpoint of lower ranks")
+            log.warning("stiefkv.generate: a layer attends through the PyTorch reference, which a CUDA graph "
+                        "cannot capture; decoding eagerly")
+            self.decode_eager(state, steps - 1)
+            return
         self.replay(steps - 1)
 
-    def capture(self, state: DecodeState) -> None:
+    def capture(self, state: DecodeState) -> bool:
         """Run one step eagerly on a side stream (it compiles the kernels and sets up the libraries, as
-        capture requires), then record the next step as :attr:`graph` without running it."""
+        capture requires), then record the next step as :attr:`graph` without running it. False, with no
+        graph recorded, where the eager step ran a layer on the reference (which reads to the host)."""
+        before = kernels.reference_fallbacks()
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
             self.step(state)
         torch.cuda.current_stream().wait_stream(stream)
+        if kernels.reference_fallbacks() > before:
+            return False
         self.graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(self.graph):
             self.step(state)
+        return True
 
     def replay(self, steps: int) -> None:
         """``steps`` decode steps by replaying the captured one, with no host work in between."""

@@ -471,3 +471,21 @@ def test_serving_claims_read_the_newest_row_under_either_case_name(tmp_path):
         f.write(json.dumps(later) + "\n")
     line = claim_line()
     assert "| 0.50× |" in line and "missed" in line
+
+
+def test_runs_table_names_each_file_machine_and_commit_of_the_rows_used(tmp_path):
+    """The provenance table: one line for the one file, machine and versions the rendered rows came from,
+    with its commit; a row no table used is not counted."""
+    import json
+
+    prov = {"commit": "abc1234", "date": "2026-12-03 00:00:00 UTC", "gpu": {"name": "NVIDIA H200"}}
+    row = {"bench": "pareto", "row": "int8", "budget": None, "ppl": 22.0, "ppl_original": 21.97,
+           "next_token_kl": 0.0001, "bytes_fraction": 0.53, "kv_bytes_per_token": 12328, "remeasured": True,
+           "provenance": prov}
+    unused = dict(row, case="nothing reads this", provenance=dict(prov, commit="fff0000"))
+    rows = [dict(row, case="int8"), unused]
+    (tmp_path / "pareto.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = render.Results(tmp_path)
+    assert "| int8 per token (quantization only) | 53.00 % |" in render.pareto(res)
+    lines = render.runs(res).splitlines()[2:]
+    assert len(lines) == 1 and lines[0].startswith("| `pareto.jsonl` | 1 | 2026-12-03 | H200 | `abc1234` |")

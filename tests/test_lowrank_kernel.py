@@ -281,17 +281,30 @@ def test_ranks_no_tile_fits_are_refused_by_triton_and_left_to_the_reference_by_a
 
     tried = _out_of_shared_memory_above(monkeypatch, lambda c: False)
     args, kwargs = shared_inputs(1, 6, 2, 1, 19, 32, 48, 40, torch.float32)
-    with pytest.raises(lk.TilesTooLarge, match=r"ranks \(48, 40\) at head dimension 32 need more shared "
-                                               r"memory.*tiles of 16 queries × 16 keys in one stage"):
+    message = (r"ranks \(48, 40\) at head dimension 32 need more shared memory than this GPU has \(300000 "
+               r"bytes asked in tiles of 16 queries × 16 keys in 1 stage\(s\), the smallest tried\)")
+    with pytest.raises(lk.TilesTooLarge, match=message):
         kernels.lowrank_attention(*args, **kwargs, backend="triton")
     n = len(tried)
-    with pytest.raises(lk.TilesTooLarge):  # remembered: not compiled again
+    with pytest.raises(lk.TilesTooLarge, match=message):  # remembered: not compiled again, the same words
         kernels.lowrank_attention(*args, **kwargs, backend="triton")
     assert len(tried) == n
+    # another kernel (latent output: no P_v) is tried afresh, not refused for the first one's failure
+    with pytest.raises(lk.TilesTooLarge):
+        kernels.lowrank_attention(*args[:4], None, **kwargs, backend="triton")
+    assert len(tried) > n
+    # tiles the caller chose are launched as given or refused, never shrunk
+    n = len(tried)
+    given = r"in tiles of 16 queries × 32 keys in 2 stage\(s\), as given"
+    with pytest.raises(lk.TilesTooLarge, match=given):
+        lk.lowrank_attention(*args, **kwargs, block_n=32, num_stages=2)
+    assert len(tried) == n + 1
     monkeypatch.setattr(kernels, "_use_kernel", lambda *a, **k: True)  # as on a GPU
+    before = kernels.reference_fallbacks()
     with caplog.at_level("WARNING", logger="stiefkv.kernels"):
         out = kernels.lowrank_attention(*args, **kwargs, backend="auto")
     assert "PyTorch reference" in caplog.text
+    assert kernels.reference_fallbacks() == before + 1  # what stiefkv.generate checks before a capture
     with torch.no_grad():
         assert_close(out, reference(*args, **kwargs), atol=1e-5, rtol=1e-5, what="auto's fallback")
     # ranks ≤ d never take the fitting path: their tiles were measured to fit

@@ -147,6 +147,30 @@ def test_static_cache_continues_like_the_dynamic_one():
     torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
 
 
+def test_a_step_on_the_reference_is_decoded_eagerly_not_captured(caplog):
+    """Where the warm-up step ran a layer on the PyTorch reference (``Runner.capture`` returns False: ranks
+    whose kernel tiles fit no GPU config), ``capture="auto"`` decodes the rest eagerly with a warning and
+    ``capture=True`` is refused with a clear error."""
+
+    class Stub:
+        def __init__(self):
+            self.eager = []
+
+        def capture(self, state):
+            return False
+
+        def decode_eager(self, state, steps):
+            self.eager.append(steps)
+
+    stub = Stub()
+    with caplog.at_level("WARNING", logger="stiefkv.serve"):
+        Runner.decode_captured(stub, None, 9)
+    assert stub.eager == [8] and "decoding eagerly" in caplog.text
+    with pytest.raises(ValueError, match="capture=True: a layer of this model attends through the PyTorch "
+                                         "reference"):
+        Runner.decode_captured(Stub(), None, 9, demanded=True)
+
+
 def test_bad_input():
     model = served()
     ids, mask = prompt()

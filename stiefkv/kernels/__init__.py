@@ -58,9 +58,24 @@ def _warn_grad_fallback() -> None:
                 "backend='auto' runs the PyTorch reference; call it under torch.no_grad() for the kernel")
 
 
-@functools.cache
+_fallbacks = [0]  # calls that backend="auto" sent to the reference for want of a tile that fits
+
+
+def reference_fallbacks() -> int:
+    """How many calls ``backend="auto"`` ran on the reference because the kernel's tiles fit no GPU config
+    (``lowrank.TilesTooLarge``): a caller about to capture a CUDA graph checks it around a warm-up step,
+    since the reference reads ``n_valid`` on the host and cannot be captured."""
+    return _fallbacks[0]
+
+
 def _warn_tiles_fallback(reason: str) -> None:
-    """Say once per shape that ``auto`` left the kernel for the reference (see ``lowrank.TilesTooLarge``)."""
+    _fallbacks[0] += 1
+    _say_tiles_fallback(reason)
+
+
+@functools.cache
+def _say_tiles_fallback(reason: str) -> None:
+    """Say once per kernel that ``auto`` left it for the reference (see ``lowrank.TilesTooLarge``)."""
     log.warning("%s: backend='auto' runs these through the PyTorch reference", reason.split(";")[0])
 
 
