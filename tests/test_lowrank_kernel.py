@@ -276,6 +276,15 @@ def test_ranks_above_d_retry_with_smaller_tiles(monkeypatch, path, Nq):
     assert len(tried) == n + 1 and tried[-1]["block_n"] == 16
 
 
+def test_prefill_at_ranks_above_d_falls_to_query_tiles_of_64_rows(monkeypatch):
+    """The last step of the fitting: a prefill whose 128-row query tiles fit at no key tile launches with
+    64-row ones (after one stage and 16-key tiles), and gives the reference's output."""
+    tried = _out_of_shared_memory_above(monkeypatch, lambda c: c["block_m"] <= 64)
+    args, kwargs = shared_inputs(1, 9, 3, 50, 50, 32, 40, 72, torch.float32)
+    check(args, kwargs, key_mode="post_rope", what="64-row query tiles")
+    assert tried[-1]["block_m"] == 64 and tried[-1]["block_n"] == 16 and tried[-1]["num_stages"] == 1
+
+
 def test_ranks_no_tile_fits_are_refused_by_triton_and_left_to_the_reference_by_auto(monkeypatch, caplog):
     import stiefkv.kernels as kernels
 
