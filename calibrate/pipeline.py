@@ -98,8 +98,8 @@ class CalibrationConfig:
         only where it lowers the held-out quantization error.
     share_heads : one basis per layer for all its KV heads (``[1, G·d, r]``, one latent a token, ranks in
         steps of ``G · rank_step``) instead of one per head, at the same bytes: on SmolLM2 at 50 %, ranks
-        only, +14.2 % PPL against +50.1 % (``docs/notes/grouped-heads.md``). Not compacted yet, nor held
-        in a static cache as codes.
+        only, +14.2 % PPL against +50.1 % (``docs/notes/grouped-heads.md``); slower decode where a layer
+        has many KV heads (Llama-3-8B's 8: 2.1-4.4x the kernel time), so off by default.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.

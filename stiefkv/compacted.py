@@ -443,30 +443,31 @@ def _unpinned(keys: list, values: list, pins: torch.Tensor | None) -> tuple:
     if pins is None:
         return keys, values
     rest = _others(pins, keys[0].shape[2])
-    return _Gathered(keys, rest), _Gathered(values, rest)
+    return _Lazy(keys, lambda x: _take(x, rest)), _Lazy(values, lambda x: _take(x, rest))
 
 
-class _Gathered:
-    """Per layer the tokens ``index`` ``[B, n]`` of ``layers``, gathered when a layer is read, so that the
-    compaction holds one layer's unpinned tokens at a time: a list of every layer's held a second copy of
-    the cache (peak +7.6 GiB against +4.0 without pins at 32k tokens of Llama-3-8B shapes, H200). A layer set
-    to None (:func:`~stiefkv.compaction.compact_layers` lets each go once done) is dropped."""
+class _Lazy:
+    """Per layer ``read(layers[i])``, made when the compaction reads layer ``i``, so that it holds one layer's
+    at a time: the unpinned tokens of every layer at once held a second copy of the cache (peak +7.6 GiB
+    against +4.0 without pins at 32k tokens of Llama-3-8B shapes, H200), and shared latents' widened queries
+    are ``G×`` the queries. A layer set to None (:func:`~stiefkv.compaction.compact_layers` lets each go once
+    done) is dropped."""
 
-    def __init__(self, layers: list, index: torch.Tensor):
-        self._layers, self._index = list(layers), index
+    def __init__(self, layers: list, read):
+        self._layers, self._read = list(layers), read
 
     def __len__(self) -> int:
         return len(self._layers)
 
     def __getitem__(self, i: int):
         if not isinstance(i, int):
-            raise TypeError(f"gathered layers are read one at a time, by an int index; got {i!r}")
+            raise TypeError(f"lazy layers are read one at a time, by an int index; got {i!r}")
         x = self._layers[i]
-        return None if x is None else _take(x, self._index)
+        return None if x is None else self._read(x)
 
     def __setitem__(self, i: int, value) -> None:
         if value is not None:
-            raise TypeError("a gathered layer is read-only; it can only be let go (None)")
+            raise TypeError("a lazy layer is read-only; it can only be let go (None)")
         self._layers[i] = None
 
     def __iter__(self):
@@ -493,8 +494,9 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
     B, G = latents[0][0].shape[:2]  # G is 1 for bases shared by the KV heads: one latent a token
     positions = cache.positions[:, None].expand(B, G, T)
     keys = [_rebuilt_keys(z_k, la.self_attn, cache.positions) for (z_k, _), la in zip(latents, layers)]
-    if G == 1 and layers[0].self_attn.kv_heads > 1:  # widened a layer at a time, as the fit reads it
-        queries = _Widened(queries, layers[0].self_attn.kv_heads)
+    kv_heads = layers[0].self_attn.kv_heads
+    if G == 1 and kv_heads > 1:  # widened a layer at a time, as the fit reads it
+        queries = _Lazy(queries, lambda q: _queries_of_shared(q, kv_heads))
     new = LatentCache()
     new.length = T
     rest_keys, rest_values = _unpinned(keys, [z_v for _, z_v in latents], pins)
@@ -526,29 +528,6 @@ def _rebuilt_keys(z_k: torch.Tensor, attn, positions: torch.Tensor) -> torch.Ten
         return keys
     B, _, T, d = keys.shape
     return keys.permute(0, 2, 1, 3).reshape(B, 1, T, G * d)
-
-
-class _Widened:
-    """Layers' queries as :func:`_queries_of_shared` widens them, made when the compaction reads a layer, not
-    all at once (``G×`` the queries' memory each); like :class:`_Gathered`, read by index and let go."""
-
-    def __init__(self, queries: list[torch.Tensor], G: int):
-        self._queries, self._G = list(queries), G
-
-    def __len__(self) -> int:
-        return len(self._queries)
-
-    def __getitem__(self, i: int):
-        q = self._queries[i]
-        return None if q is None else _queries_of_shared(q, self._G)
-
-    def __setitem__(self, i: int, value) -> None:
-        if value is not None:
-            raise TypeError("widened queries are read-only; a layer's can only be let go (None)")
-        self._queries[i] = None
-
-    def __iter__(self):
-        return (self[i] for i in range(len(self)))
 
 
 def _queries_of_shared(q: torch.Tensor, G: int) -> torch.Tensor:

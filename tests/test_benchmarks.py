@@ -150,6 +150,12 @@ def test_committed_result_files_stay_small():
     assert not big, f"result files over 1 MiB: {big}"
 
 
+def fake_timer(fn, **kw):
+    """A timer for the CPU smoke tests: runs ``fn`` once and reports fixed percentiles."""
+    fn()
+    return {"p20": 1.0, "p50": 2.0, "p80": 3.0}
+
+
 def test_bench_attention_shared_rows_on_the_cpu(results, monkeypatch):
     """The shared-bases table at a tiny shape (the interpreter, the timer replaced): per-head and shared
     arms in both key modes at two budgets, shared at G times the rank, each over SDPA."""
@@ -158,11 +164,7 @@ def test_bench_attention_shared_rows_on_the_cpu(results, monkeypatch):
         pytest.skip("the CPU smoke test; on CUDA run the script itself")
     import bench_attention as ba
 
-    def fake(fn, **kw):
-        fn()
-        return {"p20": 1.0, "p50": 2.0, "p80": 3.0}
-
-    monkeypatch.setattr(utils, "graph_ms", fake)
+    monkeypatch.setattr(utils, "graph_ms", fake_timer)
     for name, value in {"DEVICE": "cpu", "H": 4, "G": 2, "D_HEAD": 32}.items():
         monkeypatch.setattr(ba, name, value)
     ba.shared_rows([(1, 70)])
@@ -180,12 +182,8 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
         pytest.skip("the CPU smoke test; on CUDA run the script itself")
     import bench_attention as ba
 
-    def fake(fn, **kw):
-        fn()
-        return {"p20": 1.0, "p50": 2.0, "p80": 3.0}
-
-    monkeypatch.setattr(utils, "graph_ms", fake)
-    monkeypatch.setattr(utils, "bench_ms", fake)
+    monkeypatch.setattr(utils, "graph_ms", fake_timer)
+    monkeypatch.setattr(utils, "bench_ms", fake_timer)
     for name, value in {
         "DEVICE": "cpu",
         "H": 4,

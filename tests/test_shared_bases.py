@@ -272,28 +272,14 @@ def test_the_kernels_read_shared_latents_as_the_reference(corpus):
     assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4, what="triton vs reference")
 
 
+@pytest.mark.parametrize("storages", ["bf16", ("int4-token", "int4-token"),
+                                      ("int4-token-r5-w8", "int2-channel-r5"), "auto"])
 @pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_static_cache_generation_over_shared_bf16_latents(corpus, backend):
-    """``stiefkv.generate`` (a static cache of one bf16 latent a token, eager on the CPU; the kernels under
-    the interpreter) gives ``model.generate``'s greedy tokens."""
-    import stiefkv
-
-    model, proj = shared_calibration(corpus, head_dim=32, method="pca")
-    stiefkv.load(model, proj, backend=backend)
-    ids = torch.randint(1, 97, (2, 13), generator=gen(16))
-    with torch.no_grad():
-        ours = stiefkv.generate(model, ids, max_new_tokens=6, eos_token_id=None)
-        theirs = model.generate(ids, max_new_tokens=6, do_sample=False, pad_token_id=0)
-    assert torch.equal(ours, theirs)
-
-
-@pytest.mark.parametrize("storages", [("int4-token", "int4-token"), ("int4-token-r5-w8", "int2-channel-r5"),
-                                      "auto"])
-@pytest.mark.parametrize("backend", ["reference", "triton"])
-def test_static_cache_generation_over_shared_codes(corpus, backend, storages):
-    """``stiefkv.generate`` over codes of latents shared by the KV heads (``[B, 1, slots, …]``): codes the
-    kernels read in place, codes beside exact windows (the ring split of decode), and what ``--bits auto``
-    chose; greedy tokens equal ``model.generate``'s over the dynamic cache."""
+def test_static_cache_generation_over_shared_latents(corpus, backend, storages):
+    """``stiefkv.generate`` over latents shared by the KV heads (``[B, 1, slots, …]``, eager on the CPU; the
+    kernels under the interpreter): bf16 latents, codes the kernels read in place, codes beside exact windows
+    (the ring split of decode), and what ``--bits auto`` chose; greedy tokens equal ``model.generate``'s over
+    the dynamic cache."""
     import stiefkv
     from stiefkv.quant import QuantSpec
 
@@ -301,8 +287,9 @@ def test_static_cache_generation_over_shared_codes(corpus, backend, storages):
         model, proj = shared_calibration(corpus, head_dim=32, budget=0.3, bits="auto", method="pca")
     else:
         model, proj = shared_calibration(corpus, head_dim=32, method="pca")
-        proj.quant = [tuple(QuantSpec.parse(s) for s in storages)] * len(proj.keys)
-    assert proj.shared and proj.quantized
+        if storages != "bf16":
+            proj.quant = [tuple(QuantSpec.parse(s) for s in storages)] * len(proj.keys)
+    assert proj.shared and proj.quantized == (storages != "bf16")
     stiefkv.load(model, proj, backend=backend)
     ids = torch.randint(1, 97, (2, 13), generator=gen(17))
     with torch.no_grad():
