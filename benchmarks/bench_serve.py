@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 
@@ -193,7 +194,7 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
     steps = 2 + (args.rounds + 1) * args.new_tokens  # capture's warm-up step, then the replays
-    capture = device.type == "cuda"
+    capture = device.type == "cuda" and not os.environ.get("STIEFKV_NO_CAPTURE")  # debugging: eager steps
     backend = "reference" if device.type == "cpu" else "auto"
     served = {"full": Served(model, ids, N + steps, args.chunk, capture)}
     others = [("full_kernel", identity_projections(model)), ("stiefkv", proj)]
