@@ -23,7 +23,8 @@ rank ``budget·d`` (speed does not depend on their quality). For each (batch, co
 
 Memory: the cache's bytes, and the peak allocated above the weights during its prefill and first steps.
 One row per (shape, batch, context) goes to ``benchmarks/results/serve.jsonl``; ``--tiny`` runs a tiny model
-on the CPU eagerly (a smoke test; writes no row).
+on the CPU eagerly (a smoke test; writes no row). ``STIEFKV_NO_CAPTURE=1`` decodes eagerly on CUDA too (to
+locate a launch that fails inside a graph replay, with ``CUDA_LAUNCH_BLOCKING=1``).
 
     python benchmarks/bench_serve.py --shape 8b --cases 8x16384 [--key-mode pre_rope] [--budget 0.5]
 """
@@ -42,7 +43,7 @@ from bench_generate import LLAMA_1B, TINY, random_projections
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import stiefkv
-from stiefkv.models import dims_of, fingerprint
+from stiefkv.models import decoder_layers, dims_of, fingerprint
 from stiefkv.quant import QuantSpec
 from stiefkv.serve import PREFILL_TOKENS, DecodeState, Runner, chunk_per_row, make_cache
 
@@ -79,6 +80,10 @@ class Served:
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
         self.runner = Runner(model, make_cache(model, B, max_length), None)
+        # the served attention modules, held for as long as this: the captured step reads their buffers
+        # (folded weights, bases) by address, and run_case unloads the model right after capturing, which
+        # would free them under the graph (its replays then read whatever took the memory)
+        self.modules = [layer.self_attn for layer in decoder_layers(model)]
         positions = torch.arange(N, device=device)[None].expand(B, N)
         start = time.perf_counter()
         with torch.inference_mode():
@@ -194,7 +199,7 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
     steps = 2 + (args.rounds + 1) * args.new_tokens  # capture's warm-up step, then the replays
-    capture = device.type == "cuda" and not os.environ.get("STIEFKV_NO_CAPTURE")  # debugging: eager steps
+    capture = device.type == "cuda" and not os.environ.get("STIEFKV_NO_CAPTURE")
     backend = "reference" if device.type == "cpu" else "auto"
     served = {"full": Served(model, ids, N + steps, args.chunk, capture)}
     others = [("full_kernel", identity_projections(model)), ("stiefkv", proj)]

@@ -25,7 +25,7 @@ from torch import nn
 
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask
-from stiefkv.kernels import CodesAndBand, QuantizedLatents, RopeSpec, reference
+from stiefkv.kernels import CodesAndBand, QuantizedLatents, RopeSpec
 from stiefkv.layers import exact_band, head_bases, head_latents, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
@@ -61,8 +61,7 @@ class LowRankAttention(nn.Module):
     """
 
     def __init__(self, attn: nn.Module, P_k: torch.Tensor, P_v: torch.Tensor, *, key_mode: str,
-                 rope: RopeSpec, backend: str = "auto", quant: tuple[QuantSpec, QuantSpec] = (FLOAT, FLOAT),
-                 exact_prefill: bool = False):
+                 rope: RopeSpec, backend: str = "auto", quant: tuple[QuantSpec, QuantSpec] = (FLOAT, FLOAT)):
         super().__init__()
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -89,9 +88,6 @@ class LowRankAttention(nn.Module):
         fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)
         for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
             self.register_buffer(name, tensor, persistent=False)
-        # a prompt's first forward attends exactly and stores latents (_prefill_exact); False: it reads
-        # the latents it stores, as every later token does
-        self.exact_prefill = exact_prefill
         self._cast_key: tuple | None = None  # (P_k's storage, version, device, dtype) of the cached cast
         self._cast_P_k: torch.Tensor | None = None
 
@@ -132,8 +128,6 @@ class LowRankAttention(nn.Module):
             past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
             position_ids = torch.arange(past, past + N, device=hidden_states.device)[None]
         positions = position_ids.expand(B, N)
-        if self.exact_prefill and N > 1 and cache is not None and not cache.get_seq_length(self.layer_idx):
-            return self._prefill_exact(hidden_states, position_embeddings, attention_mask, cache, positions)
         q, z_k, z_v = self.latents(hidden_states, *position_embeddings)
         fresh, tails = (z_k, z_v), None
         if cache is not None:
@@ -171,24 +165,6 @@ class LowRankAttention(nn.Module):
         return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None
 
 
-    def _prefill_exact(self, hidden_states: torch.Tensor, position_embeddings, attention_mask, cache,
-                       positions: torch.Tensor):
-        """A prompt's first forward into an empty cache: it attends over its own exact keys and values (as
-        the uncompressed model does) and stores only their latents. The prompt's hidden states are then the
-        uncompressed model's, so later layers' latents are projections of the exact keys and values, not of
-        keys computed from hidden states the earlier layers' latents already moved; decode reads latents."""
-        B, N, _ = hidden_states.shape
-        cos, sin = position_embeddings
-        _, z_k, z_v = self.latents(hidden_states, cos, sin)
-        cache.update_layer(z_k, z_v, self.layer_idx, positions, attention_mask, quant=self.quant)
-        q, k, v = project_qkv(self, hidden_states)
-        q, k = rotate_with(q, cos, sin), rotate_with(k, cos, sin)
-        lengths = lengths_from_mask(attention_mask, B, N)
-        out = torch.nn.functional.scaled_dot_product_attention(
-            q, k.to(q.dtype), v.to(q.dtype), attn_mask=_prompt_mask(lengths, B, N, q.device),
-            scale=self.scaling, enable_gqa=True)
-        return self.o_proj(out.transpose(1, 2).reshape(B, N, -1)), None
-
     def _attend_split(self, q: torch.Tensor, split: RingSplit, positions: torch.Tensor) -> torch.Tensor:
         """Decode attention over codes read in place, then over the exact ring beside them continuing the
         same softmax (``prior=``: the kernel starts from the first call's output and log-sum-exp, so no
@@ -205,15 +181,6 @@ class LowRankAttention(nn.Module):
         return kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
                                          None, positions=split.ring_positions, bias=split.ring_bias,
                                          causal=False, prior=(o1, l1), **common)
-
-
-def _prompt_mask(lengths: torch.Tensor | None, B: int, N: int, device) -> torch.Tensor:
-    """``[B, 1, N, N]`` boolean: causal over the real (left-padded) keys; a padding query sees itself only,
-    so that no row of the softmax is empty."""
-    idx = torch.arange(N, device=device)
-    causal = idx[None, :] <= idx[:, None]
-    real = reference.key_padding_mask(lengths, B, N, device)
-    return (causal[None] & real[:, None, :] | torch.eye(N, dtype=torch.bool, device=device)[None])[:, None]
 
 
 def heads_view(z, G: int):

@@ -244,6 +244,35 @@ def test_bench_serve_runs_on_a_tiny_model(recent):
     assert bad.returncode != 0 and "'kivi5' is not a baseline; choose one of int8" in bad.stderr
 
 
+def test_served_keeps_its_attention_modules_after_unload():
+    """bench_serve unloads the model right after capturing each served decode step; the step's graph reads
+    the served modules' buffers (folded weights, bases) by address, so the Served object must hold them
+    (they were freed under the graph before, and its replays read reused memory)."""
+    import gc
+    import weakref
+
+    import bench_serve as bs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import stiefkv
+    from stiefkv.attention import LowRankAttention
+    from stiefkv.models import decoder_layers
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**bs.TINY)).eval()
+    stiefkv.load(model, bs.random_projections(model, 0.5, "pre_rope"), backend="reference")
+    ids = torch.randint(0, model.config.vocab_size, (2, 24))
+    served = bs.Served(model, ids, 24 + 4, 16, capture=False)
+    refs = [weakref.ref(layer.self_attn) for layer in decoder_layers(model)]
+    stiefkv.unload(model)
+    gc.collect()
+    assert all(isinstance(r(), LowRankAttention) for r in refs)
+    served.decode_tps(2)
+    del served
+    gc.collect()
+    assert all(r() is None for r in refs)
+
+
 @pytest.mark.parametrize("bits", [16, 8, "kivi2"])
 def test_context_capacity_fill_is_what_a_prefill_leaves(bits):
     """bench_serve.fill_synthetic (the context-capacity trials' cache, written without a prefill) leaves the
