@@ -24,7 +24,7 @@ rank ``budget·d`` (speed does not depend on their quality). For each (batch, co
 Memory: the cache's bytes, and the peak allocated above the weights during its prefill and first steps.
 One row per (shape, batch, context) goes to ``benchmarks/results/serve.jsonl``; ``--tiny`` runs a tiny model
 on the CPU eagerly (a smoke test; writes no row). ``STIEFKV_NO_CAPTURE=1`` decodes eagerly on CUDA too (to
-locate a launch that fails inside a graph replay, with ``CUDA_LAUNCH_BLOCKING=1``).
+locate a launch that fails inside a graph replay, with ``CUDA_LAUNCH_BLOCKING=1``; writes no row).
 
     python benchmarks/bench_serve.py --shape 8b --cases 8x16384 [--key-mode pre_rope] [--budget 0.5]
 """
@@ -36,6 +36,7 @@ import gc
 import os
 import statistics
 import time
+from contextlib import contextmanager
 
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
@@ -114,9 +115,24 @@ class Served:
             if self.capture:
                 self.runner.replay(steps)
             else:
-                self.runner.decode_eager(self.state, steps)
+                with self.served_modules():
+                    self.runner.decode_eager(self.state, steps)
         sync(device)
         return self.batch * steps / (time.perf_counter() - start)
+
+    @contextmanager
+    def served_modules(self):
+        """This model's attention modules in the layers for the block: run_case unloads the model after
+        each prefill, and an eager step would otherwise run the original attention over this cache."""
+        layers = self.runner.layers
+        current = [layer.self_attn for layer in layers]
+        for layer, module in zip(layers, self.modules, strict=True):
+            layer.self_attn = module
+        try:
+            yield
+        finally:
+            for layer, module in zip(layers, current, strict=True):
+                layer.self_attn = module
 
 
 def _cache_bytes(cache) -> int:
@@ -195,11 +211,16 @@ def cache_label(args) -> str:
         + (f" r{args.recent}" if args.bits < 16 and args.recent else "")
 
 
+def eager_only() -> bool:
+    """``STIEFKV_NO_CAPTURE=1``: decode eagerly on CUDA (debugging a launch that fails in a replay)."""
+    return os.environ.get("STIEFKV_NO_CAPTURE") == "1"
+
+
 def run_case(model, proj, B: int, N: int, args, device) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
     steps = 2 + (args.rounds + 1) * args.new_tokens  # capture's warm-up step, then the replays
-    capture = device.type == "cuda" and not os.environ.get("STIEFKV_NO_CAPTURE")
+    capture = device.type == "cuda" and not eager_only()
     backend = "reference" if device.type == "cpu" else "auto"
     served = {"full": Served(model, ids, N + steps, args.chunk, capture)}
     others = [("full_kernel", identity_projections(model)), ("stiefkv", proj)]
@@ -569,7 +590,7 @@ def main() -> None:
     for case in args.cases:
         B, N = (int(x) for x in case.lower().split("x"))
         row = run_case(model, proj, B, N, args, device)
-        if not args.tiny:
+        if not args.tiny and not eager_only():  # the rows and BENCHMARKS.md are graph-captured decode
             utils.write_rows("serve", row)
         print(summary(row, args.plain), flush=True)
 

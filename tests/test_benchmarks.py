@@ -247,7 +247,8 @@ def test_bench_serve_runs_on_a_tiny_model(recent):
 def test_served_keeps_its_attention_modules_after_unload():
     """bench_serve unloads the model right after capturing each served decode step; the step's graph reads
     the served modules' buffers (folded weights, bases) by address, so the Served object must hold them
-    (they were freed under the graph before, and its replays read reused memory)."""
+    (they were freed under the graph before, and its replays read reused memory); an eager step (no capture)
+    runs them too, and the model is left unloaded."""
     import gc
     import weakref
 
@@ -267,7 +268,10 @@ def test_served_keeps_its_attention_modules_after_unload():
     stiefkv.unload(model)
     gc.collect()
     assert all(isinstance(r(), LowRankAttention) for r in refs)
-    served.decode_tps(2)
+    filled = int(served.runner.cache.filled)
+    served.decode_tps(2)  # eager (CPU): through the served modules, not the original attention
+    assert int(served.runner.cache.filled) == filled + 2
+    assert not any(isinstance(layer.self_attn, LowRankAttention) for layer in decoder_layers(model))
     del served
     gc.collect()
     assert all(r() is None for r in refs)

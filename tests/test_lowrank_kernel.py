@@ -489,7 +489,7 @@ QUANT_CASES = [
     # three queries in the decode tile over 284 keys (full tiles, then the causal one), GQA 3, ranks padded
     # to 16: where the 256-key int4 tile gave wrong logits on the H200
     ("decode_multi", 3, 6, 2, 3, 284, 11, 13, 1),
-    # full rank, r = d: what --bits auto keeps at 50 % (int8 at every rank), two scale groups a token
+    # full rank, r = d: the ranks --bits auto keeps at 50 %; two scale groups a token
     ("decode_full", 2, 8, 2, 1, 150, 128, 128, 2),
 ]
 
