@@ -164,7 +164,6 @@ class LowRankAttention(nn.Module):
         out = out.transpose(1, 2).reshape(B, N, -1).to(hidden_states.dtype)
         return torch.nn.functional.linear(out, self.o_fold, self.o_proj.bias), None
 
-
     def _attend_split(self, q: torch.Tensor, split: RingSplit, positions: torch.Tensor) -> torch.Tensor:
         """Decode attention over codes read in place, then over the exact ring beside them continuing the
         same softmax (``prior=``: the kernel starts from the first call's output and log-sum-exp, so no
