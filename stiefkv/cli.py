@@ -219,7 +219,7 @@ def main():
               help="One basis a layer for all its KV heads (one latent a token) instead of one a head, at "
                    "the same bytes: far better quality (SmolLM2 50 %, ranks only: +14 % PPL against +50 %). "
                    "Compaction keeps one entry set a layer. Slower decode where a layer has many KV heads "
-                   "(Llama-3-8B's 8: 2-4x the kernel time).")
+                   "(Llama-3-8B's 8: 2.1-4.4x the kernel time).")
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
               help="stiefel = PCA start refined on the Stiefel manifold against the decoder-layer output; "
                    "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")

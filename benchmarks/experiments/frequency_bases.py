@@ -56,7 +56,7 @@ def collect_keys(model, ids: torch.Tensor) -> list[torch.Tensor]:
 
 def top_by_energy(eigenvalues: list[torch.Tensor], keep: int) -> list[int]:
     """How many eigenvectors each group keeps when ``keep`` go to the largest eigenvalues of all groups."""
-    flat = torch.cat([e for e in eigenvalues])
+    flat = torch.cat(eigenvalues)
     group = torch.cat([torch.full_like(e, j, dtype=torch.long) for j, e in enumerate(eigenvalues)])
     chosen = group[flat.argsort(descending=True)[:keep]]
     return [int((chosen == j).sum()) for j in range(len(eigenvalues))]
