@@ -230,8 +230,11 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         stiefkv.load(model, p, backend=backend)
         served[name] = Served(model, ids, N + steps, args.chunk, capture)
         stiefkv.unload(model)
-    for s in served.values():
-        s.decode_tps(args.new_tokens)  # one more warm-up round each
+    for name, s in served.items():
+        try:
+            s.decode_tps(args.new_tokens)  # one more warm-up round each
+        except RuntimeError as e:  # a fault inside a replay surfaces at the sync after it: name whose it was
+            raise RuntimeError(f"the warm-up replays of the {name!r} cache ({B}x{N}) failed: {e}") from e
     tps = {name: [] for name in served}
     for _ in range(args.rounds):
         for name, s in served.items():
