@@ -1,0 +1,274 @@
+"""What a stored byte costs to decode: one small split-K decode kernel (a GQA group of 4 query rows in a
+16-row tile, tiles of keys streamed, partial softmax states merged afterwards) run over the same full-rank
+latents stored four ways, timed by CUDA-graph replay at Llama-3-8B attention shapes (H 32, G 8, d 128):
+
+- ``bf16``: the latents as they are (the uncompressed cache on our kernels);
+- ``int8``: uint8 codes with an fp16 scale and low per token and 64 channels, turned into fp16 by the
+  ``0x6400`` trick and ``code·scale + low`` in registers, as ``stiefkv/kernels/lowrank.py`` decodes them;
+- ``fp8``: e4m3 codes with one fp16 scale per token, converted by the hardware (``cvt`` e4m3x2 → f16x2 on
+  sm_90); the keys' scale applied to the logits, the values' to the converted tile;
+- ``fp8-noscale``: the same codes with no scale at all, the floor of the conversion alone.
+
+The question (``docs/notes/serving.md``, nineteenth session): at full rank, which ``--bits auto`` keeps at
+50 % on SmolLM2, int8 codes decode *slower* than bf16 latents of twice the bytes (the loop is bound by its
+instructions a byte); would a format the hardware converts read at the copy bandwidth? Each storage is
+checked against a PyTorch reference of its dequantized latents before it is timed.
+
+    python benchmarks/experiments/fp8_decode_probe.py [--shapes 16x16384 4x131072] [--rank 128]
+    TRITON_INTERPRET=1 python benchmarks/experiments/fp8_decode_probe.py --check-only   # CPU: correctness
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import utils  # noqa: E402
+
+H, G, GROUP, BLOCK_M, QUANT_GROUP = 32, 8, 4, 16, 64
+KINDS = {"bf16": 0, "int8": 1, "fp8": 2, "fp8-noscale": 3}
+FP8_MAX = 448.0
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+
+
+@triton.jit
+def _tile(ptrs, scale, low, KIND: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.constexpr, NG: tl.constexpr,
+          GSIZE: tl.constexpr):
+    raw = tl.load(ptrs)
+    if KIND == 0:
+        t = raw
+    elif KIND == 1:
+        c = (raw.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
+        t = (c.reshape(BLOCK_N, NG, GSIZE) * scale[:, :, None] + low[:, :, None]).reshape(BLOCK_N, R)
+    else:
+        t = raw.to(tl.float8e4nv, bitcast=True).to(tl.float16)
+    return t
+
+
+@triton.jit
+def _decode(Q, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
+            R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+            KIND: tl.constexpr, NG: tl.constexpr, UPCAST: tl.constexpr):
+    bg = tl.program_id(0)
+    sp = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    GSIZE: tl.constexpr = R // NG
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_r = tl.arange(0, R)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, NG)
+    rows = offs_m < GROUP
+    q = tl.load(Q + (bg * GROUP + offs_m)[:, None] * R + offs_r[None, :], mask=rows[:, None], other=0.0)
+    if UPCAST:  # the interpreter's bf16 dots are wrong: fp32 there
+        q = q.to(tl.float32)
+    elif KIND == 0:
+        q = q.to(tl.bfloat16)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, R], tl.float32)
+    lo = sp * per_split
+    hi = tl.minimum(lo + per_split, N)
+    for start in range(lo, hi, BLOCK_N):
+        n = bg * N + start + offs_n  # N and per_split are multiples of BLOCK_N: no masks
+        sk = tl.zeros([BLOCK_N, NG], tl.float16)
+        lk = sk
+        sv = sk
+        lv = sk
+        if KIND == 1:
+            sk = tl.load(SK + n[:, None] * NG + offs_g[None, :])
+            lk = tl.load(LK + n[:, None] * NG + offs_g[None, :])
+            sv = tl.load(SV + n[:, None] * NG + offs_g[None, :])
+            lv = tl.load(LV + n[:, None] * NG + offs_g[None, :])
+        k = _tile(K + n[:, None] * R + offs_r[None, :], sk, lk, KIND, BLOCK_N, R, NG, GSIZE)
+        if UPCAST:
+            k = k.to(tl.float32)
+        s = tl.dot(q, tl.trans(k))
+        if KIND == 2:
+            s = s * tl.load(SK + n).to(tl.float32)[None, :]
+        v = _tile(V + n[:, None] * R + offs_r[None, :], sv, lv, KIND, BLOCK_N, R, NG, GSIZE)
+        if KIND == 2:
+            v = v * tl.load(SV + n)[:, None]
+        if UPCAST:
+            v = v.to(tl.float32)
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
+        m_i = m_new
+    out = (bg * n_split + sp) * BLOCK_M + offs_m
+    tl.store(PO + out[:, None] * R + offs_r[None, :], acc)
+    tl.store(PML + out * 2, m_i)
+    tl.store(PML + out * 2 + 1, l_i)
+
+
+def make_latents(rows: int, N: int, R: int, device, seed: int = 0) -> dict:
+    """Keys and values ``[rows·N, R]`` (rows = B·G) stored every way, and their dequantized fp32 forms."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    out = {}
+    for name in ("k", "v"):
+        x = torch.randn(rows * N, R, generator=gen).to(device)
+        out[name + "_bf16"] = x.to(torch.bfloat16)
+        g = x.view(-1, R // QUANT_GROUP, QUANT_GROUP)
+        lo, hi = g.amin(-1), g.amax(-1)
+        scale = ((hi - lo) / 255).clamp_min(1e-8).half()
+        low = lo.half()
+        codes = ((g - low.float()[..., None]) / scale.float()[..., None]).round().clamp(0, 255)
+        out[name + "_int8"] = (codes.to(torch.uint8).view(-1, R), scale.contiguous(), low.contiguous())
+        out[name + "_int8_deq"] = (codes * scale.float()[..., None] + low.float()[..., None]).view(-1, R)
+        s8 = (x.abs().amax(-1) / FP8_MAX).clamp_min(1e-8).half()
+        c8 = (x / s8.float()[:, None]).to(torch.float8_e4m3fn)
+        out[name + "_fp8"] = (c8.view(torch.uint8), s8)
+        out[name + "_fp8_deq"] = c8.float() * s8.float()[:, None]
+        out[name + "_fp8_raw"] = c8.float()
+    return out
+
+
+def launch(kind: str, q, lat, rows: int, N: int, R: int, splits: int, block_n: int, warps: int, stages: int):
+    per_split = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
+    splits = triton.cdiv(N, per_split)
+    po = torch.empty(rows * splits * BLOCK_M, R, dtype=torch.float32, device=q.device)
+    pml = torch.empty(rows * splits * BLOCK_M, 2, dtype=torch.float32, device=q.device)
+    dummy = torch.zeros(1, dtype=torch.float16, device=q.device)
+    if kind == "bf16":
+        args = (lat["k_bf16"], lat["v_bf16"], dummy, dummy, dummy, dummy)
+        ng = 1
+    elif kind == "int8":
+        (kc, ks, kl), (vc, vs, vl) = lat["k_int8"], lat["v_int8"]
+        args = (kc, vc, ks, kl, vs, vl)
+        ng = R // QUANT_GROUP
+    else:
+        (kc, ks), (vc, vs) = lat["k_fp8"], lat["v_fp8"]
+        args = (kc, vc, ks, dummy, vs, dummy)
+        ng = 1
+    kernel_kind = KINDS[kind]
+
+    def call():
+        _decode[(rows, splits)](q, *args, po, pml, N, per_split, R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
+                                GROUP=GROUP, KIND=kernel_kind, NG=ng, UPCAST=INTERPRET, num_warps=warps,
+                                num_stages=stages)
+        return po, pml
+
+    return call, splits
+
+
+def merge(po, pml, rows: int, splits: int, R: int) -> torch.Tensor:
+    po = po.view(rows, splits, BLOCK_M, R)[:, :, :GROUP]
+    m = pml.view(rows, splits, BLOCK_M, 2)[:, :, :GROUP, 0]
+    l_ = pml.view(rows, splits, BLOCK_M, 2)[:, :, :GROUP, 1]
+    top = m.amax(1, keepdim=True)
+    w = torch.exp2(m - top)
+    return (po * w[..., None]).sum(1) / (l_ * w).sum(1)[..., None]
+
+
+def reference(q, k, v, rows: int, N: int) -> torch.Tensor:
+    """Softmax in base 2 (the queries carry log2(e)/√d), fp32."""
+    qf = q.float().view(rows, GROUP, -1)
+    s = torch.einsum("bgr,bnr->bgn", qf, k.view(rows, N, -1))
+    p = torch.exp2(s - s.amax(-1, keepdim=True))
+    return torch.einsum("bgn,bnr->bgr", p, v.view(rows, N, -1)) / p.sum(-1)[..., None]
+
+
+def dequantized(kind: str, lat) -> tuple[torch.Tensor, torch.Tensor]:
+    if kind == "bf16":
+        return lat["k_bf16"].float(), lat["v_bf16"].float()
+    if kind == "int8":
+        return lat["k_int8_deq"], lat["v_int8_deq"]
+    if kind == "fp8":
+        return lat["k_fp8_deq"], lat["v_fp8_deq"]
+    return lat["k_fp8_raw"], lat["v_fp8_raw"]
+
+
+def queries(rows: int, R: int, device, seed: int = 1) -> torch.Tensor:
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    q = torch.randn(rows * GROUP, R, generator=gen) * math.log2(math.e) / math.sqrt(128)
+    return q.half().to(device)
+
+
+def check(rows: int, N: int, R: int, device, block_n: int, splits: int) -> None:
+    """Each storage's merged output against the reference over its own dequantized latents: fp16 logits
+    and probabilities on the tensor cores, so a tolerance of 2e-2 (relative to the output's scale)."""
+    lat = make_latents(rows, N, R, device)
+    q = queries(rows, R, device)
+    for kind in KINDS:
+        call, n_split = launch(kind, q, lat, rows, N, R, splits, block_n, 4, 3)
+        po, pml = call()
+        got = merge(po, pml, rows, n_split, R)
+        k, v = dequantized(kind, lat)
+        want = reference(q, k, v, rows, N)
+        err = ((got - want).abs().max() / want.abs().max()).item()
+        ok = math.isfinite(err) and err < 2e-2
+        print(f"check {kind:12s} rows {rows} N {N} r {R} tile {block_n} splits {n_split}: "
+              f"max rel err {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
+        if not ok:
+            raise SystemExit(f"{kind} does not match its reference")
+
+
+def stored_bytes(kind: str, lat) -> int:
+    parts = {"bf16": ("k_bf16", "v_bf16"), "int8": ("k_int8", "v_int8")}.get(kind, ("k_fp8", "v_fp8"))
+    total = 0
+    for name in parts:
+        t = lat[name]
+        total += sum(x.nbytes for x in t) if isinstance(t, tuple) else t.nbytes
+    if kind == "fp8-noscale":
+        total -= lat["k_fp8"][1].nbytes + lat["v_fp8"][1].nbytes
+    return total
+
+
+def copy_tbs(device) -> float:
+    src = torch.empty(2**28, dtype=torch.int32, device=device)
+    dst = torch.empty_like(src)
+    ms = utils.graph_ms(lambda: dst.copy_(src), flush_l2=False)["p50"]
+    return 2 * src.nbytes / ms / 1e9
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["8x16384", "16x16384", "4x131072"], metavar="BxN")
+    ap.add_argument("--rank", type=int, default=128)
+    ap.add_argument("--tiles", nargs="+", type=int, default=[64, 128])
+    ap.add_argument("--check-only", action="store_true", help="only the small correctness checks")
+    args = ap.parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    R = args.rank
+    for block_n in args.tiles:
+        check(rows=3, N=4 * block_n, R=R, device=device, block_n=block_n, splits=3)
+    if args.check_only or device.type != "cuda":
+        return
+    copy = copy_tbs(device)
+    print(f"device-to-device copy: {copy:.2f} TB/s (bytes read + written)", flush=True)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    for shape in args.shapes:
+        B, N = (int(x) for x in shape.split("x"))
+        rows = B * G
+        lat = make_latents(rows, N, R, device)
+        q = queries(rows, R, device)
+        splits = max(1, 2 * sms // rows)
+        base = None
+        for kind in KINDS:
+            n = stored_bytes(kind, lat)
+            times = {}
+            for block_n in args.tiles:
+                call, _ = launch(kind, q, lat, rows, N, R, splits, block_n, 4, 3)
+                times[block_n] = utils.graph_ms(call)["p50"]
+            best = min(times, key=times.get)
+            ms = times[best]
+            base = base or ms
+            print(f"{shape} r{R} {kind:12s} {n / 2**20:8.1f} MiB  "
+                  + "  ".join(f"tile {t}: {v:.4f} ms" for t, v in times.items())
+                  + f"  best {ms:.4f} ms ({ms / base:.2f}x bf16), {n / ms / 1e9:.2f} TB/s "
+                  f"({n / ms / 1e9 / copy:.0%} of copy)", flush=True)
+        del lat
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()
