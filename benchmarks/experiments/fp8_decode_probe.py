@@ -7,7 +7,8 @@ latents stored four ways, timed by CUDA-graph replay at Llama-3-8B attention sha
   ``0x6400`` trick and ``code·scale + low`` in registers, as ``stiefkv/kernels/lowrank.py`` decodes them;
 - ``fp8``: e4m3 codes with one fp16 scale per token, converted by the hardware (``cvt`` e4m3x2 → f16x2 on
   sm_90); the keys' scale applied to the logits, the values' to the converted tile;
-- ``fp8-noscale``: the same codes with no scale at all, the floor of the conversion alone.
+- ``fp8-noscale``: the same codes with no scale at all, the floor of the conversion alone;
+- ``fp8-fold``: ``fp8`` with the values' scale applied to the probabilities (bf16) instead of the tile.
 
 The question (``docs/notes/serving.md``, nineteenth session): at full rank, which ``--bits auto`` keeps at
 50 % on SmolLM2, int8 codes decode *slower* than bf16 latents of twice the bytes (the loop is bound by its
@@ -34,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import utils  # noqa: E402
 
 H, G, GROUP, BLOCK_M, QUANT_GROUP = 32, 8, 4, 16, 64
-KINDS = {"bf16": 0, "int8": 1, "fp8": 2, "fp8-noscale": 3}
+KINDS = {"bf16": 0, "int8": 1, "fp8": 2, "fp8-noscale": 3, "fp8-fold": 4}
 FP8_MAX = 448.0
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -91,17 +92,21 @@ def _decode(Q, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
         if UPCAST:
             k = k.to(tl.float32)
         s = tl.dot(q, tl.trans(k))
-        if KIND == 2:
+        if KIND == 2 or KIND == 4:
             s = s * tl.load(SK + n).to(tl.float32)[None, :]
         v = _tile(V + n[:, None] * R + offs_r[None, :], sv, lv, KIND, BLOCK_N, R, NG, GSIZE)
         if KIND == 2:
             v = v * tl.load(SV + n)[:, None]
+        if KIND == 4:  # bf16: p·scale can fall below fp16's normal range; e4m3 values are exact in bf16
+            v = v.to(tl.bfloat16)
         if UPCAST:
             v = v.to(tl.float32)
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        if KIND == 4:
+            p = p * tl.load(SV + n).to(tl.float32)[None, :]
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
     out = (bg * n_split + sp) * BLOCK_M + offs_m
@@ -182,7 +187,7 @@ def dequantized(kind: str, lat) -> tuple[torch.Tensor, torch.Tensor]:
         return lat["k_bf16"].float(), lat["v_bf16"].float()
     if kind == "int8":
         return lat["k_int8_deq"], lat["v_int8_deq"]
-    if kind == "fp8":
+    if kind in ("fp8", "fp8-fold"):
         return lat["k_fp8_deq"], lat["v_fp8_deq"]
     return lat["k_fp8_raw"], lat["v_fp8_raw"]
 
