@@ -64,6 +64,7 @@ def main() -> None:
     ap.add_argument("--budgets", type=float, nargs="*", default=[0.5])
     ap.add_argument("--baselines", nargs="*", default=["int8-r0", "int8"])
     ap.add_argument("--windows", type=int, default=None)
+    ap.add_argument("--e4m3-only", action="store_true", help="calibrated arms with the patch on only")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. seq_len=128,num_sequences=16")
     args = ap.parse_args()
@@ -81,7 +82,7 @@ def main() -> None:
                                  layer_errors=False)
                 print(line(f"baseline {name} {'e4m3' if on else 'int8'}", r), flush=True)
         for budget in args.budgets:
-            for on in (False, True):
+            for on in (True,) if args.e4m3_only else (False, True):
                 patch(on)
                 t = time.perf_counter()
                 proj = stiefkv.calibrate(model, tok, budget=budget, **extra)
