@@ -277,6 +277,32 @@ def test_served_keeps_its_attention_modules_after_unload():
     assert all(r() is None for r in refs)
 
 
+def test_a_failed_warm_up_replay_names_its_cache(monkeypatch):
+    """A fault inside a graph replay surfaces at the next sync, with no trace of which cache's graph ran:
+    run_case's warm-up round names it (the second served cache here, the uncompressed one on our kernels)."""
+    import argparse
+
+    import bench_serve as bs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**bs.TINY)).eval()
+    calls = []
+
+    def decode_tps(self, steps):
+        calls.append(steps)
+        if len(calls) == 2:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return 1.0
+
+    monkeypatch.setattr(bs.Served, "decode_tps", decode_tps)
+    args = argparse.Namespace(rounds=1, new_tokens=2, chunk=16, baseline_cache=None)
+    proj = bs.random_projections(model, 0.5, "pre_rope")
+    named = r"warm-up replays of the 'full_kernel' cache \(2x24\) failed: CUDA"
+    with pytest.raises(RuntimeError, match=named):
+        bs.run_case(model, proj, 2, 24, args, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("bits", [16, 8, "kivi2"])
 def test_context_capacity_fill_is_what_a_prefill_leaves(bits):
     """bench_serve.fill_synthetic (the context-capacity trials' cache, written without a prefill) leaves the
