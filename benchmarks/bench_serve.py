@@ -21,12 +21,18 @@ rank ``budget·d`` (speed does not depend on their quality). For each (batch, co
    difference of ``1 + n`` and 1 new tokens; ``--compiled``: its ``generate`` over a ``StaticCache``, which
    transformers compiles on CUDA (the fastest path a transformers user has), timed the same way.
 
+``--storage-from CKPT`` serves a calibrated checkpoint's storage instead of ``--budget``, ``--bits`` and
+``--recent`` (:func:`storage_projections`: each layer's ranks as the same fraction of the head dim, its specs,
+on random bases at ``--shape``'s shapes): for instance what a SmolLM2 ``--bits auto`` checkpoint stores, at
+Llama-3-8B's shapes.
+
 Memory: the cache's bytes, and the peak allocated above the weights during its prefill and first steps.
 One row per (shape, batch, context) goes to ``benchmarks/results/serve.jsonl``; ``--tiny`` runs a tiny model
 on the CPU eagerly (a smoke test; writes no row). ``STIEFKV_NO_CAPTURE=1`` decodes eagerly on CUDA too (to
 locate a launch that fails inside a graph replay, with ``CUDA_LAUNCH_BLOCKING=1``; writes no row).
 
     python benchmarks/bench_serve.py --shape 8b --cases 8x16384 [--key-mode pre_rope] [--budget 0.5]
+    python benchmarks/bench_serve.py --shape 8b --cases 8x16384 --storage-from a25.safetensors
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import os
 import statistics
 import time
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
@@ -206,7 +213,51 @@ def baseline_projections(model, name: str) -> stiefkv.Projections:
     return proj
 
 
+def storage_projections(model, path: str, key_mode: str | None = None) -> stiefkv.Projections:
+    """Random orthonormal bases at ``model``'s shapes carrying the storage of the checkpoint at ``path`` (for
+    instance a SmolLM2 ``--bits auto`` one): each layer takes its key and value ranks as the same fraction of
+    the head dim (a multiple of 8, at least 8) and its storage specs (bits, layout, scales, exact window),
+    the checkpoint's layers spread evenly over the model's. Speed depends on the shapes and the storage
+    only, so this serves a calibrated checkpoint's storage at a large model's shapes. ``key_mode``: the
+    checkpoint's by default."""
+    try:
+        ck = stiefkv.Projections.load(path)
+    except stiefkv.CheckpointError as e:
+        raise SystemExit(f"--storage-from: {e}") from None
+    if ck.shared:
+        raise SystemExit(f"--storage-from {path}: a --share-heads checkpoint (one basis for a layer's KV "
+                         "heads); its storage has no per-head stand-in here: pass a per-head checkpoint")
+    dims = dims_of(model.config)
+    d_ck = int(ck.keys[0].shape[1])
+    g = torch.Generator().manual_seed(0)
+
+    def rank(r: int) -> int:
+        return min(dims.d, max(8, round(r / d_ck * dims.d / 8) * 8))
+
+    source = [min(len(ck.keys) - 1, i * len(ck.keys) // dims.L) for i in range(dims.L)]
+    keys, values, quant = [], [], []
+    for i in source:
+        r_k, r_v = ck.ranks[i]
+        keys.append(utils.random_basis(dims.G, dims.d, rank(r_k), device="cpu", generator=g))
+        values.append(utils.random_basis(dims.G, dims.d, rank(r_v), device="cpu", generator=g))
+        quant.append(ck.specs[i])
+    return stiefkv.Projections(keys=keys, values=values, key_mode=key_mode or ck.key_mode,
+                               fingerprint=fingerprint(model),
+                               budget=ck.budget, method=f"storage of {Path(path).name}", quant=quant)
+
+
+def storage_fields(path: str, proj: stiefkv.Projections) -> dict:
+    """What a row served with ``--storage-from`` records of the checkpoint and of its stand-in."""
+    ck = stiefkv.Projections.load(path)
+    return {"bits": None, "storage_from": Path(path).name, "storage_budget": ck.budget,
+            "storage_achieved_budget": ck.achieved_budget, "storage_key_mode": ck.key_mode,
+            "storage_ranks": ck.ranks, "storage_specs": [[str(k), str(v)] for k, v in ck.specs],
+            "ranks": proj.ranks, "specs": [[str(k), str(v)] for k, v in proj.specs]}
+
+
 def cache_label(args) -> str:
+    if args.storage_from:
+        return f"stiefkv storage {Path(args.storage_from).stem}"
     return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "") \
         + (f" r{args.recent}" if args.bits < 16 and args.recent else "")
 
@@ -512,7 +563,12 @@ def main() -> None:
     parser.add_argument("--recent", type=int, default=0,
                         help="with --bits: the newest tokens kept exact (--bits auto's default is 16; decode "
                              "then reads the codes beside the exact ring)")
-    parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
+    parser.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope"],
+                        help="default: pre_rope, or with --storage-from the checkpoint's")
+    parser.add_argument("--storage-from", default=None, metavar="CKPT",
+                        help="serve the storage of a calibrated checkpoint (ranks as fractions of the head "
+                             "dim, storage specs per layer) on random bases at --shape's shapes, instead of "
+                             "--budget/--bits/--recent")
     parser.add_argument("--baseline-cache", default=None, metavar="NAME",
                         help="also serve a quantization-only cache of `stiefkv eval --baseline` (int4, "
                              "kivi2, …) on the same kernels, beside StiefKV (a cache in --capacity too)")
@@ -560,7 +616,12 @@ def main() -> None:
     torch.manual_seed(0)
     with torch.device(device):
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
-    proj = with_codes(random_projections(model, args.budget, args.key_mode), args.bits, args.recent)
+    if args.storage_from:
+        proj = storage_projections(model, args.storage_from, args.key_mode)
+        args.key_mode, args.budget = proj.key_mode, proj.budget
+    else:
+        args.key_mode = args.key_mode or "pre_rope"
+        proj = with_codes(random_projections(model, args.budget, args.key_mode), args.bits, args.recent)
     label = cache_label(args)
     if args.capacity or args.context_capacity:
         caches = {"uncompressed (our kernels)": identity_projections(model), label: proj}
@@ -593,6 +654,8 @@ def main() -> None:
     for case in args.cases:
         B, N = (int(x) for x in case.lower().split("x"))
         row = run_case(model, proj, B, N, args, device)
+        if args.storage_from:
+            row.update(storage_fields(args.storage_from, proj))
         if not args.tiny and not eager_only():  # the rows and BENCHMARKS.md are graph-captured decode
             utils.write_rows("serve", row)
         print(summary(row, args.plain), flush=True)

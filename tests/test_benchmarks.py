@@ -277,6 +277,70 @@ def test_served_keeps_its_attention_modules_after_unload():
     assert all(r() is None for r in refs)
 
 
+def _mixed_checkpoint(path, key_mode="post_rope", shared=False):
+    """A checkpoint of a 3-layer model with head dim 16 whose layers store differently, as ``--bits auto``'s
+    do: int8 log8 and int4 behind exact windows, channel-layout keys, bf16."""
+    import bench_serve as bs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import stiefkv
+    from stiefkv.models import fingerprint
+    from stiefkv.quant import FLOAT, QuantSpec
+
+    cfg = dict(bs.TINY, num_hidden_layers=3, head_dim=16)
+    source = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
+    g = torch.Generator().manual_seed(1)
+    ranks = [(8, 16), (16, 8), (8, 8)] if not shared else [(24, 24)] * 3
+    heads = (1, 32) if shared else (2, 16)
+    basis = [(utils.random_basis(*heads, rk, device="cpu", generator=g),
+              utils.random_basis(*heads, rv, device="cpu", generator=g)) for rk, rv in ranks]
+    quant = [(QuantSpec(8, "token", recent=16, log8=True, window8=True), QuantSpec(4, "token", recent=16)),
+             (QuantSpec(4, "channel", recent=16, window8=True), QuantSpec(2, "token", recent=16, log8=True)),
+             (FLOAT, FLOAT)]
+    proj = stiefkv.Projections(keys=[k for k, _ in basis], values=[v for _, v in basis], key_mode=key_mode,
+                               fingerprint=fingerprint(source), budget=0.3, method="test", quant=quant)
+    proj.save(path)
+    return proj
+
+
+def test_storage_from_a_checkpoint_maps_its_ranks_and_specs(tmp_path):
+    """--storage-from: each layer of the served model takes a checkpoint layer's ranks as the same fraction
+    of its head dim and that layer's specs, the checkpoint's layers spread over the model's; its key mode
+    unless one is asked; clear errors for a missing file and a --share-heads checkpoint."""
+    import bench_serve as bs
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    ck = _mixed_checkpoint(tmp_path / "src.safetensors")
+    model = LlamaForCausalLM(LlamaConfig(**bs.TINY)).eval()  # 2 layers, head dim 32
+    proj = bs.storage_projections(model, str(tmp_path / "src.safetensors"))
+    assert proj.ranks == [(16, 32), (32, 16)]  # checkpoint layers 0 and 1, fractions of 16 → of 32
+    assert proj.specs == ck.specs[:2] and proj.key_mode == "post_rope" and proj.budget == 0.3
+    for P in proj.keys + proj.values:
+        eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
+        torch.testing.assert_close(P.transpose(-1, -2) @ P, eye, atol=1e-5, rtol=0)
+    assert bs.storage_projections(model, str(tmp_path / "src.safetensors"), "pre_rope").key_mode == "pre_rope"
+    with pytest.raises(SystemExit, match="--storage-from: checkpoint .*nope.safetensors does not exist"):
+        bs.storage_projections(model, str(tmp_path / "nope.safetensors"))
+    _mixed_checkpoint(tmp_path / "shared.safetensors", shared=True)
+    with pytest.raises(SystemExit, match="a --share-heads checkpoint"):
+        bs.storage_projections(model, str(tmp_path / "shared.safetensors"))
+
+
+def test_bench_serve_serves_a_checkpoints_storage(tmp_path):
+    """bench_serve.py --storage-from end to end on the CPU: the mixed storages (log8, channel keys, 2-bit,
+    exact windows, bf16) decode, under the checkpoint's key mode and file name."""
+    import subprocess
+
+    _mixed_checkpoint(tmp_path / "mixed.safetensors")
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--cases", "2x40",
+                          "--new-tokens", "3", "--rounds", "1", "--chunk", "16",
+                          "--storage-from", str(tmp_path / "mixed.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("serve tiny post_rope storage mixed B2 ctx40: transformers static"), line
+
+
 def test_a_failed_warm_up_replay_names_its_cache(monkeypatch):
     """A fault inside a graph replay surfaces at the next sync, with no trace of which cache's graph ran:
     run_case's warm-up round names it (the second served cache here, the uncompressed one on our kernels)."""
