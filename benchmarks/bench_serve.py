@@ -257,9 +257,14 @@ def storage_fields(path: str, proj: stiefkv.Projections) -> dict:
 
 def cache_label(args) -> str:
     if args.storage_from:
-        return f"stiefkv storage {Path(args.storage_from).stem}"
+        return f"stiefkv storage {Path(args.storage_from).stem} {args.budget:g}"
     return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "") \
         + (f" r{args.recent}" if args.bits < 16 and args.recent else "")
+
+
+SERVED_NAMES = {"full": "uncompressed model on transformers' static cache",
+                "full_kernel": "uncompressed cache on StiefKV's kernels", "stiefkv": "StiefKV cache",
+                "baseline": "quantization-only cache"}
 
 
 def eager_only() -> bool:
@@ -285,7 +290,8 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         try:
             s.decode_tps(args.new_tokens)  # one more warm-up round each
         except RuntimeError as e:  # a fault inside a replay surfaces at the sync after it: name whose it was
-            raise RuntimeError(f"the warm-up replays of the {name!r} cache ({B}x{N}) failed: {e}") from e
+            e.add_note(f"bench_serve: in the warm-up replays of the {SERVED_NAMES[name]} ({B}x{N})")
+            raise
     tps = {name: [] for name in served}
     for _ in range(args.rounds):
         for name, s in served.items():
@@ -557,10 +563,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--cases", nargs="+", default=["8x16384"], help="BATCHxCONTEXT, e.g. 1x32768 8x16384")
-    parser.add_argument("--budget", type=float, default=0.5, help="ranks as a fraction of the head dim")
-    parser.add_argument("--bits", type=int, default=16, choices=[16, 8, 4, 3, 2],
+    parser.add_argument("--budget", type=float, default=None,
+                        help="ranks as a fraction of the head dim (default 0.5)")
+    parser.add_argument("--bits", type=int, default=None, choices=[16, 8, 4, 3, 2],
                         help="latent codes (token layout, fp16 scale and low per 64 channels) for K and V")
-    parser.add_argument("--recent", type=int, default=0,
+    parser.add_argument("--recent", type=int, default=None,
                         help="with --bits: the newest tokens kept exact (--bits auto's default is 16; decode "
                              "then reads the codes beside the exact ring)")
     parser.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope"],
@@ -603,6 +610,9 @@ def main() -> None:
                         help="--capacity: start the --baseline-cache search at this batch (KIVI-2's peaks at "
                              "1 and 2 rows predicted 30 rows at 32k under 40 GiB, where 16 fit)")
     args = parser.parse_args()
+    given = [f"--{name}" for name in ("budget", "bits", "recent") if getattr(args, name) is not None]
+    if args.storage_from and given:
+        parser.error(f"--storage-from serves the checkpoint's ranks and storage; drop {', '.join(given)}")
     from stiefkv.kernels import lowrank
 
     if args.code_slice is not None:
@@ -618,10 +628,15 @@ def main() -> None:
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
     if args.storage_from:
         proj = storage_projections(model, args.storage_from, args.key_mode)
-        args.key_mode, args.budget = proj.key_mode, proj.budget
+        args.key_mode, args.budget, args.bits, args.recent = proj.key_mode, proj.budget, 16, 0
+        stored = storage_fields(args.storage_from, proj)
     else:
         args.key_mode = args.key_mode or "pre_rope"
+        args.budget = 0.5 if args.budget is None else args.budget
+        args.bits = 16 if args.bits is None else args.bits
+        args.recent = 0 if args.recent is None else args.recent
         proj = with_codes(random_projections(model, args.budget, args.key_mode), args.bits, args.recent)
+        stored = {}
     label = cache_label(args)
     if args.capacity or args.context_capacity:
         caches = {"uncompressed (our kernels)": identity_projections(model), label: proj}
@@ -646,6 +661,8 @@ def main() -> None:
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
             row.setdefault("context", args.context)
+            if row["cache"] == label:
+                row.update(stored)
             done.append(row)
             utils.write_rows("serve_capacity", row)
 
@@ -654,8 +671,7 @@ def main() -> None:
     for case in args.cases:
         B, N = (int(x) for x in case.lower().split("x"))
         row = run_case(model, proj, B, N, args, device)
-        if args.storage_from:
-            row.update(storage_fields(args.storage_from, proj))
+        row.update(stored)
         if not args.tiny and not eager_only():  # the rows and BENCHMARKS.md are graph-captured decode
             utils.write_rows("serve", row)
         print(summary(row, args.plain), flush=True)

@@ -277,7 +277,7 @@ def test_served_keeps_its_attention_modules_after_unload():
     assert all(r() is None for r in refs)
 
 
-def _mixed_checkpoint(path, key_mode="post_rope", shared=False):
+def _mixed_checkpoint(path, key_mode="post_rope", shared=False, layers=3):
     """A checkpoint of a 3-layer model with head dim 16 whose layers store differently, as ``--bits auto``'s
     do: int8 log8 and int4 behind exact windows, channel-layout keys, bf16."""
     import bench_serve as bs
@@ -287,16 +287,16 @@ def _mixed_checkpoint(path, key_mode="post_rope", shared=False):
     from stiefkv.models import fingerprint
     from stiefkv.quant import FLOAT, QuantSpec
 
-    cfg = dict(bs.TINY, num_hidden_layers=3, head_dim=16)
+    cfg = dict(bs.TINY, num_hidden_layers=layers, head_dim=16)
     source = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     g = torch.Generator().manual_seed(1)
-    ranks = [(8, 16), (16, 8), (8, 8)] if not shared else [(24, 24)] * 3
+    ranks = ([(8, 16), (16, 8), (8, 8), (8, 8)] if not shared else [(24, 24)] * 4)[:layers]
     heads = (1, 32) if shared else (2, 16)
     basis = [(utils.random_basis(*heads, rk, device="cpu", generator=g),
               utils.random_basis(*heads, rv, device="cpu", generator=g)) for rk, rv in ranks]
     quant = [(QuantSpec(8, "token", recent=16, log8=True, window8=True), QuantSpec(4, "token", recent=16)),
              (QuantSpec(4, "channel", recent=16, window8=True), QuantSpec(2, "token", recent=16, log8=True)),
-             (FLOAT, FLOAT)]
+             (FLOAT, FLOAT), (FLOAT, FLOAT)][:layers]
     proj = stiefkv.Projections(keys=[k for k, _ in basis], values=[v for _, v in basis], key_mode=key_mode,
                                fingerprint=fingerprint(source), budget=0.3, method="test", quant=quant)
     proj.save(path)
@@ -319,6 +319,13 @@ def test_storage_from_a_checkpoint_maps_its_ranks_and_specs(tmp_path):
         eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
         torch.testing.assert_close(P.transpose(-1, -2) @ P, eye, atol=1e-5, rtol=0)
     assert bs.storage_projections(model, str(tmp_path / "src.safetensors"), "pre_rope").key_mode == "pre_rope"
+    deeper = LlamaForCausalLM(LlamaConfig(**dict(bs.TINY, num_hidden_layers=6))).eval()
+    proj = bs.storage_projections(deeper, str(tmp_path / "src.safetensors"))  # 3 layers over 6: each twice
+    assert proj.ranks == [(16, 32), (16, 32), (32, 16), (32, 16), (16, 16), (16, 16)]
+    assert proj.specs == [ck.specs[i] for i in (0, 0, 1, 1, 2, 2)]
+    _mixed_checkpoint(tmp_path / "four.safetensors", layers=4)
+    proj = bs.storage_projections(model, str(tmp_path / "four.safetensors"))  # 4 layers over 2: every other
+    assert proj.ranks == [(16, 32), (16, 16)]
     with pytest.raises(SystemExit, match="--storage-from: checkpoint .*nope.safetensors does not exist"):
         bs.storage_projections(model, str(tmp_path / "nope.safetensors"))
     _mixed_checkpoint(tmp_path / "shared.safetensors", shared=True)
@@ -338,12 +345,18 @@ def test_bench_serve_serves_a_checkpoints_storage(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
-    assert line.startswith("serve tiny post_rope storage mixed B2 ctx40: transformers static"), line
+    assert line.startswith("serve tiny post_rope storage mixed 0.3 B2 ctx40: transformers static"), line
+    bad = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--bits", "4",
+                          "--storage-from", str(tmp_path / "mixed.safetensors")],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode != 0 and "--storage-from serves the checkpoint's ranks and storage; drop --bits" \
+        in bad.stderr
 
 
 def test_a_failed_warm_up_replay_names_its_cache(monkeypatch):
     """A fault inside a graph replay surfaces at the next sync, with no trace of which cache's graph ran:
-    run_case's warm-up round names it (the second served cache here, the uncompressed one on our kernels)."""
+    run_case's warm-up round adds its name to the error, whose type it keeps (the second served cache here,
+    the uncompressed one on StiefKV's kernels)."""
     import argparse
 
     import bench_serve as bs
@@ -362,9 +375,10 @@ def test_a_failed_warm_up_replay_names_its_cache(monkeypatch):
     monkeypatch.setattr(bs.Served, "decode_tps", decode_tps)
     args = argparse.Namespace(rounds=1, new_tokens=2, chunk=16, baseline_cache=None)
     proj = bs.random_projections(model, 0.5, "pre_rope")
-    named = r"warm-up replays of the 'full_kernel' cache \(2x24\) failed: CUDA"
-    with pytest.raises(RuntimeError, match=named):
+    with pytest.raises(RuntimeError, match="an illegal memory access") as caught:
         bs.run_case(model, proj, 2, 24, args, torch.device("cpu"))
+    assert caught.value.__notes__ == [
+        "bench_serve: in the warm-up replays of the uncompressed cache on StiefKV's kernels (2x24)"]
 
 
 @pytest.mark.parametrize("bits", [16, 8, "kivi2"])
