@@ -138,6 +138,8 @@ def make_latents(rows: int, N: int, R: int, device, seed: int = 0) -> dict:
 
 
 def launch(kind: str, q, lat, rows: int, N: int, R: int, splits: int, block_n: int, warps: int, stages: int):
+    if N % block_n:
+        raise SystemExit(f"the probe's loop has no masks: N ({N}) must be a multiple of the tile ({block_n})")
     per_split = triton.cdiv(triton.cdiv(N, splits), block_n) * block_n
     splits = triton.cdiv(N, per_split)
     po = torch.empty(rows * splits * BLOCK_M, R, dtype=torch.float32, device=q.device)
@@ -202,8 +204,9 @@ def check(rows: int, N: int, R: int, device, block_n: int, splits: int) -> None:
     """Each storage's merged output against the reference over its own dequantized latents: fp16 logits
     and probabilities on the tensor cores, so a tolerance of 2e-2 (relative to the output's scale)."""
     lat = make_latents(rows, N, R, device)
-    q = queries(rows, R, device)
     for kind in KINDS:
+        # unscaled e4m3 codes reach 448: logits of ~200 make the softmax one-hot, which checks nothing
+        q = queries(rows, R, device) / (64 if kind == "fp8-noscale" else 1)
         call, n_split = launch(kind, q, lat, rows, N, R, splits, block_n, 4, 3)
         po, pml = call()
         got = merge(po, pml, rows, n_split, R)
@@ -228,13 +231,6 @@ def stored_bytes(kind: str, lat) -> int:
     return total
 
 
-def copy_tbs(device) -> float:
-    src = torch.empty(2**28, dtype=torch.int32, device=device)
-    dst = torch.empty_like(src)
-    ms = utils.graph_ms(lambda: dst.copy_(src), flush_l2=False)["p50"]
-    return 2 * src.nbytes / ms / 1e9
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["8x16384", "16x16384", "4x131072"], metavar="BxN")
@@ -245,10 +241,10 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     R = args.rank
     for block_n in args.tiles:
-        check(rows=3, N=4 * block_n, R=R, device=device, block_n=block_n, splits=3)
+        check(rows=3, N=5 * block_n, R=R, device=device, block_n=block_n, splits=3)  # splits of 2, 2, 1 tiles
     if args.check_only or device.type != "cuda":
         return
-    copy = copy_tbs(device)
+    copy = utils.copy_tbs()  # the session's first run used its own graph-replayed copy: 2.77 TB/s, too low
     print(f"device-to-device copy: {copy:.2f} TB/s (bytes read + written)", flush=True)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
     for shape in args.shapes:

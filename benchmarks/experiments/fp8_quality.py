@@ -3,7 +3,8 @@
 ``fp8_decode_probe.py`` found e4m3 latents decoded at full rank in 0.74x bf16's time against int8's 1.05x
 (the hardware converts e4m3; int8 needs a multiply-add a channel). This patches the fake quantizer that
 calibration (profiles, refinement) and evaluation apply: every 8-bit token-layout storage (int8 min-max,
-int8 log8, and the int8 exact window ``-w8``) becomes e4m3 codes per token and group of 64 channels, with
+int8 log8, and the int8 exact window ``-w8``) becomes e4m3 codes per token and group of 64 channels (or, with
+``--scale-per-token``, one group of all the token's channels: the format ``fp8_decode_probe.py`` timed), with
 the group's absolute maximum mapped to 448 — by an fp16 scale where int8 kept an fp16 scale and low (fewer
 bytes), and by a power-of-two scale (one byte, as MX formats store it) where int8 kept a log8 byte (the same
 bytes). The byte accounting is not patched. Arms, each on the same test windows:
@@ -27,6 +28,7 @@ from stiefkv.evaluate import baseline_projections, evaluate
 
 PLAIN_ROUND_TRIP = quant.round_trip
 FP8_MAX = 448.0
+WHOLE_TOKEN = False  # --scale-per-token: one scale over all of a token's channels, as fp8_decode_probe times
 
 
 def fp8_round_trip(x: torch.Tensor, spec: quant.QuantSpec, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -38,12 +40,14 @@ def fp8_round_trip(x: torch.Tensor, spec: quant.QuantSpec, dtype: torch.dtype | 
     pad = -r % quant.GROUP
     if pad:
         xf = torch.cat([xf, xf[..., -1:].expand(*xf.shape[:-1], pad)], -1)
-    g = xf.unflatten(-1, (-1, quant.GROUP))
+    g = xf.unflatten(-1, (1, -1)) if WHOLE_TOKEN else xf.unflatten(-1, (-1, quant.GROUP))
     big = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -24)
     if spec.log8:  # one byte: a power of two at or above absmax / 448
         scale = torch.exp2(torch.ceil(torch.log2(big / FP8_MAX)))
     else:
-        scale = (big / FP8_MAX).half().float()  # rounded down, the largest code clips by < 2^-11
+        # rounded to fp16 (the largest code clips by < 2^-11 where it rounds down), and never to 0: a
+        # group whose maximum is below fp16's range would divide 0 by 0
+        scale = (big / FP8_MAX).half().float().clamp_min(2.0 ** -24)
     codes = (g / scale).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).float()
     out = (codes * scale).flatten(-2)[..., :r]
     return out.to(x.dtype if dtype is None else dtype)
@@ -65,9 +69,13 @@ def main() -> None:
     ap.add_argument("--baselines", nargs="*", default=["int8-r0", "int8"])
     ap.add_argument("--windows", type=int, default=None)
     ap.add_argument("--e4m3-only", action="store_true", help="calibrated arms with the patch on only")
+    ap.add_argument("--scale-per-token", action="store_true",
+                    help="one e4m3 scale over all of a token's channels, not one per 64 (the probe's format)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. seq_len=128,num_sequences=16")
     args = ap.parse_args()
+    global WHOLE_TOKEN
+    WHOLE_TOKEN = args.scale_per_token
     extra = {}
     for item in filter(None, args.extra.split(",")):
         key, value = item.split("=")
