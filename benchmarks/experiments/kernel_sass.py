@@ -122,6 +122,12 @@ def compile_decode(
         "V_LOG8": log8,
         "NIB_V": nibbles,
         "KEYS_LEFT": keys_left and key_mode == "pre_rope",
+        # constexprs with defaults the launch sets too: left out, they compiled as run-time integers (and
+        # a branch on LATE_V then read a name only its other branch defines)
+        "K_UNIT": 1,
+        "V_UNIT": 1,
+        "HAS_PRIOR": False,
+        "LATE_V": False,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
