@@ -38,6 +38,10 @@
 #                at 50 %: codes read in place beside the ring), both key modes
 #     compiled   bench_serve.py 8x16k, 50 % pre_rope, with transformers' compiled static-cache generate
 #                beside the captured paths (its compilation takes minutes)
+#     autostorage  needs MODEL (SmolLM2's GGUF): its --bits auto checkpoints at $BUDGETS (default 0.25; ~40 s
+#                each, kept in $STIEFKV_RESULTS_DIR/ck), each checkpoint's storage served at 8x16k with
+#                Llama-3-8B shapes in both key modes (bench_serve.py --storage-from; ~100 s a run, so about
+#                two budgets fit one call)
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
@@ -107,6 +111,17 @@ for s in "$@"; do
     capacitypost)
       serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --key-mode post_rope \
         --baseline-cache int8 ;;
+    autostorage)
+      ck="$STIEFKV_RESULTS_DIR/ck"
+      mkdir -p "$ck"
+      for b in ${BUDGETS:-0.25}; do
+        name="auto$(python3 -c "print(f'{float($b) * 100:g}')")"  # auto25, auto12.5: the rows' case names
+        [ -f "$ck/$name.safetensors" ] || step "calibrate $b" stiefkv calibrate "$MODEL" --device cuda \
+          --budget "$b" -o "$ck/$name.safetensors"
+        for mode in pre_rope post_rope; do
+          serve --shape 8b --cases 8x16384 --storage-from "$ck/$name.safetensors" --key-mode $mode
+        done
+      done ;;
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
 done
