@@ -241,17 +241,18 @@ def storage_projections(model, path: str, key_mode: str | None = None) -> stiefk
         keys.append(utils.random_basis(dims.G, dims.d, rank(r_k), device="cpu", generator=g))
         values.append(utils.random_basis(dims.G, dims.d, rank(r_v), device="cpu", generator=g))
         quant.append(ck.specs[i])
+    source_fields = {"storage_from": Path(path).name, "storage_budget": ck.budget,
+                     "storage_achieved_budget": ck.achieved_budget, "storage_key_mode": ck.key_mode,
+                     "storage_ranks": ck.ranks, "storage_specs": [[str(k), str(v)] for k, v in ck.specs]}
     return stiefkv.Projections(keys=keys, values=values, key_mode=key_mode or ck.key_mode,
-                               fingerprint=fingerprint(model),
-                               budget=ck.budget, method=f"storage of {Path(path).name}", quant=quant)
+                               fingerprint=fingerprint(model), budget=ck.budget,
+                               method=f"storage of {Path(path).name}", quant=quant, settings=source_fields)
 
 
-def storage_fields(path: str, proj: stiefkv.Projections) -> dict:
-    """What a row served with ``--storage-from`` records of the checkpoint and of its stand-in."""
-    ck = stiefkv.Projections.load(path)
-    return {"bits": None, "storage_from": Path(path).name, "storage_budget": ck.budget,
-            "storage_achieved_budget": ck.achieved_budget, "storage_key_mode": ck.key_mode,
-            "storage_ranks": ck.ranks, "storage_specs": [[str(k), str(v)] for k, v in ck.specs],
+def storage_fields(proj: stiefkv.Projections) -> dict:
+    """What a row served with ``--storage-from`` records: the checkpoint (kept in the stand-in's settings by
+    :func:`storage_projections`) and the stand-in's own ranks and specs."""
+    return {"bits": None, **proj.settings,
             "ranks": proj.ranks, "specs": [[str(k), str(v)] for k, v in proj.specs]}
 
 
@@ -629,7 +630,7 @@ def main() -> None:
     if args.storage_from:
         proj = storage_projections(model, args.storage_from, args.key_mode)
         args.key_mode, args.budget, args.bits, args.recent = proj.key_mode, proj.budget, 16, 0
-        stored = storage_fields(args.storage_from, proj)
+        stored = storage_fields(proj)
     else:
         args.key_mode = args.key_mode or "pre_rope"
         args.budget = 0.5 if args.budget is None else args.budget

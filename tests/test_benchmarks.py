@@ -315,6 +315,10 @@ def test_storage_from_a_checkpoint_maps_its_ranks_and_specs(tmp_path):
     proj = bs.storage_projections(model, str(tmp_path / "src.safetensors"))
     assert proj.ranks == [(16, 32), (32, 16)]  # checkpoint layers 0 and 1, fractions of 16 → of 32
     assert proj.specs == ck.specs[:2] and proj.key_mode == "post_rope" and proj.budget == 0.3
+    fields = bs.storage_fields(proj)  # the row's record of the checkpoint, without reading it again
+    assert fields["storage_from"] == "src.safetensors" and fields["storage_ranks"] == ck.ranks
+    assert fields["storage_specs"] == [[str(k), str(v)] for k, v in ck.specs]
+    assert fields["ranks"] == proj.ranks
     for P in proj.keys + proj.values:
         eye = torch.eye(P.shape[-1]).expand(P.shape[0], -1, -1)
         torch.testing.assert_close(P.transpose(-1, -2) @ P, eye, atol=1e-5, rtol=0)

@@ -36,11 +36,9 @@ def fp8_round_trip(x: torch.Tensor, spec: quant.QuantSpec, dtype: torch.dtype | 
     if not (spec.bits == 8 and spec.layout == "token" and not spec.mse):
         return PLAIN_ROUND_TRIP(x, spec, dtype)
     r = x.shape[-1]
-    xf = x.float()
-    pad = -r % quant.GROUP
-    if pad:
-        xf = torch.cat([xf, xf[..., -1:].expand(*xf.shape[:-1], pad)], -1)
-    g = xf.unflatten(-1, (1, -1)) if WHOLE_TOKEN else xf.unflatten(-1, (-1, quant.GROUP))
+    g, _, _ = quant._group_range(x, "token")  # the int8 quantizer's groups, a short last one padded
+    if WHOLE_TOKEN:
+        g = g.flatten(-2).unsqueeze(-2)
     big = g.abs().amax(-1, keepdim=True).clamp_min(2.0 ** -24)
     if spec.log8:  # one byte: a power of two at or above absmax / 448
         scale = torch.exp2(torch.ceil(torch.log2(big / FP8_MAX)))
