@@ -8,7 +8,10 @@ latents stored four ways, timed by CUDA-graph replay at Llama-3-8B attention sha
 - ``fp8``: e4m3 codes with one fp16 scale per token, converted by the hardware (``cvt`` e4m3x2 → f16x2 on
   sm_90); the keys' scale applied to the logits, the values' to the converted tile;
 - ``fp8-noscale``: the same codes with no scale at all, the floor of the conversion alone;
-- ``fp8-fold``: ``fp8`` with the values' scale applied to the probabilities (bf16) instead of the tile.
+- ``fp8-fold``: ``fp8`` with the values' scale applied to the probabilities (bf16) instead of the tile;
+- ``int8-imma``: the ``int8`` codes, the keys read by the integer tensor cores (``code − 128`` as int8
+  against the query quantized to int8 per row and 64 channels, ``s = scale·q_scale·(q₈·c₈) +
+  (low + 128·scale)·Σq``) with no conversion of the key codes; the values as ``int8``.
 
 The question (``docs/notes/serving.md``, nineteenth session): at full rank, which ``--bits auto`` keeps at
 50 % on SmolLM2, int8 codes decode *slower* than bf16 latents of twice the bytes (the loop is bound by its
@@ -35,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import utils  # noqa: E402
 
 H, G, GROUP, BLOCK_M, QUANT_GROUP = 32, 8, 4, 16, 64
-KINDS = {"bf16": 0, "int8": 1, "fp8": 2, "fp8-noscale": 3, "fp8-fold": 4}
+KINDS = {"bf16": 0, "int8": 1, "fp8": 2, "fp8-noscale": 3, "fp8-fold": 4, "int8-imma": 5}
 FP8_MAX = 448.0
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -46,7 +49,7 @@ def _tile(ptrs, scale, low, KIND: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.con
     raw = tl.load(ptrs)
     if KIND == 0:
         t = raw
-    elif KIND == 1:
+    elif KIND == 1 or KIND == 5:
         c = (raw.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
         t = (c.reshape(BLOCK_N, NG, GSIZE) * scale[:, :, None] + low[:, :, None]).reshape(BLOCK_N, R)
     else:
@@ -55,7 +58,22 @@ def _tile(ptrs, scale, low, KIND: tl.constexpr, BLOCK_N: tl.constexpr, R: tl.con
 
 
 @triton.jit
-def _decode(Q, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
+def _imma_logits(kptrs, sptrs, lptrs, qi, qscale, qsum, UPCAST: tl.constexpr):
+    """One channel group's logits from uint8 key codes on the integer tensor cores: ``code − 128`` is the
+    byte with its top bit flipped, read as int8; ``q·(scale·code + low) = scale·q_scale·(q₈·(code − 128))
+    + (low + 128·scale)·Σq``."""
+    c = (tl.load(kptrs) ^ 0x80).to(tl.int8, bitcast=True)
+    if UPCAST:  # the interpreter: exact in fp32 (|Σ| < 2^24)
+        si = tl.dot(qi.to(tl.float32), tl.trans(c.to(tl.float32)))
+    else:
+        si = tl.dot(qi, tl.trans(c)).to(tl.float32)
+    sk = tl.load(sptrs).to(tl.float32)
+    lk = tl.load(lptrs).to(tl.float32)
+    return si * (qscale[:, None] * sk[None, :]) + qsum[:, None] * (lk + 128.0 * sk)[None, :]
+
+
+@triton.jit
+def _decode(Q, QI, QS, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
             R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
             KIND: tl.constexpr, NG: tl.constexpr, UPCAST: tl.constexpr):
     bg = tl.program_id(0)
@@ -72,6 +90,17 @@ def _decode(Q, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
         q = q.to(tl.float32)
     elif KIND == 0:
         q = q.to(tl.bfloat16)
+    offs_h = tl.arange(0, GSIZE)
+    if KIND == 5:  # int8 query per row and group; QS holds (q_scale, Σq) per row and group
+        row_i = (bg * GROUP + offs_m)[:, None]
+        qa = tl.load(QI + row_i * R + offs_h[None, :], mask=rows[:, None], other=0)
+        qsa = tl.load(QS + (bg * GROUP + offs_m) * (2 * NG), mask=rows, other=0.0)
+        qma = tl.load(QS + (bg * GROUP + offs_m) * (2 * NG) + 1, mask=rows, other=0.0)
+        qb, qsb, qmb = qa, qsa, qma
+        if NG == 2:
+            qb = tl.load(QI + row_i * R + GSIZE + offs_h[None, :], mask=rows[:, None], other=0)
+            qsb = tl.load(QS + (bg * GROUP + offs_m) * (2 * NG) + 2, mask=rows, other=0.0)
+            qmb = tl.load(QS + (bg * GROUP + offs_m) * (2 * NG) + 3, mask=rows, other=0.0)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, R], tl.float32)
@@ -83,15 +112,21 @@ def _decode(Q, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
         lk = sk
         sv = sk
         lv = sk
-        if KIND == 1:
+        if KIND == 1 or KIND == 5:
             sk = tl.load(SK + n[:, None] * NG + offs_g[None, :])
             lk = tl.load(LK + n[:, None] * NG + offs_g[None, :])
             sv = tl.load(SV + n[:, None] * NG + offs_g[None, :])
             lv = tl.load(LV + n[:, None] * NG + offs_g[None, :])
-        k = _tile(K + n[:, None] * R + offs_r[None, :], sk, lk, KIND, BLOCK_N, R, NG, GSIZE)
-        if UPCAST:
-            k = k.to(tl.float32)
-        s = tl.dot(q, tl.trans(k))
+        if KIND == 5:
+            kp = K + n[:, None] * R + offs_h[None, :]
+            s = _imma_logits(kp, SK + n * NG, LK + n * NG, qa, qsa, qma, UPCAST)
+            if NG == 2:
+                s += _imma_logits(kp + GSIZE, SK + n * NG + 1, LK + n * NG + 1, qb, qsb, qmb, UPCAST)
+        else:
+            k = _tile(K + n[:, None] * R + offs_r[None, :], sk, lk, KIND, BLOCK_N, R, NG, GSIZE)
+            if UPCAST:
+                k = k.to(tl.float32)
+            s = tl.dot(q, tl.trans(k))
         if KIND == 2 or KIND == 4:
             s = s * tl.load(SK + n).to(tl.float32)[None, :]
         v = _tile(V + n[:, None] * R + offs_r[None, :], sv, lv, KIND, BLOCK_N, R, NG, GSIZE)
@@ -145,9 +180,15 @@ def launch(kind: str, q, lat, rows: int, N: int, R: int, splits: int, block_n: i
     po = torch.empty(rows * splits * BLOCK_M, R, dtype=torch.float32, device=q.device)
     pml = torch.empty(rows * splits * BLOCK_M, 2, dtype=torch.float32, device=q.device)
     dummy = torch.zeros(1, dtype=torch.float16, device=q.device)
+    qi, qs = dummy, dummy
     if kind == "bf16":
         args = (lat["k_bf16"], lat["v_bf16"], dummy, dummy, dummy, dummy)
         ng = 1
+    elif kind == "int8-imma":
+        (kc, ks, kl), (vc, vs, vl) = lat["k_int8"], lat["v_int8"]
+        args = (kc, vc, ks, kl, vs, vl)
+        ng = R // QUANT_GROUP
+        qi, qs = int8_queries(q, ng)
     elif kind == "int8":
         (kc, ks, kl), (vc, vs, vl) = lat["k_int8"], lat["v_int8"]
         args = (kc, vc, ks, kl, vs, vl)
@@ -159,12 +200,26 @@ def launch(kind: str, q, lat, rows: int, N: int, R: int, splits: int, block_n: i
     kernel_kind = KINDS[kind]
 
     def call():
-        _decode[(rows, splits)](q, *args, po, pml, N, per_split, R=R, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-                                GROUP=GROUP, KIND=kernel_kind, NG=ng, UPCAST=INTERPRET, num_warps=warps,
-                                num_stages=stages)
+        _decode[(rows, splits)](q, qi, qs, *args, po, pml, N, per_split, R=R, BLOCK_M=BLOCK_M,
+                                BLOCK_N=block_n, GROUP=GROUP, KIND=kernel_kind, NG=ng, UPCAST=INTERPRET,
+                                num_warps=warps, num_stages=stages)
         return po, pml
 
     return call, splits
+
+
+def int8_queries(q: torch.Tensor, ng: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Queries ``[rows, R]`` as int8 per row and group of 64 channels, with ``(q_scale, Σq)`` per row and
+    group as ``[rows, ng, 2]`` fp32 (Σ of the unquantized query: the lows' term stays exact)."""
+    g = q.float().view(q.shape[0], ng, -1)
+    scale = (g.abs().amax(-1) / 127).clamp_min(1e-12)
+    qi = (g / scale[..., None]).round().clamp(-127, 127).to(torch.int8).view_as(q)
+    return qi.contiguous(), torch.stack([scale, g.sum(-1)], -1).contiguous()
+
+
+def dequantized_queries(q: torch.Tensor, ng: int) -> torch.Tensor:
+    qi, qs = int8_queries(q, ng)
+    return (qi.float().view(q.shape[0], ng, -1) * qs[..., 0:1]).view_as(q)
 
 
 def merge(po, pml, rows: int, splits: int, R: int) -> torch.Tensor:
@@ -187,7 +242,7 @@ def reference(q, k, v, rows: int, N: int) -> torch.Tensor:
 def dequantized(kind: str, lat) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "bf16":
         return lat["k_bf16"].float(), lat["v_bf16"].float()
-    if kind == "int8":
+    if kind in ("int8", "int8-imma"):
         return lat["k_int8_deq"], lat["v_int8_deq"]
     if kind in ("fp8", "fp8-fold"):
         return lat["k_fp8_deq"], lat["v_fp8_deq"]
@@ -211,17 +266,23 @@ def check(rows: int, N: int, R: int, device, block_n: int, splits: int) -> None:
         po, pml = call()
         got = merge(po, pml, rows, n_split, R)
         k, v = dequantized(kind, lat)
-        want = reference(q, k, v, rows, N)
+        q_ref = dequantized_queries(q, R // QUANT_GROUP) if kind == "int8-imma" else q
+        want = reference(q_ref, k, v, rows, N)
         err = ((got - want).abs().max() / want.abs().max()).item()
         ok = math.isfinite(err) and err < 2e-2
+        extra = ""
+        if kind == "int8-imma":  # what the int8 query costs against the unquantized one
+            exact = reference(q, k, v, rows, N)
+            extra = f", vs the unquantized query {((got - exact).abs().max() / exact.abs().max()).item():.2e}"
         print(f"check {kind:12s} rows {rows} N {N} r {R} tile {block_n} splits {n_split}: "
-              f"max rel err {err:.2e} {'ok' if ok else 'FAILED'}", flush=True)
+              f"max rel err {err:.2e}{extra} {'ok' if ok else 'FAILED'}", flush=True)
         if not ok:
             raise SystemExit(f"{kind} does not match its reference")
 
 
 def stored_bytes(kind: str, lat) -> int:
-    parts = {"bf16": ("k_bf16", "v_bf16"), "int8": ("k_int8", "v_int8")}.get(kind, ("k_fp8", "v_fp8"))
+    parts = {"bf16": ("k_bf16", "v_bf16"), "int8": ("k_int8", "v_int8"),
+             "int8-imma": ("k_int8", "v_int8")}.get(kind, ("k_fp8", "v_fp8"))
     total = 0
     for name in parts:
         t = lat[name]
