@@ -15,6 +15,7 @@ prefill at capacity spends its time (``--code-slice``: the keys a prefill over c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -29,6 +30,7 @@ from bench_serve import (  # noqa: E402
     fill_synthetic,
     identity_projections,
     random_projections,
+    storage_projections,
     with_codes,
 )
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
@@ -43,10 +45,33 @@ STORES = {"uncompressed (our kernels)": None, "bf16 latents": (16, 0), "int8 cod
           "int8 r16": (8, 16), "int4 codes": (4, 0), "int4 r16": (4, 16)}
 
 
+# --storage-from: the checkpoint's storage as calibrated, and with one of its features at a time taken
+# away, for the question of which of them a step pays for
+STORAGE_VARIANTS = {
+    "as calibrated": lambda spec: spec,
+    "no exact window": lambda spec: dataclasses.replace(spec, recent=0, window8=False),
+    "token layout": lambda spec: dataclasses.replace(spec, layout="token"),
+    "no log8 scales": lambda spec: dataclasses.replace(spec, log8=False),
+    "int2/int3 as int4": lambda spec: dataclasses.replace(spec, bits=max(spec.bits, 4)),
+}
+
+
 def projections(model, store, budget: float, key_mode: str):
     if store is None:
         return identity_projections(model)
+    if callable(store):
+        return store(model, key_mode)
     return with_codes(random_projections(model, budget, key_mode), *store)
+
+
+def storage_variant(path: str, change):
+    """A store of ``--storage-from``: the checkpoint's storage (``bench_serve.storage_projections``) with
+    ``change`` applied to every latent's spec."""
+    def make(model, key_mode: str):
+        proj = storage_projections(model, path, key_mode)
+        proj.quant = [(change(k), change(v)) for k, v in proj.specs]
+        return proj
+    return make
 
 
 def kernel_table(prof, steps: int, rows: int) -> tuple[int, float, list[tuple[str, int, float]]]:
@@ -156,6 +181,11 @@ def main() -> None:
                     help="tokens a prefill forward takes over all rows (generate's prefill_chunk)")
     ap.add_argument("--code-slice", type=int, default=None, metavar="KEYS",
                     help="keys a prefill over codes dequantizes at a time (default: PREFILL_CODE_SLICE)")
+    ap.add_argument("--storage-from", default=None, metavar="CKPT",
+                    help="profile this checkpoint's storage (bench_serve.py --storage-from) instead of "
+                         "--stores, as calibrated and with each feature taken away (STORAGE_VARIANTS)")
+    ap.add_argument("--variants", default=",".join(STORAGE_VARIANTS),
+                    help="comma-separated labels of STORAGE_VARIANTS (with --storage-from)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     if args.code_slice is not None:
@@ -172,6 +202,12 @@ def main() -> None:
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused_writes]
     if device.type == "cpu":  # the kernel would need Triton's interpreter: the A/B is the GPU's question
         modes = [False]
+    if args.storage_from:
+        static_cache.FUSED_WRITES = None  # the default: the quantize-on-write kernel where it runs
+        run(model, "uncompressed (our kernels)", None, B, N, args, device)
+        for label in args.variants.split(","):
+            run(model, label, storage_variant(args.storage_from, STORAGE_VARIANTS[label]), B, N, args, device)
+        return
     for label in args.stores.split(","):
         codes = STORES[label] is not None and STORES[label][0] < 16
         for fused in modes if codes else [None]:
