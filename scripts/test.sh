@@ -7,4 +7,4 @@ bash scripts/setup.sh
 export STIEFKV_DATA_DIR="${STIEFKV_DATA_DIR:-$(cd .. && pwd)/shared/data}"
 PY="${VENV:-.venv}/bin/python"
 "$PY" -m ruff check .
-exec "$PY" -m pytest -q "$@"
+exec "$PY" -m pytest -q --durations=30 "$@"
