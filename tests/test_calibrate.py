@@ -1,6 +1,7 @@
 """Stiefel refinement, error–rank profiles, DP allocation and resumable calibration (tiny models)."""
 
 import itertools
+import math
 import random
 
 import geoopt
@@ -21,7 +22,7 @@ from stiefkv.calibrate.stiefel import (
     refine_layer,
     relative_sq_error,
 )
-from stiefkv.models import rope_spec
+from stiefkv.models import dims_of, rope_spec
 from tests.tiny import ARCHS, random_bases, tiny_model
 from tests.utils import CharTokenizer
 
@@ -244,6 +245,48 @@ def test_kl_profile_measures_the_whole_model():
     proj = stiefkv.calibrate(tiny_model(layers=3), None, sequences=seqs, budget=0.5, method="pca",
                              allocation="dp", weighting="kl", profile_sequences=2, bits=16)
     assert sum(rk + rv for rk, rv in proj.ranks) <= 0.5 * 3 * 48
+
+
+@pytest.mark.parametrize("layer", [0, 2])
+def test_kl_profile_equals_the_models_next_token_kl(layer):
+    """OutputKL's tail (in-place log-softmax and KL on the CPU) against the whole model run with one layer's
+    output replaced, its KL computed by ``torch.nn.functional.kl_div``: float32, rel 1e-4."""
+    from stiefkv.calibrate.objective import compressed_layer_output
+    from stiefkv.calibrate.profile import OutputKL
+
+    model = tiny_model("llama", layers=3)
+    g = torch.Generator().manual_seed(5)
+    seqs = torch.randint(0, 97, (3, 21), generator=g)
+    inputs = LayerInputs(model, seqs, batch_size=3)
+    kl = OutputKL(model, inputs.hidden, inputs.context)
+    for _ in range(layer):
+        inputs.advance(inputs.run())
+    dims = dims_of(model.config)
+    P_k = random_bases(dims.G, dims.d, 11, torch.Generator().manual_seed(7))
+    P_v = random_bases(dims.G, dims.d, 13, torch.Generator().manual_seed(8))
+    rope = rope_spec(model.config)
+
+    def replace(b):
+        return compressed_layer_output(model.model.layers[layer], b, P_k, P_v, key_mode="pre_rope", rope=rope)
+
+    got = kl(layer, inputs.hidden, replace)
+
+    def hook(module, args, kwargs, out):
+        b = LayerBatch(layer, args[0] if args else kwargs["hidden_states"], None, inputs.position_embeddings,
+                       inputs.attention_mask, inputs.position_ids)
+        y = replace(b)
+        return (y, *out[1:]) if isinstance(out, tuple) else y
+
+    with torch.no_grad():
+        log_p = torch.log_softmax(model(seqs).logits.float(), -1)
+        handle = model.model.layers[layer].register_forward_hook(hook, with_kwargs=True)
+        try:
+            log_q = torch.log_softmax(model(seqs).logits.float(), -1)
+        finally:
+            handle.remove()
+    want = torch.nn.functional.kl_div(log_q, log_p, log_target=True, reduction="none").sum(-1).mean()
+    assert math.isfinite(got) and float(want) > 1e-4
+    assert got == pytest.approx(float(want), rel=1e-4)
 
 
 def test_cpu_defaults_are_smaller_unless_given():
