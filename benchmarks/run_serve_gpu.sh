@@ -42,6 +42,8 @@
 #                each, kept in $STIEFKV_RESULTS_DIR/ck), each checkpoint's storage served at 8x16k with
 #                Llama-3-8B shapes in both key modes (bench_serve.py --storage-from; ~100 s a run, so about
 #                two budgets fit one call)
+#     storageprof  after autostorage (same BUDGETS): profile_serve_step.py --storage-from on each checkpoint,
+#                as calibrated and with each storage feature taken away, both key modes (~4 minutes each)
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
@@ -120,6 +122,14 @@ for s in "$@"; do
           --budget "$b" -o "$ck/$name.safetensors"
         for mode in pre_rope post_rope; do
           serve --shape 8b --cases 8x16384 --storage-from "$ck/$name.safetensors" --key-mode $mode
+        done
+      done ;;
+    storageprof)  # after autostorage: where each calibrated storage's decode step goes, both key modes
+      for b in ${BUDGETS:-0.25}; do
+        name="auto$(python3 -c "print(f'{float($b) * 100:g}')")"
+        for mode in pre_rope post_rope; do
+          step "profile $name $mode" python3 benchmarks/experiments/profile_serve_step.py --case 8x16384 \
+            --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" --key-mode $mode --rows 8
         done
       done ;;
     *) echo "unknown step $s" >> "$LOG" ;;

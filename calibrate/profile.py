@@ -22,7 +22,8 @@ from stiefkv.layers import LayerBatch, compressed_layer_output, project_qkv, rot
 from stiefkv.quant import FLOAT, LAYOUTS, QUANT_BITS, QuantSpec, fake_quant
 
 WEIGHTINGS = ("output", "update", "kl")
-KL_SEQUENCES = 4  # the kl profile holds the uncompressed log-probabilities of this many sequences
+# the kl profile holds the uncompressed log-probabilities (and probabilities) of this many sequences
+KL_SEQUENCES = 4
 
 
 @dataclass
@@ -286,7 +287,8 @@ class OutputKL:
         # a process of a distributed run may hold none of the held sequences: it adds nothing
         self.base = self.log_probs(0, hidden, None) if hidden.shape[0] else None
         # the uncompressed probabilities, once: every call weighs by them (an exp over the vocabulary each
-        # call was ~3 % of a 2-core CPU's first pass)
+        # call was ~3 % of a 2-core CPU's first pass). Held beside `base` for the whole first pass: twice the
+        # held tokens × vocabulary floats (4 × 512 × 49152 × 4 B = 0.4 GB each for SmolLM2 on CUDA)
         self.probs = self.base.exp() if self.base is not None else None
 
     @torch.no_grad()
@@ -304,7 +306,8 @@ class OutputKL:
         h = self.norm(h.to(module_device(self.norm)))
         logits = self.head(h.to(module_device(self.head))).float()
         # on the CPU in place (the same values, half the time: no second vocabulary-wide tensor); on CUDA
-        # as it was, where in-place use has not been checked
+        # into a new tensor, as before: log_softmax over its own input was checked on the CPU only (the
+        # element-wise KL below runs in place on both)
         return torch.log_softmax(logits, dim=-1, out=logits if logits.device.type == "cpu" else None)
 
     def __call__(self, start: int, hidden: torch.Tensor, replace) -> float:

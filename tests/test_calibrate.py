@@ -270,6 +270,7 @@ def test_kl_profile_equals_the_models_next_token_kl(layer):
         return compressed_layer_output(model.model.layers[layer], b, P_k, P_v, key_mode="pre_rope", rope=rope)
 
     got = kl(layer, inputs.hidden, replace)
+    assert kl(layer, inputs.hidden, replace) == got  # a call leaves the held log-probabilities as they were
 
     def hook(module, args, kwargs, out):
         b = LayerBatch(layer, args[0] if args else kwargs["hidden_states"], None, inputs.position_embeddings,

@@ -1,6 +1,6 @@
 """What a stored byte costs to decode: one small split-K decode kernel (a GQA group of 4 query rows in a
 16-row tile, tiles of keys streamed, partial softmax states merged afterwards) run over the same full-rank
-latents stored four ways, timed by CUDA-graph replay at Llama-3-8B attention shapes (H 32, G 8, d 128):
+latents stored six ways, timed by CUDA-graph replay at Llama-3-8B attention shapes (H 32, G 8, d 128):
 
 - ``bf16``: the latents as they are (the uncompressed cache on our kernels);
 - ``int8``: uint8 codes with an fp16 scale and low per token and 64 channels, turned into fp16 by the
@@ -150,12 +150,19 @@ def _decode(Q, QI, QS, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
     tl.store(PML + out * 2 + 1, l_i)
 
 
-def make_latents(rows: int, N: int, R: int, device, seed: int = 0) -> dict:
-    """Keys and values ``[rows·N, R]`` (rows = B·G) stored every way, and their dequantized fp32 forms."""
+def make_latents(rows: int, N: int, R: int, device, seed: int = 0, key_offset: float = 0.0) -> dict:
+    """Keys and values ``[rows·N, R]`` (rows = B·G) stored every way, and their dequantized fp32 forms.
+    ``key_offset``: the keys of each token and group of 64 channels shifted together by that times a
+    normal draw, so that the lows differ from token to token (a term of the logits that zero-mean keys
+    leave near 0)."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     out = {}
     for name in ("k", "v"):
-        x = torch.randn(rows * N, R, generator=gen).to(device)
+        x = torch.randn(rows * N, R, generator=gen)
+        if name == "k" and key_offset:
+            shift = key_offset * torch.randn(rows * N, R // QUANT_GROUP, 1, generator=gen)
+            x = (x.view(rows * N, -1, QUANT_GROUP) + shift).view(rows * N, R)
+        x = x.to(device)
         out[name + "_bf16"] = x.to(torch.bfloat16)
         g = x.view(-1, R // QUANT_GROUP, QUANT_GROUP)
         lo, hi = g.amin(-1), g.amax(-1)
@@ -188,6 +195,9 @@ def launch(kind: str, q, lat, rows: int, N: int, R: int, splits: int, block_n: i
         (kc, ks, kl), (vc, vs, vl) = lat["k_int8"], lat["v_int8"]
         args = (kc, vc, ks, kl, vs, vl)
         ng = R // QUANT_GROUP
+        if ng not in (1, 2):
+            raise SystemExit(f"int8-imma reads one or two groups of {QUANT_GROUP} channels: rank 64 or 128, "
+                             f"not {R}")
         qi, qs = int8_queries(q, ng)
     elif kind == "int8":
         (kc, ks, kl), (vc, vs, vl) = lat["k_int8"], lat["v_int8"]
@@ -231,12 +241,25 @@ def merge(po, pml, rows: int, splits: int, R: int) -> torch.Tensor:
     return (po * w[..., None]).sum(1) / (l_ * w).sum(1)[..., None]
 
 
-def reference(q, k, v, rows: int, N: int) -> torch.Tensor:
-    """Softmax in base 2 (the queries carry log2(e)/√d), fp32."""
-    qf = q.float().view(rows, GROUP, -1)
-    s = torch.einsum("bgr,bnr->bgn", qf, k.view(rows, N, -1))
+def reference(q, k, v, rows: int, N: int, s: torch.Tensor | None = None) -> torch.Tensor:
+    """Softmax in base 2 (the queries carry log2(e)/√d), fp32; ``s`` the logits ``[rows, GROUP, N]`` where
+    they are not ``q·k``."""
+    if s is None:
+        s = torch.einsum("bgr,bnr->bgn", q.float().view(rows, GROUP, -1), k.view(rows, N, -1))
     p = torch.exp2(s - s.amax(-1, keepdim=True))
     return torch.einsum("bgn,bnr->bgr", p, v.view(rows, N, -1)) / p.sum(-1)[..., None]
+
+
+def imma_logits(q, lat, rows: int, N: int, R: int) -> torch.Tensor:
+    """What ``int8-imma`` computes, exactly: per group, the dequantized int8 query against the keys less
+    ``m = low + 128·scale`` (``scale·(code − 128)``), plus ``m·Σq`` with the unquantized query's sum."""
+    ng = R // QUANT_GROUP
+    _, scale, low = lat["k_int8"]
+    m = low.float() + 128 * scale.float()  # [rows·N, ng]
+    k = (lat["k_int8_deq"].view(-1, ng, QUANT_GROUP) - m[..., None]).view(rows, N, R)
+    qd = dequantized_queries(q, ng).view(rows, GROUP, R)
+    qsum = q.float().view(rows, GROUP, ng, QUANT_GROUP).sum(-1)
+    return torch.einsum("bgr,bnr->bgn", qd, k) + torch.einsum("bgc,bnc->bgn", qsum, m.view(rows, N, ng))
 
 
 def dequantized(kind: str, lat) -> tuple[torch.Tensor, torch.Tensor]:
@@ -256,9 +279,11 @@ def queries(rows: int, R: int, device, seed: int = 1) -> torch.Tensor:
 
 
 def check(rows: int, N: int, R: int, device, block_n: int, splits: int) -> None:
-    """Each storage's merged output against the reference over its own dequantized latents: fp16 logits
-    and probabilities on the tensor cores, so a tolerance of 2e-2 (relative to the output's scale)."""
-    lat = make_latents(rows, N, R, device)
+    """Each storage's merged output against the reference over its own dequantized latents (``int8-imma``:
+    its int8 query's exact logits, :func:`imma_logits`): fp16 logits and probabilities on the tensor cores,
+    so a tolerance of 2e-2 (relative to the output's scale). The keys' lows differ by token
+    (``key_offset``), so a term of the logits left out would show."""
+    lat = make_latents(rows, N, R, device, key_offset=2.0)
     for kind in KINDS:
         # unscaled e4m3 codes reach 448: logits of ~200 make the softmax one-hot, which checks nothing
         q = queries(rows, R, device) / (64 if kind == "fp8-noscale" else 1)
@@ -266,8 +291,8 @@ def check(rows: int, N: int, R: int, device, block_n: int, splits: int) -> None:
         po, pml = call()
         got = merge(po, pml, rows, n_split, R)
         k, v = dequantized(kind, lat)
-        q_ref = dequantized_queries(q, R // QUANT_GROUP) if kind == "int8-imma" else q
-        want = reference(q_ref, k, v, rows, N)
+        logits = imma_logits(q, lat, rows, N, R) if kind == "int8-imma" else None
+        want = reference(q, k, v, rows, N, logits)
         err = ((got - want).abs().max() / want.abs().max()).item()
         ok = math.isfinite(err) and err < 2e-2
         extra = ""

@@ -6,6 +6,11 @@ run twice by default: written by the quantize-on-write kernel and by PyTorch ope
 
     python benchmarks/experiments/profile_serve_step.py --case 8x16384 [--key-mode pre_rope]
     python benchmarks/experiments/profile_serve_step.py --tiny      # a CPU smoke run: eager, no profile
+    python benchmarks/experiments/profile_serve_step.py --storage-from CKPT [--variants "as calibrated"]
+
+``--storage-from``: a calibrated checkpoint's storage on random bases at these shapes (``bench_serve.py
+--storage-from``), as calibrated and with each of its features taken away in turn (``STORAGE_VARIANTS``):
+which of them a step pays for.
 
 ``--prefill``: one prefill forward instead (``stiefkv.generate``'s share of ``--prefill-tokens`` a row,
 written behind the ``CONTEXT`` tokens already held; eager, as generate runs it), for the question of where a
@@ -66,11 +71,11 @@ def projections(model, store, budget: float, key_mode: str):
 
 def storage_variant(path: str, change):
     """A store of ``--storage-from``: the checkpoint's storage (``bench_serve.storage_projections``) with
-    ``change`` applied to every latent's spec."""
-    def make(model, key_mode: str):
+    ``change`` applied to every latent's spec (``token layout`` keeps the channel latents' bases as they are:
+    random either way, this times storage, not quality). ``key_mode`` None: the checkpoint's."""
+    def make(model, key_mode: str | None):
         proj = storage_projections(model, path, key_mode)
-        proj.quant = [(change(k), change(v)) for k, v in proj.specs]
-        return proj
+        return dataclasses.replace(proj, quant=[(change(k), change(v)) for k, v in proj.specs])
     return make
 
 
@@ -169,7 +174,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--case", default="8x16384", help="BATCHxCONTEXT")
-    ap.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
+    ap.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope"],
+                    help="default pre_rope; with --storage-from, the checkpoint's")
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--stores", default=",".join(STORES), help="comma-separated labels of STORES")
     ap.add_argument("--steps", type=int, default=8)
@@ -188,6 +194,12 @@ def main() -> None:
                     help="comma-separated labels of STORAGE_VARIANTS (with --storage-from)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
+    unknown = [v for v in args.variants.split(",") if v not in STORAGE_VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {', '.join(map(repr, unknown))}; choose from "
+                         f"{', '.join(map(repr, STORAGE_VARIANTS))}")
+    if args.key_mode is None and not args.storage_from:
+        args.key_mode = "pre_rope"
     if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
     if args.tiny:
@@ -198,7 +210,8 @@ def main() -> None:
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(
             torch.float32 if args.tiny else torch.bfloat16).eval()
     B, N = (int(x) for x in args.case.lower().split("x"))
-    print(f"# {SHAPES[args.shape][0]} shapes, {B}x{N}, {args.key_mode}, budget {args.budget:g}", flush=True)
+    mode = args.key_mode or f"the key mode of {args.storage_from}"
+    print(f"# {SHAPES[args.shape][0]} shapes, {B}x{N}, {mode}, budget {args.budget:g}", flush=True)
     modes = {"on": [True], "off": [False], "both": [False, True]}[args.fused_writes]
     if device.type == "cpu":  # the kernel would need Triton's interpreter: the A/B is the GPU's question
         modes = [False]
