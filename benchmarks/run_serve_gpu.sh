@@ -47,6 +47,7 @@
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
+auto_name() { echo "auto$(python3 -c "print(f'{float($1) * 100:g}')")"; }  # auto25, auto12.5: rows' case names
 for s in "$@"; do
   case $s in
     tests) step tests python3 -m pytest -q -ra -p no:cacheprovider tests/test_serve.py \
@@ -117,16 +118,17 @@ for s in "$@"; do
       ck="$STIEFKV_RESULTS_DIR/ck"
       mkdir -p "$ck"
       for b in ${BUDGETS:-0.25}; do
-        name="auto$(python3 -c "print(f'{float($b) * 100:g}')")"  # auto25, auto12.5: the rows' case names
+        name=$(auto_name "$b")
         [ -f "$ck/$name.safetensors" ] || step "calibrate $b" stiefkv calibrate "$MODEL" --device cuda \
           --budget "$b" -o "$ck/$name.safetensors"
         for mode in pre_rope post_rope; do
-          serve --shape 8b --cases 8x16384 --storage-from "$ck/$name.safetensors" --key-mode $mode
+          serve --shape 8b --cases 8x16384 --storage-from "$ck/$name.safetensors" --key-mode $mode \
+            --baseline-cache kivi4  # the quantization a user would pick near 25 %, in the same run
         done
       done ;;
     storageprof)  # after autostorage: where each calibrated storage's decode step goes, both key modes
       for b in ${BUDGETS:-0.25}; do
-        name="auto$(python3 -c "print(f'{float($b) * 100:g}')")"
+        name=$(auto_name "$b")
         for mode in pre_rope post_rope; do
           step "profile $name $mode" python3 benchmarks/experiments/profile_serve_step.py --case 8x16384 \
             --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" --key-mode $mode --rows 8
