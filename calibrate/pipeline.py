@@ -8,7 +8,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import time
-from dataclasses import asdict, dataclass, fields
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
 import torch
@@ -48,6 +48,8 @@ from stiefkv.projections import KEY_MODES, Projections, ensure_writable
 from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, QuantSpec
 
 log = logging.getLogger(__name__)
+
+CALIBRATION_KEY_MODES = (*KEY_MODES, "auto")
 
 METHODS = ("stiefel", "pca")
 ORDERS = ("sequential", "independent")
@@ -101,7 +103,9 @@ class CalibrationConfig:
         only, +14.2 % PPL against +50.1 % (``docs/notes/grouped-heads.md``); slower decode where a layer
         has many KV heads (Llama-3-8B's 8: 2.1-4.4x the kernel time), so off by default.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
-    key_mode : ``pre_rope`` (keys before RoPE; better) or ``post_rope`` (faster kernels).
+    key_mode : ``pre_rope`` (keys before RoPE; better where key ranks are cut), ``post_rope`` (faster
+        kernels), or ``auto``: profiled and allocated as ``pre_rope``, then ``post_rope`` where the
+        allocation keeps every layer's keys at full rank (:func:`served_key_mode`), ``pre_rope`` otherwise.
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
     weighting : a layer's profile error relative to its output ``‖y‖`` (``output``) or to its update
         ``‖y − x‖`` (``update``), or ``kl``: the whole model's next-token KL with only that layer compressed.
@@ -163,7 +167,7 @@ class CalibrationConfig:
         if self.allocation == "uniform" and self.bits not in ("16", "auto"):
             raise ValueError(f"allocation 'uniform' stores bf16 latents; bits {self.bits} needs allocation "
                              "'dp'")
-        for name, allowed in (("method", METHODS), ("key_mode", KEY_MODES),
+        for name, allowed in (("method", METHODS), ("key_mode", CALIBRATION_KEY_MODES),
                               ("allocation", allocate.ALLOCATIONS), ("weighting", WEIGHTINGS),
                               ("profile", PROFILES), ("order", ORDERS), ("loss", LOSSES),
                               ("mse", MSE_CHOICES), ("profile_storages", PROFILE_STORAGES)):
@@ -271,23 +275,48 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
         progress = progress if shard.leader else None
     state = shard.broadcast(initial_state(progress, resume, cfg, fp) if shard.leader else None)
     local = shard.select(seqs)
+    profiled = replace(cfg, key_mode=PROFILED_KEY_MODE) if cfg.key_mode == "auto" else cfg
     if len(state.eig_k) < dims.L:
-        first_pass(model, local, cfg, state, progress, shard)
+        first_pass(model, local, profiled, state, progress, shard)
     if not state.ranks:
-        allocation = shard.broadcast(choose_allocation(cfg, state, dims) if shard.leader else None)
+        allocation = shard.broadcast(choose_allocation(profiled, state, dims) if shard.leader else None)
         state.ranks, quant = allocation
         state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
         state.save(progress)
-    second_pass(model, local, cfg, state, progress, shard)
+    key_mode = served_key_mode(cfg, state.ranks, dims)
+    if cfg.key_mode == "auto":
+        log.info("key mode auto: %s", "every layer keeps its keys at full rank, so post_rope (no key rebuild "
+                 "or rotation at decode)" if key_mode == "post_rope" else
+                 "some layer's keys are cut in rank, so pre_rope (RoPE makes keys high-rank)")
+    second_pass(model, local, replace(cfg, key_mode=key_mode), state, progress, shard,
+                profiled_key_mode=profiled.key_mode)
     elapsed = time.perf_counter() - t0
     log.info("calibrated %d layers in %.1f s; mean layer error %.4f", dims.L, elapsed,
              sum(e["rel_error"] for e in state.errors) / len(state.errors))
     meta = asdict(cfg) | {"tokens": int(seqs.numel()), "seconds": round(elapsed, 1),
                           "model": getattr(model, "stiefkv_spec", None),
                           "profiles": state.profiles, "refine": state.refine}
-    return Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode, fingerprint=fp,
+    return Projections(keys=state.keys, values=state.values, key_mode=key_mode, fingerprint=fp,
                        budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors,
                        quant=layer_specs(state) if state.quant else None).validate()
+
+
+PROFILED_KEY_MODE = "pre_rope"  # what key_mode "auto" profiles and allocates in
+
+
+def served_key_mode(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims) -> str:
+    """The key mode the checkpoint is refined and served in: ``cfg.key_mode``, or for ``auto`` ``post_rope``
+    where every layer's key latent keeps its full rank (``d``, ``G·d`` shared), ``pre_rope`` otherwise.
+
+    Keys after RoPE lose far more than keys before it once their rank is cut (RoPE makes them high-rank:
+    SmolLM2 12.5 %, 36.79 against 26.23), but at full rank nothing is cut and only the codes' noise differs
+    (50 %: 21.972 against 21.970; ``docs/notes/quantized-latents.md``), while ``post_rope`` decode skips the
+    key rebuild and rotation (0.89× against 0.66× the uncompressed cache's tokens/s, 8×16k, full-rank int8).
+    """
+    if cfg.key_mode != "auto":
+        return cfg.key_mode
+    full = dims.d * (dims.G if cfg.share_heads else 1)
+    return "post_rope" if all(rk == full for rk, _ in ranks) else PROFILED_KEY_MODE
 
 
 def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, fp: dict) -> CalibrationState:
@@ -546,15 +575,19 @@ def concat_batches(batches: list[LayerBatch]) -> LayerBatch:
 
 
 def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
-                progress: Path | None, shard: Shard | None = None) -> None:
+                progress: Path | None, shard: Shard | None = None,
+                profiled_key_mode: str | None = None) -> None:
     """Bases at the allocated ranks, layer by layer: PCA, refined on the Stiefel manifold for ``stiefel``.
 
     ``sequential`` feeds each layer the output of the compressed layers before it, with the uncompressed
     model's output of that layer as the target; ``independent`` feeds every layer the uncompressed inputs.
     Finished layers (``state.keys``) are reused, not recomputed, so a resumed run gives the same result.
-    ``seqs`` are the sequences this process holds of ``shard``'s (default: all).
+    ``seqs`` are the sequences this process holds of ``shard``'s (default: all). Where the first pass's key
+    eigenvectors were of another key mode (``profiled_key_mode``, ``key_mode="auto"``), each layer's key
+    basis starts from the eigenvectors of its keys in ``cfg.key_mode`` on the inputs this pass feeds it.
     """
     shard = Shard(0, 1, len(seqs)) if shard is None else shard
+    rekey = profiled_key_mode not in (None, cfg.key_mode)
     rope = rope_spec(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
     # PCA bases come from the first pass whatever the order: only refinement needs the compressed inputs.
@@ -571,7 +604,8 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
             done = i < len(state.keys)
             if not done:
                 bar.begin(i)
-                P_k, P_v = fit_layer(layer, data, state, i, cfg, rope, shard)
+                eig_k = key_eigenvectors(model, inputs, target, x, i, cfg, shard) if rekey else None
+                P_k, P_v = fit_layer(layer, data, state, i, cfg, rope, shard, eig_k=eig_k)
                 state.keys.append(P_k.cpu())
                 state.values.append(P_v.cpu())
                 # Reported errors are on the uncompressed model's inputs, comparable across methods and orders
@@ -594,14 +628,27 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
         bar.close()
 
 
+def key_eigenvectors(model, inputs: LayerInputs, target, x, i: int, cfg: CalibrationConfig,
+                     shard: Shard) -> torch.Tensor:
+    """Layer ``i``'s key eigenvectors in ``cfg.key_mode`` on inputs ``x`` (every process's sequences)."""
+    moments = SecondMoments(model, cfg.key_mode, shared=cfg.share_heads)
+    for batch in inputs.batches(target, hidden=x):
+        moments(batch)
+    m = shard.sum_(moments.keys[i])
+    return top_eigenvectors(m, m.shape[-1])
+
+
 def fit_layer(layer, data: LayerBatch, state: CalibrationState, i: int, cfg: CalibrationConfig, rope,
-              shard: Shard | None = None):
+              shard: Shard | None = None, eig_k: torch.Tensor | None = None):
+    """Layer ``i``'s bases at its allocated ranks, from ``state``'s eigenvectors (the keys' from ``eig_k``
+    where given)."""
     rk, rv = state.ranks[i]
     device = data.hidden.device
     # Copies, never views: at full rank a slice is the whole eigenvector tensor, and a basis sharing its
     # storage cannot be saved (safetensors refuses shared tensors).
     quant = layer_specs(state)[i] if state.quant else NO_QUANT
-    P_k = state.eig_k[i][..., :rk].to(device).clone(memory_format=torch.contiguous_format)
+    P_k = (state.eig_k[i] if eig_k is None else eig_k)[..., :rk].to(device).clone(
+        memory_format=torch.contiguous_format)
     P_v = state.eig_v[i][..., :rv].to(device).clone(memory_format=torch.contiguous_format)
     if cfg.rotation:
         P_k, P_v = storage_basis(P_k, quant[0]), storage_basis(P_v, quant[1])

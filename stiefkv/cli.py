@@ -18,6 +18,7 @@ import click
 from stiefkv.calibrate.allocate import ALLOCATIONS
 from stiefkv.calibrate.pipeline import (
     BITS_CHOICES,
+    CALIBRATION_KEY_MODES,
     CPU_SIZES,
     LOSSES,
     METHODS,
@@ -28,7 +29,6 @@ from stiefkv.calibrate.pipeline import (
     CalibrationConfig,
 )
 from stiefkv.calibrate.profile import WEIGHTINGS
-from stiefkv.projections import KEY_MODES
 from stiefkv.quant import DEFAULT_RECENT
 
 DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
@@ -223,10 +223,12 @@ def main():
 @click.option("--method", type=click.Choice(METHODS), default=DEFAULTS["method"], show_default=True,
               help="stiefel = PCA start refined on the Stiefel manifold against the decoder-layer output; "
                    "pca = top eigenvectors of the keys' and values' second moments (fast baseline).")
-@click.option("--key-mode", type=click.Choice(KEY_MODES), default=DEFAULTS["key_mode"], show_default=True,
+@click.option("--key-mode", type=click.Choice(CALIBRATION_KEY_MODES), default=DEFAULTS["key_mode"],
+              show_default=True,
               help="Compress keys before RoPE (better quality where ranks are cut) or after it (faster "
                    "decode: 0.89x against 0.66x the uncompressed cache's tokens/s for full-rank int8 at "
-                   "8x16k; SmolLM2 PPL within 0.1 % at 50 and 25 %, far worse below).")
+                   "8x16k; SmolLM2 PPL within 0.1 % at 50 and 25 %, far worse below); auto = post_rope "
+                   "where the allocation keeps every layer's keys at full rank, pre_rope otherwise.")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"],
               show_default=True,
               help="dp = per-layer ranks minimising the summed profiled error under the budget (exact "

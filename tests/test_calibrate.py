@@ -24,7 +24,7 @@ from stiefkv.calibrate.stiefel import (
 )
 from stiefkv.models import dims_of, rope_spec
 from tests.tiny import ARCHS, random_bases, tiny_model
-from tests.utils import CharTokenizer
+from tests.utils import CharTokenizer, assert_close
 
 
 def layer_data(model, n=6, seq_len=21, seed=0, layer=0):
@@ -213,6 +213,28 @@ def test_cli_plot_and_resume_flag(tmp_path, corpus):
     assert png.read_bytes()[:4] == b"\x89PNG"
     r = CliRunner().invoke(main, ["calibrate", "smollm2", "--order", "sideways", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "sideways" in r.output
+
+
+@pytest.mark.parametrize("share_heads", [False, True])
+def test_key_mode_auto_serves_keys_after_rope_only_at_full_rank(share_heads):
+    """``key_mode="auto"`` profiles and allocates before RoPE, then refines and serves keys after RoPE where
+    every layer keeps its keys at full rank, starting from the rotated keys' eigenvectors (the bases
+    ``post_rope`` gives; not ``pre_rope``'s); where a rank is cut it stays ``pre_rope``."""
+    seqs = torch.randint(0, 97, (6, 23), generator=torch.Generator().manual_seed(3))
+    kw = {"sequences": seqs, "method": "pca", "bits": 16, "allocation": "uniform", "share_heads": share_heads}
+
+    def run(budget, key_mode):
+        return stiefkv.calibrate(tiny_model(layers=2), None, budget=budget, key_mode=key_mode, **kw)
+
+    auto, post, pre = run(1.0, "auto"), run(1.0, "post_rope"), run(1.0, "pre_rope")
+    assert auto.key_mode == "post_rope" and auto.settings["key_mode"] == "auto"
+    for a, b, c in zip(auto.keys, post.keys, pre.keys):
+        assert_close(a, b, atol=1e-5, rtol=0, what="auto's key basis against post_rope's")
+        assert (a - c).abs().max() > 0.1  # the rotated keys' eigenvectors differ from the plain keys'
+    cut = run(0.5, "auto")
+    assert cut.key_mode == "pre_rope"
+    for a, c in zip(cut.keys, run(0.5, "pre_rope").keys):
+        assert torch.equal(a, c)
 
 
 def test_pretokenized_sequences_replace_data():
