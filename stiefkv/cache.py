@@ -245,6 +245,26 @@ class LatentStore:
         return self.held + (0 if self.window is None else _tokens(self.window))
 
     @property
+    def rank(self) -> int | None:
+        """The latent's rank (None while the store is empty)."""
+        for part in (self.codes, self.window):
+            if isinstance(part, Quantized):
+                return part.rank
+            if isinstance(part, torch.Tensor):
+                return part.shape[-1]
+        return None
+
+    @property
+    def rows(self) -> int | None:
+        """The batch rows held (None while the store is empty)."""
+        for part in (self.codes, self.window):
+            if isinstance(part, Quantized):
+                return part.codes.shape[0]
+            if isinstance(part, torch.Tensor):
+                return part.shape[0]
+        return None
+
+    @property
     def nbytes(self) -> int:
         codes = 0 if self.codes is None else self.codes.nbytes
         return codes + (0 if self.window is None else self.window.nbytes)

@@ -204,7 +204,9 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     if self_study:
         _refuse_latent(cache, "self-study")
         studied = study_queries(model, ids, cache, self_study, seed, prompt=study_prompt, greedy=study_greedy)
-        queries = studied if window == 0 else [torch.cat([a, b], 2) for a, b in zip(queries, studied)]
+        # the window's (or the repeat's) queries beside the studied ones; none from a window of 0 alone
+        queries = studied if window == 0 and not repeat else [torch.cat([a, b], 2)
+                                                               for a, b in zip(queries, studied)]
     cache.reference_queries = queries
     return cache
 
@@ -636,6 +638,15 @@ def check_cache(model, cache) -> int:
     if not ok:
         raise ValueError(f"the cache does not belong to this model: it holds {len(held)} layers of keys "
                          f"{list(shape)}, the model has {len(layers)} layers of {heads}")
+    if latent:
+        for i, (layer, held_layer) in enumerate(zip(layers, cache.layers)):
+            ranks = (tuple(s.rank for s in held_layer.stores) if isinstance(held_layer, QuantizedLatentLayer)
+                     else (held_layer.keys.shape[-1], held_layer.values.shape[-1]))
+            served = (layer.self_attn.P_k.shape[-1], layer.self_attn.P_v.shape[-1])
+            if ranks != served:
+                raise ValueError(f"the cache does not belong to this model as served: layer {i} holds "
+                                 f"latents of ranks {ranks}, the model's checkpoint has {served} (another "
+                                 "checkpoint filled it); prefill again with the model you compact for")
     return cache.get_seq_length() if latent else shape[2]
 
 
@@ -660,6 +671,11 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     quarter, none below 128 kept entries (:func:`pin_count`), none for ``attention``; ``pin=0`` for none.
     The result continues with ``model(ids, past_key_values=...)`` or ``model.generate(...)`` at the prompt's
     original positions."""
+    try:
+        keep = float(keep)
+    except (TypeError, ValueError):
+        raise ValueError(f"keep must be a number in (0, 1] (the fraction of the prompt's tokens kept), got "
+                         f"{keep!r}") from None
     if not 0 < keep <= 1:
         raise ValueError(f"keep must be in (0, 1] (the fraction of the prompt's tokens kept), got {keep}")
     if method not in METHODS:
@@ -672,5 +688,31 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     if queries is None:
         raise ValueError("compact needs the prompt's reference queries: prefill with "
                          "stiefkv.prefill(model, ids), or pass queries=")
-    effective_options(method, options)
+    check_queries(model, cache, queries)
+    effective_options(method, {k: v for k, v in options.items() if k != "pin"})
     return build(model, cache, queries, max(1, round(keep * T)), method, **options)
+
+
+def check_queries(model, cache, queries) -> None:
+    """A clear error unless ``queries`` are one ``[B, H, m ≥ 1, d]`` tensor a layer for ``cache``'s rows and
+    ``model``'s query heads."""
+    layers = decoder_layers(model)
+    cfg = model.config
+    H = cfg.num_attention_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
+    B = _rows_of(cache)
+    if not isinstance(queries, (list, tuple)) or len(queries) != len(layers):
+        n = len(queries) if isinstance(queries, (list, tuple)) else type(queries).__name__
+        raise ValueError(f"queries must be a list of one tensor a layer ({len(layers)}); got {n}")
+    for i, q in enumerate(queries):
+        if not isinstance(q, torch.Tensor) or q.dim() != 4 or q.shape[0] != B or q.shape[1] != H \
+                or q.shape[2] < 1 or q.shape[3] != d:
+            shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
+            raise ValueError(f"queries of layer {i} must be [batch {B}, {H} query heads, ≥ 1 queries, {d}] "
+                             f"(rotated, as stiefkv.prefill keeps them); got {shape}")
+
+
+def _rows_of(cache) -> int:
+    """The batch rows a prefilled cache holds."""
+    first = cache.layers[0]
+    return first.stores[0].rows if isinstance(first, QuantizedLatentLayer) else first.keys.shape[0]

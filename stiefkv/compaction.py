@@ -23,6 +23,7 @@ a KV head are all reference queries of that head.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -173,10 +174,16 @@ def _ridged(gram: torch.Tensor, ridge: float, pad: torch.Tensor | None) -> tuple
 def _fit_projected(A: torch.Tensor, pad: torch.Tensor | None = None) -> torch.Tensor:
     """``w ≥ 0`` ``[..., t]`` with ``A w ≈ 1`` for ``A`` ``[..., m, t]``: clamped least squares, then
     :data:`PROJECTED_STEPS` projected gradient steps, batched over the leading dimensions. ``pad``
-    ``[..., t]`` marks padding columns (zero in ``A``; their weight stays 0)."""
+    ``[..., t]`` marks padding columns (zero in ``A``; their weight stays 0).
+
+    The least squares lean towards ``w = 1`` (β = 0) by a vanishing ridge: where the masses do not determine
+    the weights (fewer queries than entries, as when every token is kept) they start from the solution
+    nearest no bias, not from the one nearest 0, which put no weight on most entries."""
     gram = A.transpose(-1, -2) @ A
     rhs = A.sum(-2)
-    w = _solve(_ridged(gram, 1e-9, pad)[0], rhs).clamp_min(0)
+    M, lam = _ridged(gram, 1e-9, pad)
+    ones = torch.ones_like(rhs) if pad is None else (~pad).to(rhs.dtype)
+    w = _solve(M, rhs + lam[..., 0] * ones).clamp_min(0)
     step = (1 / _largest_eigenvalue(gram))[..., None]
     for _ in range(PROJECTED_STEPS):
         w = (w - step * ((gram @ w[..., None])[..., 0] - rhs)).clamp_min(0)
@@ -189,7 +196,13 @@ def _fit_weights(E_sel: torch.Tensor, mass: torch.Tensor, solver: str = "nnls") 
     steps (on the tensors' device; the reference code's way)."""
     A = E_sel / mass[:, None]
     if solver == "nnls":
-        w, _ = nnls(A.cpu().numpy(), np.ones(A.shape[0]))
+        m, t = A.shape
+        b = np.ones(m)
+        if t > m:  # the masses do not determine the weights: the ones nearest no bias (w = 1) among them
+            mu = math.sqrt(1e-9 * float((A * A).sum()) / t)
+            A, b = torch.cat([A, mu * torch.eye(t, dtype=A.dtype, device=A.device)]), np.concatenate(
+                [b, np.full(t, mu)])
+        w, _ = nnls(A.cpu().numpy(), b)
         return torch.from_numpy(w).to(A.device)
     if solver != "projected":
         raise ValueError(f"solver must be one of {', '.join(SOLVERS)}; got {solver!r}")
@@ -301,13 +314,15 @@ def _fit_gathered(E_sel: torch.Tensor, mass: torch.Tensor, chosen: torch.Tensor,
 def block_counts(scores: torch.Tensor, t: int, block: int) -> list[int]:
     """Entries per block of ``block`` tokens for heads keeping ``t`` of ``T`` keys by ``scores``
     ``[..., T]``: each block's share of every head's top ``t``, averaged over heads, at least 1 per block,
-    rounded to sum ``t`` (largest remainders)."""
+    rounded to sum ``t`` (largest remainders); fewer entries than blocks go to the blocks of largest share
+    (the others get 0 and are dropped)."""
     T = scores.shape[-1]
     starts = list(range(0, T, block))
     top = torch.zeros_like(scores, dtype=torch.float64).scatter_(-1, scores.topk(t, -1).indices, 1.0)
     share = torch.stack([top[..., s:s + block].sum(-1) for s in starts], -1).flatten(0, -2).mean(0)
     sizes = [min(block, T - s) for s in starts]
-    floor = [max(1, min(size, int(x))) for x, size in zip(share.tolist(), sizes)]
+    least = 1 if t >= len(starts) else 0  # fewer entries than blocks: the blocks of smallest share get none
+    floor = [max(least, min(size, int(x))) for x, size in zip(share.tolist(), sizes)]
     order = sorted(range(len(starts)), key=lambda i: float(share[i]) - int(share[i]), reverse=True)
     while sum(floor) < t:  # hand the remainder to the largest fractions, never past a block's size
         grew = False
@@ -404,11 +419,31 @@ ALLOCATIONS = ("uniform", "global", "layers", "layers-max")
 AM_DEFAULTS = {"allocation": "layers-max", "pooling": "rms", "solver": "projected", "block": 4096}
 
 
+OPTIONS = ("selection", "fit_beta", "refit_values", "allocation", "pooling", "solver", "ridge", "block")
+
+
 def effective_options(method: str, options: dict) -> dict:
-    """``options`` over ``method``'s defaults (``allocation`` among them), checked."""
+    """``options`` over ``method``'s defaults (``allocation`` among them), checked: a name or value a fit
+    would not take is refused here, with what it takes."""
+    unknown = sorted(set(options) - set(OPTIONS))
+    if unknown:
+        raise ValueError(f"unknown compaction option {', '.join(map(repr, unknown))}: the options are "
+                         f"{', '.join(OPTIONS)} (and pin)")
     merged = {**(AM_DEFAULTS if method == "am" else {"allocation": "uniform"}), **options}
-    if merged["allocation"] not in ALLOCATIONS:
-        raise ValueError(f"allocation must be one of {', '.join(ALLOCATIONS)}; got {merged['allocation']!r}")
+    for name, allowed in (("allocation", ALLOCATIONS), ("selection", SELECTIONS), ("pooling", POOLINGS),
+                          ("solver", SOLVERS)):
+        if name in merged and merged[name] not in allowed:
+            raise ValueError(f"{name} must be one of {', '.join(allowed)}; got {merged[name]!r}")
+    for name in ("fit_beta", "refit_values"):
+        if name in merged and not isinstance(merged[name], bool):
+            raise ValueError(f"{name} is True or False; got {merged[name]!r}")
+    ridge = merged.get("ridge", DEFAULT_RIDGE)
+    if isinstance(ridge, bool) or not isinstance(ridge, (int, float)) or not 0 <= ridge < math.inf:
+        raise ValueError(f"ridge must be a finite number ≥ 0 (× the fit's mean diagonal); got {ridge!r}")
+    block = merged.get("block")
+    if block is not None and (isinstance(block, bool) or not isinstance(block, int) or block < 1):
+        raise ValueError(f"block must be a whole number of tokens ≥ 1, or None for whole layers; got "
+                         f"{block!r}")
     return merged
 
 
@@ -452,6 +487,9 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     B, G = keys.shape[:2]
     per = queries.shape[1] // G
     budget = torch.as_tensor(t).expand(B, G)
+    if bool((budget >= keys.shape[2]).all()):  # every token kept: the block itself, exactly
+        index = torch.arange(keys.shape[2], device=keys.device).expand(B, G, -1)
+        return keys, keys.new_zeros(B, G, keys.shape[2]), values, index
     options = dict(options)
     scores, block = options.pop("scores", None), options.pop("block", None)
     if _batchable(budget, method, options):
@@ -459,6 +497,13 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
             options = {"pooling": options.get("pooling", "mean"), "fit_beta": False, "refit_values": False}
         return _compact_layer_batched(keys, values, queries, int(budget[0, 0]), scale=scale,
                                       block=block if method == "am" else None, scores=scores, **options)
+    if B > 1 and bool((budget == budget[:, :1]).all()) and _batchable(budget[:1], method, options):
+        # rows of different counts (each row's own allocation), each uniform over its heads: row by row on
+        # the batched path, padded to the largest
+        return _rows_padded([compact_layer(keys[b:b + 1], values[b:b + 1], queries[b:b + 1], budget[b:b + 1],
+                                           scale=scale, method=method, block=block,
+                                           scores=None if scores is None else scores[b:b + 1], **options)
+                             for b in range(B)])
     out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1),
                            int(budget[b, g]), scale=scale, method=method, **options)
             for g in range(G)] for b in range(B)]
@@ -469,6 +514,22 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     beta = torch.stack([torch.stack([c.beta for c in row]) for row in out]).to(keys.device)
     fitted = torch.stack([torch.stack([c.values for c in row]) for row in out]).to(values.device)
     return kept, beta, fitted, index
+
+
+def _rows_padded(rows: list[tuple]) -> tuple:
+    """:func:`compact_layer`'s results for single rows joined into one batch, each padded to the largest
+    count with entries attention never reads (the last kept key again, β = :data:`PAD_BETA`, zero values)."""
+    n = max(index.shape[-1] for *_, index in rows)
+    out = []
+    for kept, beta, fitted, index in rows:
+        extra = n - index.shape[-1]
+        if extra:
+            kept = torch.cat([kept, kept[..., -1:, :].expand(*kept.shape[:2], extra, -1)], 2)
+            beta = torch.cat([beta, beta.new_full((*beta.shape[:2], extra), PAD_BETA)], 2)
+            fitted = torch.cat([fitted, fitted.new_zeros(*fitted.shape[:2], extra, fitted.shape[-1])], 2)
+            index = torch.cat([index, index[..., -1:].expand(*index.shape[:2], extra)], 2)
+        out.append((kept, beta, fitted, index))
+    return tuple(torch.cat(parts) for parts in zip(*out))
 
 
 HEADS = {"global": "each", "layers": "mean", "layers-max": "max"}  # global_budgets' heads= per allocation
@@ -583,17 +644,21 @@ def global_budgets(keys: list[torch.Tensor], queries: list[torch.Tensor], t: int
     total = t * L * G
     ranked = allk.flatten(1).sort(-1, descending=True).values  # [B, L·G·T]
 
-    def counts_at(n: int) -> torch.Tensor:  # [B, L, G]: each head's keys among the n best of its row
-        return (allk >= ranked[:, n - 1, None, None, None]).sum(-1)
+    def counts_at(n) -> torch.Tensor:  # [B, L, G]: each head's keys among the n best of its row ([B] or one)
+        n = torch.as_tensor(n, device=ranked.device).expand(B)
+        cut = ranked.gather(1, (n - 1)[:, None])
+        return (allk >= cut[:, :, None, None]).sum(-1)
 
     if heads == "max":
-        lo, hi = 1, ranked.shape[1]  # the largest n whose per-layer maxima store ≤ total
-        while lo < hi:
+        # per row, the largest n whose per-layer maxima store ≤ total (each row its own: one row's keys
+        # never move another's cut)
+        lo = torch.ones(B, dtype=torch.long, device=ranked.device)
+        hi = torch.full_like(lo, ranked.shape[1])
+        while bool((lo < hi).any()):
             mid = (lo + hi + 1) // 2
-            if int(counts_at(mid).amax(-1).sum(-1).max()) * G <= total:
-                lo = mid
-            else:
-                hi = mid - 1
+            fits = counts_at(mid).amax(-1).sum(-1) * G <= total
+            open_ = lo < hi
+            lo, hi = torch.where(open_ & fits, mid, lo), torch.where(open_ & ~fits, mid - 1, hi)
         counts = counts_at(lo).amax(-1, keepdim=True).expand(B, L, G)
     else:
         counts = counts_at(total)

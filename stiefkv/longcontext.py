@@ -63,11 +63,16 @@ class CompactedResult:
 
 def _queries_for(method: str, context: int, window: int) -> dict:
     """What of the prompt's queries ``method`` reads (:func:`prefill_with_queries`' arguments)."""
+    if window < 1:
+        raise ValueError(f"the reference window must hold at least 1 query; got {window}")
     if method == "tova":
         return dict(window=1, shift=False)
     if method == "snapkv":
-        return dict(window=presses.SNAPKV_WINDOW, shift=False)
+        return dict(window=min(presses.SNAPKV_WINDOW, context), shift=False)
     if method == "expected_attention":
+        if context <= presses.SINKS:
+            raise ValueError(f"expected_attention keeps its first {presses.SINKS} tokens and scores the "
+                             f"rest: a context of {context} tokens leaves none to score; use a longer one")
         return dict(window=context - presses.SINKS, shift=False, rotate=False)
     if method in AM_METHODS:
         return dict(window=min(window, context))

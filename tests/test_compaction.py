@@ -149,6 +149,13 @@ def test_bad_compressed_context_requests_are_refused():
         evaluate_compacted(model, None, method="expected")
     with pytest.raises(ValueError, match="allocation must be one of uniform, global"):
         evaluate_compacted(model, None, allocation="heads")
+    from stiefkv.longcontext import chunk_nll
+
+    ids = torch.randint(3, 97, (1, 14), generator=torch.Generator().manual_seed(1))
+    with pytest.raises(ValueError, match="reference window must hold at least 1"):
+        chunk_nll(model, ids, 10, 0.5, "am", window=0)
+    with pytest.raises(ValueError, match="a context of 4 tokens leaves none to score"):
+        chunk_nll(model, ids[:, :8], 4, 0.5, "expected_attention")
 
 
 # ------------------------------------------------------------------------ kvpress's presses, from definitions
@@ -442,6 +449,23 @@ def test_bad_compact_requests_are_refused():
         stiefkv.prefill(model, ids[0])
     with pytest.raises(ValueError, match="not all 0"):
         stiefkv.prefill(model, ids, window=0)
+    for options, match in (({"block": 0}, "block must be"), ({"block": -5}, "block must be"),
+                           ({"ridge": -1.0}, "ridge must be"), ({"foo": 1}, "unknown compaction option"),
+                           ({"solver": "lsq"}, "solver must be one of"), ({"pooling": "sum"}, "pooling must"),
+                           ({"selection": "best"}, "selection must be"), ({"fit_beta": "y"}, "fit_beta is")):
+        with pytest.raises(ValueError, match=match):
+            stiefkv.compact(model, cache, 0.3, **options)
+    with pytest.raises(ValueError, match="keep must be a number"):
+        stiefkv.compact(model, cache, keep="half")
+    assert stiefkv.compact(model, cache, keep=torch.tensor(0.3)).get_seq_length() == 20
+    queries = cache.reference_queries
+    for bad, match in ((queries[:1], "one tensor a layer"), ([q[..., :5] for q in queries], "of layer 0"),
+                       ([q[:, :, :0] for q in queries], "≥ 1 queries"),
+                       ([q.expand(2, -1, -1, -1) for q in queries], "batch 1")):
+        with pytest.raises(ValueError, match=match):
+            stiefkv.compact(model, cache, 0.3, queries=bad)
+    mixed = stiefkv.prefill(model, ids, window=0, repeat=10, self_study=3)
+    assert all(q.shape[2] == 13 for q in mixed.reference_queries)  # the repeat's 10 beside the studied 3
 
 
 def test_surprise_is_the_models_loss_on_each_prompt_token():
@@ -602,6 +626,53 @@ def _one_token_cache(model, ids):
 
 
 # ------------------------------------------------------------------------------------ compaction in blocks
+@pytest.mark.parametrize("solver", ["projected", "nnls"])
+def test_keeping_every_token_with_fewer_queries_than_tokens_is_the_uncompressed_cache(solver):
+    """One query head a KV head and a reference window of 16 for 45 tokens: the masses alone do not decide
+    45 weights. Keeping every token continues exactly as the full forward, and a fit of every token from
+    16 queries leans to no bias (β ≈ 0), not to weights of 0 (which evicted most of them)."""
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from stiefkv.compaction import compact_head, compacted_attention
+    from tests.tiny import tiny_model
+
+    model = tiny_model(layers=2, heads=4, kv_heads=4)
+    ids = torch.randint(3, 97, (1, 52), generator=torch.Generator().manual_seed(4))
+    C = 45
+    with torch.no_grad():
+        full = model(ids).logits[:, C:]
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=1.0, solver=solver)
+        got = model(ids[:, C:], position_ids=torch.arange(C, 52)[None],
+                    **{cache_keyword(model): cache}).logits
+    assert (got - full).abs().max() < 1e-4
+    keys, values, queries = block(7, 45, 16, 16)
+    fit = compact_head(keys, values, queries(16), 45, scale=0.25, solver=solver)
+    assert fit.beta.abs().max() < 1e-3
+    held_out = queries(64)
+    exact = compacted_attention(held_out, keys, values, scale=0.25)
+    assert rel(compacted_attention(held_out, keys[fit.index], fit.values, scale=0.25, beta=fit.beta),
+               exact) < 1e-4
+
+
+def test_each_row_of_a_batch_is_compacted_as_it_would_be_alone():
+    """The default allocation (``layers-max``) cuts each row by its own keys: a row batched with another keeps
+    the counts and continues with the logits it gets compacted alone."""
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from tests.tiny import tiny_model
+
+    model = tiny_model(layers=3)
+    ids = torch.randint(3, 97, (2, 70), generator=torch.Generator().manual_seed(12))
+    C, key = 60, cache_keyword(model)
+    pos = torch.arange(C, 70)[None]
+    with torch.no_grad():
+        both = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3)
+        alone = stiefkv.compact(model, stiefkv.prefill(model, ids[:1, :C], window=16), keep=0.3)
+        a = model(ids[:1, C:], position_ids=pos, **{key: alone}).logits
+        b = model(ids[:, C:], position_ids=pos.expand(2, -1), **{key: both}).logits[:1]
+    assert (a - b).abs().max() < 1e-4
+
+
 def test_block_counts_follow_the_top_keys_and_sum_to_the_budget():
     from stiefkv.compaction import block_counts
 
@@ -613,6 +684,10 @@ def test_block_counts_follow_the_top_keys_and_sum_to_the_budget():
     assert counts[1] == max(counts) and counts[1] >= 24  # 24 of the 40 boosted keys lie in block 1
     assert block_counts(scores, 250, 64) == [64, 64, 64, 58]  # everything kept: each block whole
     assert sum(block_counts(scores, 3, 64)) == 3  # fewer than blocks: no block below what the budget allows
+    assert block_counts(scores, 1, 64) == [0, 1, 0, 0]  # ... and the block of the top keys keeps its entry
+    top_first = torch.rand(2, 100, generator=g) * 0.01
+    top_first[:, :3] = 10.0
+    assert block_counts(top_first, 3, 16) == [3, 0, 0, 0, 0, 0, 0]
 
 
 @pytest.mark.parametrize("B,G,H,T,t,block", [(1, 3, 9, 131, 29, 40), (2, 2, 8, 97, 11, 64)])

@@ -233,6 +233,9 @@ def test_bad_latent_compaction_requests_are_refused():
             done.crop(10)
     with pytest.raises(ValueError, match="does not belong to this model"):
         stiefkv.compact(model, cache)
+    with compressed(model, random_projections(model, 7, 5)):  # another checkpoint's ranks
+        with pytest.raises(ValueError, match="ranks \\(8, 8\\), the model's checkpoint has \\(7, 5\\)"):
+            stiefkv.compact(model, cache)
 
 
 def test_compressed_context_perplexity_of_a_served_model():
