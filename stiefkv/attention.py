@@ -14,6 +14,7 @@ weights, plus the bases beside them in ``stiefkv_projections.safetensors``.
 from __future__ import annotations
 
 import logging
+import types
 import weakref
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -83,9 +84,10 @@ class LowRankAttention(nn.Module):
         self.rope = RopeSpec(rope.inv_freq.to(device), rope.attention_scaling)
         # P_v folded into o_proj (exact): attention returns its output in r_v dimensions and one matmul of
         # [D, H·r_v] replaces P_v's epilogue plus o_proj; measured faster on the H200 (BENCHMARKS.md §2, P_v).
-        o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(self.P_v, self.kv_heads))
+        with torch.no_grad():  # buffers, not functions of the weights: no graph to keep (and to deepcopy)
+            o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(self.P_v, self.kv_heads))
+            fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)
         self.register_buffer("o_fold", o_fold, persistent=False)
-        fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)
         for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
             self.register_buffer(name, tensor, persistent=False)
         self._cast_key: tuple | None = None  # (P_k's storage, version, device, dtype) of the cached cast
@@ -285,7 +287,10 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
     wrappers = (("_prepare_cache_for_generation", _wrap_prepare_cache), ("save_pretrained", _wrap_save))
     for name, wrap in wrappers:
         if hasattr(type(model), name):
-            setattr(model, name, wrap(model, getattr(type(model), name)))
+            # bound methods, not closures over this instance: a deep copy of the model rebinds them to itself
+            method = wrap(getattr(type(model), name))
+            method._stiefkv_projections = proj
+            setattr(model, name, types.MethodType(method, model))
             served.patched.append(name)
     _SERVED[model] = served
     return model
@@ -310,13 +315,23 @@ def is_compressed(model: nn.Module) -> bool:
 
 
 def projections_of(model: nn.Module) -> Projections | None:
-    """The projections a model is served with, or None."""
+    """The projections a model is served with, or None (a deep copy of a served model answers too)."""
     served = _SERVED.get(model)
-    return served.projections if served is not None else None
+    if served is not None:
+        return served.projections
+    return next((getattr(m.__func__, "_stiefkv_projections") for m in _our_methods(model)), None)
+
+
+def _our_methods(model: nn.Module) -> list:
+    """The instance methods :func:`apply_projections` installed on ``model`` (or on the model it was copied
+    from)."""
+    return [m for m in vars(model).values()
+            if isinstance(m, types.MethodType) and hasattr(m.__func__, "_stiefkv_projections")]
 
 
 def unload(model: nn.Module) -> nn.Module:
-    """Restore the model's original attention modules, cache and methods."""
+    """Restore the model's original attention modules, cache and methods (also of a deep copy of a served
+    model, whose hook and methods :func:`load` never registered)."""
     for layer in decoder_layers(model):
         if isinstance(layer.self_attn, LowRankAttention):
             layer.self_attn = layer.self_attn.original
@@ -324,19 +339,35 @@ def unload(model: nn.Module) -> nn.Module:
     if served is not None:
         for handle in served.hooks:
             handle.remove()
-        for name in served.patched:
-            model.__dict__.pop(name, None)
+    for name, method in list(vars(model).items()):
+        if isinstance(method, types.MethodType) and hasattr(method.__func__, "_stiefkv_projections"):
+            del model.__dict__[name]
+    base = getattr(model, "model", model)
+    for key, hook in list(base._forward_pre_hooks.items()):
+        if hook is _latent_cache_hook:
+            del base._forward_pre_hooks[key]
+            base._forward_pre_hooks_with_kwargs.pop(key, None)
     return model
+
+
+def _served_backend(model: nn.Module) -> str:
+    return next(layer.self_attn.backend for layer in decoder_layers(model)
+                if isinstance(layer.self_attn, LowRankAttention))
 
 
 @contextmanager
 def compressed(model: nn.Module, proj: Projections, *, backend: str = "auto"):
-    """``with compressed(model, proj): ...`` runs the block with the bases applied, then restores."""
+    """``with compressed(model, proj): ...`` runs the block with the bases applied, then restores the model
+    as it was (served with its own checkpoint again, if it was)."""
+    before = projections_of(model)
+    before_backend = _served_backend(model) if before is not None and is_compressed(model) else None
     apply_projections(model, proj, backend=backend)
     try:
         yield model
     finally:
         unload(model)
+        if before is not None:
+            apply_projections(model, before, backend=before_backend or "auto")
 
 
 class Switch:
@@ -355,14 +386,15 @@ class Switch:
             self.modules = [layer.self_attn for layer in self.layers]
 
     def __enter__(self):
+        self.before = [layer.self_attn for layer in self.layers]  # a served model's own, if it is served
         for layer, module in zip(self.layers, self.modules):
             layer.self_attn = module
         self.hook = self.base.register_forward_pre_hook(_latent_cache_hook, with_kwargs=True)
 
     def __exit__(self, *exc):
         self.hook.remove()
-        for layer, module in zip(self.layers, self.modules):
-            layer.self_attn = module.original
+        for layer, module in zip(self.layers, self.before):
+            layer.self_attn = module
 
 
 def _latent_cache_hook(module: nn.Module, args, kwargs):
@@ -384,7 +416,7 @@ def _latent_cache_hook(module: nn.Module, args, kwargs):
     return args, kwargs
 
 
-def _wrap_prepare_cache(model: nn.Module, original):
+def _wrap_prepare_cache(original):
     """``generate`` makes its ``DynamicCache`` (or, with ``cache_implementation="static"``, its
     ``StaticCache``) in ``_prepare_cache_for_generation``; transformers has no registry for cache classes, so
     this instance's method is wrapped (undone by :func:`unload`) to put a :class:`LatentCache` (a
@@ -393,7 +425,7 @@ def _wrap_prepare_cache(model: nn.Module, original):
     transformers stops calling the method this way."""
     from transformers import DynamicCache, StaticCache
 
-    def prepare(*args, **kwargs):
+    def prepare(model, *args, **kwargs):
         result = original(model, *args, **kwargs)
         for obj in list(args) + list(kwargs.values()):
             if not isinstance(obj, dict):
@@ -425,15 +457,15 @@ def _static_batch(original, model, args, kwargs) -> int:
     return int(batch) * copies
 
 
-def _wrap_save(model: nn.Module, original):
+def _wrap_save(original):
     """``save_pretrained`` writes the original weights (the state dict is unchanged by :func:`load`); the
     wrapper adds the bases beside them, so that the folder reloads compressed with ``stiefkv.load_model``."""
 
-    def save_pretrained(save_directory, *args, **kwargs):
+    def save_pretrained(model, save_directory, *args, **kwargs):
         result = original(model, save_directory, *args, **kwargs)
-        served = _SERVED.get(model)
-        if served is not None:
-            served.projections.save(Path(save_directory) / PROJECTIONS_FILE)
+        proj = projections_of(model)
+        if proj is not None:
+            proj.save(Path(save_directory) / PROJECTIONS_FILE)
         return result
 
     return save_pretrained

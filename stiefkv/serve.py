@@ -52,12 +52,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         batch.
     capture : ``"auto"`` captures the decode step as a CUDA graph on CUDA (a model on one device) and runs it
         eagerly elsewhere; True demands the capture, False runs eagerly. Both give the same tokens.
-    eos_token_id, pad_token_id : tokens after a row's first end token become ``pad_token_id`` (the steps
-        still run: a captured loop does not stop early). ``"model"`` takes the model's generation config
-        (its first end token, and its pad token or else the end token), as ``generate`` does; None keeps
-        every token.
+    eos_token_id, pad_token_id : tokens after a row's first end token (one id or a list of them) become
+        ``pad_token_id`` (the steps still run: a captured loop does not stop early). ``"model"`` takes the
+        model's generation config (its end tokens, and its pad token or else the first end token), as
+        ``generate`` does; None keeps every token.
     """
     B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture)
+    if not (isinstance(eos_token_id, str) and eos_token_id == "model"):
+        _end_ids(eos_token_id)  # a bad end token is refused before any work
     device = input_ids.device
     max_length = N + max_new_tokens if max_length is None else int(max_length)
     if max_length < N + max_new_tokens:
@@ -76,10 +78,11 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
                 runner.decode_captured(state, max_new_tokens - 1, demanded=capture is True)
             else:
                 runner.decode_eager(state, max_new_tokens - 1)
-    if eos_token_id == "model":
+    if isinstance(eos_token_id, str) and eos_token_id == "model":
         eos_token_id, pad_token_id = _model_end_tokens(model, pad_token_id)
-    if eos_token_id is not None:
-        tokens = _pad_after_eos(tokens, eos_token_id, eos_token_id if pad_token_id is None else pad_token_id)
+    ends = _end_ids(eos_token_id)
+    if ends:
+        tokens = _pad_after_eos(tokens, ends, ends[0] if pad_token_id is None else pad_token_id)
     return torch.cat([input_ids, tokens], 1)
 
 
@@ -117,18 +120,27 @@ def _positions(mask: torch.Tensor | None, B: int, N: int, device) -> torch.Tenso
     return (mask.long().cumsum(1) - 1).clamp(min=0).to(device)
 
 
-def _model_end_tokens(model: nn.Module, pad: int | None) -> tuple[int | None, int | None]:
+def _model_end_tokens(model: nn.Module, pad: int | None):
     config = getattr(model, "generation_config", None)
-    eos = getattr(config, "eos_token_id", None)
-    eos = eos[0] if isinstance(eos, (list, tuple)) and eos else eos
     if pad is None:
         pad = getattr(config, "pad_token_id", None)
-    return (int(eos) if eos is not None else None), pad
+    return getattr(config, "eos_token_id", None), pad
 
 
-def _pad_after_eos(tokens: torch.Tensor, eos: int, pad: int) -> torch.Tensor:
-    done = (tokens == eos).long().cumsum(1)
-    after = (done - (tokens == eos).long()) > 0  # strictly after the first eos
+def _end_ids(eos) -> list[int]:
+    """End token ids from one id, a list or tensor of them, or None (none)."""
+    if eos is None:
+        return []
+    ids = eos.flatten().tolist() if isinstance(eos, torch.Tensor) else eos
+    ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
+    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        raise ValueError(f"eos_token_id must be a token id, a list of them, None or 'model'; got {eos!r}")
+    return ids
+
+
+def _pad_after_eos(tokens: torch.Tensor, ends: list[int], pad: int) -> torch.Tensor:
+    is_end = torch.isin(tokens, torch.tensor(ends, device=tokens.device, dtype=tokens.dtype)).long()
+    after = (is_end.cumsum(1) - is_end) > 0  # strictly after the first end token
     return tokens.masked_fill(after, pad)
 
 

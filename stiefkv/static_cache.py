@@ -416,9 +416,9 @@ class StaticLatentCache(LatentCache):
                 raise ValueError("StaticLatentCache holds a served model's latents; prepare the model with "
                                  "stiefkv.load(model, ckpt) first")
             device, dtype = attn.q_proj.weight.device, attn.q_proj.weight.dtype
-            G = attn.P_k.shape[0]
             for spec, P, bufs in ((attn.quant[0], attn.P_k, self.keys_buf),
                                   (attn.quant[1], attn.P_v, self.values_buf)):
+                G = P.shape[0]  # each latent its own: a basis shared by the KV heads holds one a token
                 if spec.quantized and kernel_readable(spec):
                     bufs.append(CodeBuffer(spec, self.rows, G, slots, P.shape[2], device, attn.backend))
                 elif spec.quantized:
@@ -654,7 +654,7 @@ class StaticLatentCache(LatentCache):
         if self.windowed:
             raise ValueError("a static cache with an exact window or channel-layout codes cannot be cropped "
                              "(the tokens cut would have to come back exact); use the dynamic LatentCache")
-        keep = self.seen + max_length if max_length <= 0 else min(max_length, self.seen)
+        keep = max(0, self.seen + max_length) if max_length <= 0 else min(max_length, self.seen)
         self.seen = keep
         self.filled.fill_(keep)
 

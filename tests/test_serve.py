@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import stiefkv
+from stiefkv.attention import is_compressed, projections_of
 from stiefkv.serve import Runner
 from stiefkv.static_cache import CacheOverflowError, StaticLatentCache
 from tests.tiny import random_projections, tiny_model
@@ -121,6 +122,83 @@ def test_eos_pads_the_rest_of_the_row():
     assert torch.equal(stiefkv.generate(model, ids, max_new_tokens=8)[:, 19:], out)
 
 
+def test_any_of_several_end_tokens_pads_the_rest_as_generate_does():
+    """A list of end tokens (Llama-3-Instruct's config has two, the turn's end second): every row pads after
+    its first end token of any of them, as ``model.generate`` pads; a bad end token is refused up front."""
+    model = served()
+    ids, mask = prompt(padded=False)
+    free = stiefkv.generate(model, ids, max_new_tokens=8, eos_token_id=None)[:, 19:]
+    second = int(free[0, 2])
+    first = next(t for t in range(2, 97) if t not in free)  # never generated: only the second one ends
+    model.generation_config.eos_token_id, model.generation_config.pad_token_id = [first, second], 0
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False)[:, 19:]
+    assert bool((expected[0, 3:] == 0).all())
+    assert torch.equal(stiefkv.generate(model, ids, max_new_tokens=8)[:, 19:], expected)
+    assert torch.equal(stiefkv.generate(model, ids, max_new_tokens=8, eos_token_id=[first, second],
+                                        pad_token_id=0)[:, 19:], expected)
+    with pytest.raises(ValueError, match="eos_token_id must be a token id"):
+        stiefkv.generate(model, ids, max_new_tokens=8, eos_token_id="</s>")
+
+
+def test_a_deep_copy_of_a_served_model_is_served_on_its_own(tmp_path):
+    """The folded weights hold no autograd graph, so a served model copies; the copy's save_pretrained
+    writes the copy's weights and bases, and unloading it leaves nothing of ours on it nor touches the
+    original."""
+    model = served()
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        twin.lm_head.weight.add_(1.0)
+    twin.save_pretrained(tmp_path / "twin")
+    from safetensors.torch import load_file
+
+    saved = load_file(str(tmp_path / "twin" / "model.safetensors"))
+    head = saved.get("lm_head.weight", saved["model.embed_tokens.weight"])
+    assert torch.equal(head, twin.lm_head.weight)
+    from stiefkv.projections import PROJECTIONS_FILE
+
+    assert stiefkv.Projections.load(tmp_path / "twin" / PROJECTIONS_FILE).ranks == [(11, 13)] * 2
+    assert projections_of(twin) is projections_of(model)
+    stiefkv.unload(twin)
+    assert not is_compressed(twin) and projections_of(twin) is None
+    assert not twin.model._forward_pre_hooks and "save_pretrained" not in vars(twin)
+    assert is_compressed(model) and model.model._forward_pre_hooks
+
+
+def test_a_served_model_compressed_with_other_bases_for_a_block_is_served_with_its_own_after():
+    from stiefkv.attention import Switch, compressed
+
+    model = served()
+    own, other = projections_of(model), random_projections(model, 7, 5)
+    with compressed(model, other):
+        assert projections_of(model) is other
+    assert projections_of(model) is own and model.model.layers[0].self_attn.P_k.shape[-1] == 11
+    switch = Switch(model, other)
+    assert projections_of(model) is own
+    with switch:
+        assert model.model.layers[0].self_attn.P_k.shape[-1] == 7
+    assert model.model.layers[0].self_attn.P_k.shape[-1] == 11
+
+
+@pytest.mark.parametrize("keys_shared", [True, False])
+def test_static_cache_of_keys_shared_and_values_per_head_or_the_reverse(keys_shared):
+    """Each latent's buffers sized by its own basis: shared keys ``[1, G·d, r]`` beside per-head values (or
+    the reverse) generate as ``model.generate`` does."""
+    from stiefkv.models import fingerprint
+    from tests.tiny import random_bases
+
+    model = tiny_model("llama", heads=6, kv_heads=2, head_dim=24)
+    g = torch.Generator().manual_seed(0)
+    shared, per_head = (lambda: random_bases(1, 48, 17, g)), (lambda: random_bases(2, 24, 11, g))
+    keys = [(shared if keys_shared else per_head)() for _ in range(2)]
+    values = [(per_head if keys_shared else shared)() for _ in range(2)]
+    stiefkv.load(model, stiefkv.Projections(keys=keys, values=values, key_mode="pre_rope",
+                                            fingerprint=fingerprint(model), budget=0.5, method="random"))
+    ids, mask = prompt()
+    expected = model.generate(ids, attention_mask=mask, max_new_tokens=6, **GREEDY)
+    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=6, eos_token_id=None),
+                       expected)
+
+
 def test_static_cache_bytes_and_counters():
     model = served()
     cache = StaticLatentCache(model, 3, 40)
@@ -132,6 +210,10 @@ def test_static_cache_bytes_and_counters():
     assert cache.seen == 19 and int(cache.filled) == 19 and cache.get_seq_length() == 19
     assert cache.starts.tolist() == [0, 4, 7]
     assert torch.equal(cache.positions[1, :19].long(), torch.arange(19))  # a plain forward counts padding
+    cache.crop(-25)  # past the start: empty, as the dynamic cache, and it continues
+    assert cache.seen == 0 and int(cache.filled) == 0
+    model(ids[:, :4], past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 4
 
 
 def test_static_cache_continues_like_the_dynamic_one():
