@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import math
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -192,9 +193,9 @@ class CalibrationConfig:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.weighting == "kl" and self.profile != "pca":
             raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
-        if self.steps < 0 or not self.lr > 0 or self.kl_weight < 0:
-            raise ValueError(f"need steps ≥ 0, lr > 0 and kl_weight ≥ 0; got {self.steps}, {self.lr}, "
-                             f"{self.kl_weight}")
+        if self.steps < 0 or not 0 < self.lr < math.inf or not 0 <= self.kl_weight < math.inf:
+            raise ValueError(f"need steps ≥ 0, a finite lr > 0 and a finite kl_weight ≥ 0; got {self.steps}, "
+                             f"{self.lr}, {self.kl_weight}")
         return self
 
     @classmethod
@@ -273,7 +274,11 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     if shard.active:
         check_distributed(shard, model, cfg, fp, seqs)
         progress = progress if shard.leader else None
-    state = shard.broadcast(initial_state(progress, resume, cfg, fp) if shard.leader else None)
+    # what a resumed run must share with the interrupted one beyond the settings: the very token ids (a data
+    # file edited in between) and the model's dtype
+    run = {"sequences_sha256": hashlib.sha256(seqs.numpy().tobytes()).hexdigest()[:16],
+           "dtype": str(next(model.parameters()).dtype)}
+    state = shard.broadcast(initial_state(progress, resume, cfg, fp, run) if shard.leader else None)
     local = shard.select(seqs)
     profiled = replace(cfg, key_mode=PROFILED_KEY_MODE) if cfg.key_mode == "auto" else cfg
     if len(state.eig_k) < dims.L:
@@ -319,13 +324,15 @@ def served_key_mode(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims) 
     return "post_rope" if all(rk == full for rk, _ in ranks) else PROFILED_KEY_MODE
 
 
-def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, fp: dict) -> CalibrationState:
-    """The progress of an interrupted run (``resume``), or a new state."""
+def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, fp: dict,
+                  run: dict | None = None) -> CalibrationState:
+    """The progress of an interrupted run (``resume``), or a new state; ``run``: more that must match."""
+    settings = asdict(cfg) | (run or {})
     if resume and progress is not None and progress.is_file():
-        return CalibrationState.load(progress, asdict(cfg), fp)
+        return CalibrationState.load(progress, settings, fp)
     if resume:
         log.info("nothing to resume at %s: starting from the beginning", progress)
-    return CalibrationState(settings=asdict(cfg), fingerprint=fp)
+    return CalibrationState(settings=settings, fingerprint=fp)
 
 
 def check_distributed(shard: Shard, model, cfg: CalibrationConfig, fp: dict, seqs: torch.Tensor) -> None:

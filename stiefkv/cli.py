@@ -86,6 +86,14 @@ def _run(fn, debug: bool, hint=None):
         raise click.ClickException(message("interrupted")) from None
 
 
+def _saved_projections(model: str) -> Path | None:
+    """The bases file in a model folder that ``save_pretrained`` of a served model wrote, if any."""
+    from stiefkv.projections import PROJECTIONS_FILE
+
+    path = Path(model).expanduser() / PROJECTIONS_FILE
+    return path if path.is_file() else None
+
+
 def require_matplotlib() -> None:
     import importlib.util
 
@@ -134,6 +142,11 @@ def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | Non
     data_path = Path(data).expanduser() if data not in (None, "wikitext2", "self") else None
     if data_path is not None and data_path.exists():
         inputs.append(("the --data", data_path))
+    if data == "wikitext2":  # the local WikiText-2 files it reads (no other file of those folders)
+        from stiefkv.data import WIKITEXT_FILES, data_dirs
+
+        inputs += [("a WikiText-2 file", root / "wikitext-2" / name) for _, root in data_dirs()
+                   for name in WIKITEXT_FILES.values() if (root / "wikitext-2" / name).is_file()]
     seen = {}
     for name, path in outputs.items():
         if path is None:
@@ -290,9 +303,12 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports
 
     def work():
-        CalibrationConfig.from_kwargs(seed=seed, **settings)  # fail on bad settings before loading the model
+        cfg = CalibrationConfig.from_kwargs(seed=seed, **settings)  # bad settings fail before the model loads
         if plot is not None:
             require_matplotlib()
+            if cfg.allocation != "dp":
+                raise ValueError("--plot draws the error-rank profiles, which only --allocation dp makes: "
+                                 "drop --plot or use --allocation dp")
         if leader:
             _check_outputs({"-o": output, "the progress file": partial, "--plot": plot}, model,
                            data=settings.get("data"))
@@ -300,7 +316,9 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             raise ValueError(f"--device {','.join(devices)} places one model over several devices in one "
                              "process; under torchrun give each process one device")
         dev = distributed.init_from_env(device) if not devices else "cpu"
-        m, tok = stiefkv.load_model(model, device=dev, dtype=torch_dtype)
+        if _saved_projections(model) is not None:
+            log.info("%s holds the bases a served model saved: calibrating the original model", model)
+        m, tok = stiefkv.load_model(model, device=dev, dtype=torch_dtype, projections=False)
         if devices:
             stiefkv.place_layers(m, devices)
         proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
@@ -362,7 +380,9 @@ def _inspect_table(proj) -> str:
         "| layer | keys | values | B/token | rel. error | cosine |",
         "|---|---|---|---|---|---|",
     ]
-    errors = {e.get("layer", i): e for i, e in enumerate(proj.errors) if isinstance(e, dict)}
+    # an edited file's entries without a whole layer number: by their place
+    errors = {(e["layer"] if isinstance(e.get("layer"), int) else i): e
+              for i, e in enumerate(proj.errors) if isinstance(e, dict)}
     for i, ((rk, rv), (qk, qv)) in enumerate(zip(proj.ranks, proj.specs)):
         e = errors.get(i, {})
         g = proj.keys[i].shape[0]
@@ -428,6 +448,9 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
     from stiefkv.models import check_context
 
     device, torch_dtype = _setup(device, dtype, seed, debug)
+    if backend == "triton" and not device.startswith("cuda"):
+        raise UserError(f"--backend triton runs the Triton kernels on CUDA, and the device is {device}: use "
+                        "--backend reference (or auto)")
     for name, value, least in (("--window", window, 2), ("--windows", windows, 1),
                                ("--batch-size", batch_size, 1), ("--kl-context", kl_context, 2)):
         if value is not None and value < least:
@@ -477,7 +500,12 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         proj = stiefkv.Projections.load(projections) if projections else None
         if baseline in TRANSFORMERS_BASELINES:
             require_quanto(baseline)  # before the model loads
-        m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype)
+        saved = _saved_projections(model)
+        if saved is not None and proj is None and baseline is None:
+            log.info("%s holds the bases it was served with: evaluating them against the original", model)
+            proj = stiefkv.Projections.load(saved)
+        # the original model: a folder a served model saved is evaluated against itself uncompressed
+        m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype, projections=False)
         if compact is not None:
             from stiefkv.longcontext import evaluate_compacted, evaluate_retrieval
 

@@ -73,6 +73,14 @@ def _wikitext(split: str) -> str:
 
 
 def _read_file(path: Path) -> list[str]:
+    try:
+        return _read_texts(path)
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path}: not UTF-8 text (byte {exc.start}: {exc.reason}); convert it to "
+                        "UTF-8") from None
+
+
+def _read_texts(path: Path) -> list[str]:
     if path.suffix == ".txt":
         return [path.read_text(encoding="utf-8")]
     if path.suffix == ".jsonl":
@@ -83,9 +91,12 @@ def _read_file(path: Path) -> list[str]:
                     continue
                 try:
                     row = json.loads(line)
-                    texts.append(row["text"] if isinstance(row, dict) else str(row))
+                    text = row["text"] if isinstance(row, dict) else row
                 except (json.JSONDecodeError, KeyError):
                     raise DataError(f"{path}:{n}: expected a JSON object with a 'text' field") from None
+                if not isinstance(text, str):
+                    raise DataError(f"{path}:{n}: 'text' must be a string, got {type(text).__name__}")
+                texts.append(text)
         return texts
     raise DataError(f"{path}: data files must be .txt or .jsonl")
 

@@ -109,16 +109,13 @@ def _nll_and_logprobs(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Ten
 
 
 @torch.no_grad()
-def kv_bytes_per_token(model, ids: torch.Tensor, *, latent: bool) -> float:
-    """Measured: run ``ids`` ``[1, N]`` with a cache and divide the cache's bytes by ``N``."""
-    from transformers import DynamicCache
+def bf16_bytes_per_token(model) -> float:
+    """The uncompressed cache's bytes a token in bf16, what every budget is a fraction of (whatever dtype the
+    model runs in: a float32 model's cache would count double)."""
+    from stiefkv.models import dims_of
 
-    cache = LatentCache() if latent else DynamicCache()
-    model(ids, use_cache=True, **{cache_keyword(model): cache})
-    if latent:
-        return cache.nbytes / ids.shape[1]
-    total = sum(t.nbytes for layer in cache.layers for t in (layer.keys, layer.values))
-    return total / ids.shape[1]
+    dims = dims_of(model.config)
+    return float(dims.L * dims.G * 2 * dims.d * 2)
 
 
 @torch.no_grad()
@@ -176,13 +173,13 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
         nll_orig += float(nll.double().sum())
         count += nll.numel()
 
-    probe = ws[:1, : min(window, 256)].to(device)
     result = EvalResult(model=model_name, data=data, window=window, windows=len(ws), tokens_scored=count,
                         ppl_original=math.exp(nll_orig / count),
-                        kv_bytes_per_token_original=kv_bytes_per_token(model, probe, latent=False))
+                        kv_bytes_per_token_original=bf16_bytes_per_token(model))
     if projections is not None:
-        with switch:
-            kv = kv_bytes_per_token(model, probe, latent=True)
+        # the checkpoint's bytes a token in a cache of one window (the served cache holds exactly these:
+        # tests/test_quant.py), not a float32 model's
+        kv = projections.kv_bytes_per_token(context=window)
         result.method, result.budget = projections.method, projections.budget
         result.key_mode = projections.key_mode
         result.ppl = math.exp(nll_comp / count)
@@ -276,10 +273,9 @@ def evaluate_through_cache(model, tokenizer, new_cache, *, name: str, projection
         nll_orig += float(nll.double().sum())
         count += nll.numel()
     nbytes = cache_bytes(cache)  # the last window's, filled
-    probe = ws[:1, : min(window, 256)].to(device)
     return EvalResult(model=model_name, data=data, window=window, windows=len(ws), tokens_scored=count,
                       ppl_original=math.exp(nll_orig / count),
-                      kv_bytes_per_token_original=kv_bytes_per_token(model, probe, latent=False),
+                      kv_bytes_per_token_original=bf16_bytes_per_token(model),
                       method=name, ppl=math.exp(nll_comp / count), next_token_kl=kl_sum / count,
                       kv_bytes_per_token=nbytes / window,
                       key_mode=projections.key_mode if projections is not None else None,

@@ -61,6 +61,14 @@ class CompactedResult:
         return asdict(self)
 
 
+REFERENCE_OPTIONS = ("pin", "self_study", "study_prompt", "study_greedy", "repeat")  # not the fits' options
+
+
+def _fit_options(options: dict) -> dict:
+    """``options`` less those that choose the reference queries and pins (:func:`_reference`, ``pin``)."""
+    return {k: v for k, v in options.items() if k not in REFERENCE_OPTIONS}
+
+
 def _queries_for(method: str, context: int, window: int) -> dict:
     """What of the prompt's queries ``method`` reads (:func:`prefill_with_queries`' arguments)."""
     if window < 1:
@@ -155,7 +163,7 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     if method in AM_METHODS:
-        effective_options(method, options)
+        effective_options(method, _fit_options(options))
         pin_count(options.get("pin"), 1, method)  # a bad pin is refused before any forward
     if context <= presses.SNAPKV_WINDOW and method == "snapkv":
         raise ValueError(f"snapkv needs a context longer than its window of {presses.SNAPKV_WINDOW} tokens")
@@ -290,7 +298,7 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
     if method in AM_METHODS:
-        effective_options(method, options)
+        effective_options(method, _fit_options(options))
         pin_count(options.get("pin"), 1, method)
     check_context(model.config, context + 32, "context + question")
     rng = random.Random(seed)

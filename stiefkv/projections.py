@@ -333,6 +333,10 @@ class Projections:
         values = [tensors[f"layers.{i}.v"] for i in range(n)]
         if any(t.dtype != torch.float32 for t in keys + values):
             raise CheckpointError(f"{path}: bases must be float32")
+        odd = next((name for name, t in tensors.items() if t.dim() != 3), None)
+        if odd is not None:
+            raise CheckpointError(f"{path}: tensor {odd} has shape {list(tensors[odd].shape)}, not a basis "
+                                  "[G, d, r]: the file is damaged or was edited; recalibrate")
         proj = cls(keys=keys, values=values, key_mode=doc["key_mode"], fingerprint=doc["fingerprint"],
                    budget=float(doc["budget"]), method=doc.get("method", "?"),
                    settings=doc.get("settings", {}), errors=doc.get("errors", []),

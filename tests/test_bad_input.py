@@ -96,9 +96,63 @@ def test_eval_json_over_the_checkpoint_is_refused(tmp_path, fake_loader):
     assert "--json" in result.output and ckpt.read_bytes() == before and not fake_loader.calls
 
 
+def test_eval_json_over_a_wikitext_file_is_refused(tmp_path, fake_loader, monkeypatch):
+    data = tmp_path / "data"
+    (data / "wikitext-2").mkdir(parents=True)
+    test_file = data / "wikitext-2" / "wiki.test.raw"
+    test_file.write_text("some text\n" * 50)
+    monkeypatch.setenv("STIEFKV_DATA_DIR", str(data))
+    result = run(["eval", "m", "--json", test_file], 2)
+    assert "a WikiText-2 file" in result.output and test_file.read_text() == "some text\n" * 50
+    assert not fake_loader.calls
+
+
+def test_settings_refused_before_any_work(tmp_path, corpus, fake_loader):
+    out = tmp_path / "o.safetensors"
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, "--plot", tmp_path / "p.png",
+                  *CALIBRATE_SMALL], 2)
+    assert "--allocation dp" in result.output
+    for option, value in (("--lr", "inf"), ("--kl-weight", "nan")):
+        result = run(["calibrate", "m", "--data", corpus, "-o", out, option, value, *CALIBRATE_SMALL], 2)
+        assert "finite" in result.output
+    result = run(["eval", "m", "--backend", "triton", "--device", "cpu"], 2)
+    assert "--backend reference" in result.output
+    assert not fake_loader.calls and not out.exists()
+
+
+def test_data_errors_name_the_file(tmp_path):
+    binary = tmp_path / "latin.txt"
+    binary.write_bytes("caf\xe9".encode("latin-1"))
+    with pytest.raises(DataError, match="latin.txt: not UTF-8 text"):
+        load_texts(str(binary))
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text('{"text": "fine"}\n{"text": 5}\n')
+    with pytest.raises(DataError, match="rows.jsonl:2: 'text' must be a string"):
+        load_texts(str(rows))
+
+
+def test_a_folder_a_served_model_saved_is_calibrated_and_evaluated_as_the_original(tmp_path, corpus):
+    """``eval`` of the folder scores its bases against the original model (not the compressed model as
+    'uncompressed'); ``calibrate`` fits bases to the original model's outputs."""
+    model = tiny_model()
+    folder = save_tiny_model(tmp_path / "served", model)
+    random_projections(model, 8, 8).save(folder / PROJECTIONS_FILE)
+    result = run(["eval", folder, "--data", corpus, "--window", 64, "--windows", 2, "--json", "-"], 0)
+    doc = json.loads(result.output[result.output.index("{"):])
+    assert doc["method"] == "random" and doc["ppl"] != doc["ppl_original"]
+    out = tmp_path / "c.safetensors"
+    run(["calibrate", folder, "--data", corpus, "-o", out, *CALIBRATE_SMALL], 0)
+    plain = tmp_path / "plain.safetensors"
+    run(["calibrate", save_tiny_model(tmp_path / "plain", model), "--data", corpus, "-o", plain,
+         *CALIBRATE_SMALL], 0)
+    for a, b in zip(Projections.load(out).keys, Projections.load(plain).keys):
+        assert torch.equal(a, b)
+
+
 def test_two_outputs_on_one_path_are_refused(tmp_path, corpus, fake_loader):
     out = tmp_path / "o.safetensors"
-    result = run(["calibrate", "m", "--data", corpus, "-o", out, "--plot", out, *CALIBRATE_SMALL], 2)
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, "--plot", out, *CALIBRATE_SMALL,
+                  "--allocation", "dp"], 2)
     assert "same file" in result.output
 
 
@@ -185,6 +239,7 @@ def nan_keys(proj):
     (lambda p: {"edit": lambda h: h["fingerprint"].update(d=12)}, "exceeds the head dimension"),
     (lambda p: {"edit": lambda h: h.update(tensors_sha256="0" * 64)}, "does not match the sha256"),
     (lambda p: {"checksum": False}, "format version 2 always has one"),
+    (lambda p: {"keys": [torch.tensor(1.0), p.keys[1]]}, r"tensor layers.0.k has shape \[\], not a basis"),
 ])
 def test_damaged_checkpoint_is_refused_and_inspect_says_why(tmp_path, proj, case, message):
     path = write_checkpoint(tmp_path / "bad.safetensors", proj, **case(proj))

@@ -187,6 +187,29 @@ def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch, stop):
                           **(kw | {"lr": 0.1}))
 
 
+def test_resume_refuses_other_data_or_dtype(corpus, tmp_path, monkeypatch):
+    """The progress of a run is not continued on edited data (same path, other tokens) or another dtype."""
+    kw = {"budget": 0.5, "method": "pca", "allocation": "dp", "data": str(corpus), "num_sequences": 3,
+          "seq_len": 17, "profile_sequences": 2}
+    progress = tmp_path / "p.partial"
+    save = CalibrationState.save
+
+    def interrupted_save(self, path):
+        save(self, path)
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(CalibrationState, "save", interrupted_save)
+    with pytest.raises(KeyboardInterrupt):
+        stiefkv.calibrate(tiny_model(layers=2), CharTokenizer(), progress=progress, **kw)
+    monkeypatch.setattr(CalibrationState, "save", save)
+    with pytest.raises(ValueError, match="other settings \\(dtype\\)"):
+        stiefkv.calibrate(tiny_model(layers=2).double(), CharTokenizer(), progress=progress, resume=True,
+                          **kw)
+    corpus.write_text(corpus.read_text()[::-1])
+    with pytest.raises(ValueError, match="other settings \\(sequences_sha256\\)"):
+        stiefkv.calibrate(tiny_model(layers=2), CharTokenizer(), progress=progress, resume=True, **kw)
+
+
 def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):
     """On the same bytes (rank step 4: uniform ranks 12/12, DP ranks summing to 24 per layer) the defaults'
     summed layer error is at least 10 % below PCA-uniform's (measured: 0.228 against 0.285)."""
