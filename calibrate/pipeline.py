@@ -284,7 +284,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     if len(state.eig_k) < dims.L:
         first_pass(model, local, profiled, state, progress, shard)
     if not state.ranks:
-        allocation = shard.broadcast(choose_allocation(profiled, state, dims) if shard.leader else None)
+        allocation = shard.broadcast(choose_allocation(cfg, state, dims) if shard.leader else None)
         state.ranks, quant = allocation
         state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
         state.save(progress)
@@ -381,15 +381,38 @@ def layer_specs(state: CalibrationState) -> list[tuple[QuantSpec, QuantSpec]]:
     return [tuple(QuantSpec.parse(q) for q in pair) for pair in state.quant]
 
 
+AUTO_KEY_TOLERANCE = 0.02  # key_mode "auto": full-rank keys may cost this much more profiled error
+
+
 def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
                       dims) -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]] | None]:
-    """Ranks per layer, and the storage of each latent when latents are quantized (None: bf16)."""
+    """Ranks per layer, and the storage of each latent when latents are quantized (None: bf16).
+
+    For ``key_mode="auto"`` with quantized latents, the allocation with every layer's keys at full rank (so
+    that they are served after RoPE: :func:`served_key_mode`) is taken instead where the profiles predict
+    at most :data:`AUTO_KEY_TOLERANCE` more error for it."""
     specs = storages(cfg)
     if specs is None:
         return choose_ranks(cfg, state, dims), None
     profiles = [LayerProfile(**p) for p in state.profiles]
-    return allocate.storage_dp(profiles, cfg.budget, dims.G, dims.d, cfg.rank_step, specs, cfg.weighting,
-                               shared=cfg.share_heads)
+
+    def allocation(full_keys: bool):
+        return allocate.storage_dp(profiles, cfg.budget, dims.G, dims.d, cfg.rank_step, specs, cfg.weighting,
+                                   shared=cfg.share_heads, full_keys=full_keys)
+
+    ranks, quant = allocation(False)
+    full = dims.d * (dims.G if cfg.share_heads else 1)
+    if cfg.key_mode != "auto" or all(rk == full for rk, _ in ranks):
+        return ranks, quant
+    try:
+        ranks_full, quant_full = allocation(True)
+    except ValueError:  # full-rank keys do not fit the budget
+        return ranks, quant
+    free = allocate.predicted_error(profiles, ranks, quant, cfg.weighting)
+    constrained = allocate.predicted_error(profiles, ranks_full, quant_full, cfg.weighting)
+    log.info("key mode auto: full-rank keys predict %.4g against %.4g profiled error (%+.1f %%)", constrained,
+             free, 100 * (constrained / free - 1) if free > 0 else 0.0)
+    return (ranks_full, quant_full) if constrained <= (1 + AUTO_KEY_TOLERANCE) * free else (ranks, quant)
 
 
 def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:

@@ -260,6 +260,42 @@ def test_key_mode_auto_serves_keys_after_rope_only_at_full_rank(share_heads):
         assert torch.equal(a, c)
 
 
+def test_key_mode_auto_takes_full_rank_keys_where_the_profiles_say_they_cost_little(monkeypatch):
+    """With quantized latents, ``auto`` takes the allocation with every key at full rank (served after RoPE)
+    where its profiled error is within ``AUTO_KEY_TOLERANCE`` of the free allocation's, and keeps the free
+    one (keys cut, served before RoPE) where full-rank keys cost more."""
+    from stiefkv.calibrate import pipeline
+    from stiefkv.quant import QuantSpec
+
+    int4 = QuantSpec(4, "token")
+    monkeypatch.setattr(pipeline, "storages", lambda cfg: {"k": [int4], "v": [int4]})
+    dims = dims_of(tiny_model(layers=2).config)  # G 2, d 24, rank step 8: ranks 8, 16, 24
+
+    def state(key_cut, value_cut):
+        # layer 0's keys at rank 16 cost key_cut, layer 1's values value_cut; at the budget below the free
+        # allocation cuts one of the two by a rank step
+        profiles = []
+        for layer in range(dims.L):
+            k = [1.0, key_cut if layer == 0 else 0.5, 0.0]
+            v = [1.0, value_cut if layer == 1 else 0.5, 0.0]
+            profiles.append(LayerProfile(ranks=[8, 16, 24], k=k, v=v, metric="kl",
+                                         quant={"k": {str(int4): [e + 0.01 for e in k]},
+                                                "v": {str(int4): [e + 0.01 for e in v]}}).as_dict())
+        return CalibrationState(settings={}, fingerprint={}, profiles=profiles)
+
+    def ranks(mode, key_cut, value_cut):
+        cfg = CalibrationConfig(budget=0.33, key_mode=mode).validate()
+        return pipeline.choose_allocation(cfg, state(key_cut, value_cut), dims)[0]
+
+    # cutting the keys gains 0.0001 of 0.04: auto keeps them whole, pre_rope cuts them
+    assert ranks("pre_rope", 0.003, 0.0031) == [(16, 24), (24, 24)]
+    assert ranks("auto", 0.003, 0.0031) == [(24, 24), (24, 16)]
+    assert pipeline.served_key_mode(CalibrationConfig(key_mode="auto").validate(),
+                                    ranks("auto", 0.003, 0.0031), dims) == "post_rope"
+    # whole keys would cost 0.197 more: auto allocates as pre_rope does
+    assert ranks("auto", 0.003, 0.2) == ranks("pre_rope", 0.003, 0.2) == [(16, 24), (24, 24)]
+
+
 def test_pretokenized_sequences_replace_data():
     seqs = torch.randint(0, 97, (5, 19), generator=torch.Generator().manual_seed(2))
     proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, budget=0.5, method="pca",
