@@ -274,6 +274,12 @@ def test_bad_input():
         StaticLatentCache(tiny_model("llama"), 1, 8)
     with pytest.raises(ValueError, match="max_new_tokens must be"):
         stiefkv.generate(model, ids, max_new_tokens=0)
+    with pytest.raises(ValueError, match="max_new_tokens must be a whole number"):
+        stiefkv.generate(model, ids, max_new_tokens=2.0)
+    with pytest.raises(ValueError, match="integer token ids"):
+        stiefkv.generate(model, ids.float(), max_new_tokens=2)
+    with pytest.raises(ValueError, match="outside the model's vocabulary"):
+        stiefkv.generate(model, ids + 1000, max_new_tokens=2)
     with pytest.raises(ValueError, match="a StaticLatentCache keeps its buffers fixed"):
         stiefkv.compact(model, cache, keep=0.5)
 
