@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import importlib
 import logging
+import os
 
 import torch
 
@@ -94,6 +95,10 @@ def _use_kernel(backend: str, device: torch.device, *, needs_grad: bool = False)
     if backend == "triton" and not triton_available():
         raise RuntimeError("backend='triton' needs triton (pip install triton); use backend='auto' or "
                            "'reference'")
+    if backend == "triton" and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"backend='triton' runs the Triton kernels on CUDA and the tensors are on {device} "
+                         "(set TRITON_INTERPRET=1 to interpret them there, slowly): use backend='auto' or "
+                         "'reference'")
     return backend == "triton"
 
 
