@@ -105,8 +105,9 @@ class CalibrationConfig:
         has many KV heads (Llama-3-8B's 8: 2.1-4.4x the kernel time), so off by default.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better where key ranks are cut), ``post_rope`` (faster
-        kernels), or ``auto``: profiled and allocated as ``pre_rope``, then ``post_rope`` where the
-        allocation keeps every layer's keys at full rank (:func:`served_key_mode`), ``pre_rope`` otherwise.
+        kernels), or ``auto``: profiled as ``pre_rope``, then ``post_rope`` where the allocation keeps every
+        layer's keys at full rank (:func:`served_key_mode`; with quantized latents the allocation with
+        full-rank keys is taken where it costs little, :func:`choose_allocation`), ``pre_rope`` otherwise.
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
     weighting : a layer's profile error relative to its output ``‖y‖`` (``output``) or to its update
         ``‖y − x‖`` (``update``), or ``kl``: the whole model's next-token KL with only that layer compressed.
@@ -381,7 +382,11 @@ def layer_specs(state: CalibrationState) -> list[tuple[QuantSpec, QuantSpec]]:
     return [tuple(QuantSpec.parse(q) for q in pair) for pair in state.quant]
 
 
-AUTO_KEY_TOLERANCE = 0.02  # key_mode "auto": full-rank keys may cost this much more profiled error
+# key_mode "auto": full-rank keys may cost this much more profiled error: with the default kl weighting
+# 1e-3 nats of predicted next-token KL (about +0.1 % PPL; SmolLM2's 50 % allocation predicts 5e-5 in all, so
+# a share of it would be no measure), with the others 2 % of the allocation's summed relative error
+AUTO_KEY_KL = 1e-3
+AUTO_KEY_TOLERANCE = 0.02
 
 
 def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
@@ -390,7 +395,8 @@ def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
 
     For ``key_mode="auto"`` with quantized latents, the allocation with every layer's keys at full rank (so
     that they are served after RoPE: :func:`served_key_mode`) is taken instead where the profiles predict
-    at most :data:`AUTO_KEY_TOLERANCE` more error for it."""
+    little more error for it: :data:`AUTO_KEY_KL` more next-token KL (``kl`` weighting), or
+    :data:`AUTO_KEY_TOLERANCE` more relative error."""
     specs = storages(cfg)
     if specs is None:
         return choose_ranks(cfg, state, dims), None
@@ -412,7 +418,8 @@ def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
     constrained = allocate.predicted_error(profiles, ranks_full, quant_full, cfg.weighting)
     log.info("key mode auto: full-rank keys predict %.4g against %.4g profiled error (%+.1f %%)", constrained,
              free, 100 * (constrained / free - 1) if free > 0 else 0.0)
-    return (ranks_full, quant_full) if constrained <= (1 + AUTO_KEY_TOLERANCE) * free else (ranks, quant)
+    allowed = free + AUTO_KEY_KL if cfg.weighting == "kl" else (1 + AUTO_KEY_TOLERANCE) * free
+    return (ranks_full, quant_full) if constrained <= allowed else (ranks, quant)
 
 
 def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:

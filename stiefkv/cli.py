@@ -242,7 +242,7 @@ def main():
                    "decode: 0.89x against 0.66x the uncompressed cache's tokens/s for full-rank int8 at "
                    "8x16k; SmolLM2 PPL within 0.1 % at 50 and 25 %, far worse below); auto = post_rope "
                    "where every layer's keys keep full rank (with quantized latents: where the profiles "
-                   "predict at most 2 % more error for that), pre_rope otherwise.")
+                   "predict that to cost at most 0.001 nats of next-token KL), pre_rope otherwise.")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"],
               show_default=True,
               help="dp = per-layer ranks minimising the summed profiled error under the budget (exact "

@@ -262,8 +262,8 @@ def test_key_mode_auto_serves_keys_after_rope_only_at_full_rank(share_heads):
 
 def test_key_mode_auto_takes_full_rank_keys_where_the_profiles_say_they_cost_little(monkeypatch):
     """With quantized latents, ``auto`` takes the allocation with every key at full rank (served after RoPE)
-    where its profiled error is within ``AUTO_KEY_TOLERANCE`` of the free allocation's, and keeps the free
-    one (keys cut, served before RoPE) where full-rank keys cost more."""
+    where its predicted KL is within ``AUTO_KEY_KL`` of the free allocation's, and keeps the free one (keys
+    cut, served before RoPE) where full-rank keys cost more."""
     from stiefkv.calibrate import pipeline
     from stiefkv.quant import QuantSpec
 
@@ -287,12 +287,13 @@ def test_key_mode_auto_takes_full_rank_keys_where_the_profiles_say_they_cost_lit
         cfg = CalibrationConfig(budget=0.33, key_mode=mode).validate()
         return pipeline.choose_allocation(cfg, state(key_cut, value_cut), dims)[0]
 
-    # cutting the keys gains 0.0001 of 0.04: auto keeps them whole, pre_rope cuts them
+    # cutting the keys gains 0.0001 nats: auto keeps them whole, pre_rope cuts them
     assert ranks("pre_rope", 0.003, 0.0031) == [(16, 24), (24, 24)]
     assert ranks("auto", 0.003, 0.0031) == [(24, 24), (24, 16)]
     assert pipeline.served_key_mode(CalibrationConfig(key_mode="auto").validate(),
                                     ranks("auto", 0.003, 0.0031), dims) == "post_rope"
-    # whole keys would cost 0.197 more: auto allocates as pre_rope does
+    # whole keys would cost 0.197 nats more: auto allocates as pre_rope does
+    assert ranks("auto", 0.003, 0.0045) == [(16, 24), (24, 24)]  # 1.5e-3 more: past the tolerance
     assert ranks("auto", 0.003, 0.2) == ranks("pre_rope", 0.003, 0.2) == [(16, 24), (24, 24)]
 
 
