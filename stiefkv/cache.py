@@ -142,6 +142,11 @@ class LatentCache(_dynamic_cache_class()):
                     raise ValueError(f"layer {layer_idx} of this cache already holds float latents; a "
                                      "quantized layer cannot continue them (use a new cache)")
                 self.layers[layer_idx] = QuantizedLatentLayer(*quant)
+        held = self.positions.shape[0] if self.positions is not None else None
+        if held is not None and self.get_seq_length(layer_idx) and z_k.shape[0] != held:
+            raise ValueError(f"this LatentCache holds {held} rows and the forward brings {z_k.shape[0]}: a "
+                             "cache continues the batch it was filled with (a new cache, or cache.reset(), "
+                             "for another)")
         z_k, z_v = self.update(z_k, z_v, layer_idx)
         if self.length is not None:
             _refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it

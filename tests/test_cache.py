@@ -79,6 +79,17 @@ def test_a_foreign_cache_is_refused_clearly(make):
         model(ids(), past_key_values=cache)
 
 
+def test_a_latent_cache_continues_only_the_batch_it_holds():
+    model = served()
+    cache = LatentCache()
+    model(ids(batch=2), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="holds 2 rows and the forward brings 3"):
+        model(ids(batch=3), past_key_values=cache, use_cache=True)
+    cache.reset()
+    model(ids(batch=3), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 7
+
+
 def test_generate_goes_through_the_wrapped_cache_preparation():
     """The one instance wrapper load installs: it fails here, not silently, if transformers stops preparing
     generate's cache in ``_prepare_cache_for_generation``."""
