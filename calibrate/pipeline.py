@@ -321,7 +321,7 @@ def served_key_mode(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims) 
     """
     if cfg.key_mode != "auto":
         return cfg.key_mode
-    full = dims.d * (dims.G if cfg.share_heads else 1)
+    full = dims.d * (dims.G if cfg.share_heads else 1)  # a key latent's full rank: d, or G·d shared
     return "post_rope" if all(rk == full for rk, _ in ranks) else PROFILED_KEY_MODE
 
 
@@ -407,8 +407,7 @@ def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
                                    shared=cfg.share_heads, full_keys=full_keys)
 
     ranks, quant = allocation(False)
-    full = dims.d * (dims.G if cfg.share_heads else 1)
-    if cfg.key_mode != "auto" or all(rk == full for rk, _ in ranks):
+    if cfg.key_mode != "auto" or served_key_mode(cfg, ranks, dims) == "post_rope":
         return ranks, quant
     try:
         ranks_full, quant_full = allocation(True)

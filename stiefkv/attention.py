@@ -17,7 +17,6 @@ import logging
 import types
 import weakref
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
@@ -257,17 +256,9 @@ def fold_values_into_o_proj(o_weight: torch.Tensor, P_v: torch.Tensor) -> torch.
 # ------------------------------------------------------------------------------------------ load / unload
 
 
-@dataclass
-class _Served:
-    """What :func:`load` changed on a model besides the swapped modules, for :func:`unload` to undo."""
-
-    projections: Projections
-    hooks: list = field(default_factory=list)
-    patched: list[str] = field(default_factory=list)
-
-
-# Keyed weakly by the model: nothing of ours is stored on it but the instance wrappers named in `patched`.
-_SERVED: weakref.WeakKeyDictionary[nn.Module, _Served] = weakref.WeakKeyDictionary()
+# Keyed weakly by the model: nothing of ours is stored on it but the forward pre-hook and the instance methods
+# apply_projections installs (which carry the projections too, so that a deep copy of the model finds them).
+_SERVED: weakref.WeakKeyDictionary[nn.Module, Projections] = weakref.WeakKeyDictionary()
 
 
 def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "auto") -> nn.Module:
@@ -281,9 +272,7 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
         layer.self_attn = LowRankAttention(layer.self_attn, proj.keys[i], proj.values[i],
                                            key_mode=proj.key_mode, rope=rope, backend=backend,
                                            quant=proj.specs[i])
-    served = _Served(proj)
-    base = getattr(model, "model", model)
-    served.hooks.append(base.register_forward_pre_hook(_latent_cache_hook, with_kwargs=True))
+    getattr(model, "model", model).register_forward_pre_hook(_latent_cache_hook, with_kwargs=True)
     wrappers = (("_prepare_cache_for_generation", _wrap_prepare_cache), ("save_pretrained", _wrap_save))
     for name, wrap in wrappers:
         if hasattr(type(model), name):
@@ -291,8 +280,7 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
             method = wrap(getattr(type(model), name))
             method._stiefkv_projections = proj
             setattr(model, name, types.MethodType(method, model))
-            served.patched.append(name)
-    _SERVED[model] = served
+    _SERVED[model] = proj
     return model
 
 
@@ -316,17 +304,17 @@ def is_compressed(model: nn.Module) -> bool:
 
 def projections_of(model: nn.Module) -> Projections | None:
     """The projections a model is served with, or None (a deep copy of a served model answers too)."""
-    served = _SERVED.get(model)
-    if served is not None:
-        return served.projections
-    return next((getattr(m.__func__, "_stiefkv_projections") for m in _our_methods(model)), None)
+    proj = _SERVED.get(model)
+    if proj is not None:
+        return proj
+    return next((m.__func__._stiefkv_projections for m in _our_methods(model).values()), None)
 
 
-def _our_methods(model: nn.Module) -> list:
+def _our_methods(model: nn.Module) -> dict:
     """The instance methods :func:`apply_projections` installed on ``model`` (or on the model it was copied
-    from)."""
-    return [m for m in vars(model).values()
-            if isinstance(m, types.MethodType) and hasattr(m.__func__, "_stiefkv_projections")]
+    from), by name."""
+    return {name: m for name, m in vars(model).items()
+            if isinstance(m, types.MethodType) and hasattr(m.__func__, "_stiefkv_projections")}
 
 
 def unload(model: nn.Module) -> nn.Module:
@@ -335,13 +323,9 @@ def unload(model: nn.Module) -> nn.Module:
     for layer in decoder_layers(model):
         if isinstance(layer.self_attn, LowRankAttention):
             layer.self_attn = layer.self_attn.original
-    served = _SERVED.pop(model, None)
-    if served is not None:
-        for handle in served.hooks:
-            handle.remove()
-    for name, method in list(vars(model).items()):
-        if isinstance(method, types.MethodType) and hasattr(method.__func__, "_stiefkv_projections"):
-            del model.__dict__[name]
+    _SERVED.pop(model, None)
+    for name in _our_methods(model):
+        del model.__dict__[name]
     base = getattr(model, "model", model)
     for key, hook in list(base._forward_pre_hooks.items()):
         if hook is _latent_cache_hook:

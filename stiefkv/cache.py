@@ -142,8 +142,9 @@ class LatentCache(_dynamic_cache_class()):
                     raise ValueError(f"layer {layer_idx} of this cache already holds float latents; a "
                                      "quantized layer cannot continue them (use a new cache)")
                 self.layers[layer_idx] = QuantizedLatentLayer(*quant)
-        held = self.positions.shape[0] if self.positions is not None else None
-        if held is not None and self.get_seq_length(layer_idx) and z_k.shape[0] != held:
+        if (layer_idx == 0 and self.positions is not None and z_k.shape[0] != self.positions.shape[0]
+                and self.get_seq_length(0)):
+            held = self.positions.shape[0]
             raise ValueError(f"this LatentCache holds {held} rows and the forward brings {z_k.shape[0]}: a "
                              "cache continues the batch it was filled with (a new cache, or cache.reset(), "
                              "for another)")
@@ -257,16 +258,6 @@ class LatentStore:
                 return part.rank
             if isinstance(part, torch.Tensor):
                 return part.shape[-1]
-        return None
-
-    @property
-    def rows(self) -> int | None:
-        """The batch rows held (None while the store is empty)."""
-        for part in (self.codes, self.window):
-            if isinstance(part, Quantized):
-                return part.codes.shape[0]
-            if isinstance(part, torch.Tensor):
-                return part.shape[0]
         return None
 
     @property

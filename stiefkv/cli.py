@@ -86,14 +86,6 @@ def _run(fn, debug: bool, hint=None):
         raise click.ClickException(message("interrupted")) from None
 
 
-def _saved_projections(model: str) -> Path | None:
-    """The bases file in a model folder that ``save_pretrained`` of a served model wrote, if any."""
-    from stiefkv.projections import PROJECTIONS_FILE
-
-    path = Path(model).expanduser() / PROJECTIONS_FILE
-    return path if path.is_file() else None
-
-
 def require_matplotlib() -> None:
     import importlib.util
 
@@ -317,7 +309,9 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             raise ValueError(f"--device {','.join(devices)} places one model over several devices in one "
                              "process; under torchrun give each process one device")
         dev = distributed.init_from_env(device) if not devices else "cpu"
-        if _saved_projections(model) is not None:
+        from stiefkv.models import saved_projections
+
+        if saved_projections(model) is not None:
             log.info("%s holds the bases a served model saved: calibrating the original model", model)
         m, tok = stiefkv.load_model(model, device=dev, dtype=torch_dtype, projections=False)
         if devices:
@@ -501,7 +495,9 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         proj = stiefkv.Projections.load(projections) if projections else None
         if baseline in TRANSFORMERS_BASELINES:
             require_quanto(baseline)  # before the model loads
-        saved = _saved_projections(model)
+        from stiefkv.models import saved_projections
+
+        saved = saved_projections(model)
         if saved is not None and proj is None and baseline is None:
             log.info("%s holds the bases it was served with: evaluating them against the original", model)
             proj = stiefkv.Projections.load(saved)

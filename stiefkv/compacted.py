@@ -31,7 +31,7 @@ from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import head_bases, head_latents, project_qkv, rotate_with
-from stiefkv.models import decoder_layers, max_positions
+from stiefkv.models import decoder_layers, dims_of, max_positions
 from stiefkv.quant import Quantized
 from stiefkv.static_cache import StaticLatentCache
 
@@ -697,10 +697,9 @@ def check_queries(model, cache, queries) -> None:
     """A clear error unless ``queries`` are one ``[B, H, m ≥ 1, d]`` tensor a layer for ``cache``'s rows and
     ``model``'s query heads."""
     layers = decoder_layers(model)
-    cfg = model.config
-    H = cfg.num_attention_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // H
-    B = _rows_of(cache)
+    dims = dims_of(model.config)
+    H, d = dims.H, dims.d
+    B = cache.positions.shape[0] if isinstance(cache, LatentCache) else cache.layers[0].keys.shape[0]
     if not isinstance(queries, (list, tuple)) or len(queries) != len(layers):
         n = len(queries) if isinstance(queries, (list, tuple)) else type(queries).__name__
         raise ValueError(f"queries must be a list of one tensor a layer ({len(layers)}); got {n}")
@@ -711,8 +710,3 @@ def check_queries(model, cache, queries) -> None:
             raise ValueError(f"queries of layer {i} must be [batch {B}, {H} query heads, ≥ 1 queries, {d}] "
                              f"(rotated, as stiefkv.prefill keeps them); got {shape}")
 
-
-def _rows_of(cache) -> int:
-    """The batch rows a prefilled cache holds."""
-    first = cache.layers[0]
-    return first.stores[0].rows if isinstance(first, QuantizedLatentLayer) else first.keys.shape[0]

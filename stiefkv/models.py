@@ -402,13 +402,19 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     tok.padding_side = "left"  # the latent cache assumes left padding
     model.to(device).eval()
     model.stiefkv_spec = spec
-    folder = Path(source)
-    if projections and folder.is_dir() and (folder / PROJECTIONS_FILE).is_file():
+    saved = saved_projections(source)
+    if projections and saved is not None:
         from stiefkv.attention import load as apply  # serving imports models: import it only here
 
-        log.info("serving %s with the bases in %s", spec, folder / PROJECTIONS_FILE)
-        apply(model, folder / PROJECTIONS_FILE)
+        log.info("serving %s with the bases in %s", spec, saved)
+        apply(model, saved)
     return model, tok
+
+
+def saved_projections(folder) -> Path | None:
+    """The bases ``save_pretrained`` of a served model wrote into a model folder, if it holds them."""
+    path = Path(folder).expanduser() / PROJECTIONS_FILE
+    return path if path.is_file() else None
 
 
 def _first_line(exc: BaseException) -> str:
