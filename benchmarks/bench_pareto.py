@@ -33,7 +33,7 @@ import argparse
 import json
 import re
 import time
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
@@ -60,7 +60,7 @@ def synced(device: str) -> float:
 
 def first_pass_state(model, seqs, cfg, path: Path, device: str):
     """The first pass of ``cfg`` (loaded from ``path`` when an earlier run saved it) and its seconds."""
-    from stiefkv.calibrate.pipeline import first_pass
+    from stiefkv.calibrate.pipeline import first_pass, profiled_config
     from stiefkv.calibrate.state import CalibrationState
     from stiefkv.models import fingerprint
 
@@ -71,7 +71,7 @@ def first_pass_state(model, seqs, cfg, path: Path, device: str):
         return state, state.refine[0]["first_pass_seconds"]
     state = CalibrationState(settings=settings, fingerprint=fp)
     t0 = synced(device)
-    first_pass(model, seqs, cfg, state)
+    first_pass(model, seqs, profiled_config(cfg), state)
     seconds = synced(device) - t0
     state.refine = [{"first_pass_seconds": seconds}]
     state.save(path)
@@ -79,8 +79,9 @@ def first_pass_state(model, seqs, cfg, path: Path, device: str):
 
 
 def calibrated(model, seqs, first, cfg, device: str):
-    """Allocation and second pass of ``cfg`` on a shared first pass: (Projections, second-pass seconds)."""
-    from stiefkv.calibrate.pipeline import choose_allocation, second_pass
+    """Allocation and second pass of ``cfg`` on a shared first pass: (Projections, second-pass seconds).
+    Key mode ``auto`` is resolved as ``stiefkv calibrate`` resolves it (``served_key_mode``)."""
+    from stiefkv.calibrate.pipeline import choose_allocation, profiled_config, second_pass, served_key_mode
     from stiefkv.calibrate.state import CalibrationState
     from stiefkv.models import dims_of
     from stiefkv.projections import Projections
@@ -90,9 +91,11 @@ def calibrated(model, seqs, first, cfg, device: str):
     t0 = synced(device)
     state.ranks, quant = choose_allocation(cfg, state, dims_of(model.config))
     state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
-    second_pass(model, seqs, cfg, state, None)
+    key_mode = served_key_mode(cfg, state.ranks, dims_of(model.config))
+    second_pass(model, seqs, replace(cfg, key_mode=key_mode), state, None,
+                profiled_key_mode=profiled_config(cfg).key_mode)
     seconds = synced(device) - t0
-    proj = Projections(keys=state.keys, values=state.values, key_mode=cfg.key_mode,
+    proj = Projections(keys=state.keys, values=state.values, key_mode=key_mode,
                        fingerprint=first.fingerprint, budget=cfg.budget, method=cfg.method,
                        settings=asdict(cfg), errors=state.errors, quant=quant)
     return proj, seconds
@@ -120,7 +123,8 @@ def row_of(name: str, budget: float | None, proj, result, calib_s: float | None,
         "tokens": result.tokens_scored, "kv_bytes_per_token": proj.kv_bytes_per_token(),
         "bytes_fraction": proj.kv_bytes_per_token() / full_bytes, "achieved_budget": proj.achieved_budget,
         "calibration_s": calib_s, "ranks": [list(r) for r in proj.ranks],
-        "storage": [[str(q) for q in pair] for pair in proj.specs], "scoring": SCORING, "remeasured": True,
+        "storage": [[str(q) for q in pair] for pair in proj.specs], "key_mode": proj.key_mode,
+        "scoring": SCORING, "remeasured": True,
     } | extra | {"provenance": utils.provenance()}
 
 

@@ -42,6 +42,10 @@
 #                each, kept in $STIEFKV_RESULTS_DIR/ck), each checkpoint's storage served at 8x16k with
 #                Llama-3-8B shapes in both key modes (bench_serve.py --storage-from; ~100 s a run, so about
 #                two budgets fit one call)
+#     keyauto    needs MODEL: at each of $BUDGETS (default 0.5) the default checkpoint and a --key-mode auto
+#                one (calibrated side by side, kept in $STIEFKV_RESULTS_DIR/ck), each storage served at 8x16k
+#                (Llama-3-8B shapes) in its own key mode beside the quantization-only cache $BASELINE
+#                (default int8): whether auto's post_rope pays where it is chosen
 #     storageprof  after autostorage (same BUDGETS): profile_serve_step.py --storage-from on each checkpoint,
 #                as calibrated and with each storage feature taken away, both key modes (~4 minutes each)
 set -u
@@ -124,6 +128,20 @@ for s in "$@"; do
         for mode in pre_rope post_rope; do
           serve --shape 8b --cases 8x16384 --storage-from "$ck/$name.safetensors" --key-mode $mode \
             --baseline-cache kivi4  # the quantization a user would pick near 25 %, in the same run
+        done
+      done ;;
+    keyauto)
+      ck="$STIEFKV_RESULTS_DIR/ck"
+      mkdir -p "$ck"
+      for b in ${BUDGETS:-0.5}; do
+        name=$(auto_name "$b")
+        [ -f "$ck/$name.safetensors" ] || step "calibrate $b" stiefkv calibrate "$MODEL" --device cuda \
+          --budget "$b" -o "$ck/$name.safetensors" &
+        [ -f "$ck/${name}k.safetensors" ] || step "calibrate $b key auto" stiefkv calibrate "$MODEL" \
+          --device cuda --budget "$b" --key-mode auto -o "$ck/${name}k.safetensors" &
+        wait
+        for c in "$name" "${name}k"; do
+          serve --shape 8b --cases 8x16384 --storage-from "$ck/$c.safetensors" --baseline-cache "${BASELINE:-int8}"
         done
       done ;;
     storageprof)  # after autostorage: where each calibrated storage's decode step goes, both key modes

@@ -281,7 +281,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
            "dtype": str(next(model.parameters()).dtype)}
     state = shard.broadcast(initial_state(progress, resume, cfg, fp, run) if shard.leader else None)
     local = shard.select(seqs)
-    profiled = replace(cfg, key_mode=PROFILED_KEY_MODE) if cfg.key_mode == "auto" else cfg
+    profiled = profiled_config(cfg)
     if len(state.eig_k) < dims.L:
         first_pass(model, local, profiled, state, progress, shard)
     if not state.ranks:
@@ -308,6 +308,12 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
 
 
 PROFILED_KEY_MODE = "pre_rope"  # what key_mode "auto" profiles and allocates in
+
+
+def profiled_config(cfg: CalibrationConfig) -> CalibrationConfig:
+    """The settings the first pass profiles in: ``cfg``, with key mode ``auto`` read as
+    :data:`PROFILED_KEY_MODE` (the served key mode is chosen from the allocation that follows)."""
+    return replace(cfg, key_mode=PROFILED_KEY_MODE) if cfg.key_mode == "auto" else cfg
 
 
 def served_key_mode(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims) -> str:

@@ -628,3 +628,28 @@ def test_runs_table_names_each_file_machine_and_commit_of_the_rows_used(tmp_path
     assert "| int8 per token (quantization only) | 53.00 % |" in render.pareto(res)
     lines = render.runs(res).splitlines()[2:]
     assert len(lines) == 1 and lines[0].startswith("| `pareto.jsonl` | 1 | 2026-12-03 | H200 | `abc1234` |")
+
+
+def test_bench_pareto_resolves_key_mode_auto_as_calibrate_does(tmp_path):
+    """The Pareto runner's shared first pass and its allocation + second pass give what ``stiefkv.calibrate``
+    gives for ``key_mode="auto"``: keys served after RoPE at full rank (bases from the rotated keys), before
+    it where a rank is cut; not a checkpoint that says ``auto``."""
+    import bench_pareto
+
+    import stiefkv
+    from stiefkv.calibrate.pipeline import CalibrationConfig
+    from tests.tiny import tiny_model
+
+    seqs = torch.randint(0, 97, (6, 23), generator=torch.Generator().manual_seed(3))
+    kw = {"method": "pca", "bits": "16", "allocation": "uniform", "key_mode": "auto", "device": "cpu"}
+    for budget, served in ((1.0, "post_rope"), (0.5, "pre_rope")):
+        model = tiny_model(layers=2)
+        cfg = CalibrationConfig.from_kwargs(budget=budget, **kw)
+        path = tmp_path / f"first{budget}.safetensors"
+        first, _ = bench_pareto.first_pass_state(model, seqs, cfg, path, "cpu")
+        proj, _ = bench_pareto.calibrated(model, seqs, first, cfg, "cpu")
+        ref = stiefkv.calibrate(model, None, sequences=seqs, budget=budget,
+                                **{k: v for k, v in kw.items() if k != "device"})
+        assert proj.key_mode == ref.key_mode == served
+        for a, b in zip(proj.keys, ref.keys):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
