@@ -33,7 +33,7 @@ import argparse
 import json
 import re
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -80,8 +80,8 @@ def first_pass_state(model, seqs, cfg, path: Path, device: str):
 
 def calibrated(model, seqs, first, cfg, device: str):
     """Allocation and second pass of ``cfg`` on a shared first pass: (Projections, second-pass seconds).
-    Key mode ``auto`` is resolved as ``stiefkv calibrate`` resolves it (``served_key_mode``)."""
-    from stiefkv.calibrate.pipeline import choose_allocation, profiled_config, second_pass, served_key_mode
+    Key mode ``auto`` is resolved as ``stiefkv calibrate`` resolves it (``served_key_modes``)."""
+    from stiefkv.calibrate.pipeline import choose_allocation, profiled_config, second_pass, served_key_modes
     from stiefkv.calibrate.state import CalibrationState
     from stiefkv.models import dims_of
     from stiefkv.projections import Projections
@@ -91,11 +91,11 @@ def calibrated(model, seqs, first, cfg, device: str):
     t0 = synced(device)
     state.ranks, quant = choose_allocation(cfg, state, dims_of(model.config))
     state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
-    key_mode = served_key_mode(cfg, state.ranks, dims_of(model.config))
-    second_pass(model, seqs, replace(cfg, key_mode=key_mode), state, None,
+    key_modes = served_key_modes(cfg, state.ranks, dims_of(model.config))
+    second_pass(model, seqs, cfg, state, None, key_modes=key_modes,
                 profiled_key_mode=profiled_config(cfg).key_mode)
     seconds = synced(device) - t0
-    proj = Projections(keys=state.keys, values=state.values, key_mode=key_mode,
+    proj = Projections(keys=state.keys, values=state.values, key_mode=key_modes[0], layer_key_modes=key_modes,
                        fingerprint=first.fingerprint, budget=cfg.budget, method=cfg.method,
                        settings=asdict(cfg), errors=state.errors, quant=quant)
     return proj, seconds
@@ -123,7 +123,7 @@ def row_of(name: str, budget: float | None, proj, result, calib_s: float | None,
         "tokens": result.tokens_scored, "kv_bytes_per_token": proj.kv_bytes_per_token(),
         "bytes_fraction": proj.kv_bytes_per_token() / full_bytes, "achieved_budget": proj.achieved_budget,
         "calibration_s": calib_s, "ranks": [list(r) for r in proj.ranks],
-        "storage": [[str(q) for q in pair] for pair in proj.specs], "key_mode": proj.key_mode,
+        "storage": [[str(q) for q in pair] for pair in proj.specs], "key_mode": proj.key_mode_summary,
         "scoring": SCORING, "remeasured": True,
     } | extra | {"provenance": utils.provenance()}
 

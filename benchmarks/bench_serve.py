@@ -219,7 +219,8 @@ def storage_projections(model, path: str, key_mode: str | None = None) -> stiefk
     the head dim (a multiple of 8, at least 8) and its storage specs (bits, layout, scales, exact window),
     the checkpoint's layers spread evenly over the model's. Speed depends on the shapes and the storage
     only, so this serves a calibrated checkpoint's storage at a large model's shapes. ``key_mode``: the
-    checkpoint's by default."""
+    checkpoint's (per layer) by default; ``auto``: per layer as ``calibrate --key-mode auto`` serves it,
+    ``post_rope`` where the checkpoint's layer keeps its keys at full rank, else ``pre_rope``."""
     try:
         ck = stiefkv.Projections.load(path)
     except stiefkv.CheckpointError as e:
@@ -235,6 +236,10 @@ def storage_projections(model, path: str, key_mode: str | None = None) -> stiefk
         return min(dims.d, max(8, round(r / d_ck * dims.d / 8) * 8))
 
     source = [min(len(ck.keys) - 1, i * len(ck.keys) // dims.L) for i in range(dims.L)]
+    if key_mode == "auto":
+        modes = ["post_rope" if ck.ranks[i][0] == ck.keys[i].shape[1] else "pre_rope" for i in source]
+    else:
+        modes = [key_mode or ck.key_modes[i] for i in source]
     keys, values, quant = [], [], []
     for i in source:
         r_k, r_v = ck.ranks[i]
@@ -242,11 +247,12 @@ def storage_projections(model, path: str, key_mode: str | None = None) -> stiefk
         values.append(utils.random_basis(dims.G, dims.d, rank(r_v), device="cpu", generator=g))
         quant.append(ck.specs[i])
     source_fields = {"storage_from": Path(path).name, "storage_budget": ck.budget,
-                     "storage_achieved_budget": ck.achieved_budget, "storage_key_mode": ck.key_mode,
+                     "storage_achieved_budget": ck.achieved_budget, "storage_key_mode": ck.key_mode_summary,
                      "storage_ranks": ck.ranks, "storage_specs": [[str(k), str(v)] for k, v in ck.specs]}
-    return stiefkv.Projections(keys=keys, values=values, key_mode=key_mode or ck.key_mode,
+    return stiefkv.Projections(keys=keys, values=values, key_mode=modes[0], layer_key_modes=modes,
                                fingerprint=fingerprint(model), budget=ck.budget,
-                               method=f"storage of {Path(path).name}", quant=quant, settings=source_fields)
+                               method=f"storage of {Path(path).name}", quant=quant,
+                               settings=source_fields | {"layer_key_modes": modes})
 
 
 def storage_fields(proj: stiefkv.Projections) -> dict:
@@ -571,8 +577,9 @@ def main() -> None:
     parser.add_argument("--recent", type=int, default=None,
                         help="with --bits: the newest tokens kept exact (--bits auto's default is 16; decode "
                              "then reads the codes beside the exact ring)")
-    parser.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope"],
-                        help="default: pre_rope, or with --storage-from the checkpoint's")
+    parser.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope", "auto"],
+                        help="default: pre_rope, or with --storage-from the checkpoint's (per layer); auto "
+                             "(--storage-from only): post_rope for the layers whose keys keep full rank")
     parser.add_argument("--storage-from", default=None, metavar="CKPT",
                         help="serve the storage of a calibrated checkpoint (ranks as fractions of the head "
                              "dim, storage specs per layer) on random bases at --shape's shapes, instead of "
@@ -614,6 +621,8 @@ def main() -> None:
     given = [f"--{name}" for name in ("budget", "bits", "recent") if getattr(args, name) is not None]
     if args.storage_from and given:
         parser.error(f"--storage-from serves the checkpoint's ranks and storage; drop {', '.join(given)}")
+    if args.key_mode == "auto" and not args.storage_from:
+        parser.error("--key-mode auto picks per layer from a checkpoint's ranks: it needs --storage-from")
     from stiefkv.kernels import lowrank
 
     if args.code_slice is not None:
@@ -629,7 +638,8 @@ def main() -> None:
         model = LlamaForCausalLM(LlamaConfig(**SHAPES[args.shape][1])).to(dtype).eval()
     if args.storage_from:
         proj = storage_projections(model, args.storage_from, args.key_mode)
-        args.key_mode, args.budget, args.bits, args.recent = proj.key_mode, proj.budget, 16, 0
+        mode = proj.key_mode if proj.layer_key_modes is None else "per_layer"
+        args.key_mode, args.budget, args.bits, args.recent = mode, proj.budget, 16, 0
         stored = storage_fields(proj)
     else:
         args.key_mode = args.key_mode or "pre_rope"

@@ -151,15 +151,13 @@ def knapsack_options(groups: list[list[tuple[int, float]]], capacity: int) -> li
 
 
 def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs, weighting: str = "kl",
-               shared: bool = False, full_keys: bool = False
-               ) -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]]]:
+               shared: bool = False) -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]]]:
     """Per layer, separately for keys and values, the ``(rank, storage)`` minimising the summed profiled
     error under ``budget`` × the uncompressed bf16 cache's bytes per token, everything counted (codes,
     scales, lows, the positions). ``specs`` are the storages allowed (bf16 among them or not), one list for
     both latents or one per latent (``{"k": ..., "v": ...}``); full rank is a candidate, so a
     quantization-only cache is one of the answers. ``shared``: each layer's latents are one a token for its
-    ``G`` heads (bases ``[1, G·d, r]``), profiled at ranks ``G · rank_step`` … ``G·d``. ``full_keys``: every
-    layer's keys at full rank (only their storage chosen); raises ValueError where that cannot fit."""
+    ``G`` heads (bases ``[1, G·d, r]``), profiled at ranks ``G · rank_step`` … ``G·d``."""
     L = len(profiles)
     specs = per_latent(specs)
     step, top, copies = (G * rank_step, G * d, 1) if shared else (rank_step, d, G)
@@ -173,8 +171,6 @@ def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs, w
             raise ValueError(f"profile ranks {prof.ranks} are not the multiples of {step} up to {top}")
         for which in ("k", "v"):
             opts = prof.options(which, weighting, specs[which])
-            if full_keys and which == "k":
-                opts = [o for o in opts if o[0] == top]
             labels.append([(r, spec) for r, spec, _ in opts])
             groups.append([(copies * spec.cache_bytes(r, UNITS_PER_BYTE), err)
                            for r, spec, err in opts])
@@ -190,13 +186,3 @@ def storage_dp(profiles, budget: float, G: int, d: int, rank_step: int, specs, w
     ranks = [(picked[2 * i][0], picked[2 * i + 1][0]) for i in range(L)]
     quant = [(picked[2 * i][1], picked[2 * i + 1][1]) for i in range(L)]
     return ranks, quant
-
-
-def predicted_error(profiles, ranks: list[tuple[int, int]], quant: list[tuple[QuantSpec, QuantSpec]],
-                    weighting: str = "kl") -> float:
-    """The summed profiled error of an allocation (what :func:`storage_dp` minimises)."""
-    total = 0.0
-    for prof, (rk, rv), (qk, qv) in zip(profiles, ranks, quant):
-        for which, r, spec in (("k", rk, qk), ("v", rv, qv)):
-            total += next(e for rank, sp, e in prof.options(which, weighting, [spec]) if rank == r)
-    return total

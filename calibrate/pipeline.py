@@ -105,9 +105,9 @@ class CalibrationConfig:
         has many KV heads (Llama-3-8B's 8: 2.1-4.4x the kernel time), so off by default.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better where key ranks are cut), ``post_rope`` (faster
-        kernels), or ``auto``: profiled as ``pre_rope``, then ``post_rope`` where the allocation keeps every
-        layer's keys at full rank (:func:`served_key_mode`; with quantized latents the allocation with
-        full-rank keys is taken where it costs little, :func:`choose_allocation`), ``pre_rope`` otherwise.
+        kernels), or ``auto``: profiled and allocated as ``pre_rope``, then layer by layer ``post_rope``
+        where the allocation keeps the layer's keys at full rank, ``pre_rope`` where it cuts them
+        (:func:`served_key_modes`).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
     weighting : a layer's profile error relative to its output ``‖y‖`` (``output``) or to its update
         ``‖y − x‖`` (``update``), or ``kl``: the whole model's next-token KL with only that layer compressed.
@@ -289,12 +289,13 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
         state.ranks, quant = allocation
         state.quant = [[str(q) for q in pair] for pair in quant] if quant else []
         state.save(progress)
-    key_mode = served_key_mode(cfg, state.ranks, dims)
+    key_modes = served_key_modes(cfg, state.ranks, dims)
     if cfg.key_mode == "auto":
-        log.info("key mode auto: %s", "every layer keeps its keys at full rank, so post_rope (no key rebuild "
-                 "or rotation at decode)" if key_mode == "post_rope" else
-                 "some layer's keys are cut in rank, so pre_rope (RoPE makes keys high-rank)")
-    second_pass(model, local, replace(cfg, key_mode=key_mode), state, progress, shard,
+        cut = [i for i, m in enumerate(key_modes) if m == "pre_rope"]
+        log.info("key mode auto: post_rope (no key rebuild or rotation at decode) where a layer keeps its "
+                 "keys at full rank; pre_rope (RoPE makes keys high-rank) for the %d layers with cut keys%s",
+                 len(cut), f" ({', '.join(map(str, cut))})" if cut else "")
+    second_pass(model, local, cfg, state, progress, shard, key_modes=key_modes,
                 profiled_key_mode=profiled.key_mode)
     elapsed = time.perf_counter() - t0
     log.info("calibrated %d layers in %.1f s; mean layer error %.4f", dims.L, elapsed,
@@ -302,7 +303,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     meta = asdict(cfg) | {"tokens": int(seqs.numel()), "seconds": round(elapsed, 1),
                           "model": getattr(model, "stiefkv_spec", None),
                           "profiles": state.profiles, "refine": state.refine}
-    return Projections(keys=state.keys, values=state.values, key_mode=key_mode, fingerprint=fp,
+    return Projections(keys=state.keys, values=state.values, key_mode=key_modes[0], layer_key_modes=key_modes,
+                       fingerprint=fp,
                        budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors,
                        quant=layer_specs(state) if state.quant else None).validate()
 
@@ -316,19 +318,20 @@ def profiled_config(cfg: CalibrationConfig) -> CalibrationConfig:
     return replace(cfg, key_mode=PROFILED_KEY_MODE) if cfg.key_mode == "auto" else cfg
 
 
-def served_key_mode(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims) -> str:
-    """The key mode the checkpoint is refined and served in: ``cfg.key_mode``, or for ``auto`` ``post_rope``
-    where every layer's key latent keeps its full rank (``d``, ``G·d`` shared), ``pre_rope`` otherwise.
+def served_key_modes(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims) -> list[str]:
+    """The key mode each layer is refined and served in: ``cfg.key_mode``, or for ``auto`` ``post_rope``
+    where the layer's key latent keeps its full rank (``d``, ``G·d`` shared), ``pre_rope`` where it is cut.
 
     Keys after RoPE lose far more than keys before it once their rank is cut (RoPE makes them high-rank:
     SmolLM2 12.5 %, 36.79 against 26.23), but at full rank nothing is cut and only the codes' noise differs
-    (50 %: 21.972 against 21.970; ``docs/notes/quantized-latents.md``), while ``post_rope`` decode skips the
-    key rebuild and rotation (0.89× against 0.66× the uncompressed cache's tokens/s, 8×16k, full-rank int8).
+    (50 %: 21.970 either way; ``docs/notes/quantized-latents.md``), while ``post_rope`` decode skips the key
+    rebuild and rotation. The allocation is ``pre_rope``'s: SmolLM2's 25 % cuts layer 0's keys alone, and
+    forcing them whole cost +0.4 % PPL (22.235 against 22.15).
     """
     if cfg.key_mode != "auto":
-        return cfg.key_mode
+        return [cfg.key_mode] * len(ranks)
     full = dims.d * (dims.G if cfg.share_heads else 1)  # a key latent's full rank: d, or G·d shared
-    return "post_rope" if all(rk == full for rk, _ in ranks) else PROFILED_KEY_MODE
+    return ["post_rope" if rk == full else PROFILED_KEY_MODE for rk, _ in ranks]
 
 
 def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, fp: dict,
@@ -388,43 +391,15 @@ def layer_specs(state: CalibrationState) -> list[tuple[QuantSpec, QuantSpec]]:
     return [tuple(QuantSpec.parse(q) for q in pair) for pair in state.quant]
 
 
-# key_mode "auto": full-rank keys may cost this much more profiled error: with the default kl weighting
-# 1e-3 nats of predicted next-token KL (about +0.1 % PPL; SmolLM2's 50 % allocation predicts 5e-5 in all, so
-# a share of it would be no measure), with the others 2 % of the allocation's summed relative error
-AUTO_KEY_KL = 1e-3
-AUTO_KEY_TOLERANCE = 0.02
-
-
 def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
                       dims) -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]] | None]:
-    """Ranks per layer, and the storage of each latent when latents are quantized (None: bf16).
-
-    For ``key_mode="auto"`` with quantized latents, the allocation with every layer's keys at full rank (so
-    that they are served after RoPE: :func:`served_key_mode`) is taken instead where the profiles predict
-    little more error for it: :data:`AUTO_KEY_KL` more next-token KL (``kl`` weighting), or
-    :data:`AUTO_KEY_TOLERANCE` more relative error."""
+    """Ranks per layer, and the storage of each latent when latents are quantized (None: bf16)."""
     specs = storages(cfg)
     if specs is None:
         return choose_ranks(cfg, state, dims), None
     profiles = [LayerProfile(**p) for p in state.profiles]
-
-    def allocation(full_keys: bool):
-        return allocate.storage_dp(profiles, cfg.budget, dims.G, dims.d, cfg.rank_step, specs, cfg.weighting,
-                                   shared=cfg.share_heads, full_keys=full_keys)
-
-    ranks, quant = allocation(False)
-    if cfg.key_mode != "auto" or served_key_mode(cfg, ranks, dims) == "post_rope":
-        return ranks, quant
-    try:
-        ranks_full, quant_full = allocation(True)
-    except ValueError:  # full-rank keys do not fit the budget
-        return ranks, quant
-    free = allocate.predicted_error(profiles, ranks, quant, cfg.weighting)
-    constrained = allocate.predicted_error(profiles, ranks_full, quant_full, cfg.weighting)
-    log.info("key mode auto: full-rank keys predict %.4g against %.4g profiled error (%+.1f %%)", constrained,
-             free, 100 * (constrained / free - 1) if free > 0 else 0.0)
-    allowed = free + AUTO_KEY_KL if cfg.weighting == "kl" else (1 + AUTO_KEY_TOLERANCE) * free
-    return (ranks_full, quant_full) if constrained <= allowed else (ranks, quant)
+    return allocate.storage_dp(profiles, cfg.budget, dims.G, dims.d, cfg.rank_step, specs, cfg.weighting,
+                               shared=cfg.share_heads)
 
 
 def choose_ranks(cfg: CalibrationConfig, state: CalibrationState, dims) -> list[tuple[int, int]]:
@@ -617,19 +592,20 @@ def concat_batches(batches: list[LayerBatch]) -> LayerBatch:
 
 
 def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
-                progress: Path | None, shard: Shard | None = None,
+                progress: Path | None, shard: Shard | None = None, key_modes: list[str] | None = None,
                 profiled_key_mode: str | None = None) -> None:
     """Bases at the allocated ranks, layer by layer: PCA, refined on the Stiefel manifold for ``stiefel``.
 
     ``sequential`` feeds each layer the output of the compressed layers before it, with the uncompressed
     model's output of that layer as the target; ``independent`` feeds every layer the uncompressed inputs.
     Finished layers (``state.keys``) are reused, not recomputed, so a resumed run gives the same result.
-    ``seqs`` are the sequences this process holds of ``shard``'s (default: all). Where the first pass's key
-    eigenvectors were of another key mode (``profiled_key_mode``, ``key_mode="auto"``), each layer's key
-    basis starts from the eigenvectors of its keys in ``cfg.key_mode`` on the inputs this pass feeds it.
+    ``seqs`` are the sequences this process holds of ``shard``'s (default: all). ``key_modes``: each layer's
+    (default ``cfg.key_mode`` for all). Where the first pass's key eigenvectors were of another key mode
+    (``profiled_key_mode``, ``key_mode="auto"``), a layer's key basis starts from the eigenvectors of its
+    keys in the layer's key mode on the inputs this pass feeds it.
     """
     shard = Shard(0, 1, len(seqs)) if shard is None else shard
-    rekey = profiled_key_mode not in (None, cfg.key_mode)
+    key_modes = [cfg.key_mode] * len(state.ranks) if key_modes is None else key_modes
     rope = rope_spec(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
     # PCA bases come from the first pass whatever the order: only refinement needs the compressed inputs.
@@ -640,23 +616,25 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
         for i in range(inputs.num_layers):
             layer, target = inputs.layers[i], inputs.run()
             check_finite(target, f"layer {i}")
+            lcfg = cfg if key_modes[i] == cfg.key_mode else replace(cfg, key_mode=key_modes[i])
+            rekey = profiled_key_mode not in (None, lcfg.key_mode)
             x = compressed_hidden.to(inputs.device) if sequential else inputs.hidden
             data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask,
                               inputs.position_ids)
             done = i < len(state.keys)
             if not done:
                 bar.begin(i)
-                eig_k = key_eigenvectors(model, inputs, target, x, i, cfg, shard) if rekey else None
-                P_k, P_v = fit_layer(layer, data, state, i, cfg, rope, shard, eig_k=eig_k)
+                eig_k = key_eigenvectors(model, inputs, target, x, i, lcfg, shard) if rekey else None
+                P_k, P_v = fit_layer(layer, data, state, i, lcfg, rope, shard, eig_k=eig_k)
                 state.keys.append(P_k.cpu())
                 state.values.append(P_v.cpu())
                 # Reported errors are on the uncompressed model's inputs, comparable across methods and orders
                 # (and with `stiefkv eval`); the chained error adds the drift of the compressed layers before.
-                error = {"layer": i} | summed(layer_error(layer, inputs, target, inputs.hidden, P_k, P_v, cfg,
-                                                          rope, quant_of(state, i)), shard).as_dict()
+                error = {"layer": i} | summed(layer_error(layer, inputs, target, inputs.hidden, P_k, P_v,
+                                                          lcfg, rope, quant_of(state, i)), shard).as_dict()
             if sequential:
                 compressed_hidden, chained = compressed_outputs(layer, inputs, x, target, state.keys[i],
-                                                                state.values[i], cfg, rope,
+                                                                state.values[i], lcfg, rope,
                                                                 quant_of(state, i))
                 check_finite(compressed_hidden, f"layer {i} with compressed keys and values")
                 if not done:

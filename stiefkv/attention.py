@@ -270,7 +270,7 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
     rope = rope_spec(model.config)
     for i, layer in enumerate(decoder_layers(model)):
         layer.self_attn = LowRankAttention(layer.self_attn, proj.keys[i], proj.values[i],
-                                           key_mode=proj.key_mode, rope=rope, backend=backend,
+                                           key_mode=proj.key_modes[i], rope=rope, backend=backend,
                                            quant=proj.specs[i])
     getattr(model, "model", model).register_forward_pre_hook(_latent_cache_hook, with_kwargs=True)
     wrappers = (("_prepare_cache_for_generation", _wrap_prepare_cache), ("save_pretrained", _wrap_save))

@@ -365,7 +365,7 @@ def _inspect_table(proj) -> str:
     lines = [
         f"model {s.get('model') or fp.get('architecture')} ({fp.get('architecture')}, L={L} "
         f"H={fp.get('H')} G={G} d={d}) · method {proj.method} · key mode "
-        f"{proj.key_mode}" + (" · bases shared by each layer's KV heads" if proj.shared else "")
+        f"{proj.key_mode_summary}" + (" · bases shared by each layer's KV heads" if proj.shared else "")
         + f" · budget {_fmt(proj.budget, 'g')} (achieved {proj.achieved_budget:.4f})",
         f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation "
         f"{s.get('allocation')} · bits {s.get('bits', '–')} · order {s.get('order', '–')} · steps {steps}",

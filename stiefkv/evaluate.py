@@ -149,8 +149,8 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
     def layer_error(batch: LayerBatch) -> None:
         P_k, P_v = bases[batch.layer_idx]
         y_hat = compressed_layer_output(layers[batch.layer_idx], batch, P_k, P_v,
-                                        key_mode=projections.key_mode, rope=rope, backend=backend,
-                                        quant=projections.specs[batch.layer_idx])
+                                        key_mode=projections.key_modes[batch.layer_idx], rope=rope,
+                                        backend=backend, quant=projections.specs[batch.layer_idx])
         stats[batch.layer_idx].add(y_hat, batch.output)
 
     passes = "original and compressed" if projections is not None else "original"
@@ -181,7 +181,7 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
         # tests/test_quant.py), not a float32 model's
         kv = projections.kv_bytes_per_token(context=window)
         result.method, result.budget = projections.method, projections.budget
-        result.key_mode = projections.key_mode
+        result.key_mode = projections.key_mode_summary
         result.ppl = math.exp(nll_comp / count)
         result.next_token_kl = kl_sum / count
         result.kv_bytes_per_token = kv
@@ -278,7 +278,7 @@ def evaluate_through_cache(model, tokenizer, new_cache, *, name: str, projection
                       kv_bytes_per_token_original=bf16_bytes_per_token(model),
                       method=name, ppl=math.exp(nll_comp / count), next_token_kl=kl_sum / count,
                       kv_bytes_per_token=nbytes / window,
-                      key_mode=projections.key_mode if projections is not None else None,
+                      key_mode=projections.key_mode_summary if projections is not None else None,
                       budget=projections.budget if projections is not None else None)
 
 
@@ -321,7 +321,8 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
         i = batch.layer_idx
         attn = layers[i].self_attn
         q, k_t, k_s = attention_queries_keys(attn, layers[i].input_layernorm(batch.hidden),
-                                             projections.keys[i].to(device), key_mode=projections.key_mode,
+                                             projections.keys[i].to(device),
+                                             key_mode=projections.key_modes[i],
                                              position_embeddings=batch.position_embeddings)
         kl[i] = chunked_attention_kl(q, k_t, k_s, scale=attn.scaling, chunk=chunk) / (q.shape[1] * q.shape[2])
 

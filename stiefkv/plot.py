@@ -32,7 +32,7 @@ def plot_profiles(proj, path: str | Path, weighting: str | None = None) -> Path:
         ax.set_xlabel("rank")
         ax.set_title(f"{name}: relative squared layer error ({weighting})")
     axes[0].set_ylabel("error (dots: chosen rank; colour: layer)")
-    fig.suptitle(f"{proj.method}, {proj.key_mode}, budget {proj.budget:g}")
+    fig.suptitle(f"{proj.method}, {proj.key_mode_summary}, budget {proj.budget:g}")
     fig.tight_layout()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)  # checked writable before the work, made only now

@@ -32,8 +32,8 @@ log = logging.getLogger(__name__)
 # ("int4-token-r64"), 6 log8 scales ("int2-token-log8-r16"), 7 exact tokens held in int8
 # ("int2-channel-r16-w8"), 8 bases shared by a layer's KV heads ([1, G·d, r]); each file is written at the
 # lowest version that holds it, so older StiefKV reads what it can; version 1 files load with a warning
-FORMAT_VERSION = 8
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8)
+FORMAT_VERSION = 9
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
 KEY_MODES = ("pre_rope", "post_rope")
 # The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
 PROJECTIONS_FILE = "stiefkv_projections.safetensors"
@@ -125,13 +125,15 @@ class Projections:
     ----------
     keys, values : per layer ``[G, d, r_k]`` / ``[G, d, r_v]`` float32 with orthonormal columns, or
         ``[1, G·d, r]``: one basis (and one latent a token) shared by the layer's KV heads.
-    key_mode : ``"pre_rope"`` or ``"post_rope"``.
+    key_mode : ``"pre_rope"`` or ``"post_rope"``: every layer's, unless ``layer_key_modes`` says otherwise.
     fingerprint : what the model must match (see :func:`stiefkv.models.fingerprint`).
     budget : requested fraction of the full KV cache.
     method, settings : how the bases were made (data, tokens, steps, seed, loss, …).
     errors : per layer ``{"rel_error": …, "cosine": …}`` on calibration data.
     quant : per layer ``(key spec, value spec)``, how the cache stores each latent
         (:class:`~stiefkv.quant.QuantSpec`); None (the default) keeps every latent in bf16.
+    layer_key_modes : per layer ``"pre_rope"`` or ``"post_rope"``, where layers differ (``calibrate
+        --key-mode auto``: after RoPE where a layer keeps its keys at full rank); None: ``key_mode`` for all.
     """
 
     keys: list[torch.Tensor]
@@ -143,10 +145,19 @@ class Projections:
     settings: dict = field(default_factory=dict)
     errors: list[dict] = field(default_factory=list)
     quant: list[tuple[QuantSpec, QuantSpec]] | None = None
+    layer_key_modes: list[str] | None = None
 
     def __post_init__(self):
         if self.key_mode not in KEY_MODES:
             raise CheckpointError(f"key_mode must be one of {KEY_MODES}, got {self.key_mode!r}")
+        if self.layer_key_modes is not None:
+            modes = list(self.layer_key_modes)
+            if len(modes) != len(self.keys) or any(m not in KEY_MODES for m in modes):
+                raise CheckpointError(f"layer_key_modes must give one of {KEY_MODES} for each of the "
+                                      f"{len(self.keys)} layers, got {modes!r}")
+            # one mode for every layer is the plain form: key_mode says it
+            self.key_mode, self.layer_key_modes = (modes[0], None) if len(set(modes)) == 1 else \
+                (self.key_mode, modes)
         if len(self.keys) != len(self.values):
             raise CheckpointError(f"{len(self.keys)} key bases but {len(self.values)} value bases")
         if not self.keys:
@@ -158,6 +169,26 @@ class Projections:
             self.quant = [tuple(q) for q in self.quant]
             if not any(q.quantized for pair in self.quant for q in pair):
                 self.quant = None  # all bf16: the same as saying nothing
+
+    @property
+    def key_modes(self) -> list[str]:
+        """Each layer's key mode: how its key latents are made and read."""
+        if self.layer_key_modes is not None:
+            return list(self.layer_key_modes)
+        return [self.key_mode] * len(self.keys)
+
+    @property
+    def key_mode_summary(self) -> str:
+        """``pre_rope``, ``post_rope``, or per layer e.g. ``post_rope (29 layers), pre_rope (layer 0)``."""
+        if self.layer_key_modes is None:
+            return self.key_mode
+        parts = []
+        for mode in KEY_MODES:
+            at = [i for i, m in enumerate(self.layer_key_modes) if m == mode]
+            if at:
+                parts.append(f"{mode} ({len(at)} layers)" if len(at) > 3
+                             else f"{mode} (layer{'s' if len(at) > 1 else ''} {', '.join(map(str, at))})")
+        return ", ".join(sorted(parts, key=len, reverse=True))
 
     @property
     def specs(self) -> list[tuple[QuantSpec, QuantSpec]]:
@@ -236,7 +267,10 @@ class Projections:
         """The lowest version that holds this checkpoint: 2 for bf16 latents, 3 for quantized ones, 4 when a
         latent's encoder searches its range (which version 3 readers do not know), 5 when a latent keeps its
         recent tokens exact (which earlier readers would quantize), 6 when a latent has log8 scales, 7 when
-        it holds its exact tokens in int8 (which earlier readers would keep in bf16)."""
+        it holds its exact tokens in int8 (which earlier readers would keep in bf16), 8 with bases shared by
+        a layer's KV heads, 9 when layers differ in key mode (which earlier readers would serve alike)."""
+        if self.layer_key_modes is not None:
+            return 9
         if self.shared:
             return 8
         if not self.quantized:
@@ -263,6 +297,8 @@ class Projections:
             "errors": self.errors,
             "tensors_sha256": tensors_sha256(self.keys, self.values),
         }
+        if self.layer_key_modes is not None:
+            doc["layer_key_modes"] = list(self.layer_key_modes)
         if self.quantized:
             doc["quant"] = [[str(qk), str(qv)] for qk, qv in self.quant]
             doc["kv_bytes_per_token"] = self.kv_bytes_per_token()
@@ -340,7 +376,10 @@ class Projections:
         proj = cls(keys=keys, values=values, key_mode=doc["key_mode"], fingerprint=doc["fingerprint"],
                    budget=float(doc["budget"]), method=doc.get("method", "?"),
                    settings=doc.get("settings", {}), errors=doc.get("errors", []),
-                   quant=_quant_of(doc, path))
+                   quant=_quant_of(doc, path), layer_key_modes=doc.get("layer_key_modes"))
+        if proj.layer_key_modes is not None and doc["format_version"] < 9:
+            raise CheckpointError(f"{path}: per-layer key modes in a format version {doc['format_version']} "
+                                  "file (they need 9): the file was edited; recalibrate")
         if proj.shared and doc["format_version"] < 8:
             raise CheckpointError(f"{path}: bases shared by the KV heads in a format version "
                                   f"{doc['format_version']} file (they need 8): the file was edited; "
@@ -456,6 +495,10 @@ def _check_header(doc, path: Path) -> None:
         raise bad("ranks is not a non-empty list of [r_k, r_v] integer pairs")
     if any(x < 1 for r in ranks for x in r):
         raise bad(f"a layer has rank 0 (ranks {ranks}); every rank must be at least 1")
+    modes = doc.get("layer_key_modes")
+    if modes is not None and (not isinstance(modes, list) or len(modes) != len(ranks)
+                              or not all(m in KEY_MODES for m in modes)):
+        raise bad(f"layer_key_modes is not a list of {', '.join(KEY_MODES)} for each layer")
     fp = doc["fingerprint"]
     if not isinstance(fp, dict):
         raise bad("fingerprint is not an object")

@@ -260,41 +260,31 @@ def test_key_mode_auto_serves_keys_after_rope_only_at_full_rank(share_heads):
         assert torch.equal(a, c)
 
 
-def test_key_mode_auto_takes_full_rank_keys_where_the_profiles_say_they_cost_little(monkeypatch):
-    """With quantized latents, ``auto`` takes the allocation with every key at full rank (served after RoPE)
-    where its predicted KL is within ``AUTO_KEY_KL`` of the free allocation's, and keeps the free one (keys
-    cut, served before RoPE) where full-rank keys cost more."""
+def test_key_mode_auto_picks_the_key_mode_layer_by_layer(monkeypatch):
+    """``auto`` allocates as ``pre_rope`` does, then serves each layer whose keys keep full rank after RoPE
+    (bases from the rotated keys' eigenvectors, as ``post_rope`` gives them) and each layer with cut keys
+    before it (``pre_rope``'s bases); the checkpoint keeps the modes through a save."""
     from stiefkv.calibrate import pipeline
-    from stiefkv.quant import QuantSpec
 
-    int4 = QuantSpec(4, "token")
-    monkeypatch.setattr(pipeline, "storages", lambda cfg: {"k": [int4], "v": [int4]})
-    dims = dims_of(tiny_model(layers=2).config)  # G 2, d 24, rank step 8: ranks 8, 16, 24
+    seqs = torch.randint(0, 97, (6, 23), generator=torch.Generator().manual_seed(5))
+    kw = {"sequences": seqs, "method": "pca", "bits": 16, "allocation": "uniform"}
+    ranks = [(16, 24), (24, 16), (24, 24)]  # d 24: layer 0's keys cut, the others whole
+    monkeypatch.setattr(pipeline, "choose_allocation", lambda cfg, state, dims: (list(ranks), None))
 
-    def state(key_cut, value_cut):
-        # layer 0's keys at rank 16 cost key_cut, layer 1's values value_cut; at the budget below the free
-        # allocation cuts one of the two by a rank step
-        profiles = []
-        for layer in range(dims.L):
-            k = [1.0, key_cut if layer == 0 else 0.5, 0.0]
-            v = [1.0, value_cut if layer == 1 else 0.5, 0.0]
-            profiles.append(LayerProfile(ranks=[8, 16, 24], k=k, v=v, metric="kl",
-                                         quant={"k": {str(int4): [e + 0.01 for e in k]},
-                                                "v": {str(int4): [e + 0.01 for e in v]}}).as_dict())
-        return CalibrationState(settings={}, fingerprint={}, profiles=profiles)
+    def run(key_mode):
+        return stiefkv.calibrate(tiny_model(layers=3), None, budget=0.75, key_mode=key_mode, **kw)
 
-    def ranks(mode, key_cut, value_cut):
-        cfg = CalibrationConfig(budget=0.33, key_mode=mode).validate()
-        return pipeline.choose_allocation(cfg, state(key_cut, value_cut), dims)[0]
-
-    # cutting the keys gains 0.0001 nats: auto keeps them whole, pre_rope cuts them
-    assert ranks("pre_rope", 0.003, 0.0031) == [(16, 24), (24, 24)]
-    assert ranks("auto", 0.003, 0.0031) == [(24, 24), (24, 16)]
-    assert pipeline.served_key_mode(CalibrationConfig(key_mode="auto").validate(),
-                                    ranks("auto", 0.003, 0.0031), dims) == "post_rope"
-    # whole keys would cost 0.197 nats more: auto allocates as pre_rope does
-    assert ranks("auto", 0.003, 0.0045) == [(16, 24), (24, 24)]  # 1.5e-3 more: past the tolerance
-    assert ranks("auto", 0.003, 0.2) == ranks("pre_rope", 0.003, 0.2) == [(16, 24), (24, 24)]
+    auto, post, pre = run("auto"), run("post_rope"), run("pre_rope")
+    assert auto.key_modes == ["pre_rope", "post_rope", "post_rope"]
+    assert auto.key_mode_summary == "post_rope (layers 1, 2), pre_rope (layer 0)"
+    assert torch.equal(auto.keys[0], pre.keys[0])
+    for i in (1, 2):
+        assert_close(auto.keys[i], post.keys[i], atol=1e-5, rtol=0, what=f"layer {i}'s key basis vs post_rope's")
+        assert (auto.keys[i] - pre.keys[i]).abs().max() > 0.1
+    assert post.layer_key_modes is None and pre.layer_key_modes is None
+    # the served modes are the layers': the attention modules read them from the checkpoint
+    model = stiefkv.load(tiny_model(layers=3), auto)
+    assert [layer.self_attn.key_mode for layer in model.model.layers] == auto.key_modes
 
 
 def test_pretokenized_sequences_replace_data():

@@ -174,7 +174,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     ap.add_argument("--case", default="8x16384", help="BATCHxCONTEXT")
-    ap.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope"],
+    ap.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope", "auto"],
                     help="default pre_rope; with --storage-from, the checkpoint's")
     ap.add_argument("--budget", type=float, default=0.5)
     ap.add_argument("--stores", default=",".join(STORES), help="comma-separated labels of STORES")
