@@ -279,7 +279,7 @@ def test_key_mode_auto_picks_the_key_mode_layer_by_layer(monkeypatch):
     assert auto.key_mode_summary == "post_rope (layers 1, 2), pre_rope (layer 0)"
     assert torch.equal(auto.keys[0], pre.keys[0])
     for i in (1, 2):
-        assert_close(auto.keys[i], post.keys[i], atol=1e-5, rtol=0, what=f"layer {i}'s key basis vs post_rope's")
+        assert_close(auto.keys[i], post.keys[i], atol=1e-5, rtol=0, what=f"layer {i}'s key basis, post_rope")
         assert (auto.keys[i] - pre.keys[i]).abs().max() > 0.1
     assert post.layer_key_modes is None and pre.layer_key_modes is None
     # the served modes are the layers': the attention modules read them from the checkpoint

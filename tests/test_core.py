@@ -33,6 +33,27 @@ def test_save_load_roundtrip(tmp_path):
     back.check(model)
 
 
+def test_key_modes_per_layer_round_trip(tmp_path):
+    """Layers of different key modes are kept through a save (format version 9); one mode for every layer
+    is the plain form, and a list of the wrong length or an unknown mode is refused."""
+    model = tiny_model("llama", layers=3)
+    proj = random_projections(model, 24, 8, "pre_rope")
+    mixed = stiefkv.Projections(keys=proj.keys, values=proj.values, key_mode="pre_rope",
+                                layer_key_modes=["pre_rope", "post_rope", "post_rope"],
+                                fingerprint=proj.fingerprint, budget=0.5)
+    back = stiefkv.Projections.load(mixed.save(tmp_path / "m.safetensors"))
+    assert back.key_modes == ["pre_rope", "post_rope", "post_rope"] and back.format_version == 9
+    assert back.key_mode_summary == "post_rope (layers 1, 2), pre_rope (layer 0)"
+    uniform = stiefkv.Projections(keys=proj.keys, values=proj.values, key_mode="pre_rope",
+                                  layer_key_modes=["post_rope"] * 3, fingerprint=proj.fingerprint, budget=0.5)
+    assert uniform.key_mode == "post_rope" and uniform.layer_key_modes is None
+    assert uniform.format_version == 2 and uniform.key_mode_summary == "post_rope"
+    for modes in (["pre_rope"] * 2, ["pre_rope", "post_rope", "sideways"]):
+        with pytest.raises(CheckpointError, match="layer_key_modes must give one of"):
+            stiefkv.Projections(keys=proj.keys, values=proj.values, key_mode="pre_rope",
+                                layer_key_modes=modes, fingerprint=proj.fingerprint, budget=0.5)
+
+
 def test_header_is_json_without_pickle(tmp_path):
     from safetensors import safe_open
 

@@ -243,3 +243,35 @@ def test_generate_on_gpu_triton_matches_reference(key_mode):
     x = ids(batch=3, n=37).cuda()
     outs = greedy_by_backend(model, proj, x)
     assert torch.equal(outs["triton"], outs["reference"])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_key_modes_per_layer_are_served_layer_by_layer(arch):
+    """A checkpoint whose layers differ in key mode serves each layer in its own. A full-rank layer is exact
+    in either mode, so a mixed model equals the uniform model of the cut layer's mode (cached decode too),
+    and differs from the other uniform one: a layer served in the wrong mode fails this."""
+    model = tiny_model(arch, kv_heads=2, layers=2)
+    d = dims_of(model.config).d
+    x = ids(n=13, seed=4)
+    for cut_mode, full_mode in (("pre_rope", "post_rope"), ("post_rope", "pre_rope")):
+        full = random_projections(model, d, d, full_mode, seed=1)
+        cut = random_projections(model, 10, 7, cut_mode, seed=2)  # ranks not powers of two
+        keys, values = [full.keys[0], cut.keys[1]], [full.values[0], cut.values[1]]
+
+        def served(modes):
+            proj = stiefkv.Projections(keys=keys, values=values, key_mode=modes[0], layer_key_modes=modes,
+                                       fingerprint=full.fingerprint, budget=0.5)
+            stiefkv.load(model, proj)
+            logits = model(x, use_cache=False).logits
+            cache = stiefkv.LatentCache()
+            steps = [model(x[:, :6], past_key_values=cache).logits]
+            steps += [model(x[:, t:t + 1], past_key_values=cache).logits for t in range(6, 13)]
+            stiefkv.unload(model)
+            return logits, torch.cat(steps, dim=1)
+
+        mixed, mixed_cached = served([full_mode, cut_mode])
+        same, _ = served([cut_mode, cut_mode])
+        other, _ = served([full_mode, full_mode])
+        assert_close(mixed, same, atol=1e-4, rtol=0, what=f"mixed vs all {cut_mode}")
+        assert_close(mixed_cached, mixed, atol=2e-5, rtol=1e-4, what="mixed, cached vs full forward")
+        assert (mixed - other).abs().max() > 1e-2

@@ -31,7 +31,7 @@ def main() -> None:
         proj = stiefkv.Projections.load(path)
         t0 = time.perf_counter()
         r = evaluate(model, tok, proj, limit=args.windows, layer_errors=False)
-        print(json.dumps({"ckpt": path, "key_mode": proj.key_mode, "windows": r.windows,
+        print(json.dumps({"ckpt": path, "key_mode": proj.key_mode_summary, "windows": r.windows,
                           "ppl_original": round(r.ppl_original, 4), "ppl": round(r.ppl, 4),
                           "next_token_kl": round(r.next_token_kl, 5),
                           "kv_bytes_per_token": r.kv_bytes_per_token,
