@@ -828,8 +828,9 @@ def serve_claims(res: Results, claim) -> None:
               "–", None, auto)
     stored = [res.pick("serve", case) for case in AUTO_STORAGE]
     if all(stored):
-        claim("Serving tok/s, SmolLM2's `--bits auto` 50 % checkpoint's own storage, `pre_rope`; keys after "
-              "RoPE where whole (`--key-mode auto`) / the faster uncompressed path; / int8 (53.5 %), 8B, 8×16k",
+        claim("Serving tok/s, SmolLM2's `--bits auto` 50 % checkpoint's own storage, `pre_rope`; keys "
+              "after RoPE where whole (`--key-mode auto`) / the faster uncompressed path; / int8 (53.5 %), "
+              "8B, 8×16k",
               "; ".join(f"{r['ratio_median']:.2f}×" for r in stored)
               + "; " + "; ".join(f"{r['ratio_vs_baseline']:.2f}×" for r in stored)
               + f" (cache {stored[0]['bytes_ratio']:.2f}×)", "–", None, stored)

@@ -438,7 +438,7 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
     """WikiText-2 perplexity, layer error, next-token KL and KV bytes per token of MODEL (or, with
     --compact, the perplexity after a compacted context)."""
     import stiefkv
-    from stiefkv.evaluate import attention_kl_per_layer, format_table
+    from stiefkv.evaluate import attention_kl_per_layer, format_table, kl_tokens
     from stiefkv.evaluate import evaluate as run_eval
     from stiefkv.models import check_context
 
@@ -523,13 +523,16 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                                           model_name=model)
         if baseline is not None:
             proj = baseline_projections(m, baseline)
+        kl_stream = None
         if attention_kl:
             check_context(m.config, kl_context, "--kl-context")
+            kl_stream = kl_tokens(tok, data, kl_context)
         result = run_eval(m, tok, proj, data=data, window=window, limit=windows, batch_size=batch_size,
                           backend=backend, model_name=model)
         if attention_kl:
             result.attention_kl_context = kl_context
-            result.attention_kl = attention_kl_per_layer(m, tok, proj, data=data, context=kl_context)
+            result.attention_kl = attention_kl_per_layer(m, tok, proj, data=data, context=kl_context,
+                                                         stream=kl_stream)
         if json_path is not None and not to_stdout:
             _write_json(json_path, result.as_dict())
         return result

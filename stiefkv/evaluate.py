@@ -297,9 +297,20 @@ def chunked_attention_kl(q, k_t, k_s, *, scale: float, chunk: int | None) -> flo
     return total
 
 
+def kl_tokens(tokenizer, data: str, context: int) -> torch.Tensor:
+    """The test tokens :func:`attention_kl_per_layer` reads, refused up front where there are fewer than
+    ``context`` (before an evaluation that would otherwise run first)."""
+    stream = token_stream(tokenizer, load_texts(data, "test"))
+    if stream.numel() < context:
+        raise ValueError(f"the test data of '{data}' has {stream.numel()} tokens, fewer than --kl-context "
+                         f"{context}: lower --kl-context or give longer test text")
+    return stream
+
+
 @torch.no_grad()
 def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: str = "wikitext2",
-                           context: int = 8192, chunk: int | None = 1024) -> list[float]:
+                           context: int = 8192, chunk: int | None = 1024,
+                           stream: torch.Tensor | None = None) -> list[float]:
     """Per layer, the mean ``KL(P_orig ‖ P_compressed)`` of attention rows over the first ``context`` test
     tokens.
 
@@ -311,9 +322,7 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
     check_context(model.config, context, "context")
     projections.check(model)
     device = next(model.parameters()).device
-    stream = token_stream(tokenizer, load_texts(data, "test"))
-    if stream.numel() < context:
-        raise ValueError(f"the test data has {stream.numel()} tokens, fewer than --kl-context {context}")
+    stream = kl_tokens(tokenizer, data, context) if stream is None else stream
     layers = decoder_layers(model)
     kl = [float("nan")] * len(layers)
 

@@ -396,6 +396,20 @@ def test_context_beyond_the_models_positions_is_refused(tmp_path, corpus, fake_l
     assert "--kl-context 8192 exceeds the model's 512 positions" in result.output
 
 
+def test_kl_context_beyond_the_test_text_is_refused_before_the_evaluation(tmp_path, fake_loader, monkeypatch):
+    """``--attention-kl`` with more ``--kl-context`` tokens than the test text holds is refused before the
+    perplexity pass (which ran first and was lost)."""
+    import stiefkv.evaluate
+
+    short = tmp_path / "short.txt"
+    short.write_text("a few words of test text, far fewer than the context asked for. " * 3)
+    monkeypatch.setattr(stiefkv.evaluate, "evaluate", lambda *a, **k: pytest.fail("evaluated first"))
+    ckpt = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
+    result = run(["eval", "m", "--projections", ckpt, "--window", "64", "--data", short, "--attention-kl",
+                  "--kl-context", "500"], 2)
+    assert "fewer than --kl-context 500" in result.output and "lower --kl-context" in result.output
+
+
 # ------------------------------------------------------------------------ 8. no tracebacks on bad values
 
 
