@@ -410,12 +410,15 @@ def _wrap_prepare_cache(original):
     from transformers import DynamicCache, StaticCache
 
     def prepare(model, *args, **kwargs):
+        kwarg_dicts = [obj for obj in list(args) + list(kwargs.values()) if isinstance(obj, dict)]
+        # the user's own cache is in the model kwargs before transformers makes one: leave it to the forward
+        given = {id(obj.get(key)) for obj in kwarg_dicts for key in ("cache", "past_key_values")}
         result = original(model, *args, **kwargs)
-        for obj in list(args) + list(kwargs.values()):
-            if not isinstance(obj, dict):
-                continue
+        for obj in kwarg_dicts:
             for key in ("cache", "past_key_values"):
                 made = obj.get(key)
+                if id(made) in given:
+                    continue
                 if type(made) is DynamicCache and made.get_seq_length() == 0:
                     obj[key] = LatentCache()
                 elif type(made) is StaticCache and not getattr(made, "_is_user_defined", False):

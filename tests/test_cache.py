@@ -77,6 +77,13 @@ def test_a_foreign_cache_is_refused_clearly(make):
         cache.update(torch.zeros(2, 2, 3, 24), torch.zeros(2, 2, 3, 24), 0)
     with pytest.raises(ValueError, match="LatentCache.*got a DynamicCache"):
         model(ids(), past_key_values=cache)
+    # generate leaves a cache the user passes alone (it used to swap an empty one for a LatentCache the user
+    # never saw): the forward refuses it with the same message
+    with pytest.raises(ValueError, match="LatentCache.*got a DynamicCache"):
+        model.generate(ids(n=4), past_key_values=cache, **GREEDY)
+    mine = LatentCache()
+    model.generate(ids(n=4), past_key_values=mine, **GREEDY)
+    assert mine.get_seq_length() > 4  # the user's own LatentCache is the one filled
 
 
 def test_a_latent_cache_continues_only_the_batch_it_holds():
