@@ -150,7 +150,7 @@ class LatentCache(_dynamic_cache_class()):
                              "for another)")
         z_k, z_v = self.update(z_k, z_v, layer_idx)
         if self.length is not None:
-            _refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
+            refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
             return z_k, z_v, self._extend_compacted(layer_idx, positions, z_k.shape[2]), None
         if layer_idx == 0:
             positions = positions.to(torch.int32)
@@ -456,7 +456,7 @@ def _visible(row: torch.Tensor) -> torch.Tensor:
     return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
-def _refuse_padding(mask: torch.Tensor | None) -> None:
+def refuse_padding(mask: torch.Tensor | None) -> None:
     """A clear error when the model's 4-D mask hides a key from the last query (padding). For a compacted
     cache only padding is read from the mask: it is sized by layer 0's count, which the other layers do
     not share, and causality comes from the kernels."""

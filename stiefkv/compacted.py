@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from stiefkv import presses
-from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword
+from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword, refuse_padding
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import head_bases, head_latents, project_qkv, rotate_with
@@ -96,6 +96,7 @@ def install_hooks(model) -> None:
             if not isinstance(cache, CompactedCache) or i >= len(cache.prefix):
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            refuse_padding(kwargs.get("attention_mask"))  # the cache's own mask would drop it silently
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
             return args, kwargs
         handles.append(layer.self_attn.register_forward_pre_hook(use_beta, with_kwargs=True))

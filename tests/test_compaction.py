@@ -325,6 +325,13 @@ def test_a_compacted_cache_continues_at_the_original_positions_in_forward_and_ge
     got = model.generate(ids[:, :C + 1], **{key: cache}, max_new_tokens=new, do_sample=False)
     assert got.shape == (1, C + 1 + new) and cache.get_seq_length() == C + new
 
+    # padding is refused, not dropped by the cache's own mask
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.1)
+    mask = torch.ones(1, 67, dtype=torch.long)
+    mask[:, :3] = 0
+    with pytest.raises(ValueError, match="holds unpadded rows only"):
+        model(ids[:, C:], attention_mask=mask, **{key: cache})
+
 
 def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_cache_as_it_was():
     import stiefkv
