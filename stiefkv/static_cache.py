@@ -26,6 +26,7 @@ from stiefkv.models import decoder_layers
 from stiefkv.quant import (
     GROUP,
     LOG8_LARGEST,
+    WINDOW8,
     Quantized,
     QuantSpec,
     held_exact,
@@ -64,6 +65,23 @@ def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int,
 
     quantize_into(z, slots, store.codes, store.scale, store.low, bits=store.spec.bits, log8=store.spec.log8,
                   largest=LOG8_LARGEST[store.spec.bits], ring=ring)
+
+
+def _fused_ring(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
+    """Whether a ``window8`` store's decoded token is held exact by the round-trip kernel
+    (``kernels.quantize.round_trip_into``: one launch, bit for bit ``held_exact``'s ~90 operators; any
+    layout, since the exact window is per token): where :func:`_fused_write` would run its kernel."""
+    if not spec.window8 or backend == "reference":
+        return False
+    if FUSED_WRITES is not None:
+        return FUSED_WRITES
+    return device.type == "cuda" and kernels.triton_available()
+
+
+def _round_trip_into(store, z: torch.Tensor, slot: torch.Tensor) -> None:
+    from stiefkv.kernels.quantize import round_trip_into  # imports Triton: only where it runs
+
+    round_trip_into(z, slot, store.ring, bits=WINDOW8.bits, largest=LOG8_LARGEST[WINDOW8.bits])
 
 
 def _scale_buffers(spec: QuantSpec, shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -186,7 +204,10 @@ class WindowedCodes:
     def write_one(self, slot: torch.Tensor, z: torch.Tensor) -> None:
         """Token ``z`` ``[B, G, 1, r]`` at ``slot`` (``[1]`` long on the device), with no host count."""
         self.tail = None
-        self.ring.index_copy_(2, slot % self.window, held_exact(z, self.spec).to(self.ring.dtype))
+        if _fused_ring(self.spec, slot.device, self.backend):
+            _round_trip_into(self, z, slot)
+        else:
+            self.ring.index_copy_(2, slot % self.window, held_exact(z, self.spec).to(self.ring.dtype))
         if _fused_write(self.spec, slot.device, self.backend):  # the same, in one launch
             _quantize_into(self, self.ring, slot, ring=(self.spec.recent, self.window))
             return

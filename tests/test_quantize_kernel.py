@@ -127,3 +127,32 @@ def test_bad_input():
         quantize_into(z, slots, codes, scale, low, bits=4, log8=True)
     with pytest.raises(ValueError, match="3 tokens but 2 slots"):
         quantize_into(z, slots[:2], codes, scale, low, bits=4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("r", [24, 64, 100])  # a short group, one whole, one and a short one
+def test_round_trip_kernel_holds_a_token_as_the_int8_window_does(dtype, r):
+    """``round_trip_into`` (a ``window8`` store's decoded token through int8 log8 codes and back, into
+    its ring entry) against ``held_exact`` then ``index_copy_``: bit for bit in float32 and bfloat16, the
+    stressed rows included (a NaN group reads back NaN, the rest of the row unchanged); other ring entries
+    untouched."""
+    from stiefkv.kernels.quantize import round_trip_into
+    from stiefkv.quant import WINDOW8, held_exact
+
+    B, G, window = 2, 3, 21
+    z = hard_latents(B, G, 5, r, dtype, log8=True)
+    z[1, 2, 4, r // 2] = float("nan")  # one NaN: its group only
+    spec = QuantSpec(4, "token", recent=16, window8=True)
+    ring = torch.randn(B, G, window, r, dtype=dtype, device=DEVICE)
+    for t, slot in enumerate((0, 7, 20, 21, 45)):  # wraps around the ring
+        token = z[:, :, t:t + 1]
+        s = torch.tensor([slot], device=DEVICE)
+        want = ring.clone().cpu()
+        want.index_copy_(2, s.cpu() % window, held_exact(token.cpu(), spec).to(dtype))
+        round_trip_into(token, s, ring, bits=WINDOW8.bits, largest=LOG8_LARGEST[WINDOW8.bits])
+        got = ring.cpu()
+        assert torch.equal(got.isnan(), want.isnan()), f"slot {slot}: NaN at different places"
+        assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), \
+            f"slot {slot}: {(got.nan_to_num(0.0) != want.nan_to_num(0.0)).nonzero()[:4].tolist()}"
+    with pytest.raises(ValueError, match="one token and one slot"):
+        round_trip_into(z[:, :, :2], torch.tensor([0], device=DEVICE), ring)

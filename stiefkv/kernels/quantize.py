@@ -170,3 +170,67 @@ def quantize_into(z: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, sca
         G, R=r, BITS=bits, LOG8=log8, LARGEST=largest, RECENT=recent, WINDOW=window,
         num_warps=1,
     )
+
+
+@triton.jit
+def _bf16_rne(x):
+    """fp32 ``x`` rounded to the nearest bfloat16, ties to even, still in fp32 (so the cast that follows is
+    exact): the interpreter's cast truncates, the GPU's rounds; this is both's ``Tensor.to(bfloat16)``."""
+    bits = x.to(tl.int32, bitcast=True)
+    rounded = ((bits + 0x7FFF + ((bits >> 16) & 1)) & -65536).to(tl.float32, bitcast=True)
+    return tl.where(x == x, rounded, x)
+
+
+@triton.jit
+def _round_trip_into_kernel(
+    Z, SLOTS, OUT,
+    stride_zb, stride_zg, stride_zr,
+    stride_ob, stride_og, stride_on, stride_or,
+    n_kv_heads,
+    R: tl.constexpr, BITS: tl.constexpr, LARGEST: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """Program (batch row × KV head, group): ``Z``'s one token through log8 codes of ``BITS`` bits and back,
+    into ring entry ``SLOTS[0] mod WINDOW`` of ``OUT``."""
+    bg = tl.program_id(0).to(tl.int64)
+    grp = tl.program_id(1)
+    b = bg // n_kv_heads
+    g = bg % n_kv_heads
+    row = tl.load(SLOTS).to(tl.int64) % WINDOW
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    offs = grp * GROUP + tl.arange(0, GROUP)
+    real = offs < R
+    x = tl.load(Z + b * stride_zb + g * stride_zg + offs * stride_zr, mask=real, other=0.0).to(tl.float32)
+    lo = tl.min(tl.where(real, x, float("inf")), 0)
+    hi = tl.max(tl.where(real, x, float("-inf")), 0)
+    nan = tl.max((real & (x != x)).to(tl.int32), 0) > 0
+    lo = tl.where(nan, float("nan"), lo)
+    hi = tl.where(nan, float("nan"), hi)
+    step, low = _log8(_log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST), BITS)
+    v = tl.minimum(tl.maximum(tl.div_rn(x - low, step), -1.0), LEVELS + 1.0)
+    code = tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS * 1.0)
+    # a NaN step (a group holding NaN or inf) reads back NaN, as PyTorch's does; product, then sum, each
+    # rounded (the launch turns FMA contraction off): bit for bit PyTorch's two operators
+    out = code * step + low
+    if OUT.dtype.element_ty == tl.bfloat16:
+        out = _bf16_rne(out)
+    tl.store(OUT + b * stride_ob + g * stride_og + row * stride_on + offs * stride_or,
+             out.to(OUT.dtype.element_ty), mask=real)
+
+
+def round_trip_into(z: torch.Tensor, slot: torch.Tensor, ring: torch.Tensor, *, bits: int = 8,
+                    largest: int = 255) -> None:
+    """One token's latents ``z`` ``[B, G, 1, r]`` through per-token log8 codes of ``bits`` bits (groups of
+    :data:`QUANT_GROUP` channels) and back, written into ``ring`` ``[B, G, window, r]`` at entry ``slot mod
+    window`` (``slot`` ``[1]`` int on the device): bit for bit ``ring.index_copy_(2, slot % window,
+    stiefkv.quant.round_trip(z, QuantSpec(bits, "token", log8=True)).to(ring.dtype))``, in one launch. How a
+    ``window8`` store holds a decoded token exact (``stiefkv.quant.held_exact``): ~90 operators otherwise."""
+    B, G, n, r = z.shape
+    if n != 1 or slot.numel() != 1:
+        raise ValueError(f"one token and one slot, got {n} tokens and {slot.numel()} slots")
+    if ring.shape[:2] != (B, G) or ring.shape[3] != r:
+        raise ValueError(f"a ring {tuple(ring.shape)} does not hold {r}-channel latents of {B} rows and {G} "
+                         "KV heads")
+    _round_trip_into_kernel[(B * G, -(-r // QUANT_GROUP))](
+        z, slot, ring, z.stride(0), z.stride(1), z.stride(3), *ring.stride(),
+        G, R=r, BITS=bits, LARGEST=largest, WINDOW=ring.shape[2], num_warps=1, enable_fp_fusion=False,
+    )
