@@ -4,8 +4,9 @@ each is a kernel of the captured graph. What an exact window adds, before a GPU 
 
     python benchmarks/experiments/decode_ops.py [--fused-writes]
 
-``--fused-writes``: codes written as on CUDA, by the quantize-on-write kernel, here a stand-in that writes
-nothing (the count does not depend on the values); its one launch a latent is not counted.
+``--fused-writes``: codes written as on CUDA, by the quantize-on-write kernel (and an int8 window's tokens by
+the round-trip kernel), here stand-ins that write nothing (the count does not depend on the values); their
+one launch a latent is not counted.
 """
 
 from __future__ import annotations
@@ -27,7 +28,10 @@ from tests.tiny import random_projections, tiny_model  # noqa: E402
 STORES = {"bf16": ("bf16", "bf16"), "int8 codes": ("int8-token", "int8-token"),
           "int8 r16 (ring)": ("int8-token-r16", "int8-token-r16"),
           "int8 r16 keys, int8 values": ("int8-token-r16", "int8-token"),
-          "int2 channel r16, int3 r16": ("int2-channel-r16", "int3-token-r16")}
+          "int2 channel r16, int3 r16": ("int2-channel-r16", "int3-token-r16"),
+          # what --bits auto keeps at 50 % on SmolLM2 (int8 exact windows, log8 scales), and its odd pair
+          "auto 50 %: int8 log8 r16 w8": ("int8-token-log8-r16-w8", "int8-token-log8-r16-w8"),
+          "auto 50 %, odd: + int4 channel w8": ("int8-token-log8-r16-w8", "int4-channel-r16-w8")}
 
 
 VIEWS = {f"aten::{n}" for n in ("unsqueeze", "slice", "alias", "view", "select", "expand", "as_strided",
@@ -77,6 +81,7 @@ def main() -> None:
     if FUSED:
         static_cache.FUSED_WRITES = True
         static_cache._quantize_into = lambda *args, **kwargs: None
+        static_cache._round_trip_into = lambda *args, **kwargs: None  # an int8 window's one launch
     base = None
     for label, (k, v) in STORES.items():
         layers, ops = step_ops(k, v)
