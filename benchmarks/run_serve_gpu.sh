@@ -52,6 +52,12 @@ set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
 auto_name() { echo "auto$(python3 -c "print(f'{float($1) * 100:g}')")"; }  # auto25, auto12.5: rows' case names
+checkpoint() {  # checkpoint NAME BUDGET [CALIBRATE ARGS]: $STIEFKV_RESULTS_DIR/ck/NAME.safetensors, made once
+  local name=$1 budget=$2; shift 2
+  mkdir -p "$STIEFKV_RESULTS_DIR/ck"
+  [ -f "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" ] || step "calibrate $name" stiefkv calibrate "$MODEL" \
+    --device cuda --budget "$budget" "$@" -o "$STIEFKV_RESULTS_DIR/ck/$name.safetensors"
+}
 for s in "$@"; do
   case $s in
     tests) step tests python3 -m pytest -q -ra -p no:cacheprovider tests/test_serve.py \
@@ -120,11 +126,9 @@ for s in "$@"; do
         --baseline-cache int8 ;;
     autostorage)
       ck="$STIEFKV_RESULTS_DIR/ck"
-      mkdir -p "$ck"
       for b in ${BUDGETS:-0.25}; do
         name=$(auto_name "$b")
-        [ -f "$ck/$name.safetensors" ] || step "calibrate $b" stiefkv calibrate "$MODEL" --device cuda \
-          --budget "$b" -o "$ck/$name.safetensors"
+        checkpoint "$name" "$b"
         for mode in pre_rope post_rope; do
           serve --shape 8b --cases 8x16384 --storage-from "$ck/$name.safetensors" --key-mode $mode \
             --baseline-cache kivi4  # the quantization a user would pick near 25 %, in the same run
@@ -132,16 +136,14 @@ for s in "$@"; do
       done ;;
     keyauto)
       ck="$STIEFKV_RESULTS_DIR/ck"
-      mkdir -p "$ck"
       for b in ${BUDGETS:-0.5}; do
         name=$(auto_name "$b")
-        [ -f "$ck/$name.safetensors" ] || step "calibrate $b" stiefkv calibrate "$MODEL" --device cuda \
-          --budget "$b" -o "$ck/$name.safetensors" &
-        [ -f "$ck/${name}k.safetensors" ] || step "calibrate $b key auto" stiefkv calibrate "$MODEL" \
-          --device cuda --budget "$b" --key-mode auto -o "$ck/${name}k.safetensors" &
+        checkpoint "$name" "$b" &
+        checkpoint "${name}k" "$b" --key-mode auto &
         wait
         for c in "$name" "${name}k"; do
-          serve --shape 8b --cases 8x16384 --storage-from "$ck/$c.safetensors" --baseline-cache "${BASELINE:-int8}"
+          serve --shape 8b --cases 8x16384 --storage-from "$ck/$c.safetensors" \
+            --baseline-cache "${BASELINE:-int8}"
         done
       done ;;
     storageprof)  # after autostorage: where each calibrated storage's decode step goes, both key modes
