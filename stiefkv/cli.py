@@ -232,9 +232,9 @@ def main():
               show_default=True,
               help="Compress keys before RoPE (better quality where ranks are cut) or after it (faster "
                    "decode: 0.89x against 0.66x the uncompressed cache's tokens/s for full-rank int8 at "
-                   "8x16k; SmolLM2 PPL within 0.1 % at 50 and 25 %, far worse below); auto = post_rope "
-                   "where every layer's keys keep full rank (with quantized latents: where the profiles "
-                   "predict that to cost at most 0.001 nats of next-token KL), pre_rope otherwise.")
+                   "8x16k; SmolLM2 PPL within 0.1 % at 50 and 25 %, far worse below); auto = per layer: "
+                   "post_rope where the allocation keeps the layer's keys at full rank, pre_rope where it "
+                   "cuts them.")
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"],
               show_default=True,
               help="dp = per-layer ranks minimising the summed profiled error under the budget (exact "

@@ -241,8 +241,9 @@ def test_cli_plot_and_resume_flag(tmp_path, corpus):
 @pytest.mark.parametrize("share_heads", [False, True])
 def test_key_mode_auto_serves_keys_after_rope_only_at_full_rank(share_heads):
     """``key_mode="auto"`` profiles and allocates before RoPE, then refines and serves keys after RoPE where
-    every layer keeps its keys at full rank, starting from the rotated keys' eigenvectors (the bases
-    ``post_rope`` gives; not ``pre_rope``'s); where a rank is cut it stays ``pre_rope``."""
+    layers keep their keys at full rank (here all of them, shared bases too), starting from the rotated keys'
+    eigenvectors (the bases ``post_rope`` gives; not ``pre_rope``'s); where ranks are cut (here all)
+    ``pre_rope``. The per-layer mix: ``test_key_mode_auto_picks_the_key_mode_layer_by_layer``."""
     seqs = torch.randint(0, 97, (6, 23), generator=torch.Generator().manual_seed(3))
     kw = {"sequences": seqs, "method": "pca", "bits": 16, "allocation": "uniform", "share_heads": share_heads}
 
