@@ -21,7 +21,7 @@ from stiefkv.calibrate.allocate import knapsack_options, smallest_budget, storag
 from stiefkv.calibrate.profile import LayerProfile, spreading_rotation
 from stiefkv.evaluate import BASELINES, baseline_projections
 from stiefkv.kernels._common import KERNEL_BITS
-from stiefkv.projections import CheckpointError, Projections
+from stiefkv.projections import FORMAT_VERSION, CheckpointError, Projections
 from stiefkv.quant import (
     CLIP_RATIOS,
     GROUP,
@@ -579,8 +579,9 @@ def test_quantized_checkpoint_round_trip_and_versions(tmp_path):
     assert back.header()["quant"][0] == ["int4-token", "int3-token"]
     plain = random_projections(model, 8, 8)
     assert plain.header()["format_version"] == 2 and "quant" not in plain.header()  # older readers take it
-    with pytest.raises(CheckpointError, match="format version 9; this StiefKV reads up to 8"):
-        _edited(tmp_path, path, lambda h: h.update(format_version=9))
+    newer = FORMAT_VERSION + 1
+    with pytest.raises(CheckpointError, match=f"version {newer}; this StiefKV reads up to {FORMAT_VERSION}"):
+        _edited(tmp_path, path, lambda h: h.update(format_version=newer))
     with pytest.raises(CheckpointError, match="'quant' in a format version 2"):
         _edited(tmp_path, path, lambda h: h.update(format_version=2))
     with pytest.raises(CheckpointError, match="bits must be one of"):
