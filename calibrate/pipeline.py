@@ -294,7 +294,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
         cut = [i for i, m in enumerate(key_modes) if m == "pre_rope"]
         log.info("key mode auto: post_rope (no key rebuild or rotation at decode) where a layer keeps its "
                  "keys at full rank; pre_rope (RoPE makes keys high-rank) where it cuts them: %s",
-                 f"layers {', '.join(map(str, cut))}" if cut else "no layer")
+                 f"layer{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))}" if cut else "no layer")
     second_pass(model, local, cfg, state, progress, shard, key_modes=key_modes,
                 profiled_key_mode=profiled.key_mode)
     elapsed = time.perf_counter() - t0
