@@ -304,9 +304,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
                           "model": getattr(model, "stiefkv_spec", None),
                           "profiles": state.profiles, "refine": state.refine}
     return Projections(keys=state.keys, values=state.values, key_mode=key_modes[0], layer_key_modes=key_modes,
-                       fingerprint=fp,
-                       budget=cfg.budget, method=cfg.method, settings=meta, errors=state.errors,
-                       quant=layer_specs(state) if state.quant else None).validate()
+                       fingerprint=fp, budget=cfg.budget, method=cfg.method, settings=meta,
+                       errors=state.errors, quant=layer_specs(state) if state.quant else None).validate()
 
 
 PROFILED_KEY_MODE = "pre_rope"  # what key_mode "auto" profiles and allocates in

@@ -155,9 +155,9 @@ class Projections:
             if len(modes) != len(self.keys) or any(m not in KEY_MODES for m in modes):
                 raise CheckpointError(f"layer_key_modes must give one of {KEY_MODES} for each of the "
                                       f"{len(self.keys)} layers, got {modes!r}")
-            # one mode for every layer is the plain form: key_mode says it
-            self.key_mode, self.layer_key_modes = (modes[0], None) if len(set(modes)) == 1 else \
-                (self.key_mode, modes)
+            self.layer_key_modes = modes
+            if len(set(modes)) == 1:  # one mode for every layer is the plain form: key_mode says it
+                self.key_mode, self.layer_key_modes = modes[0], None
         if len(self.keys) != len(self.values):
             raise CheckpointError(f"{len(self.keys)} key bases but {len(self.values)} value bases")
         if not self.keys:

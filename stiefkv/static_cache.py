@@ -53,7 +53,14 @@ def _fused_write(spec: QuantSpec, device: torch.device, backend: str = "auto") -
     launch per latent, bit for bit ``quantize`` and ``index_copy_``, which take a few dozen operators): on
     CUDA with Triton unless the model was loaded with ``backend="reference"``, for min–max or log8 groups
     (``mse`` ranges stay with PyTorch)."""
-    if spec.layout != "token" or spec.mse or spec.bits not in KERNEL_BITS or backend == "reference":
+    return (spec.layout == "token" and not spec.mse and spec.bits in KERNEL_BITS
+            and _writes_by_kernel(device, backend))
+
+
+def _writes_by_kernel(device: torch.device, backend: str) -> bool:
+    """Whether a store's writes go through the Triton write kernels at all: on CUDA with Triton unless the
+    model was loaded with ``backend="reference"`` (``FUSED_WRITES`` overrides, for tests)."""
+    if backend == "reference":
         return False
     if FUSED_WRITES is not None:
         return FUSED_WRITES
@@ -70,12 +77,8 @@ def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int,
 def _fused_ring(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
     """Whether a ``window8`` store's decoded token is held exact by the round-trip kernel
     (``kernels.quantize.round_trip_into``: one launch, bit for bit ``held_exact``'s ~90 operators; any
-    layout, since the exact window is per token): where :func:`_fused_write` would run its kernel."""
-    if not spec.window8 or backend == "reference":
-        return False
-    if FUSED_WRITES is not None:
-        return FUSED_WRITES
-    return device.type == "cuda" and kernels.triton_available()
+    layout, since the exact window is per token)."""
+    return spec.window8 and _writes_by_kernel(device, backend)
 
 
 def _round_trip_into(store, z: torch.Tensor, slot: torch.Tensor) -> None:

@@ -69,6 +69,26 @@ def _log8_code(step, LARGEST: tl.constexpr):
 
 
 @triton.jit
+def _group_range(x, real):
+    """A group's min and max over its ``real`` channels (fp32), NaN where any holds NaN: ``tl.min``/``max``
+    skip NaN, ``torch.amin``/``amax`` propagate it."""
+    lo = tl.min(tl.where(real, x, float("inf")), 0)
+    hi = tl.max(tl.where(real, x, float("-inf")), 0)
+    nan = tl.max((real & (x != x)).to(tl.int32), 0) > 0
+    return tl.where(nan, float("nan"), lo), tl.where(nan, float("nan"), hi)
+
+
+@triton.jit
+def _grid_codes(x, low, step, LEVELS: tl.constexpr):
+    """``round((x − low) / step)`` clamped to ``[0, LEVELS]`` (fp32, IEEE division, half to even), and where
+    that quotient was NaN."""
+    v = tl.div_rn(x - low, step)
+    nan_v = v != v  # tl.maximum below drops a NaN on the GPU
+    v = tl.minimum(tl.maximum(v, -1.0), LEVELS + 1.0)
+    return tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS * 1.0), nan_v
+
+
+@triton.jit
 def _quantize_into_kernel(
     Z, SLOTS, CODES, SCALE, LOW,
     stride_zb, stride_zg, stride_zn, stride_zr,
@@ -98,12 +118,7 @@ def _quantize_into_kernel(
     real = offs < R
     x = tl.load(Z + b * stride_zb + g * stride_zg + row * stride_zn + offs * stride_zr, mask=real,
                 other=0.0).to(tl.float32)
-    lo = tl.min(tl.where(real, x, float("inf")), 0)
-    hi = tl.max(tl.where(real, x, float("-inf")), 0)
-    # tl.min/max skip NaN; torch.amin/amax propagate it, and so must the range here (log8: LOG8_NAN)
-    nan = tl.max((real & (x != x)).to(tl.int32), 0) > 0
-    lo = tl.where(nan, float("nan"), lo)
-    hi = tl.where(nan, float("nan"), hi)
+    lo, hi = _group_range(x, real)  # NaN propagates (log8: LOG8_NAN)
     s_off = b * stride_sb + g * stride_sg + slot * stride_sn + grp
     if LOG8:
         code = _log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST)
@@ -116,10 +131,7 @@ def _quantize_into_kernel(
         step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
         tl.store(SCALE + s_off, scale16)
         tl.store(LOW + s_off, low16)
-    v = tl.div_rn(x - low, step)
-    nan_v = v != v  # tl.maximum below drops a NaN on the GPU
-    v = tl.minimum(tl.maximum(v, -1.0), LEVELS + 1.0)
-    code = tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS * 1.0)
+    code, nan_v = _grid_codes(x, low, step, LEVELS)
     # a NaN gives code 0, as PyTorch's NaN-to-uint8 does here (the group's scale says NaN)
     c = tl.where(real & ~nan_v, code, 0.0).to(tl.int64)
     # eight codes to one word of 8·BITS bits (code i at bit BITS·i), written as BITS little-endian bytes
@@ -200,14 +212,9 @@ def _round_trip_into_kernel(
     offs = grp * GROUP + tl.arange(0, GROUP)
     real = offs < R
     x = tl.load(Z + b * stride_zb + g * stride_zg + offs * stride_zr, mask=real, other=0.0).to(tl.float32)
-    lo = tl.min(tl.where(real, x, float("inf")), 0)
-    hi = tl.max(tl.where(real, x, float("-inf")), 0)
-    nan = tl.max((real & (x != x)).to(tl.int32), 0) > 0
-    lo = tl.where(nan, float("nan"), lo)
-    hi = tl.where(nan, float("nan"), hi)
+    lo, hi = _group_range(x, real)
     step, low = _log8(_log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST), BITS)
-    v = tl.minimum(tl.maximum(tl.div_rn(x - low, step), -1.0), LEVELS + 1.0)
-    code = tl.minimum(tl.maximum(_round_half_even(v), 0.0), LEVELS * 1.0)
+    code, _ = _grid_codes(x, low, step, LEVELS)
     # a NaN step (a group holding NaN or inf) reads back NaN, as PyTorch's does; product, then sum, each
     # rounded (the launch turns FMA contraction off): bit for bit PyTorch's two operators
     out = code * step + low
