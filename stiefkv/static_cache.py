@@ -49,12 +49,11 @@ SLOT_ALIGN = 16  # a static cache's slots per row are a multiple of this (see St
 
 
 def _fused_write(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
-    """Whether per-token codes are written by the quantize-on-write kernel (``kernels.quantize``: one
-    launch per latent, bit for bit ``quantize`` and ``index_copy_``, which take a few dozen operators): on
-    CUDA with Triton unless the model was loaded with ``backend="reference"``, for min–max or log8 groups
-    (``mse`` ranges stay with PyTorch)."""
-    return (spec.layout == "token" and not spec.mse and spec.bits in KERNEL_BITS
-            and _writes_by_kernel(device, backend))
+    """Whether codes are written by the quantize-on-write kernels (``kernels.quantize``: one launch per
+    latent, bit for bit ``quantize`` and ``index_copy_``, which take a few dozen operators; for the channel
+    layout, the group a decoded token makes due): on CUDA with Triton unless the model was loaded with
+    ``backend="reference"``, for min–max or log8 groups (``mse`` ranges stay with PyTorch)."""
+    return not spec.mse and spec.bits in KERNEL_BITS and _writes_by_kernel(device, backend)
 
 
 def _writes_by_kernel(device: torch.device, backend: str) -> bool:
@@ -68,8 +67,12 @@ def _writes_by_kernel(device: torch.device, backend: str) -> bool:
 
 
 def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int, int] | None = None) -> None:
-    from stiefkv.kernels.quantize import quantize_into  # imports Triton: only where it runs
+    from stiefkv.kernels.quantize import quantize_group_into, quantize_into  # imports Triton: where it runs
 
+    if store.spec.layout == "channel":  # decode only: a prefill's channel groups go through PyTorch
+        quantize_group_into(z, slots, store.codes, store.scale, store.low, bits=store.spec.bits,
+                            recent=store.spec.recent)
+        return
     quantize_into(z, slots, store.codes, store.scale, store.low, bits=store.spec.bits, log8=store.spec.log8,
                   largest=LOG8_LARGEST[store.spec.bits], ring=ring)
 
@@ -331,6 +334,27 @@ def _exact_past_split(store, other) -> bool:
 def _held_as_codes(store, filled: torch.Tensor) -> torch.Tensor:
     """Slots ``store`` holds as codes once ``filled`` are written (a CodeBuffer: all)."""
     return quantized_length(filled, store.spec) if isinstance(store, WindowedCodes) else filled
+
+
+def _ring_side(store, step: _SplitStep, first_exact: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """One latent's side of a split decode's ring view ``[B, G, window, r]``: each ring slot's codes
+    dequantized, or the store's exact token where it holds that slot exact (``newest ≥ first_exact``). One
+    launch where the writes go through the kernels (``kernels.dequantize.dequantize_at``), else ~35
+    PyTorch operators."""
+    windowed = isinstance(store, WindowedCodes)
+    if _writes_by_kernel(step.slot.device, store.backend):
+        from stiefkv.kernels.dequantize import dequantize_at  # imports Triton: only where it runs
+
+        codes = store.latents()
+        if windowed:
+            return dequantize_at(codes, step.slot, dtype, ring=store.ring, newest=step.newest,
+                                 first_exact=first_exact)
+        return dequantize_at(codes, step.slot, dtype)
+    coded = _codes_at(store, step.slot, dtype)
+    if windowed:
+        exact = store.ring.index_select(2, step.slot % store.window).to(dtype)
+        coded = torch.where((step.newest >= first_exact)[None, None, :, None], exact, coded)
+    return coded
 
 
 def _codes_at(store, slots: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -621,11 +645,7 @@ class StaticLatentCache(LatentCache):
             if _exact_past_split(store, other):  # then the widest ring: entry i holds slot newest[i]
                 views.append(store.ring.to(dtype))
                 continue
-            coded = _codes_at(store, step.slot, dtype)
-            if isinstance(store, WindowedCodes):
-                exact = store.ring.index_select(2, step.slot % store.window).to(dtype)
-                coded = torch.where((step.newest >= first_exact)[None, None, :, None], exact, coded)
-            views.append(coded)
+            views.append(_ring_side(store, step, first_exact, dtype))
         return RingSplit(stores[0].latents(), stores[1].latents(), step.n_codes, step.codes_lengths,
                          views[0], views[1], step.positions, step.bias)
 

@@ -136,3 +136,29 @@ def test_token_slices_and_codes_beside_a_band(layout):
     for index in ((slice(None), slice(None), slice(0, 90)), (slice(None), slice(None), slice(5, 80)), 1):
         assert torch.equal(mixed[index], whole[index])
     assert torch.equal(mixed.materialize(), whole)
+
+
+@pytest.mark.parametrize("spec", ["int8-token-log8", "int3-token", "int2-channel", "int4-channel"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_at_slots_with_a_ring_overlay(spec, dtype):
+    """``dequantize_at``, a split decode's ring side (``static_cache._ring_side``): the codes of scattered
+    slots dequantized, and where a slot's ``newest`` is at or past ``first_exact`` its ring entry instead,
+    bit for bit as the PyTorch gathers and ``where`` (and as ``dequantize`` at those slots without a ring),
+    on every device: the multiply and add are rounded apart, as PyTorch's."""
+    from stiefkv.kernels.dequantize import dequantize_at
+
+    spec = QuantSpec.parse(spec)
+    B, G, N, r, window = 2, 3, 192, 29, 21
+    z = torch.randn(B, G, N, r, generator=torch.Generator().manual_seed(len(str(spec)))) * 3
+    codes = codes_of(z, spec)
+    ring = torch.randn(B, G, window, r, dtype=dtype, device=DEVICE)
+    newest = torch.tensor([5, 190, 64, 63, -1, 127, 128, 0, 150, 151, 149, 100, 101, 30, 191, 2, 66, 80, 7,
+                           170, 129], device=DEVICE)
+    slots, first = newest.clamp(min=0), torch.tensor([129], device=DEVICE, dtype=torch.int32)
+    coded = codes.dequantize(torch.float32).index_select(2, slots).to(dtype)
+    assert torch.equal(dequantize_at(codes, slots, dtype).cpu(), coded.cpu())
+    want = torch.where((newest >= first)[None, None, :, None], ring.index_select(2, slots % window), coded)
+    got = dequantize_at(codes, slots, dtype, ring=ring, newest=newest, first_exact=first)
+    assert got.dtype == dtype and torch.equal(got.cpu(), want.cpu())
+    with pytest.raises(ValueError, match="together"):
+        dequantize_at(codes, slots, dtype, ring=ring)

@@ -156,3 +156,64 @@ def test_round_trip_kernel_holds_a_token_as_the_int8_window_does(dtype, r):
             f"slot {slot}: {(got.nan_to_num(0.0) != want.nan_to_num(0.0)).nonzero()[:4].tolist()}"
     with pytest.raises(ValueError, match="one token and one slot"):
         round_trip_into(z[:, :, :2], torch.tensor([0], device=DEVICE), ring)
+
+
+def channel_buffers(B, G, L, r, bits):
+    codes = torch.randint(0, 256, (B, G, L, packed_bytes(r, bits)), dtype=torch.uint8, device=DEVICE)
+    return codes, torch.randn(B, G, L // 64, r, device=DEVICE).half(), torch.randn(B, G, L // 64, r,
+                                                                                   device=DEVICE).half()
+
+
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("r, dtype, recent", [(13, torch.bfloat16, 16), (64, torch.float32, 0),
+                                              (72, torch.bfloat16, 16), (41, torch.float16, 5),
+                                              (130, torch.bfloat16, 16)])
+def test_channel_group_quantized_when_due(r, dtype, recent, bits):
+    """``quantize_group_into`` (the channel layout's decode write) against ``WindowedCodes.write_one``'s
+    PyTorch: at the slots that complete a group past the window, the 64 tokens from their ring entries
+    quantized per channel, every byte of the codes and the group's scales and lows equal (stressed columns:
+    constant, tiny, large, ties); at every other slot nothing written. Past the first lap of the ring too."""
+    from stiefkv.kernels.quantize import quantize_group_into
+
+    B, G, L = 2, 3, 256
+    window = recent + 64
+    ring = (torch.randn(B, G, window, r) * torch.logspace(-3, 2, r)).to(dtype)
+    ring[0, 0, :, 0] = 0.75  # a constant channel: scale 0, code 0, back as its low
+    ring[1, 2, :, r // 2] = 1e-6 * torch.randn(window)
+    ring[1, 0, :, -1] = torch.arange(window) * 0.5 - 3.0  # grid midpoints: half to even
+    ring = ring.to(DEVICE)
+    spec = QuantSpec(bits, "channel", recent=recent)
+    for slot in (recent + 62, recent + 63, recent + 64, 2 * 64 + recent - 1, 3 * 64 + recent - 1, 100):
+        bufs = channel_buffers(B, G, L, r, bits)
+        want = [t.clone().cpu() for t in bufs]
+        end = slot + 1 - recent
+        if end > 0 and end % 64 == 0:
+            slots = torch.arange(end - 64, end)
+            q = quantize(ring.cpu().index_select(2, slots % window), spec)
+            want[0].index_copy_(2, slots, q.codes)
+            want[1].index_copy_(2, slots[:1] // 64, q.scale)
+            want[2].index_copy_(2, slots[:1] // 64, q.low)
+        quantize_group_into(ring, torch.tensor([slot], device=DEVICE), *bufs, bits=bits, recent=recent)
+        assert_same(bufs, want, f"channel int{bits} r={r} slot {slot}")
+
+
+def test_channel_group_nan_and_bad_input():
+    """A NaN in a channel of the group: that channel's scale and low NaN, its codes 0, as ``quantize``; the
+    other channels unaffected. Buffers of another width and a ring too short for the window are refused."""
+    from stiefkv.kernels.quantize import quantize_group_into
+
+    ring = torch.randn(1, 2, 80, 24)
+    ring[0, 1, 30, 5] = float("nan")
+    ring = ring.to(DEVICE)
+    bufs = channel_buffers(1, 2, 128, 24, 4)
+    want = [t.clone().cpu() for t in bufs]
+    q = quantize(ring.cpu()[:, :, :64], QuantSpec(4, "channel"))
+    for t, part in zip(want, (q.codes, q.scale, q.low)):
+        t.index_copy_(2, torch.arange(t.shape[2])[: part.shape[2]], part)
+    quantize_group_into(ring, torch.tensor([79], device=DEVICE), *bufs, bits=4, recent=16)
+    assert_same(bufs, want, "NaN channel")
+    assert want[1][0, 1, 0, 5].isnan() and not want[1][0, 1, 0, 4].isnan()
+    with pytest.raises(ValueError, match="do not hold 24-channel latents of 8 bits"):
+        quantize_group_into(ring, torch.tensor([79], device=DEVICE), *bufs, bits=8, recent=16)
+    with pytest.raises(ValueError, match="cannot hold 17 recent tokens"):
+        quantize_group_into(ring, torch.tensor([79], device=DEVICE), *bufs, bits=4, recent=17)

@@ -412,12 +412,14 @@ def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
 
 def test_a_reference_backend_keeps_the_pytorch_write():
     """A model loaded with ``backend="reference"`` runs no Triton, the cache's writes included."""
+    from stiefkv import kernels
     from stiefkv.quant import QuantSpec
     from stiefkv.static_cache import _fused_write
 
     spec, cuda = QuantSpec(8, "token"), torch.device("cuda")
     assert not _fused_write(spec, cuda, "reference")
-    assert not _fused_write(QuantSpec(4, "channel"), cuda)
+    assert _fused_write(QuantSpec(4, "channel"), cuda) == kernels.triton_available()  # per channel too
+    assert not _fused_write(QuantSpec(4, "channel", mse=True), cuda)
     assert not _fused_write(QuantSpec(4, "token", mse=True), cuda)
     model = windowed_served("int8-token", "int4-token-r16", backend="reference")
     cache = StaticLatentCache(model, 2, 40)

@@ -4,9 +4,10 @@ each is a kernel of the captured graph. What an exact window adds, before a GPU 
 
     python benchmarks/experiments/decode_ops.py [--fused-writes]
 
-``--fused-writes``: codes written as on CUDA, by the quantize-on-write kernel (and an int8 window's tokens by
-the round-trip kernel), here stand-ins that write nothing (the count does not depend on the values); their
-one launch a latent is not counted.
+``--fused-writes``: codes written as on CUDA, by the quantize-on-write kernels (per token, and a channel
+group when due; an int8 window's tokens by the round-trip kernel), and a split decode's ring side read by
+``dequantize_at``: here stand-ins that compute nothing (the count does not depend on the values); their one
+launch a latent is not counted.
 """
 
 from __future__ import annotations
@@ -82,6 +83,11 @@ def main() -> None:
         static_cache.FUSED_WRITES = True
         static_cache._quantize_into = lambda *args, **kwargs: None
         static_cache._round_trip_into = lambda *args, **kwargs: None  # an int8 window's one launch
+        from stiefkv.kernels import dequantize
+
+        # a split decode's ring side of a latent, one launch: its output, uncounted (empty is a view here)
+        dequantize.dequantize_at = lambda z, slots, dtype, **kw: torch.empty(
+            *z.shape[:2], slots.numel(), z.rank, dtype=dtype, device=slots.device)
     base = None
     for label, (k, v) in STORES.items():
         layers, ops = step_ops(k, v)

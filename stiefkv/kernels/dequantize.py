@@ -44,9 +44,15 @@ def _to_bf16(x):
 def _dequantize_fwd(Z, S, L, OUT, N, G,
                     stride_zb, stride_zg, stride_zn, stride_zr, stride_sb, stride_sg, stride_sn, stride_sc,
                     R: tl.constexpr, W: tl.constexpr, BITS: tl.constexpr, CH: tl.constexpr,
-                    LOG8: tl.constexpr, BLOCK_E: tl.constexpr):
+                    LOG8: tl.constexpr, BLOCK_E: tl.constexpr,
+                    SLOTS=None, NEWEST=None, FIRST=None, RING=None,
+                    stride_rb=0, stride_rg=0, stride_rn=0, stride_rr=0,
+                    HAS_SLOTS: tl.constexpr = False, HAS_RING: tl.constexpr = False,
+                    WINDOW: tl.constexpr = 1):
     # one (batch row, KV head) a program row: its base offsets in 64 bits, the rest in 32 (the first
-    # version's 64-bit divisions per element ran at a tenth of the copy bandwidth), R a constant divisor
+    # version's 64-bit divisions per element ran at a tenth of the copy bandwidth), R a constant divisor.
+    # HAS_SLOTS: output row t is slot SLOTS[t]; HAS_RING: rows with NEWEST[t] ≥ FIRST[0] (tokens the store
+    # holds exact) come from ring entry SLOTS[t] mod WINDOW instead of the codes
     bg = tl.program_id(1)
     b, g = (bg // G).to(tl.int64), (bg % G).to(tl.int64)
     e = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -54,6 +60,8 @@ def _dequantize_fwd(Z, S, L, OUT, N, G,
     t = e // W
     inside = e < N * W
     ok = inside & (c < R)
+    if HAS_SLOTS:
+        t = tl.load(SLOTS + t, mask=inside, other=0).to(tl.int32)
     bit = c * BITS
     row = Z + b * stride_zb + g * stride_zg + t * stride_zn
     word = tl.load(row + (bit // 8) * stride_zr, mask=ok, other=0).to(tl.int32)
@@ -72,6 +80,11 @@ def _dequantize_fwd(Z, S, L, OUT, N, G,
         scale = tl.load(head + at, mask=ok, other=0.0).to(tl.float32)
         low = tl.load(L + b * stride_sb + g * stride_sg + at, mask=ok, other=0.0).to(tl.float32)
     z = tl.where(ok, code * scale + low, 0.0)
+    if HAS_RING:
+        exact = ok & (tl.load(NEWEST + e // W, mask=inside, other=-1) >= tl.load(FIRST + e * 0))
+        held = tl.load(RING + b * stride_rb + g * stride_rg + (t % WINDOW) * stride_rn + c * stride_rr,
+                       mask=exact, other=0.0)
+        z = tl.where(exact, held.to(tl.float32), z)
     if OUT.dtype.element_ty == tl.bfloat16:
         z = _to_bf16(z)
     tl.store(OUT + bg.to(tl.int64) * N * W + e, z.to(OUT.dtype.element_ty), mask=inside)
@@ -99,4 +112,39 @@ def dequantize_latents(z: QuantizedLatents, dtype: torch.dtype, width: int | Non
     _dequantize_fwd[(triton.cdiv(N * width, BLOCK), B * G)](
         z.codes, scale, low, out, N, G, *z.codes.stride(), *scale.stride(),
         R=R, W=width, BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK)
+    return out
+
+
+def dequantize_at(z: QuantizedLatents, slots: torch.Tensor, dtype: torch.dtype, *,
+                  ring: torch.Tensor | None = None, newest: torch.Tensor | None = None,
+                  first_exact: torch.Tensor | None = None) -> torch.Tensor:
+    """The latents the codes of ``slots`` ``[W]`` (int, on the device) stand for, ``[B, G, W, rank]`` in
+    ``dtype`` (computed in float32): :class:`QuantizedLatents` ``.tokens`` at those slots dequantized, in one
+    launch. With ``ring`` ``[B, G, window, rank]`` (a windowed store's exact tokens), the rows whose
+    ``newest`` ``[W]`` is at or past ``first_exact`` ``[1]`` (the tokens the store holds exact) are its ring
+    entries ``slots mod window`` instead: a split decode's ring side of one latent (``static_cache``), bit
+    for bit the PyTorch gathers, dequantization and ``where`` (~35 operators), multiply and add rounded
+    apart as PyTorch's. Triton only: CUDA tensors, or the CPU under the interpreter."""
+    B, G, _, R = z.shape
+    n = slots.numel()
+    if (ring is None) != (newest is None) or (ring is None) != (first_exact is None):
+        raise ValueError("a ring overlay takes ring, newest and first_exact together")
+    if ring is not None and (ring.shape[:2] != (B, G) or ring.shape[3] != R or newest.numel() != n):
+        raise ValueError(f"a ring {tuple(ring.shape)} with {newest.numel()} newest slots does not overlay "
+                         f"{n} slots of {R}-channel latents of {B} rows and {G} KV heads")
+    out = torch.empty(B, G, n, R, dtype=dtype, device=z.codes.device)
+    if out.numel() == 0:
+        return out
+    scale, low = z.scale, (z.scale if z.low is None else z.low)
+    if low.stride() != scale.stride():
+        scale, low = scale.contiguous(), low.contiguous()
+    extra = {}
+    if ring is not None:
+        extra = dict(NEWEST=newest, FIRST=first_exact, RING=ring, stride_rb=ring.stride(0),
+                     stride_rg=ring.stride(1), stride_rn=ring.stride(2), stride_rr=ring.stride(3),
+                     HAS_RING=True, WINDOW=ring.shape[2])
+    _dequantize_fwd[(triton.cdiv(n * R, BLOCK), B * G)](
+        z.codes, scale, low, out, n, G, *z.codes.stride(), *scale.stride(),
+        R=R, W=R, BITS=z.bits, CH=z.layout == "channel", LOG8=z.log8, BLOCK_E=BLOCK,
+        SLOTS=slots, HAS_SLOTS=True, enable_fp_fusion=False, **extra)
     return out

@@ -17,6 +17,10 @@ zero keeps the sign the group's minimum gives it, where PyTorch's reduction orde
 values read back are the same). Source rows come from ``z`` by token, or, for a store with an exact window,
 from its ring at the slot the window pushes out (``ring``): all indices are read from device memory, so a
 captured graph replays it.
+
+:func:`quantize_group_into` is the channel layout's write (KIVI-style keys: per channel over groups of
+:data:`QUANT_GROUP` tokens): a program quantizes one block of channels of the group that the token just
+written makes due, from the store's ring, and writes nothing on the other 63 steps of a group.
 """
 
 from __future__ import annotations
@@ -89,6 +93,18 @@ def _grid_codes(x, low, step, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _fp16_grid(lo, hi, LEVELS: tl.constexpr):
+    """``stiefkv.quant._grid``: the float16 low and scale of the range ``[lo, hi]`` (scale ``(hi − low) /
+    levels`` from the rounded low, IEEE division) and, in fp32, the low and the step codes divide by (1 for a
+    constant group: code 0, back as its low)."""
+    low16 = lo.to(tl.float16)
+    low = low16.to(tl.float32)
+    scale16 = tl.div_rn(hi - low, LEVELS * 1.0).to(tl.float16)
+    step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
+    return low16, scale16, low, step
+
+
+@triton.jit
 def _quantize_into_kernel(
     Z, SLOTS, CODES, SCALE, LOW,
     stride_zb, stride_zg, stride_zn, stride_zr,
@@ -125,10 +141,7 @@ def _quantize_into_kernel(
         step, low = _log8(code, BITS)
         tl.store(SCALE + s_off, code.to(tl.uint8))
     else:
-        low16 = lo.to(tl.float16)
-        low = low16.to(tl.float32)
-        scale16 = tl.div_rn(hi - low, LEVELS * 1.0).to(tl.float16)
-        step = tl.where(scale16.to(tl.float32) > 0, scale16.to(tl.float32), 1.0)
+        low16, scale16, low, step = _fp16_grid(lo, hi, LEVELS)
         tl.store(SCALE + s_off, scale16)
         tl.store(LOW + s_off, low16)
     code, nan_v = _grid_codes(x, low, step, LEVELS)
@@ -181,6 +194,83 @@ def quantize_into(z: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, sca
         *z.stride(), *codes.stride()[:3], *scale.stride()[:3],
         G, R=r, BITS=bits, LOG8=log8, LARGEST=largest, RECENT=recent, WINDOW=window,
         num_warps=1,
+    )
+
+
+@triton.jit
+def _quantize_group_kernel(
+    RING, SLOTS, CODES, SCALE, LOW,
+    stride_rb, stride_rg, stride_rn, stride_rr,
+    stride_cb, stride_cg, stride_cn,
+    stride_sb, stride_sg, stride_sn,
+    n_kv_heads,
+    R: tl.constexpr, BITS: tl.constexpr, RECENT: tl.constexpr, WINDOW: tl.constexpr,
+):
+    """Program (batch row × KV head, block of ``GROUP`` channels): when slot ``SLOTS[0]`` completes a group
+    of ``GROUP`` tokens past the window (``end = SLOTS[0] + 1 − RECENT``, a positive multiple of ``GROUP``),
+    the tokens ``end − GROUP … end − 1`` from their ring entries, quantized per channel into their slots and
+    the group's row of scales and lows; otherwise it writes nothing."""
+    bg = tl.program_id(0).to(tl.int64)
+    blk = tl.program_id(1)
+    b = bg // n_kv_heads
+    g = bg % n_kv_heads
+    end = tl.load(SLOTS).to(tl.int64) + 1 - RECENT
+    first = tl.maximum(end - GROUP, 0)
+    tokens = first + tl.arange(0, GROUP)
+    LEVELS: tl.constexpr = (1 << BITS) - 1
+    offs = blk * GROUP + tl.arange(0, GROUP)
+    end_c = offs.to(tl.int64) * 0 + end  # a tensor: the interpreter masks by tensors, not scalars
+    due = (end_c > 0) & (end_c % GROUP == 0)  # [channels], all alike
+    real = (offs < R)[None, :]
+    x = tl.load(RING + b * stride_rb + g * stride_rg + (tokens % WINDOW)[:, None] * stride_rn
+                + offs[None, :] * stride_rr, mask=real & due[None, :], other=0.0).to(tl.float32)
+    lo, hi = _group_range(x, real)  # per channel, over the group's tokens
+    low16, scale16, low, step = _fp16_grid(lo, hi, LEVELS)
+    s_off = b * stride_sb + g * stride_sg + (first // GROUP) * stride_sn + offs
+    tl.store(SCALE + s_off, scale16, mask=(offs < R) & due)
+    tl.store(LOW + s_off, low16, mask=(offs < R) & due)
+    code, nan_v = _grid_codes(x, low[None, :], step[None, :], LEVELS)
+    c = tl.where(real & ~nan_v, code, 0.0).to(tl.int64)
+    # each token's eight codes to one word of 8·BITS bits, as the per-token kernel packs them
+    shifts = (BITS * tl.arange(0, 8)).to(tl.int64)
+    words = tl.sum(tl.reshape(c, [GROUP, GROUP // 8, 8]) << shifts[None, None, :], 2)
+    width: tl.constexpr = (R + 7) // 8 * BITS
+    first_byte = blk * (GROUP // 8) * BITS + tl.arange(0, GROUP // 8) * BITS
+    end_w = first_byte.to(tl.int64) * 0 + end
+    due_w = (end_w > 0) & (end_w % GROUP == 0)
+    C_rows = CODES + b * stride_cb + g * stride_cg + tokens[:, None] * stride_cn
+    for i in tl.static_range(BITS):
+        tl.store(C_rows + first_byte[None, :] + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8),
+                 mask=((first_byte + i < width) & due_w)[None, :])
+
+
+def quantize_group_into(ring: torch.Tensor, slot: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
+                        low: torch.Tensor, *, bits: int, recent: int) -> None:
+    """The channel layout's decode write: once slot ``slot`` (``[1]`` int on the device, just written to
+    ``ring`` ``[B, G, window, r]``) makes a group of :data:`QUANT_GROUP` tokens due (all but the ``recent``
+    newest, a whole group), quantize them per channel on min–max ranges into ``codes`` ``[B, G, L,
+    ceil(r / 8) · bits]`` at their slots and ``scale``, ``low`` ``[B, G, L / QUANT_GROUP, r]`` (float16) at
+    the group's row; nothing where none is due. Bit for bit ``stiefkv.quant.quantize`` of the group then
+    ``index_copy_`` (``WindowedCodes.write_one``'s ~50 operators), in one launch that reads the slot from
+    device memory (a captured graph replays it). Triton only: CUDA tensors, or the CPU under the
+    interpreter."""
+    if bits not in KERNEL_BITS:
+        raise ValueError(f"bits must be one of {KERNEL_BITS}, got {bits}")
+    B, G, window, r = ring.shape
+    if slot.numel() != 1:
+        raise ValueError(f"the channel write takes the one slot just written, got {slot.numel()}")
+    if window < recent + QUANT_GROUP:
+        raise ValueError(f"a ring of {window} entries cannot hold {recent} recent tokens and a group of "
+                         f"{QUANT_GROUP}")
+    if codes.shape[:2] != (B, G) or codes.shape[3] != -(-r // 8) * bits or scale.shape[3] != r \
+            or low.shape != scale.shape:
+        raise ValueError(f"buffers {tuple(codes.shape)} / {tuple(scale.shape)} do not hold {r}-channel "
+                         f"latents of {bits} bits per channel for {B} rows and {G} KV heads")
+    if any(t.stride(-1) != 1 for t in (codes, scale, low)):
+        raise ValueError("the code, scale and low buffers need a unit stride along their last axis")
+    _quantize_group_kernel[(B * G, -(-r // QUANT_GROUP))](
+        ring, slot, codes, scale, low, *ring.stride(), *codes.stride()[:3], *scale.stride()[:3],
+        G, R=r, BITS=bits, RECENT=recent, WINDOW=window, num_warps=4,
     )
 
 
