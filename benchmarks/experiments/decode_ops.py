@@ -2,12 +2,15 @@
 is handed to read), by store: a count on the CPU of the operators that compute (views left out); on CUDA
 each is a kernel of the captured graph. What an exact window adds, before a GPU profile says its cost.
 
-    python benchmarks/experiments/decode_ops.py [--fused-writes]
+    python benchmarks/experiments/decode_ops.py [--fused-writes] [--layer]
 
 ``--fused-writes``: codes written as on CUDA, by the quantize-on-write kernels (per token, and a channel
 group when due; an int8 window's tokens by the round-trip kernel), and a split decode's ring side read by
 ``dequantize_at``: here stand-ins that compute nothing (the count does not depend on the values); their one
 launch a latent is not counted.
+
+``--layer``: instead, the operators of one decoder layer's whole attention forward (layer 1: the split
+step's bookkeeping is layer 0's), with the attention kernel stubbed and its calls counted beside them.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 FUSED = "--fused-writes" in sys.argv
+LAYER = "--layer" in sys.argv
 import stiefkv  # noqa: E402
 from stiefkv import static_cache  # noqa: E402
 from stiefkv.quant import QuantSpec  # noqa: E402
@@ -48,18 +52,21 @@ def step_ops(key_spec: str, value_spec: str) -> tuple[int, Counter]:
         proj.quant = [(QuantSpec.parse(key_spec), QuantSpec.parse(value_spec))] * len(proj.keys)
     model = stiefkv.load(model, proj)
     cache = StaticLatentCache(model, 2, 400)
-    update = cache.update_layer
+    owner, name = (model.model.layers[1].self_attn, "forward") if LAYER else (cache, "update_layer")
+    inner = getattr(owner, name)
 
     def traced(*args, **kwargs):
-        with torch.profiler.record_function("cache_update"):
-            return update(*args, **kwargs)
+        with torch.profiler.record_function("counted"):
+            return inner(*args, **kwargs)
 
-    cache.update_layer = traced
+    setattr(owner, name, traced)
     ids = torch.randint(0, model.config.vocab_size, (2, 300))
     with torch.inference_mode():
         model(ids, past_key_values=cache, use_cache=True)
         token = ids[:, -1:]
         model(token, past_key_values=cache, use_cache=True)
+        ATTENTION_CALLS.clear()
+        ATTENTION_CALLS["layers"] = model.config.num_hidden_layers
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
             model(token, past_key_values=cache, use_cache=True)
     ops = Counter()
@@ -70,12 +77,22 @@ def step_ops(key_spec: str, value_spec: str) -> tuple[int, Counter]:
         while parent is not None:  # counted once: the outermost operator inside the update
             if parent.name.startswith("aten::") and parent.name not in VIEWS:
                 break
-            inside = inside or parent.name == "cache_update"
+            inside = inside or parent.name == "counted"
             parent = parent.cpu_parent
         else:
             if inside:
                 ops[e.name] += 1
-    return model.config.num_hidden_layers, ops
+    return (1 if LAYER else model.config.num_hidden_layers), ops
+
+
+ATTENTION_CALLS = Counter()
+
+
+def _attention_stub(q, z_k, z_v, P_k, P_v, **kwargs):
+    """One attention kernel launch: counted, its output empty (a view here: not an operator)."""
+    ATTENTION_CALLS["calls"] += 1
+    out = torch.empty(*q.shape[:3], z_v.shape[3] if P_v is None else q.shape[3], dtype=q.dtype)
+    return (out, torch.empty(q.shape[:3])) if kwargs.get("return_lse") else out
 
 
 def main() -> None:
@@ -88,13 +105,19 @@ def main() -> None:
         # a split decode's ring side of a latent, one launch: its output, uncounted (empty is a view here)
         dequantize.dequantize_at = lambda z, slots, dtype, **kw: torch.empty(
             *z.shape[:2], slots.numel(), z.rank, dtype=dtype, device=slots.device)
+    if LAYER:
+        from stiefkv import kernels
+
+        kernels.lowrank_attention = _attention_stub
     base = None
     for label, (k, v) in STORES.items():
         layers, ops = step_ops(k, v)
         total = sum(ops.values()) / layers
         base = base or total
-        print(f"{label:32s} {total:5.0f} operators per layer in the cache's update "
-              f"({total - base:+.0f} against bf16)")
+        where = "in layer 1's attention forward" if LAYER else "per layer in the cache's update"
+        per_layer = ATTENTION_CALLS["calls"] / max(ATTENTION_CALLS["layers"], 1)
+        calls = f", {per_layer:.0f} attention calls a layer" if LAYER else ""
+        print(f"{label:32s} {total:5.0f} operators {where} ({total - base:+.0f} against bf16){calls}")
         if "ring" in label:
             print("   ", ", ".join(f"{n[6:]} {c // layers}" for n, c in ops.most_common(12)))
 
