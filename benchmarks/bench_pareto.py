@@ -60,7 +60,7 @@ def synced(device: str) -> float:
 
 def first_pass_state(model, seqs, cfg, path: Path, device: str):
     """The first pass of ``cfg`` (loaded from ``path`` when an earlier run saved it) and its seconds."""
-    from stiefkv.calibrate.pipeline import first_pass
+    from stiefkv.calibrate.pipeline import first_pass, profiled_config
     from stiefkv.calibrate.state import CalibrationState
     from stiefkv.models import fingerprint
 
@@ -71,7 +71,7 @@ def first_pass_state(model, seqs, cfg, path: Path, device: str):
         return state, state.refine[0]["first_pass_seconds"]
     state = CalibrationState(settings=settings, fingerprint=fp)
     t0 = synced(device)
-    first_pass(model, seqs, cfg, state)
+    first_pass(model, seqs, profiled_config(cfg), state)
     seconds = synced(device) - t0
     state.refine = [{"first_pass_seconds": seconds}]
     state.save(path)

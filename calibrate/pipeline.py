@@ -29,7 +29,6 @@ from stiefkv.calibrate.profile import (
     WEIGHTINGS,
     LayerProfile,
     OutputKL,
-    WholeKeys,
     add_quant_profile,
     candidate_ranks,
     layer_latent_input,
@@ -106,9 +105,9 @@ class CalibrationConfig:
         has many KV heads (Llama-3-8B's 8: 2.1-4.4x the kernel time), so off by default.
     method : ``stiefel`` (PCA start refined on the Stiefel manifold against the layer output) or ``pca``.
     key_mode : ``pre_rope`` (keys before RoPE; better where key ranks are cut), ``post_rope`` (faster
-        kernels), or ``auto``: profiled and allocated as ``pre_rope`` (but the keys' storages at full rank
-        as ``post_rope``), then layer by layer ``post_rope`` where the allocation keeps the layer's keys at
-        full rank, ``pre_rope`` where it cuts them (:func:`served_key_modes`).
+        kernels), or ``auto``: profiled and allocated as ``pre_rope``, then layer by layer ``post_rope``
+        where the allocation keeps the layer's keys at full rank, ``pre_rope`` where it cuts them
+        (:func:`served_key_modes`).
     allocation : ``dp`` (per-layer ranks by exact knapsack over error–rank profiles) or ``uniform``.
     weighting : a layer's profile error relative to its output ``‖y‖`` (``output``) or to its update
         ``‖y − x‖`` (``update``), or ``kl``: the whole model's next-token KL with only that layer compressed.
@@ -284,7 +283,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     local = shard.select(seqs)
     profiled = profiled_config(cfg)
     if len(state.eig_k) < dims.L:
-        first_pass(model, local, cfg, state, progress, shard)
+        first_pass(model, local, profiled, state, progress, shard)
     if not state.ranks:
         allocation = shard.broadcast(choose_allocation(cfg, state, dims) if shard.leader else None)
         state.ranks, quant = allocation
@@ -310,7 +309,6 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
 
 
 PROFILED_KEY_MODE = "pre_rope"  # what key_mode "auto" profiles and allocates in
-WHOLE_KEY_MODE = "post_rope"  # and serves keys kept at full rank in (their storages profiled so too)
 
 
 def profiled_config(cfg: CalibrationConfig) -> CalibrationConfig:
@@ -332,7 +330,7 @@ def served_key_modes(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims)
     if cfg.key_mode != "auto":
         return [cfg.key_mode] * len(ranks)
     full = dims.d * (dims.G if cfg.share_heads else 1)  # a key latent's full rank: d, or G·d shared
-    return [WHOLE_KEY_MODE if rk == full else PROFILED_KEY_MODE for rk, _ in ranks]
+    return ["post_rope" if rk == full else PROFILED_KEY_MODE for rk, _ in ranks]
 
 
 def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, fp: dict,
@@ -460,16 +458,12 @@ def check_finite(x: torch.Tensor, where: str) -> None:
 def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: CalibrationState,
                progress: Path | None = None, shard: Shard | None = None) -> None:
     """Per layer, on the uncompressed model's activations: PCA eigenvectors, and error–rank profiles for
-    ``dp``. ``seqs`` are the sequences this process holds of ``shard``'s (default: all). Key mode ``auto``
-    profiles in :data:`PROFILED_KEY_MODE`, but the keys' storages at full rank in :data:`WHOLE_KEY_MODE`,
-    the mode whole keys are served in (:func:`served_key_modes`), so the allocation weighs what is served.
+    ``dp``. ``seqs`` are the sequences this process holds of ``shard``'s (default: all).
 
     Saved to ``progress`` after every layer; layers already in ``state`` (a resumed run) are only run
     forward to reach the next one, so a resumed pass gives what an uninterrupted one does.
     """
     shard = Shard(0, 1, len(seqs)) if shard is None else shard
-    whole_key_mode = WHOLE_KEY_MODE if cfg.key_mode == "auto" else None
-    cfg = profiled_config(cfg)
     rope, dims = rope_spec(model.config), dims_of(model.config)
     inputs = LayerInputs(model, seqs, batch_size=cfg.batch_size)
     check_finite(inputs.hidden, "the token embeddings")
@@ -487,8 +481,7 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
             check_finite(target, f"layer {i}")
             if i >= len(state.eig_k):
                 bar.begin(i)
-                first_pass_layer(model, layer, i, inputs, target, output_kl, ranks, cfg, rope, state, shard,
-                                 whole_key_mode)
+                first_pass_layer(model, layer, i, inputs, target, output_kl, ranks, cfg, rope, state, shard)
                 state.save(progress)
                 bar.end(i)
             inputs.advance(target)
@@ -497,10 +490,8 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
 
 
 def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_kl, ranks,
-                     cfg: CalibrationConfig, rope, state: CalibrationState, shard: Shard,
-                     whole_key_mode: str | None = None) -> None:
-    """Layer ``i``'s eigenvectors (and profile) appended to ``state``; ``whole_key_mode``: the keys'
-    storages at full rank are profiled in that key mode (:class:`~stiefkv.calibrate.profile.WholeKeys`)."""
+                     cfg: CalibrationConfig, rope, state: CalibrationState, shard: Shard) -> None:
+    """Layer ``i``'s eigenvectors (and profile) appended to ``state``."""
     moments = SecondMoments(model, cfg.key_mode, shared=cfg.share_heads)
     for batch in inputs.batches():
         moments(batch)
@@ -515,19 +506,6 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
         return eig_v[..., :r].to(device)
 
     specs = {which: [s for s in options if s.quantized] for which, options in (storages(cfg) or {}).items()}
-    whole_basis = None
-    if whole_key_mode is not None and specs and cfg.allocation == "dp":
-        whole_moments = SecondMoments(model, whole_key_mode, shared=cfg.share_heads)
-        for batch in inputs.batches():
-            whole_moments(batch)
-        m = shard.sum_(whole_moments.keys[i])
-        whole_basis = top_eigenvectors(m, m.shape[-1]).to(device)
-
-    def whole_keys(measurer):
-        if whole_basis is None:
-            return None
-        return WholeKeys(whole_key_mode, whole_basis, measurer(whole_key_mode))
-
     if output_kl is not None:
         hidden = inputs.hidden[:0 if output_kl.base is None else output_kl.base.shape[0]]
         prof = profile_layer_kl(layer, output_kl, i, hidden, basis_k, basis_v,
@@ -535,36 +513,32 @@ def first_pass_layer(model, layer, i: int, inputs: LayerInputs, target, output_k
         if specs:
             batch = LayerBatch(i, hidden, hidden, *output_kl.context.on(hidden.device))
 
-            def kl_in(key_mode):
-                def measure(P_k, P_v, quant):
-                    return max(0.0, output_kl(i, hidden, lambda b: compressed_layer_output(
-                        layer, b, P_k, P_v, key_mode=key_mode, rope=rope, quant=quant)))
-                return measure
+            def measure(P_k, P_v, quant):
+                return max(0.0, output_kl(i, hidden, lambda b: compressed_layer_output(
+                    layer, b, P_k, P_v, key_mode=cfg.key_mode, rope=rope, quant=quant)))
 
-            add_quant_profile(prof, layer, batch, basis_k, basis_v, specs, kl_in(cfg.key_mode),
-                              key_mode=cfg.key_mode, rotation=cfg.rotation,
+            add_quant_profile(prof, layer, batch, basis_k, basis_v, specs, measure, key_mode=cfg.key_mode,
+                              rotation=cfg.rotation,
                               anchor_bits=ANCHOR_BITS if cfg.profile_storages == "anchors" else (),
-                              shard=shard, whole_keys=whole_keys(kl_in))
+                              shard=shard)
     elif cfg.allocation == "dp":
         prof = profile(layer, inputs, target, eig_k, eig_v, ranks, cfg, rope, shard)
         if specs:
             n = shard.held(min(cfg.profile_sequences, shard.total))
             batches = list(inputs.batches(target[:n], hidden=inputs.hidden[:n]))
 
-            def error_in(key_mode):
-                def measure(P_k, P_v, quant):
-                    local = 0.0
-                    for b in batches:
-                        y_hat = compressed_layer_output(layer, b, P_k, P_v, key_mode=key_mode, rope=rope,
-                                                        quant=quant)
-                        local += float((y_hat.double() - b.output.double()).pow(2).sum())
-                    return shard.sum(local)[0]
-                return measure
+            def measure(P_k, P_v, quant):
+                local = 0.0
+                for b in batches:
+                    y_hat = compressed_layer_output(layer, b, P_k, P_v, key_mode=cfg.key_mode, rope=rope,
+                                                    quant=quant)
+                    local += float((y_hat.double() - b.output.double()).pow(2).sum())
+                return shard.sum(local)[0]
 
             # its first batch only tells the device (a process may hold none of the profile's sequences)
             first = next(inputs.batches(target[:1], hidden=inputs.hidden[:1]))
-            add_quant_profile(prof, layer, first, basis_k, basis_v, specs, error_in(cfg.key_mode),
-                              key_mode=cfg.key_mode, rotation=cfg.rotation, whole_keys=whole_keys(error_in))
+            add_quant_profile(prof, layer, first, basis_k, basis_v, specs, measure, key_mode=cfg.key_mode,
+                              rotation=cfg.rotation)
     state.eig_k.append(eig_k)
     state.eig_v.append(eig_v)
     if cfg.allocation == "dp":

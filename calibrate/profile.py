@@ -11,9 +11,7 @@ layer to the logits, which a layer's own output error does not see.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 import torch
 
@@ -202,21 +200,11 @@ def _family(spec: QuantSpec) -> tuple:
     return spec.layout, spec.mse, spec.recent, spec.window8
 
 
-class WholeKeys(NamedTuple):
-    """Keys at full rank served in another key mode than the profile's (``key_mode="auto"``: whole keys
-    after RoPE): that mode's full-rank basis ``[G, d, d]`` and its ``measure``."""
-
-    key_mode: str
-    basis: torch.Tensor
-    measure: Callable
-
-
 @torch.no_grad()
 def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bases_v,
                       specs: dict[str, list[QuantSpec]],
                       measure, *, key_mode: str, rotation: bool = True,
-                      anchor_bits: tuple[int, ...] = (), shard: Shard = SINGLE,
-                      whole_keys: WholeKeys | None = None) -> LayerProfile:
+                      anchor_bits: tuple[int, ...] = (), shard: Shard = SINGLE) -> LayerProfile:
     """Extend ``prof`` to every storage in ``specs[which]`` at every rank, for keys (``k``) and values (``v``)
     (see the module's docstring).
 
@@ -224,9 +212,7 @@ def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bas
     only full rank is measured — with ``anchor_bits`` (two widths), only for those widths of each layout where
     both are candidates, the other widths predicted from their latent noise (:func:`predict_storage_kl`) —
     and lower ranks are predicted from the latent noise on ``batch``, summed over ``shard``'s processes.
-    Otherwise every rank of every storage is measured. ``whole_keys``: the keys' full-rank errors are those
-    of its key mode (its basis, its measure, its latent noise), the lower ranks' this profile's: the costs
-    of what will be served.
+    Otherwise every rank of every storage is measured.
     """
     G, d, _ = bases_k(prof.ranks[-1]).shape
     full = torch.eye(d, device=batch.hidden.device).expand(G, d, d)
@@ -247,48 +233,20 @@ def add_quant_profile(prof: LayerProfile, layer, batch: LayerBatch, bases_k, bas
                               for spec in specs[which]], dtype=torch.float64)
         noise = dict(zip(specs[which], shard.sum_(local).tolist()))
         # log8 storages are never anchors: their KL comes from the float-scaled per-token anchors'
-        at_full = _full_rank_kl(specs[which], {spec: n[-1] for spec, n in noise.items()},
-                                lambda spec: error_at(d, spec), anchor_bits)
+        anchors = {spec: [s for s in specs[which]
+                          if s.bits in anchor_bits and _family(s) == _family(spec) and not s.log8]
+                   for spec in specs[which]}
+        at_full = {spec: error_at(d, spec) for spec in specs[which]
+                   if spec in anchors[spec] or len(anchors[spec]) < 2}
         for spec in specs[which]:
+            if spec not in at_full:
+                at_full[spec] = predict_storage_kl(noise[spec][-1],
+                                                   [(noise[s][-1], at_full[s]) for s in anchors[spec]])
             rank_err, n = getattr(prof, which), noise[spec]
             table[str(spec)] = [e + (at_full[spec] * m / n[-1] if n[-1] > 0 else 0.0)
                                 for e, m in zip(rank_err, n)]
             table[str(spec)][-1] = at_full[spec]
-    if whole_keys is not None:
-        whole = _whole_key_errors(prof.metric, layer, batch, specs["k"], whole_keys, full, rotation,
-                                  anchor_bits, shard)
-        for spec, error in whole.items():
-            prof.quant["k"][str(spec)][-1] = error
     return prof
-
-
-def _full_rank_kl(specs: list[QuantSpec], noise: dict, measure_at_full, anchor_bits) -> dict:
-    """Each storage's KL at full rank: measured (``measure_at_full(spec)``) for the ``anchor_bits`` widths
-    of each layout where both are candidates (and for every storage without two anchors), the rest predicted
-    from their latent noise at full rank (``noise[spec]``) through the anchors of their family."""
-    anchors = {spec: [s for s in specs
-                      if s.bits in anchor_bits and _family(s) == _family(spec) and not s.log8]
-               for spec in specs}
-    at_full = {spec: measure_at_full(spec) for spec in specs
-               if spec in anchors[spec] or len(anchors[spec]) < 2}
-    for spec in specs:
-        if spec not in at_full:
-            at_full[spec] = predict_storage_kl(noise[spec], [(noise[s], at_full[s]) for s in anchors[spec]])
-    return at_full
-
-
-def _whole_key_errors(metric: str, layer, batch: LayerBatch, specs: list[QuantSpec], whole: WholeKeys,
-                      full: torch.Tensor, rotation: bool, anchor_bits, shard: Shard) -> dict:
-    """The keys' error at full rank for every storage in ``specs``, in ``whole``'s key mode."""
-    def error_at_full(spec):
-        return whole.measure(storage_basis(whole.basis, spec, rotation), full, (spec, FLOAT))
-
-    if metric != "kl":
-        return {spec: error_at_full(spec) for spec in specs}
-    x = layer_latent_input(layer, batch, "k", key_mode=whole.key_mode) if batch.hidden.shape[0] else None
-    local = torch.tensor([latent_noise(x, whole.basis, spec, rotation) for spec in specs],
-                         dtype=torch.float64)
-    return _full_rank_kl(specs, dict(zip(specs, shard.sum_(local).tolist())), error_at_full, anchor_bits)
 
 
 def candidate_ranks(head_dim: int, rank_step: int) -> list[int]:
