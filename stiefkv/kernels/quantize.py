@@ -215,33 +215,30 @@ def _quantize_group_kernel(
     b = bg // n_kv_heads
     g = bg % n_kv_heads
     end = tl.load(SLOTS).to(tl.int64) + 1 - RECENT
-    first = tl.maximum(end - GROUP, 0)
-    tokens = first + tl.arange(0, GROUP)
-    LEVELS: tl.constexpr = (1 << BITS) - 1
-    offs = blk * GROUP + tl.arange(0, GROUP)
-    end_c = offs.to(tl.int64) * 0 + end  # a tensor: the interpreter masks by tensors, not scalars
-    due = (end_c > 0) & (end_c % GROUP == 0)  # [channels], all alike
-    real = (offs < R)[None, :]
-    x = tl.load(RING + b * stride_rb + g * stride_rg + (tokens % WINDOW)[:, None] * stride_rn
-                + offs[None, :] * stride_rr, mask=real & due[None, :], other=0.0).to(tl.float32)
-    lo, hi = _group_range(x, real)  # per channel, over the group's tokens
-    low16, scale16, low, step = _fp16_grid(lo, hi, LEVELS)
-    s_off = b * stride_sb + g * stride_sg + (first // GROUP) * stride_sn + offs
-    tl.store(SCALE + s_off, scale16, mask=(offs < R) & due)
-    tl.store(LOW + s_off, low16, mask=(offs < R) & due)
-    code, nan_v = _grid_codes(x, low[None, :], step[None, :], LEVELS)
-    c = tl.where(real & ~nan_v, code, 0.0).to(tl.int64)
-    # each token's eight codes to one word of 8·BITS bits, as the per-token kernel packs them
-    shifts = (BITS * tl.arange(0, 8)).to(tl.int64)
-    words = tl.sum(tl.reshape(c, [GROUP, GROUP // 8, 8]) << shifts[None, None, :], 2)
-    width: tl.constexpr = (R + 7) // 8 * BITS
-    first_byte = blk * (GROUP // 8) * BITS + tl.arange(0, GROUP // 8) * BITS
-    end_w = first_byte.to(tl.int64) * 0 + end
-    due_w = (end_w > 0) & (end_w % GROUP == 0)
-    C_rows = CODES + b * stride_cb + g * stride_cg + tokens[:, None] * stride_cn
-    for i in tl.static_range(BITS):
-        tl.store(C_rows + first_byte[None, :] + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8),
-                 mask=((first_byte + i < width) & due_w)[None, :])
+    if (end > 0) & (end % GROUP == 0):  # 63 steps of 64 read and write nothing
+        first = end - GROUP
+        tokens = first + tl.arange(0, GROUP)
+        LEVELS: tl.constexpr = (1 << BITS) - 1
+        offs = blk * GROUP + tl.arange(0, GROUP)
+        real = (offs < R)[None, :]
+        x = tl.load(RING + b * stride_rb + g * stride_rg + (tokens % WINDOW)[:, None] * stride_rn
+                    + offs[None, :] * stride_rr, mask=real, other=0.0).to(tl.float32)  # [tokens, channels]
+        lo, hi = _group_range(x, real)  # per channel, over the group's tokens
+        low16, scale16, low, step = _fp16_grid(lo, hi, LEVELS)
+        s_off = b * stride_sb + g * stride_sg + (first // GROUP) * stride_sn + offs
+        tl.store(SCALE + s_off, scale16, mask=offs < R)
+        tl.store(LOW + s_off, low16, mask=offs < R)
+        code, nan_v = _grid_codes(x, low[None, :], step[None, :], LEVELS)
+        c = tl.where(real & ~nan_v, code, 0.0).to(tl.int64)
+        # each token's eight codes to one word of 8·BITS bits, as the per-token kernel packs them
+        shifts = (BITS * tl.arange(0, 8)).to(tl.int64)
+        words = tl.sum(tl.reshape(c, [GROUP, GROUP // 8, 8]) << shifts[None, None, :], 2)
+        width: tl.constexpr = (R + 7) // 8 * BITS
+        first_byte = blk * (GROUP // 8) * BITS + tl.arange(0, GROUP // 8) * BITS
+        C_rows = CODES + b * stride_cb + g * stride_cg + tokens[:, None] * stride_cn
+        for i in tl.static_range(BITS):
+            tl.store(C_rows + first_byte[None, :] + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8),
+                     mask=(first_byte + i < width)[None, :])
 
 
 def quantize_group_into(ring: torch.Tensor, slot: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
