@@ -105,6 +105,14 @@ def _fp16_grid(lo, hi, LEVELS: tl.constexpr):
 
 
 @triton.jit
+def _store_words(ptrs, words, first_byte, width: tl.constexpr, BITS: tl.constexpr):
+    """Words of eight codes (code ``i`` at bit ``BITS·i``) as ``BITS`` little-endian bytes from ``ptrs`` (each
+    word's first byte, at byte ``first_byte`` of its row); bytes at ``width`` and past it are not written."""
+    for i in tl.static_range(BITS):
+        tl.store(ptrs + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8), mask=first_byte + i < width)
+
+
+@triton.jit
 def _quantize_into_kernel(
     Z, SLOTS, CODES, SCALE, LOW,
     stride_zb, stride_zg, stride_zn, stride_zr,
@@ -151,9 +159,7 @@ def _quantize_into_kernel(
     words = tl.sum(tl.reshape(c, [GROUP // 8, 8]) << (BITS * tl.arange(0, 8))[None, :].to(tl.int64), 1)
     width: tl.constexpr = (R + 7) // 8 * BITS  # the stored bytes (the last eight codes padded)
     first = grp * (GROUP // 8) * BITS + tl.arange(0, GROUP // 8) * BITS
-    C_row = CODES + b * stride_cb + g * stride_cg + slot * stride_cn
-    for i in tl.static_range(BITS):
-        tl.store(C_row + first + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8), mask=first + i < width)
+    _store_words(CODES + b * stride_cb + g * stride_cg + slot * stride_cn + first, words, first, width, BITS)
 
 
 def quantize_into(z: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -236,9 +242,7 @@ def _quantize_group_kernel(
         width: tl.constexpr = (R + 7) // 8 * BITS
         first_byte = blk * (GROUP // 8) * BITS + tl.arange(0, GROUP // 8) * BITS
         C_rows = CODES + b * stride_cb + g * stride_cg + tokens[:, None] * stride_cn
-        for i in tl.static_range(BITS):
-            tl.store(C_rows + first_byte[None, :] + i, ((words >> (8 * i)) & 0xFF).to(tl.uint8),
-                     mask=(first_byte + i < width)[None, :])
+        _store_words(C_rows + first_byte[None, :], words, first_byte[None, :], width, BITS)
 
 
 def quantize_group_into(ring: torch.Tensor, slot: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
