@@ -55,6 +55,7 @@ STORES = {"uncompressed (our kernels)": None, "bf16 latents": (16, 0), "int8 cod
 STORAGE_VARIANTS = {
     "as calibrated": lambda spec: spec,
     "no exact window": lambda spec: dataclasses.replace(spec, recent=0, window8=False),
+    "bf16 exact window": lambda spec: dataclasses.replace(spec, window8=False),
     "token layout": lambda spec: dataclasses.replace(spec, layout="token"),
     "no log8 scales": lambda spec: dataclasses.replace(spec, log8=False),
     "int2/int3 as int4": lambda spec: dataclasses.replace(spec, bits=max(spec.bits, 4)),
