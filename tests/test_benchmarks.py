@@ -69,6 +69,22 @@ def test_render_prefers_the_newest_measured_row(tmp_path):
     assert [r["v"] for r in res.cases("f")] == [2, 4]
 
 
+def test_a_renamed_case_shows_only_its_newest_row(tmp_path):
+    """Two cases the serve table labels alike (the budget added to a case's name since) show once: the newer
+    row, in the first one's place; the older no longer counts among the runs."""
+    rows = [
+        {"case": "a", "label": 1, "v": 1, "remeasured": True, "provenance": {"date": "2026-12-01 18:33"}},
+        {"case": "b", "label": 2, "v": 2, "remeasured": True, "provenance": {"date": "2026-12-01 19:00"}},
+        {"case": "a 0.5", "label": 1, "v": 3, "remeasured": True, "provenance": {"date": "2026-12-03 08:03"}},
+        {"case": "c", "label": 2, "v": 4, "remeasured": True, "provenance": {"date": "2026-11-30 10:00"}},
+    ]
+    (tmp_path / "f.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    res = render.Results(tmp_path)
+    got = render._newest_per_label(res, res.cases("f"), lambda r: r["label"])
+    assert [r["v"] for r in got] == [3, 2]
+    assert sorted(r["v"] for _, r in res.used.values()) == [2, 3]
+
+
 def test_compaction_rows_are_labelled_by_their_options_and_the_pass_key_claim_finds_its_run(tmp_path):
     """A row without ``pin`` predates it (pin 0) and merges with a later ``am pin0`` row of the same setting
     (the newest shown); ``null`` is the default of its day, 0.0 is 0, and eviction's 0 is its default; the
