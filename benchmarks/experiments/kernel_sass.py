@@ -84,6 +84,7 @@ def compile_decode(
     nibble_fold: bool = False,
     log8: bool = False,
     keys_left: bool = False,
+    late_v: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
@@ -127,7 +128,7 @@ def compile_decode(
         "K_UNIT": 1,
         "V_UNIT": 1,
         "HAS_PRIOR": False,
-        "LATE_V": False,
+        "LATE_V": late_v and prefetch,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
