@@ -697,13 +697,10 @@ def _newest_per_label(res: Results, rows: list[dict], label) -> list[dict]:
     the others no longer count among the runs."""
     newest = {}
     for r in rows:
-        key = label(r)
-        if key in newest and _date(newest[key]) > _date(r):
-            res.used.pop(id(r), None)
-            continue
-        if key in newest:
-            res.used.pop(id(newest[key]), None)
-        newest[key] = r
+        kept = newest.setdefault(label(r), r)
+        if kept is not r:
+            older, newest[label(r)] = sorted((kept, r), key=_date)
+            res.used.pop(id(older), None)
     return list(newest.values())
 
 
