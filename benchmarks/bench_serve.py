@@ -279,6 +279,12 @@ def eager_only() -> bool:
     return os.environ.get("STIEFKV_NO_CAPTURE") == "1"
 
 
+def _ready(name: str, served: Served, B: int, N: int) -> None:
+    """A progress line per served cache: a case prefills four caches before its first number."""
+    print(f"  {B}x{N} {SERVED_NAMES[name]}: prefilled in {served.prefill_s:.1f} s, "
+          f"cache {served.cache_bytes / GIB:.2f} GiB", flush=True)
+
+
 def run_case(model, proj, B: int, N: int, args, device) -> dict:
     torch.manual_seed(0)
     ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
@@ -286,6 +292,7 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
     capture = device.type == "cuda" and not eager_only()
     backend = "reference" if device.type == "cpu" else "auto"
     served = {"full": Served(model, ids, N + steps, args.chunk, capture)}
+    _ready("full", served["full"], B, N)
     others = [("full_kernel", identity_projections(model)), ("stiefkv", proj)]
     if args.baseline_cache:
         others.append(("baseline", baseline_projections(model, args.baseline_cache)))
@@ -293,6 +300,7 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         stiefkv.load(model, p, backend=backend)
         served[name] = Served(model, ids, N + steps, args.chunk, capture)
         stiefkv.unload(model)
+        _ready(name, served[name], B, N)
     for name, s in served.items():
         try:
             s.decode_tps(args.new_tokens)  # one more warm-up round each
