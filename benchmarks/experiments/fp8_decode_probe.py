@@ -11,7 +11,13 @@ latents stored six ways, timed by CUDA-graph replay at Llama-3-8B attention shap
 - ``fp8-fold``: ``fp8`` with the values' scale applied to the probabilities (bf16) instead of the tile;
 - ``int8-imma``: the ``int8`` codes, the keys read by the integer tensor cores (``code − 128`` as int8
   against the query quantized to int8 per row and 64 channels, ``s = scale·q_scale·(q₈·c₈) +
-  (low + 128·scale)·Σq``) with no conversion of the key codes; the values as ``int8``.
+  (low + 128·scale)·Σq``) with no conversion of the key codes; the values as ``int8``;
+- ``int8-pairs``: the same ``int8`` bytes loaded as 32-bit words (four codes a register, as Triton holds an
+  int32 element, where it holds a uint8 element one to a register) and turned into fp16 ``1024 + code`` by one
+  byte permute per pair (``prmt``, as the int4 loop does); the pair of channels ``4w, 4w + 1`` of word ``w``
+  and the pair ``4w + 2, 4w + 3`` become two tiles of half the rank (a join of the permute's two halves,
+  which stay in one register), met by the query's matching channels in two dots of half the depth and
+  accumulated into two value halves: no byte is unpacked alone, and the stored layout is unchanged.
 
 The question (``docs/notes/serving.md``, nineteenth session): at full rank, which ``--bits auto`` keeps at
 50 % on SmolLM2, int8 codes decode *slower* than bf16 latents of twice the bytes (the loop is bound by its
@@ -38,7 +44,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import utils  # noqa: E402
 
 H, G, GROUP, BLOCK_M, QUANT_GROUP = 32, 8, 4, 16, 64
-KINDS = {"bf16": 0, "int8": 1, "fp8": 2, "fp8-noscale": 3, "fp8-fold": 4, "int8-imma": 5}
+KINDS = {"bf16": 0, "int8": 1, "fp8": 2, "fp8-noscale": 3, "fp8-fold": 4, "int8-imma": 5, "int8-pairs": 6}
 FP8_MAX = 448.0
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 
@@ -150,6 +156,96 @@ def _decode(Q, QI, QS, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
     tl.store(PML + out * 2 + 1, l_i)
 
 
+@triton.jit
+def _word_pairs(w, BN: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
+    """int32 words ``[BN, W]`` (bytes ``4w + j``) as two fp16 tiles ``[BN, 2W]`` of ``1024 + code``: channels
+    ``4w, 4w + 1`` at ``2w, 2w + 1`` of the first, ``4w + 2, 4w + 3`` of the second. One ``prmt`` makes each
+    pair, and the join keeps the pair in the register it was made in. The interpreter runs no PTX: there the
+    same values byte by byte."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="""{
+            .reg .b32 a, b;
+            prmt.b32 a, $4, 0x64646464, 0x4140;
+            prmt.b32 b, $4, 0x64646464, 0x4342;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }""", constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        b0 = ((w & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b1 = (((w >> 8) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b2 = (((w >> 16) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b3 = (((w >> 24) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    return tl.join(b0, b1).reshape(BN, 2 * W), tl.join(b2, b3).reshape(BN, 2 * W)
+
+
+@triton.jit
+def _pair_tile(t, scale, low, BN: tl.constexpr, HALF: tl.constexpr, NG: tl.constexpr):
+    """``code·scale + low`` of a pair tile (its channels keep their groups: ``2w + j`` lies in group
+    ``(4w) // 64``, the tile's column blocks of ``HALF / NG``)."""
+    t = t - 1024.0
+    return (t.reshape(BN, NG, HALF // NG) * scale[:, :, None] + low[:, :, None]).reshape(BN, HALF)
+
+
+@triton.jit
+def _decode_pairs(Q, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
+                  R: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP: tl.constexpr,
+                  NG: tl.constexpr, UPCAST: tl.constexpr):
+    """:func:`_decode` for ``int8-pairs``: ``K`` and ``V`` the codes as int32 words ``[rows·N, R / 4]``."""
+    W: tl.constexpr = R // 4
+    HALF: tl.constexpr = R // 2
+    bg = tl.program_id(0)
+    sp = tl.program_id(1)
+    n_split = tl.num_programs(1)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_w = tl.arange(0, W)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_g = tl.arange(0, NG)
+    offs_h = tl.arange(0, HALF)
+    ch = 4 * (offs_h // 2) + offs_h % 2  # the first tile's channels; the second's are 2 above
+    rows = offs_m < GROUP
+    qp = Q + (bg * GROUP + offs_m)[:, None] * R + ch[None, :]
+    q_a = tl.load(qp, mask=rows[:, None], other=0.0)
+    q_b = tl.load(qp + 2, mask=rows[:, None], other=0.0)
+    if UPCAST:
+        q_a, q_b = q_a.to(tl.float32), q_b.to(tl.float32)
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc_a = tl.zeros([BLOCK_M, HALF], tl.float32)
+    acc_b = tl.zeros([BLOCK_M, HALF], tl.float32)
+    lo = sp * per_split
+    hi = tl.minimum(lo + per_split, N)
+    for start in range(lo, hi, BLOCK_N):
+        n = bg * N + start + offs_n
+        sk = tl.load(SK + n[:, None] * NG + offs_g[None, :])
+        lk = tl.load(LK + n[:, None] * NG + offs_g[None, :])
+        sv = tl.load(SV + n[:, None] * NG + offs_g[None, :])
+        lv = tl.load(LV + n[:, None] * NG + offs_g[None, :])
+        k_a, k_b = _word_pairs(tl.load(K + n[:, None] * W + offs_w[None, :]), BLOCK_N, W, not UPCAST)
+        k_a = _pair_tile(k_a, sk, lk, BLOCK_N, HALF, NG)
+        k_b = _pair_tile(k_b, sk, lk, BLOCK_N, HALF, NG)
+        v_a, v_b = _word_pairs(tl.load(V + n[:, None] * W + offs_w[None, :]), BLOCK_N, W, not UPCAST)
+        v_a = _pair_tile(v_a, sv, lv, BLOCK_N, HALF, NG)
+        v_b = _pair_tile(v_b, sv, lv, BLOCK_N, HALF, NG)
+        if UPCAST:
+            k_a, k_b = k_a.to(tl.float32), k_b.to(tl.float32)
+            v_a, v_b = v_a.to(tl.float32), v_b.to(tl.float32)
+        s = tl.dot(q_b, tl.trans(k_b), tl.dot(q_a, tl.trans(k_a)))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p = p.to(v_a.dtype)
+        acc_a = tl.dot(p, v_a, acc_a * alpha[:, None])
+        acc_b = tl.dot(p, v_b, acc_b * alpha[:, None])
+        m_i = m_new
+    out = (bg * n_split + sp) * BLOCK_M + offs_m
+    tl.store(PO + out[:, None] * R + ch[None, :], acc_a)
+    tl.store(PO + out[:, None] * R + 2 + ch[None, :], acc_b)
+    tl.store(PML + out * 2, m_i)
+    tl.store(PML + out * 2 + 1, l_i)
+
+
 def make_latents(rows: int, N: int, R: int, device, seed: int = 0, key_offset: float = 0.0) -> dict:
     """Keys and values ``[rows·N, R]`` (rows = B·G) stored every way, and their dequantized fp32 forms.
     ``key_offset``: the keys of each token and group of 64 channels shifted together by that times a
@@ -199,10 +295,15 @@ def launch(kind: str, q, lat, rows: int, N: int, R: int, splits: int, block_n: i
             raise SystemExit(f"int8-imma reads one or two groups of {QUANT_GROUP} channels: rank 64 or 128, "
                              f"not {R}")
         qi, qs = int8_queries(q, ng)
-    elif kind == "int8":
+    elif kind in ("int8", "int8-pairs"):
         (kc, ks, kl), (vc, vs, vl) = lat["k_int8"], lat["v_int8"]
         args = (kc, vc, ks, kl, vs, vl)
         ng = R // QUANT_GROUP
+        if kind == "int8-pairs":
+            if R % 4 or (R // 2) % ng:
+                raise SystemExit(f"int8-pairs reads whole 32-bit words of codes: rank {R} must be a multiple "
+                                 f"of 4 (and of 8 per group)")
+            args = (kc.view(torch.int32), vc.view(torch.int32), ks, kl, vs, vl)
     else:
         (kc, ks), (vc, vs) = lat["k_fp8"], lat["v_fp8"]
         args = (kc, vc, ks, dummy, vs, dummy)
@@ -210,6 +311,11 @@ def launch(kind: str, q, lat, rows: int, N: int, R: int, splits: int, block_n: i
     kernel_kind = KINDS[kind]
 
     def call():
+        if kind == "int8-pairs":
+            _decode_pairs[(rows, splits)](q, *args, po, pml, N, per_split, R=R, BLOCK_M=BLOCK_M,
+                                          BLOCK_N=block_n, GROUP=GROUP, NG=ng, UPCAST=INTERPRET,
+                                          num_warps=warps, num_stages=stages)
+            return po, pml
         _decode[(rows, splits)](q, qi, qs, *args, po, pml, N, per_split, R=R, BLOCK_M=BLOCK_M,
                                 BLOCK_N=block_n, GROUP=GROUP, KIND=kernel_kind, NG=ng, UPCAST=INTERPRET,
                                 num_warps=warps, num_stages=stages)
@@ -265,7 +371,7 @@ def imma_logits(q, lat, rows: int, N: int, R: int) -> torch.Tensor:
 def dequantized(kind: str, lat) -> tuple[torch.Tensor, torch.Tensor]:
     if kind == "bf16":
         return lat["k_bf16"].float(), lat["v_bf16"].float()
-    if kind in ("int8", "int8-imma"):
+    if kind in ("int8", "int8-imma", "int8-pairs"):
         return lat["k_int8_deq"], lat["v_int8_deq"]
     if kind in ("fp8", "fp8-fold"):
         return lat["k_fp8_deq"], lat["v_fp8_deq"]
@@ -306,8 +412,9 @@ def check(rows: int, N: int, R: int, device, block_n: int, splits: int) -> None:
 
 
 def stored_bytes(kind: str, lat) -> int:
-    parts = {"bf16": ("k_bf16", "v_bf16"), "int8": ("k_int8", "v_int8"),
-             "int8-imma": ("k_int8", "v_int8")}.get(kind, ("k_fp8", "v_fp8"))
+    codes = ("k_int8", "v_int8")
+    parts = {"bf16": ("k_bf16", "v_bf16"), "int8": codes, "int8-imma": codes, "int8-pairs": codes}.get(
+        kind, ("k_fp8", "v_fp8"))
     total = 0
     for name in parts:
         t = lat[name]
