@@ -107,6 +107,13 @@ QUANT_SWEEP = [
     # value codes decoded just before the value dot (their decoded tile not live beside the logits)
     {"late_values": True, "prefetch": True},  # as the fold, it needs the prefetch
     {"late_values": True, "prefetch": True, "max_registers": 168, "splits": 1.5},
+    # int8 only: codes read as 32-bit words and met as two tiles of channel pairs (2026-12-05, fourth
+    # session; fp8_decode_probe.py's int8-pairs: half the instructions a tile, 128 registers at r 128)
+    {"pairs": True},
+    {"pairs": True, "prefetch": False},
+    {"pairs": True, "splits": 1.5},
+    {"pairs": True, "prefetch": False, "splits": 1.5},
+    {"pairs": True, "block_n": 64},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
@@ -298,7 +305,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                     for cfg in sweep:
                         cfg = dict(cfg)
                         nibble = [k for k in NIBBLE_OPTIONS if k in cfg]  # int4, and its key mode
-                        if (cfg.get("fold_scales") and bits == 16) or (nibble and (
+                        if (cfg.get("fold_scales") and bits == 16) or (cfg.get("pairs") and bits != 8) or (
+                                nibble and (
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
                                 cfg.get("keys_left") and mode != "pre_rope"):
                             continue

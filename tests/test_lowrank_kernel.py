@@ -537,6 +537,42 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     assert_close(out, expected, atol=atol, rtol=rtol, what=f"int{bits} keys, bf16 values")
 
 
+# (B, H, G, Nk, r_k, r_v, splits): ranks at and across a scale group, padded ones (28 → 32, 44 → 64: words
+# past the rank masked), full rank with two groups, and 25 (stored as 32 codes: the word holding channel 24
+# read whole, its padding codes meeting zero basis rows)
+PAIR_CASES = [(2, 6, 3, 150, 64, 72, 3), (1, 4, 2, 90, 28, 44, 2), (2, 8, 2, 150, 128, 128, 2),
+              (1, 4, 2, 77, 25, 36, 1)]
+
+
+@pytest.mark.parametrize("log8", [False, True])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+@pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"G{c[2]}-k{c[3]}-r{c[4]}_{c[5]}-s{c[6]}")
+def test_int8_pairs_match_the_reference(case, key_mode, log8):
+    """int8 codes read as 32-bit words and met as two tiles of channel pairs (``pairs``: channels ``4w + j``
+    and ``4w + 2 + j``, the query's or basis's matching halves, two value halves joined at the end), with and
+    without prefetch, decoded late, latent or projected output, against the reference on the dequantized
+    latents; and the same as the bytes' loop within rounding."""
+    B, H, G, Nk, r_k, r_v, splits = case
+    args, kwargs = make_inputs(B, H, G, 1, Nk, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    z_k = z_k * 3  # scales several octaves apart from the values'
+    codes = log8_latents if log8 else quantize_latents
+    qk, qv = codes(z_k, 8), codes(z_v, 8)
+    atol, rtol = TOL[torch.bfloat16]
+    for pv, extra in [(P_v, dict(prefetch=True)), (None, dict(prefetch=False)),
+                      (P_v, dict(prefetch=True, late_values=True))]:
+        with torch.no_grad():
+            out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,
+                                       pairs=True, **extra)
+            plain = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,
+                                         pairs=False, **extra)
+            expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, pv,
+                                 key_mode=key_mode, **kwargs)
+        what = f"int8 pairs r{r_k}/{r_v} {key_mode} log8={log8} P_v={pv is not None} {extra}"
+        assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+        assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the bytes' loop")
+
+
 @pytest.mark.parametrize("ranks", [(56, 48), (64, 64), (64, 72), (11, 13), (16, 16), (40, 13)])
 def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
     """``post_rope`` decode over int4 token-layout keys and values takes 256-key tiles (``nibbles_kv``) at
@@ -949,6 +985,34 @@ def test_log8_codes_decode_in_the_kernel_as_in_torch(bits):
         same = (got.view(torch.int32) == want.view(torch.int32)) | (got.isnan() & want.isnan())
         assert same.all(), f"codes {same.logical_not().nonzero().flatten().tolist()[:8]}"
     assert scale[LOG8_NAN].isnan() and not scale[:LOG8_NAN].isnan().any()
+
+
+@triton.jit
+def _pairs_probe(RAW, A_ASM, B_ASM, A, B, N: tl.constexpr, W: tl.constexpr):
+    offs = tl.arange(0, N)[:, None] * W + tl.arange(0, W)[None, :]
+    half = tl.arange(0, N)[:, None] * (2 * W) + tl.arange(0, 2 * W)[None, :]
+    raw = tl.load(RAW + offs)
+    a, b = lk._word_pairs(raw, N, W, True)
+    tl.store(A_ASM + half, a)
+    tl.store(B_ASM + half, b)
+    a, b = lk._word_pairs(raw, N, W, False)
+    tl.store(A + half, a)
+    tl.store(B + half, b)
+
+
+@gpu_only
+def test_pairs_in_ptx_match_the_elementwise_conversion():
+    """The PTX block that turns a 32-bit word of four int8 codes into two fp16 pairs ``1024 + code``
+    (``pairs``, compiled only on CUDA) gives the element-wise form's values, every byte value in every
+    position of a word, and the pairs land at ``2w + j`` (channels ``4w + j`` and ``4w + 2 + j``)."""
+    raw = torch.randint(0, 256, (64, 128), dtype=torch.uint8, device="cuda")
+    raw[:2] = torch.arange(256, device="cuda").view(2, 128).to(torch.uint8)
+    outs = [torch.full((64, 64), float("nan"), dtype=torch.float16, device="cuda") for _ in range(4)]
+    _pairs_probe[(1,)](raw.view(torch.int32), *outs, N=64, W=32)
+    a_asm, b_asm, a, b = (o.float() for o in outs)
+    quads = raw.view(64, 32, 2, 2).float() + 1024  # [n, w, pair, j]
+    assert torch.equal(a, quads[:, :, 0].reshape(64, 64)) and torch.equal(b, quads[:, :, 1].reshape(64, 64))
+    assert torch.equal(a_asm, a) and torch.equal(b_asm, b)
 
 
 @gpu_only

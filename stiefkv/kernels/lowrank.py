@@ -163,15 +163,34 @@ def _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.co
 
 
 @triton.jit
+def _fetch_words(Z, offs_n, hi, stride_n, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr):
+    """int8 codes ``[BLOCK_N, R_P2]`` as int32 words ``[BLOCK_N, R_P2 / 4]`` (code ``4w + j`` in byte ``j`` of
+    word ``w``): Triton holds a uint8 element one to a 32-bit register and an int32 element as one, so the
+    codes arrive four to a register, as the byte permutes of :func:`_word_pairs` take them. The rows start
+    4-byte aligned, hold a multiple of 4 codes and the channels are contiguous (the launcher checks), so
+    the word holding the last channel is read whole (its codes past ``R`` meet zero basis rows); words
+    past it read as 0."""
+    W: tl.constexpr = R_P2 // 4
+    offs_w = tl.arange(0, W)
+    rows = (Z + offs_n[:, None] * stride_n).to(tl.pointer_type(tl.int32))
+    return _load_rows(rows + offs_w[None, :], offs_n, hi, offs_w, (R + 3) // 4, W, MASK_N)
+
+
+@triton.jit
 def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                   R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                  BITS: tl.constexpr, CH: tl.constexpr = False, LOG8: tl.constexpr = False):
+                  BITS: tl.constexpr, CH: tl.constexpr = False, LOG8: tl.constexpr = False,
+                  WORDS: tl.constexpr = False):
     """The memory reads of a latent tile, nothing computed: ``(raw, scale, low)``, ``raw`` from
-    :func:`_fetch_bytes` and, for codes, the fp32 scales and lows (``[BLOCK_N]`` for one scale group,
-    ``[BLOCK_N, NG]`` for more; unused zeros for floats), or with ``LOG8`` the groups' log8 codes (int32, in
-    both; :func:`_log8` when decoding). Split from :func:`_decode_latent` so that a loop can issue the next
-    tile's reads before it computes on this one (``PREFETCH``)."""
-    raw = _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R, R_P2, MASK_N, BITS)
+    :func:`_fetch_bytes` (``WORDS``: int8 codes as 32-bit words, :func:`_fetch_words`) and, for codes,
+    the fp32 scales and lows (``[BLOCK_N]`` for one scale group, ``[BLOCK_N, NG]`` for more; unused zeros
+    for floats), or with ``LOG8`` the groups' log8 codes (int32, in both; :func:`_log8` when decoding).
+    Split from :func:`_decode_latent` so that a loop can issue the next tile's reads before it computes on
+    this one (``PREFETCH``)."""
+    if WORDS:
+        raw = _fetch_words(Z, offs_n, hi, stride_n, R, R_P2, MASK_N)
+    else:
+        raw = _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R, R_P2, MASK_N, BITS)
     NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
     if BITS == 16:
         scale = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -344,11 +363,112 @@ def _decode_nibbles(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _load_nibbles(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                   R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                  DTYPE: tl.constexpr, ASM: tl.constexpr, LOG8: tl.constexpr = False):
-    """:func:`_load_latent` for :func:`_decode_nibbles`: the even and odd channel halves of an int4 tile."""
+                  DTYPE: tl.constexpr, ASM: tl.constexpr, LOG8: tl.constexpr = False, BITS: tl.constexpr = 4):
+    """:func:`_load_latent` for :func:`_decode_halves`: the two channel halves of an int4 tile (even and
+    odd channels) or of an int8 one read as words (channel pairs)."""
     raw, scale, low = _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2,
-                                    BLOCK_N, MASK_N, 4, False, LOG8)
-    return _decode_nibbles(raw, scale, low, R_P2, BLOCK_N, DTYPE, ASM, LOG8)
+                                    BLOCK_N, MASK_N, BITS, False, LOG8, BITS == 8)
+    return _decode_halves(raw, scale, low, R_P2, BLOCK_N, BITS, DTYPE, ASM, LOG8)
+
+
+@triton.jit
+def _word_pairs(raw, BLOCK_N: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
+    """int32 words of int8 codes ``[BLOCK_N, W]`` as two fp16 tiles ``[BLOCK_N, 2W]`` of ``1024 + code``:
+    the first holds channels ``4w, 4w + 1`` at ``2w, 2w + 1``, the second ``4w + 2, 4w + 3``. ``ASM``: one
+    byte permute makes each pair in the register it stays in (the join keeps the two halves of a register
+    together), where the byte-wise form spends a permute to unpack each code and another to pack each pair
+    (``benchmarks/experiments/fp8_decode_probe.py``, ``int8-pairs``: 776 against 1568 instructions a
+    128-key tile at r 128, sm_90). Without it (the interpreter, which runs no PTX) the same values byte by
+    byte."""
+    if ASM:
+        b0, b1, b2, b3 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 a, b;
+            prmt.b32 a, $4, 0x64646464, 0x4140;
+            prmt.b32 b, $4, 0x64646464, 0x4342;
+            mov.b32 {$0, $1}, a;
+            mov.b32 {$2, $3}, b;
+            }
+            """,
+            constraints="=h,=h,=h,=h,r", args=[raw], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
+    else:
+        b0 = ((raw & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b1 = (((raw >> 8) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b2 = (((raw >> 16) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b3 = (((raw >> 24) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+    return tl.join(b0, b1).reshape(BLOCK_N, 2 * W), tl.join(b2, b3).reshape(BLOCK_N, 2 * W)
+
+
+@triton.jit
+def _decode_pairs(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, DTYPE: tl.constexpr,
+                  ASM: tl.constexpr, LOG8: tl.constexpr = False):
+    """int8 codes (token layout) read as words (:func:`_fetch_words`) as two ``[BLOCK_N, R_P2 / 2]`` tiles of
+    ``code · scale + low``, the channel pairs of :func:`_word_pairs`: met, as the int4 nibbles are, with the
+    matching halves of the other operand in two dots of half the depth. Column ``2w + j`` of a tile holds
+    channel ``4w + j`` (or ``+ 2``), of scale group ``4w // QUANT_GROUP``: the tile's column blocks of
+    ``QUANT_GROUP / 2``."""
+    HALF: tl.constexpr = R_P2 // 2
+    NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
+    if LOG8:
+        scale, low = _log8(scale, 8)
+    if DTYPE == tl.float32:
+        a, b = _word_pairs(raw, BLOCK_N, R_P2 // 4, False)
+        a, b = a.to(tl.float32) - 1024.0, b.to(tl.float32) - 1024.0
+        scale_t, low_t = scale, low
+    else:
+        a, b = _word_pairs(raw, BLOCK_N, R_P2 // 4, ASM)
+        a, b = a - 1024.0, b - 1024.0
+        scale_t, low_t = scale.to(tl.float16), low.to(tl.float16)
+    if NG == 1:
+        a = a * scale_t[:, None] + low_t[:, None]
+        b = b * scale_t[:, None] + low_t[:, None]
+    else:
+        GH: tl.constexpr = HALF // NG
+        a = (a.reshape(BLOCK_N, NG, GH) * scale_t[:, :, None] + low_t[:, :, None]).reshape(BLOCK_N, HALF)
+        b = (b.reshape(BLOCK_N, NG, GH) * scale_t[:, :, None] + low_t[:, :, None]).reshape(BLOCK_N, HALF)
+    return a, b
+
+
+@triton.jit
+def _decode_halves(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
+                   DTYPE: tl.constexpr, ASM: tl.constexpr, LOG8: tl.constexpr = False):
+    """A code tile met as two channel halves: int4 nibbles (even and odd channels) or int8 pairs."""
+    if BITS == 8:
+        a, b = _decode_pairs(raw, scale, low, R_P2, BLOCK_N, DTYPE, ASM, LOG8)
+    else:
+        a, b = _decode_nibbles(raw, scale, low, R_P2, BLOCK_N, DTYPE, ASM, LOG8)
+    return a, b
+
+
+@triton.jit
+def _half_channels(R_P2: tl.constexpr, STEP: tl.constexpr):
+    """The channels of the first half of :func:`_decode_halves` (the second's are ``STEP`` above): ``2i``
+    (int4, ``STEP`` 1), or ``4w + j`` at ``i = 2w + j`` (int8 pairs, ``STEP`` 2)."""
+    i = tl.arange(0, R_P2 // 2)
+    return (2 * STEP) * (i // STEP) + i % STEP
+
+
+@triton.jit
+def _split_acc(acc, BLOCK_M: tl.constexpr, R_P2: tl.constexpr, BITS: tl.constexpr):
+    """The value accumulator ``[BLOCK_M, R_P2]`` as the two halves :func:`_decode_halves` fills: even and
+    odd channels (int4), or channels ``4w + j`` and ``4w + 2 + j`` at ``2w + j`` (int8 pairs)."""
+    if BITS == 8:
+        acc = acc.reshape(BLOCK_M, R_P2 // 4, 2, 2).permute(0, 1, 3, 2)
+        a, b = tl.split(acc.reshape(BLOCK_M, R_P2 // 2, 2))
+    else:
+        a, b = tl.split(tl.reshape(acc, [BLOCK_M, R_P2 // 2, 2]))
+    return a, b
+
+
+@triton.jit
+def _join_acc(a, b, BLOCK_M: tl.constexpr, R_P2: tl.constexpr, BITS: tl.constexpr):
+    """The inverse of :func:`_split_acc`."""
+    if BITS == 8:
+        acc = tl.join(a, b).reshape(BLOCK_M, R_P2 // 4, 2, 2).permute(0, 1, 3, 2).reshape(BLOCK_M, R_P2)
+    else:
+        acc = tl.join(a, b).reshape(BLOCK_M, R_P2)
+    return acc
 
 
 @triton.jit
@@ -523,14 +643,16 @@ def _attend_range(
     decodes them just before the value dot: the decoded tile (4× the codes' registers at int4) is then not
     live beside the logits."""
     offs_nt = tl.arange(0, BLOCK_N)
+    PAIR_K: tl.constexpr = NIB_K and K_BITS == 8  # int8 codes read as words (channel pairs)
+    PAIR_V: tl.constexpr = NIB_V and V_BITS == 8
     if NIB_V:
-        acc_e, acc_o = tl.split(tl.reshape(acc, [BLOCK_M, R_V_P2 // 2, 2]))
+        acc_e, acc_o = _split_acc(acc, BLOCK_M, R_V_P2, V_BITS)
     if PREFETCH:
         kr, ks, kl = _fetch_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
-                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8)
+                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, PAIR_K)
         kp = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
         vr, vs, vl = _fetch_latent(ZV, SV, LV, start + offs_nt, end, stride_vn, stride_vr, stride_svn,
-                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8)
+                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, PAIR_V)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
@@ -543,22 +665,22 @@ def _attend_range(
                 else:
                     k_scale, k_low = ks, kl
             elif NIB_K:
-                ze, zo = _decode_nibbles(kr, ks, kl, R_K_P2, BLOCK_N, DTYPE, not UPCAST, K_LOG8)
+                ze, zo = _decode_halves(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, not UPCAST, K_LOG8)
             else:
                 z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8)
             pos = kp
             if LATE_V:
                 vr_c, vs_c, vl_c = vr, vs, vl
             elif NIB_V:
-                ve, vo = _decode_nibbles(vr, vs, vl, R_V_P2, BLOCK_N, DTYPE, not UPCAST, V_LOG8)
+                ve, vo = _decode_halves(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, not UPCAST, V_LOG8)
             else:
                 v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8)
             nxt = offs_n + BLOCK_N
             kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8)
+                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, PAIR_K)
             kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8)
+                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, PAIR_V)
             if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
@@ -575,7 +697,7 @@ def _attend_range(
             s = s * scale[None, :] + q1sum[:, None] * low[None, :]
         elif NIB_K:
             ze, zo = _load_nibbles(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                   R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, K_LOG8)
+                                   R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, K_LOG8, K_BITS)
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
@@ -612,9 +734,9 @@ def _attend_range(
         elif NIB_V:
             if not PREFETCH:
                 ve, vo = _load_nibbles(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, V_LOG8)
+                                       R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, V_LOG8, V_BITS)
             elif LATE_V:
-                ve, vo = _decode_nibbles(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, DTYPE, not UPCAST, V_LOG8)
+                ve, vo = _decode_halves(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, V_BITS, DTYPE, not UPCAST, V_LOG8)
             m_new = tl.maximum(m_i, tl.max(s, 1))
             alpha = tl.exp2(m_i - m_new)
             p = tl.exp2(s - m_new[:, None])
@@ -630,7 +752,7 @@ def _attend_range(
                 v = _decode_latent(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8)
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     if NIB_V:
-        acc = tl.join(acc_e, acc_o).reshape(BLOCK_M, R_V_P2)
+        acc = _join_acc(acc_e, acc_o, BLOCK_M, R_V_P2, V_BITS)
     return acc, l_i, m_i
 
 
@@ -763,6 +885,7 @@ def _lowrank_attn_fwd(
     tl.static_assert(HEAD_DIM % 32 == 0, "head dim must be a multiple of 32 (tl.dot on its halves)")
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16 and R_K_P2 >= 16 and R_V_P2 >= 16)
     HALF: tl.constexpr = HEAD_DIM // 2
+    K_STEP: tl.constexpr = 2 if K_BITS == 8 else 1  # NIB_K: int8 channel pairs, or int4 even and odd
     pid_m = tl.program_id(0)
     pid_bg = tl.program_id(1).to(tl.int64)
     pid_s = tl.program_id(2)
@@ -803,14 +926,15 @@ def _lowrank_attn_fwd(
         q2 = (q2.to(tl.float32) * (qk_scale * rope_scaling)).to(DTYPE)
         # P1ᵀ, P2ᵀ [R_K_P2, d/2]: rows d/2 of P_k each, transposed by the pointer arithmetic; with NIB_K their
         # even channels ([R_K_P2 / 2, d/2]) and, in p1t_o, p2t_o, their odd ones.
-        if NIB_K:
-            offs_e = 2 * tl.arange(0, R_K_P2 // 2)
+        if NIB_K:  # the halves of _decode_halves: channels e and e + K_STEP
+            offs_e = _half_channels(R_K_P2, K_STEP)
             p1t_ptrs = PK_g + offs_e[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
             p1t = tl.load(p1t_ptrs, mask=(offs_e < R_K)[:, None], other=0.0).to(DTYPE)
             p2t = tl.load(p1t_ptrs + HALF * stride_pkd, mask=(offs_e < R_K)[:, None], other=0.0).to(DTYPE)
-            p1t_o = tl.load(p1t_ptrs + stride_pkr, mask=(offs_e + 1 < R_K)[:, None], other=0.0).to(DTYPE)
-            p2t_o = tl.load(p1t_ptrs + stride_pkr + HALF * stride_pkd, mask=(offs_e + 1 < R_K)[:, None],
+            p1t_o = tl.load(p1t_ptrs + K_STEP * stride_pkr, mask=(offs_e + K_STEP < R_K)[:, None],
                             other=0.0).to(DTYPE)
+            p2t_o = tl.load(p1t_ptrs + K_STEP * stride_pkr + HALF * stride_pkd,
+                            mask=(offs_e + K_STEP < R_K)[:, None], other=0.0).to(DTYPE)
         else:
             p1t_ptrs = PK_g + offs_rk[:, None] * stride_pkr + offs_h[None, :] * stride_pkd
             p1t = tl.load(p1t_ptrs, mask=(offs_rk < R_K)[:, None], other=0.0).to(DTYPE)
@@ -818,13 +942,14 @@ def _lowrank_attn_fwd(
             p1t_o = p1t
             p2t_o = p2t
         inv_freq = tl.load(INV_FREQ + offs_h)
-    elif NIB_K:  # post_rope over int4 key codes met as even and odd channels: q1, q2 = q' there
+    elif NIB_K:  # post_rope over key codes met as two channel halves (_decode_halves): q1, q2 = q' there
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(Q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0)
-        offs_e = 2 * tl.arange(0, R_K_P2 // 2)
+        offs_e = _half_channels(R_K_P2, K_STEP)
         pk_ptrs = PK_g + offs_d[:, None] * stride_pkd + offs_e[None, :] * stride_pkr
         pk = tl.load(pk_ptrs, mask=(offs_e < R_K)[None, :], other=0.0).to(DTYPE)  # [d, R_K_P2 / 2]
-        pk_o = tl.load(pk_ptrs + stride_pkr, mask=(offs_e + 1 < R_K)[None, :], other=0.0).to(DTYPE)
+        pk_o = tl.load(pk_ptrs + K_STEP * stride_pkr, mask=(offs_e + K_STEP < R_K)[None, :],
+                       other=0.0).to(DTYPE)
         zero = tl.zeros([BLOCK_M, R_K_P2 // 2], dtype=tl.float32)
         q1 = (_dot(q.to(DTYPE), pk, zero, DOT_PREC, UPCAST) * qk_scale).to(DTYPE)
         q2 = (_dot(q.to(DTYPE), pk_o, zero, DOT_PREC, UPCAST) * qk_scale).to(DTYPE)
@@ -993,6 +1118,14 @@ def _token_int4(z) -> bool:
     under the interpreter), so those ranks keep the 128-key tile."""
     return (isinstance(z, QuantizedLatents) and z.bits == 4 and z.layout != "channel" and not z.log8
             and 32 <= padded_dim(z.shape[3]) <= 64)
+
+
+def _word_rows(codes: torch.Tensor) -> bool:
+    """Whether int8 codes ``[B, G, N, w]`` can be read as 32-bit words (``pairs``): contiguous channels, a
+    stored width that is a multiple of 4 (the rank itself may not be: ``stiefkv.quant`` pads it), and every
+    row starting 4-byte aligned."""
+    return codes.shape[-1] % 4 == 0 and codes.stride(-1) == 1 and codes.data_ptr() % 4 == 0 \
+        and all(st % 4 == 0 for st in codes.stride()[:-1])
 
 
 def _pad_rank(z: torch.Tensor, P: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -1299,8 +1432,13 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     else:
         part_o = part_ml = locks = z_k  # unused
     dot_prec = "ieee" if dtype == torch.float32 else "tf32"
-    # int4 token-layout codes met as even and odd channels (two dots; not with a fold)
+    # int4 token-layout codes met as even and odd channels (two dots; not with a fold), and int8 ones read
+    # as words and met as channel pairs
     nibbles = bool(cfg.get("nibbles")) and not cfg.get("fold_scales")
+    pairs = bool(cfg.get("pairs")) and not cfg.get("fold_scales")
+    pair_k = pairs and k_bits == 8 and not k_channel and _word_rows(z_k) and r_k_p2 >= 32 \
+        and (not pre or bool(cfg.get("nibble_rebuild")))
+    pair_v = pairs and v_bits == 8 and not v_channel and _word_rows(z_v) and r_v_p2 >= 32
     # shared positions [B, Nk] are read per KV head with a zero head stride
     pos_strides = (0, 0, 0)
     if pre:
@@ -1329,11 +1467,11 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP and not v_channel,
         K_CH=k_channel, V_CH=v_channel,
         NIB_K=nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32
-        and (not pre or bool(cfg.get("nibble_rebuild"))),
+        and (not pre or bool(cfg.get("nibble_rebuild"))) or pair_k,
         # not under fp32 queries: 1024·scale·Σq' cancels, ~1e-3 of large logits, past the fp32 tolerance
         FOLD_NIB=nibbles and bool(cfg.get("nibble_fold")) and bool(cfg.get("prefetch")) and k_bits == 4
         and not k_channel and not pre and 32 <= r_k_p2 <= _common.QUANT_GROUP and half,
-        NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32,
+        NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32 or pair_v,
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
         HAS_PRIOR=prior is not None, LATE_V=bool(cfg.get("prefetch")) and bool(cfg.get("late_values")),
@@ -1372,6 +1510,7 @@ def lowrank_attention(
     keys_left: bool | None = None,
     max_registers: int | None = None,
     late_values: bool | None = None,
+    pairs: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -1416,6 +1555,10 @@ def lowrank_attention(
         fitting more programs an SM at the price of spills; ``None``: the compiler's choice.
         ``late_values`` (with ``prefetch``): decode a tile's value codes just before the value dot instead
         of at the top of the loop, so the decoded tile is not live beside the logits; a candidate, off.
+        ``pairs``: int8 codes in the token layout (values, and ``post_rope`` keys, ``pre_rope`` keys with
+        ``nibble_rebuild``; ranks a multiple of 4, padded ≥ 32, rows 4-byte aligned) are read as 32-bit
+        words and met as two tiles of channel pairs (``4w, 4w + 1`` and ``4w + 2, 4w + 3``), one byte permute
+        a pair (:func:`_word_pairs`), in two dots of half the depth as ``nibbles`` does; a candidate, off.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1471,7 +1614,7 @@ def lowrank_attention(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
-                     late_values=late_values)
+                     late_values=late_values, pairs=pairs)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
