@@ -549,9 +549,9 @@ PAIR_CASES = [(2, 6, 3, 150, 64, 72, 3), (1, 4, 2, 90, 28, 44, 2), (2, 8, 2, 150
 @pytest.mark.parametrize("case", PAIR_CASES, ids=lambda c: f"G{c[2]}-k{c[3]}-r{c[4]}_{c[5]}-s{c[6]}")
 def test_int8_pairs_match_the_reference(case, key_mode, log8):
     """int8 codes read as 32-bit words and met as two tiles of channel pairs (``pairs``: channels ``4w + j``
-    and ``4w + 2 + j``, the query's or basis's matching halves, two value halves joined at the end), with and
-    without prefetch, decoded late, latent or projected output, against the reference on the dequantized
-    latents; and the same as the bytes' loop within rounding."""
+    and ``4w + 2 + j``, the query's or basis's matching halves, two value halves joined at the end), with
+    prefetch (without it ``pairs`` falls back to the bytes' loop), decoded late, latent or projected output,
+    against the reference on the dequantized latents; and the same as the bytes' loop within rounding."""
     B, H, G, Nk, r_k, r_v, splits = case
     args, kwargs = make_inputs(B, H, G, 1, Nk, 128, r_k, r_v, torch.bfloat16)
     q, z_k, z_v, P_k, P_v = args
@@ -559,7 +559,7 @@ def test_int8_pairs_match_the_reference(case, key_mode, log8):
     codes = log8_latents if log8 else quantize_latents
     qk, qv = codes(z_k, 8), codes(z_v, 8)
     atol, rtol = TOL[torch.bfloat16]
-    for pv, extra in [(P_v, dict(prefetch=True)), (None, dict(prefetch=False)),
+    for pv, extra in [(P_v, dict(prefetch=True)), (None, dict(prefetch=True)), (None, dict(prefetch=False)),
                       (P_v, dict(prefetch=True, late_values=True))]:
         with torch.no_grad():
             out = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs, num_splits=splits,

@@ -1435,7 +1435,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     # int4 token-layout codes met as even and odd channels (two dots; not with a fold), and int8 ones read
     # as words and met as channel pairs
     nibbles = bool(cfg.get("nibbles")) and not cfg.get("fold_scales")
-    pairs = bool(cfg.get("pairs")) and not cfg.get("fold_scales")
+    # pairs only with prefetch: without it a post_rope decode over log8 codes (r 28/44, latent output) gave
+    # wrong outputs on the H100 (triton 3.6, 2026-12-05) that the interpreter does not reproduce, and it was
+    # the slower loop at every shape timed (docs/notes/kernel-tries.md)
+    pairs = bool(cfg.get("pairs")) and bool(cfg.get("prefetch")) and not cfg.get("fold_scales")
     pair_k = pairs and k_bits == 8 and not k_channel and _word_rows(z_k) and r_k_p2 >= 32 \
         and (not pre or bool(cfg.get("nibble_rebuild")))
     pair_v = pairs and v_bits == 8 and not v_channel and _word_rows(z_v) and r_v_p2 >= 32
@@ -1558,7 +1561,8 @@ def lowrank_attention(
         ``pairs``: int8 codes in the token layout (values, and ``post_rope`` keys, ``pre_rope`` keys with
         ``nibble_rebuild``; ranks a multiple of 4, padded ≥ 32, rows 4-byte aligned) are read as 32-bit
         words and met as two tiles of channel pairs (``4w, 4w + 1`` and ``4w + 2, 4w + 3``), one byte permute
-        a pair (:func:`_word_pairs`), in two dots of half the depth as ``nibbles`` does; a candidate, off.
+        a pair (:func:`_word_pairs`), in two dots of half the depth as ``nibbles`` does; with ``prefetch``
+        only (the bytes' loop otherwise); a candidate, off.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
