@@ -40,6 +40,8 @@ import torch
 import triton
 import triton.language as tl
 
+from stiefkv.kernels.lowrank import _word_pairs  # the decode kernel's own conversion (int8-pairs)
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import utils  # noqa: E402
 
@@ -154,29 +156,6 @@ def _decode(Q, QI, QS, K, V, SK, LK, SV, LV, PO, PML, N, per_split,
     tl.store(PO + out[:, None] * R + offs_r[None, :], acc)
     tl.store(PML + out * 2, m_i)
     tl.store(PML + out * 2 + 1, l_i)
-
-
-@triton.jit
-def _word_pairs(w, BN: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
-    """int32 words ``[BN, W]`` (bytes ``4w + j``) as two fp16 tiles ``[BN, 2W]`` of ``1024 + code``: channels
-    ``4w, 4w + 1`` at ``2w, 2w + 1`` of the first, ``4w + 2, 4w + 3`` of the second. One ``prmt`` makes each
-    pair, and the join keeps the pair in the register it was made in. The interpreter runs no PTX: there the
-    same values byte by byte."""
-    if ASM:
-        b0, b1, b2, b3 = tl.inline_asm_elementwise(
-            asm="""{
-            .reg .b32 a, b;
-            prmt.b32 a, $4, 0x64646464, 0x4140;
-            prmt.b32 b, $4, 0x64646464, 0x4342;
-            mov.b32 {$0, $1}, a;
-            mov.b32 {$2, $3}, b;
-            }""", constraints="=h,=h,=h,=h,r", args=[w], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
-    else:
-        b0 = ((w & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        b1 = (((w >> 8) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        b2 = (((w >> 16) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        b3 = (((w >> 24) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-    return tl.join(b0, b1).reshape(BN, 2 * W), tl.join(b2, b3).reshape(BN, 2 * W)
 
 
 @triton.jit
