@@ -202,8 +202,8 @@ def main() -> None:
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
     ap.add_argument("--codes", action="store_true",
-                    help="post_rope over bf16 latents, int8 and int4 codes: plain, prefetched, folded, and "
-                         "int4 as even and odd channels (nibbles)")
+                    help="post_rope over bf16 latents, int8 and int4 codes: plain, prefetched, folded, "
+                         "int4 as even and odd channels (nibbles), int8 words as channel pairs (pairs)")
     args = ap.parse_args()
     print(
         f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
@@ -221,14 +221,18 @@ def main() -> None:
             for prefetch, fold, nib, nib_fold in ((False, False, False, False), (True, False, False, False),
                                                   (False, True, False, False), (False, False, True, False),
                                                   (True, False, True, False), (True, False, True, True)):
-                if (fold and bits == 16) or (nib and bits != 4):
+                # int8 with nibbles: the kernel's pairs loop (int8 read as words, NIB_K/NIB_V at 8 bits),
+                # which the launcher takes with prefetch only
+                if (fold and bits == 16) or (nib and (bits == 16 or bits == 8 and not prefetch)) or (
+                        nib_fold and bits != 4):
                     continue
                 kernel = compile_decode("post_rope", args.r, args.block_n, args.warps, args.stages, False,
                                         bits=bits, prefetch=prefetch, fold=fold, nibbles=nib,
                                         nibble_fold=nib_fold)
                 name = f"post_rope {'bf16' if bits == 16 else f'int{bits}'}" \
                     + (" prefetch" if prefetch else "") + (" fold" if fold else "") \
-                    + (" nibbles" if nib else "") + (" nibble_fold" if nib_fold else "")
+                    + ((" pairs" if bits == 8 else " nibbles") if nib else "") \
+                    + (" nibble_fold" if nib_fold else "")
                 print(f"| {name} " + report(kernel), flush=True)
         for nib, rebuild in ((False, False), (True, False), (True, True)):  # pre_rope (fast sin/cos)
             kernel = compile_decode("pre_rope", args.r, args.block_n, args.warps, args.stages, True, bits=4,
