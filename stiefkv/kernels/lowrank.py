@@ -363,12 +363,11 @@ def _decode_nibbles(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, 
 @triton.jit
 def _load_nibbles(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                   R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
-                  DTYPE: tl.constexpr, ASM: tl.constexpr, LOG8: tl.constexpr = False, BITS: tl.constexpr = 4):
-    """:func:`_load_latent` for :func:`_decode_halves`: the two channel halves of an int4 tile (even and
-    odd channels) or of an int8 one read as words (channel pairs)."""
+                  DTYPE: tl.constexpr, ASM: tl.constexpr, LOG8: tl.constexpr = False):
+    """:func:`_load_latent` for :func:`_decode_nibbles`: the even and odd channel halves of an int4 tile."""
     raw, scale, low = _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg, R, R_P2,
-                                    BLOCK_N, MASK_N, BITS, False, LOG8, BITS == 8)
-    return _decode_halves(raw, scale, low, R_P2, BLOCK_N, BITS, DTYPE, ASM, LOG8)
+                                    BLOCK_N, MASK_N, 4, False, LOG8)
+    return _decode_nibbles(raw, scale, low, R_P2, BLOCK_N, DTYPE, ASM, LOG8)
 
 
 @triton.jit
@@ -636,7 +635,8 @@ def _attend_range(
     a tile were left in its critical path; its reads past ``end`` are masked. ``NIB_K`` and ``NIB_V`` (int4
     codes, token layout) meet a tile as its even and odd channels (:func:`_decode_nibbles`): the keys against
     the basis's (``pre_rope``: ``p1t``, ``p2t`` even, ``p1t_o``, ``p2t_o`` odd) or the projected query's
-    (``post_rope``: ``q1``, ``q2``) even and odd channels, the values into two halves joined on return.
+    (``post_rope``: ``q1``, ``q2``) even and odd channels, the values into two halves joined on return; over
+    int8 codes (``pairs``, with ``PREFETCH`` only) the halves are the channel pairs of :func:`_decode_pairs`.
     ``FOLD_NIB`` (``post_rope`` int4 keys in one scale group, with ``PREFETCH``) leaves the key codes as
     ``1024 + code`` and applies each token's scale and low to the logits (``q1sum`` is ``Σ q'``).
     ``LATE_V`` (with ``PREFETCH``) keeps this tile's value codes packed through the logits and softmax and
@@ -645,6 +645,7 @@ def _attend_range(
     offs_nt = tl.arange(0, BLOCK_N)
     PAIR_K: tl.constexpr = NIB_K and K_BITS == 8  # int8 codes read as words (channel pairs)
     PAIR_V: tl.constexpr = NIB_V and V_BITS == 8
+    tl.static_assert(PREFETCH or not (PAIR_K or PAIR_V), "int8 pairs are read by the prefetched loop only")
     if NIB_V:
         acc_e, acc_o = _split_acc(acc, BLOCK_M, R_V_P2, V_BITS)
     if PREFETCH:
@@ -697,7 +698,7 @@ def _attend_range(
             s = s * scale[None, :] + q1sum[:, None] * low[None, :]
         elif NIB_K:
             ze, zo = _load_nibbles(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                   R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, K_LOG8, K_BITS)
+                                   R_K, R_K_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, K_LOG8)
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
@@ -734,7 +735,7 @@ def _attend_range(
         elif NIB_V:
             if not PREFETCH:
                 ve, vo = _load_nibbles(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, V_LOG8, V_BITS)
+                                       R_V, R_V_P2, BLOCK_N, MASKED, DTYPE, not UPCAST, V_LOG8)
             elif LATE_V:
                 ve, vo = _decode_halves(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, V_BITS, DTYPE, not UPCAST, V_LOG8)
             m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -1559,10 +1560,10 @@ def lowrank_attention(
         ``late_values`` (with ``prefetch``): decode a tile's value codes just before the value dot instead
         of at the top of the loop, so the decoded tile is not live beside the logits; a candidate, off.
         ``pairs``: int8 codes in the token layout (values, and ``post_rope`` keys, ``pre_rope`` keys with
-        ``nibble_rebuild``; ranks a multiple of 4, padded ≥ 32, rows 4-byte aligned) are read as 32-bit
-        words and met as two tiles of channel pairs (``4w, 4w + 1`` and ``4w + 2, 4w + 3``), one byte permute
-        a pair (:func:`_word_pairs`), in two dots of half the depth as ``nibbles`` does; with ``prefetch``
-        only (the bytes' loop otherwise); a candidate, off.
+        ``nibble_rebuild``; a stored width a multiple of 4, padded ranks ≥ 32, rows 4-byte aligned) are read
+        as 32-bit words and met as two tiles of channel pairs (``4w, 4w + 1`` and ``4w + 2, 4w + 3``), one
+        byte permute a pair (:func:`_word_pairs`), in two dots of half the depth as ``nibbles`` does; with
+        ``prefetch`` only (the bytes' loop otherwise); a candidate, off.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
