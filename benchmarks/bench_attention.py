@@ -108,12 +108,13 @@ QUANT_SWEEP = [
     {"late_values": True, "prefetch": True},  # as the fold, it needs the prefetch
     {"late_values": True, "prefetch": True, "max_registers": 168, "splits": 1.5},
     # int8 only: codes read as 32-bit words and met as two tiles of channel pairs (2026-12-05, fourth
-    # session; fp8_decode_probe.py's int8-pairs: half the instructions a tile, 128 registers at r 128)
+    # session; fp8_decode_probe.py's int8-pairs: half the instructions a tile, 128 registers at r 128); with
+    # prefetch only (without, the launcher falls back to the bytes' loop)
     {"pairs": True},
-    {"pairs": True, "prefetch": False},
     {"pairs": True, "splits": 1.5},
-    {"pairs": True, "prefetch": False, "splits": 1.5},
     {"pairs": True, "block_n": 64},
+    {"pairs": True, "block_n": 64, "splits": 1.5},
+    {"pairs": False, "block_n": 64},  # the bytes' loop at the same tile, so --sweep-with pairs is an A/B
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
@@ -270,31 +271,34 @@ def decode_rows(shapes, copy: float) -> None:
             empty_cache()
 
 
-def quantized(z: torch.Tensor, bits: int):
+def quantized(z: torch.Tensor, bits: int, log8: bool = False):
+    """``z`` quantized per token by ``stiefkv.quant``: min–max float scales, or ``log8`` (one byte a group,
+    symmetric: what the ``auto`` and ``window8`` checkpoints store)."""
     from stiefkv.kernels import QuantizedLatents
     from stiefkv.quant import QuantSpec, quantize
 
-    q = quantize(z, QuantSpec(bits, "token"))
-    return QuantizedLatents(q.codes, q.scale, q.low, bits, q.rank)
+    q = quantize(z, QuantSpec(bits, "token", log8=log8))
+    return QuantizedLatents(q.codes, q.scale, q.low, bits, q.rank, log8=log8)
 
 
 def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | None = None,
-               bits_list=QUANT_BITS) -> None:
+               bits_list=QUANT_BITS, log8: bool = False) -> None:
     """Decode over bf16 latents and int8/int4 codes at 50 % ranks (or ``rank``: an odd one such as the
     12.5 % checkpoint's 56, whose int4 rows are 28 bytes): the default configuration and each of
     :data:`QUANT_SWEEP` (the candidates prefetch and fold_scales, key splits, tiles, warps, stages), in
     the same run as SDPA on the same shape. ``sweep_with``: only the sweep's entries that set one of these
     options (a targeted A/B; the default and SDPA are measured all the same). ``bits_list``: the latents'
-    widths (16: bf16)."""
+    widths (16: bf16). ``log8``: codes on log8 scales instead of min–max float ones."""
     sweep = [c for c in QUANT_SWEEP if not sweep_with or any(k in c for k in sweep_with)]
     r = rank or BUDGETS["50%"]
     for B, N in shapes:
         sdpa = sdpa_decode_ms(B, N)
         x = latent_inputs(B, 1, N, r)
         for bits in bits_list:
-            xq = x if bits == 16 else dict(x, z_k=quantized(x["z_k"], bits), z_v=quantized(x["z_v"], bits))
+            xq = x if bits == 16 else dict(x, z_k=quantized(x["z_k"], bits, log8),
+                                           z_v=quantized(x["z_v"], bits, log8))
             parts = (x["z_k"], x["z_v"]) if bits == 16 else [
-                t for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low)]
+                t for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low) if t is not None]
             n = sum(t.nbytes for t in parts)
             with torch.no_grad():
                 for mode in modes:
@@ -317,10 +321,11 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                key=lambda t: t["kernel_ms"]["p50"])
                     fold = next((t["kernel_ms"] for t in tried if t["config"].get("fold_scales")), None)
                     read = n + (x["positions"].nbytes if mode == "pre_rope" else 0)
-                    name = "bf16" if bits == 16 else f"int{bits}"
+                    name = "bf16" if bits == 16 else f"int{bits}" + ("-log8" if log8 else "")
                     row = case_fields(B, N, "50%", mode) | ({"r": r, "budget": f"r{r}"} if rank else {}) | {
                         "case": f"decode {utils.shape_name(B, N)} r{r} {name} {mode}",
-                        "table": "quant", "bits": bits, "sdpa_ms": sdpa, "kernel_ms": ms, "bytes": read,
+                        "table": "quant", "bits": bits, "log8": log8 and bits < 16, "sdpa_ms": sdpa,
+                        "kernel_ms": ms, "bytes": read,
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
                         "read_tbs": read / ms["p50"] / 1e9, "config": default,
                         "fold_scales_ms": fold, "sweep": tried, "best": best,
@@ -499,6 +504,8 @@ def main() -> None:
                         help="quant table: the latents' widths (16: bf16)")
     parser.add_argument("--sweep-with", nargs="+", metavar="OPTION",
                         help="quant table: only the sweep's entries that set one of these options")
+    parser.add_argument("--log8", action="store_true",
+                        help="quant table: codes on log8 scales (what auto and window8 checkpoints store)")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(utils.header(), flush=True)
@@ -513,7 +520,7 @@ def main() -> None:
     if "decode" in args.tables:
         decode_rows(shapes, copy)
     if "quant" in args.tables:
-        quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank, args.bits)
+        quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank, args.bits, args.log8)
     if "shared" in args.tables:
         shared_rows(shapes)
     if "prefill" in args.tables:
