@@ -263,10 +263,43 @@ def storage_fields(proj: stiefkv.Projections) -> dict:
 
 
 def cache_label(args) -> str:
+    options = "".join(f" {k}={v}" for k, v in sorted((getattr(args, "decode_option", None) or {}).items()))
     if args.storage_from:
-        return f"stiefkv storage {Path(args.storage_from).stem} {args.budget:g}"
+        return f"stiefkv storage {Path(args.storage_from).stem} {args.budget:g}" + options
     return f"stiefkv {args.budget:g}" + (f" int{args.bits}" if args.bits < 16 else "") \
-        + (f" r{args.recent}" if args.bits < 16 and args.recent else "")
+        + (f" r{args.recent}" if args.bits < 16 and args.recent else "") + options
+
+
+def decode_option(text: str) -> tuple[str, bool | int]:
+    """``KEY=VALUE`` of ``--decode-option``: a decode-kernel option (``pairs=false``, ``block_n=64``)."""
+    key, sep, value = text.partition("=")
+    if not sep or not key.isidentifier():
+        raise argparse.ArgumentTypeError(f"{text!r}: expected KEY=VALUE, e.g. pairs=false")
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    try:
+        return key, int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: VALUE must be true, false or an integer") from None
+
+
+def override_decode(options: dict) -> None:
+    """Every decode launch over codes (one query's GQA group a tile, int8/int4/... latents) takes ``options``
+    over its default configuration: the same run's A/B of a kernel option end to end. Prefill, and decode
+    over float latents (the uncompressed cache on our kernels, an exact ring), keep their own."""
+    from stiefkv.kernels import lowrank
+
+    chosen = lowrank._default_config
+    unknown = set(options) - set(chosen(1, 1024, "post_rope", 1, 1, 64, True, 8))
+    if unknown:
+        raise SystemExit(f"bench_serve: --decode-option {', '.join(sorted(unknown))}: not a decode option "
+                         f"(one of {', '.join(sorted(chosen(1, 1024, 'post_rope', 1, 1, 64, True, 8)))})")
+
+    def config(n_rows, n_k, key_mode, programs, n_sms, r_k=64, codes=False, *a, **k):
+        cfg = chosen(n_rows, n_k, key_mode, programs, n_sms, r_k, codes, *a, **k)
+        return cfg | options if codes and n_rows <= lowrank.DECODE_BLOCK_M else cfg
+
+    lowrank._default_config = config
 
 
 SERVED_NAMES = {"full": "uncompressed model on transformers' static cache",
@@ -603,6 +636,9 @@ def main() -> None:
                         help="prefill over codes dequantizes this many keys at a time (kernels.lowrank."
                              "PREFILL_CODE_SLICE; default: its value, 4096)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
+    parser.add_argument("--decode-option", type=decode_option, action="append", metavar="KEY=VALUE",
+                        help="a decode-kernel option over its default for decode over codes (pairs=false, "
+                             "block_n=64; repeatable), for a same-run A/B end to end; in the case's name")
     parser.add_argument("--compiled", action="store_true",
                         help="also time generate over transformers' StaticCache, compiled by transformers on "
                              "CUDA (uncompressed; the first call compiles)")
@@ -626,6 +662,7 @@ def main() -> None:
                         help="--capacity: start the --baseline-cache search at this batch (KIVI-2's peaks at "
                              "1 and 2 rows predicted 30 rows at 32k under 40 GiB, where 16 fit)")
     args = parser.parse_args()
+    args.decode_option = dict(args.decode_option or [])
     given = [f"--{name}" for name in ("budget", "bits", "recent") if getattr(args, name) is not None]
     if args.storage_from and given:
         parser.error(f"--storage-from serves the checkpoint's ranks and storage; drop {', '.join(given)}")
@@ -636,6 +673,8 @@ def main() -> None:
     if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
     args.code_slice = lowrank.PREFILL_CODE_SLICE  # the rows record the slice in effect
+    if args.decode_option:
+        override_decode(args.decode_option)
     if args.tiny:
         args.shape = "tiny"
     print(utils.header(), flush=True)
@@ -690,7 +729,7 @@ def main() -> None:
     for case in args.cases:
         B, N = (int(x) for x in case.lower().split("x"))
         row = run_case(model, proj, B, N, args, device)
-        row.update(stored)
+        row.update(stored, decode_options=args.decode_option)
         if not args.tiny and not eager_only():  # the rows and BENCHMARKS.md are graph-captured decode
             utils.write_rows("serve", row)
         print(summary(row, args.plain), flush=True)

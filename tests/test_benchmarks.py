@@ -675,3 +675,33 @@ def test_bench_pareto_resolves_key_mode_auto_as_calibrate_does(tmp_path):
         assert proj.key_mode == ref.key_mode == served
         for a, b in zip(proj.keys, ref.keys):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=0)
+
+
+def test_bench_serve_decode_options_override_decode_only(monkeypatch):
+    """``--decode-option KEY=VALUE`` (a same-run A/B of a kernel option end to end): parsed as a bool or an
+    int, refused with the options' names when unknown, applied to decode launches over codes and not to
+    prefill or float latents, and named in the case."""
+    import argparse
+
+    import bench_serve as bs
+
+    from stiefkv.kernels import lowrank
+
+    assert bs.decode_option("pairs=false") == ("pairs", False)
+    assert bs.decode_option("block_n=64") == ("block_n", 64)
+    for bad in ("pairs", "pairs=maybe", "=3"):
+        with pytest.raises(argparse.ArgumentTypeError, match="pairs=false|integer"):
+            bs.decode_option(bad)
+    monkeypatch.setattr(lowrank, "_default_config", lowrank._default_config)
+    with pytest.raises(SystemExit, match="pair: not a decode option"):
+        bs.override_decode({"pair": False})
+    bs.override_decode({"pairs": False, "block_n": 32})
+    decode = lowrank._default_config(4, 4096, "post_rope", 16, 132, 128, True, 8)
+    prefill = lowrank._default_config(400, 4096, "post_rope", 16, 132, 128, True, 8)
+    assert decode["pairs"] is False and decode["block_n"] == 32 and decode["prefetch"]
+    assert "pairs" not in prefill and prefill["block_n"] == 64
+    floats = lowrank._default_config(4, 4096, "post_rope", 16, 132, 128, False, 16)  # the uncompressed cache
+    assert floats["block_n"] == 64 and not floats["pairs"]
+    args = argparse.Namespace(storage_from=None, budget=1.0, bits=8, recent=16,
+                              decode_option={"pairs": False})
+    assert bs.cache_label(args) == "stiefkv 1 int8 r16 pairs=False"

@@ -571,6 +571,24 @@ def test_int8_pairs_match_the_reference(case, key_mode, log8):
         what = f"int8 pairs r{r_k}/{r_v} {key_mode} log8={log8} P_v={pv is not None} {extra}"
         assert_close(out, expected, atol=atol, rtol=rtol, what=what)
         assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the bytes' loop")
+        if pv is not None and extra == dict(prefetch=True):  # the default decode over int8 codes is this loop
+            with torch.no_grad():
+                default = lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs,
+                                               num_splits=splits)
+            assert torch.equal(default, out), what + ": the default configuration is not the pairs loop"
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_int8_decode_defaults_to_pairs(key_mode):
+    """Decode over codes turns ``pairs`` on (the launcher applies it to int8 token-layout codes only), and
+    ``pre_rope`` over int8 keys wider than 64 channels takes 64-key tiles; bf16 latents and 4-bit keys keep
+    their tiles."""
+    for r_k, bits in [(128, 8), (100, 8), (64, 8), (128, 4), (40, 8)]:
+        cfg = lk._default_config(2, 4096, key_mode, 16, 132, r_k, True, bits)
+        assert cfg["pairs"] and cfg["prefetch"]
+        narrow = key_mode == "pre_rope" and bits == 8 and r_k > 64
+        assert cfg["block_n"] == (64 if narrow else 128), (r_k, bits, cfg)
+    assert not lk._default_config(2, 4096, key_mode, 16, 132, 128, False, 16)["pairs"]
 
 
 @pytest.mark.parametrize("ranks", [(56, 48), (64, 64), (64, 72), (11, 13), (16, 16), (40, 13)])

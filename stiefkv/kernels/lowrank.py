@@ -1096,16 +1096,23 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     ``pre_rope``: its rebuilt keys spill at 256 (0.530 → 1.197 ms); nor int8 (0.264 → 0.280 ms at 4×128k).
     Those wide tiles do not prefetch (the pipeliner's copies instead, and so no ``nibble_fold``): r 56 at
     4×128k 0.2325 → 0.1833 ms, 16×16k 0.1232 → 0.1002, 29×32k 0.4454 → 0.3475, 43×32k 0.5966 → 0.4815 at
-    the same splits, the fastest of each shape's sweep (H200, 2026-12-03, twelfth session)."""
+    the same splits, the fastest of each shape's sweep (H200, 2026-12-03, twelfth session). int8 codes in
+    the token layout are read as words and met as channel pairs (``pairs``): at r 128, 8×16k and 4×128k,
+    ``post_rope`` 0.179 → 0.153 and 0.615 → 0.500 ms, the fastest of the sweep with min–max and with log8
+    scales alike (H100, 2026-12-05, sixth session; r 64 −7 % and −3 % the session before). ``pre_rope`` over
+    int8 keys wider than 64 channels takes 64-key tiles: the rebuilt 128-key tile spills; at r 128 the
+    bytes' loop 0.322 → 0.244 and 1.149 → 0.907 ms, and with ``pairs`` 0.219 and 0.818 (same run)."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if wide else 1)
         block_n = 128 if r_k <= 32 or codes else 64
+        if codes and key_mode == "pre_rope" and k_bits == 8 and padded_dim(r_k) > 64:
+            block_n = 64
         if wide:
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
-                    keys_left=k_bits in (16, 4))
+                    keys_left=k_bits in (16, 4), pairs=codes)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -1563,7 +1570,8 @@ def lowrank_attention(
         ``nibble_rebuild``; a stored width a multiple of 4, padded ranks ≥ 32, rows 4-byte aligned) are read
         as 32-bit words and met as two tiles of channel pairs (``4w, 4w + 1`` and ``4w + 2, 4w + 3``), one
         byte permute a pair (:func:`_word_pairs`), in two dots of half the depth as ``nibbles`` does; with
-        ``prefetch`` only (the bytes' loop otherwise); a candidate, off.
+        ``prefetch`` only (the bytes' loop otherwise); ``None``: on for decode over codes (measured: int8
+        keys and values, both key modes, ranks 64 and 128; see :func:`_default_config`).
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
