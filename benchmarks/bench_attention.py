@@ -115,6 +115,12 @@ QUANT_SWEEP = [
     {"pairs": True, "block_n": 64},
     {"pairs": True, "block_n": 64, "splits": 1.5},
     {"pairs": False, "block_n": 64},  # the bytes' loop at the same tile, so --sweep-with pairs is an A/B
+    # channel-layout keys (--channel-keys only): the scales as a row a token group, broadcast (2026-12-05,
+    # fifth session; kernel_sass.py --channel: pre_rope int2 r 64 no longer spills, post_rope 236 → 142
+    # registers)
+    {"channel_rows": True},
+    {"channel_rows": True, "block_n": 64},
+    {"channel_rows": False, "block_n": 64},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
@@ -271,32 +277,39 @@ def decode_rows(shapes, copy: float) -> None:
             empty_cache()
 
 
-def quantized(z: torch.Tensor, bits: int, log8: bool = False):
-    """``z`` quantized per token by ``stiefkv.quant``: min–max float scales, or ``log8`` (one byte a group,
-    symmetric: what the ``auto`` and ``window8`` checkpoints store)."""
+def quantized(z: torch.Tensor, bits: int, log8: bool = False, layout: str = "token"):
+    """``z`` quantized by ``stiefkv.quant``: per token on min–max float scales, or ``log8`` (one byte a group,
+    symmetric: what the ``auto`` and ``window8`` checkpoints store); or in the channel layout (a scale and low
+    per channel and 64 tokens: the keys of ``--bits auto`` at low budgets, and KIVI's)."""
     from stiefkv.kernels import QuantizedLatents
     from stiefkv.quant import QuantSpec, quantize
 
+    if layout == "channel":  # whole groups of 64 tokens: the last one padded, its codes past N dropped
+        N = z.shape[2]
+        q = quantize(torch.nn.functional.pad(z, (0, 0, 0, -N % 64)), QuantSpec(bits, "channel"))
+        return QuantizedLatents(q.codes[:, :, :N], q.scale, q.low, bits, q.rank, "channel")
     q = quantize(z, QuantSpec(bits, "token", log8=log8))
     return QuantizedLatents(q.codes, q.scale, q.low, bits, q.rank, log8=log8)
 
 
 def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | None = None,
-               bits_list=QUANT_BITS, log8: bool = False) -> None:
+               bits_list=QUANT_BITS, log8: bool = False, channel_keys: bool = False) -> None:
     """Decode over bf16 latents and int8/int4 codes at 50 % ranks (or ``rank``: an odd one such as the
     12.5 % checkpoint's 56, whose int4 rows are 28 bytes): the default configuration and each of
     :data:`QUANT_SWEEP` (the candidates prefetch and fold_scales, key splits, tiles, warps, stages), in
     the same run as SDPA on the same shape. ``sweep_with``: only the sweep's entries that set one of these
     options (a targeted A/B; the default and SDPA are measured all the same). ``bits_list``: the latents'
-    widths (16: bf16). ``log8``: codes on log8 scales instead of min–max float ones."""
+    widths (16: bf16). ``log8``: codes on log8 scales instead of min–max float ones. ``channel_keys``: key
+    codes in the channel layout (the sweep's ``channel_rows`` entries apply then only)."""
     sweep = [c for c in QUANT_SWEEP if not sweep_with or any(k in c for k in sweep_with)]
     r = rank or BUDGETS["50%"]
     for B, N in shapes:
         sdpa = sdpa_decode_ms(B, N)
         x = latent_inputs(B, 1, N, r)
         for bits in bits_list:
-            xq = x if bits == 16 else dict(x, z_k=quantized(x["z_k"], bits, log8),
-                                           z_v=quantized(x["z_v"], bits, log8))
+            xq = x if bits == 16 else dict(
+                x, z_k=quantized(x["z_k"], bits, log8, "channel" if channel_keys else "token"),
+                z_v=quantized(x["z_v"], bits, log8))
             parts = (x["z_k"], x["z_v"]) if bits == 16 else [
                 t for z in (xq["z_k"], xq["z_v"]) for t in (z.codes, z.scale, z.low) if t is not None]
             n = sum(t.nbytes for t in parts)
@@ -312,7 +325,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                         if (cfg.get("fold_scales") and bits == 16) or (cfg.get("pairs") and bits != 8) or (
                                 nibble and (
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
-                                cfg.get("keys_left") and mode != "pre_rope"):
+                                cfg.get("keys_left") and mode != "pre_rope") or (
+                                "channel_rows" in cfg and not (channel_keys and bits < 16)):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))
@@ -321,10 +335,12 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                key=lambda t: t["kernel_ms"]["p50"])
                     fold = next((t["kernel_ms"] for t in tried if t["config"].get("fold_scales")), None)
                     read = n + (x["positions"].nbytes if mode == "pre_rope" else 0)
-                    name = "bf16" if bits == 16 else f"int{bits}" + ("-log8" if log8 else "")
+                    name = "bf16" if bits == 16 else f"int{bits}" + ("-log8" if log8 else "") + (
+                        "-channel-keys" if channel_keys else "")
                     row = case_fields(B, N, "50%", mode) | ({"r": r, "budget": f"r{r}"} if rank else {}) | {
                         "case": f"decode {utils.shape_name(B, N)} r{r} {name} {mode}",
-                        "table": "quant", "bits": bits, "log8": log8 and bits < 16, "sdpa_ms": sdpa,
+                        "table": "quant", "bits": bits, "log8": log8 and bits < 16,
+                        "key_layout": "channel" if channel_keys and bits < 16 else "token", "sdpa_ms": sdpa,
                         "kernel_ms": ms, "bytes": read,
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
                         "read_tbs": read / ms["p50"] / 1e9, "config": default,
@@ -506,6 +522,9 @@ def main() -> None:
                         help="quant table: only the sweep's entries that set one of these options")
     parser.add_argument("--log8", action="store_true",
                         help="quant table: codes on log8 scales (what auto and window8 checkpoints store)")
+    parser.add_argument("--channel-keys", action="store_true",
+                        help="quant table: key codes in the channel layout (auto's low budgets, KIVI), "
+                             "values per token")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(utils.header(), flush=True)
@@ -520,7 +539,8 @@ def main() -> None:
     if "decode" in args.tables:
         decode_rows(shapes, copy)
     if "quant" in args.tables:
-        quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank, args.bits, args.log8)
+        quant_rows(shapes, copy, args.modes, args.sweep_with, args.rank, args.bits, args.log8,
+                   args.channel_keys)
     if "shared" in args.tables:
         shared_rows(shapes)
     if "prefill" in args.tables:

@@ -790,8 +790,9 @@ def swept(r: dict, **change) -> float | None:
 
 def decode_quant(res: Results) -> str:
     out = []
-    # --rank and --log8 runs: notes
-    rows = [r for r in res.cases("attention", "quant") if r.get("budget") == "50%" and not r.get("log8")]
+    # --rank, --log8 and --channel-keys runs: notes
+    rows = [r for r in res.cases("attention", "quant")
+            if r.get("budget") == "50%" and not r.get("log8") and r.get("key_layout", "token") == "token"]
     rows = [r for r in rows if (r["B"], r["N"]) in ((16, 16384), (4, 131072))] or rows  # the targets' shapes
     # a targeted run (--sweep-with) leaves out the candidates of the last two columns: the newest run
     # that measured them gives them

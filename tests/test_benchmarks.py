@@ -219,13 +219,18 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
         ba.quant_rows([(1, 300)], copy=4.0, modes=["pre_rope"], rank=13)  # an odd rank (--rank)
         odd = utils.read_rows(results / "attention.jsonl")[-3:]
         ba.quant_rows([(1, 300)], copy=4.0, modes=["post_rope"], bits_list=[8], log8=True)  # --log8
-    log8 = utils.read_rows(results / "attention.jsonl")[-1]
+        log8 = utils.read_rows(results / "attention.jsonl")[-1]
+        monkeypatch.setattr(ba, "QUANT_SWEEP", [{"channel_rows": True}, {"prefetch": True}])
+        ba.quant_rows([(1, 300)], copy=4.0, modes=["pre_rope"], bits_list=[2], channel_keys=True)
+    channel = utils.read_rows(results / "attention.jsonl")[-1]
+    assert channel["case"].endswith(" int2-channel-keys pre_rope") and channel["key_layout"] == "channel"
+    assert [t["config"].get("channel_rows") for t in channel["sweep"]] == [True, None]
     assert log8["case"].endswith(" int8-log8 post_rope") and log8["log8"] and log8["kernel_ms"]["p50"] > 0
-    assert render.decode_quant(render.Results(results)) == table  # log8 rows stay out of the table
+    assert render.decode_quant(render.Results(results)) == table  # log8 and channel rows stay out
     assert [r["case"] for r in odd] == [f"decode 1x300 r13 {b} pre_rope" for b in ("bf16", "int8", "int4")]
     assert all(r["r"] == 13 and r["budget"] == "r13" for r in odd)
     assert render.decode_quant(render.Results(results)) == table  # the table stays at 50 % ranks
-    rows = utils.read_rows(results / "attention.jsonl")[:-4]
+    rows = utils.read_rows(results / "attention.jsonl")[:-5]
     assert [r["table"] for r in rows] == ["decode"] * 2 + ["sweep"] * 2 + ["prefill"] * 3 + ["quant"] * 6
     assert rows[-1]["case"] == "decode 1x300 r16 int4 pre_rope" and rows[-1]["bytes"] > 0
     assert rows[-1]["fold_scales_ms"]["p50"] == 2.0 and rows[-1]["best"]["kernel_ms"]["p50"] == 2.0

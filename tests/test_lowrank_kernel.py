@@ -966,6 +966,40 @@ def test_channel_layout_codes_match_the_reference(case, key_mode, bits):
         assert_close(out, expected, atol=atol, rtol=rtol, what=f"channel int{bits} {path} {key_mode}")
 
 
+@pytest.mark.parametrize("bits", [4, 2])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_channel_rows_match_the_per_element_scales(key_mode, bits):
+    """``channel_rows``: channel-layout scales read as a row a token group the tile spans and broadcast over
+    its keys, at tiles smaller than, equal to and larger than the 64-token group (a 128-key tile spans two),
+    split keys whose last tile is partial (150 and 203 keys) and a prefill tile: the reference's output and
+    the per-element loop's within rounding. With ``lengths`` (left padding shifts the tiles off the groups)
+    the launcher keeps the per-element loads, and gives the reference's output too."""
+    atol, rtol = TOL[torch.bfloat16]
+    for B, H, G, Nq, Nk, r_k, r_v, splits in [(2, 6, 3, 1, 150, 64, 72, 3), (1, 4, 2, 1, 203, 100, 28, 2),
+                                              (1, 4, 2, 5, 70, 40, 24, 1)]:
+        args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16, padded=False)
+        q, z_k, z_v, P_k, P_v = args
+        ck, cv = channel_codes(z_k, bits, Nk), channel_codes(z_v, bits, Nk)
+        with torch.no_grad():
+            expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k, P_v,
+                                 key_mode=key_mode, **kwargs)
+            for block_n in (32, 128) if Nq == 1 else (None,):
+                what = f"channel rows int{bits} {key_mode} k{Nk} r{r_k}/{r_v} block_n={block_n}"
+                out, plain = (lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **kwargs,
+                                                   num_splits=splits, block_n=block_n, channel_rows=rows)
+                              for rows in (True, False))
+                assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+                assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against per-element scales")
+        if Nq == 1:  # left-padded rows
+            _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+            with torch.no_grad():
+                out = lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **padded,
+                                           num_splits=splits, channel_rows=True)
+                expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k,
+                                     P_v, key_mode=key_mode, **padded)
+            assert_close(out, expected, atol=atol, rtol=rtol, what=f"channel rows, lengths, k{Nk}")
+
+
 @triton.jit
 def _nibbles_probe(RAW, EVEN_ASM, ODD_ASM, EVEN, ODD, N: tl.constexpr, W: tl.constexpr):
     offs = tl.arange(0, N)[:, None] * W + tl.arange(0, W)[None, :]

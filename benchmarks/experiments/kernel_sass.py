@@ -85,10 +85,19 @@ def compile_decode(
     log8: bool = False,
     keys_left: bool = False,
     late_v: bool = False,
+    k_channel: bool = False,
+    v_bits: int | None = None,
+    v_log8: bool | None = None,
+    channel_rows: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
-    ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants)."""
+    ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants);
+    ``k_channel``: key codes in the channel layout (a scale and low per channel and 64 tokens); ``v_bits``,
+    ``v_log8``: the values' codes where they differ from the keys'; ``channel_rows``: the channel layout's
+    scales read as a row a token group (the launcher's ``channel_rows``)."""
     fn = fn or lk._lowrank_attn_fwd
+    v_bits = bits if v_bits is None else v_bits
+    v_log8 = log8 if v_log8 is None else v_log8
     const = {
         "GROUP": group,
         "HEAD_DIM": d,
@@ -109,19 +118,19 @@ def compile_decode(
         "UPCAST": False,
         "HAS_NVALID": False,
         "K_BITS": bits,
-        "V_BITS": bits,
+        "V_BITS": v_bits,
         "DTYPE": lk.tl.float16 if bits < 16 else lk.tl.bfloat16,  # as _launch picks it
         "FOLD_K": fold and key_mode == "post_rope",
         "FOLD_V": fold,
         "PREFETCH": prefetch,
         "HAS_LSE": False,
-        "K_CH": False,
+        "K_CH": (2 if channel_rows else 1) if k_channel else 0,
         "V_CH": False,
-        "NIB_K": nibbles and (key_mode == "post_rope" or nibble_rebuild),
+        "NIB_K": nibbles and not k_channel and (key_mode == "post_rope" or nibble_rebuild),
         "FOLD_NIB": nibble_fold and nibbles and prefetch and key_mode == "post_rope",
         "K_LOG8": log8,
-        "V_LOG8": log8,
-        "NIB_V": nibbles,
+        "V_LOG8": v_log8,
+        "NIB_V": nibbles and v_bits in (4, 8),
         "KEYS_LEFT": keys_left and key_mode == "pre_rope",
         # constexprs with defaults the launch sets too: left out, they compiled as run-time integers (and
         # a branch on LATE_V then read a name only its other branch defines)
@@ -136,7 +145,8 @@ def compile_decode(
     for name in fn.arg_names:
         if name in const:
             sig[name] = "constexpr"
-        elif name in ("ZK", "ZV") and bits < 16 or name in ("SK", "LK", "SV", "LV") and log8:
+        elif name == "ZK" and bits < 16 or name == "ZV" and v_bits < 16 or \
+                name in ("SK", "LK") and log8 or name in ("SV", "LV") and v_log8:
             sig[name] = "*u8"
         elif name in POINTERS:
             sig[name] = "*" + POINTERS[name]
@@ -204,6 +214,9 @@ def main() -> None:
     ap.add_argument("--codes", action="store_true",
                     help="post_rope over bf16 latents, int8 and int4 codes: plain, prefetched, folded, "
                          "int4 as even and odd channels (nibbles), int8 words as channel pairs (pairs)")
+    ap.add_argument("--channel", type=int, nargs="*", metavar="BITS",
+                    help="keys in the channel layout at these widths (default 2 3 4), values int2 per token "
+                         "on log8 scales (--bits auto's low budgets, a125), both key modes")
     args = ap.parse_args()
     print(
         f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
@@ -216,6 +229,16 @@ def main() -> None:
         "tiles unmasked / masked, then the split merge) | top of the unmasked loop |"
     )
     print("|---|---|---|---|---|---|")
+    if args.channel is not None:
+        for bits in args.channel or (2, 3, 4):
+            for key_mode in ("post_rope", "pre_rope"):
+                for rows in (False, True):
+                    kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages,
+                                            key_mode == "pre_rope", bits=bits, prefetch=True, k_channel=True,
+                                            v_bits=2, v_log8=True, channel_rows=rows)
+                    name = f"{key_mode} int{bits}-channel keys{' (channel_rows)' if rows else ''}"
+                    print(f"| {name}, int2-log8 values, prefetch " + report(kernel), flush=True)
+        return
     if args.codes:
         for bits in (16, 8, 4):
             for prefetch, fold, nib, nib_fold in ((False, False, False, False), (True, False, False, False),
@@ -224,7 +247,7 @@ def main() -> None:
                 # int8 with nibbles: the kernel's pairs loop (int8 read as words, NIB_K/NIB_V at 8 bits),
                 # which the launcher takes with prefetch only
                 if (fold and bits == 16) or (nib and (bits == 16 or bits == 8 and not prefetch)) or (
-                        nib_fold and bits != 4):
+                        nib_fold and (bits != 4 or args.r > lk.QUANT_GROUP)):  # the fold: one scale group
                     continue
                 kernel = compile_decode("post_rope", args.r, args.block_n, args.warps, args.stages, False,
                                         bits=bits, prefetch=prefetch, fold=fold, nibbles=nib,

@@ -195,6 +195,14 @@ def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
     if BITS == 16:
         scale = tl.zeros([BLOCK_N], dtype=tl.float32)
         low = scale
+    elif CH == 2:  # channel layout, tiles aligned to their size: a scale row a group the tile spans
+        ROWS: tl.constexpr = BLOCK_N if BLOCK_N < QUANT_GROUP else QUANT_GROUP
+        NGT: tl.constexpr = BLOCK_N // ROWS
+        offs_r = tl.arange(0, R_P2)
+        first = tl.min(offs_n.reshape(NGT, ROWS), axis=1)  # each group's first key in the tile
+        row_ptrs = (first // QUANT_GROUP)[:, None] * stride_sn + offs_r[None, :] * stride_sg
+        scale = _load_rows(S + row_ptrs, first, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
+        low = _load_rows(L + row_ptrs, first, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
     elif CH:  # channel layout: one scale and low per channel and group of QUANT_GROUP tokens
         offs_r = tl.arange(0, R_P2)
         row_ptrs = (offs_n // QUANT_GROUP)[:, None] * stride_sn + offs_r[None, :] * stride_sg
@@ -292,7 +300,12 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
             codes = _codes_to_half(_unpack_codes(raw, R_P2, BLOCK_N, BITS))
             scale_t, low_t = scale.to(tl.float16), low.to(tl.float16)
         NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
-        if CH:  # a scale and low per element (per channel and token group)
+        if CH == 2:  # a row of scales and lows a token group, [NGT, R_P2], over the group's keys
+            ROWS: tl.constexpr = BLOCK_N if BLOCK_N < QUANT_GROUP else QUANT_GROUP
+            NGT: tl.constexpr = BLOCK_N // ROWS
+            z = codes.reshape(NGT, ROWS, R_P2) * scale_t[:, None, :] + low_t[:, None, :]
+            z = z.reshape(BLOCK_N, R_P2)
+        elif CH:  # a scale and low per element (per channel and token group)
             z = codes * scale_t + low_t
         elif NG == 1:
             z = codes * scale_t[:, None] + low_t[:, None]
@@ -1450,6 +1463,9 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     pair_k = pairs and k_bits == 8 and not k_channel and _word_rows(z_k) and r_k_p2 >= 32 \
         and (not pre or bool(cfg.get("nibble_rebuild")))
     pair_v = pairs and v_bits == 8 and not v_channel and _word_rows(z_v) and r_v_p2 >= 32
+    # channel-layout scales as a row a token group (2) when every tile starts at a multiple of its size (no
+    # left padding: lengths shift the first key), else per element (1)
+    ch_mode = 2 if cfg.get("channel_rows") and lengths is None else 1
     # shared positions [B, Nk] are read per KV head with a zero head stride
     pos_strides = (0, 0, 0)
     if pre:
@@ -1476,7 +1492,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP
         and not k_channel,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP and not v_channel,
-        K_CH=k_channel, V_CH=v_channel,
+        K_CH=k_channel * ch_mode, V_CH=v_channel * ch_mode,
         NIB_K=nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32
         and (not pre or bool(cfg.get("nibble_rebuild"))) or pair_k,
         # not under fp32 queries: 1024·scale·Σq' cancels, ~1e-3 of large logits, past the fp32 tolerance
@@ -1522,6 +1538,7 @@ def lowrank_attention(
     max_registers: int | None = None,
     late_values: bool | None = None,
     pairs: bool | None = None,
+    channel_rows: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -1572,6 +1589,10 @@ def lowrank_attention(
         byte permute a pair (:func:`_word_pairs`), in two dots of half the depth as ``nibbles`` does; with
         ``prefetch`` only (the bytes' loop otherwise); ``None``: on for decode over codes (measured: int8
         keys and values, both key modes, ranks 64 and 128; see :func:`_default_config`).
+        ``channel_rows``: codes in the channel layout (a scale and low per channel and 64 tokens) read their
+        scales as one row a token group the tile spans, broadcast over its keys, instead of a scale and low
+        loaded per element; tiles are aligned to their size unless ``lengths`` is given, so not there;
+        a candidate, off (static count in ``benchmarks/experiments/kernel_sass.py --channel``).
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1627,7 +1648,7 @@ def lowrank_attention(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
-                     late_values=late_values, pairs=pairs)
+                     late_values=late_values, pairs=pairs, channel_rows=channel_rows)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
