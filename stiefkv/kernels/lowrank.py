@@ -1125,7 +1125,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
-                    keys_left=k_bits in (16, 4), pairs=codes)
+                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=False)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
