@@ -516,8 +516,8 @@ def main() -> None:
     parser.add_argument("--rank", type=int, default=None,
                         help="quant table: the latents' rank instead of 50 %% (64), e.g. 56 (12.5 %% is r 56 "
                              "x int4)")
-    parser.add_argument("--bits", nargs="+", type=int, default=list(QUANT_BITS), choices=QUANT_BITS,
-                        help="quant table: the latents' widths (16: bf16)")
+    parser.add_argument("--bits", nargs="+", type=int, default=list(QUANT_BITS), choices=(16, 8, 4, 3, 2),
+                        help="quant table: the latents' widths (16: bf16; 3 and 2: auto's low budgets)")
     parser.add_argument("--sweep-with", nargs="+", metavar="OPTION",
                         help="quant table: only the sweep's entries that set one of these options")
     parser.add_argument("--log8", action="store_true",
