@@ -121,6 +121,12 @@ QUANT_SWEEP = [
     {"channel_rows": True},
     {"channel_rows": True, "block_n": 64},
     {"channel_rows": False, "block_n": 64},
+    # int2 only: codes read as words and met as bit planes (2026-12-05, fifth session; kernel_sass.py
+    # --channel 2: 1046 → 595 instructions a 64-key tile at r 128 post_rope, 1539 → 1191 pre_rope)
+    {"planes": True},
+    {"planes": True, "block_n": 64},
+    {"planes": True, "channel_rows": True},
+    {"planes": True, "channel_rows": True, "block_n": 64},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
@@ -326,7 +332,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                 nibble and (
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
                                 cfg.get("keys_left") and mode != "pre_rope") or (
-                                "channel_rows" in cfg and not (channel_keys and bits < 16)):
+                                "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
+                                cfg.get("planes") and bits != 2):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

@@ -1000,6 +1000,39 @@ def test_channel_rows_match_the_per_element_scales(key_mode, bits):
             assert_close(out, expected, atol=atol, rtol=rtol, what=f"channel rows, lengths, k{Nk}")
 
 
+# (B, H, G, Nq, Nk, r_k, r_v, splits): ranks at and across a scale group, padded ones (40 → 64, 100 → 128:
+# words past the rank masked), and a prefill tile
+PLANE_CASES = [(2, 6, 3, 1, 150, 64, 72, 3), (1, 4, 2, 1, 203, 112, 32, 2), (1, 4, 2, 1, 90, 40, 48, 1),
+               (1, 4, 2, 5, 70, 48, 64, 1)]
+
+
+@pytest.mark.parametrize("layout", ["token", "channel"])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_int2_planes_match_the_reference(key_mode, layout):
+    """``planes``: int2 codes read as 32-bit words and decoded into bit-plane column order (column ``k·W + w``
+    holds channel ``8w + k``), the basis or query rows and the output columns at the matching channels:
+    against the reference on the dequantized latents and the byte-wise loop, keys in the token or the
+    channel layout (with ``channel_rows`` too), values per token on min–max or log8 scales, latent or
+    projected output, split keys, padded ranks."""
+    atol, rtol = TOL[torch.bfloat16]
+    for B, H, G, Nq, Nk, r_k, r_v, splits in PLANE_CASES:
+        args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16, padded=False)
+        q, z_k, z_v, P_k, P_v = args
+        ck = channel_codes(z_k, 2, Nk) if layout == "channel" else quantize_latents(z_k, 2)
+        cv = log8_latents(z_v, 2) if layout == "channel" else quantize_latents(z_v, 2)
+        assert lk._word_rows(ck.codes) == (r_k % 16 == 0)  # 40 and 100 channels: rows of 10, 26 bytes
+        with torch.no_grad():
+            for pv, extra in [(P_v, {}), (None, {}), (P_v, dict(channel_rows=True, late_values=True))]:
+                what = f"int2 planes {layout} {key_mode} k{Nk} r{r_k}/{r_v} P_v={pv is not None} {extra}"
+                out, plain = (lk.lowrank_attention(q, ck, cv, P_k, pv, key_mode=key_mode, **kwargs,
+                                                   num_splits=splits, prefetch=True, planes=on, **extra)
+                              for on in (True, False))
+                expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k, pv,
+                                     key_mode=key_mode, **kwargs)
+                assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+                assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the byte-wise loop")
+
+
 @triton.jit
 def _nibbles_probe(RAW, EVEN_ASM, ODD_ASM, EVEN, ODD, N: tl.constexpr, W: tl.constexpr):
     offs = tl.arange(0, N)[:, None] * W + tl.arange(0, W)[None, :]
@@ -1050,6 +1083,34 @@ def _pairs_probe(RAW, A_ASM, B_ASM, A, B, N: tl.constexpr, W: tl.constexpr):
     a, b = lk._word_pairs(raw, N, W, False)
     tl.store(A + half, a)
     tl.store(B + half, b)
+
+
+@triton.jit
+def _planes_probe(RAW, OUT, N: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
+    W: tl.constexpr = R // 16
+    raw = tl.load(RAW + tl.arange(0, N)[:, None] * W + tl.arange(0, W)[None, :])
+    tile = lk._plane_codes(raw, R, N, ASM)
+    tl.store(OUT + tl.arange(0, N)[:, None] * R + tl.arange(0, R)[None, :], tile)
+
+
+@pytest.mark.parametrize("rank", [32, 64, 128])
+def test_int2_planes_decode_in_plane_order(rank):
+    """The int2 words of ``planes`` (sixteen codes a 32-bit word, ``stiefkv.quant.pack``'s words of eight at
+    2 bits) become ``1024 + code`` with column ``k·W + w`` holding channel ``8w + k`` (``_channels``): every
+    code value in every position; on CUDA the PTX block gives the element-wise form's values."""
+    from stiefkv.kernels._common import unpack
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    packed = torch.randint(0, 256, (16, rank // 4), dtype=torch.uint8)
+    packed[0] = torch.arange(rank // 4, dtype=torch.uint8) * 7  # varied bytes
+    codes = unpack(packed, 2, rank).float()  # [16, rank], channel order
+    channels = 8 * (torch.arange(rank) % (rank // 8)) + torch.arange(rank) // (rank // 8)
+    expected = codes[:, channels] + 1024
+    raw = packed.to(device).contiguous().view(torch.int32)
+    for asm in (False, True) if device == "cuda" else (False,):
+        out = torch.full((16, rank), float("nan"), dtype=torch.float16, device=device)
+        _planes_probe[(1,)](raw, out, N=16, R=rank, ASM=asm)
+        assert torch.equal(out.float().cpu(), expected), f"int2 planes, rank {rank}, asm={asm}"
 
 
 @gpu_only

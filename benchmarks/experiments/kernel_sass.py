@@ -89,12 +89,15 @@ def compile_decode(
     v_bits: int | None = None,
     v_log8: bool | None = None,
     channel_rows: bool = False,
+    planes: bool = False,
+    v_planes: bool | None = None,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants);
     ``k_channel``: key codes in the channel layout (a scale and low per channel and 64 tokens); ``v_bits``,
     ``v_log8``: the values' codes where they differ from the keys'; ``channel_rows``: the channel layout's
-    scales read as a row a token group (the launcher's ``channel_rows``)."""
+    scales read as a row a token group (the launcher's ``channel_rows``); ``planes``: int2 codes read as words
+    and met as bit planes (the launcher's ``planes``; ``v_planes``: the values' where it differs)."""
     fn = fn or lk._lowrank_attn_fwd
     v_bits = bits if v_bits is None else v_bits
     v_log8 = log8 if v_log8 is None else v_log8
@@ -138,6 +141,8 @@ def compile_decode(
         "V_UNIT": 1,
         "HAS_PRIOR": False,
         "LATE_V": late_v and prefetch,
+        "K_PLANES": planes and bits == 2,
+        "V_PLANES": (planes if v_planes is None else v_planes) and v_bits == 2,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
@@ -216,7 +221,8 @@ def main() -> None:
                          "int4 as even and odd channels (nibbles), int8 words as channel pairs (pairs)")
     ap.add_argument("--channel", type=int, nargs="*", metavar="BITS",
                     help="keys in the channel layout at these widths (default 2 3 4), values int2 per token "
-                         "on log8 scales (--bits auto's low budgets, a125), both key modes")
+                         "on log8 scales (--bits auto's low budgets, a125), both key modes; per-element "
+                         "scales, channel_rows, and at 2 bits int2 planes")
     args = ap.parse_args()
     print(
         f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
@@ -232,11 +238,14 @@ def main() -> None:
     if args.channel is not None:
         for bits in args.channel or (2, 3, 4):
             for key_mode in ("post_rope", "pre_rope"):
-                for rows in (False, True):
+                for rows, planes in ((False, False), (True, False), (True, True)):
+                    if planes and bits != 2:
+                        continue
                     kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages,
                                             key_mode == "pre_rope", bits=bits, prefetch=True, k_channel=True,
-                                            v_bits=2, v_log8=True, channel_rows=rows)
-                    name = f"{key_mode} int{bits}-channel keys{' (channel_rows)' if rows else ''}"
+                                            v_bits=2, v_log8=True, channel_rows=rows, planes=planes)
+                    name = f"{key_mode} int{bits}-channel keys" + (" (channel_rows)" if rows else "") \
+                        + (" planes" if planes else "")
                     print(f"| {name}, int2-log8 values, prefetch " + report(kernel), flush=True)
         return
     if args.codes:

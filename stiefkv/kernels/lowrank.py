@@ -163,17 +163,32 @@ def _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R: tl.constexpr, R_P2: tl.co
 
 
 @triton.jit
-def _fetch_words(Z, offs_n, hi, stride_n, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr):
+def _fetch_words(Z, offs_n, hi, stride_n, R: tl.constexpr, R_P2: tl.constexpr, MASK_N: tl.constexpr,
+                 BITS: tl.constexpr = 8):
     """int8 codes ``[BLOCK_N, R_P2]`` as int32 words ``[BLOCK_N, R_P2 / 4]`` (code ``4w + j`` in byte ``j`` of
     word ``w``): Triton holds a uint8 element one to a 32-bit register and an int32 element as one, so the
     codes arrive four to a register, as the byte permutes of :func:`_word_pairs` take them. The rows start
     4-byte aligned, hold a multiple of 4 codes and the channels are contiguous (the launcher checks), so
     the word holding the last channel is read whole (its codes past ``R`` meet zero basis rows); words
-    past it read as 0."""
-    W: tl.constexpr = R_P2 // 4
+    past it read as 0. ``BITS`` 2 (``planes``): sixteen codes a word, two words of eight
+    (``stiefkv.quant.pack``), the first in the low 16 bits."""
+    W: tl.constexpr = R_P2 * BITS // 32
+    W_R: tl.constexpr = (R + 3) // 4 if BITS == 8 else ((R + 7) // 8 * BITS + 3) // 4
     offs_w = tl.arange(0, W)
     rows = (Z + offs_n[:, None] * stride_n).to(tl.pointer_type(tl.int32))
-    return _load_rows(rows + offs_w[None, :], offs_n, hi, offs_w, (R + 3) // 4, W, MASK_N)
+    return _load_rows(rows + offs_w[None, :], offs_n, hi, offs_w, W_R, W, MASK_N)
+
+
+@triton.jit
+def _channels(R_P2: tl.constexpr, PLANES: tl.constexpr):
+    """The channel each column of a decoded tile holds: the column itself, or with ``PLANES`` (int2 codes met
+    as bit planes, :func:`_plane_codes`) column ``k·W + w`` holds channel ``8w + k`` (``W = R_P2 / 8``). The
+    other operand's rows and the output's columns are read and written at these channels."""
+    offs = tl.arange(0, R_P2)
+    if PLANES:
+        W: tl.constexpr = R_P2 // 8
+        offs = 8 * (offs % W) + offs // W
+    return offs
 
 
 @triton.jit
@@ -188,7 +203,7 @@ def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
     Split from :func:`_decode_latent` so that a loop can issue the next tile's reads before it computes on
     this one (``PREFETCH``)."""
     if WORDS:
-        raw = _fetch_words(Z, offs_n, hi, stride_n, R, R_P2, MASK_N)
+        raw = _fetch_words(Z, offs_n, hi, stride_n, R, R_P2, MASK_N, BITS)
     else:
         raw = _fetch_bytes(Z, offs_n, hi, stride_n, stride_r, R, R_P2, MASK_N, BITS)
     NG: tl.constexpr = (R_P2 + QUANT_GROUP - 1) // QUANT_GROUP
@@ -198,13 +213,13 @@ def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
     elif CH == 2:  # channel layout, tiles aligned to their size: a scale row a group the tile spans
         ROWS: tl.constexpr = BLOCK_N if BLOCK_N < QUANT_GROUP else QUANT_GROUP
         NGT: tl.constexpr = BLOCK_N // ROWS
-        offs_r = tl.arange(0, R_P2)
+        offs_r = _channels(R_P2, WORDS and BITS == 2)
         first = tl.min(offs_n.reshape(NGT, ROWS), axis=1)  # each group's first key in the tile
         row_ptrs = (first // QUANT_GROUP)[:, None] * stride_sn + offs_r[None, :] * stride_sg
         scale = _load_rows(S + row_ptrs, first, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
         low = _load_rows(L + row_ptrs, first, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
     elif CH:  # channel layout: one scale and low per channel and group of QUANT_GROUP tokens
-        offs_r = tl.arange(0, R_P2)
+        offs_r = _channels(R_P2, WORDS and BITS == 2)
         row_ptrs = (offs_n // QUANT_GROUP)[:, None] * stride_sn + offs_r[None, :] * stride_sg
         scale = _load_rows(S + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
         low = _load_rows(L + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
@@ -278,22 +293,88 @@ def _codes_to_half(codes):
     return (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
+# plane k of a word: (w >> 2k) & 0x00030003 | 0x64006400 (lop3 0xea: a & b | c), its halves outputs 2k, 2k + 1
+_PLANES_ASM = tl.constexpr("{ .reg .b32 t, s; " + " ".join(
+    f"shr.b32 s, $16, {2 * k}; lop3.b32 t, s, 0x00030003, 0x64006400, 0xea; "
+    f"mov.b32 {{${2 * k}, ${2 * k + 1}}}, t;" for k in range(8)) + " }")
+
+
+@triton.jit
+def _half_planes(raw, ASM: tl.constexpr):
+    """int32 words of sixteen int2 codes as sixteen fp16 tiles ``1024 + code``: for ``k`` = 0..7, code ``k``
+    of the low word of eight, then of the high one. ``ASM``: one shift and one ``lop3`` make each pair in the
+    register it stays in (``(w >> 2k) & 0x00030003 | 0x64006400``); without it (the interpreter) the same
+    values element by element."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            asm=_PLANES_ASM, constraints="=h," * 16 + "r", args=[raw], dtype=(tl.float16,) * 16, is_pure=True,
+            pack=1)
+    a0 = ((raw & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b0 = (((raw >> 16) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a1 = (((raw >> 2) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b1 = (((raw >> 18) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a2 = (((raw >> 4) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b2 = (((raw >> 20) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a3 = (((raw >> 6) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b3 = (((raw >> 22) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a4 = (((raw >> 8) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b4 = (((raw >> 24) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a5 = (((raw >> 10) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b5 = (((raw >> 26) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a6 = (((raw >> 12) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b6 = (((raw >> 28) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a7 = (((raw >> 14) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    b7 = (((raw >> 30) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    return a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
+
+
+@triton.jit
+def _plane_codes(raw, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+    """int2 codes read as words (``[BLOCK_N, R_P2 / 16]`` int32) as the fp16 tile ``1024 + code``
+    ``[BLOCK_N, R_P2]`` in bit-plane order: column ``k·W + w`` holds channel ``8w + k`` (:func:`_channels`).
+    Each plane keeps the pairs of :func:`_half_planes` (words ``w``, ``w + 1``) side by side, and the planes
+    go to the major end by a permute, so no code is moved alone: 338 against 723 instructions a 128-key
+    tile at r 128 for the byte-wise unpacking, 188 against 381 at r 64 (a standalone probe, sm_90)."""
+    W8: tl.constexpr = R_P2 // 8
+    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = _half_planes(raw, ASM)
+    p0 = tl.join(a0, b0).reshape(BLOCK_N, W8)
+    p1 = tl.join(a1, b1).reshape(BLOCK_N, W8)
+    p2 = tl.join(a2, b2).reshape(BLOCK_N, W8)
+    p3 = tl.join(a3, b3).reshape(BLOCK_N, W8)
+    p4 = tl.join(a4, b4).reshape(BLOCK_N, W8)
+    p5 = tl.join(a5, b5).reshape(BLOCK_N, W8)
+    p6 = tl.join(a6, b6).reshape(BLOCK_N, W8)
+    p7 = tl.join(a7, b7).reshape(BLOCK_N, W8)
+    # [BLOCK_N, W8, c, b, a] holds plane 4c + 2b + a; the permute puts the plane before the word
+    t = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
+    return tl.permute(t, (0, 2, 3, 4, 1)).reshape(BLOCK_N, R_P2)
+
+
 @triton.jit
 def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, BITS: tl.constexpr,
-                   DTYPE: tl.constexpr, CH: tl.constexpr = False, LOG8: tl.constexpr = False):
+                   DTYPE: tl.constexpr, CH: tl.constexpr = False, LOG8: tl.constexpr = False,
+                   PLANES: tl.constexpr = False, ASM: tl.constexpr = False):
     """The tile of :func:`_fetch_latent` for the tensor cores: float rows as loaded, or codes as fp16
     ``code · scale + low`` in registers, one fp16 scale and low per token and group of :data:`QUANT_GROUP`
     channels broadcast over the group (a load per channel read 8x the codes' bytes in scales: 0.25 TB/s at
     int4 on the H200). fp16, not the queries' bf16: the scale and low are fp16 already, so the latents are
     in fp16's range, and its 11-bit significand rounds them less (``DTYPE`` is fp16 wherever the keys are
     codes), but fp32 where ``DTYPE`` is (fp32 queries). Padded channels read as their group's low (the basis
-    rows they meet are 0); masked keys as 0."""
+    rows they meet are 0); masked keys as 0. ``PLANES``: int2 codes read as words, decoded by
+    :func:`_plane_codes` into bit-plane column order (channel scales read at :func:`_channels`)."""
     if BITS == 16:
         z = raw
     else:
         if LOG8:
             scale, low = _log8(scale, BITS)
-        if DTYPE == tl.float32:  # fp32 queries: the latents in fp32 too
+        if PLANES:
+            codes = _plane_codes(raw, R_P2, BLOCK_N, ASM and DTYPE != tl.float32) - 1024.0
+            if DTYPE == tl.float32:
+                codes = codes.to(tl.float32)
+                scale_t, low_t = scale, low
+            else:
+                scale_t, low_t = scale.to(tl.float16), low.to(tl.float16)
+        elif DTYPE == tl.float32:  # fp32 queries: the latents in fp32 too
             codes = _unpack_codes(raw, R_P2, BLOCK_N, BITS).to(tl.float32)
             scale_t, low_t = scale, low
         else:
@@ -309,6 +390,10 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
             z = codes * scale_t + low_t
         elif NG == 1:
             z = codes * scale_t[:, None] + low_t[:, None]
+        elif PLANES:  # column k·W + w: channel 8w + k, of group w // (QUANT_GROUP / 8)
+            W8: tl.constexpr = R_P2 // 8
+            z = codes.reshape(BLOCK_N, 8, NG, W8 // NG) * scale_t[:, None, :, None] + low_t[:, None, :, None]
+            z = z.reshape(BLOCK_N, R_P2)
         else:
             z = codes.reshape(BLOCK_N, NG, QUANT_GROUP) * scale_t[:, :, None] + low_t[:, :, None]
             z = z.reshape(BLOCK_N, R_P2)
@@ -635,6 +720,7 @@ def _attend_range(
     K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
     NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False, K_LOG8: tl.constexpr = False,
     V_LOG8: tl.constexpr = False, KEYS_LEFT: tl.constexpr = False, LATE_V: tl.constexpr = False,
+    K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -659,14 +745,18 @@ def _attend_range(
     PAIR_K: tl.constexpr = NIB_K and K_BITS == 8  # int8 codes read as words (channel pairs)
     PAIR_V: tl.constexpr = NIB_V and V_BITS == 8
     tl.static_assert(PREFETCH or not (PAIR_K or PAIR_V), "int8 pairs are read by the prefetched loop only")
+    # int2 codes read as words and met as bit planes (the other operand's rows at _channels), prefetched only
+    tl.static_assert(PREFETCH or not (K_PLANES or V_PLANES), "int2 planes: the prefetched loop only")
+    WORDS_K: tl.constexpr = PAIR_K or K_PLANES
+    WORDS_V: tl.constexpr = PAIR_V or V_PLANES
     if NIB_V:
         acc_e, acc_o = _split_acc(acc, BLOCK_M, R_V_P2, V_BITS)
     if PREFETCH:
         kr, ks, kl = _fetch_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
-                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, PAIR_K)
+                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K)
         kp = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
         vr, vs, vl = _fetch_latent(ZV, SV, LV, start + offs_nt, end, stride_vn, stride_vr, stride_svn,
-                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, PAIR_V)
+                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
@@ -681,20 +771,22 @@ def _attend_range(
             elif NIB_K:
                 ze, zo = _decode_halves(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, not UPCAST, K_LOG8)
             else:
-                z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8)
+                z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES,
+                                   not UPCAST)
             pos = kp
             if LATE_V:
                 vr_c, vs_c, vl_c = vr, vs, vl
             elif NIB_V:
                 ve, vo = _decode_halves(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, not UPCAST, V_LOG8)
             else:
-                v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8)
+                v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8, V_PLANES,
+                                   not UPCAST)
             nxt = offs_n + BLOCK_N
             kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, PAIR_K)
+                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K)
             kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, PAIR_V)
+                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V)
             if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
@@ -763,7 +855,8 @@ def _attend_range(
                 v = _load_latent(ZV, SV, LV, offs_n, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                  R_V, R_V_P2, BLOCK_N, MASKED, V_BITS, DTYPE, V_CH, V_LOG8)  # [N, R_V_P2]
             elif LATE_V:
-                v = _decode_latent(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8)
+                v = _decode_latent(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8, V_PLANES,
+                                   not UPCAST)
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
     if NIB_V:
         acc = _join_acc(acc_e, acc_o, BLOCK_M, R_V_P2, V_BITS)
@@ -774,11 +867,12 @@ def _attend_range(
 def _epilogue_store(
     acc, l_i, PV, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
     HEAD_DIM: tl.constexpr, R_V: tl.constexpr, R_V_P2: tl.constexpr, HAS_PV: tl.constexpr,
+    V_PLANES: tl.constexpr = False,
 ):
     """``o = acc / ℓ`` (0 for a row that saw no key), then ``P_v o`` (``[BLOCK_M, d]``) when ``HAS_PV``, else
     the latent ``o`` (``[BLOCK_M, r_v]``); stored at ``O_rows`` (one pointer per row) in its dtype."""
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    offs_rv = tl.arange(0, R_V_P2)
+    offs_rv = _channels(R_V_P2, V_PLANES)  # the accumulator's columns (int2 planes: permuted)
     if HAS_PV:
         offs_d = tl.arange(0, HEAD_DIM)
         pvt_ptrs = PV + offs_rv[:, None] * stride_pvr + offs_d[None, :] * stride_pvd
@@ -823,14 +917,15 @@ def _merge_splits(PART_O, PART_ML, first_row, n_splits, rows_pad, n_l,
 
 @triton.jit
 def _prior_state(PRIOR_O, PRIOR_LSE, b, heads, q_idx, rows, stride_ob, stride_oh, stride_on, stride_od,
-                 stride_prb, stride_prh, stride_prn, acc, l_i, m_i, R_V: tl.constexpr, R_V_P2: tl.constexpr):
+                 stride_prb, stride_prh, stride_prn, acc, l_i, m_i, R_V: tl.constexpr, R_V_P2: tl.constexpr,
+                 V_PLANES: tl.constexpr = False):
     """The softmax state of a finished attention over other keys (its normalised latent output and natural
     log-sum-exp, per query row; only ``rows``): ``m = lse·log2(e)``, ``ℓ = 1``, ``acc = o``; rows where it
     saw no key (``lse = −inf``) keep the empty state."""
     lse_rows = PRIOR_LSE + b * stride_prb + heads.to(tl.int64) * stride_prh + q_idx.to(tl.int64) * stride_prn
     lse = tl.load(lse_rows, mask=rows, other=float("-inf"))
     seen = lse > float("-inf")
-    offs_rv = tl.arange(0, R_V_P2)
+    offs_rv = _channels(R_V_P2, V_PLANES)  # the accumulator's column order
     o_rows = PRIOR_O + b * stride_ob + heads.to(tl.int64) * stride_oh + q_idx.to(tl.int64) * stride_on
     o = tl.load(o_rows[:, None] + offs_rv[None, :] * stride_od, mask=seen[:, None] & (offs_rv < R_V)[None, :],
                 other=0.0).to(tl.float32)
@@ -873,7 +968,7 @@ def _lowrank_attn_fwd(
     HAS_LSE: tl.constexpr, K_CH: tl.constexpr, V_CH: tl.constexpr, NIB_K: tl.constexpr, NIB_V: tl.constexpr,
     FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
     K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1, HAS_PRIOR: tl.constexpr = False,
-    LATE_V: tl.constexpr = False,
+    LATE_V: tl.constexpr = False, K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -927,7 +1022,7 @@ def _lowrank_attn_fwd(
 
     # Queries, scaled by scale·log2(e) once: pre_rope keeps both halves of q; post_rope projects q' = P_kᵀ q.
     Q_rows = Q + b * stride_qb + (g * GROUP + head).to(tl.int64) * stride_qh + q_idx.to(tl.int64) * stride_qn
-    offs_rk = tl.arange(0, R_K_P2)
+    offs_rk = _channels(R_K_P2, K_PLANES)  # the key tiles' column order (int2 planes)
     PK_g = PK + g * stride_pkg
     inv_freq = tl.zeros([HALF], dtype=tl.float32)
     q1sum = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -1001,7 +1096,7 @@ def _lowrank_attn_fwd(
         first = (q_idx * 0 + pid_s) == 0  # the first split only ([BLOCK_M]: the interpreter masks by tensors)
         acc, l_i, m_i = _prior_state(PRIOR_O, PRIOR_LSE, b, g * GROUP + head, q_idx, row_ok & first,
                                      stride_ob, stride_oh, stride_on, stride_od, stride_prb, stride_prh,
-                                     stride_prn, acc, l_i, m_i, R_V, R_V_P2)
+                                     stride_prn, acc, l_i, m_i, R_V, R_V_P2, V_PLANES)
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, lo, mid, q_idx, n_q, n_k,
         ZK_bg, ZV_bg, POS_b, BIAS_bg, SK_bg, LK_bg, SV_bg, LV_bg,
@@ -1009,7 +1104,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -1018,7 +1113,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -1040,12 +1135,12 @@ def _lowrank_attn_fwd(
             acc, l_i, m_i = _merge_splits(PART_O, PART_ML, pid_bg * n_splits * rows_pad + offs_m, n_splits,
                                           rows_pad, n_l, R_V_P2, BLOCK_M)
             _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
-                            HEAD_DIM, R_V, R_V_P2, HAS_PV)
+                            HEAD_DIM, R_V, R_V_P2, HAS_PV, V_PLANES)
             if HAS_LSE:
                 _store_lse(LSE_rows, m_i, l_i, row_ok)
     else:
         _epilogue_store(acc, l_i, PV + g * stride_pvg, O_rows, row_ok, stride_pvd, stride_pvr, stride_od,
-                        HEAD_DIM, R_V, R_V_P2, HAS_PV)
+                        HEAD_DIM, R_V, R_V_P2, HAS_PV, V_PLANES)
         if HAS_LSE:
             _store_lse(LSE_rows, m_i, l_i, row_ok)
 
@@ -1125,7 +1220,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
-                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=False)
+                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=False, planes=False)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -1463,6 +1558,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     pair_k = pairs and k_bits == 8 and not k_channel and _word_rows(z_k) and r_k_p2 >= 32 \
         and (not pre or bool(cfg.get("nibble_rebuild")))
     pair_v = pairs and v_bits == 8 and not v_channel and _word_rows(z_v) and r_v_p2 >= 32
+    # int2 codes read as words and met as bit planes (either layout), with prefetch only
+    planes = bool(cfg.get("planes")) and bool(cfg.get("prefetch")) and not cfg.get("fold_scales")
+    plane_k = planes and k_bits == 2 and _word_rows(z_k) and r_k_p2 >= 32
+    plane_v = planes and v_bits == 2 and _word_rows(z_v) and r_v_p2 >= 32
     # channel-layout scales as a row a token group (2) when every tile starts at a multiple of its size (no
     # left padding: lengths shift the first key), else per element (1)
     ch_mode = 2 if cfg.get("channel_rows") and lengths is None else 1
@@ -1492,7 +1591,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP
         and not k_channel,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP and not v_channel,
-        K_CH=k_channel * ch_mode, V_CH=v_channel * ch_mode,
+        K_CH=k_channel * ch_mode, V_CH=v_channel * ch_mode, K_PLANES=plane_k, V_PLANES=plane_v,
         NIB_K=nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32
         and (not pre or bool(cfg.get("nibble_rebuild"))) or pair_k,
         # not under fp32 queries: 1024·scale·Σq' cancels, ~1e-3 of large logits, past the fp32 tolerance
@@ -1539,6 +1638,7 @@ def lowrank_attention(
     late_values: bool | None = None,
     pairs: bool | None = None,
     channel_rows: bool | None = None,
+    planes: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -1593,6 +1693,10 @@ def lowrank_attention(
         scales as one row a token group the tile spans, broadcast over its keys, instead of a scale and low
         loaded per element; tiles are aligned to their size unless ``lengths`` is given, so not there;
         a candidate, off (static count in ``benchmarks/experiments/kernel_sass.py --channel``).
+        ``planes``: int2 codes (either layout; a stored width a multiple of 4 bytes, padded ranks ≥ 32, rows
+        4-byte aligned) read as 32-bit words and decoded by one shift and one ``lop3`` a pair of codes into
+        bit-plane column order (:func:`_plane_codes`), the basis or query rows and the output columns read
+        and written at the matching channels (:func:`_channels`); with ``prefetch`` only; a candidate, off.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1648,7 +1752,7 @@ def lowrank_attention(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
-                     late_values=late_values, pairs=pairs, channel_rows=channel_rows)
+                     late_values=late_values, pairs=pairs, channel_rows=channel_rows, planes=planes)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
