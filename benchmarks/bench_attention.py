@@ -127,6 +127,11 @@ QUANT_SWEEP = [
     {"planes": True, "block_n": 64},
     {"planes": True, "channel_rows": True},
     {"planes": True, "channel_rows": True, "block_n": 64},
+    # int4 only: nibbles read as 32-bit words (2026-12-05, fifth session; kernel_sass.py: post_rope r 64
+    # 717 → 524 instructions a 128-key tile, and at 256 keys with prefetch 973 against the default's 1375)
+    {"nibble_words": True, "prefetch": True},
+    {"nibble_words": True, "prefetch": True, "block_n": 256},
+    {"nibble_words": True, "prefetch": True, "block_n": 256, "splits": 2},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
@@ -333,7 +338,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
                                 cfg.get("keys_left") and mode != "pre_rope") or (
                                 "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
-                                cfg.get("planes") and bits != 2):
+                                cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

@@ -1086,6 +1086,32 @@ def _pairs_probe(RAW, A_ASM, B_ASM, A, B, N: tl.constexpr, W: tl.constexpr):
     tl.store(B + half, b)
 
 
+@pytest.mark.parametrize("log8", [False, True])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_int4_words_match_the_reference(key_mode, log8):
+    """``nibble_words``: int4 token-layout codes read as 32-bit words (eight codes a register) and met as
+    even and odd channels: against the reference and the byte-wise nibbles, at one and two scale groups,
+    a padded rank (25 → 32: the word holding channel 24 read whole), latent and projected output, the
+    logits' scale fold (``post_rope``, one group), ``late_values`` and 256-key tiles."""
+    atol, rtol = TOL[torch.bfloat16]
+    codes = log8_latents if log8 else quantize_latents
+    for B, H, G, Nq, Nk, r_k, r_v, splits in [(2, 6, 3, 1, 150, 64, 128, 3), (1, 4, 2, 1, 90, 25, 40, 2)]:
+        args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+        q, z_k, z_v, P_k, P_v = args
+        qk, qv = codes(z_k, 4), codes(z_v, 4)
+        with torch.no_grad():
+            expected = {pv is None: reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16),
+                                              P_k, pv, key_mode=key_mode, **kwargs) for pv in (P_v, None)}
+            for pv, extra in [(P_v, dict(nibble_fold=True)), (None, dict(late_values=True)),
+                              (P_v, dict(block_n=256))]:
+                what = f"int4 words {key_mode} log8={log8} k{Nk} r{r_k}/{r_v} P_v={pv is not None} {extra}"
+                out, plain = (lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs,
+                                                   num_splits=splits, prefetch=True, nibble_words=on, **extra)
+                              for on in (True, False))
+                assert_close(out, expected[pv is None], atol=atol, rtol=rtol, what=what)
+                assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the byte-wise nibbles")
+
+
 @triton.jit
 def _planes_probe(RAW, OUT, N: tl.constexpr, R: tl.constexpr, ASM: tl.constexpr):
     W: tl.constexpr = R // 16

@@ -91,13 +91,15 @@ def compile_decode(
     channel_rows: bool = False,
     planes: bool = False,
     v_planes: bool | None = None,
+    nibble_words: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants);
     ``k_channel``: key codes in the channel layout (a scale and low per channel and 64 tokens); ``v_bits``,
     ``v_log8``: the values' codes where they differ from the keys'; ``channel_rows``: the channel layout's
     scales read as a row a token group (the launcher's ``channel_rows``); ``planes``: int2 codes read as words
-    and met as bit planes (the launcher's ``planes``; ``v_planes``: the values' where it differs)."""
+    and met as bit planes (the launcher's ``planes``; ``v_planes``: the values' where it differs);
+    ``nibble_words``: int4 nibbles read as 32-bit words (the launcher's ``nibble_words``)."""
     fn = fn or lk._lowrank_attn_fwd
     v_bits = bits if v_bits is None else v_bits
     v_log8 = log8 if v_log8 is None else v_log8
@@ -143,6 +145,9 @@ def compile_decode(
         "LATE_V": late_v and prefetch,
         "K_PLANES": planes and bits == 2,
         "V_PLANES": (planes if v_planes is None else v_planes) and v_bits == 2,
+        "K_NIBW": nibble_words and nibbles and bits == 4 and not k_channel and prefetch
+        and (key_mode == "post_rope" or nibble_rebuild),
+        "V_NIBW": nibble_words and nibbles and v_bits == 4 and prefetch,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
@@ -271,6 +276,11 @@ def main() -> None:
                                     prefetch=True, nibbles=nib, nibble_rebuild=rebuild)
             name = "pre_rope int4 prefetch" + (" nibbles" if nib else "") + (" rebuild" if rebuild else "")
             print(f"| {name} " + report(kernel), flush=True)
+        for key_mode in ("post_rope", "pre_rope"):  # int4 nibbles read as 32-bit words
+            kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages,
+                                    key_mode == "pre_rope", bits=4, prefetch=True, nibbles=True,
+                                    nibble_rebuild=True, nibble_words=True)
+            print(f"| {key_mode} int4 prefetch nibbles words " + report(kernel), flush=True)
         for key_mode in ("post_rope", "pre_rope"):  # the defaults over int4 codes with log8 scales
             kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages,
                                     key_mode == "pre_rope", bits=4, prefetch=True, nibbles=True, log8=True)

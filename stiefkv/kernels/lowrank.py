@@ -401,14 +401,57 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
+def _word_nibbles(raw, ASM: tl.constexpr):
+    """int4 codes read as int32 words ``[BLOCK_N, W]`` (eight codes a word: channels ``8w .. 8w + 7``) as the
+    two fp16 tiles of :func:`_nibbles_to_half`, ``[BLOCK_N, 4W]`` each. The word arrives in one register, so
+    Triton packs no bytes into it first (the byte loop's input is one uint8 a register); the pairs the
+    byte permutes make keep their register (the outer join is the pair)."""
+    BLOCK_N: tl.constexpr = raw.shape[0]
+    W: tl.constexpr = raw.shape[1]
+    if ASM:
+        e0, e1, e2, e3, o0, o1, o2, o3 = tl.inline_asm_elementwise(
+            asm="""
+            {
+            .reg .b32 lo, hi, a;
+            and.b32 lo, $8, 0x0F0F0F0F;
+            shr.u32 hi, $8, 4;
+            and.b32 hi, hi, 0x0F0F0F0F;
+            prmt.b32 a, lo, 0x64646464, 0x4140;
+            mov.b32 {$0, $1}, a;
+            prmt.b32 a, lo, 0x64646464, 0x4342;
+            mov.b32 {$2, $3}, a;
+            prmt.b32 a, hi, 0x64646464, 0x4140;
+            mov.b32 {$4, $5}, a;
+            prmt.b32 a, hi, 0x64646464, 0x4342;
+            mov.b32 {$6, $7}, a;
+            }
+            """,
+            constraints="=h," * 8 + "r", args=[raw], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
+    else:
+        e0 = ((raw & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        e1 = (((raw >> 8) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        e2 = (((raw >> 16) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        e3 = (((raw >> 24) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        o0 = (((raw >> 4) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        o1 = (((raw >> 12) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        o2 = (((raw >> 20) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        o3 = (((raw >> 28) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    even = tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape(BLOCK_N, 4 * W)
+    odd = tl.join(tl.join(o0, o2), tl.join(o1, o3)).reshape(BLOCK_N, 4 * W)
+    return even, odd
+
+
+@triton.jit
 def _nibbles_to_half(raw, ASM: tl.constexpr):
     """Packed int4 bytes ``[..., W]`` (uint8) as two fp16 tiles of the same shape, ``1024 + code`` of the
     low nibbles (even channels) and of the high ones (odd channels). ``ASM``: four bytes at a time in one
     32-bit register, two masks and a shift for all eight codes and one byte permute per pair of fp16
     results (``0x64`` above each code is ``0x6400 | c``); element-wise Triton spends a mask, a conversion
     and a permute on every code (benchmarks/experiments/kernel_sass.py). Without it (the interpreter, which
-    runs no PTX) the same values element by element."""
-    if ASM:
+    runs no PTX) the same values element by element. int32 words (``nibble_words``): :func:`_word_nibbles`."""
+    if raw.dtype == tl.int32:
+        even, odd = _word_nibbles(raw, ASM)
+    elif ASM:
         even, odd = tl.inline_asm_elementwise(
             asm="""
             {
@@ -441,7 +484,8 @@ def _decode_nibbles(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, 
     if LOG8:
         scale, low = _log8(scale, 4)
     if DTYPE == tl.float32:
-        even, odd = (raw & 15).to(tl.float32), (raw >> 4).to(tl.float32)
+        even, odd = _nibbles_to_half(raw, False)
+        even, odd = even.to(tl.float32) - 1024.0, odd.to(tl.float32) - 1024.0
         scale_t, low_t = scale, low
     else:
         even, odd = _nibbles_to_half(raw, ASM)
@@ -720,7 +764,8 @@ def _attend_range(
     K_CH: tl.constexpr = False, V_CH: tl.constexpr = False, NIB_K: tl.constexpr = False,
     NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False, K_LOG8: tl.constexpr = False,
     V_LOG8: tl.constexpr = False, KEYS_LEFT: tl.constexpr = False, LATE_V: tl.constexpr = False,
-    K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False,
+    K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False, K_NIBW: tl.constexpr = False,
+    V_NIBW: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -747,8 +792,10 @@ def _attend_range(
     tl.static_assert(PREFETCH or not (PAIR_K or PAIR_V), "int8 pairs are read by the prefetched loop only")
     # int2 codes read as words and met as bit planes (the other operand's rows at _channels), prefetched only
     tl.static_assert(PREFETCH or not (K_PLANES or V_PLANES), "int2 planes: the prefetched loop only")
-    WORDS_K: tl.constexpr = PAIR_K or K_PLANES
-    WORDS_V: tl.constexpr = PAIR_V or V_PLANES
+    # int4 nibbles read as words (K_NIBW, V_NIBW), prefetched only
+    tl.static_assert(PREFETCH or not (K_NIBW or V_NIBW), "int4 words: the prefetched loop only")
+    WORDS_K: tl.constexpr = PAIR_K or K_PLANES or K_NIBW
+    WORDS_V: tl.constexpr = PAIR_V or V_PLANES or V_NIBW
     if NIB_V:
         acc_e, acc_o = _split_acc(acc, BLOCK_M, R_V_P2, V_BITS)
     if PREFETCH:
@@ -969,6 +1016,7 @@ def _lowrank_attn_fwd(
     FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
     K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1, HAS_PRIOR: tl.constexpr = False,
     LATE_V: tl.constexpr = False, K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False,
+    K_NIBW: tl.constexpr = False, V_NIBW: tl.constexpr = False,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -1104,7 +1152,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES, K_NIBW, V_NIBW,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -1113,7 +1161,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES, K_NIBW, V_NIBW,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -1220,7 +1268,8 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
-                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=False, planes=False)
+                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=False, planes=False,
+                    nibble_words=False)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -1562,6 +1611,11 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     planes = bool(cfg.get("planes")) and bool(cfg.get("prefetch")) and not cfg.get("fold_scales")
     plane_k = planes and k_bits == 2 and _word_rows(z_k) and r_k_p2 >= 32
     plane_v = planes and v_bits == 2 and _word_rows(z_v) and r_v_p2 >= 32
+    nib_k = nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32 \
+        and (not pre or bool(cfg.get("nibble_rebuild")))
+    nib_v = nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32
+    # int4 nibbles read as words, with prefetch only
+    nib_words = bool(cfg.get("nibble_words")) and bool(cfg.get("prefetch"))
     # channel-layout scales as a row a token group (2) when every tile starts at a multiple of its size (no
     # left padding: lengths shift the first key), else per element (1)
     ch_mode = 2 if cfg.get("channel_rows") and lengths is None else 1
@@ -1592,12 +1646,12 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         and not k_channel,
         FOLD_V=bool(cfg.get("fold_scales")) and v_codes and r_v_p2 <= _common.QUANT_GROUP and not v_channel,
         K_CH=k_channel * ch_mode, V_CH=v_channel * ch_mode, K_PLANES=plane_k, V_PLANES=plane_v,
-        NIB_K=nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32
-        and (not pre or bool(cfg.get("nibble_rebuild"))) or pair_k,
+        K_NIBW=nib_words and nib_k and _word_rows(z_k), V_NIBW=nib_words and nib_v and _word_rows(z_v),
+        NIB_K=nib_k or pair_k,
         # not under fp32 queries: 1024·scale·Σq' cancels, ~1e-3 of large logits, past the fp32 tolerance
         FOLD_NIB=nibbles and bool(cfg.get("nibble_fold")) and bool(cfg.get("prefetch")) and k_bits == 4
         and not k_channel and not pre and 32 <= r_k_p2 <= _common.QUANT_GROUP and half,
-        NIB_V=nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32 or pair_v,
+        NIB_V=nib_v or pair_v,
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
         HAS_PRIOR=prior is not None, LATE_V=bool(cfg.get("prefetch")) and bool(cfg.get("late_values")),
@@ -1639,6 +1693,7 @@ def lowrank_attention(
     pairs: bool | None = None,
     channel_rows: bool | None = None,
     planes: bool | None = None,
+    nibble_words: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -1697,6 +1752,9 @@ def lowrank_attention(
         4-byte aligned) read as 32-bit words and decoded by one shift and one ``lop3`` a pair of codes into
         bit-plane column order (:func:`_plane_codes`), the basis or query rows and the output columns read
         and written at the matching channels (:func:`_channels`); with ``prefetch`` only; a candidate, off.
+        ``nibble_words``: int4 token-layout codes met as nibbles (``nibbles``) are read as 32-bit words, eight
+        codes a register, so that no bytes are packed into a register before the nibbles' byte permutes
+        (:func:`_word_nibbles`); with ``prefetch`` only; a candidate, off.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1752,7 +1810,8 @@ def lowrank_attention(
     overrides = dict(num_splits=num_splits, block_n=block_n, num_warps=num_warps, num_stages=num_stages,
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
-                     late_values=late_values, pairs=pairs, channel_rows=channel_rows, planes=planes)
+                     late_values=late_values, pairs=pairs, channel_rows=channel_rows, planes=planes,
+                     nibble_words=nibble_words)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
