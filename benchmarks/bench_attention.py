@@ -121,12 +121,12 @@ QUANT_SWEEP = [
     {"channel_rows": True},
     {"channel_rows": True, "block_n": 64},
     {"channel_rows": False, "block_n": 64},
-    # int2 only: codes read as words and met as bit planes (2026-12-05, fifth session; kernel_sass.py
-    # --channel 2: 1046 → 595 instructions a 64-key tile at r 128 post_rope, 1539 → 1191 pre_rope)
+    # int2 only: codes read as words and met as bit planes, channel-layout scales by rows (2026-12-05, fifth
+    # session; kernel_sass.py --channel 2, triton 3.6: 1235 → 773 instructions a 64-key tile at r 128
+    # post_rope, 1707 → 1278 pre_rope)
     {"planes": True},
     {"planes": True, "block_n": 64},
-    {"planes": True, "channel_rows": True},
-    {"planes": True, "channel_rows": True, "block_n": 64},
+    {"planes": True, "block_n": 64, "splits": 1.5},
     # int4 only: nibbles read as 32-bit words (2026-12-05, fifth session; kernel_sass.py: post_rope r 64
     # 717 → 524 instructions a 128-key tile, and at 256 keys with prefetch 973 against the default's 1375)
     {"nibble_words": True, "prefetch": True},

@@ -129,7 +129,7 @@ def compile_decode(
         "FOLD_V": fold,
         "PREFETCH": prefetch,
         "HAS_LSE": False,
-        "K_CH": (2 if channel_rows else 1) if k_channel else 0,
+        "K_CH": (2 if channel_rows or planes else 1) if k_channel else 0,  # planes take the rows (launcher)
         "V_CH": False,
         "NIB_K": nibbles and not k_channel and (key_mode == "post_rope" or nibble_rebuild),
         "FOLD_NIB": nibble_fold and nibbles and prefetch and key_mode == "post_rope",

@@ -1607,18 +1607,20 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     pair_k = pairs and k_bits == 8 and not k_channel and _word_rows(z_k) and r_k_p2 >= 32 \
         and (not pre or bool(cfg.get("nibble_rebuild")))
     pair_v = pairs and v_bits == 8 and not v_channel and _word_rows(z_v) and r_v_p2 >= 32
-    # int2 codes read as words and met as bit planes (either layout), with prefetch only
+    # channel-layout scales as a row a token group (2) when every tile starts at a multiple of its size (no
+    # left padding: lengths shift the first key), else per element (1); int2 planes take the rows, since
+    # their permuted columns make per-element scale loads scalar (triton 3.6, sm_90: 131 LDG a tile, spills)
     planes = bool(cfg.get("planes")) and bool(cfg.get("prefetch")) and not cfg.get("fold_scales")
-    plane_k = planes and k_bits == 2 and _word_rows(z_k) and r_k_p2 >= 32
-    plane_v = planes and v_bits == 2 and _word_rows(z_v) and r_v_p2 >= 32
+    ch_mode = 2 if (cfg.get("channel_rows") or planes) and lengths is None else 1
+    # int2 codes read as words and met as bit planes (channel layout: with its scales by rows only)
+    rows = ch_mode == 2
+    plane_k = planes and k_bits == 2 and _word_rows(z_k) and r_k_p2 >= 32 and (not k_channel or rows)
+    plane_v = planes and v_bits == 2 and _word_rows(z_v) and r_v_p2 >= 32 and (not v_channel or rows)
     nib_k = nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32 \
         and (not pre or bool(cfg.get("nibble_rebuild")))
     nib_v = nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32
     # int4 nibbles read as words, with prefetch only
     nib_words = bool(cfg.get("nibble_words")) and bool(cfg.get("prefetch"))
-    # channel-layout scales as a row a token group (2) when every tile starts at a multiple of its size (no
-    # left padding: lengths shift the first key), else per element (1)
-    ch_mode = 2 if cfg.get("channel_rows") and lengths is None else 1
     # shared positions [B, Nk] are read per KV head with a zero head stride
     pos_strides = (0, 0, 0)
     if pre:
@@ -1748,8 +1750,9 @@ def lowrank_attention(
         scales as one row a token group the tile spans, broadcast over its keys, instead of a scale and low
         loaded per element; tiles are aligned to their size unless ``lengths`` is given, so not there;
         a candidate, off (static count in ``benchmarks/experiments/kernel_sass.py --channel``).
-        ``planes``: int2 codes (either layout; a stored width a multiple of 4 bytes, padded ranks ≥ 32, rows
-        4-byte aligned) read as 32-bit words and decoded by one shift and one ``lop3`` a pair of codes into
+        ``planes``: int2 codes (a stored width a multiple of 4 bytes, padded ranks ≥ 32, rows 4-byte aligned;
+        the channel layout with its scales read as rows, ``channel_rows``, so not under ``lengths``) read as
+        32-bit words and decoded by one shift and one ``lop3`` a pair of codes into
         bit-plane column order (:func:`_plane_codes`), the basis or query rows and the output columns read
         and written at the matching channels (:func:`_channels`); with ``prefetch`` only; a candidate, off.
         ``nibble_words``: int4 token-layout codes met as nibbles (``nibbles``) are read as 32-bit words, eight
