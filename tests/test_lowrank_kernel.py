@@ -1013,8 +1013,8 @@ def test_int2_planes_match_the_reference(key_mode, layout):
     """``planes``: int2 codes read as 32-bit words and decoded into bit-plane column order (column ``k·W + w``
     holds channel ``8w + k``), the basis or query rows and the output columns at the matching channels:
     against the reference on the dequantized latents and the byte-wise loop, keys in the token or the
-    channel layout (with ``channel_rows`` too), values per token on min–max or log8 scales, latent or
-    projected output, split keys, padded ranks."""
+    channel layout (whose scales ``planes`` reads as rows), values per token on min–max or log8 scales,
+    latent or projected output, split keys, padded ranks; with left padding too (channel keys byte-wise)."""
     atol, rtol = TOL[torch.bfloat16]
     for B, H, G, Nq, Nk, r_k, r_v, splits in PLANE_CASES:
         args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16, padded=False)
@@ -1032,6 +1032,14 @@ def test_int2_planes_match_the_reference(key_mode, layout):
                                      key_mode=key_mode, **kwargs)
                 assert_close(out, expected, atol=atol, rtol=rtol, what=what)
                 assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the byte-wise loop")
+        if Nq == 1 and r_k == 112:  # left padding: channel keys fall back to their per-element scales
+            _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+            with torch.no_grad():
+                out = lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **padded,
+                                           num_splits=splits, prefetch=True, planes=True)
+                expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k,
+                                     P_v, key_mode=key_mode, **padded)
+            assert_close(out, expected, atol=atol, rtol=rtol, what=f"int2 planes {layout}, lengths")
 
 
 @triton.jit
