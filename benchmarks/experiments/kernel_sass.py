@@ -9,7 +9,9 @@ per thread for one iteration (the key loops are shown first: unmasked tiles, the
 then the loops of the split merge the last program of a tile runs). On an SM with two
 programs of 4 warps, one tile per program costs ``count`` issue cycles per scheduler, against
 ``tile bytes / (bandwidth per SM)`` cycles of memory: the ratio says whether a variant is issue-bound.
-This is a model, not a timing: benchmarks/bench_attention.py on the GPU decides.
+This is a model, not a timing: benchmarks/bench_attention.py on the GPU decides. The device image runs
+triton 3.6, whose counts differ: ``pip install --no-deps --target DIR triton==3.6.0`` and run this with
+``PYTHONPATH=DIR`` to compile as it does.
 """
 
 from __future__ import annotations
