@@ -970,26 +970,26 @@ def test_channel_layout_codes_match_the_reference(case, key_mode, bits):
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_channel_rows_match_the_per_element_scales(key_mode, bits):
     """``channel_rows``: channel-layout scales read as a row a token group the tile spans and broadcast over
-    its keys, at tiles smaller than, equal to and larger than the 64-token group (a 128-key tile spans two),
-    split keys whose last tile is partial (150 and 203 keys) and a prefill tile: the reference's output and
-    the per-element loop's within rounding. With ``lengths`` (left padding shifts the tiles off the groups)
-    the launcher keeps the per-element loads, and gives the reference's output too."""
+    its keys, at tiles smaller and larger than the 64-token group (a 128-key tile spans two), split keys
+    whose last tile is partial (150 and 203 keys) and five queries in one decode tile: the reference's
+    output and the per-element loop's within rounding. With ``lengths`` (left padding shifts the tiles off
+    the groups) the launcher keeps the per-element loads, and gives the reference's output too."""
     atol, rtol = TOL[torch.bfloat16]
-    for B, H, G, Nq, Nk, r_k, r_v, splits in [(2, 6, 3, 1, 150, 64, 72, 3), (1, 4, 2, 1, 203, 100, 28, 2),
-                                              (1, 4, 2, 5, 70, 40, 24, 1)]:
+    for B, H, G, Nq, Nk, r_k, r_v, splits, block_n in [(2, 6, 3, 1, 150, 64, 72, 3, 128),
+                                                       (1, 4, 2, 1, 203, 100, 28, 2, 32),
+                                                       (1, 4, 2, 5, 70, 40, 24, 1, None)]:
         args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16, padded=False)
         q, z_k, z_v, P_k, P_v = args
         ck, cv = channel_codes(z_k, bits, Nk), channel_codes(z_v, bits, Nk)
         with torch.no_grad():
             expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k, P_v,
                                  key_mode=key_mode, **kwargs)
-            for block_n in (32, 128) if Nq == 1 else (None,):
-                what = f"channel rows int{bits} {key_mode} k{Nk} r{r_k}/{r_v} block_n={block_n}"
-                out, plain = (lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **kwargs,
-                                                   num_splits=splits, block_n=block_n, channel_rows=rows)
-                              for rows in (True, False))
-                assert_close(out, expected, atol=atol, rtol=rtol, what=what)
-                assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against per-element scales")
+            what = f"channel rows int{bits} {key_mode} k{Nk} r{r_k}/{r_v} block_n={block_n}"
+            out, plain = (lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **kwargs,
+                                               num_splits=splits, block_n=block_n, channel_rows=rows)
+                          for rows in (True, False))
+            assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+            assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against per-element scales")
         if Nq == 1:  # left-padded rows
             _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
             with torch.no_grad():
@@ -1103,15 +1103,17 @@ def test_int4_words_match_the_reference(key_mode, log8):
     logits' scale fold (``post_rope``, one group), ``late_values`` and 256-key tiles."""
     atol, rtol = TOL[torch.bfloat16]
     codes = log8_latents if log8 else quantize_latents
-    for B, H, G, Nq, Nk, r_k, r_v, splits in [(2, 6, 3, 1, 150, 64, 128, 3), (1, 4, 2, 1, 90, 25, 40, 2)]:
+    for B, H, G, Nq, Nk, r_k, r_v, splits, variants in [
+            (2, 6, 3, 1, 150, 64, 128, 3, [(True, dict(nibble_fold=True)), (True, dict(block_n=256))]),
+            (1, 4, 2, 1, 90, 25, 40, 2, [(False, dict(late_values=True))])]:
         args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
         q, z_k, z_v, P_k, P_v = args
         qk, qv = codes(z_k, 4), codes(z_v, 4)
         with torch.no_grad():
             expected = {pv is None: reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16),
                                               P_k, pv, key_mode=key_mode, **kwargs) for pv in (P_v, None)}
-            for pv, extra in [(P_v, dict(nibble_fold=True)), (None, dict(late_values=True)),
-                              (P_v, dict(block_n=256))]:
+            for projected, extra in variants:
+                pv = P_v if projected else None
                 what = f"int4 words {key_mode} log8={log8} k{Nk} r{r_k}/{r_v} P_v={pv is not None} {extra}"
                 out, plain = (lk.lowrank_attention(q, qk, qv, P_k, pv, key_mode=key_mode, **kwargs,
                                                    num_splits=splits, prefetch=True, nibble_words=on, **extra)
