@@ -293,6 +293,13 @@ def _codes_to_half(codes):
     return (codes.to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True) - 1024.0
 
 
+@triton.jit
+def _field_half(raw, SHIFT: tl.constexpr, MASK: tl.constexpr):
+    """The code at bit ``SHIFT`` of int32 words (``MASK`` wide) as the fp16 number ``1024 + code``: the
+    element-wise form of the word conversions' PTX (the interpreter runs no PTX)."""
+    return (((raw >> SHIFT) & MASK) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+
+
 # plane k of a word: (w >> 2k) & 0x00030003 | 0x64006400 (lop3 0xea: a & b | c), its halves outputs 2k, 2k + 1
 _PLANES_ASM = tl.constexpr("{ .reg .b32 t, s; " + " ".join(
     f"shr.b32 s, $16, {2 * k}; lop3.b32 t, s, 0x00030003, 0x64006400, 0xea; "
@@ -309,22 +316,14 @@ def _half_planes(raw, ASM: tl.constexpr):
         return tl.inline_asm_elementwise(
             asm=_PLANES_ASM, constraints="=h," * 16 + "r", args=[raw], dtype=(tl.float16,) * 16, is_pure=True,
             pack=1)
-    a0 = ((raw & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b0 = (((raw >> 16) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    a1 = (((raw >> 2) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b1 = (((raw >> 18) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    a2 = (((raw >> 4) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b2 = (((raw >> 20) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    a3 = (((raw >> 6) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b3 = (((raw >> 22) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    a4 = (((raw >> 8) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b4 = (((raw >> 24) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    a5 = (((raw >> 10) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b5 = (((raw >> 26) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    a6 = (((raw >> 12) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b6 = (((raw >> 28) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    a7 = (((raw >> 14) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-    b7 = (((raw >> 30) & 3) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+    a0, b0 = _field_half(raw, 0, 3), _field_half(raw, 16, 3)
+    a1, b1 = _field_half(raw, 2, 3), _field_half(raw, 18, 3)
+    a2, b2 = _field_half(raw, 4, 3), _field_half(raw, 20, 3)
+    a3, b3 = _field_half(raw, 6, 3), _field_half(raw, 22, 3)
+    a4, b4 = _field_half(raw, 8, 3), _field_half(raw, 24, 3)
+    a5, b5 = _field_half(raw, 10, 3), _field_half(raw, 26, 3)
+    a6, b6 = _field_half(raw, 12, 3), _field_half(raw, 28, 3)
+    a7, b7 = _field_half(raw, 14, 3), _field_half(raw, 30, 3)
     return a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7
 
 
@@ -428,14 +427,10 @@ def _word_nibbles(raw, ASM: tl.constexpr):
             """,
             constraints="=h," * 8 + "r", args=[raw], dtype=(tl.float16,) * 8, is_pure=True, pack=1)
     else:
-        e0 = ((raw & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        e1 = (((raw >> 8) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        e2 = (((raw >> 16) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        e3 = (((raw >> 24) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        o0 = (((raw >> 4) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        o1 = (((raw >> 12) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        o2 = (((raw >> 20) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
-        o3 = (((raw >> 28) & 15) | 0x6400).to(tl.uint16).to(tl.float16, bitcast=True)
+        e0, e1, e2, e3 = _field_half(raw, 0, 15), _field_half(raw, 8, 15), _field_half(raw, 16, 15), \
+            _field_half(raw, 24, 15)
+        o0, o1, o2, o3 = _field_half(raw, 4, 15), _field_half(raw, 12, 15), _field_half(raw, 20, 15), \
+            _field_half(raw, 28, 15)
     even = tl.join(tl.join(e0, e2), tl.join(e1, e3)).reshape(BLOCK_N, 4 * W)
     odd = tl.join(tl.join(o0, o2), tl.join(o1, o3)).reshape(BLOCK_N, 4 * W)
     return even, odd
@@ -534,10 +529,8 @@ def _word_pairs(raw, BLOCK_N: tl.constexpr, W: tl.constexpr, ASM: tl.constexpr):
             """,
             constraints="=h,=h,=h,=h,r", args=[raw], dtype=(tl.float16,) * 4, is_pure=True, pack=1)
     else:
-        b0 = ((raw & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        b1 = (((raw >> 8) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        b2 = (((raw >> 16) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
-        b3 = (((raw >> 24) & 255).to(tl.uint16) | 0x6400).to(tl.float16, bitcast=True)
+        b0, b1 = _field_half(raw, 0, 255), _field_half(raw, 8, 255)
+        b2, b3 = _field_half(raw, 16, 255), _field_half(raw, 24, 255)
     return tl.join(b0, b1).reshape(BLOCK_N, 2 * W), tl.join(b2, b3).reshape(BLOCK_N, 2 * W)
 
 
