@@ -121,12 +121,14 @@ QUANT_SWEEP = [
     {"channel_rows": True},
     {"channel_rows": True, "block_n": 64},
     {"channel_rows": False, "block_n": 64},
+    {"channel_rows": False},  # the per-element loads at the default tile (rows are the default since)
     # int2 only: codes read as words and met as bit planes, channel-layout scales by rows (2026-12-05, fifth
     # session; kernel_sass.py --channel 2, triton 3.6: 1235 → 773 instructions a 64-key tile at r 128
     # post_rope, 1707 → 1278 pre_rope)
     {"planes": True},
     {"planes": True, "block_n": 64},
     {"planes": True, "block_n": 64, "splits": 1.5},
+    {"planes": False},  # the generic unpacking at the default tile (planes are the default since)
     # int4 only: nibbles read as 32-bit words (2026-12-05, fifth session; kernel_sass.py: post_rope r 64
     # 717 → 524 instructions a 128-key tile, and at 256 keys with prefetch 973 against the default's 1375)
     {"nibble_words": True, "prefetch": True},
@@ -183,10 +185,12 @@ def sdpa_decode_ms(B: int, N: int) -> dict:
     return utils.graph_ms(functools.partial(F.scaled_dot_product_attention, q, k, v, enable_gqa=True))
 
 
-def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv: bool = False) -> dict:
-    """The kernel's default for these inputs; ``nibbles_kv`` as :func:`_token_int4` finds the codes."""
+def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv: bool = False,
+                   k_channel: bool = False) -> dict:
+    """The kernel's default for these inputs; ``nibbles_kv`` as :func:`_token_int4` finds the codes,
+    ``k_channel``: key codes in the channel layout."""
     cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits,
-                          nibbles_kv)
+                          nibbles_kv, k_channel)
     keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if bits < 16 else ()) \
         + (("keys_left",) if mode == "pre_rope" else ())
     return {k: cfg[k] for k in keys}
@@ -327,7 +331,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
             with torch.no_grad():
                 for mode in modes:
                     default = default_config(B, N, mode, r, bits,
-                                             _token_int4(xq["z_k"]) and _token_int4(xq["z_v"]))
+                                             _token_int4(xq["z_k"]) and _token_int4(xq["z_v"]),
+                                             channel_keys and bits < 16)
                     ms = utils.graph_ms(kernel_call(xq, mode))
                     tried = []
                     for cfg in sweep:

@@ -579,16 +579,24 @@ def test_int8_pairs_match_the_reference(case, key_mode, log8):
 
 
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
-def test_int8_decode_defaults_to_pairs(key_mode):
-    """Decode over codes turns ``pairs`` on (the launcher applies it to int8 token-layout codes only), and
-    ``pre_rope`` over int8 keys wider than 64 channels takes 64-key tiles; bf16 latents and 4-bit keys keep
-    their tiles."""
-    for r_k, bits in [(128, 8), (100, 8), (64, 8), (128, 4), (40, 8)]:
-        cfg = lk._default_config(2, 4096, key_mode, 16, 132, r_k, True, bits)
-        assert cfg["pairs"] and cfg["prefetch"]
-        narrow = key_mode == "pre_rope" and bits == 8 and r_k > 64
-        assert cfg["block_n"] == (64 if narrow else 128), (r_k, bits, cfg)
-    assert not lk._default_config(2, 4096, key_mode, 16, 132, 128, False, 16)["pairs"]
+def test_decode_over_codes_defaults(key_mode):
+    """Decode over codes turns ``pairs``, ``planes`` and ``channel_rows`` on (the launcher applies each to
+    the codes it fits); ``pre_rope`` over int8, int2 or channel-layout keys wider than 64 channels takes
+    64-key tiles, and so do wide channel-layout keys of either mode under ``lengths``; bf16 latents and
+    int4 token-layout keys keep their tiles."""
+    for r_k, bits, channel, padded in [(128, 8, False, False), (100, 8, False, True), (64, 8, False, False),
+                                       (128, 4, False, True), (40, 8, False, False), (112, 2, False, False),
+                                       (112, 2, True, False), (112, 4, True, False), (112, 3, True, True),
+                                       (64, 2, True, True), (56, 4, True, False)]:
+        cfg = lk._default_config(2, 4096, key_mode, 16, 132, r_k, True, bits, k_channel=channel,
+                                 left_padded=padded)
+        assert cfg["pairs"] and cfg["planes"] and cfg["channel_rows"] and cfg["prefetch"]
+        assert not cfg["nibble_words"]
+        wide = r_k > 64
+        narrow = wide and ((key_mode == "pre_rope" and (bits in (8, 2) or channel)) or (channel and padded))
+        assert cfg["block_n"] == (64 if narrow else 128), (r_k, bits, channel, padded, cfg)
+    bf16 = lk._default_config(2, 4096, key_mode, 16, 132, 128, False, 16)
+    assert not (bf16["pairs"] or bf16["planes"] or bf16["channel_rows"])
 
 
 @pytest.mark.parametrize("ranks", [(56, 48), (64, 64), (64, 72), (11, 13), (16, 16), (40, 13)])
@@ -986,10 +994,15 @@ def test_channel_rows_match_the_per_element_scales(key_mode, bits):
                                  key_mode=key_mode, **kwargs)
             what = f"channel rows int{bits} {key_mode} k{Nk} r{r_k}/{r_v} block_n={block_n}"
             out, plain = (lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **kwargs,
-                                               num_splits=splits, block_n=block_n, channel_rows=rows)
+                                               num_splits=splits, block_n=block_n, channel_rows=rows,
+                                               planes=False)  # planes would read int2 scales by rows
                           for rows in (True, False))
             assert_close(out, expected, atol=atol, rtol=rtol, what=what)
             assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against per-element scales")
+            if bits == 4:  # int2 takes planes by default
+                default = lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **kwargs,
+                                               num_splits=splits, block_n=block_n)
+                assert torch.equal(default, out), what + ": the default configuration is not the rows"
         if Nq == 1:  # left-padded rows
             _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
             with torch.no_grad():
@@ -1032,6 +1045,9 @@ def test_int2_planes_match_the_reference(key_mode, layout):
                                      key_mode=key_mode, **kwargs)
                 assert_close(out, expected, atol=atol, rtol=rtol, what=what)
                 assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the byte-wise loop")
+                default = lk.lowrank_attention(q, ck, cv, P_k, pv, key_mode=key_mode, **kwargs,
+                                               num_splits=splits, **extra)
+                assert torch.equal(default, out), what + ": the default configuration is not the planes"
         if Nq == 1 and r_k == 112:  # left padding: channel keys fall back to their per-element scales
             _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
             with torch.no_grad():

@@ -1219,7 +1219,8 @@ def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1) -> int:
 
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
-                    codes: bool = False, k_bits: int = 16, nibbles_kv: bool = False) -> dict:
+                    codes: bool = False, k_bits: int = 16, nibbles_kv: bool = False, k_channel: bool = False,
+                    left_padded: bool = False) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
     and splits each row's keys so that ``programs × splits`` stays at or just under two programs per SM, at
     ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
@@ -1250,18 +1251,31 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     ``post_rope`` 0.179 → 0.153 and 0.615 → 0.500 ms, the fastest of the sweep with min–max and with log8
     scales alike (H100, 2026-12-05, sixth session; r 64 −7 % and −3 % the session before). ``pre_rope`` over
     int8 keys wider than 64 channels takes 64-key tiles: the rebuilt 128-key tile spills; at r 128 the
-    bytes' loop 0.322 → 0.244 and 1.149 → 0.907 ms, and with ``pairs`` 0.219 and 0.818 (same run)."""
+    bytes' loop 0.322 → 0.244 and 1.149 → 0.907 ms, and with ``pairs`` 0.219 and 0.818 (same run).
+    int2 codes are read as words and met as bit planes (``planes``), and channel-layout scales as a row a
+    token group (``channel_rows``): int2 r 64 token layout, 8×16k and 4×128k, ``post_rope`` 0.106 → 0.076
+    and 0.384 → 0.274 ms, ``pre_rope`` 0.172 → 0.150 and 0.640 → 0.564; int2 channel-layout keys at r 112
+    ``post_rope`` 0.221 → 0.140 and 0.799 → 0.474; int4 channel-layout keys ``post_rope`` 0.192 → 0.164
+    and 0.692 → 0.559 at the same 64-key tiles; end to end, the ``a125`` per-layer checkpoint 434 → 514
+    tok/s at 8×16k (H100, 2026-12-05, seventh session). ``pre_rope`` over wider keys than 64 channels in
+    int2 or in the channel layout takes 64-key tiles, as int8 does: at r 112, 8×16k and 4×128k, int2
+    channel keys with planes 0.356 → 0.242 and 1.301 → 0.860 ms, int4 channel keys with rows 0.327 →
+    0.228 and 1.198 → 0.823. So do channel-layout keys of either mode under ``lengths`` (scales per element,
+    not rows): int4 r 112 ``post_rope`` 0.646 → 0.192 ms at 8×16k, 2.358 → 0.692 at 4×128k."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if wide else 1)
         block_n = 128 if r_k <= 32 or codes else 64
-        if codes and key_mode == "pre_rope" and k_bits == 8 and padded_dim(r_k) > 64:
-            block_n = 64
+        wide_keys = padded_dim(r_k) > 64
+        if codes and key_mode == "pre_rope" and wide_keys and (k_bits in (8, 2) or k_channel):
+            block_n = 64  # the rebuilt 128-key tile spills
+        if codes and k_channel and left_padded and wide_keys:
+            block_n = 64  # per-element scale loads at 128 keys spill
         if wide:
             block_n = WIDE_NIBBLE_TILE
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
-                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=False, planes=False,
+                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=codes, planes=codes,
                     nibble_words=False)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
@@ -1742,15 +1756,17 @@ def lowrank_attention(
         ``channel_rows``: codes in the channel layout (a scale and low per channel and 64 tokens) read their
         scales as one row a token group the tile spans, broadcast over its keys, instead of a scale and low
         loaded per element; tiles are aligned to their size unless ``lengths`` is given, so not there;
-        a candidate, off (static count in ``benchmarks/experiments/kernel_sass.py --channel``).
+        ``None``: on for decode over codes (see :func:`_default_config`).
         ``planes``: int2 codes (a stored width a multiple of 4 bytes, padded ranks ≥ 32, rows 4-byte aligned;
         the channel layout with its scales read as rows, ``channel_rows``, so not under ``lengths``) read as
         32-bit words and decoded by one shift and one ``lop3`` a pair of codes into
         bit-plane column order (:func:`_plane_codes`), the basis or query rows and the output columns read
-        and written at the matching channels (:func:`_channels`); with ``prefetch`` only; a candidate, off.
+        and written at the matching channels (:func:`_channels`); with ``prefetch`` only; ``None``: on for
+        decode over codes (see :func:`_default_config`).
         ``nibble_words``: int4 token-layout codes met as nibbles (``nibbles``) are read as 32-bit words, eight
         codes a register, so that no bytes are packed into a register before the nibbles' byte permutes
-        (:func:`_word_nibbles`); with ``prefetch`` only; a candidate, off.
+        (:func:`_word_nibbles`); with ``prefetch`` only; a candidate, off: at r 64 it lost to the default
+        at 16×16k and 4×128k in both key modes (H100, 2026-12-05; docs/notes/kernel-tries.md).
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1793,7 +1809,8 @@ def lowrank_attention(
     codes = isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
     k_bits = z_k.bits if isinstance(z_k, QuantizedLatents) else 16
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes, k_bits,
-                          _token_int4(z_k) and _token_int4(z_v))
+                          _token_int4(z_k) and _token_int4(z_v),
+                          isinstance(z_k, QuantizedLatents) and z_k.layout == "channel", lengths is not None)
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
                          "sin/cos")

@@ -1,0 +1,54 @@
+"""Decode time against the key-split count at capacity batches (many programs an SM): does the split rule of
+``_decode_splits`` leave a partial last round of programs where more splits would fill it?
+
+    python benchmarks/experiments/split_probe.py --cases 43:112:2:channel 45:56:4:token
+
+Each case is ``B:rank:bits:key_layout`` at 32k keys, Llama-3-8B heads; both key modes; the default
+configuration, then each split count in ``--splits`` (ms, p50 of CUDA-graph replays).
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import utils  # noqa: E402
+from bench_attention import MODES, G, H, kernel_call, latent_inputs, quantized  # noqa: E402
+
+from stiefkv.kernels.lowrank import _decode_splits, _num_sms  # noqa: E402
+
+
+def probe(B: int, r: int, bits: int, layout: str, n: int, splits: list[int]) -> None:
+    x = latent_inputs(B, 1, n, r)
+    x = dict(x, z_k=quantized(x["z_k"], bits, layout=layout), z_v=quantized(x["z_v"], bits))
+    sms = _num_sms(x["q"].device)
+    with torch.no_grad():
+        for mode in MODES:
+            rule = _decode_splits(B * G, n, sms)
+            times = {"default": utils.graph_ms(kernel_call(x, mode))["p50"]}
+            for s in splits:
+                times[s] = utils.graph_ms(kernel_call(x, mode, num_splits=s))["p50"]
+            cells = ", ".join(f"{k}: {v:.4f}" for k, v in times.items())
+            print(f"{B}x{n} r{r} int{bits} {layout} keys {mode} (H {H}, G {G}, {sms} SMs, rule {rule}): "
+                  f"{cells}", flush=True)
+    del x
+    torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--cases", nargs="+", default=["43:112:2:channel", "45:56:4:token"])
+    parser.add_argument("--context", type=int, default=32768)
+    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
+    args = parser.parse_args()
+    for case in args.cases:
+        B, r, bits, layout = case.split(":")
+        probe(int(B), int(r), int(bits), layout, args.context, args.splits)
+
+
+if __name__ == "__main__":
+    main()
