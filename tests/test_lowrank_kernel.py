@@ -776,7 +776,7 @@ def test_decode_splits():
         [33, 4, 2, 8]
     assert _decode_splits(176, 32768, sms) == 3  # 528 programs: four full rounds
     assert _decode_splits(300, 32768, sms) == 1
-    # two programs an SM at once (int4 post_rope, wide tiles): the last round of 264 filled best
+    # two programs an SM at once (decode over codes): the last round of 264 filled best
     assert _decode_splits(304, 32768, sms, per_sm=2) == 4  # 1216 of 1320 slots, against 304 of 528
     assert _decode_splits(376, 32768, sms, per_sm=2) == 2  # 752 of 792; 4 fills as well: the fewer
     assert _decode_splits(304, 600, sms, per_sm=2) == 3  # ceil(600 / 256)
@@ -784,10 +784,13 @@ def test_decode_splits():
     assert _decode_splits(232, 32768, sms, per_sm=2) == _decode_splits(232, 32768, sms)  # below 2 an SM
     from stiefkv.kernels.lowrank import _default_config
 
-    def splits(mode, wide):  # 38 rows x 8 heads at 32k, GQA 4, int4 codes at r 56
-        return _default_config(4, 32768, mode, 304, sms, 56, True, 4, nibbles_kv=wide)["num_splits"]
+    def splits(mode, wide, codes=True, rows=38, r=56, bits=4):  # rows x 8 heads at 32k, GQA 4
+        return _default_config(4, 32768, mode, rows * 8, sms, r, codes, bits, nibbles_kv=wide)["num_splits"]
 
-    assert (splits("post_rope", True), splits("post_rope", False), splits("pre_rope", True)) == (4, 1, 1)
+    assert (splits("post_rope", True), splits("post_rope", False), splits("pre_rope", True)) == (4, 4, 4)
+    assert splits("pre_rope", True, rows=45) == 2  # measured: 1.686 ms, 4 splits 1.673, 1 split 2.041
+    assert splits("pre_rope", False, rows=43, r=112, bits=2) == 3  # a125's int2 channel keys
+    assert splits("pre_rope", False, codes=False, bits=16) == 1  # bf16 latents: not measured there
     assert _decode_splits(8, 600, sms) == 3  # ceil(600 / 256)
     assert _decode_splits(176, 300, sms) == 2
 

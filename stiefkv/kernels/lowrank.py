@@ -1200,10 +1200,14 @@ def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1) -> int:
     that fills its last round of ``n_sms`` programs best, ties to the fewest. 176 programs (22 rows × 8
     heads) ran as one round and a third, so the SMs with two programs set the time; 3 splits make four
     full rounds. From two programs an SM on, 1, except for a kernel that runs ``per_sm`` = 2 programs an
-    SM at once (the int4 ``post_rope`` loop of ``nibbles_kv``, at 255 registers a thread): there the count
-    of 1-4 that fills its last round of ``2·n_sms`` best. 38 rows × 8 heads (304 programs, the 12.5 %
-    cache's capacity at 32k under 40 GiB) ran in two rounds, the second a seventh full: 0.703 ms with 1
-    split, 0.562 with 4 (H200, r 56, 2026-12-03); at 47 rows 2 splits, 0.700 → 0.667 ms."""
+    SM at once (decode over codes: 4 warps at up to 255 registers a thread): there the count of 1-4 that
+    fills its last round of ``2·n_sms`` best. 38 rows × 8 heads (304 programs, the 12.5 % cache's capacity
+    at 32k under 40 GiB) ran in two rounds, the second a seventh full: 0.703 ms with 1 split, 0.562 with 4
+    (H200, r 56, int4 ``post_rope``, 2026-12-03); at 47 rows 2 splits, 0.700 → 0.667 ms. The other loops
+    over codes, at 32k keys (H100, 2026-12-05, seventh session, ``split_probe.py``; ms with 1, 2, 3, 4
+    splits): int4 r 56 ``pre_rope`` at 38 rows 2.030, 1.606, 1.486, 1.415 and at 45 rows 2.041, 1.686,
+    1.784, 1.673; int2 channel keys at r 112 and 43 rows, ``pre_rope`` 3.546, 2.535, 2.268, 2.542 and
+    ``post_rope`` 1.479, 1.405, 1.248, 1.302. The rule picks 4, 2 and 3: the fastest, or within 1 %."""
     most = max(1, triton.cdiv(n_k, 256))
 
     def filled(s: int, round_: int) -> float:
@@ -1264,7 +1268,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     not rows): int4 r 112 ``post_rope`` 0.646 → 0.192 ms at 8×16k, 2.358 → 0.692 at 4×128k."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
-        splits = _decode_splits(programs, n_k, n_sms, 2 if wide else 1)
+        splits = _decode_splits(programs, n_k, n_sms, 2 if codes else 1)
         block_n = 128 if r_k <= 32 or codes else 64
         wide_keys = padded_dim(r_k) > 64
         if codes and key_mode == "pre_rope" and wide_keys and (k_bits in (8, 2) or k_channel):
