@@ -7,4 +7,6 @@ bash scripts/setup.sh
 export STIEFKV_DATA_DIR="${STIEFKV_DATA_DIR:-$(cd .. && pwd)/shared/data}"
 PY="${VENV:-.venv}/bin/python"
 "$PY" -m ruff check .
-exec "$PY" -m pytest -q --durations=30 "$@"
+# one pytest worker a core, at most 4 (STIEFKV_TEST_WORKERS overrides; 0 runs them in this process)
+WORKERS=${STIEFKV_TEST_WORKERS:-$(( $(nproc) < 4 ? $(nproc) : 4 ))}
+exec "$PY" -m pytest -q --durations=30 -n "$WORKERS" "$@"

@@ -8,7 +8,9 @@ ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("STIEFKV_DATA_DIR", str(ROOT.parent / "shared" / "data"))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# pytest-xdist workers (scripts/test.sh runs one a core) share the cores: a thread each, not a core each
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
 if not torch.cuda.is_available():
     # Triton reads this when it decorates kernels: set it before any test module imports one, so that every
     # kernel module is built for the interpreter whatever the collection order. StiefKV's own CPU paths
