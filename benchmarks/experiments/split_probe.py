@@ -4,7 +4,10 @@
     python benchmarks/experiments/split_probe.py --cases 43:112:2:channel 45:56:4:token
 
 Each case is ``B:rank:bits:key_layout`` at 32k keys, Llama-3-8B heads; both key modes; the default
-configuration, then each split count in ``--splits`` (ms, p50 of CUDA-graph replays).
+configuration, then each split count in ``--splits`` at each key tile in ``--block-n`` (the default tile
+when none is given; ms, p50 of CUDA-graph replays). A 64-key tile over int4 ``pre_rope`` keys at r 56
+compiles to 168 registers a thread (triton 3.6, ``kernel_sass.py --codes --block-n 64``), so three programs
+fit an SM: ``--block-n 64 --splits 1 2 3 4 5 6`` asks whether that pays.
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from bench_attention import MODES, G, H, kernel_call, latent_inputs, quantized  
 from stiefkv.kernels.lowrank import _decode_splits, _num_sms  # noqa: E402
 
 
-def probe(B: int, r: int, bits: int, layout: str, n: int, splits: list[int]) -> None:
+def probe(B: int, r: int, bits: int, layout: str, n: int, splits: list[int], tiles: list[int | None]) -> None:
     x = latent_inputs(B, 1, n, r)
     x = dict(x, z_k=quantized(x["z_k"], bits, layout=layout), z_v=quantized(x["z_v"], bits))
     sms = _num_sms(x["q"].device)
@@ -29,8 +32,10 @@ def probe(B: int, r: int, bits: int, layout: str, n: int, splits: list[int]) -> 
         for mode in MODES:
             rule = _decode_splits(B * G, n, sms)
             times = {"default": utils.graph_ms(kernel_call(x, mode))["p50"]}
-            for s in splits:
-                times[s] = utils.graph_ms(kernel_call(x, mode, num_splits=s))["p50"]
+            for tile in tiles:
+                for s in splits:
+                    key = s if tile is None else f"{tile} keys, {s}"
+                    times[key] = utils.graph_ms(kernel_call(x, mode, num_splits=s, block_n=tile))["p50"]
             cells = ", ".join(f"{k}: {v:.4f}" for k, v in times.items())
             print(f"{B}x{n} r{r} int{bits} {layout} keys {mode} (H {H}, G {G}, {sms} SMs, rule {rule}): "
                   f"{cells}", flush=True)
@@ -44,10 +49,11 @@ def main() -> None:
     parser.add_argument("--cases", nargs="+", default=["43:112:2:channel", "45:56:4:token"])
     parser.add_argument("--context", type=int, default=32768)
     parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--block-n", type=int, nargs="+", default=[None])
     args = parser.parse_args()
     for case in args.cases:
         B, r, bits, layout = case.split(":")
-        probe(int(B), int(r), int(bits), layout, args.context, args.splits)
+        probe(int(B), int(r), int(bits), layout, args.context, args.splits, args.block_n)
 
 
 if __name__ == "__main__":
