@@ -1260,9 +1260,10 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     token group (``channel_rows``): int2 r 64 token layout, 8×16k and 4×128k, ``post_rope`` 0.106 → 0.076
     and 0.384 → 0.274 ms, ``pre_rope`` 0.172 → 0.150 and 0.640 → 0.564; int2 channel-layout keys at r 112
     ``post_rope`` 0.221 → 0.140 and 0.799 → 0.474; int4 channel-layout keys ``post_rope`` 0.192 → 0.164
-    and 0.692 → 0.559 at the same 64-key tiles; end to end, the ``a125`` per-layer checkpoint 434 → 514
-    tok/s at 8×16k (H100, 2026-12-05, seventh session). ``pre_rope`` over wider keys than 64 channels in
-    int2 or in the channel layout takes 64-key tiles, as int8 does: at r 112, 8×16k and 4×128k, int2
+    and 0.692 → 0.559 (per-element scales at 64-key tiles, their best, against rows at 128); end to
+    end, the ``a125`` per-layer checkpoint 434 → 514 tok/s at 8×16k (H100, 2026-12-05, seventh session).
+    ``pre_rope`` over wider keys than 64 channels in int2 or in the channel layout takes 64-key tiles, as
+    int8 does: at r 112, 8×16k and 4×128k, int2
     channel keys with planes 0.356 → 0.242 and 1.301 → 0.860 ms, int4 channel keys with rows 0.327 →
     0.228 and 1.198 → 0.823. So do channel-layout keys of either mode under ``lengths`` (scales per element,
     not rows): int4 r 112 ``post_rope`` 0.646 → 0.192 ms at 8×16k, 2.358 → 0.692 at 4×128k."""
