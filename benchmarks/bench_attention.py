@@ -120,8 +120,9 @@ QUANT_SWEEP = [
     # registers)
     {"channel_rows": True},
     {"channel_rows": True, "block_n": 64},
-    {"channel_rows": False, "block_n": 64},
-    {"channel_rows": False},  # the per-element loads at the default tile (rows are the default since)
+    # the per-element loads (rows are the default since; planes, on for int2, would read the rows)
+    {"channel_rows": False, "planes": False, "block_n": 64},
+    {"channel_rows": False, "planes": False},
     # int2 only: codes read as words and met as bit planes, channel-layout scales by rows (2026-12-05, fifth
     # session; kernel_sass.py --channel 2, triton 3.6: 1235 → 773 instructions a 64-key tile at r 128
     # post_rope, 1707 → 1278 pre_rope)

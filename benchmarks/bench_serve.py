@@ -715,7 +715,7 @@ def main() -> None:
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
                        new_tokens=args.new_tokens, key_mode=args.key_mode, prefill_tokens=args.chunk,
                        code_slice=args.code_slice, start_batch=args.start_batch,
-                       baseline_start_batch=args.baseline_start_batch,
+                       baseline_start_batch=args.baseline_start_batch, decode_options=args.decode_option,
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)
             row.setdefault("context", args.context)

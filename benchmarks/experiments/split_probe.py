@@ -19,9 +19,9 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 import utils  # noqa: E402
-from bench_attention import MODES, G, H, kernel_call, latent_inputs, quantized  # noqa: E402
+from bench_attention import MODES, G, H, default_config, kernel_call, latent_inputs, quantized  # noqa: E402
 
-from stiefkv.kernels.lowrank import _decode_splits, _num_sms  # noqa: E402
+from stiefkv.kernels.lowrank import _num_sms, _token_int4  # noqa: E402
 
 
 def probe(B: int, r: int, bits: int, layout: str, n: int, splits: list[int], tiles: list[int | None]) -> None:
@@ -30,15 +30,16 @@ def probe(B: int, r: int, bits: int, layout: str, n: int, splits: list[int], til
     sms = _num_sms(x["q"].device)
     with torch.no_grad():
         for mode in MODES:
-            rule = _decode_splits(B * G, n, sms)
+            rule = default_config(B, n, mode, r, bits, _token_int4(x["z_k"]) and _token_int4(x["z_v"]),
+                                  layout == "channel")["num_splits"]
             times = {"default": utils.graph_ms(kernel_call(x, mode))["p50"]}
             for tile in tiles:
                 for s in splits:
                     key = s if tile is None else f"{tile} keys, {s}"
                     times[key] = utils.graph_ms(kernel_call(x, mode, num_splits=s, block_n=tile))["p50"]
             cells = ", ".join(f"{k}: {v:.4f}" for k, v in times.items())
-            print(f"{B}x{n} r{r} int{bits} {layout} keys {mode} (H {H}, G {G}, {sms} SMs, rule {rule}): "
-                  f"{cells}", flush=True)
+            print(f"{B}x{n} r{r} int{bits} {layout} keys {mode} (H {H}, G {G}, {sms} SMs, default splits "
+                  f"{rule}): {cells}", flush=True)
     del x
     torch.cuda.empty_cache()
 
