@@ -1216,7 +1216,7 @@ def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1) -> int:
     if programs >= 2 * n_sms:
         if per_sm < 2:
             return 1
-        return max(range(1, min(4, most) + 1), key=lambda s: (filled(s, 2 * n_sms), -s))
+        return max(range(1, min(6, most) + 1), key=lambda s: (filled(s, 2 * n_sms), -s))
     if programs <= n_sms:
         return max(1, min(2 * n_sms // programs, most))
     return max(range(1, min(4, most) + 1), key=lambda s: (filled(s, n_sms), -s))
