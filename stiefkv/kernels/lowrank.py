@@ -1200,14 +1200,17 @@ def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1) -> int:
     that fills its last round of ``n_sms`` programs best, ties to the fewest. 176 programs (22 rows × 8
     heads) ran as one round and a third, so the SMs with two programs set the time; 3 splits make four
     full rounds. From two programs an SM on, 1, except for a kernel that runs ``per_sm`` = 2 programs an
-    SM at once (decode over codes: 4 warps at up to 255 registers a thread): there the count of 1-4 that
+    SM at once (decode over codes: 4 warps at up to 255 registers a thread): there the count of 1-6 that
     fills its last round of ``2·n_sms`` best. 38 rows × 8 heads (304 programs, the 12.5 % cache's capacity
     at 32k under 40 GiB) ran in two rounds, the second a seventh full: 0.703 ms with 1 split, 0.562 with 4
     (H200, r 56, int4 ``post_rope``, 2026-12-03); at 47 rows 2 splits, 0.700 → 0.667 ms. The other loops
     over codes, at 32k keys (H100, 2026-12-05, seventh session, ``split_probe.py``; ms with 1, 2, 3, 4
     splits): int4 r 56 ``pre_rope`` at 38 rows 2.030, 1.606, 1.486, 1.415 and at 45 rows 2.041, 1.686,
     1.784, 1.673; int2 channel keys at r 112 and 43 rows, ``pre_rope`` 3.546, 2.535, 2.268, 2.542 and
-    ``post_rope`` 1.479, 1.405, 1.248, 1.302. The rule picks 4, 2 and 3: the fastest, or within 1 %."""
+    ``post_rope`` 1.479, 1.405, 1.248, 1.302. The rule picked 4, 2 and 3 from 1-4: the fastest, or within 1 %.
+    With 5 and 6 (H100, eighth session, same probe): at 45 rows 2.039, 1.677, 1.788, 1.674, 1.584, 1.667 and
+    at 38 rows 2.018, 1.660, 1.491, 1.404, 1.356, 1.334, each the order of the last round's fill; the rule
+    picks 5 and 6, the fastest. (3 stays the pick at 43 rows: 6 fills as well, and ties go to fewer.)"""
     most = max(1, triton.cdiv(n_k, 256))
 
     def filled(s: int, round_: int) -> float:
