@@ -135,6 +135,11 @@ QUANT_SWEEP = [
     {"nibble_words": True, "prefetch": True},
     {"nibble_words": True, "prefetch": True, "block_n": 256},
     {"nibble_words": True, "prefetch": True, "block_n": 256, "splits": 2},
+    # int3 only: codes met as bit planes, field by field, read as the bytes' loop reads them (2026-12-05,
+    # eighth session; kernel_sass.py --channel 3, triton 3.6: channel keys with scale rows at r 128 and
+    # 64-key tiles 1881 → 1585 instructions a tile pre_rope, 1422 → 1082 post_rope; token keys even)
+    {"int3_planes": True},
+    {"int3_planes": True, "block_n": 64},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
@@ -344,7 +349,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
                                 cfg.get("keys_left") and mode != "pre_rope") or (
                                 "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
-                                cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4):
+                                cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4) \
+                                or (cfg.get("int3_planes") and bits != 3):
                             continue
                         cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

@@ -591,7 +591,7 @@ def test_decode_over_codes_defaults(key_mode):
         cfg = lk._default_config(2, 4096, key_mode, 16, 132, r_k, True, bits, k_channel=channel,
                                  left_padded=padded)
         assert cfg["pairs"] and cfg["planes"] and cfg["channel_rows"] and cfg["prefetch"]
-        assert not cfg["nibble_words"]
+        assert not (cfg["nibble_words"] or cfg["int3_planes"])  # candidates, not timed to win
         wide = r_k > 64
         narrow = wide and ((key_mode == "pre_rope" and (bits in (8, 2) or channel)) or (channel and padded))
         assert cfg["block_n"] == (64 if narrow else 128), (r_k, bits, channel, padded, cfg)
@@ -1060,6 +1060,36 @@ def test_int2_planes_match_the_reference(key_mode, layout):
                 expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k,
                                      P_v, key_mode=key_mode, **padded)
             assert_close(out, expected, atol=atol, rtol=rtol, what=f"int2 planes {layout}, lengths")
+
+
+# (B, H, G, Nq, Nk, r_k, r_v, splits): two scale groups and padded ranks (72 → 128, 40 → 64), one group (r 24
+# → 32), split keys, and five queries in one causal decode tile
+PLANE3_CASES = [(2, 6, 3, 1, 150, 72, 40, 3), (1, 4, 2, 1, 203, 112, 24, 2), (1, 4, 2, 5, 70, 48, 96, 1)]
+
+
+@pytest.mark.parametrize("layout", ["token", "channel"])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_int3_planes_match_the_reference(key_mode, layout):
+    """``int3_planes``: int3 codes decoded field by field into bit-plane column order, the basis or query rows
+    and the output columns at the matching channels: against the reference on the dequantized latents and
+    the byte-wise loop, keys in the token or the channel layout (scales by rows), values per token, latent
+    or projected output, split keys, padded ranks."""
+    atol, rtol = TOL[torch.bfloat16]
+    for B, H, G, Nq, Nk, r_k, r_v, splits in PLANE3_CASES:
+        args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16, padded=False)
+        q, z_k, z_v, P_k, P_v = args
+        ck = channel_codes(z_k, 3, Nk) if layout == "channel" else quantize_latents(z_k, 3)
+        cv = quantize_latents(z_v, 3)
+        with torch.no_grad():
+            for pv in (P_v, None):
+                what = f"int3 planes {layout} {key_mode} k{Nk} r{r_k}/{r_v} P_v={pv is not None}"
+                out, plain = (lk.lowrank_attention(q, ck, cv, P_k, pv, key_mode=key_mode, **kwargs,
+                                                   num_splits=splits, prefetch=True, int3_planes=on)
+                              for on in (True, False))
+                expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k, pv,
+                                     key_mode=key_mode, **kwargs)
+                assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+                assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the byte-wise loop")
 
 
 @triton.jit

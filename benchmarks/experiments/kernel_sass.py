@@ -100,7 +100,8 @@ def compile_decode(
     ``k_channel``: key codes in the channel layout (a scale and low per channel and 64 tokens); ``v_bits``,
     ``v_log8``: the values' codes where they differ from the keys'; ``channel_rows``: the channel layout's
     scales read as a row a token group (the launcher's ``channel_rows``); ``planes``: int2 codes read as words
-    and met as bit planes (the launcher's ``planes``; ``v_planes``: the values' where it differs);
+    and met as bit planes (the launcher's ``planes``, and for int3 its ``int3_planes``; ``v_planes``: the
+    values' where it differs);
     ``nibble_words``: int4 nibbles read as 32-bit words (the launcher's ``nibble_words``)."""
     fn = fn or lk._lowrank_attn_fwd
     v_bits = bits if v_bits is None else v_bits
@@ -145,8 +146,8 @@ def compile_decode(
         "V_UNIT": 1,
         "HAS_PRIOR": False,
         "LATE_V": late_v and prefetch,
-        "K_PLANES": planes and bits == 2,
-        "V_PLANES": (planes if v_planes is None else v_planes) and v_bits == 2,
+        "K_PLANES": planes and bits in (2, 3),  # int3: the launcher's int3_planes
+        "V_PLANES": (planes if v_planes is None else v_planes) and v_bits in (2, 3),
         "K_NIBW": nibble_words and nibbles and bits == 4 and not k_channel and prefetch
         and (key_mode == "post_rope" or nibble_rebuild),
         "V_NIBW": nibble_words and nibbles and v_bits == 4 and prefetch,
@@ -229,7 +230,8 @@ def main() -> None:
     ap.add_argument("--channel", type=int, nargs="*", metavar="BITS",
                     help="keys in the channel layout at these widths (default 2 3 4), values int2 per token "
                          "on log8 scales (--bits auto's low budgets, a125), both key modes; per-element "
-                         "scales, channel_rows, and at 2 bits int2 planes")
+                         "scales, channel_rows, and at 2 and 3 bits planes (int3_planes at 3); then int3 "
+                         "keys in the token layout, byte-wise and as planes")
     args = ap.parse_args()
     print(
         f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
@@ -246,7 +248,7 @@ def main() -> None:
         for bits in args.channel or (2, 3, 4):
             for key_mode in ("post_rope", "pre_rope"):
                 for rows, planes in ((False, False), (True, False), (True, True)):
-                    if planes and bits != 2:
+                    if planes and bits not in (2, 3):
                         continue
                     kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages,
                                             key_mode == "pre_rope", bits=bits, prefetch=True, k_channel=True,
@@ -254,6 +256,14 @@ def main() -> None:
                     name = f"{key_mode} int{bits}-channel keys" + (" (channel_rows)" if rows else "") \
                         + (" planes" if planes else "")
                     print(f"| {name}, int2-log8 values, prefetch " + report(kernel), flush=True)
+        if 3 in (args.channel or (2, 3, 4)):  # a125's int3 token-layout keys, its values int2 planes
+            for key_mode in ("post_rope", "pre_rope"):
+                for planes in (False, True):
+                    kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages,
+                                            key_mode == "pre_rope", bits=3, prefetch=True, v_bits=2,
+                                            v_log8=True, planes=planes, v_planes=True)
+                    name = f"{key_mode} int3-token keys" + (" planes" if planes else "")
+                    print(f"| {name}, int2-log8 values (planes), prefetch " + report(kernel), flush=True)
         return
     if args.codes:
         for bits in (16, 8, 4):

@@ -195,13 +195,14 @@ def _channels(R_P2: tl.constexpr, PLANES: tl.constexpr):
 def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
                   R: tl.constexpr, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, MASK_N: tl.constexpr,
                   BITS: tl.constexpr, CH: tl.constexpr = False, LOG8: tl.constexpr = False,
-                  WORDS: tl.constexpr = False):
+                  WORDS: tl.constexpr = False, PLANES: tl.constexpr = False):
     """The memory reads of a latent tile, nothing computed: ``(raw, scale, low)``, ``raw`` from
-    :func:`_fetch_bytes` (``WORDS``: int8 codes as 32-bit words, :func:`_fetch_words`) and, for codes,
+    :func:`_fetch_bytes` (``WORDS``: int8 or int2 codes as 32-bit words, :func:`_fetch_words`) and, for codes,
     the fp32 scales and lows (``[BLOCK_N]`` for one scale group, ``[BLOCK_N, NG]`` for more; unused zeros
     for floats), or with ``LOG8`` the groups' log8 codes (int32, in both; :func:`_log8` when decoding).
     Split from :func:`_decode_latent` so that a loop can issue the next tile's reads before it computes on
-    this one (``PREFETCH``)."""
+    this one (``PREFETCH``). ``PLANES``: the tile is decoded into bit-plane column order, so channel-layout
+    scales are read at :func:`_channels`."""
     if WORDS:
         raw = _fetch_words(Z, offs_n, hi, stride_n, R, R_P2, MASK_N, BITS)
     else:
@@ -213,13 +214,13 @@ def _fetch_latent(Z, S, L, offs_n, hi, stride_n, stride_r, stride_sn, stride_sg,
     elif CH == 2:  # channel layout, tiles aligned to their size: a scale row a group the tile spans
         ROWS: tl.constexpr = BLOCK_N if BLOCK_N < QUANT_GROUP else QUANT_GROUP
         NGT: tl.constexpr = BLOCK_N // ROWS
-        offs_r = _channels(R_P2, WORDS and BITS == 2)
+        offs_r = _channels(R_P2, PLANES)
         first = tl.min(offs_n.reshape(NGT, ROWS), axis=1)  # each group's first key in the tile
         row_ptrs = (first // QUANT_GROUP)[:, None] * stride_sn + offs_r[None, :] * stride_sg
         scale = _load_rows(S + row_ptrs, first, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
         low = _load_rows(L + row_ptrs, first, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
     elif CH:  # channel layout: one scale and low per channel and group of QUANT_GROUP tokens
-        offs_r = _channels(R_P2, WORDS and BITS == 2)
+        offs_r = _channels(R_P2, PLANES)
         row_ptrs = (offs_n // QUANT_GROUP)[:, None] * stride_sn + offs_r[None, :] * stride_sg
         scale = _load_rows(S + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
         low = _load_rows(L + row_ptrs, offs_n, hi, offs_r, R, R_P2, MASK_N).to(tl.float32)
@@ -328,22 +329,36 @@ def _half_planes(raw, ASM: tl.constexpr):
 
 
 @triton.jit
-def _plane_codes(raw, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr):
+def _field_planes(raw):
+    """Words of eight int3 codes (``[BLOCK_N, W]`` int32, code ``k`` at bit ``3k``: :func:`_fetch_bytes`) as
+    eight fp16 tiles ``1024 + code``, plane ``k`` holding code ``k`` of each word."""
+    return (_field_half(raw, 0, 7), _field_half(raw, 3, 7), _field_half(raw, 6, 7),
+            _field_half(raw, 9, 7), _field_half(raw, 12, 7), _field_half(raw, 15, 7),
+            _field_half(raw, 18, 7), _field_half(raw, 21, 7))
+
+
+@triton.jit
+def _plane_codes(raw, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, ASM: tl.constexpr, BITS: tl.constexpr = 2):
     """int2 codes read as words (``[BLOCK_N, R_P2 / 16]`` int32) as the fp16 tile ``1024 + code``
     ``[BLOCK_N, R_P2]`` in bit-plane order: column ``k·W + w`` holds channel ``8w + k`` (:func:`_channels`).
     Each plane keeps the pairs of :func:`_half_planes` (words ``w``, ``w + 1``) side by side, and the planes
     go to the major end by a permute, so no code is moved alone: 338 against 723 instructions a 128-key
-    tile at r 128 for the byte-wise unpacking, 188 against 381 at r 64 (a standalone probe, sm_90)."""
+    tile at r 128 for the byte-wise unpacking, 188 against 381 at r 64 (a standalone probe, sm_90).
+    ``BITS`` 3: ``raw`` holds eight codes a word (``[BLOCK_N, R_P2 / 8]``, :func:`_fetch_bytes`), and plane
+    ``k`` is field ``k`` of each word (:func:`_field_planes`), in the same column order."""
     W8: tl.constexpr = R_P2 // 8
-    a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = _half_planes(raw, ASM)
-    p0 = tl.join(a0, b0).reshape(BLOCK_N, W8)
-    p1 = tl.join(a1, b1).reshape(BLOCK_N, W8)
-    p2 = tl.join(a2, b2).reshape(BLOCK_N, W8)
-    p3 = tl.join(a3, b3).reshape(BLOCK_N, W8)
-    p4 = tl.join(a4, b4).reshape(BLOCK_N, W8)
-    p5 = tl.join(a5, b5).reshape(BLOCK_N, W8)
-    p6 = tl.join(a6, b6).reshape(BLOCK_N, W8)
-    p7 = tl.join(a7, b7).reshape(BLOCK_N, W8)
+    if BITS == 3:
+        p0, p1, p2, p3, p4, p5, p6, p7 = _field_planes(raw)
+    else:
+        a0, b0, a1, b1, a2, b2, a3, b3, a4, b4, a5, b5, a6, b6, a7, b7 = _half_planes(raw, ASM)
+        p0 = tl.join(a0, b0).reshape(BLOCK_N, W8)
+        p1 = tl.join(a1, b1).reshape(BLOCK_N, W8)
+        p2 = tl.join(a2, b2).reshape(BLOCK_N, W8)
+        p3 = tl.join(a3, b3).reshape(BLOCK_N, W8)
+        p4 = tl.join(a4, b4).reshape(BLOCK_N, W8)
+        p5 = tl.join(a5, b5).reshape(BLOCK_N, W8)
+        p6 = tl.join(a6, b6).reshape(BLOCK_N, W8)
+        p7 = tl.join(a7, b7).reshape(BLOCK_N, W8)
     # [BLOCK_N, W8, c, b, a] holds plane 4c + 2b + a; the permute puts the plane before the word
     t = tl.join(tl.join(tl.join(p0, p4), tl.join(p2, p6)), tl.join(tl.join(p1, p5), tl.join(p3, p7)))
     return tl.permute(t, (0, 2, 3, 4, 1)).reshape(BLOCK_N, R_P2)
@@ -359,15 +374,16 @@ def _decode_latent(raw, scale, low, R_P2: tl.constexpr, BLOCK_N: tl.constexpr, B
     int4 on the H200). fp16, not the queries' bf16: the scale and low are fp16 already, so the latents are
     in fp16's range, and its 11-bit significand rounds them less (``DTYPE`` is fp16 wherever the keys are
     codes), but fp32 where ``DTYPE`` is (fp32 queries). Padded channels read as their group's low (the basis
-    rows they meet are 0); masked keys as 0. ``PLANES``: int2 codes read as words, decoded by
-    :func:`_plane_codes` into bit-plane column order (channel scales read at :func:`_channels`)."""
+    rows they meet are 0); masked keys as 0. ``PLANES``: int2 codes read as words, or int3 ones as the bytes'
+    loop reads them, decoded by :func:`_plane_codes` into bit-plane column order (channel scales read at
+    :func:`_channels`)."""
     if BITS == 16:
         z = raw
     else:
         if LOG8:
             scale, low = _log8(scale, BITS)
         if PLANES:
-            codes = _plane_codes(raw, R_P2, BLOCK_N, ASM and DTYPE != tl.float32) - 1024.0
+            codes = _plane_codes(raw, R_P2, BLOCK_N, ASM and DTYPE != tl.float32, BITS) - 1024.0
             if DTYPE == tl.float32:
                 codes = codes.to(tl.float32)
                 scale_t, low_t = scale, low
@@ -787,16 +803,18 @@ def _attend_range(
     tl.static_assert(PREFETCH or not (K_PLANES or V_PLANES), "int2 planes: the prefetched loop only")
     # int4 nibbles read as words (K_NIBW, V_NIBW), prefetched only
     tl.static_assert(PREFETCH or not (K_NIBW or V_NIBW), "int4 words: the prefetched loop only")
-    WORDS_K: tl.constexpr = PAIR_K or K_PLANES or K_NIBW
-    WORDS_V: tl.constexpr = PAIR_V or V_PLANES or V_NIBW
+    WORDS_K: tl.constexpr = PAIR_K or (K_PLANES and K_BITS == 2) or K_NIBW  # int3 planes: the bytes' reads
+    WORDS_V: tl.constexpr = PAIR_V or (V_PLANES and V_BITS == 2) or V_NIBW
     if NIB_V:
         acc_e, acc_o = _split_acc(acc, BLOCK_M, R_V_P2, V_BITS)
     if PREFETCH:
         kr, ks, kl = _fetch_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
-                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K)
+                                   stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K,
+                                   K_PLANES)
         kp = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
         vr, vs, vl = _fetch_latent(ZV, SV, LV, start + offs_nt, end, stride_vn, stride_vr, stride_svn,
-                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V)
+                                   stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V,
+                                   V_PLANES)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
@@ -823,10 +841,10 @@ def _attend_range(
                                    not UPCAST)
             nxt = offs_n + BLOCK_N
             kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K)
+                                       R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K, K_PLANES)
             kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
-                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V)
+                                       R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V, V_PLANES)
             if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
@@ -1284,7 +1302,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
                     keys_left=k_bits in (16, 4), pairs=codes, channel_rows=codes, planes=codes,
-                    nibble_words=False)
+                    nibble_words=False, int3_planes=False)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -1631,6 +1649,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     rows = ch_mode == 2
     plane_k = planes and k_bits == 2 and _word_rows(z_k) and r_k_p2 >= 32 and (not k_channel or rows)
     plane_v = planes and v_bits == 2 and _word_rows(z_v) and r_v_p2 >= 32 and (not v_channel or rows)
+    # int3 codes met as bit planes, read as the bytes' loop reads them (an option until timed)
+    planes3 = bool(cfg.get("int3_planes")) and bool(cfg.get("prefetch")) and not cfg.get("fold_scales")
+    plane_k = plane_k or planes3 and k_bits == 3 and r_k_p2 >= 32 and (not k_channel or rows)
+    plane_v = plane_v or planes3 and v_bits == 3 and r_v_p2 >= 32 and (not v_channel or rows)
     nib_k = nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32 \
         and (not pre or bool(cfg.get("nibble_rebuild")))
     nib_v = nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32
@@ -1710,6 +1732,7 @@ def lowrank_attention(
     pairs: bool | None = None,
     channel_rows: bool | None = None,
     planes: bool | None = None,
+    int3_planes: bool | None = None,
     nibble_words: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
@@ -1771,6 +1794,10 @@ def lowrank_attention(
         bit-plane column order (:func:`_plane_codes`), the basis or query rows and the output columns read
         and written at the matching channels (:func:`_channels`); with ``prefetch`` only; ``None``: on for
         decode over codes (see :func:`_default_config`).
+        ``int3_planes``: int3 codes (padded ranks ≥ 32; the channel layout with its scales read as rows)
+        read as the bytes' loop reads them, eight codes a word, and decoded field by field into the bit-plane
+        column order of ``planes`` instead of interleaved back into channel order; with ``prefetch`` only; a
+        candidate, off until timed (a static count: docs/notes/kernel-tries.md).
         ``nibble_words``: int4 token-layout codes met as nibbles (``nibbles``) are read as 32-bit words, eight
         codes a register, so that no bytes are packed into a register before the nibbles' byte permutes
         (:func:`_word_nibbles`); with ``prefetch`` only; a candidate, off: at r 64 it lost to the default
@@ -1832,7 +1859,7 @@ def lowrank_attention(
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
                      late_values=late_values, pairs=pairs, channel_rows=channel_rows, planes=planes,
-                     nibble_words=nibble_words)
+                     int3_planes=int3_planes, nibble_words=nibble_words)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
