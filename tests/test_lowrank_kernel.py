@@ -1073,7 +1073,7 @@ def test_int3_planes_match_the_reference(key_mode, layout):
     """``int3_planes``: int3 codes decoded field by field into bit-plane column order, the basis or query rows
     and the output columns at the matching channels: against the reference on the dequantized latents and
     the byte-wise loop, keys in the token or the channel layout (scales by rows), values per token, latent
-    or projected output, split keys, padded ranks."""
+    or projected output, split keys, padded ranks; with left padding too."""
     atol, rtol = TOL[torch.bfloat16]
     for B, H, G, Nq, Nk, r_k, r_v, splits in PLANE3_CASES:
         args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16, padded=False)
@@ -1090,6 +1090,14 @@ def test_int3_planes_match_the_reference(key_mode, layout):
                                      key_mode=key_mode, **kwargs)
                 assert_close(out, expected, atol=atol, rtol=rtol, what=what)
                 assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the byte-wise loop")
+        if Nq == 1 and r_k == 112:  # left padding: token keys keep their planes, channel keys their bytes
+            _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+            with torch.no_grad():
+                out = lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **padded,
+                                           num_splits=splits, prefetch=True, int3_planes=True)
+                expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k,
+                                     P_v, key_mode=key_mode, **padded)
+            assert_close(out, expected, atol=atol, rtol=rtol, what=f"int3 planes {layout}, lengths")
 
 
 @triton.jit
