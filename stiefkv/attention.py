@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from stiefkv import kernels
-from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask
+from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask, refuse_no_tokens
 from stiefkv.kernels import CodesAndBand, QuantizedLatents, RopeSpec
 from stiefkv.layers import exact_band, head_bases, head_latents, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
@@ -124,6 +124,7 @@ class LowRankAttention(nn.Module):
     def forward(self, hidden_states: torch.Tensor, position_embeddings=None, attention_mask=None,
                 past_key_values=None, cache=None, position_ids=None, **kwargs):
         cache = as_latent_cache(cache if cache is not None else past_key_values)
+        refuse_no_tokens(hidden_states, cache)
         B, N, _ = hidden_states.shape
         if position_ids is None:
             past = cache.get_seq_length(self.layer_idx) if cache is not None else 0

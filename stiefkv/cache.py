@@ -156,6 +156,8 @@ class LatentCache(_dynamic_cache_class()):
             positions = positions.to(torch.int32)
             old = self.positions
             self.positions = positions if old is None else torch.cat([old, positions], 1)
+        _check_held(layer_idx, z_k.shape[2], z_v.shape[2], self.positions.shape[1])
+        if layer_idx == 0:
             self.lengths = lengths_from_mask(attention_mask, z_k.shape[0], z_k.shape[2])
         return z_k, z_v, self.positions, self.lengths
 
@@ -437,6 +439,31 @@ def _rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
 def cache_keyword(model: nn.Module) -> str:
     """The keyword this transformers version's ``forward`` takes a cache by (renamed in 5.24)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def refuse_no_tokens(hidden_states: torch.Tensor, cache) -> None:
+    """A clear error for a forward that brings no new tokens over a cache: ``generate`` passes only the ids
+    past the cache's length, so ids the cache already holds (a second question over the same compacted
+    cache, which the first ``generate`` extended) arrive as nothing."""
+    if hidden_states.shape[1] == 0:
+        held = cache.get_seq_length() if cache is not None else 0
+        raise ValueError(
+            f"the forward brings no new tokens over a cache of {held}: generate and the model take only the "
+            "ids past the cache's length, and these ids are all in it. Pass the tokens that follow the "
+            "cache's; to ask one compacted prompt several questions, give each its own copy "
+            "(copy.deepcopy(cache)): generate extends the cache it is given.")
+
+
+def _check_held(layer_idx: int, keys: int, values: int, positions: int) -> None:
+    """A clear error when a layer's latents and the cache's positions disagree in length: something shortened
+    the layer outside StiefKV (a kvpress press's forward hook prunes ``cache.layers[i].keys`` but not the
+    positions the rotation and the kernels read)."""
+    if keys != positions or values != positions:
+        raise ValueError(
+            f"layer {layer_idx} of this LatentCache holds {keys} key and {values} value latents but "
+            f"{positions} positions: something shortened it outside StiefKV (a kvpress press, or "
+            "cache.layers edited by hand). A served model's cache is shortened by stiefkv.compact(model, "
+            "cache, keep=...); kvpress's presses work on an uncompressed model's cache only.")
 
 
 def as_latent_cache(cache) -> LatentCache | None:

@@ -27,7 +27,7 @@ import torch
 from transformers import DynamicCache
 
 from stiefkv import presses
-from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword, refuse_padding
+from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword, refuse_no_tokens, refuse_padding
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import head_bases, head_latents, project_qkv, rotate_with
@@ -96,6 +96,7 @@ def install_hooks(model) -> None:
             if not isinstance(cache, CompactedCache) or i >= len(cache.prefix):
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            refuse_no_tokens(hidden, cache)
             refuse_padding(kwargs.get("attention_mask"))  # the cache's own mask would drop it silently
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
             return args, kwargs
@@ -673,6 +674,8 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     The result continues with ``model(ids, past_key_values=...)`` or ``model.generate(...)`` at the prompt's
     original positions."""
     try:
+        if isinstance(keep, (str, bytes, bool)):  # float() would take "0.5", and True as keep everything
+            raise TypeError
         keep = float(keep)
     except (TypeError, ValueError):
         raise ValueError(f"keep must be a number in (0, 1] (the fraction of the prompt's tokens kept), got "

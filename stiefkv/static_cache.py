@@ -560,8 +560,9 @@ class StaticLatentCache(LatentCache):
         if self.seen + n > self.max_length:
             raise CacheOverflowError(
                 f"the static cache holds {self.max_length} tokens per row and already has {self.seen}; "
-                f"{n} more do not fit. Allocate it with a larger max_length (stiefkv.generate: "
-                f"max_length=, generate: max_cache_len= or a smaller max_new_tokens)")
+                f"{n} more {'does' if n == 1 else 'do'} not fit. Allocate it with a larger max_length "
+                "(StiefKV's StaticLatentCache(model, batch, max_length); stiefkv.generate: max_length=; "
+                "generate: max_cache_len=) or ask for fewer new tokens (max_new_tokens)")
 
     def advance(self, n: int) -> None:
         """Count ``n`` slots written on the host (after a captured step's replays wrote them)."""
@@ -574,7 +575,8 @@ class StaticLatentCache(LatentCache):
         the valid lengths ``[B]`` (None without padding); attention reads ``n_valid`` of the slots."""
         n = z_k.shape[2]
         if z_k.shape[0] != self.rows:
-            raise ValueError(f"the static cache was allocated for batch {self.rows}, got {z_k.shape[0]}")
+            raise ValueError(f"the static cache was allocated for batch {self.rows}, got {z_k.shape[0]}: "
+                             f"allocate one for batch {z_k.shape[0]} (or pass {self.rows} rows)")
         if layer_idx == 0:
             self._start = self.seen  # the host's count before this forward (not read under capture)
             if not _capturing(z_k.device):

@@ -462,8 +462,9 @@ def test_bad_compact_requests_are_refused():
                            ({"selection": "best"}, "selection must be"), ({"fit_beta": "y"}, "fit_beta is")):
         with pytest.raises(ValueError, match=match):
             stiefkv.compact(model, cache, 0.3, **options)
-    with pytest.raises(ValueError, match="keep must be a number"):
-        stiefkv.compact(model, cache, keep="half")
+    for bad in ("half", "0.5", True):  # float() would take the string, and True as "keep everything"
+        with pytest.raises(ValueError, match="keep must be a number"):
+            stiefkv.compact(model, cache, keep=bad)
     assert stiefkv.compact(model, cache, keep=torch.tensor(0.3)).get_seq_length() == 20
     queries = cache.reference_queries
     for bad, match in ((queries[:1], "one tensor a layer"), ([q[..., :5] for q in queries], "of layer 0"),

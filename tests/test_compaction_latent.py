@@ -253,3 +253,27 @@ def test_compressed_context_perplexity_of_a_served_model():
     entry, full = entry_bytes(model, proj)
     dims = dims_of(model.config)
     assert full == dims.L * dims.G * 2 * dims.d * 2 and entry < full / 2
+
+
+def test_a_cache_shortened_outside_stiefkv_or_no_new_tokens_is_refused_clearly():
+    """A kvpress-style forward hook that prunes a served model's ``cache.layers[i].keys`` (not the positions)
+    is named at the next forward, not left to a shape error in the kernels; and a forward that brings no
+    new tokens over a cache (a second ``generate`` over the ids of a compacted prompt, on the plain and the
+    served model) says to pass the tokens after the cache's, or a copy of the cache per question."""
+    model, ids = prompt(6, 30)
+    G = dict(max_new_tokens=2, do_sample=False, pad_token_id=0, eos_token_id=None)
+    done = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.5)
+    with pytest.raises(ValueError, match="brings no new tokens over a cache of 30"):
+        model.generate(ids[:, -1:], **{cache_keyword(model): done}, **G)
+    with compressed(model, random_projections(model, 8, 8)):
+        cache = LatentCache()
+        with torch.no_grad():
+            model(ids, **{cache_keyword(model): cache}, use_cache=True)
+            for layer in cache.layers:  # what a press's hook does: keep half the tokens of every layer
+                layer.keys, layer.values = layer.keys[:, :, ::2], layer.values[:, :, ::2]
+            held = "layer 0 of this LatentCache holds 16 key and 16 value latents but 31 positions.*kvpress"
+            with pytest.raises(ValueError, match=held):
+                model(ids[:, -1:], **{cache_keyword(model): cache}, use_cache=True)
+        done = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.5)
+        with pytest.raises(ValueError, match="brings no new tokens.*copy.deepcopy"):
+            model.generate(ids[:, -1:], **{cache_keyword(model): done}, **G)

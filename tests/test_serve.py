@@ -260,15 +260,18 @@ def test_bad_input():
         stiefkv.generate(model, ids, max_new_tokens=5, max_length=20)
     cache = StaticLatentCache(model, 3, 20)
     model(ids, past_key_values=cache, use_cache=True)
-    with pytest.raises(CacheOverflowError, match="holds 20 tokens per row and already has 19; 2 more"):
+    with pytest.raises(CacheOverflowError, match="holds 20 tokens per row and already has 19; 2 more do not"):
         model(ids[:, :2], past_key_values=cache, use_cache=True)
+    model(ids[:, :1], past_key_values=cache, use_cache=True)  # the 20th slot
+    with pytest.raises(CacheOverflowError, match="already has 20; 1 more does not fit.*StaticLatentCache"):
+        model(ids[:, :1], past_key_values=cache, use_cache=True)
     with pytest.raises(ValueError, match="needs the model and ids on a CUDA device"):
         stiefkv.generate(model, ids, max_new_tokens=3, capture=True)
     right = torch.ones_like(ids)
     right[0, -3:] = 0
     with pytest.raises(ValueError, match="left-padded batches only"):
         stiefkv.generate(model, ids, attention_mask=right, max_new_tokens=3)
-    with pytest.raises(ValueError, match="allocated for batch 3"):
+    with pytest.raises(ValueError, match="allocated for batch 3, got 2: allocate one for batch 2"):
         model(ids[:2], past_key_values=StaticLatentCache(model, 3, 30), use_cache=True)
     with pytest.raises(ValueError, match="prepare the model with stiefkv.load"):
         StaticLatentCache(tiny_model("llama"), 1, 8)
