@@ -30,7 +30,7 @@ from stiefkv.layers import exact_band, head_bases, head_latents, project_qkv, ro
 from stiefkv.models import arch_of, decoder_layers, rope_spec
 from stiefkv.projections import PROJECTIONS_FILE, Projections
 from stiefkv.quant import FLOAT, QuantSpec, fake_quant, held_exact
-from stiefkv.static_cache import RingSplit, StaticLatentCache, transformers_static_length
+from stiefkv.static_cache import CacheOverflowError, RingSplit, StaticLatentCache, transformers_static_length
 
 log = logging.getLogger(__name__)
 
@@ -414,6 +414,10 @@ def _wrap_prepare_cache(original):
         kwarg_dicts = [obj for obj in list(args) + list(kwargs.values()) if isinstance(obj, dict)]
         # the user's own cache is in the model kwargs before transformers makes one: leave it to the forward
         given = {id(obj.get(key)) for obj in kwarg_dicts for key in ("cache", "past_key_values")}
+        for obj in kwarg_dicts:
+            for key in ("cache", "past_key_values"):
+                if isinstance(obj.get(key), StaticLatentCache):
+                    _check_static_room(obj[key], original, model, args, kwargs)
         result = original(model, *args, **kwargs)
         for obj in kwarg_dicts:
             for key in ("cache", "past_key_values"):
@@ -428,6 +432,22 @@ def _wrap_prepare_cache(original):
         return result
 
     return prepare
+
+
+def _check_static_room(cache: StaticLatentCache, original, model, args, kwargs) -> None:
+    """Before generate starts: a clear error when the user's static cache cannot hold what generate will
+    write (``max_cache_length``, the prompt plus the new tokens but the last), rather than after the tokens
+    that fit were computed. Skipped where transformers' signature does not name it."""
+    import inspect
+
+    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
+    needed = bound.get("max_cache_length")
+    if isinstance(needed, int) and needed > cache.max_length:  # the ids given include what the cache holds
+        raise CacheOverflowError(
+            f"the static cache passed to generate holds {cache.max_length} tokens per row; this generate "
+            f"needs {needed} (the ids and max_new_tokens, but the last new token). Allocate it with a larger "
+            "max_length (StiefKV's StaticLatentCache(model, batch, max_length)) or ask for fewer new tokens "
+            "(max_new_tokens)")
 
 
 def _static_batch(original, model, args, kwargs) -> int:

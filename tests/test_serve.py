@@ -265,6 +265,12 @@ def test_bad_input():
     model(ids[:, :1], past_key_values=cache, use_cache=True)  # the 20th slot
     with pytest.raises(CacheOverflowError, match="already has 20; 1 more does not fit.*StaticLatentCache"):
         model(ids[:, :1], past_key_values=cache, use_cache=True)
+    G = dict(attention_mask=mask, do_sample=False, pad_token_id=0, eos_token_id=None)
+    small = StaticLatentCache(model, 3, 22)  # generate writes 19 + 5 - 1: refused before the first step
+    with pytest.raises(CacheOverflowError, match="holds 22 tokens per row; this generate needs 23"):
+        model.generate(ids, past_key_values=small, max_new_tokens=5, **G)
+    assert small.seen == 0
+    assert model.generate(ids, past_key_values=small, max_new_tokens=4, **G).shape == (3, 23)  # 22 fit
     with pytest.raises(ValueError, match="needs the model and ids on a CUDA device"):
         stiefkv.generate(model, ids, max_new_tokens=3, capture=True)
     right = torch.ones_like(ids)
