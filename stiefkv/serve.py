@@ -16,6 +16,8 @@ that the two are compared on equal terms (``benchmarks/bench_serve.py``).
 from __future__ import annotations
 
 import logging
+import numbers
+import warnings
 
 import torch
 from torch import nn
@@ -61,7 +63,14 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     if not (isinstance(eos_token_id, str) and eos_token_id == "model"):
         _end_ids(eos_token_id)  # a bad end token is refused before any work
     device = input_ids.device
+    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral)):
+        raise ValueError(f"max_length must be a whole number of tokens a row, got {max_length!r}")
     max_length = N + max_new_tokens if max_length is None else int(max_length)
+    positions_max = getattr(model.config, "max_position_embeddings", None)
+    if isinstance(positions_max, int) and N + max_new_tokens > positions_max:
+        warnings.warn(f"the prompt ({N}) and {max_new_tokens} new tokens run past the model's "
+                      f"{positions_max} positions (max_position_embeddings); what it generates there is "
+                      "outside what it was trained on", stacklevel=2)
     if max_length < N + max_new_tokens:
         raise ValueError(f"max_length={max_length} cannot hold the prompt ({N}) and {max_new_tokens} new "
                          f"tokens; raise it to at least {N + max_new_tokens}")

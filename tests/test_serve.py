@@ -258,6 +258,11 @@ def test_bad_input():
     ids, mask = prompt()
     with pytest.raises(ValueError, match="cannot hold the prompt"):
         stiefkv.generate(model, ids, max_new_tokens=5, max_length=20)
+    for bad in ("30", 30.7, True):
+        with pytest.raises(ValueError, match="max_length must be a whole number"):
+            stiefkv.generate(model, ids, max_new_tokens=5, max_length=bad)
+    with pytest.warns(UserWarning, match="run past the model's 512 positions"):
+        stiefkv.generate(model, ids[:1, :8], max_new_tokens=505)
     cache = StaticLatentCache(model, 3, 20)
     model(ids, past_key_values=cache, use_cache=True)
     with pytest.raises(CacheOverflowError, match="holds 20 tokens per row and already has 19; 2 more do not"):
