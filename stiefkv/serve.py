@@ -63,7 +63,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     if not (isinstance(eos_token_id, str) and eos_token_id == "model"):
         _end_ids(eos_token_id)  # a bad end token is refused before any work
     device = input_ids.device
-    if max_length is not None and (isinstance(max_length, bool) or not isinstance(max_length, numbers.Integral)):
+    whole = isinstance(max_length, numbers.Integral) and not isinstance(max_length, bool)
+    if max_length is not None and not whole:
         raise ValueError(f"max_length must be a whole number of tokens a row, got {max_length!r}")
     max_length = N + max_new_tokens if max_length is None else int(max_length)
     positions_max = getattr(model.config, "max_position_embeddings", None)
