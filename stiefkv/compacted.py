@@ -210,7 +210,16 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
         queries = studied if window == 0 and not repeat else [torch.cat([a, b], 2)
                                                                for a, b in zip(queries, studied)]
     cache.reference_queries = queries
+    cache.model_probe = model_probe(model)
     return cache
+
+
+def model_probe(model) -> torch.Tensor:
+    """A few of layer 0's key-projection weights: enough to tell a cache prefilled by another checkpoint of
+    the same shapes (a base and an instruct model) from one of ``model``; eight values copied once a prefill,
+    where hashing every K/V weight would cost a second at 8B."""
+    attn = decoder_layers(model)[0].self_attn
+    return getattr(attn, "inner", attn).k_proj.weight.detach()[0, :8].float().cpu()
 
 
 @torch.no_grad()
@@ -624,6 +633,11 @@ def check_cache(model, cache) -> int:
     held = [la for la in cache.layers if la.get_seq_length()]
     if not held:
         raise ValueError("the cache is empty: prefill the prompt first (stiefkv.prefill(model, ids))")
+    probe = getattr(cache, "model_probe", None)
+    if probe is not None and not torch.equal(probe, model_probe(model)):
+        raise ValueError("the cache does not belong to this model: it was prefilled by a model with other "
+                         "key weights (another checkpoint of the same shapes); prefill with "
+                         "stiefkv.prefill(model, ids) on the model you compact for")
     if latent:
         if cache.lengths is not None:
             raise ValueError("compaction has no notion of padding: prefill unpadded rows")

@@ -462,6 +462,11 @@ def test_bad_compact_requests_are_refused():
                            ({"selection": "best"}, "selection must be"), ({"fit_beta": "y"}, "fit_beta is")):
         with pytest.raises(ValueError, match=match):
             stiefkv.compact(model, cache, 0.3, **options)
+    other = tiny_model(layers=2)  # the same shapes, other key weights: another checkpoint
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
+    with pytest.raises(ValueError, match="prefilled by a model with other key weights"):
+        stiefkv.compact(other, cache, keep=0.3)
     for bad in ("half", "0.5", True):  # float() would take the string, and True as "keep everything"
         with pytest.raises(ValueError, match="keep must be a number"):
             stiefkv.compact(model, cache, keep=bad)
