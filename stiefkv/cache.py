@@ -447,6 +447,8 @@ def refuse_no_tokens(hidden_states: torch.Tensor, cache) -> None:
     cache, which the first ``generate`` extended) arrive as nothing."""
     if hidden_states.shape[1] == 0:
         held = cache.get_seq_length() if cache is not None else 0
+        if not held:
+            raise ValueError("the forward brings no tokens: pass at least one token id a row")
         raise ValueError(
             f"the forward brings no new tokens over a cache of {held}: generate and the model take only the "
             "ids past the cache's length, and these ids are all in it. Pass the tokens that follow the "

@@ -277,3 +277,5 @@ def test_a_cache_shortened_outside_stiefkv_or_no_new_tokens_is_refused_clearly()
         done = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.5)
         with pytest.raises(ValueError, match="brings no new tokens.*copy.deepcopy"):
             model.generate(ids[:, -1:], **{cache_keyword(model): done}, **G)
+        with pytest.raises(ValueError, match="brings no tokens: pass at least one"):
+            model(ids[:, :0])
