@@ -438,10 +438,7 @@ def _check_static_room(cache: StaticLatentCache, original, model, args, kwargs) 
     """Before generate starts: a clear error when the user's static cache cannot hold what generate will
     write (``max_cache_length``, the prompt plus the new tokens but the last), rather than after the tokens
     that fit were computed. Skipped where transformers' signature does not name it."""
-    import inspect
-
-    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
-    needed = bound.get("max_cache_length")
+    needed = _prepare_arguments(original, model, args, kwargs).get("max_cache_length")
     if isinstance(needed, int) and needed > cache.max_length:  # the ids given include what the cache holds
         raise CacheOverflowError(
             f"the static cache passed to generate holds {cache.max_length} tokens per row; this generate "
@@ -450,13 +447,18 @@ def _check_static_room(cache: StaticLatentCache, original, model, args, kwargs) 
             "(max_new_tokens)")
 
 
+def _prepare_arguments(original, model, args, kwargs) -> dict:
+    """``_prepare_cache_for_generation``'s arguments by name, as this transformers version calls it."""
+    import inspect
+
+    return inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
+
+
 def _static_batch(original, model, args, kwargs) -> int:
     """The batch transformers sized its ``StaticCache`` for: ``_prepare_cache_for_generation``'s
     ``batch_size`` times the beams or returned sequences (the cache itself does not know it before its first
     tensor; transformers 5.17's ``max_batch_size`` then answers -1)."""
-    import inspect
-
-    bound = inspect.signature(original).bind_partial(model, *args, **kwargs).arguments
+    bound = _prepare_arguments(original, model, args, kwargs)
     config, batch = bound.get("generation_config"), bound.get("batch_size")
     if batch is None:
         raise ValueError("could not read the batch transformers sized its StaticCache for; pass "

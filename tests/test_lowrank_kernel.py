@@ -1017,6 +1017,22 @@ def test_channel_rows_match_the_per_element_scales(key_mode, bits):
             assert_close(out, expected, atol=atol, rtol=rtol, what=f"channel rows, lengths, k{Nk}")
 
 
+def planes_under_lengths(args, ck, cv, key_mode, splits, what, **option):
+    """The planes tests' left-padded decode: ``args`` of :func:`make_inputs` (one query), codes ``ck``, ``cv``
+    and the planes ``option``, against the reference with the same rows' lengths."""
+    atol, rtol = TOL[torch.bfloat16]
+    q, z_k, z_v, P_k, P_v = args
+    B, H, Nq, _ = q.shape
+    (G, Nk, r_k), r_v = z_k.shape[1:], z_v.shape[3]
+    _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+    with torch.no_grad():
+        out = lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **padded, num_splits=splits,
+                                   prefetch=True, **option)
+        expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k, P_v,
+                             key_mode=key_mode, **padded)
+    assert_close(out, expected, atol=atol, rtol=rtol, what=f"{what}, lengths")
+
+
 # (B, H, G, Nq, Nk, r_k, r_v, splits): one and two scale groups (112 keys, 96 values), padded ranks (112 →
 # 128: words past the rank masked), rows not a multiple of 4 bytes (40 and 72 channels: the byte-wise loop),
 # and five queries in one causal decode tile
@@ -1053,13 +1069,7 @@ def test_int2_planes_match_the_reference(key_mode, layout):
                                                num_splits=splits, **extra)
                 assert torch.equal(default, out), what + ": the default configuration is not the planes"
         if Nq == 1 and r_k == 112:  # left padding: channel keys fall back to their per-element scales
-            _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
-            with torch.no_grad():
-                out = lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **padded,
-                                           num_splits=splits, prefetch=True, planes=True)
-                expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k,
-                                     P_v, key_mode=key_mode, **padded)
-            assert_close(out, expected, atol=atol, rtol=rtol, what=f"int2 planes {layout}, lengths")
+            planes_under_lengths(args, ck, cv, key_mode, splits, f"int2 planes {layout}", planes=True)
 
 
 # (B, H, G, Nq, Nk, r_k, r_v, splits): two scale groups and padded ranks (72 → 128, 40 → 64), one group (r 24
@@ -1091,13 +1101,7 @@ def test_int3_planes_match_the_reference(key_mode, layout):
                 assert_close(out, expected, atol=atol, rtol=rtol, what=what)
                 assert_close(out, plain, atol=atol, rtol=rtol, what=what + " against the byte-wise loop")
         if Nq == 1 and r_k == 112:  # left padding: token keys keep their planes, channel keys their bytes
-            _, padded = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
-            with torch.no_grad():
-                out = lk.lowrank_attention(q, ck, cv, P_k, P_v, key_mode=key_mode, **padded,
-                                           num_splits=splits, prefetch=True, int3_planes=True)
-                expected = reference(q, ck.dequantize(torch.bfloat16), cv.dequantize(torch.bfloat16), P_k,
-                                     P_v, key_mode=key_mode, **padded)
-            assert_close(out, expected, atol=atol, rtol=rtol, what=f"int3 planes {layout}, lengths")
+            planes_under_lengths(args, ck, cv, key_mode, splits, f"int3 planes {layout}", int3_planes=True)
 
 
 @triton.jit

@@ -800,7 +800,7 @@ def _attend_range(
     PAIR_V: tl.constexpr = NIB_V and V_BITS == 8
     tl.static_assert(PREFETCH or not (PAIR_K or PAIR_V), "int8 pairs are read by the prefetched loop only")
     # int2 codes read as words and met as bit planes (the other operand's rows at _channels), prefetched only
-    tl.static_assert(PREFETCH or not (K_PLANES or V_PLANES), "int2 planes: the prefetched loop only")
+    tl.static_assert(PREFETCH or not (K_PLANES or V_PLANES), "int2 and int3 planes: the prefetched loop only")
     # int4 nibbles read as words (K_NIBW, V_NIBW), prefetched only
     tl.static_assert(PREFETCH or not (K_NIBW or V_NIBW), "int4 words: the prefetched loop only")
     WORDS_K: tl.constexpr = PAIR_K or (K_PLANES and K_BITS == 2) or K_NIBW  # int3 planes: the bytes' reads
@@ -1651,8 +1651,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     plane_v = planes and v_bits == 2 and _word_rows(z_v) and r_v_p2 >= 32 and (not v_channel or rows)
     # int3 codes met as bit planes, read as the bytes' loop reads them (an option until timed)
     planes3 = bool(cfg.get("int3_planes")) and bool(cfg.get("prefetch")) and not cfg.get("fold_scales")
-    plane_k = plane_k or planes3 and k_bits == 3 and r_k_p2 >= 32 and (not k_channel or rows)
-    plane_v = plane_v or planes3 and v_bits == 3 and r_v_p2 >= 32 and (not v_channel or rows)
+    plane_k = plane_k or (planes3 and k_bits == 3 and r_k_p2 >= 32 and (not k_channel or rows))
+    plane_v = plane_v or (planes3 and v_bits == 3 and r_v_p2 >= 32 and (not v_channel or rows))
     nib_k = nibbles and k_bits == 4 and not k_channel and r_k_p2 >= 32 \
         and (not pre or bool(cfg.get("nibble_rebuild")))
     nib_v = nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32
