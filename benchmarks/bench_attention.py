@@ -137,9 +137,11 @@ QUANT_SWEEP = [
     {"nibble_words": True, "prefetch": True, "block_n": 256, "splits": 2},
     # int3 only: codes met as bit planes, field by field, read as the bytes' loop reads them (2026-12-05,
     # eighth session; kernel_sass.py --channel 3, triton 3.6: channel keys with scale rows at r 128 and
-    # 64-key tiles 1881 → 1585 instructions a tile pre_rope, 1422 → 1082 post_rope; token keys even)
+    # 64-key tiles 1881 → 1585 instructions a tile pre_rope, 1422 → 1082 post_rope; token keys even). On
+    # since for pre_rope channel keys, whose int3 tiles are 64 keys wide as token keys' are (H100, 2026-12-06)
     {"int3_planes": True},
-    {"int3_planes": True, "block_n": 64},
+    {"int3_planes": False},
+    {"int3_planes": True, "block_n": 128},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")

@@ -582,18 +582,22 @@ def test_int8_pairs_match_the_reference(case, key_mode, log8):
 def test_decode_over_codes_defaults(key_mode):
     """Decode over codes turns ``pairs``, ``planes`` and ``channel_rows`` on (the launcher applies each to
     the codes it fits); ``pre_rope`` over int8, int2 or channel-layout keys wider than 64 channels takes
-    64-key tiles, and so do wide channel-layout keys of either mode under ``lengths``; bf16 latents and
-    int4 token-layout keys keep their tiles."""
+    64-key tiles, and so do int3 keys and wide channel-layout keys of either mode under ``lengths``; bf16
+    latents and int4 token-layout keys keep their tiles. ``pre_rope`` int3 channel-layout keys are met as
+    planes (``int3_planes``)."""
     for r_k, bits, channel, padded in [(128, 8, False, False), (100, 8, False, True), (64, 8, False, False),
                                        (128, 4, False, True), (40, 8, False, False), (112, 2, False, False),
                                        (112, 2, True, False), (112, 4, True, False), (112, 3, True, True),
-                                       (64, 2, True, True), (56, 4, True, False)]:
+                                       (64, 2, True, True), (56, 4, True, False), (128, 3, False, False),
+                                       (72, 3, False, True), (128, 3, True, False)]:
         cfg = lk._default_config(2, 4096, key_mode, 16, 132, r_k, True, bits, k_channel=channel,
                                  left_padded=padded)
         assert cfg["pairs"] and cfg["planes"] and cfg["channel_rows"] and cfg["prefetch"]
-        assert not (cfg["nibble_words"] or cfg["int3_planes"])  # candidates, not timed to win
+        assert not cfg["nibble_words"]  # a candidate, not timed to win
+        assert cfg["int3_planes"] == (key_mode == "pre_rope" and bits == 3 and channel)
         wide = r_k > 64
-        narrow = wide and ((key_mode == "pre_rope" and (bits in (8, 2) or channel)) or (channel and padded))
+        narrow = wide and ((key_mode == "pre_rope" and (bits in (8, 3, 2) or channel))
+                           or (channel and padded))
         assert cfg["block_n"] == (64 if narrow else 128), (r_k, bits, channel, padded, cfg)
     bf16 = lk._default_config(2, 4096, key_mode, 16, 132, 128, False, 16)
     assert not (bf16["pairs"] or bf16["planes"] or bf16["channel_rows"])

@@ -1287,13 +1287,17 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     int8 does: at r 112, 8×16k and 4×128k, int2
     channel keys with planes 0.356 → 0.242 and 1.301 → 0.860 ms, int4 channel keys with rows 0.327 →
     0.228 and 1.198 → 0.823. So do channel-layout keys of either mode under ``lengths`` (scales per element,
-    not rows): int4 r 112 ``post_rope`` 0.646 → 0.192 ms at 8×16k, 2.358 → 0.692 at 4×128k."""
+    not rows): int4 r 112 ``post_rope`` 0.646 → 0.192 ms at 8×16k, 2.358 → 0.692 at 4×128k. int3 keys
+    wider than 64 channels join that rule in ``pre_rope`` (their 128-key tile keeps 288 bytes on the stack,
+    triton 3.6, sm_90): token layout at r 128 with ``int3_planes``, 0.459 → 0.331 ms at 8×16k and 1.707 →
+    1.214 at 4×128k. Channel-layout int3 ``pre_rope`` keys are met as planes (``int3_planes``): 0.381 →
+    0.366 and 1.417 → 1.355 ms; not ``post_rope``'s (0.251 → 0.281 at 128 keys) (H100, 2026-12-06)."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if codes else 1)
         block_n = 128 if r_k <= 32 or codes else 64
         wide_keys = padded_dim(r_k) > 64
-        if codes and key_mode == "pre_rope" and wide_keys and (k_bits in (8, 2) or k_channel):
+        if codes and key_mode == "pre_rope" and wide_keys and (k_bits in (8, 3, 2) or k_channel):
             block_n = 64  # the rebuilt 128-key tile spills
         if codes and k_channel and left_padded and wide_keys:
             block_n = 64  # per-element scale loads at 128 keys spill
@@ -1302,7 +1306,8 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
                     keys_left=k_bits in (16, 4), pairs=codes, channel_rows=codes, planes=codes,
-                    nibble_words=False, int3_planes=False)
+                    nibble_words=False,
+                    int3_planes=codes and key_mode == "pre_rope" and k_bits == 3 and k_channel)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
@@ -1649,7 +1654,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     rows = ch_mode == 2
     plane_k = planes and k_bits == 2 and _word_rows(z_k) and r_k_p2 >= 32 and (not k_channel or rows)
     plane_v = planes and v_bits == 2 and _word_rows(z_v) and r_v_p2 >= 32 and (not v_channel or rows)
-    # int3 codes met as bit planes, read as the bytes' loop reads them (an option until timed)
+    # int3 codes met as bit planes, read as the bytes' loop reads them
     planes3 = bool(cfg.get("int3_planes")) and bool(cfg.get("prefetch")) and not cfg.get("fold_scales")
     plane_k = plane_k or (planes3 and k_bits == 3 and r_k_p2 >= 32 and (not k_channel or rows))
     plane_v = plane_v or (planes3 and v_bits == 3 and r_v_p2 >= 32 and (not v_channel or rows))
@@ -1796,8 +1801,9 @@ def lowrank_attention(
         decode over codes (see :func:`_default_config`).
         ``int3_planes``: int3 codes (padded ranks ≥ 32; the channel layout with its scales read as rows)
         read as the bytes' loop reads them, eight codes a word, and decoded field by field into the bit-plane
-        column order of ``planes`` instead of interleaved back into channel order; with ``prefetch`` only; a
-        candidate, off until timed (a static count: docs/notes/kernel-tries.md).
+        column order of ``planes`` instead of interleaved back into channel order; with ``prefetch`` only;
+        ``None``: on for ``pre_rope`` decode over int3 channel-layout keys, the case it was timed to win
+        (see :func:`_default_config`).
         ``nibble_words``: int4 token-layout codes met as nibbles (``nibbles``) are read as 32-bit words, eight
         codes a register, so that no bytes are packed into a register before the nibbles' byte permutes
         (:func:`_word_nibbles`); with ``prefetch`` only; a candidate, off: at r 64 it lost to the default
