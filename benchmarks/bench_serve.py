@@ -668,7 +668,12 @@ def main() -> None:
         parser.error(f"--storage-from serves the checkpoint's ranks and storage; drop {', '.join(given)}")
     if args.key_mode == "auto" and not args.storage_from:
         parser.error("--key-mode auto picks per layer from a checkpoint's ranks: it needs --storage-from")
+    from stiefkv.evaluate import BASELINES
     from stiefkv.kernels import lowrank
+
+    if args.baseline_cache is not None and args.baseline_cache not in BASELINES:  # before any prefill
+        parser.error(f"--baseline-cache {args.baseline_cache!r} is not a baseline; choose one of "
+                     f"{', '.join(BASELINES)}")
 
     if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
