@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,bits=16")
     args = ap.parse_args()
+    extra = utils.calibration_keywords(args.extra)  # a bad setting stops here, before any model is built
     device = distributed.init_from_env(args.device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     leader = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
@@ -63,7 +64,6 @@ def main() -> None:
             torch.distributed.broadcast(p.data, src=0)
     seqs = torch.randint(0, model.config.vocab_size, (args.sequences, args.seq_len),
                          generator=torch.Generator().manual_seed(0))
-    extra = utils.calibration_keywords(args.extra)
     seconds: dict[str, float] = {}
     for name in ("first_pass", "second_pass"):
         setattr(pipeline, name, timed(seconds, name, getattr(pipeline, name)))

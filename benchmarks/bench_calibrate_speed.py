@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,method=pca")
     args = ap.parse_args()
+    extra = utils.calibration_keywords(args.extra)  # a bad setting stops here, before any model is built
     print(utils.header(), flush=True)
     tok = seqs = None
     if args.model:
@@ -38,7 +39,6 @@ def main() -> None:
     else:
         model = utils.random_llama(args, args.device, getattr(torch, args.dtype))
         seqs = torch.randint(0, model.config.vocab_size, (args.sequences, args.seq_len))
-    extra = utils.calibration_keywords(args.extra)
     if args.device.startswith("cuda"):
         torch.cuda.synchronize()
     t0 = time.perf_counter()

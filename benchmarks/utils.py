@@ -338,7 +338,33 @@ def random_llama(args, device, dtype: torch.dtype):
         return LlamaForCausalLM(config).to(dtype).eval()
 
 
+def _setting_value(text: str):
+    """A setting's text as Python takes it: ``true``/``false`` a bool, an integer, a number
+    (``1e-3``, ``-0.5``), else the text itself (``pca``, ``auto``)."""
+    if text.lower() in ("true", "false"):
+        return text.lower() == "true"
+    for parse in (int, float):
+        try:
+            return parse(text)
+        except ValueError:
+            pass
+    return text
+
+
 def calibration_keywords(text: str) -> dict:
-    """``steps=20,lr=0.005,method=pca`` → keyword arguments of ``stiefkv.calibrate`` (numbers parsed)."""
-    pairs = dict(kv.split("=") for kv in text.split(",") if kv)
-    return {k: (float(v) if "." in v else int(v) if v.isdigit() else v) for k, v in pairs.items()}
+    """``steps=20,lr=1e-3,method=pca,kernel_storage=true`` → keyword arguments of ``stiefkv.calibrate``
+    (bools and numbers parsed), checked against the calibration settings before any model is built."""
+    from stiefkv.calibrate.pipeline import CalibrationConfig
+
+    pairs = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"--extra: {item!r} is not NAME=VALUE (settings are comma-separated, e.g. "
+                             "steps=20,lr=1e-3)")
+        pairs[name.strip()] = _setting_value(value.strip())
+    try:
+        CalibrationConfig.from_kwargs(**pairs)
+    except (TypeError, ValueError) as err:
+        raise SystemExit(f"--extra {text!r}: {err}") from None
+    return pairs

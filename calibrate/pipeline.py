@@ -8,6 +8,8 @@ from __future__ import annotations
 import hashlib
 import logging
 import math
+import numbers
+import os
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -160,7 +162,32 @@ class CalibrationConfig:
     window8: bool = True
     share_heads: bool = False
 
+    def _check_types(self) -> None:
+        """Each setting of the type of its default: a number where a number goes (never a bool), a bool
+        where a switch goes (the string ``"false"`` is true to Python), text for the choices (``bits`` an
+        integer too, ``data`` a path too)."""
+        for f in fields(self):
+            value, default = getattr(self, f.name), f.default
+            if default is None:
+                continue  # recent: checked below
+            if isinstance(default, bool):
+                ok, kind = isinstance(value, bool), "True or False"
+            elif isinstance(default, int):
+                ok, kind = isinstance(value, numbers.Integral) and not isinstance(value, bool), "an integer"
+            elif isinstance(default, float):
+                ok, kind = isinstance(value, numbers.Real) and not isinstance(value, bool), "a number"
+            elif f.name == "bits":
+                ok, kind = isinstance(value, (str, int)) and not isinstance(value, bool), "text or an integer"
+            elif f.name == "data":
+                ok, kind = isinstance(value, (str, os.PathLike)), "a name or a path"
+            else:
+                ok, kind = isinstance(value, str), "a string"
+            if not ok:
+                raise TypeError(f"calibration setting {f.name} must be {kind}, got {value!r} "
+                                f"({type(value).__name__})")
+
     def validate(self) -> "CalibrationConfig":
+        self._check_types()
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
         if str(self.bits) not in BITS_CHOICES:

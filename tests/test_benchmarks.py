@@ -712,3 +712,20 @@ def test_bench_serve_decode_options_override_decode_only(monkeypatch):
     args = argparse.Namespace(storage_from=None, budget=1.0, bits=8, recent=16,
                               decode_option={"pairs": False})
     assert bs.cache_label(args) == "stiefkv 1 int8 r16 pairs=False"
+
+
+def test_calibration_keywords_parse_and_refuse():
+    """``--extra`` of the calibration benchmarks: bools, integers and numbers parsed as the settings take
+    them (``kernel_storage=false`` was the truthy string ``'false'``, ``lr=1e-3`` a string), and a bad
+    setting refused with its name before any model is built."""
+    got = utils.calibration_keywords("steps=20,lr=1e-3,kl_weight=-0,method=pca,kernel_storage=false,bits=16")
+    assert got == dict(steps=20, lr=1e-3, kl_weight=0.0, method="pca", kernel_storage=False, bits=16)
+    assert isinstance(got["steps"], int) and got["kernel_storage"] is False
+    assert utils.calibration_keywords("") == {}
+    for text, message in [("steps=20,method", "'method' is not NAME=VALUE"),
+                          ("rank=3", "unknown calibration"), ("steps=-1", "steps ≥ 0"),
+                          ("method=svd", "method must be one of"),
+                          ("share_heads=maybe", "share_heads must be True or False")]:
+        with pytest.raises(SystemExit, match=message):
+            utils.calibration_keywords(text)
+

@@ -178,6 +178,14 @@ def test_calibrate_rejects_bad_settings():
         stiefkv.calibrate(tiny_model(), CharTokenizer(), method="svd")
     with pytest.raises(TypeError, match="unknown calibration settings"):
         stiefkv.calibrate(tiny_model(), CharTokenizer(), rank=3)
+    # a setting of the wrong type: "false" is true to Python, "20" steps would compare as text
+    for bad, message in [(dict(kernel_storage="false"), "kernel_storage must be True or False, got 'false'"),
+                         (dict(steps="20"), "steps must be an integer, got '20'"),
+                         (dict(steps=2.5), "steps must be an integer"),
+                         (dict(lr="1e-3"), "lr must be a number"),
+                         (dict(budget=True), "budget must be a number"), (dict(method=3), "method must be")]:
+        with pytest.raises(TypeError, match=message):
+            stiefkv.calibrate(tiny_model(), CharTokenizer(), **bad)
 
 
 # ---------------------------------------------------------------------------------------------- data
