@@ -729,3 +729,32 @@ def test_calibration_keywords_parse_and_refuse():
         with pytest.raises(SystemExit, match=message):
             utils.calibration_keywords(text)
 
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cases", "2x64", "2by64"], "'2by64': expected BATCHxCONTEXT"),
+    (["--cases", "0x64"], "'0x64': expected BATCHxCONTEXT"),
+    (["--rounds", "0"], "--rounds: 0 is below 1"),
+    (["--new-tokens", "0"], "--new-tokens: 0 is below 1"),
+    (["--chunk", "-4"], "--chunk: -4 is below 1"),
+    (["--code-slice", "x"], "--code-slice: 'x' is not an integer"),
+    (["--budget", "1.5"], "--budget must be in (0, 1]"),
+    (["--cap-gib", "0"], "--cap-gib must be above 0"),
+    (["--storage-from", "no/such.safetensors"], "no such checkpoint file"),
+    (["--baseline-cache", "kivi5"], "'kivi5' is not a baseline"),
+])
+def test_bench_serve_refuses_bad_arguments_before_any_work(argv, message, monkeypatch, capsys):
+    """bench_serve's arguments are checked as they are parsed: a typo in the last of several cases, or a
+    round count of 0, no longer waits for a model to be built and the first cases' prefill (minutes on a
+    GPU)."""
+    import bench_serve as bs
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("a model was built before the arguments were checked")
+
+    monkeypatch.setattr(bs, "LlamaForCausalLM", no_model)
+    monkeypatch.setattr(sys, "argv", ["bench_serve.py", "--tiny", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        bs.main()
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
