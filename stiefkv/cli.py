@@ -29,6 +29,7 @@ from stiefkv.calibrate.pipeline import (
     CalibrationConfig,
 )
 from stiefkv.calibrate.profile import WEIGHTINGS
+from stiefkv.data import check_data
 from stiefkv.quant import DEFAULT_RECENT
 
 DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
@@ -97,15 +98,20 @@ def _setup(device: str, dtype: str, seed: int, debug: bool):
     """Logging, the seed, and the resolved ``(device, dtype)``; a bad ``--device`` is a one-line error."""
     import torch
 
-    from stiefkv.models import resolve_device
-
     _logging(debug)
-    try:
-        dev = resolve_device(device)
-    except ValueError as exc:
-        raise UserError(f"--device {device}: {exc}") from None
+    dev = _device(device)
     torch.manual_seed(seed)
     return str(dev), getattr(torch, DTYPES[dtype])
+
+
+def _device(device: str):
+    """``resolve_device``, its refusal a one-line error naming ``--device``."""
+    from stiefkv.models import resolve_device
+
+    try:
+        return resolve_device(device)
+    except ValueError as exc:
+        raise UserError(f"--device {device}: {exc}") from None
 
 
 def _logging(debug: bool) -> None:
@@ -297,6 +303,9 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
 
     def work():
         cfg = CalibrationConfig.from_kwargs(seed=seed, **settings)  # bad settings fail before the model loads
+        check_data(cfg.data, "calibration")
+        for each in devices or ():
+            _device(each)  # every device of the list, before the model loads (place_layers uses them)
         if plot is not None:
             require_matplotlib()
             if cfg.allocation != "dp":
@@ -485,6 +494,8 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
 
     def work():
         _check_outputs({"--json": None if to_stdout else json_path}, model, files=(projections,), data=data)
+        if passkey is None:  # the pass-key prompts are generated, not read
+            check_data(data, "test")
         from stiefkv.evaluate import (
             baseline_projections,
             evaluate_through_cache,

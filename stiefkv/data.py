@@ -101,6 +101,36 @@ def _read_texts(path: Path) -> list[str]:
     raise DataError(f"{path}: data files must be .txt or .jsonl")
 
 
+def check_data(spec: str, split: str = "calibration") -> None:
+    """Refuse a data spec :func:`load_texts` would refuse, without reading it: run before a model loads, so
+    a typo in ``--data`` costs no load. WikiText-2 is found locally or left to the ``datasets`` library (the
+    hub is not asked here)."""
+    if spec == "self":
+        return
+    if spec == "wikitext2":
+        name = WIKITEXT_FILES[split]
+        if any((root / "wikitext-2" / name).is_file() for _, root in data_dirs()):
+            return
+        try:
+            import datasets  # noqa: F401
+        except ImportError:
+            looked = [f"{root / 'wikitext-2' / name} ({how})" for how, root in data_dirs()]
+            raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}; the datasets library is "
+                            f"not installed. Set STIEFKV_DATA_DIR to a folder holding wikitext-2/{name}, or "
+                            "pip install datasets (needs the Hugging Face hub)") from None
+        return
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix not in (".txt", ".jsonl"):
+            raise DataError(f"{path}: data files must be .txt or .jsonl")
+        return
+    if path.is_dir():
+        if not any(p.suffix in (".txt", ".jsonl") and p.is_file() for p in path.rglob("*")):
+            raise DataError(f"folder {path} holds no .txt or .jsonl files")
+        return
+    raise DataError(f"data {spec!r} is not 'wikitext2', 'self', nor an existing .txt/.jsonl file or folder")
+
+
 def load_texts(spec: str, split: str = "calibration") -> list[str]:
     """Documents of a data spec (``wikitext2``, a file or a folder); ``self`` is handled by the caller."""
     if split not in WIKITEXT_FILES:

@@ -117,6 +117,16 @@ def test_settings_refused_before_any_work(tmp_path, corpus, fake_loader):
         assert "finite" in result.output
     result = run(["eval", "m", "--backend", "triton", "--device", "cpu"], 2)
     assert "--backend reference" in result.output
+    # the data and every device of a list are checked before the model loads too
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "table.csv").write_text("a,b\n")
+    for data, message in [(tmp_path / "typo.txt", "is not 'wikitext2', 'self', nor an existing"),
+                          (tmp_path / "empty", "holds no .txt or .jsonl files"),
+                          (tmp_path / "table.csv", "data files must be .txt or .jsonl")]:
+        assert message in run(["calibrate", "m", "--data", data, "-o", out, *CALIBRATE_SMALL], 2).output
+        assert message in run(["eval", "m", "--data", data], 2).output
+    result = run(["calibrate", "m", "--data", corpus, "--device", "cpu,cpux", "-o", out, *CALIBRATE_SMALL], 2)
+    assert "--device cpux: unknown device" in result.output
     assert not fake_loader.calls and not out.exists()
 
 
@@ -541,10 +551,10 @@ def test_wikitext_is_found_beside_the_repository_or_in_the_working_directory(tmp
 # ---------------------------------------------------------------------------------- 11. --device auto
 
 
-def test_device_defaults_to_auto(tmp_path, fake_loader, monkeypatch):
+def test_device_defaults_to_auto(tmp_path, corpus, fake_loader, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     run(["calibrate", "m", "-o", tmp_path / "o.safetensors", "--seq-len", "1024"], 2)  # stops after loading
-    run(["eval", "m", "--window", "64", "--data", "no-such-file"], 2)
+    run(["eval", "m", "--window", "1024", "--data", corpus], 2)  # past the tiny model's positions
     assert [kwargs["device"] for _, kwargs in fake_loader.calls] == ["cpu", "cpu"]
     assert stiefkv.models.resolve_device("auto") == torch.device("cpu")
 
