@@ -535,11 +535,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--tables", nargs="+", default=list(TABLES), choices=TABLES)
     parser.add_argument("--quick", action="store_true", help="two decode shapes (1x32k, 4x128k)")
-    parser.add_argument("--shapes", nargs="+", metavar="BxN",
+    parser.add_argument("--shapes", nargs="+", metavar="BxN", type=utils.batch_context,
                         help="decode shapes instead of the four (e.g. 16x16384 4x131072)")
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="the quant table's key modes")
-    parser.add_argument("--rank", type=int, default=None,
+    parser.add_argument("--rank", type=utils.at_least(1), default=None,
                         help="quant table: the latents' rank instead of 50 %% (64), e.g. 56 (12.5 %% is r 56 "
                              "x int4)")
     parser.add_argument("--bits", nargs="+", type=int, default=list(QUANT_BITS), choices=(16, 8, 4, 3, 2),
@@ -552,6 +552,13 @@ def main() -> None:
                         help="quant table: key codes in the channel layout (auto's low budgets, KIVI), "
                              "values per token")
     args = parser.parse_args()
+    options = sorted({key for entry in QUANT_SWEEP for key in entry})
+    unknown = sorted(set(args.sweep_with or ()) - set(options))
+    if unknown:  # it filtered the sweep to nothing, silently, after the decode table had run
+        parser.error(f"--sweep-with {' '.join(unknown)}: not an option of the quant sweep; choose among "
+                     f"{', '.join(options)}")
+    if args.rank is not None and args.rank > D_HEAD:
+        parser.error(f"--rank {args.rank} is above the head dimension {D_HEAD}")
     torch.manual_seed(0)
     print(utils.header(), flush=True)
     shapes = DECODE_SHAPES[::3] if args.quick else DECODE_SHAPES

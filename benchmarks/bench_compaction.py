@@ -24,6 +24,7 @@ from stiefkv.compacted import DEFAULT_PIN
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
 from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted, evaluate_retrieval
+from stiefkv.longcontext import METHODS as METHOD_NAMES
 
 # variants of AM's defaults (stiefkv.compaction.AM_DEFAULTS), and of the eviction by the same queries
 VARIANTS = {
@@ -60,28 +61,34 @@ VARIANTS = {
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--context", type=int, default=4096)
-    ap.add_argument("--score", type=int, default=512)
-    ap.add_argument("--keep", type=float, default=0.1)
-    ap.add_argument("--chunks", type=int, default=None, help="first N chunks (default: all)")
-    ap.add_argument("--window", type=int, default=DEFAULT_WINDOW)
-    ap.add_argument("--methods",
+    ap.add_argument("--context", type=utils.at_least(1), default=4096)
+    ap.add_argument("--score", type=utils.at_least(1), default=512)
+    ap.add_argument("--keep", type=utils.share, default=0.1)
+    ap.add_argument("--chunks", type=utils.at_least(1), default=None, help="first N chunks (default: all)")
+    ap.add_argument("--window", type=utils.at_least(1), default=DEFAULT_WINDOW)
+    ap.add_argument("--methods", type=utils.comma_list(str, METHOD_NAMES),
                     default="am,attention,expected_attention,snapkv,streaming_llm,tova,knorm")
-    ap.add_argument("--variants", default="",
+    ap.add_argument("--variants", default=[],
+                    type=utils.comma_list(lambda v: v.replace("_", " "), list(VARIANTS)),
                     help=f"comma-separated variants of {', '.join(VARIANTS)} ('_' for ' ')")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--task", choices=["ppl", "retrieval"], default="ppl",
                     help="compressed-context perplexity, or pass-key retrieval (rows to retrieval.jsonl)")
-    ap.add_argument("--samples", type=int, default=20, help="pass-key prompts (--task retrieval)")
+    ap.add_argument("--samples", type=utils.at_least(1), default=20,
+                    help="pass-key prompts (--task retrieval)")
     ap.add_argument("--seed", type=int, default=0, help="of the pass-key prompts")
     ap.add_argument("--projections", default=None,
                     help="a checkpoint: compact the served model's latent cache (ranks × tokens)")
     args = ap.parse_args()
+    if args.projections and args.task == "retrieval":
+        ap.error("--projections compacts a served model's cache for --task ppl; retrieval runs the model as "
+                 "loaded: drop one of them")
+    if args.projections and not Path(args.projections).is_file():
+        ap.error(f"--projections {args.projections}: no such checkpoint file")
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
     model, tok = stiefkv.load_model(args.model, device=args.device)
-    runs = [(m, {}) for m in args.methods.split(",") if m] + [
-        (v, VARIANTS[v]) for v in args.variants.replace("_", " ").split(",") if v]
+    runs = [(m, {}) for m in args.methods] + [(v, VARIANTS[v]) for v in args.variants]
     for name, options in runs:
         if args.task == "retrieval":
             retrieval_row(model, tok, args, name, options)

@@ -45,10 +45,10 @@ def compact_all(keys, values, queries, t: int, scale: float, surprise: torch.Ten
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
-    ap.add_argument("--lengths", default="4096,8192,16384,32768")
-    ap.add_argument("--keep", type=float, default=0.1)
-    ap.add_argument("--window", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--lengths", type=utils.comma_list(utils.at_least(1)), default=[4096, 8192, 16384, 32768])
+    ap.add_argument("--keep", type=utils.share, default=0.1)
+    ap.add_argument("--window", type=utils.at_least(1), default=1024)
+    ap.add_argument("--repeat", type=utils.at_least(1), default=3, help="timed runs after a warm-up one")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--block", default="default",
                     help="AM's block in tokens: 'default' (AM_DEFAULTS), 'none' (the whole layer), or N")
@@ -65,7 +65,7 @@ def main() -> None:
     pin = None if args.pin == "default" else float(args.pin)
     label += "" if pin is None else f" pin{pin:g}"
     resolved = DEFAULT_PIN if pin is None else pin
-    for T in (int(x) for x in args.lengths.split(",")):
+    for T in args.lengths:
         make = lambda *shape: torch.randn(*shape, generator=g, device=args.device, dtype=dtype)  # noqa: E731
         keys = [make(1, s["kv_heads"], T, s["head_dim"]) for _ in range(s["layers"])]
         values = [make(1, s["kv_heads"], T, s["head_dim"]) for _ in range(s["layers"])]

@@ -92,12 +92,13 @@ def decode_speed(model, ids, new_tokens: int, device) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--context", type=utils.at_least(1), default=32768)
+    parser.add_argument("--new-tokens", type=utils.at_least(1), default=64)
+    parser.add_argument("--batch", type=utils.at_least(1), default=1)
+    parser.add_argument("--budget", type=utils.share, default=0.5)
     parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
-    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds (one pair per model each)")
+    parser.add_argument("--rounds", type=utils.at_least(1), default=5,
+                        help="alternating rounds (one pair per model each)")
     parser.add_argument(
         "--tiny", action="store_true", help="a tiny model on the CPU (smoke test; writes no row)"
     )

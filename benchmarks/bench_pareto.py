@@ -206,13 +206,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?")
     ap.add_argument("outdir", type=Path, nargs="?")
-    ap.add_argument("--budgets", default=",".join(map(str, BUDGETS)))
-    ap.add_argument("--rows", default=",".join(ROW_KINDS), help=f"comma-separated, of {', '.join(ROW_KINDS)}")
+    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default=",".join(map(str, BUDGETS)))
+    ap.add_argument("--rows", type=utils.comma_list(str, list(ROW_KINDS)), default=",".join(ROW_KINDS),
+                    help=f"comma-separated, of {', '.join(ROW_KINDS)}")
     ap.add_argument("--baselines", default=None, help="comma-separated baseline names (default: all of "
                     "stiefkv.evaluate.BASELINES, and all of THROUGH_CACHE for the through-cache rows)")
-    ap.add_argument("--windows", type=int, default=None, help="first N test windows (default: all)")
-    ap.add_argument("--extra", default="{}", help="JSON of calibration settings for the auto rows, and for "
-                    "the ranks rows those of BF16_SETTINGS (e.g. share_heads)")
+    ap.add_argument("--windows", type=utils.at_least(1), default=None,
+                    help="first N test windows (default: all)")
+    ap.add_argument("--extra", type=utils.calibration_json, default="{}",
+                    help="JSON of calibration settings for the auto rows, and for the ranks rows those of "
+                    "BF16_SETTINGS (e.g. share_heads)")
     ap.add_argument("--tag", default="", help="label of a variant's rows (with --extra)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--plot", nargs=2, type=Path, metavar=("JSONL", "PNG"), help="only draw the plot")
@@ -235,16 +238,29 @@ def main() -> None:
     )
     from stiefkv.models import dims_of
 
+    if args.model is None or args.outdir is None:
+        ap.error("give MODEL and OUTDIR (or --plot JSONL PNG)")
+    names = args.baselines.split(",") if args.baselines else list(BASELINES)
+    unknown = [n for n in names if n not in BASELINES and n not in THROUGH_CACHE]
+    if unknown:
+        ap.error(f"--baselines {', '.join(unknown)}: choose among "
+                 f"{', '.join(dict.fromkeys([*BASELINES, *THROUGH_CACHE]))}")
+    extra = args.extra
+    extra16 = {k: v for k, v in extra.items() if k in BF16_SETTINGS}
+    try:  # every row's settings, before the model loads and the baselines' passes run
+        for b in args.budgets:
+            CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b, **extra16)
+            CalibrationConfig.from_kwargs(device=args.device, bits="auto", **(extra | {"budget": b}))
+    except (TypeError, ValueError) as err:
+        ap.error(str(err))
     args.outdir.mkdir(parents=True, exist_ok=True)
     jsonl = args.outdir / "pareto.jsonl"
     done = set()
     if jsonl.is_file():
         done = {(r["row"], r["budget"], r.get("tag", ""))
                 for r in map(json.loads, jsonl.read_text().splitlines())}
-    kinds = args.rows.split(",")
-    budgets = [float(b) for b in args.budgets.split(",")]
+    kinds, budgets = args.rows, args.budgets
     model, tok = stiefkv.load_model(args.model, device=args.device)
-    extra = json.loads(args.extra)
 
     def run_eval(proj):
         return evaluate(model, tok, proj, window=2048, limit=args.windows, backend="reference",
@@ -258,8 +274,7 @@ def main() -> None:
               f"ppl {row['ppl']:.3f} kl {row['next_token_kl']:.4f} calib {row['calibration_s']}", flush=True)
 
     if "baselines" in kinds:
-        names = args.baselines.split(",") if args.baselines else list(BASELINES)
-        for name in names:
+        for name in [n for n in names if n in BASELINES]:
             if (name, None, "") not in done:
                 proj = baseline_projections(model, name)
                 emit(row_of(name, None, proj, run_eval(proj), None, {}))
@@ -281,7 +296,6 @@ def main() -> None:
     suffix = "" if not args.tag else "_" + "".join(c if c.isalnum() else "-" for c in args.tag)
     # --extra's settings that also mean something at bf16 (e.g. share_heads) make the ranks rows a variant
     # too, under the tag; settings of quantized latents only (recent, …) leave them the plain rows
-    extra16 = {k: v for k, v in extra.items() if k in BF16_SETTINGS}
     tag16, suffix16 = (args.tag, suffix) if extra16 else ("", "")
     cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16, **extra16)
     seqs = calibration_sequences(model, tok, data=cfg16.data, num_sequences=cfg16.num_sequences,

@@ -12,31 +12,45 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 import stiefkv
+from stiefkv.attention import BACKENDS
+from stiefkv.calibrate.pipeline import CalibrationConfig
 from stiefkv.evaluate import evaluate
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model", nargs="?", default="smollm2")
-    ap.add_argument("--budgets", default="1,0.75,0.5,0.375,0.25")
-    ap.add_argument("--key-modes", default="pre_rope,post_rope")
+    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default="1,0.75,0.5,0.375,0.25")
+    ap.add_argument("--key-modes", type=utils.comma_list(str), default="pre_rope,post_rope")
     ap.add_argument("--method", default="pca")
     ap.add_argument("--allocation", default="uniform")
-    ap.add_argument("--num-sequences", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=512)
-    ap.add_argument("--windows", type=int, default=None)
-    ap.add_argument("--window", type=int, default=2048)
+    ap.add_argument("--num-sequences", type=utils.at_least(1), default=64)
+    ap.add_argument("--seq-len", type=utils.at_least(1), default=512)
+    ap.add_argument("--windows", type=utils.at_least(1), default=None)
+    ap.add_argument("--window", type=utils.at_least(1), default=2048)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backend", default="reference")
-    ap.add_argument("--extra", default="{}", help="JSON of further calibration keywords")
+    ap.add_argument("--backend", default="reference", choices=BACKENDS)
+    ap.add_argument("--extra", type=utils.calibration_json, default="{}",
+                    help="JSON of further calibration keywords")
     ap.add_argument("--json", default=None, help="write all results to this file")
     ap.add_argument("--tag", default="", help="appended to each row's case (a variant set by --extra)")
     args = ap.parse_args()
+    settings = dict(method=args.method, allocation=args.allocation, num_sequences=args.num_sequences,
+                    seq_len=args.seq_len, **args.extra)
+    try:  # every row's settings, before the model loads and the uncompressed pass runs
+        for key_mode in args.key_modes:
+            for budget in args.budgets:
+                CalibrationConfig.from_kwargs(budget=budget, key_mode=key_mode, **settings)
+    except (TypeError, ValueError) as err:
+        ap.error(str(err))
+    if args.json and not Path(args.json).expanduser().parent.is_dir():
+        ap.error(f"--json {args.json}: its folder does not exist")
 
     model, tok = stiefkv.load_model(args.model, device=args.device)
     print(utils.header())
@@ -76,8 +90,8 @@ def main() -> None:
             "kv_bytes_per_token": base.kv_bytes_per_token_original,
         },
     )
-    for key_mode in args.key_modes.split(","):
-        for budget in (float(b) for b in args.budgets.split(",")):
+    for key_mode in args.key_modes:
+        for budget in args.budgets:
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
             t0 = time.perf_counter()
@@ -90,7 +104,7 @@ def main() -> None:
                 allocation=args.allocation,
                 num_sequences=args.num_sequences,
                 seq_len=args.seq_len,
-                **json.loads(args.extra),
+                **args.extra,
             )
             if args.device.startswith("cuda"):
                 torch.cuda.synchronize()
@@ -121,7 +135,7 @@ def main() -> None:
                     "budget": budget,
                     "method": args.method,
                     "allocation": args.allocation,
-                    "extra": json.loads(args.extra),
+                    "extra": args.extra,
                     **r.as_dict(),
                     "calibration_seconds": seconds,
                     "ranks": proj.ranks,

@@ -270,29 +270,6 @@ def cache_label(args) -> str:
         + (f" r{args.recent}" if args.bits < 16 and args.recent else "") + options
 
 
-def at_least(low: int):
-    """An argparse type: an integer ``≥ low``, refused at parsing (before any model is built)."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"{value} is below {low}")
-        return value
-    return parse
-
-
-def batch_context(text: str) -> str:
-    """``BATCHxCONTEXT`` of ``--cases`` (``8x16384``), checked at parsing: a typo in the last case no
-    longer waits for the cases before it."""
-    parts = text.lower().split("x")
-    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxCONTEXT with positive integers, e.g. "
-                                         "8x16384")
-    return text
-
-
 def decode_option(text: str) -> tuple[str, bool | int]:
     """``KEY=VALUE`` of ``--decode-option``: a decode-kernel option (``pairs=false``, ``block_n=64``)."""
     key, sep, value = text.partition("=")
@@ -633,7 +610,7 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
-    parser.add_argument("--cases", nargs="+", type=batch_context, default=["8x16384"],
+    parser.add_argument("--cases", nargs="+", type=utils.batch_context, default=["8x16384"],
                         help="BATCHxCONTEXT, e.g. 1x32768 8x16384")
     parser.add_argument("--budget", type=float, default=None,
                         help="ranks as a fraction of the head dim (default 0.5)")
@@ -652,11 +629,11 @@ def main() -> None:
     parser.add_argument("--baseline-cache", default=None, metavar="NAME",
                         help="also serve a quantization-only cache of `stiefkv eval --baseline` (int4, "
                              "kivi2, …) on the same kernels, beside StiefKV (a cache in --capacity too)")
-    parser.add_argument("--new-tokens", type=at_least(1), default=64)
-    parser.add_argument("--rounds", type=at_least(1), default=3)
-    parser.add_argument("--chunk", type=at_least(1), default=PREFILL_TOKENS,
+    parser.add_argument("--new-tokens", type=utils.at_least(1), default=64)
+    parser.add_argument("--rounds", type=utils.at_least(1), default=3)
+    parser.add_argument("--chunk", type=utils.at_least(1), default=PREFILL_TOKENS,
                         help="prompt tokens a prefill forward takes over all rows (generate's prefill_chunk)")
-    parser.add_argument("--code-slice", type=at_least(0), default=None, metavar="KEYS",
+    parser.add_argument("--code-slice", type=utils.at_least(0), default=None, metavar="KEYS",
                         help="prefill over codes dequantizes this many keys at a time (kernels.lowrank."
                              "PREFILL_CODE_SLICE; default: its value, 4096)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
@@ -672,17 +649,17 @@ def main() -> None:
     parser.add_argument("--context-capacity", action="store_true",
                         help="the longest context one row holds under --cap-gib, per cache (CUDA; the cache "
                              "filled directly, not prefilled)")
-    parser.add_argument("--context", type=at_least(1), default=32768)
+    parser.add_argument("--context", type=utils.at_least(1), default=32768)
     parser.add_argument("--cap-gib", type=float, default=40.0)
     parser.add_argument("--fill-first", action="store_true",
                         help="--capacity: write each trial's cache directly (random latents) up to its last "
                              "two prefill forwards, which run for real (minutes of prefill a trial become "
                              "seconds; the case gets ' filled')")
-    parser.add_argument("--start-batch", type=at_least(1), default=None,
+    parser.add_argument("--start-batch", type=utils.at_least(1), default=None,
                         help="--capacity: start StiefKV's search (not the baselines') at this batch, not the "
                              "one its peaks at 1 and 2 rows predict (a trial at tens of rows is minutes of "
                              "prefill)")
-    parser.add_argument("--baseline-start-batch", type=at_least(1), default=None,
+    parser.add_argument("--baseline-start-batch", type=utils.at_least(1), default=None,
                         help="--capacity: start the --baseline-cache search at this batch (KIVI-2's peaks at "
                              "1 and 2 rows predicted 30 rows at 32k under 40 GiB, where 16 fit)")
     args = parser.parse_args()

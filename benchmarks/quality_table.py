@@ -113,16 +113,20 @@ def main() -> None:
     ap.add_argument("model")
     ap.add_argument("outdir", type=Path)
     ap.add_argument("--key-mode", default="pre_rope")
-    ap.add_argument("--budgets", default="0.5,0.75,0.375,0.25")
-    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
-    ap.add_argument("--windows", type=int, default=None, help="first N test windows (default: all)")
-    ap.add_argument("--extra", default="{}", help="JSON of calibration settings for every row (steps, lr, …)")
+    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default="0.5,0.75,0.375,0.25")
+    ap.add_argument("--rows", type=utils.comma_list(str, list(ROWS)), default=",".join(ROWS),
+                    help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--windows", type=utils.at_least(1), default=None,
+                    help="first N test windows (default: all)")
+    ap.add_argument("--extra", type=utils.calibration_json, default="{}",
+                    help="JSON of calibration settings for every row (steps, lr, …)")
     ap.add_argument("--tag", default="", help="label of the row variant in the table (with --extra)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    unknown = set(args.rows.split(",")) - set(ROWS)
-    if unknown:
-        ap.error(f"unknown rows {sorted(unknown)}; known: {', '.join(ROWS)}")
+    try:
+        CalibrationConfig.from_kwargs(key_mode=args.key_mode, **args.extra)
+    except (TypeError, ValueError) as err:
+        ap.error(str(err))
     args.outdir.mkdir(parents=True, exist_ok=True)
     jsonl, md = args.outdir / f"{args.key_mode}.jsonl", args.outdir / f"{args.key_mode}.md"
     done = set()
@@ -132,7 +136,7 @@ def main() -> None:
         }
 
     model, tok = stiefkv.load_model(args.model, device=args.device)
-    extra = json.loads(args.extra)
+    extra = args.extra
     base_cfg = CalibrationConfig.from_kwargs(device=args.device, key_mode=args.key_mode, **extra)
     seqs = calibration_sequences(
         model,
@@ -157,8 +161,8 @@ def main() -> None:
             "next-token KL | achieved budget | 2nd pass s | ranks |\n"
             "|---|---|---|---|---|---|---|---|---|---|---|---|---|\n"
         )
-    for budget in (float(b) for b in args.budgets.split(",")):
-        for row in args.rows.split(","):
+    for budget in args.budgets:
+        for row in args.rows:
             if (row, budget, args.tag) in done:
                 continue
             method, allocation, order = ROWS[row]

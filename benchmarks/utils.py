@@ -20,6 +20,7 @@ quantiles do):
 
 from __future__ import annotations
 
+import argparse
 import datetime
 import functools
 import json
@@ -336,6 +337,75 @@ def random_llama(args, device, dtype: torch.dtype):
     torch.manual_seed(0)
     with torch.device(device):
         return LlamaForCausalLM(config).to(dtype).eval()
+
+
+def at_least(low: int):
+    """An argparse type: an integer ``≥ low``, refused as the arguments are parsed (before any model is
+    built or any case runs)."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"{value} is below {low}")
+        return value
+    return parse
+
+
+def share(text: str) -> float:
+    """An argparse type: a number in (0, 1] (a budget, a keep), refused as the arguments are parsed."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not 0 < value <= 1:
+        raise argparse.ArgumentTypeError(f"{value:g} is not in (0, 1]")
+    return value
+
+
+def comma_list(item, allowed=None):
+    """An argparse type: a comma-separated list, each entry parsed by ``item`` (an argparse type, or
+    ``str``) and, where ``allowed`` is given, one of it; refused whole as the arguments are parsed, so a
+    typo in the last entry no longer waits for the entries before it."""
+    def parse(text: str) -> list:
+        values = [item(x.strip()) for x in text.split(",") if x.strip()]
+        if not values:
+            raise argparse.ArgumentTypeError(f"{text!r}: an empty list")
+        wrong = [v for v in values if allowed is not None and v not in allowed]
+        if wrong:
+            raise argparse.ArgumentTypeError(f"{', '.join(map(str, wrong))}: choose among "
+                                             f"{', '.join(map(str, allowed))}")
+        return values
+    return parse
+
+
+def calibration_json(text: str) -> dict:
+    """An argparse type: ``--extra``'s JSON object of calibration settings, checked against them."""
+    from stiefkv.calibrate.pipeline import CalibrationConfig
+
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as err:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({err.msg})") from None
+    if not isinstance(settings, dict):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected a JSON object of calibration settings")
+    known = {key: value for key, value in settings.items() if key != "budget"}
+    try:
+        CalibrationConfig.from_kwargs(**known)
+    except (TypeError, ValueError) as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return settings
+
+
+def batch_context(text: str) -> str:
+    """An argparse type: ``BATCHxCONTEXT`` (``8x16384``) checked as the arguments are parsed, so a typo
+    in the last case no longer waits for the cases before it."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) > 0 for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected BATCHxCONTEXT with positive integers, e.g. "
+                                         "8x16384")
+    return text
 
 
 def _setting_value(text: str):

@@ -758,3 +758,45 @@ def test_bench_serve_refuses_bad_arguments_before_any_work(argv, message, monkey
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("bench_attention", ["--sweep-with", "int3_plane"], "--sweep-with int3_plane: not an option"),
+    ("bench_attention", ["--rank", "200"], "--rank 200 is above the head dimension"),
+    ("bench_attention", ["--shapes", "2x64", "2by64"], "'2by64': expected BATCHxCONTEXT"),
+    ("bench_generate", ["--tiny", "--rounds", "0"], "--rounds: 0 is below 1"),
+    ("bench_generate", ["--tiny", "--budget", "0"], "--budget: 0 is not in (0, 1]"),
+    ("bench_compaction", ["m", "--methods", "am,snapk"], "snapk: choose among"),
+    ("bench_compaction", ["m", "--variants", "am_omp,am_bogus"], "am bogus: choose among"),
+    ("bench_compaction", ["m", "--task", "retrieval", "--projections", "p.safetensors"], "drop one of them"),
+    ("bench_compaction_speed", ["--lengths", "4096,8k"], "'8k' is not an integer"),
+    ("bench_compaction_speed", ["--repeat", "0"], "--repeat: 0 is below 1"),
+    ("bench_quality", ["--key-modes", "pre_rope,post_rop"], "key_mode must be one of"),
+    ("bench_quality", ["--extra", '{"kernel_storage": "false"}'], "kernel_storage must be True or False"),
+    ("bench_quality", ["--json", "/no/such/folder/x.json"], "its folder does not exist"),
+    ("quality_table", ["m", "out", "--rows", "pca-dp,stiefel"], "stiefel: choose among"),
+    ("quality_table", ["m", "out", "--budgets", "0.5,O.25"], "'O.25' is not a number"),
+    ("bench_pareto", ["m", "out", "--baselines", "kivi4,kivi5"], "--baselines kivi5: choose among"),
+    ("bench_pareto", ["m", "out", "--extra", '{"steps": -1}'], "need steps ≥ 0"),
+    ("bench_pareto", [], "give MODEL and OUTDIR"),
+])
+def test_benchmarks_refuse_bad_arguments_before_any_work(script, argv, message, monkeypatch, capsys):
+    """A benchmark's arguments are checked before its model loads or its first case runs: a typo in the last
+    of several methods, budgets or key modes failed after the entries before it had run (hours for the
+    quality tables), a bad sweep name filtered the sweep to nothing silently, and --rounds 0 ended in a
+    StatisticsError after the warm-up."""
+    import importlib
+
+    import stiefkv
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(stiefkv, "load_model", no_work)
+    monkeypatch.setattr(utils, "copy_tbs", no_work)
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2
+    assert message in capsys.readouterr().err
+
