@@ -294,6 +294,12 @@ def override_decode(options: dict) -> None:
     if unknown:
         raise SystemExit(f"bench_serve: --decode-option {', '.join(sorted(unknown))}: not a decode option "
                          f"(one of {', '.join(sorted(chosen(1, 1024, 'post_rope', 1, 1, 64, True, 8)))})")
+    for key, allowed in (("block_n", (16, 32, 64, 128, 256)), ("num_warps", (1, 2, 4, 8)),
+                         ("num_stages", (1, 2, 3, 4, 5)), ("num_splits", range(1, 1025))):
+        if key in options and options[key] not in allowed:  # else a compile error after the prefill
+            told = ", ".join(map(str, allowed)) if len(allowed) < 10 else f"{allowed[0]} to {allowed[-1]}"
+            raise SystemExit(f"bench_serve: --decode-option {key}={options[key]}: the kernel takes {key} of "
+                             f"{told}")
 
     def config(n_rows, n_k, key_mode, programs, n_sms, r_k=64, codes=False, *a, **k):
         cfg = chosen(n_rows, n_k, key_mode, programs, n_sms, r_k, codes, *a, **k)
@@ -671,6 +677,14 @@ def main() -> None:
         parser.error("--key-mode auto picks per layer from a checkpoint's ranks: it needs --storage-from")
     if args.storage_from and not Path(args.storage_from).is_file():
         parser.error(f"--storage-from {args.storage_from}: no such checkpoint file")
+    loose = [f"--{name.replace('_', '-')}" for name in ("fill_first", "start_batch", "baseline_start_batch")
+             if getattr(args, name) not in (None, False)]
+    if loose and not args.capacity:
+        parser.error(f"{', '.join(loose)} tune the --capacity search; give --capacity or drop them")
+    codes = args.storage_from or args.baseline_cache or (args.bits or 16) < 16
+    if args.decode_option and not codes:
+        parser.error("--decode-option changes decode over codes; this run serves none (bf16 latents): give "
+                     "--bits, --storage-from or --baseline-cache, or drop it")
     if args.budget is not None and not 0 < args.budget <= 1:
         parser.error(f"--budget must be in (0, 1] (ranks as a fraction of the head dim), got {args.budget:g}")
     if args.cap_gib <= 0:

@@ -741,6 +741,8 @@ def test_calibration_keywords_parse_and_refuse():
     (["--cap-gib", "0"], "--cap-gib must be above 0"),
     (["--storage-from", "no/such.safetensors"], "no such checkpoint file"),
     (["--baseline-cache", "kivi5"], "'kivi5' is not a baseline"),
+    (["--fill-first"], "--fill-first tune the --capacity search"),
+    (["--decode-option", "pairs=false"], "--decode-option changes decode over codes; this run serves none"),
 ])
 def test_bench_serve_refuses_bad_arguments_before_any_work(argv, message, monkeypatch, capsys):
     """bench_serve's arguments are checked as they are parsed: a typo in the last of several cases, or a
@@ -757,6 +759,21 @@ def test_bench_serve_refuses_bad_arguments_before_any_work(argv, message, monkey
         bs.main()
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_bench_serve_refuses_decode_option_values_the_kernel_cannot_take(monkeypatch):
+    """``--decode-option block_n=48`` is refused with the values the kernel takes, before any model is built
+    (it was a Triton compile error after the prefill)."""
+    import bench_serve as bs
+
+    from stiefkv.kernels import lowrank
+
+    monkeypatch.setattr(lowrank, "_default_config", lowrank._default_config)  # restored after the test
+    for option, message in [({"block_n": 48}, "block_n=48: the kernel takes block_n of 16, 32, 64, 128, 256"),
+                            ({"num_warps": 3}, "num_warps=3"), ({"num_splits": 0}, "num_splits of 1 to 1024"),
+                            ({"pair": True}, "pair: not a decode option")]:
+        with pytest.raises(SystemExit, match=message):
+            bs.override_decode(option)
 
 
 @pytest.mark.parametrize("script, argv, message", [
