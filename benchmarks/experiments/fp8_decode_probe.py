@@ -405,8 +405,9 @@ def stored_bytes(kind: str, lat) -> int:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=["8x16384", "16x16384", "4x131072"], metavar="BxN")
-    ap.add_argument("--rank", type=int, default=128)
+    ap.add_argument("--shapes", nargs="+", type=utils.batch_context, metavar="BxN",
+                    default=["8x16384", "16x16384", "4x131072"])
+    ap.add_argument("--rank", type=utils.at_least(1), default=128)
     ap.add_argument("--tiles", nargs="+", type=int, default=[64, 128])
     ap.add_argument("--check-only", action="store_true", help="only the small correctness checks")
     args = ap.parse_args()

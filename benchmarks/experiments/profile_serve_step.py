@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import utils  # noqa: E402  (benchmarks/ on sys.path above)
 from bench_serve import (  # noqa: E402
     SHAPES,
     fill_synthetic,
@@ -174,13 +175,14 @@ def run(model, label: str, store, B: int, N: int, args, device) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", default="8b", choices=sorted(SHAPES))
-    ap.add_argument("--case", default="8x16384", help="BATCHxCONTEXT")
+    ap.add_argument("--case", type=utils.batch_context, default="8x16384", help="BATCHxCONTEXT")
     ap.add_argument("--key-mode", default=None, choices=["pre_rope", "post_rope", "auto"],
                     help="default pre_rope; with --storage-from, the checkpoint's")
-    ap.add_argument("--budget", type=float, default=0.5)
-    ap.add_argument("--stores", default=",".join(STORES), help="comma-separated labels of STORES")
-    ap.add_argument("--steps", type=int, default=8)
-    ap.add_argument("--rows", type=int, default=12, help="kernels listed per store")
+    ap.add_argument("--budget", type=utils.share, default=0.5)
+    ap.add_argument("--stores", type=utils.comma_list(str, list(STORES)), default=",".join(STORES),
+                    help="comma-separated labels of STORES")
+    ap.add_argument("--steps", type=utils.at_least(1), default=8)
+    ap.add_argument("--rows", type=utils.at_least(1), default=12, help="kernels listed per store")
     ap.add_argument("--fused-writes", default="both", choices=["on", "off", "both"],
                     help="codes written by the quantize-on-write kernel, by PyTorch, or each in turn")
     ap.add_argument("--prefill", action="store_true", help="one prefill forward, not a decode step")
@@ -222,7 +224,7 @@ def main() -> None:
         for label in args.variants.split(","):
             run(model, label, storage_variant(args.storage_from, STORAGE_VARIANTS[label]), B, N, args, device)
         return
-    for label in args.stores.split(","):
+    for label in args.stores:
         codes = STORES[label] is not None and STORES[label][0] < 16
         for fused in modes if codes else [None]:
             static_cache.FUSED_WRITES = fused

@@ -44,12 +44,24 @@ def probe(B: int, r: int, bits: int, layout: str, n: int, splits: list[int], til
     torch.cuda.empty_cache()
 
 
+def probe_case(text: str) -> str:
+    """``ROWS:RANK:BITS:LAYOUT`` of ``--cases`` (``45:56:4:token``), checked as the arguments are parsed, so
+    a typo in the last case no longer waits for the cases before it on the GPU."""
+    parts = text.split(":")
+    if len(parts) != 4 or not all(p.isdigit() and int(p) > 0 for p in parts[:3]) or parts[2] not in (
+            "2", "3", "4", "8") or parts[3] not in ("token", "channel"):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected ROWS:RANK:BITS:LAYOUT, e.g. 45:56:4:token "
+                                         "(bits 2, 3, 4 or 8; layout token or channel)")
+    return text
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--cases", nargs="+", default=["43:112:2:channel", "45:56:4:token"])
-    parser.add_argument("--context", type=int, default=32768)
-    parser.add_argument("--splits", type=int, nargs="+", default=[1, 2, 3, 4])
+    parser.add_argument("--cases", nargs="+", type=probe_case, default=["43:112:2:channel", "45:56:4:token"],
+                        metavar="ROWS:RANK:BITS:LAYOUT")
+    parser.add_argument("--context", type=utils.at_least(1), default=32768)
+    parser.add_argument("--splits", type=utils.at_least(1), nargs="+", default=[1, 2, 3, 4])
     parser.add_argument("--block-n", type=int, nargs="+", default=[None])
     args = parser.parse_args()
     for case in args.cases:
