@@ -247,12 +247,9 @@ def main() -> None:
                  f"{', '.join(dict.fromkeys([*BASELINES, *THROUGH_CACHE]))}")
     extra = args.extra
     extra16 = {k: v for k, v in extra.items() if k in BF16_SETTINGS}
-    try:  # every row's settings, before the model loads and the baselines' passes run
-        for b in args.budgets:
-            CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b, **extra16)
-            CalibrationConfig.from_kwargs(device=args.device, bits="auto", **(extra | {"budget": b}))
-    except (TypeError, ValueError) as err:
-        ap.error(str(err))
+    # every row's settings, before the model loads and the baselines' passes run
+    utils.check_calibration(ap, *(dict(extra16, device=args.device, bits=16, budget=b) for b in args.budgets),
+                            *(dict(extra, device=args.device, bits="auto", budget=b) for b in args.budgets))
     args.outdir.mkdir(parents=True, exist_ok=True)
     jsonl = args.outdir / "pareto.jsonl"
     done = set()

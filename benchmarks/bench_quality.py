@@ -19,7 +19,6 @@ import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 import stiefkv
 from stiefkv.attention import BACKENDS
-from stiefkv.calibrate.pipeline import CalibrationConfig
 from stiefkv.evaluate import evaluate
 
 
@@ -43,12 +42,9 @@ def main() -> None:
     args = ap.parse_args()
     settings = dict(method=args.method, allocation=args.allocation, num_sequences=args.num_sequences,
                     seq_len=args.seq_len, **args.extra)
-    try:  # every row's settings, before the model loads and the uncompressed pass runs
-        for key_mode in args.key_modes:
-            for budget in args.budgets:
-                CalibrationConfig.from_kwargs(budget=budget, key_mode=key_mode, **settings)
-    except (TypeError, ValueError) as err:
-        ap.error(str(err))
+    # every row's settings, before the model loads and the uncompressed pass runs
+    utils.check_calibration(ap, *(dict(settings, budget=budget, key_mode=key_mode)
+                                  for key_mode in args.key_modes for budget in args.budgets))
     if args.json and not Path(args.json).expanduser().parent.is_dir():
         ap.error(f"--json {args.json}: its folder does not exist")
 

@@ -201,13 +201,22 @@ def with_codes(proj: stiefkv.Projections, bits: int, recent: int) -> stiefkv.Pro
     return proj
 
 
+def unknown_baseline(name: str) -> str | None:
+    """What is wrong with ``--baseline-cache name``: not one of :data:`stiefkv.evaluate.BASELINES`."""
+    from stiefkv.evaluate import BASELINES
+
+    if name in BASELINES:
+        return None
+    return f"--baseline-cache {name!r} is not a baseline; choose one of {', '.join(BASELINES)}"
+
+
 def baseline_projections(model, name: str) -> stiefkv.Projections:
     """The quantization-only cache ``name`` of :data:`stiefkv.evaluate.BASELINES` on identity bases in
     ``post_rope``: full-rank keys (after RoPE) and values stored as its codes, read by StiefKV's kernels."""
     from stiefkv.evaluate import BASELINES
 
-    if name not in BASELINES:
-        raise SystemExit(f"--baseline-cache {name!r} is not a baseline; choose one of {', '.join(BASELINES)}")
+    if unknown_baseline(name):
+        raise SystemExit(unknown_baseline(name))
     proj = identity_projections(model)
     proj.quant = [BASELINES[name]] * len(proj.keys)
     return proj
@@ -689,12 +698,9 @@ def main() -> None:
         parser.error(f"--budget must be in (0, 1] (ranks as a fraction of the head dim), got {args.budget:g}")
     if args.cap_gib <= 0:
         parser.error(f"--cap-gib must be above 0, got {args.cap_gib:g}")
-    from stiefkv.evaluate import BASELINES
+    if args.baseline_cache is not None and unknown_baseline(args.baseline_cache):  # before any prefill
+        parser.error(unknown_baseline(args.baseline_cache))
     from stiefkv.kernels import lowrank
-
-    if args.baseline_cache is not None and args.baseline_cache not in BASELINES:  # before any prefill
-        parser.error(f"--baseline-cache {args.baseline_cache!r} is not a baseline; choose one of "
-                     f"{', '.join(BASELINES)}")
 
     if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice

@@ -123,10 +123,7 @@ def main() -> None:
     ap.add_argument("--tag", default="", help="label of the row variant in the table (with --extra)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = ap.parse_args()
-    try:
-        CalibrationConfig.from_kwargs(key_mode=args.key_mode, **args.extra)
-    except (TypeError, ValueError) as err:
-        ap.error(str(err))
+    utils.check_calibration(ap, dict(args.extra, key_mode=args.key_mode))
     args.outdir.mkdir(parents=True, exist_ok=True)
     jsonl, md = args.outdir / f"{args.key_mode}.jsonl", args.outdir / f"{args.key_mode}.md"
     done = set()

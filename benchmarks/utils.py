@@ -398,6 +398,18 @@ def calibration_json(text: str) -> dict:
     return settings
 
 
+def check_calibration(parser: argparse.ArgumentParser, *settings: dict) -> None:
+    """Each set of calibration settings as ``CalibrationConfig`` takes it, else ``parser.error`` with what
+    is wrong: run after parsing, before a model loads or any row runs."""
+    from stiefkv.calibrate.pipeline import CalibrationConfig
+
+    try:
+        for one in settings:
+            CalibrationConfig.from_kwargs(**one)
+    except (TypeError, ValueError) as err:
+        parser.error(str(err))
+
+
 def batch_context(text: str) -> str:
     """An argparse type: ``BATCHxCONTEXT`` (``8x16384``) checked as the arguments are parsed, so a typo
     in the last case no longer waits for the cases before it."""

@@ -8,6 +8,7 @@ falls back to the ``datasets`` library; a ``.txt``/``.jsonl`` file or a folder o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -49,12 +50,10 @@ def data_dir() -> Path | None:
 def _wikitext(split: str) -> str:
     """WikiText-2's ``split``: from the first data folder that holds it, else the ``datasets`` library."""
     name = WIKITEXT_FILES[split]
-    looked = []
-    for how, root in data_dirs():
-        path = root / "wikitext-2" / name
-        if path.is_file():
-            return path.read_text(encoding="utf-8")
-        looked.append(f"{path} ({how})")
+    local = _local_wikitext(split)
+    if local is not None:
+        return local.read_text(encoding="utf-8")
+    looked = [f"{root / 'wikitext-2' / name} ({how})" for how, root in data_dirs()]
     try:
         import datasets
     except ImportError:
@@ -101,6 +100,28 @@ def _read_texts(path: Path) -> list[str]:
     raise DataError(f"{path}: data files must be .txt or .jsonl")
 
 
+def _local_wikitext(split: str) -> Path | None:
+    """WikiText-2's ``split`` file in the first data folder that holds it, None if none does."""
+    name = WIKITEXT_FILES[split]
+    return next((p for _, root in data_dirs() if (p := root / "wikitext-2" / name).is_file()), None)
+
+
+def _data_files(spec: str) -> list[Path]:
+    """The .txt/.jsonl files a data spec that is a file or a folder names (a folder's sorted), or the
+    :class:`DataError` that says what is wrong with it."""
+    path = Path(spec).expanduser()
+    if path.is_file():
+        if path.suffix not in (".txt", ".jsonl"):
+            raise DataError(f"{path}: data files must be .txt or .jsonl")
+        return [path]
+    if path.is_dir():
+        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
+        if not files:
+            raise DataError(f"folder {path} holds no .txt or .jsonl files")
+        return files
+    raise DataError(f"data {spec!r} is not 'wikitext2', 'self', nor an existing .txt/.jsonl file or folder")
+
+
 def check_data(spec: str, split: str = "calibration") -> None:
     """Refuse a data spec :func:`load_texts` would refuse, without reading it: run before a model loads, so
     a typo in ``--data`` costs no load. WikiText-2 is found locally or left to the ``datasets`` library (the
@@ -108,27 +129,10 @@ def check_data(spec: str, split: str = "calibration") -> None:
     if spec == "self":
         return
     if spec == "wikitext2":
-        name = WIKITEXT_FILES[split]
-        if any((root / "wikitext-2" / name).is_file() for _, root in data_dirs()):
-            return
-        try:
-            import datasets  # noqa: F401
-        except ImportError:
-            looked = [f"{root / 'wikitext-2' / name} ({how})" for how, root in data_dirs()]
-            raise DataError(f"WikiText-2 not found; looked in: {'; '.join(looked)}; the datasets library is "
-                            f"not installed. Set STIEFKV_DATA_DIR to a folder holding wikitext-2/{name}, or "
-                            "pip install datasets (needs the Hugging Face hub)") from None
+        if _local_wikitext(split) is None and importlib.util.find_spec("datasets") is None:
+            _wikitext(split)  # raises, naming every place it looked
         return
-    path = Path(spec).expanduser()
-    if path.is_file():
-        if path.suffix not in (".txt", ".jsonl"):
-            raise DataError(f"{path}: data files must be .txt or .jsonl")
-        return
-    if path.is_dir():
-        if not any(p.suffix in (".txt", ".jsonl") and p.is_file() for p in path.rglob("*")):
-            raise DataError(f"folder {path} holds no .txt or .jsonl files")
-        return
-    raise DataError(f"data {spec!r} is not 'wikitext2', 'self', nor an existing .txt/.jsonl file or folder")
+    _data_files(spec)
 
 
 def load_texts(spec: str, split: str = "calibration") -> list[str]:
@@ -137,15 +141,7 @@ def load_texts(spec: str, split: str = "calibration") -> list[str]:
         raise ValueError(f"split must be one of {tuple(WIKITEXT_FILES)}, got {split!r}")
     if spec == "wikitext2":
         return [_wikitext(split)]
-    path = Path(spec).expanduser()
-    if path.is_file():
-        return _read_file(path)
-    if path.is_dir():
-        files = sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl") and p.is_file())
-        if not files:
-            raise DataError(f"folder {path} holds no .txt or .jsonl files")
-        return [text for f in files for text in _read_file(f)]
-    raise DataError(f"data {spec!r} is not 'wikitext2', 'self', nor an existing .txt/.jsonl file or folder")
+    return [text for f in _data_files(spec) for text in _read_file(f)]
 
 
 def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
