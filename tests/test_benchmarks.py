@@ -817,3 +817,34 @@ def test_benchmarks_refuse_bad_arguments_before_any_work(script, argv, message, 
     assert exit_.value.code == 2
     assert message in capsys.readouterr().err
 
+
+
+@pytest.mark.parametrize("script, argv, message", [
+    ("fp8_quality", ["m", "--baselines", "int8", "int9"], "invalid choice: 'int9'"),
+    ("fp8_quality", ["m", "--budgets", "0.5", "1.5"], "1.5 is not in (0, 1]"),
+    ("fp8_quality", ["m", "--extra", "steps=20,lr"], "'lr' is not NAME=VALUE"),
+    ("kernel_storage_ab", ["--budgets", "0.125,0,25"], "0 is not in (0, 1]"),
+    ("kernel_storage_ab", ["--windows", "0"], "--windows: 0 is below 1"),
+    ("exact_sink", ["m", "kivi2", "kivi9"], "kivi9: neither a checkpoint"),
+    ("exact_sink", ["m", "kivi2", "/no/such.safetensors"], "/no/such.safetensors: no such checkpoint file"),
+    ("exact_sink", ["m", "kivi2", "--sinks", "0,1,-4"], "-4 is below 0"),
+])
+def test_cpu_experiments_refuse_bad_arguments_before_any_work(script, argv, message, monkeypatch, capsys):
+    """The CPU-only experiments check their lists before the model loads: a typo in the last budget, baseline
+    or cache used to fail after the entries before it had been calibrated and scored."""
+    import importlib
+
+    import stiefkv
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the arguments were checked")
+
+    monkeypatch.setattr(stiefkv, "load_model", no_work)
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    # argparse's refusals exit 2 with the message on stderr; --extra's exit with the message itself
+    said = capsys.readouterr().err if exit_.value.code == 2 else str(exit_.value.code)
+    assert message in said

@@ -18,13 +18,18 @@ bytes). The byte accounting is not patched. Arms, each on the same test windows:
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 
 import stiefkv
 from stiefkv import quant
-from stiefkv.evaluate import baseline_projections, evaluate
+from stiefkv.evaluate import BASELINES, baseline_projections, evaluate
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import utils  # noqa: E402
 
 PLAIN_ROUND_TRIP = quant.round_trip
 FP8_MAX = 448.0
@@ -63,21 +68,19 @@ def line(label: str, r, extra: str = "") -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
-    ap.add_argument("--budgets", type=float, nargs="*", default=[0.5])
-    ap.add_argument("--baselines", nargs="*", default=["int8-r0", "int8"])
-    ap.add_argument("--windows", type=int, default=None)
+    ap.add_argument("--budgets", type=utils.share, nargs="*", default=[0.5])
+    ap.add_argument("--baselines", nargs="*", default=["int8-r0", "int8"], choices=sorted(BASELINES),
+                    metavar="BASELINE")
+    ap.add_argument("--windows", type=utils.at_least(1), default=None)
     ap.add_argument("--e4m3-only", action="store_true", help="calibrated arms with the patch on only")
     ap.add_argument("--scale-per-token", action="store_true",
                     help="one e4m3 scale over all of a token's channels, not one per 64 (the probe's format)")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. seq_len=128,num_sequences=16")
     args = ap.parse_args()
+    extra = utils.calibration_keywords(args.extra)  # a bad setting stops here, before the model loads
     global WHOLE_TOKEN
     WHOLE_TOKEN = args.scale_per_token
-    extra = {}
-    for item in filter(None, args.extra.split(",")):
-        key, value = item.split("=")
-        extra[key] = int(value) if value.isdigit() else value
     model, tok = stiefkv.load_model(args.model, device=args.device)
     try:
         for name in args.baselines:

@@ -8,20 +8,25 @@ exact window) against the default ``--bits auto`` at the same budgets, on the CP
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import stiefkv
 from stiefkv.evaluate import evaluate
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import utils  # noqa: E402
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="smollm2")
-    ap.add_argument("--budgets", default="0.125,0.25")
-    ap.add_argument("--windows", type=int, default=3)
+    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default=[0.125, 0.25])
+    ap.add_argument("--windows", type=utils.at_least(1), default=3)
     args = ap.parse_args()
     model, tok = stiefkv.load_model(args.model)
-    for budget in (float(b) for b in args.budgets.split(",")):
+    for budget in args.budgets:
         for kernel_storage in (False, True):
             start = time.time()
             proj = stiefkv.calibrate(model, tok, budget=budget, seq_len=128, num_sequences=16,
