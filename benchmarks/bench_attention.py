@@ -81,6 +81,15 @@ QUANT_SWEEP = [
     {"keys_left": True, "block_n": 128},
     {"keys_left": True, "block_n": 64},
     {"keys_left": True, "splits": 2},
+    # more programs an SM for pre_rope (2026-12-06; kernel_sass, triton 3.6, r 64): 32-key tiles take 128
+    # registers and no stack over bf16 latents (463 instructions a tile against 748 for 64 keys at 175
+    # registers, two programs), so four 4-warp programs fit an SM; a 168 ceiling fits three at 64 keys (40
+    # bytes of stack). int4 keys at 32 keys: 168 registers (8 of stack), 128 with the ceiling.
+    {"keys_left": True, "block_n": 32, "splits": 2},
+    {"keys_left": True, "block_n": 32, "splits": 2, "num_stages": 4},
+    {"keys_left": True, "block_n": 32, "splits": 1.5},
+    {"keys_left": True, "block_n": 32, "splits": 2, "max_registers": 128},
+    {"keys_left": True, "max_registers": 168, "splits": 1.5},
     # 1.5 × the splits: meant as three programs an SM, but at 255 registers a thread (Nsight Compute, int4
     # post_rope, 2026-12-03) only two fit, so these run 1.45 waves of two
     {"splits": 1.5},
