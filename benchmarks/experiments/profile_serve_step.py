@@ -195,6 +195,9 @@ def main() -> None:
                          "--stores, as calibrated and with each feature taken away (STORAGE_VARIANTS)")
     ap.add_argument("--variants", default=",".join(STORAGE_VARIANTS),
                     help="comma-separated labels of STORAGE_VARIANTS (with --storage-from)")
+    ap.add_argument("--no-uncompressed", action="store_true",
+                    help="with --storage-from: skip the uncompressed cache (it does not fit at a compressed "
+                         "cache's capacity batch)")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     unknown = [v for v in args.variants.split(",") if v not in STORAGE_VARIANTS]
@@ -220,7 +223,8 @@ def main() -> None:
         modes = [False]
     if args.storage_from:
         static_cache.FUSED_WRITES = None  # the default: the quantize-on-write kernel where it runs
-        run(model, "uncompressed (our kernels)", None, B, N, args, device)
+        if not args.no_uncompressed:
+            run(model, "uncompressed (our kernels)", None, B, N, args, device)
         for label in args.variants.split(","):
             run(model, label, storage_variant(args.storage_from, STORAGE_VARIANTS[label]), B, N, args, device)
         return
