@@ -90,6 +90,11 @@ QUANT_SWEEP = [
     {"keys_left": True, "block_n": 32, "splits": 1.5},
     {"keys_left": True, "block_n": 32, "splits": 2, "max_registers": 128},
     {"keys_left": True, "max_registers": 168, "splits": 1.5},
+    # pre_rope: the angles' whole turns rounded on the FMA pipe, not by FRND on the XU pipe the MUFU sin/cos
+    # run on (2026-12-06, second session: Nsight Compute puts 110 of a bf16 tile's 748 instructions a warp on
+    # that pipe, 32 of them FRND; the static count is unchanged, FRND 32 → FADD)
+    {"sincos_fadd": True},
+    {"sincos_fadd": True, "max_registers": 168, "splits": 1.5},
     # 1.5 × the splits: meant as three programs an SM, but at 255 registers a thread (Nsight Compute, int4
     # post_rope, 2026-12-03) only two fit, so these run 1.45 waves of two
     {"splits": 1.5},
@@ -358,7 +363,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                         if (cfg.get("fold_scales") and bits == 16) or (cfg.get("pairs") and bits != 8) or (
                                 nibble and (
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
-                                cfg.get("keys_left") and mode != "pre_rope") or (
+                                (cfg.get("keys_left") or cfg.get("sincos_fadd")) and mode != "pre_rope") or (
                                 "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
                                 cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4) \
                                 or (cfg.get("int3_planes") and bits != 3):

@@ -8,6 +8,7 @@ program of a tile merges the splits), and tiled causal prefill — for both key 
 8–56 (padded to powers of two), left padding, per-key bias, ``P_v`` given or ``None``, fp32/fp16/bf16.
 """
 
+import math
 import warnings
 
 import pytest
@@ -355,19 +356,48 @@ def test_shared_latents_realistic_sizes_gpu(case, key_mode):
 @triton.jit
 def _sincos_kernel(X, S, C, N: tl.constexpr, FAST: tl.constexpr):
     offs = tl.arange(0, N)
-    if FAST:
-        s, c = lk._sincos_fast(tl.load(X + offs))
+    if FAST:  # 2: the turns rounded by the add and subtract of ROUND_MAGIC (sincos_fadd)
+        s, c = lk._sincos_fast(tl.load(X + offs), FAST == 2)
     else:
         s, c = lk._sincos(tl.load(X + offs))
     tl.store(S + offs, s)
     tl.store(C + offs, c)
 
 
-@pytest.mark.parametrize(("fast", "atol"), [(False, 3e-7), pytest.param(True, 2e-6, marks=gpu_only)],
-                         ids=["polynomial", "hardware"])
+@triton.jit
+def _turns_kernel(X, K_FLOOR, K_FADD, N: tl.constexpr):
+    offs = tl.arange(0, N)
+    x = tl.load(X + offs)
+    tl.store(K_FLOOR + offs, lk._turns(x, False))
+    tl.store(K_FADD + offs, lk._turns(x, True))
+
+
+def test_turns_rounded_by_fadd_equal_floor():
+    """``sincos_fadd``'s whole turns (an add and a subtract of 1.5·2²³) are ``floor(x/2π + 0.5)``'s at every
+    angle up to a 1M-token context's (position × θ₀ ≈ 1e6) and below zero, except at exact ties, where they
+    differ by one turn (and the remainder is ±π either way)."""
+    torch.manual_seed(7)
+    x = torch.cat([torch.linspace(-10.0, 10.0, 509), (torch.rand(1543) - 0.3) * 1.05e6,
+                   torch.tensor([0.0, math.pi, -math.pi, 3 * math.pi])]).to(DEVICE)
+    n = triton.next_power_of_2(x.numel())
+    x = torch.nn.functional.pad(x, (0, n - x.numel()))
+    k_floor, k_fadd = torch.empty_like(x), torch.empty_like(x)
+    _turns_kernel[(1,)](x, k_floor, k_fadd, N=n)
+    turns = x.double() / (2 * math.pi)
+    assert torch.isfinite(k_fadd).all()
+    assert (k_floor == torch.floor(turns + 0.5).float()).float().mean() > 0.999  # fp32 product rounding aside
+    tie = (x * lk.INV_TWO_PI.value).frac().abs() == 0.5
+    assert torch.equal(k_fadd[~tie], k_floor[~tie])
+    assert ((k_fadd[tie] - k_floor[tie]).abs() <= 1).all()
+
+
+@pytest.mark.parametrize(("fast", "atol"), [(0, 3e-7), pytest.param(1, 2e-6, marks=gpu_only),
+                                            pytest.param(2, 2e-6, marks=gpu_only)],
+                         ids=["polynomial", "hardware", "hardware_fadd"])
 def test_sincos_large_angles(fast, atol):
     """The in-kernel sin/cos stays accurate at the angles a 128k context produces (position × θ₀ ≈ 1.3e5):
-    the polynomial one everywhere, the hardware one (``fast_sincos``, after its 2π reduction) on CUDA."""
+    the polynomial one everywhere, the hardware one (``fast_sincos``, after its 2π reduction, its turns
+    rounded by ``FRND`` or by ``sincos_fadd``'s add and subtract) on CUDA."""
     x = torch.cat([torch.linspace(-10.0, 10.0, 512), torch.rand(512) * 131072.0]).to(DEVICE)
     s, c = torch.empty_like(x), torch.empty_like(x)
     _sincos_kernel[(1,)](x, s, c, N=1024, FAST=fast)
@@ -381,6 +411,8 @@ def test_fast_sincos_is_refused_by_the_interpreter():
     args, kwargs = make_inputs(1, 4, 2, 1, 8, 32, 8, 8, torch.float32)
     with torch.no_grad(), pytest.raises(ValueError, match="fast_sincos=True needs a CUDA device"):
         lk.lowrank_attention(*args, **kwargs, key_mode="pre_rope", fast_sincos=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="sincos_fadd=True .* needs fast_sincos"):
+        lk.lowrank_attention(*args, **kwargs, key_mode="pre_rope", sincos_fadd=True)
 
 
 def test_refuses_bad_inputs(monkeypatch):

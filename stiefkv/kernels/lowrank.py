@@ -63,6 +63,9 @@ TWO_OVER_PI = tl.constexpr(0.6366197723675814)
 TWO_PI_HI = tl.constexpr(6.2831854820251465)
 TWO_PI_LO = tl.constexpr(-1.7484555314695172e-07)
 INV_TWO_PI = tl.constexpr(0.15915494309189535)
+# 1.5·2²³: adding it to an fp32 of magnitude < 2²² rounds it to an integer (to nearest, ties to even) in the
+# addition itself, so subtracting it back gives rint(x) on the FMA pipe, where FRND runs on the XU pipe
+ROUND_MAGIC = tl.constexpr(12582912.0)
 DECODE_BLOCK_M = MIN_DOT  # the smallest tl.dot tile; a decode tile holds one query's GQA group
 QUANT_GROUP = tl.constexpr(_common.QUANT_GROUP)  # channels per scale of quantized latents
 LOG8_EXP_OFFSET = tl.constexpr(_common.LOG8_OFFSET // 8)  # log8 code k: 2^((k >> 3) − this) · eighth(k & 7)
@@ -97,12 +100,23 @@ def _sincos(x):
 
 
 @triton.jit
-def _sincos_fast(x):
+def _turns(x, FADD: tl.constexpr):
+    """``k``, the whole turns of ``x`` to the nearest (``x = 2πk + r``, ``|r| ≤ π``): ``floor(x/2π + 0.5)``,
+    or with ``FADD`` the same integer (ties aside, where ``r = ±π`` either way) by adding and subtracting
+    :data:`ROUND_MAGIC`, for ``|x/2π| < 2²²`` (positions below 26 M at θ ≤ 1): two FMA-pipe instructions
+    instead of one there and an ``FRND`` on the pipe that also runs the MUFU sin/cos."""
+    if FADD:
+        return (x * INV_TWO_PI + ROUND_MAGIC) - ROUND_MAGIC
+    return tl.floor(x * INV_TWO_PI + 0.5)
+
+
+@triton.jit
+def _sincos_fast(x, FADD: tl.constexpr = False):
     """``sin(x), cos(x)`` with about a third of :func:`_sincos`'s instructions: ``x = 2πk + r`` with
-    ``|r| ≤ π`` (two-part Cody–Waite through fma), then the GPU's ``sin.approx``/``cos.approx`` (the MUFU
-    unit, absolute error ≤ 2^-20.9 on ``[−π, π]``). CUDA only: the interpreter has no hardware
-    approximations."""
-    k = tl.floor(x * INV_TWO_PI + 0.5)
+    ``|r| ≤ π`` (two-part Cody–Waite through fma; ``k`` by :func:`_turns`), then the GPU's
+    ``sin.approx``/``cos.approx`` (the MUFU unit, absolute error ≤ 2^-20.9 on ``[−π, π]``). CUDA only: the
+    interpreter has no hardware approximations."""
+    k = _turns(x, FADD)
     r = tl.fma(k, -TWO_PI_HI, x)
     r = tl.fma(k, -TWO_PI_LO, r)
     return libdevice.fast_sinf(r), libdevice.fast_cosf(r)
@@ -706,8 +720,8 @@ def _rotated_logits(q1, q2, a1, a2, pos, inv_freq, dtype: tl.constexpr, BLOCK_M:
     the dot's left operand, which the tensor cores read from registers; as the right operand (``q kᵀ``)
     the tile goes through shared memory first. Only the ``[BLOCK_N, BLOCK_M]`` logits are transposed."""
     angle = pos.to(tl.float32)[:, None] * inv_freq[None, :]
-    if FAST_SINCOS:
-        sin, cos = _sincos_fast(angle)
+    if FAST_SINCOS:  # 2: the turns rounded on the FMA pipe (sincos_fadd)
+        sin, cos = _sincos_fast(angle, FAST_SINCOS == 2)
     else:
         sin, cos = _sincos(angle)
     k1 = (a1 * cos - a2 * sin).to(dtype)
@@ -1306,7 +1320,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
                     keys_left=k_bits in (16, 4), pairs=codes, channel_rows=codes, planes=codes,
-                    nibble_words=False,
+                    nibble_words=False, sincos_fadd=False,
                     int3_planes=codes and key_mode == "pre_rope" and k_bits == 3 and k_channel)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
@@ -1683,7 +1697,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None,
         HAS_LENS=lengths is not None, HAS_NVALID=n_valid is not None, HAS_PV=P_v is not None,
         SPLIT=splits > 1,
-        FAST_SINCOS=pre and cfg["fast_sincos"], DOT_PREC=dot_prec,
+        FAST_SINCOS=((2 if cfg.get("sincos_fadd") else 1) if pre and cfg["fast_sincos"] else 0),
+        DOT_PREC=dot_prec,
         UPCAST=interpreting(),  # every dot: a bf16 value tile may meet fp16 key codes
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
         FOLD_K=bool(cfg.get("fold_scales")) and k_codes and not pre and r_k_p2 <= _common.QUANT_GROUP
@@ -1738,6 +1753,7 @@ def lowrank_attention(
     channel_rows: bool | None = None,
     planes: bool | None = None,
     int3_planes: bool | None = None,
+    sincos_fadd: bool | None = None,
     nibble_words: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
@@ -1808,6 +1824,10 @@ def lowrank_attention(
         codes a register, so that no bytes are packed into a register before the nibbles' byte permutes
         (:func:`_word_nibbles`); with ``prefetch`` only; a candidate, off: at r 64 it lost to the default
         at 16×16k and 4×128k in both key modes (H100, 2026-12-05; docs/notes/kernel-tries.md).
+        ``sincos_fadd`` (``pre_rope`` with ``fast_sincos``): the whole turns of each angle rounded by an
+        add and a subtract (:func:`_turns`) instead of ``FRND``, the same integer, so that the reduction no
+        longer shares the XU pipe with the MUFU sin/cos (Nsight Compute, H100: that pipe takes 110 of a
+        64-key tile's 748 instructions a warp, a third of them ``FRND``); a candidate, off until timed.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1857,6 +1877,9 @@ def lowrank_attention(
                          "sin/cos")
     if fast_sincos is None:
         fast_sincos = not interpreting()
+    if sincos_fadd and not fast_sincos:
+        raise ValueError("sincos_fadd=True changes the hardware sin/cos's range reduction: it needs "
+                         "fast_sincos (a CUDA device); drop sincos_fadd or pass fast_sincos=True on CUDA")
     if prefetch and fold_scales:
         raise ValueError("prefetch and fold_scales are two candidates for the same loop; pick one")
     if fold_scales:
@@ -1865,7 +1888,7 @@ def lowrank_attention(
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
                      late_values=late_values, pairs=pairs, channel_rows=channel_rows, planes=planes,
-                     int3_planes=int3_planes, nibble_words=nibble_words)
+                     int3_planes=int3_planes, nibble_words=nibble_words, sincos_fadd=sincos_fadd)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
