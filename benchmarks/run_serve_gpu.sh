@@ -48,9 +48,20 @@
 #                (default int8): whether auto's post_rope pays where it is chosen
 #     storageprof  after autostorage (same BUDGETS): profile_serve_step.py --storage-from on each checkpoint,
 #                as calibrated and with each storage feature taken away, both key modes (~4 minutes each)
+#     fadd       the compiled sin/cos tests (sincos_fadd among them), then the pre_rope decode over bf16 and
+#                int4 latents with and without sincos_fadd at 16x16k and 4x128k, and int4 r 56 at 45x32k
+#                (~3 minutes with compilation)
+#     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
+#                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
+#     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
+#                8x16k per layer (--key-mode auto), then at capacity (32k, 40 GiB, --fill-first) beside
+#                $BASELINE (default kivi2), then profile_serve_step.py at $ROWS rows (default 43) in each key
+#                mode (~10 minutes in all: split it over calls with CKSTEPS="serve capacity profile")
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
+NCU_METRICS='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__issue_active.avg.per_cycle_active,'\
+'smsp__inst_executed.sum,sm__cycles_elapsed.avg,smsp__warps_active.avg.per_cycle_active,smsp__inst_executed_pipe_xu.sum'
 auto_name() { echo "auto$(python3 -c "print(f'{float($1) * 100:g}')")"; }  # auto25, auto12.5: rows' case names
 checkpoint() {  # checkpoint NAME BUDGET [CALIBRATE ARGS]: $STIEFKV_RESULTS_DIR/ck/NAME.safetensors, made once
   local name=$1 budget=$2; shift 2
@@ -153,6 +164,35 @@ for s in "$@"; do
           step "profile $name $mode" python3 benchmarks/experiments/profile_serve_step.py --case 8x16384 \
             --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" --key-mode $mode --rows 8
         done
+      done ;;
+    fadd)
+      step sincos python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py -k sincos
+      step fadd python3 benchmarks/bench_attention.py --tables quant --bits 16 4 --modes pre_rope \
+        --shapes 16x16384 4x131072 --sweep-with sincos_fadd
+      step fadd-capacity python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes pre_rope \
+        --shapes 45x32768 --rank 56 --sweep-with sincos_fadd ;;
+    ncupre)
+      for b in 16 4; do
+        step "ncu pre_rope bits $b" ncu --clock-control none --kernel-name regex:_lowrank_attn_fwd \
+          --launch-skip 2 --launch-count 1 --section SpeedOfLight --metrics "$NCU_METRICS" \
+          python3 benchmarks/experiments/ncu_decode.py --bits $b --key-mode pre_rope
+      done ;;
+    ckserve)
+      if [ -z "${CK:-}" ] || [ ! -f "$CK" ]; then
+        echo "ckserve needs CK=a checkpoint file carried to the device (got '${CK:-}')" >> "$LOG"; continue
+      fi
+      for part in ${CKSTEPS:-serve capacity profile}; do
+        case $part in
+          serve) serve --shape 8b --cases 8x16384 --storage-from "$CK" --key-mode auto --rounds 2 ;;
+          capacity) serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --fill-first \
+                      --storage-from "$CK" --key-mode auto --baseline-cache "${BASELINE:-kivi2}" --rounds 2 ;;
+          profile)
+            for mode in auto pre_rope post_rope; do
+              step "profile $mode" python3 benchmarks/experiments/profile_serve_step.py \
+                --case "${ROWS:-43}x32768" --storage-from "$CK" --key-mode $mode --rows 6 --no-uncompressed \
+                --variants "as calibrated"
+            done ;;
+        esac
       done ;;
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
