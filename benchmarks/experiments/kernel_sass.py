@@ -94,6 +94,8 @@ def compile_decode(
     planes: bool = False,
     v_planes: bool | None = None,
     nibble_words: bool = False,
+    sincos_fadd: bool = False,
+    max_registers: int | None = None,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants);
@@ -102,7 +104,9 @@ def compile_decode(
     scales read as a row a token group (the launcher's ``channel_rows``); ``planes``: int2 codes read as words
     and met as bit planes (the launcher's ``planes``, and for int3 its ``int3_planes``; ``v_planes``: the
     values' where it differs);
-    ``nibble_words``: int4 nibbles read as 32-bit words (the launcher's ``nibble_words``)."""
+    ``nibble_words``: int4 nibbles read as 32-bit words (the launcher's ``nibble_words``); ``sincos_fadd``:
+    the angles' whole turns rounded on the FMA pipe (the launcher's ``sincos_fadd``; with ``fast_sincos``);
+    ``max_registers``: a ceiling on registers a thread (the launcher's ``max_registers``, ptxas's maxnreg)."""
     fn = fn or lk._lowrank_attn_fwd
     v_bits = bits if v_bits is None else v_bits
     v_log8 = log8 if v_log8 is None else v_log8
@@ -121,7 +125,7 @@ def compile_decode(
         "HAS_LENS": False,
         "HAS_PV": False,
         "SPLIT": True,
-        "FAST_SINCOS": fast_sincos,
+        "FAST_SINCOS": (2 if sincos_fadd else 1) if fast_sincos else 0,
         "DOT_PREC": "tf32",
         "UPCAST": False,
         "HAS_NVALID": False,
@@ -174,7 +178,9 @@ def compile_decode(
         fn=fn, signature=sig, constexprs={(fn.arg_names.index(k),): v for k, v in const.items()}, attrs=attrs
     )
     return triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": warps, "num_stages": stages}
+        src, target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": warps, "num_stages": stages,
+                 **({"maxnreg": max_registers} if max_registers else {})},
     )
 
 
@@ -224,6 +230,8 @@ def main() -> None:
     ap.add_argument("--block-n", type=int, default=64)
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
+    ap.add_argument("--max-registers", type=int, default=None, metavar="N",
+                    help="a ceiling on registers a thread (the launcher's max_registers)")
     ap.add_argument("--codes", action="store_true",
                     help="post_rope over bf16 latents, int8 and int4 codes: plain, prefetched, folded, "
                          "int4 as even and odd channels (nibbles), int8 words as channel pairs (pairs)")
@@ -298,10 +306,13 @@ def main() -> None:
                                     key_mode == "pre_rope", bits=4, prefetch=True, nibbles=True, log8=True)
             print(f"| {key_mode} int4 log8 prefetch nibbles " + report(kernel), flush=True)
         return
-    for key_mode, fast, left in (("post_rope", False, False), ("pre_rope", False, False),
-                                 ("pre_rope", True, False), ("pre_rope", True, True)):
-        kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast, keys_left=left)
-        name = key_mode + (" fast_sincos" if fast else "") + (" keys_left" if left else "")
+    for key_mode, fast, left, fadd in (("post_rope", False, False, False), ("pre_rope", False, False, False),
+                                       ("pre_rope", True, False, False), ("pre_rope", True, True, False),
+                                       ("pre_rope", True, True, True)):
+        kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast, keys_left=left,
+                                sincos_fadd=fadd, max_registers=args.max_registers)
+        name = key_mode + (" fast_sincos" if fast else "") + (" keys_left" if left else "") \
+            + (" sincos_fadd" if fadd else "")
         print(f"| {name} " + report(kernel), flush=True)
 
 
