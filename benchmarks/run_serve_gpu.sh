@@ -166,7 +166,8 @@ for s in "$@"; do
         done
       done ;;
     fadd)
-      step sincos python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py -k sincos
+      step sincos python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py \
+        -k "sincos or turns"
       step fadd python3 benchmarks/bench_attention.py --tables quant --bits 16 4 --modes pre_rope \
         --shapes 16x16384 4x131072 --sweep-with sincos_fadd
       step fadd-capacity python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes pre_rope \

@@ -848,3 +848,19 @@ def test_cpu_experiments_refuse_bad_arguments_before_any_work(script, argv, mess
     # argparse's refusals exit 2 with the message on stderr; --extra's exit with the message itself
     said = capsys.readouterr().err if exit_.value.code == 2 else str(exit_.value.code)
     assert message in said
+
+
+def test_ablate_decode_builds_every_variant(tmp_path, monkeypatch):
+    """``ablate_decode.py`` builds its variants by replacing lines of the kernel's source; a kernel edit
+    that changes one of those lines stopped the script before anything ran (the sin/cos line, when
+    ``sincos_fadd`` gave ``_sincos_fast`` a second argument)."""
+    import importlib
+
+    monkeypatch.syspath_prepend(str(BENCHMARKS / "experiments"))
+    ablate = importlib.import_module("ablate_decode")
+    source = ablate.SRC.read_text()
+    for name, edits in ablate.VARIANTS.items():
+        for old, _ in edits:
+            assert old in source, f"{name}: the kernel no longer contains {old.strip()!r}"
+        module = ablate.build(name, edits, tmp_path)
+        assert hasattr(module, "_lowrank_attn_fwd"), name

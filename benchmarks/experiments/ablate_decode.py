@@ -26,7 +26,7 @@ import tempfile
 import torch
 
 SRC = pathlib.Path(__file__).resolve().parents[2] / "stiefkv" / "kernels" / "lowrank.py"
-FAST = "        sin, cos = _sincos_fast(angle)\n"
+FAST = "        sin, cos = _sincos_fast(angle, FAST_SINCOS == 2)\n"
 POLY = "        sin, cos = _sincos(angle)\n"
 ROT = "    k1 = (a1 * cos - a2 * sin).to(dtype)\n    k2 = (a2 * cos + a1 * sin).to(dtype)\n"
 REBUILD = (

@@ -107,6 +107,8 @@ def compile_decode(
     ``nibble_words``: int4 nibbles read as 32-bit words (the launcher's ``nibble_words``); ``sincos_fadd``:
     the angles' whole turns rounded on the FMA pipe (the launcher's ``sincos_fadd``; with ``fast_sincos``);
     ``max_registers``: a ceiling on registers a thread (the launcher's ``max_registers``, ptxas's maxnreg)."""
+    if sincos_fadd and not fast_sincos:
+        raise ValueError("sincos_fadd changes the hardware sin/cos's reduction: it needs fast_sincos")
     fn = fn or lk._lowrank_attn_fwd
     v_bits = bits if v_bits is None else v_bits
     v_log8 = log8 if v_log8 is None else v_log8
@@ -241,6 +243,8 @@ def main() -> None:
                          "scales, channel_rows, and at 2 and 3 bits planes (int3_planes at 3); then int3 "
                          "keys in the token layout, byte-wise and as planes")
     args = ap.parse_args()
+    if args.max_registers is not None and not 24 <= args.max_registers <= 255:
+        ap.error(f"--max-registers {args.max_registers}: ptxas takes a ceiling of 24 to 255 a thread")
     print(
         f"sm_90, triton {triton.__version__}; decode, d = 128, GQA 4, r_k = r_v = {args.r}, "
         f"block_n {args.block_n}, "

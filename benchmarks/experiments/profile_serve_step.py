@@ -204,6 +204,9 @@ def main() -> None:
     if unknown:
         raise SystemExit(f"--variants: unknown {', '.join(map(repr, unknown))}; choose from "
                          f"{', '.join(map(repr, STORAGE_VARIANTS))}")
+    if args.no_uncompressed and not args.storage_from:
+        ap.error("--no-uncompressed skips the uncompressed cache beside --storage-from's: give a checkpoint, "
+                 "or list the caches with --stores")
     if args.key_mode is None and not args.storage_from:
         args.key_mode = "pre_rope"
     if args.code_slice is not None:
