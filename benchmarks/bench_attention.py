@@ -81,13 +81,10 @@ QUANT_SWEEP = [
     {"keys_left": True, "block_n": 128},
     {"keys_left": True, "block_n": 64},
     {"keys_left": True, "splits": 2},
-    # more programs an SM for pre_rope (2026-12-06; kernel_sass, triton 3.6, r 64): 32-key tiles take 128
-    # registers and no stack over bf16 latents (463 instructions a tile against 748 for 64 keys at 175
-    # registers, two programs), so four 4-warp programs fit an SM; a 168 ceiling fits three at 64 keys (40
-    # bytes of stack). int4 keys at 32 keys: 168 registers (8 of stack), 128 with the ceiling.
-    {"keys_left": True, "block_n": 32, "splits": 2},
-    {"keys_left": True, "block_n": 32, "splits": 2, "num_stages": 4},
-    {"keys_left": True, "block_n": 32, "splits": 1.5},
+    # more programs an SM for pre_rope (2026-12-06; kernel_sass, triton 3.6, r 64): 32-key tiles at 128
+    # registers, four programs, and a 168 ceiling at 64 keys, three. Timed on the H100 the same day: 1.3-2.3×
+    # slower at 32 keys (the entry kept was the least slow of them; splits × 1.5 and 4 stages did worse),
+    # the ceiling −1.8 % at one bf16 shape and +40-60 % over int4 keys (docs/notes/kernel-tries.md)
     {"keys_left": True, "block_n": 32, "splits": 2, "max_registers": 128},
     {"keys_left": True, "max_registers": 168, "splits": 1.5},
     # pre_rope: the angles' whole turns rounded on the FMA pipe, not by FRND on the XU pipe the MUFU sin/cos

@@ -127,7 +127,7 @@ def compile_decode(
         "HAS_LENS": False,
         "HAS_PV": False,
         "SPLIT": True,
-        "FAST_SINCOS": (2 if sincos_fadd else 1) if fast_sincos else 0,
+        "FAST_SINCOS": lk.sincos_mode(fast_sincos, sincos_fadd),
         "DOT_PREC": "tf32",
         "UPCAST": False,
         "HAS_NVALID": False,

@@ -110,6 +110,12 @@ def _turns(x, FADD: tl.constexpr):
     return tl.floor(x * INV_TWO_PI + 0.5)
 
 
+def sincos_mode(fast_sincos: bool, sincos_fadd: bool) -> int:
+    """The kernels' ``FAST_SINCOS``: 0 the polynomial sin/cos, 1 the hardware one, 2 the hardware one with
+    its turns rounded on the FMA pipe (``sincos_fadd``, which only the hardware one has)."""
+    return (2 if sincos_fadd else 1) if fast_sincos else 0
+
+
 @triton.jit
 def _sincos_fast(x, FADD: tl.constexpr = False):
     """``sin(x), cos(x)`` with about a third of :func:`_sincos`'s instructions: ``x = 2πk + r`` with
@@ -1697,7 +1703,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         KEY_MODE=0 if pre else 1, CAUSAL=bool(causal), HAS_BIAS=bias is not None,
         HAS_LENS=lengths is not None, HAS_NVALID=n_valid is not None, HAS_PV=P_v is not None,
         SPLIT=splits > 1,
-        FAST_SINCOS=((2 if cfg.get("sincos_fadd") else 1) if pre and cfg["fast_sincos"] else 0),
+        FAST_SINCOS=sincos_mode(pre and cfg["fast_sincos"], bool(cfg.get("sincos_fadd"))),
         DOT_PREC=dot_prec,
         UPCAST=interpreting(),  # every dot: a bf16 value tile may meet fp16 key codes
         K_BITS=k_bits, V_BITS=v_bits, DTYPE=_TL_DTYPES[dtype],
