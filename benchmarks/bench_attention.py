@@ -89,8 +89,9 @@ QUANT_SWEEP = [
     {"keys_left": True, "max_registers": 168, "splits": 1.5},
     # pre_rope: the angles' whole turns rounded on the FMA pipe, not by FRND on the XU pipe the MUFU sin/cos
     # run on (2026-12-06, second session: Nsight Compute puts 110 of a bf16 tile's 748 instructions a warp on
-    # that pipe, 32 of them FRND; the static count is unchanged, FRND 32 → FADD)
-    {"sincos_fadd": True},
+    # that pipe, 32 of them FRND; the static count is unchanged, FRND 32 → FADD). The default since the
+    # third session of 2026-12-06 (3-6 % less time at every shape timed), so the entry is FRND's, as before
+    {"sincos_fadd": False},
     {"sincos_fadd": True, "max_registers": 168, "splits": 1.5},
     # 1.5 × the splits: meant as three programs an SM, but at 255 registers a thread (Nsight Compute, int4
     # post_rope, 2026-12-03) only two fit, so these run 1.45 waves of two
@@ -360,7 +361,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                         if (cfg.get("fold_scales") and bits == 16) or (cfg.get("pairs") and bits != 8) or (
                                 nibble and (
                                 bits != 4 or NIBBLE_OPTIONS[nibble[0]] not in (None, mode))) or (
-                                (cfg.get("keys_left") or cfg.get("sincos_fadd")) and mode != "pre_rope") or (
+                                (cfg.get("keys_left") or "sincos_fadd" in cfg) and mode != "pre_rope") or (
                                 "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
                                 cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4) \
                                 or (cfg.get("int3_planes") and bits != 3):

@@ -51,6 +51,9 @@
 #     fadd       the compiled sin/cos tests (sincos_fadd among them), then the pre_rope decode over bf16 and
 #                int4 latents with and without sincos_fadd at 16x16k and 4x128k, and int4 r 56 at 45x32k
 #                (~3 minutes with compilation)
+#     faddall    with sincos_fadd the default: the compiled pre_rope decode tests, then pre_rope decode over
+#                bf16, int8, int4, int3 and int2 at r 64, bf16 and int4 at r 32 (four shapes), int4 and int3
+#                channel keys at r 112, each beside FRND's rounding and the bf16 ceiling; then serve 8x16k
 #     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
 #                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
 #     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
@@ -172,6 +175,14 @@ for s in "$@"; do
         --shapes 16x16384 4x131072 --sweep-with sincos_fadd
       step fadd-capacity python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes pre_rope \
         --shapes 45x32768 --rank 56 --sweep-with sincos_fadd ;;
+    faddall)  # sincos_fadd as the default: FRND's rounding and the bf16 register ceiling beside it
+      step faddtests timeout 180 python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py \
+        -k "pre_rope and (decode or sincos or turns)"
+      q="python3 benchmarks/bench_attention.py --tables quant --modes pre_rope --sweep-with sincos_fadd"
+      step fadd-r64 $q --bits 16 8 4 3 2 --shapes 1x32768 8x8192 16x16384 4x131072
+      step fadd-r32 $q --bits 16 4 --rank 32 --shapes 1x32768 8x8192 16x16384 4x131072
+      step fadd-channel $q --bits 4 3 --rank 112 --channel-keys --shapes 8x16384 4x131072
+      serve --shape 8b --cases 8x16384 --key-mode pre_rope ;;
     ncupre)
       for b in 16 4; do
         step "ncu pre_rope bits $b" ncu --clock-control none --kernel-name regex:_lowrank_attn_fwd \
