@@ -1312,9 +1312,11 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     triton 3.6, sm_90): token layout at r 128 with ``int3_planes``, 0.459 → 0.331 ms at 8×16k and 1.707 →
     1.214 at 4×128k. Channel-layout int3 ``pre_rope`` keys are met as planes (``int3_planes``): 0.381 →
     0.366 and 1.417 → 1.355 ms; not ``post_rope``'s (0.251 → 0.281 at 128 keys) (H100, 2026-12-06).
-    ``pre_rope`` rounds its angles' whole turns on the FMA pipe (``sincos_fadd``): bf16 r 64 0.2573 → 0.2456
-    ms at 16×16k and 0.5075 → 0.4756 at 4×128k, int4 0.2705 → 0.2625 and 0.5229 → 0.5044, int4 r 56 at
-    45×32k 1.5849 → 1.5312 (H100, 2026-12-06, third session)."""
+    ``pre_rope`` rounds its angles' whole turns on the FMA pipe (``sincos_fadd``) but over int3 keys: at the
+    four shapes, r 64, 0.7-8.0 % less time over bf16, int8, int4 and int2 latents (4×128k bf16 0.5058 →
+    0.4651 ms), at r 32 0.7-15.1 % (bf16 0.4091 → 0.3473), int4 channel keys at r 112 1.5-2.9 %, int4 r 56
+    at 45×32k 3.4 %; over int3 keys 0.4 % less to 1.6 % more, so not there (H100, 2026-12-06, third
+    session)."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if codes else 1)
@@ -1329,7 +1331,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
                     keys_left=k_bits in (16, 4), pairs=codes, channel_rows=codes, planes=codes,
-                    nibble_words=False, sincos_fadd=True,
+                    nibble_words=False, sincos_fadd=k_bits != 3,
                     int3_planes=codes and key_mode == "pre_rope" and k_bits == 3 and k_channel)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
@@ -1836,9 +1838,8 @@ def lowrank_attention(
         ``sincos_fadd`` (``pre_rope`` with ``fast_sincos``): the whole turns of each angle rounded by an
         add and a subtract (:func:`_turns`) instead of ``FRND``, the same integer, so that the reduction no
         longer shares the XU pipe with the MUFU sin/cos (Nsight Compute, H100: that pipe takes 110 of a
-        64-key tile's 748 instructions a warp, a third of them ``FRND``); the decode default (ignored
-        without ``fast_sincos``): 3.0-6.3 % less time at 16×16k and 4×128k over bf16 and int4 latents and
-        at 45×32k over int4 r 56 (H100, 2026-12-06, third session).
+        64-key tile's 748 instructions a warp, a third of them ``FRND``); the decode default but over int3
+        keys (ignored without ``fast_sincos``; see :func:`_default_config`).
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
