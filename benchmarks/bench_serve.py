@@ -66,7 +66,20 @@ LLAMA_8B = {
     "max_position_embeddings": 131072,
     "tie_word_embeddings": False,
 }
-SHAPES = {"1b": ("Llama-3.2-1B", LLAMA_1B), "8b": ("Llama-3-8B", LLAMA_8B), "tiny": ("tiny", TINY)}
+SMOLLM2 = {  # SmolLM2-135M-Instruct, the default real model: three KV heads a layer, so --share-heads
+    "vocab_size": 49152,  # checkpoints of it serve at their own ranks here (storage_projections)
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_hidden_layers": 30,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "head_dim": 64,
+    "max_position_embeddings": 8192,
+    "rope_theta": 100000.0,
+    "tie_word_embeddings": True,
+}
+SHAPES = {"1b": ("Llama-3.2-1B", LLAMA_1B), "8b": ("Llama-3-8B", LLAMA_8B),
+          "smollm2": ("SmolLM2-135M", SMOLLM2), "tiny": ("tiny", TINY)}
 GIB = 2**30
 
 
@@ -227,22 +240,24 @@ def storage_projections(model, path: str, key_mode: str | None = None) -> stiefk
     instance a SmolLM2 ``--bits auto`` one): each layer takes its key and value ranks as the same fraction of
     the head dim (a multiple of 8, at least 8) and its storage specs (bits, layout, scales, exact window),
     the checkpoint's layers spread evenly over the model's. Speed depends on the shapes and the storage
-    only, so this serves a calibrated checkpoint's storage at a large model's shapes. ``key_mode``: the
-    checkpoint's (per layer) by default; ``auto``: per layer as ``calibrate --key-mode auto`` serves it,
-    ``post_rope`` where the checkpoint's layer keeps its keys at full rank, else ``pre_rope``."""
+    only, so this serves a calibrated checkpoint's storage at a large model's shapes. A ``--share-heads``
+    checkpoint (one basis a layer, ``[1, G·d, R]``) gives shared bases, ``R`` the same fraction of the
+    layer's ``G·d`` channels (at its own model's shapes, ``--shape smollm2`` for SmolLM2, its own ranks).
+    ``key_mode``: the checkpoint's (per layer) by default; ``auto``: per layer as ``calibrate --key-mode
+    auto`` serves it, ``post_rope`` where the checkpoint's layer keeps its keys at full rank, else
+    ``pre_rope``."""
     try:
         ck = stiefkv.Projections.load(path)
     except stiefkv.CheckpointError as e:
         raise SystemExit(f"--storage-from: {e}") from None
-    if ck.shared:
-        raise SystemExit(f"--storage-from {path}: a --share-heads checkpoint (one basis for a layer's KV "
-                         "heads); its storage has no per-head stand-in here: pass a per-head checkpoint")
     dims = dims_of(model.config)
-    d_ck = int(ck.keys[0].shape[1])
+    d_ck = int(ck.keys[0].shape[1])  # G·d of the checkpoint's model where shared
+    width = dims.G * dims.d if ck.shared else dims.d
+    heads = 1 if ck.shared else dims.G
     g = torch.Generator().manual_seed(0)
 
     def rank(r: int) -> int:
-        return min(dims.d, max(8, round(r / d_ck * dims.d / 8) * 8))
+        return min(width, max(8, round(r / d_ck * width / 8) * 8))
 
     source = [min(len(ck.keys) - 1, i * len(ck.keys) // dims.L) for i in range(dims.L)]
     if key_mode == "auto":
@@ -252,8 +267,8 @@ def storage_projections(model, path: str, key_mode: str | None = None) -> stiefk
     keys, values, quant = [], [], []
     for i in source:
         r_k, r_v = ck.ranks[i]
-        keys.append(utils.random_basis(dims.G, dims.d, rank(r_k), device="cpu", generator=g))
-        values.append(utils.random_basis(dims.G, dims.d, rank(r_v), device="cpu", generator=g))
+        keys.append(utils.random_basis(heads, width, rank(r_k), device="cpu", generator=g))
+        values.append(utils.random_basis(heads, width, rank(r_v), device="cpu", generator=g))
         quant.append(ck.specs[i])
     source_fields = {"storage_from": Path(path).name, "storage_budget": ck.budget,
                      "storage_achieved_budget": ck.achieved_budget, "storage_key_mode": ck.key_mode_summary,

@@ -54,6 +54,10 @@
 #     faddall    with sincos_fadd the default: the compiled pre_rope decode tests, then pre_rope decode over
 #                bf16, int8, int4, int3 and int2 at r 64, bf16 and int4 at r 32 (four shapes), int4 and int3
 #                channel keys at r 112, each beside FRND's rounding and the bf16 ceiling; then serve 8x16k
+#     smolserve  needs MODEL: SmolLM2's --bits auto checkpoint at $BUDGETS (one, default 0.125) per head and
+#                with --share-heads (calibrated side by side, and any $EXTRA_BUDGETS per head beside them),
+#                each storage served at SmolLM2's own shapes ($SMOLCASES, default 32x8000) beside $BASELINE
+#                (default kivi2): whether shared bases, better at every budget, serve as fast where G = 3
 #     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
 #                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
 #     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
@@ -183,6 +187,18 @@ for s in "$@"; do
       step fadd-r32 $q --bits 16 4 --rank 32 --shapes 1x32768 8x8192 16x16384 4x131072
       step fadd-channel $q --bits 4 3 --rank 112 --channel-keys --shapes 8x16384 4x131072
       serve --shape 8b --cases 8x16384 --key-mode pre_rope ;;
+    smolserve)  # needs MODEL: per-head against --share-heads at SmolLM2's own shapes, same budget
+      ck="$STIEFKV_RESULTS_DIR/ck"
+      b=${BUDGETS:-0.125}
+      name=$(auto_name "$b")
+      checkpoint "$name" "$b" &
+      checkpoint "${name}s" "$b" --share-heads &
+      for extra in ${EXTRA_BUDGETS:-}; do checkpoint "$(auto_name "$extra")" "$extra" & done
+      wait
+      for c in "$name" "${name}s"; do
+        serve --shape smollm2 --cases ${SMOLCASES:-32x8000} --storage-from "$ck/$c.safetensors" \
+          --baseline-cache "${BASELINE:-kivi2}" --rounds 2
+      done ;;
     ncupre)
       for b in 16 4; do
         step "ncu pre_rope bits $b" ncu --clock-control none --kernel-name regex:_lowrank_attn_fwd \

@@ -335,7 +335,8 @@ def _mixed_checkpoint(path, key_mode="post_rope", shared=False, layers=3):
 def test_storage_from_a_checkpoint_maps_its_ranks_and_specs(tmp_path):
     """--storage-from: each layer of the served model takes a checkpoint layer's ranks as the same fraction
     of its head dim and that layer's specs, the checkpoint's layers spread over the model's; its key mode
-    unless one is asked; clear errors for a missing file and a --share-heads checkpoint."""
+    unless one is asked; a clear error for a missing file. A --share-heads checkpoint gives shared bases at
+    the same fraction of the layer's G·d channels."""
     import bench_serve as bs
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -361,17 +362,21 @@ def test_storage_from_a_checkpoint_maps_its_ranks_and_specs(tmp_path):
     assert proj.ranks == [(16, 32), (16, 16)]
     with pytest.raises(SystemExit, match="--storage-from: checkpoint .*nope.safetensors does not exist"):
         bs.storage_projections(model, str(tmp_path / "nope.safetensors"))
-    _mixed_checkpoint(tmp_path / "shared.safetensors", shared=True)
-    with pytest.raises(SystemExit, match="a --share-heads checkpoint"):
-        bs.storage_projections(model, str(tmp_path / "shared.safetensors"))
+    shared = _mixed_checkpoint(tmp_path / "shared.safetensors", shared=True)  # R 24 of G·d 32
+    proj = bs.storage_projections(model, str(tmp_path / "shared.safetensors"))  # G·d 64 here
+    assert shared.shared and proj.shared and proj.ranks == [(48, 48), (48, 48)]
+    assert all(P.shape == (1, 64, 48) for P in proj.keys + proj.values) and proj.specs == shared.specs[:2]
+    for P in proj.keys + proj.values:
+        torch.testing.assert_close(P[0].T @ P[0], torch.eye(48), atol=1e-5, rtol=0)
 
 
-def test_bench_serve_serves_a_checkpoints_storage(tmp_path):
+@pytest.mark.parametrize("shared", [False, True], ids=["per-head", "shared"])
+def test_bench_serve_serves_a_checkpoints_storage(tmp_path, shared):
     """bench_serve.py --storage-from end to end on the CPU: the mixed storages (log8, channel keys, 2-bit,
-    exact windows, bf16) decode, under the checkpoint's key mode and file name."""
+    exact windows, bf16) decode, under the checkpoint's key mode and file name, per-head and shared."""
     import subprocess
 
-    _mixed_checkpoint(tmp_path / "mixed.safetensors")
+    _mixed_checkpoint(tmp_path / "mixed.safetensors", shared=shared)
     out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--cases", "2x40",
                           "--new-tokens", "3", "--rounds", "1", "--chunk", "16",
                           "--storage-from", str(tmp_path / "mixed.safetensors")],
@@ -379,6 +384,8 @@ def test_bench_serve_serves_a_checkpoints_storage(tmp_path):
     assert out.returncode == 0, out.stderr[-2000:]
     line = out.stdout.strip().splitlines()[-1]
     assert line.startswith("serve tiny post_rope storage mixed 0.3 B2 ctx40: transformers static"), line
+    if shared:
+        return
     bad = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--bits", "4",
                           "--storage-from", str(tmp_path / "mixed.safetensors")],
                          capture_output=True, text=True, timeout=300)
