@@ -58,6 +58,8 @@
 #                with --share-heads (calibrated side by side, and any $EXTRA_BUDGETS per head beside them),
 #                each storage served at SmolLM2's own shapes ($SMOLCASES, default 32x8000) beside $BASELINE
 #                (default kivi2): whether shared bases, better at every budget, serve as fast where G = 3
+#     smolprof   after smolserve (same BUDGETS, the checkpoints in $STIEFKV_RESULTS_DIR/ck): profile_serve_step.py
+#                at SmolLM2's shapes on each checkpoint's storage, and the per-head one with --key-mode auto
 #     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
 #                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
 #     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
@@ -199,6 +201,17 @@ for s in "$@"; do
         serve --shape smollm2 --cases ${SMOLCASES:-32x8000} --storage-from "$ck/$c.safetensors" \
           --baseline-cache "${BASELINE:-kivi2}" --rounds 2
       done ;;
+    smolprof)  # after smolserve (same BUDGETS): where each SmolLM2 storage's decode step goes, at its shapes
+      b=${BUDGETS:-0.125}
+      name=$(auto_name "$b")
+      for c in "$name" "${name}s"; do
+        step "profile $c" python3 benchmarks/experiments/profile_serve_step.py --shape smollm2 \
+          --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$c.safetensors" --rows 8 \
+          --variants "as calibrated"
+      done
+      step "profile ${name} key-mode auto" python3 benchmarks/experiments/profile_serve_step.py \
+        --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" \
+        --key-mode auto --rows 8 --variants "as calibrated" ;;
     ncupre)
       for b in 16 4; do
         step "ncu pre_rope bits $b" ncu --clock-control none --kernel-name regex:_lowrank_attn_fwd \
