@@ -59,7 +59,9 @@
 #                each storage served at SmolLM2's own shapes ($SMOLCASES, default 32x8000) beside $BASELINE
 #                (default kivi2): whether shared bases, better at every budget, serve as fast where G = 3
 #     smolprof   after smolserve (same BUDGETS, the checkpoints in $STIEFKV_RESULTS_DIR/ck): profile_serve_step.py
-#                at SmolLM2's shapes on each checkpoint's storage, and the per-head one with --key-mode auto
+#                at SmolLM2's shapes on each checkpoint's storage, the per-head one with --key-mode auto, and
+#                its prefill forward (37.5 s against 4.1 s uncompressed for 32x8000 in the third session of
+#                2026-12-06)
 #     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
 #                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
 #     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
@@ -211,7 +213,10 @@ for s in "$@"; do
       done
       step "profile ${name} key-mode auto" python3 benchmarks/experiments/profile_serve_step.py \
         --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" \
-        --key-mode auto --rows 8 --variants "as calibrated" ;;
+        --key-mode auto --rows 8 --variants "as calibrated"
+      step "profile ${name} prefill" python3 benchmarks/experiments/profile_serve_step.py --prefill \
+        --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" \
+        --rows 12 --variants "as calibrated" ;;
     ncupre)
       for b in 16 4; do
         step "ncu pre_rope bits $b" ncu --clock-control none --kernel-name regex:_lowrank_attn_fwd \
