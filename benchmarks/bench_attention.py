@@ -39,6 +39,11 @@ import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 from stiefkv.kernels.lowrank import _default_config, _num_sms, _token_int4, lowrank_attention
 
 H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
+# --heads: the attention shapes measured (query heads, KV heads, head dim, model width); rows of any but the
+# first name them in their case and table ("decode-smollm2"), so that BENCHMARKS.md's Llama-3-8B tables and
+# claims never read them
+HEADS = {"llama8b": (32, 8, 128, 4096), "smollm2": (9, 3, 64, 576)}
+CASE_PREFIX = TABLE_SUFFIX = ""
 DECODE_SHAPES = [(1, 32768), (8, 8192), (16, 16384), (4, 131072)]
 BUDGETS = {"50%": 64, "25%": 32}
 TARGETS = {("post_rope", "50%"): 0.55, ("pre_rope", "50%"): 0.65, ("post_rope", "25%"): 0.35}
@@ -163,6 +168,14 @@ NAME = "attention"
 DEVICE = "cuda"  # the CPU smoke test (tests/test_benchmarks.py) sets "cpu" under TRITON_INTERPRET=1
 
 
+def set_heads(name: str) -> None:
+    """Measure at another model's attention shapes (:data:`HEADS`); its rows' cases start with ``name``."""
+    global H, G, D_HEAD, D_MODEL, CASE_PREFIX, TABLE_SUFFIX, BUDGETS
+    H, G, D_HEAD, D_MODEL = HEADS[name]
+    CASE_PREFIX, TABLE_SUFFIX = f"{name} ", f"-{name}"
+    BUDGETS = {"50%": D_HEAD // 2, "25%": D_HEAD // 4}
+
+
 def empty_cache() -> None:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
@@ -219,7 +232,7 @@ def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv
 def case_fields(B: int, N: int, budget: str, mode: str) -> dict:
     r = BUDGETS[budget]
     return {
-        "case": f"decode {utils.shape_name(B, N)} r{r} {mode}",
+        "case": f"decode {CASE_PREFIX}{utils.shape_name(B, N)} r{r} {mode}",
         "B": B,
         "N": N,
         "H": H,
@@ -287,7 +300,7 @@ def decode_rows(shapes, copy: float) -> None:
                 for mode in MODES:
                     run = kernel_call(x, mode)
                     row = case_fields(B, N, budget, mode) | {
-                        "table": "decode",
+                        "table": "decode" + TABLE_SUFFIX,
                         "sdpa_ms": sdpa,
                         "kernel_ms": utils.graph_ms(run),
                         "eager_ms": utils.bench_ms(run),
@@ -376,8 +389,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                     name = "bf16" if bits == 16 else f"int{bits}" + ("-log8" if log8 else "") + (
                         "-channel-keys" if channel_keys else "")
                     row = case_fields(B, N, "50%", mode) | ({"r": r, "budget": f"r{r}"} if rank else {}) | {
-                        "case": f"decode {utils.shape_name(B, N)} r{r} {name} {mode}",
-                        "table": "quant", "bits": bits, "log8": log8 and bits < 16,
+                        "case": f"decode {CASE_PREFIX}{utils.shape_name(B, N)} r{r} {name} {mode}",
+                        "table": "quant" + TABLE_SUFFIX, "bits": bits, "log8": log8 and bits < 16,
                         "key_layout": "channel" if channel_keys and bits < 16 else "token", "sdpa_ms": sdpa,
                         "kernel_ms": ms, "bytes": read,
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
@@ -563,7 +576,15 @@ def main() -> None:
     parser.add_argument("--channel-keys", action="store_true",
                         help="quant table: key codes in the channel layout (auto's low budgets, KIVI), "
                              "values per token")
+    parser.add_argument("--heads", default="llama8b", choices=sorted(HEADS),
+                        help="attention shapes: Llama-3-8B's (H 32, G 8, d 128) or SmolLM2-135M's (H 9, G 3, "
+                             "d 64; decode and quant tables, whose rows then name them)")
     args = parser.parse_args()
+    if args.heads != "llama8b":
+        set_heads(args.heads)
+        if set(args.tables) - {"decode", "quant"}:
+            parser.error(f"--heads {args.heads}: only the decode and quant tables take other shapes (got "
+                         f"--tables {' '.join(args.tables)})")
     options = sorted({key for entry in QUANT_SWEEP for key in entry})
     unknown = sorted(set(args.sweep_with or ()) - set(options))
     if unknown:  # it filtered the sweep to nothing, silently, after the decode table had run

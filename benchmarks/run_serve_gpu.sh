@@ -62,6 +62,9 @@
 #                at SmolLM2's shapes on each checkpoint's storage, the per-head one with --key-mode auto, and
 #                its prefill forward (37.5 s against 4.1 s uncompressed for 32x8000 in the third session of
 #                2026-12-06)
+#     smolkernel bench_attention.py --heads smollm2: the decode table and the quant sweep (bf16, int4, int2 at
+#                r 32) at SmolLM2's attention shapes, $SMOLCASES (default 32x8192): whether the defaults,
+#                tuned at Llama-3-8B's, hold where d is 64 and three query heads share a KV head
 #     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
 #                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
 #     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
@@ -217,6 +220,9 @@ for s in "$@"; do
       step "profile ${name} prefill" python3 benchmarks/experiments/profile_serve_step.py --prefill \
         --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" \
         --rows 12 --variants "as calibrated" ;;
+    smolkernel)  # the decode kernel at SmolLM2's attention shapes (H 9, G 3, d 64), default and the sweep
+      step smolkernel python3 benchmarks/bench_attention.py --heads smollm2 --tables decode quant \
+        --shapes ${SMOLCASES:-32x8192} --bits 16 4 2 ;;
     ncupre)
       for b in 16 4; do
         step "ncu pre_rope bits $b" ncu --clock-control none --kernel-name regex:_lowrank_attn_fwd \

@@ -244,6 +244,34 @@ def test_bench_attention_rows_on_the_cpu(results, monkeypatch):
     assert "| 1×300 | 50% | post_rope |" in table
 
 
+def test_bench_attention_at_smollm2_heads(results, monkeypatch):
+    """--heads smollm2: decode and quant rows at SmolLM2's attention shapes (9 query heads over 3 KV heads,
+    d 64; GQA 3, which the kernel pads), 50 % as r 32, named so that they stay out of the Llama tables."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU smoke test; on CUDA run the script itself")
+    import bench_attention as ba
+
+    monkeypatch.setattr(utils, "graph_ms", fake_timer)
+    monkeypatch.setattr(utils, "bench_ms", fake_timer)
+    for name in ("H", "G", "D_HEAD", "D_MODEL", "CASE_PREFIX", "TABLE_SUFFIX", "BUDGETS"):  # restored after
+        monkeypatch.setattr(ba, name, getattr(ba, name))
+    monkeypatch.setattr(ba, "DEVICE", "cpu")
+    monkeypatch.setattr(ba, "QUANT_SWEEP", [{"splits": 2}])
+    ba.set_heads("smollm2")
+    with torch.no_grad():
+        ba.decode_rows([(1, 70)], copy=4.0)
+        ba.quant_rows([(1, 70)], copy=4.0, modes=["pre_rope"], bits_list=[4])
+    rows = utils.read_rows(results / "attention.jsonl")
+    assert [r["case"] for r in rows] == [f"decode smollm2 1x70 {c}" for c in (
+        "r32 post_rope", "r32 pre_rope", "r16 post_rope", "r16 pre_rope", "r32 int4 pre_rope")]
+    assert all((r["H"], r["G"], r["d"]) == (9, 3, 64) for r in rows[:4])
+    assert [r["table"] for r in rows] == ["decode-smollm2"] * 4 + ["quant-smollm2"]
+    assert all(r["kernel_ms"]["p50"] == 2.0 and r["sdpa_ms"]["p50"] == 2.0 for r in rows)
+    assert "smollm2" not in render.decode(render.Results(results))
+    assert "smollm2" not in render.decode_quant(render.Results(results))
+
+
 @pytest.mark.parametrize("recent", [0, 16])
 def test_bench_serve_runs_on_a_tiny_model(recent):
     """bench_serve.py end to end on the CPU (eager, the reference): the three caches, one line each; int8
