@@ -62,6 +62,9 @@
 #                at SmolLM2's shapes on each checkpoint's storage, the per-head one with --key-mode auto, and
 #                its prefill forward (37.5 s against 4.1 s uncompressed for 32x8000 in the third session of
 #                2026-12-06)
+#     smolcap    after smolserve: the per-head checkpoint's largest batch at 8000 tokens under $CAP_GIB
+#                (default 4) GiB at SmolLM2's shapes, beside the uncompressed cache and $BASELINE, and the
+#                tokens/s at each one's capacity
 #     smolkernel bench_attention.py --heads smollm2: the decode table and the quant sweep (bf16, int4, int2 at
 #                r 32) at SmolLM2's attention shapes, $SMOLCASES (default 32x8192): whether the defaults,
 #                tuned at Llama-3-8B's, hold where d is 64 and three query heads share a KV head
@@ -220,6 +223,10 @@ for s in "$@"; do
       step "profile ${name} prefill" python3 benchmarks/experiments/profile_serve_step.py --prefill \
         --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" \
         --rows 12 --variants "as calibrated" ;;
+    smolcap)  # after smolserve: the per-head checkpoint's capacity at SmolLM2's shapes under a small cap
+      name=$(auto_name "${BUDGETS:-0.125}")
+      serve --shape smollm2 --capacity --context 8000 --cap-gib ${CAP_GIB:-4} --new-tokens 32 --fill-first \
+        --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" --baseline-cache "${BASELINE:-kivi2}" ;;
     smolkernel)  # the decode kernel at SmolLM2's attention shapes (H 9, G 3, d 64), default and the sweep
       step smolkernel python3 benchmarks/bench_attention.py --heads smollm2 --tables decode quant \
         --shapes ${SMOLCASES:-32x8192} --bits 16 4 2 ;;
