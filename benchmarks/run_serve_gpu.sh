@@ -54,17 +54,16 @@
 #     faddall    with sincos_fadd the default: the compiled pre_rope decode tests, then pre_rope decode over
 #                bf16, int8, int4, int3 and int2 at r 64, bf16 and int4 at r 32 (four shapes), int4 and int3
 #                channel keys at r 112, each beside FRND's rounding and the bf16 ceiling; then serve 8x16k
-#     smolserve  needs MODEL: SmolLM2's --bits auto checkpoint at $BUDGETS (one, default 0.125) per head and
-#                with --share-heads (calibrated side by side, and any $EXTRA_BUDGETS per head beside them),
-#                each storage served at SmolLM2's own shapes ($SMOLCASES, default 32x8000) beside $BASELINE
-#                (default kivi2): whether shared bases, better at every budget, serve as fast where G = 3
-#     smolprof   after smolserve (same BUDGETS, the checkpoints in $STIEFKV_RESULTS_DIR/ck): profile_serve_step.py
-#                at SmolLM2's shapes on each checkpoint's storage, the per-head one with --key-mode auto, and
-#                its prefill forward (37.5 s against 4.1 s uncompressed for 32x8000 in the third session of
-#                2026-12-06)
-#     smolcap    after smolserve: the per-head checkpoint's largest batch at 8000 tokens under $CAP_GIB
-#                (default 4) GiB at SmolLM2's shapes, beside the uncompressed cache and $BASELINE, and the
-#                tokens/s at each one's capacity
+#     smolcal    needs MODEL: SmolLM2's --bits auto checkpoint at $BUDGETS (one, default 0.125) per head and
+#                with --share-heads, calibrated side by side (with any $EXTRA_BUDGETS per head), kept in
+#                $STIEFKV_RESULTS_DIR/ck (~2.5 minutes)
+#     smolserve  each of $SMOLCKS (default: smolcal's two, per head first) served at SmolLM2's own shapes
+#                ($SMOLCASES, default 32x8000) beside the uncompressed cache and $BASELINE (default kivi2),
+#                ~4 minutes each: one a call after smolcal (carry the checkpoints back in .ck and name them)
+#     smolprof   profile_serve_step.py at SmolLM2's shapes on each of $SMOLCKS, the first with --key-mode
+#                auto and its prefill forward (37.5 s against 4.1 s uncompressed for 32x8000, 2026-12-06)
+#     smolcap    the first of $SMOLCKS: its largest batch at 8000 tokens under $CAP_GIB (default 4) GiB at
+#                SmolLM2's shapes, beside the uncompressed cache and $BASELINE, with tokens/s at each capacity
 #     smolkernel bench_attention.py --heads smollm2: the decode table and the quant sweep (bf16, int4, int2 at
 #                r 32) at SmolLM2's attention shapes, $SMOLCASES (default 32x8192): whether the defaults,
 #                tuned at Llama-3-8B's, hold where d is 64 and three query heads share a KV head
@@ -79,6 +78,10 @@ source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
 NCU_METRICS='regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio,smsp__issue_active.avg.per_cycle_active,'\
 'smsp__inst_executed.sum,sm__cycles_elapsed.avg,smsp__warps_active.avg.per_cycle_active,smsp__inst_executed_pipe_xu.sum'
+smol_cks() {  # smolcal's checkpoints at $BUDGETS, per head first
+  local name; name=$(auto_name "${BUDGETS:-0.125}")
+  echo "$STIEFKV_RESULTS_DIR/ck/$name.safetensors $STIEFKV_RESULTS_DIR/ck/${name}s.safetensors"
+}
 auto_name() { echo "auto$(python3 -c "print(f'{float($1) * 100:g}')")"; }  # auto25, auto12.5: rows' case names
 checkpoint() {  # checkpoint NAME BUDGET [CALIBRATE ARGS]: $STIEFKV_RESULTS_DIR/ck/NAME.safetensors, made once
   local name=$1 budget=$2; shift 2
@@ -197,36 +200,33 @@ for s in "$@"; do
       step fadd-r32 $q --bits 16 4 --rank 32 --shapes 1x32768 8x8192 16x16384 4x131072
       step fadd-channel $q --bits 4 3 --rank 112 --channel-keys --shapes 8x16384 4x131072
       serve --shape 8b --cases 8x16384 --key-mode pre_rope ;;
-    smolserve)  # needs MODEL: per-head against --share-heads at SmolLM2's own shapes, same budget
-      ck="$STIEFKV_RESULTS_DIR/ck"
+    smolcal)  # needs MODEL: SmolLM2's --bits auto checkpoints, per head and shared, side by side
       b=${BUDGETS:-0.125}
       name=$(auto_name "$b")
       checkpoint "$name" "$b" &
       checkpoint "${name}s" "$b" --share-heads &
       for extra in ${EXTRA_BUDGETS:-}; do checkpoint "$(auto_name "$extra")" "$extra" & done
-      wait
-      for c in "$name" "${name}s"; do
-        serve --shape smollm2 --cases ${SMOLCASES:-32x8000} --storage-from "$ck/$c.safetensors" \
+      wait ;;
+    smolserve)  # each of $SMOLCKS at SmolLM2's own shapes beside the uncompressed cache and $BASELINE
+      for c in ${SMOLCKS:-$(smol_cks)}; do
+        serve --shape smollm2 --cases ${SMOLCASES:-32x8000} --storage-from "$c" \
           --baseline-cache "${BASELINE:-kivi2}" --rounds 2
       done ;;
-    smolprof)  # after smolserve (same BUDGETS): where each SmolLM2 storage's decode step goes, at its shapes
-      b=${BUDGETS:-0.125}
-      name=$(auto_name "$b")
-      for c in "$name" "${name}s"; do
-        step "profile $c" python3 benchmarks/experiments/profile_serve_step.py --shape smollm2 \
-          --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$c.safetensors" --rows 8 \
-          --variants "as calibrated"
+    smolprof)  # where each of $SMOLCKS's decode step goes at SmolLM2's shapes; the first's prefill, and
+      for c in ${SMOLCKS:-$(smol_cks)}; do  # its step with --key-mode auto
+        step "profile $(basename "$c")" python3 benchmarks/experiments/profile_serve_step.py --shape smollm2 \
+          --case ${SMOLCASES:-32x8000} --storage-from "$c" --rows 8 --variants "as calibrated"
       done
-      step "profile ${name} key-mode auto" python3 benchmarks/experiments/profile_serve_step.py \
-        --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" \
-        --key-mode auto --rows 8 --variants "as calibrated"
-      step "profile ${name} prefill" python3 benchmarks/experiments/profile_serve_step.py --prefill \
-        --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" \
-        --rows 12 --variants "as calibrated" ;;
-    smolcap)  # after smolserve: the per-head checkpoint's capacity at SmolLM2's shapes under a small cap
-      name=$(auto_name "${BUDGETS:-0.125}")
+      c=$(echo ${SMOLCKS:-$(smol_cks)} | cut -d' ' -f1)
+      step "profile $(basename "$c") key-mode auto" python3 benchmarks/experiments/profile_serve_step.py \
+        --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$c" --key-mode auto --rows 8 \
+        --variants "as calibrated"
+      step "profile $(basename "$c") prefill" python3 benchmarks/experiments/profile_serve_step.py --prefill \
+        --shape smollm2 --case ${SMOLCASES:-32x8000} --storage-from "$c" --rows 12 --variants "as calibrated" ;;
+    smolcap)  # the first of $SMOLCKS at capacity at SmolLM2's shapes under a small cap
+      c=$(echo ${SMOLCKS:-$(smol_cks)} | cut -d' ' -f1)
       serve --shape smollm2 --capacity --context 8000 --cap-gib ${CAP_GIB:-4} --new-tokens 32 --fill-first \
-        --storage-from "$STIEFKV_RESULTS_DIR/ck/$name.safetensors" --baseline-cache "${BASELINE:-kivi2}" ;;
+        --storage-from "$c" --baseline-cache "${BASELINE:-kivi2}" ;;
     smolkernel)  # the decode kernel at SmolLM2's attention shapes (H 9, G 3, d 64), default and the sweep
       step smolkernel python3 benchmarks/bench_attention.py --heads smollm2 --tables decode quant \
         --shapes ${SMOLCASES:-32x8192} --bits 16 4 2 ;;
