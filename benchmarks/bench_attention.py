@@ -97,6 +97,7 @@ QUANT_SWEEP = [
     # that pipe, 32 of them FRND; the static count is unchanged, FRND 32 → FADD). The default since the
     # third session of 2026-12-06 (3-6 % less time at every shape timed), so the entry is FRND's, as before
     {"sincos_fadd": False},
+    {"sincos_fadd": True},  # int3 keys' default is FRND's: this entry re-tests their exclusion
     {"sincos_fadd": True, "max_registers": 168, "splits": 1.5},
     # 1.5 × the splits: meant as three programs an SM, but at 255 registers a thread (Nsight Compute, int4
     # post_rope, 2026-12-03) only two fit, so these run 1.45 waves of two
@@ -225,7 +226,7 @@ def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv
     cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits,
                           nibbles_kv, k_channel)
     keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if bits < 16 else ()) \
-        + (("keys_left",) if mode == "pre_rope" else ())
+        + (("keys_left", "sincos_fadd") if mode == "pre_rope" else ())
     return {k: cfg[k] for k in keys}
 
 
@@ -308,7 +309,7 @@ def decode_rows(shapes, copy: float) -> None:
                         "bytes": read_bytes(x, mode),
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2,
                         "copy_tbs": copy,
-                        "target_ratio": TARGETS.get((mode, budget)),
+                        "target_ratio": None if TABLE_SUFFIX else TARGETS.get((mode, budget)),  # Llama's
                         "poly_sincos_ms": (
                             utils.graph_ms(kernel_call(x, mode, fast_sincos=False))
                             if mode == "pre_rope"
@@ -565,8 +566,8 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES,
                         help="the quant table's key modes")
     parser.add_argument("--rank", type=utils.at_least(1), default=None,
-                        help="quant table: the latents' rank instead of 50 %% (64), e.g. 56 (12.5 %% is r 56 "
-                             "x int4)")
+                        help="quant table: the latents' rank instead of 50 %% (64 at d 128), e.g. 56 "
+                             "(12.5 %% is r 56 x int4)")
     parser.add_argument("--bits", nargs="+", type=int, default=list(QUANT_BITS), choices=(16, 8, 4, 3, 2),
                         help="quant table: the latents' widths (16: bf16; 3 and 2: auto's low budgets)")
     parser.add_argument("--sweep-with", nargs="+", metavar="OPTION",

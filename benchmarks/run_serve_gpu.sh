@@ -61,7 +61,7 @@
 #                ($SMOLCASES, default 32x8000) beside the uncompressed cache and $BASELINE (default kivi2),
 #                ~4 minutes each: one a call after smolcal (carry the checkpoints back in .ck and name them)
 #     smolprof   profile_serve_step.py at SmolLM2's shapes on each of $SMOLCKS, the first with --key-mode
-#                auto and its prefill forward (37.5 s against 4.1 s uncompressed for 32x8000, 2026-12-06)
+#                auto and its prefill forward (37.5 s against 5.5 s uncompressed on our kernels, 32x8000)
 #     smolcap    the first of $SMOLCKS: its largest batch at 8000 tokens under $CAP_GIB (default 4) GiB at
 #                SmolLM2's shapes, beside the uncompressed cache and $BASELINE, with tokens/s at each capacity
 #     smolkernel bench_attention.py --heads smollm2: the decode table and the quant sweep (bf16, int4, int2 at
@@ -193,7 +193,7 @@ for s in "$@"; do
       step fadd-capacity python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes pre_rope \
         --shapes 45x32768 --rank 56 --sweep-with sincos_fadd ;;
     faddall)  # sincos_fadd as the default: FRND's rounding and the bf16 register ceiling beside it
-      step faddtests timeout 180 python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py \
+      step faddtests timeout 420 python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py \
         -k "pre_rope and (decode or sincos or turns)"
       q="python3 benchmarks/bench_attention.py --tables quant --modes pre_rope --sweep-with sincos_fadd"
       step fadd-r64 $q --bits 16 8 4 3 2 --shapes 1x32768 8x8192 16x16384 4x131072

@@ -1313,10 +1313,10 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     1.214 at 4×128k. Channel-layout int3 ``pre_rope`` keys are met as planes (``int3_planes``): 0.381 →
     0.366 and 1.417 → 1.355 ms; not ``post_rope``'s (0.251 → 0.281 at 128 keys) (H100, 2026-12-06).
     ``pre_rope`` rounds its angles' whole turns on the FMA pipe (``sincos_fadd``) but over int3 keys: at the
-    four shapes, r 64, 0.7-8.0 % less time over bf16, int8, int4 and int2 latents (4×128k bf16 0.5058 →
+    four shapes, r 64, 1.0-8.0 % less time over bf16, int8, int4 and int2 latents (4×128k bf16 0.5058 →
     0.4651 ms), at r 32 0.7-15.1 % (bf16 0.4091 → 0.3473), int4 channel keys at r 112 1.5-2.9 %, int4 r 56
-    at 45×32k 3.4 %; over int3 keys 0.4 % less to 1.6 % more, so not there (H100, 2026-12-06, third
-    session)."""
+    at 45×32k 3.4 %; over int3 keys 1.4 % less (1×32k) to 1.6 % more (channel keys at 4×128k), so not there
+    (H100, 2026-12-06, third session)."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if codes else 1)
