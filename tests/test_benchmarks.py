@@ -335,7 +335,7 @@ def test_served_keeps_its_attention_modules_after_unload():
     assert all(r() is None for r in refs)
 
 
-def _mixed_checkpoint(path, key_mode="post_rope", shared=False, layers=3):
+def _mixed_checkpoint(path, key_mode="post_rope", shared=False, layers=3, shared_ranks=None):
     """A checkpoint of a 3-layer model with head dim 16 whose layers store differently, as ``--bits auto``'s
     do: int8 log8 and int4 behind exact windows, channel-layout keys, bf16."""
     import bench_serve as bs
@@ -348,7 +348,7 @@ def _mixed_checkpoint(path, key_mode="post_rope", shared=False, layers=3):
     cfg = dict(bs.TINY, num_hidden_layers=layers, head_dim=16)
     source = LlamaForCausalLM(LlamaConfig(**cfg)).eval()
     g = torch.Generator().manual_seed(1)
-    ranks = ([(8, 16), (16, 8), (8, 8), (8, 8)] if not shared else [(24, 24)] * 4)[:layers]
+    ranks = ([(8, 16), (16, 8), (8, 8), (8, 8)] if not shared else shared_ranks or [(24, 24)] * 4)[:layers]
     heads = (1, 32) if shared else (2, 16)
     basis = [(utils.random_basis(*heads, rk, device="cpu", generator=g),
               utils.random_basis(*heads, rv, device="cpu", generator=g)) for rk, rv in ranks]
@@ -397,6 +397,10 @@ def test_storage_from_a_checkpoint_maps_its_ranks_and_specs(tmp_path):
     assert all(P.shape == (1, 64, 48) for P in proj.keys + proj.values) and proj.specs == shared.specs[:2]
     for P in proj.keys + proj.values:
         torch.testing.assert_close(P[0].T @ P[0], torch.eye(48), atol=1e-5, rtol=0)
+    # --key-mode auto: after RoPE where a shared layer keeps every one of its G·d key ranks
+    _mixed_checkpoint(tmp_path / "whole.safetensors", shared=True, shared_ranks=[(32, 24), (24, 24), (32, 8)])
+    proj = bs.storage_projections(model, str(tmp_path / "whole.safetensors"), "auto")
+    assert proj.layer_key_modes == ["post_rope", "pre_rope"] and proj.ranks == [(64, 48), (48, 48)]
 
 
 @pytest.mark.parametrize("shared", [False, True], ids=["per-head", "shared"])
