@@ -230,6 +230,12 @@ def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv
     return {k: cfg[k] for k in keys}
 
 
+def launched_splits(x: dict, mode: str) -> int:
+    """The split count the default call launches on ``x``: the rule's (:func:`default_config`), or more where
+    the compiled kernel fits more than two programs an SM (``lowrank._occupancy_splits``)."""
+    return kernel_call(x, mode, return_config=True)()["num_splits"]
+
+
 def case_fields(B: int, N: int, budget: str, mode: str) -> dict:
     r = BUDGETS[budget]
     return {
@@ -300,12 +306,14 @@ def decode_rows(shapes, copy: float) -> None:
             with torch.no_grad():
                 for mode in MODES:
                     run = kernel_call(x, mode)
+                    rule = default_config(B, N, mode, r)
                     row = case_fields(B, N, budget, mode) | {
                         "table": "decode" + TABLE_SUFFIX,
                         "sdpa_ms": sdpa,
                         "kernel_ms": utils.graph_ms(run),
                         "eager_ms": utils.bench_ms(run),
-                        "config": default_config(B, N, mode, r),
+                        "config": rule | {"num_splits": launched_splits(x, mode)},
+                        "rule_splits": rule["num_splits"],
                         "bytes": read_bytes(x, mode),
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2,
                         "copy_tbs": copy,
@@ -367,6 +375,10 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                     default = default_config(B, N, mode, r, bits,
                                              _token_int4(xq["z_k"]) and _token_int4(xq["z_v"]),
                                              channel_keys and bits < 16)
+                    # the sweep's "splits" multiply the rule's count, so the rule's own count is among them
+                    # where the launch takes more (more programs an SM fit)
+                    rule_splits = default["num_splits"]
+                    default["num_splits"] = launched_splits(xq, mode)
                     ms = utils.graph_ms(kernel_call(xq, mode))
                     tried = []
                     for cfg in sweep:
@@ -380,7 +392,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                 cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4) \
                                 or (cfg.get("int3_planes") and bits != 3):
                             continue
-                        cfg["num_splits"] = max(1, round(default["num_splits"] * cfg.pop("splits", 1)))
+                        cfg["num_splits"] = max(1, round(rule_splits * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))
                         tried.append({"config": cfg, "kernel_ms": t})
                     best = min([{"config": default, "kernel_ms": ms}, *tried],
@@ -395,7 +407,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                         "key_layout": "channel" if channel_keys and bits < 16 else "token", "sdpa_ms": sdpa,
                         "kernel_ms": ms, "bytes": read,
                         "sdpa_bytes": 2 * B * G * N * D_HEAD * 2, "copy_tbs": copy,
-                        "read_tbs": read / ms["p50"] / 1e9, "config": default,
+                        "read_tbs": read / ms["p50"] / 1e9, "config": default, "rule_splits": rule_splits,
                         "fold_scales_ms": fold, "sweep": tried, "best": best,
                     }
                     utils.write_rows(NAME, row)

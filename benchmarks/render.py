@@ -780,10 +780,12 @@ def config_change(cfg: dict, default: dict) -> str:
 
 
 def swept(r: dict, **change) -> float | None:
-    """p50 ms of the sweep entry of row ``r`` that changes exactly ``change`` (at the default splits)."""
+    """p50 ms of the sweep entry of row ``r`` that changes exactly ``change`` (at the rule's splits, which
+    the sweep multiplies: the default's unless more programs an SM fit)."""
+    splits = r.get("rule_splits", r["config"]["num_splits"])
     for t in r.get("sweep", []):
         c = dict(t["config"])
-        if c.pop("num_splits") == r["config"]["num_splits"] and c == change:
+        if c.pop("num_splits") == splits and c == change:
             return p50(t["kernel_ms"])
     return None
 

@@ -67,6 +67,10 @@
 #     smolkernel bench_attention.py --heads smollm2: the decode table and the quant sweep (bf16, int4, int2 at
 #                r 32) at SmolLM2's attention shapes, $SMOLCASES (default 32x8192): whether the defaults,
 #                tuned at Llama-3-8B's, hold where d is 64 and three query heads share a KV head
+#     occsplit   the key splits from the compiled kernel's occupancy (lowrank._occupancy_splits): its CUDA
+#                tests, which launches take more splits than the rule (occupancy_splits.py, no timing), then
+#                the quant table at SmolLM2's shapes ($SMOLCASES, r 32 and 64, bf16/int4/int2) with the
+#                rule's count among the sweep (--sweep-with splits prefetch keys_left)
 #     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
 #                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
 #     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
@@ -230,6 +234,14 @@ for s in "$@"; do
     smolkernel)  # the decode kernel at SmolLM2's attention shapes (H 9, G 3, d 64), default and the sweep
       step smolkernel python3 benchmarks/bench_attention.py --heads smollm2 --tables decode quant \
         --shapes ${SMOLCASES:-32x8192} --bits 16 4 2 ;;
+    occsplit)
+      step occtests python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py \
+        -k "occupancy or return_config or decode_splits"
+      step occlist python3 benchmarks/experiments/occupancy_splits.py
+      for r in 32 64; do
+        step "occsplit r$r" python3 benchmarks/bench_attention.py --heads smollm2 --tables quant \
+          --shapes ${SMOLCASES:-32x8192} --bits 16 4 2 --rank $r --sweep-with splits prefetch keys_left
+      done ;;
     ncupre)
       for b in 16 4; do
         step "ncu pre_rope bits $b" ncu --clock-control none --kernel-name regex:_lowrank_attn_fwd \

@@ -9,6 +9,7 @@ program of a tile merges the splits), and tiled causal prefill — for both key 
 """
 
 import math
+import types
 import warnings
 
 import pytest
@@ -844,6 +845,108 @@ def test_decode_splits():
     assert splits("pre_rope", False, codes=False, bits=16) == 1  # bf16 latents: not measured there
     assert _decode_splits(8, 600, sms) == 3  # ceil(600 / 256)
     assert _decode_splits(176, 300, sms) == 2
+
+
+def test_decode_splits_with_more_resident_programs():
+    """Below one program an SM, a kernel counted to fit three or four programs an SM fills those slots in
+    one round (SmolLM2's 32 rows × 3 KV heads: 4 splits, as measured), two keeps the measured rule, and the
+    256-key floor still holds."""
+    from stiefkv.kernels.lowrank import _decode_splits
+
+    sms = 132
+    assert _decode_splits(96, 8192, sms) == _decode_splits(96, 8192, sms, resident=2) == 2
+    assert _decode_splits(96, 8192, sms, resident=3) == 4  # 384 programs of 396 slots
+    assert _decode_splits(96, 8192, sms, per_sm=2, resident=4) == 5
+    assert _decode_splits(32, 131072, sms, resident=3) == 12
+    assert _decode_splits(96, 700, sms, resident=4) == 3  # ceil(700 / 256)
+    assert _decode_splits(200, 8192, sms, resident=4) == _decode_splits(200, 8192, sms)  # past one an SM
+
+
+class _FakeKernel:  # what _resident_programs reads of a compiled Triton kernel
+    def __init__(self, regs, warps, shared):
+        self.n_regs, self.run = regs, object()
+        self.metadata = types.SimpleNamespace(num_warps=warps, shared=shared)
+
+
+@pytest.mark.parametrize("regs,warps,shared,expected", [
+    (167, 4, 53248, 3),  # SmolLM2's pre_rope bf16 tile (triton 3.6, sm_90): 168 a thread as allocated
+    (175, 4, 64512, 2),  # Llama-3-8B's: 176 × 128 × 3 > 64 K registers
+    (96, 4, 37888, 5),  # post_rope bf16 at r 32: shared memory allows 5 (38.9 KB each of 228 KB)
+    (24, 4, 8192, 16),  # threads: 2048 a SM
+    (255, 4, 200000, 1),  # shared memory
+])
+def test_resident_programs(monkeypatch, regs, warps, shared, expected):
+    props = types.SimpleNamespace(regs_per_multiprocessor=65536, shared_memory_per_multiprocessor=233472,
+                                  max_threads_per_multi_processor=2048)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)
+    assert lk._resident_programs(_FakeKernel(regs, warps, shared), torch.device("cuda")) == expected
+    assert lk._resident_programs(types.SimpleNamespace(run=None), torch.device("cuda")) is None
+
+
+def test_occupancy_splits_counts_each_kernel_once(monkeypatch):
+    """The split count follows the compiled kernel's count (capped at MAX_RESIDENT), compiles once a kernel
+    (not once a shape), and keeps the rule's count where two or fewer fit."""
+    args, kwargs = make_inputs(32, 9, 3, 1, 8192, 64, 32, 32, torch.bfloat16, padded=False, bias=False)
+    q, z_k, z_v, P_k, P_v = args
+    full = (*args, "pre_rope", kwargs["positions"], kwargs["rope"], None, True, None, None, 0.125)
+    cfg = lk._default_config(3, 8192, "pre_rope", 96, 132, 32)
+    assert cfg["num_splits"] == 2
+    compiled = []
+
+    def fake_launch(*a, compile_only=False):
+        assert compile_only and a[13]["num_splits"] >= 2  # the split variant of the kernel
+        compiled.append(a[13])
+        return "kernel"
+
+    for resident, expected in ((3, 4), (2, 2), (9, 5)):  # 9: capped at 4 → 528 // 96
+        monkeypatch.setattr(lk, "_RESIDENT", {})
+        monkeypatch.setattr(lk, "_launch", fake_launch)
+        monkeypatch.setattr(lk, "_resident_programs", lambda kernel, device, r=resident: r)
+        assert lk._occupancy_splits(full, cfg, False, None, 132) == expected
+        shorter = (q[:, :, :, :], z_k[:, :, :4000], *full[2:])
+        lk._occupancy_splits(shorter, cfg, False, None, 132)
+    assert len(compiled) == 3  # one a kernel: the shorter cache reused the count
+
+
+@gpu_only
+@pytest.mark.parametrize("bits", [16, 4, 2])
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_occupancy_splits_at_smollm2_shapes_gpu(key_mode, bits):
+    """SmolLM2's decode (32 rows, 9 heads over 3 KV heads, d 64, r 32, 8192 keys, left padding): launched at
+    the split count its compiled kernel's occupancy gives on this GPU, against the reference."""
+    args, kwargs = make_inputs(32, 9, 3, 1, 8192, 64, 32, 32, torch.bfloat16, bias=False)
+    q, z_k, z_v, P_k, P_v = args
+    if bits < 16:
+        z_k, z_v = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
+    with torch.no_grad():
+        cfg = lk.lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=key_mode, **kwargs, return_config=True)
+        out = lk.lowrank_attention(q, z_k, z_v, P_k, P_v, key_mode=key_mode, **kwargs)
+        floats = [z.dequantize(torch.bfloat16) if bits < 16 else z for z in (z_k, z_v)]
+        expected = reference(q, *floats, P_k, P_v, key_mode=key_mode, **kwargs)
+    assert cfg["num_splits"] >= lk._default_config(3, 8192, key_mode, 96, lk._num_sms(q.device), 32,
+                                                   bits < 16, bits)["num_splits"]
+    atol, rtol = TOL[torch.bfloat16]
+    what = f"{key_mode} bits {bits} splits {cfg['num_splits']}"
+    assert_close(out, expected, atol=atol, rtol=rtol, what=what)
+
+
+def test_return_config_is_what_launches():
+    """``return_config`` gives the configuration the call launches: launched explicitly, it gives the same
+    output as the default call; a sliced prefill over codes is refused."""
+    args, kwargs = make_inputs(2, 6, 2, 1, 300, 32, 24, 16, torch.float32, padded=True)
+    kwargs = dict(kwargs, key_mode="pre_rope")
+    with torch.no_grad():
+        cfg = lk.lowrank_attention(*args, **kwargs, return_config=True)
+        assert cfg == lk._default_config(3, 300, "pre_rope", 4, lk._num_sms(args[0].device), 24) | {
+            "fast_sincos": False, "fold_scales": False}
+        out = lk.lowrank_attention(*args, **kwargs)
+        again = lk.lowrank_attention(*args, **kwargs, num_splits=cfg["num_splits"], block_n=cfg["block_n"],
+                                     num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    assert torch.equal(out, again)
+    pre, pk = make_inputs(1, 2, 1, 200, 5000, 32, 16, 16, torch.float32, padded=False)
+    z_k = quantize_latents(pre[1], 4)
+    with pytest.raises(ValueError, match="code_slice=0"):
+        lk.lowrank_attention(pre[0], z_k, *pre[2:], **pk, key_mode="pre_rope", return_config=True)
 
 
 @pytest.mark.parametrize("bits", [2, 3, 4, 8])

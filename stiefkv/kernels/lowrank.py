@@ -29,6 +29,7 @@ there is no backward, and the function refuses inputs that require a gradient.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -1231,9 +1232,10 @@ def _num_sms(device: torch.device) -> int:
     return 132  # the interpreter on the CPU: pretend to be an H200 so the heuristics stay the same
 
 
-def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1) -> int:
-    """Key splits per decode program (at ≥ 256 keys a split). Below one program per SM: two programs per SM,
-    rounded down (33, 4, 2, 8 splits at the four benchmark shapes; 9 instead of 8 at 4×128k took 0.42
+def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1, resident: int = 2) -> int:
+    """Key splits per decode program (at ≥ 256 keys a split). Below one program per SM: ``resident``
+    programs per SM (two unless :func:`_resident_programs` counts more for a latency-bound kernel), rounded
+    down (33, 4, 2, 8 splits at the four benchmark shapes; 9 instead of 8 at 4×128k took 0.42
     against 0.27 ms on the H200). Between one and two per SM, where that rule gives 1: the count of 1-4
     that fills its last round of ``n_sms`` programs best, ties to the fewest. 176 programs (22 rows × 8
     heads) ran as one round and a third, so the SMs with two programs set the time; 3 splits make four
@@ -1259,8 +1261,57 @@ def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1) -> int:
             return 1
         return max(range(1, min(6, most) + 1), key=lambda s: (filled(s, 2 * n_sms), -s))
     if programs <= n_sms:
-        return max(1, min(2 * n_sms // programs, most))
+        return max(1, min(resident * n_sms // programs, most))
     return max(range(1, min(4, most) + 1), key=lambda s: (filled(s, n_sms), -s))
+
+
+# decode kernels counted to fit more than two programs an SM take at most this many (see _occupancy_splits)
+MAX_RESIDENT = 4
+# _fit_key(...) of a decode config (its splits left out) -> programs an SM holds, or None where not counted
+_RESIDENT: dict[tuple, int | None] = {}
+
+
+def _resident_programs(kernel, device: torch.device) -> int | None:
+    """Programs of the compiled ``kernel`` one SM holds at once: the fewest its registers (allocated 256 a
+    warp at a time), its shared memory (plus the 1 KB a block the driver reserves) and its threads allow.
+    None where this Triton does not report them, or where the kernel does not fit the GPU (the launch then
+    says so)."""
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        kernel.run  # loads the binary, which is when Triton reads its register count  # noqa: B018
+        regs, warps, shared = int(kernel.n_regs), int(kernel.metadata.num_warps), int(kernel.metadata.shared)
+    except (AttributeError, TypeError, OutOfResources):
+        return None
+    props = torch.cuda.get_device_properties(device)
+    per_warp = triton.cdiv(max(regs, 1) * 32, 256) * 256
+    by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+    by_shared = getattr(props, "shared_memory_per_multiprocessor", 233472) // (shared + 1024)
+    by_threads = getattr(props, "max_threads_per_multi_processor", 2048) // (32 * warps)
+    return max(1, min(by_regs, by_shared, by_threads))
+
+
+def _occupancy_splits(args: tuple, cfg: dict, return_lse: bool, prior, n_sms: int) -> int:
+    """Key splits of a decode launch below one program an SM, from the programs its compiled kernel fits an
+    SM (counted once a kernel, :data:`_RESIDENT`). The rule of :func:`_decode_splits` assumes two, which is
+    what the ``pre_rope`` and code kernels fit at Llama-3-8B's head shapes (d 128, r 64, triton 3.6: 175-255
+    registers a thread). At SmolLM2's (d 64, GQA 3, r 32) they fit three (~167 registers), and 32×8192
+    (96 programs) took 4 splits instead of 2: ``pre_rope`` bf16 65.3 → 51.9 µs, int4 keys 91.5 → 60.7, int2
+    ``post_rope`` 51.1 → 35.1 (H100, 2026-12-06, fourth session; bf16 ``post_rope``, memory-bound, not
+    faster past 2, so it keeps the rule). Capped at :data:`MAX_RESIDENT`. Only ``pre_rope`` and code
+    kernels come here (:func:`lowrank_attention`)."""
+    q, z_k = args[0], args[1]
+    programs = q.shape[0] * z_k.shape[1]
+    key = _fit_key(args, dict(cfg, num_splits=0), return_lse, prior)
+    if key not in _RESIDENT:
+        kernel = _launch(*args, dict(cfg, num_splits=max(2, cfg["num_splits"])), return_lse, prior,
+                         compile_only=True)
+        _RESIDENT[key] = _resident_programs(kernel, q.device)
+    resident = _RESIDENT[key]
+    if resident is None or resident <= 2:
+        return cfg["num_splits"]
+    codes = isinstance(z_k, QuantizedLatents) or isinstance(args[2], QuantizedLatents)
+    return _decode_splits(programs, z_k.shape[2], n_sms, 2 if codes else 1, min(resident, MAX_RESIDENT))
 
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
@@ -1618,7 +1669,9 @@ def _launch_fitting(args: tuple, cfg: dict, return_lse: bool, prior, *, fit: boo
 
 
 def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale, cfg,
-            return_lse=False, prior=None):
+            return_lse=False, prior=None, compile_only=False):
+    """One launch of the kernel for ``cfg``; ``compile_only``: compile it (Triton's warmup) and return the
+    compiled kernel instead (:func:`_occupancy_splits` counts its registers)."""
     B, H, Nq, d = q.shape
     G, Nk, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
     r_v = z_v.shape[3]
@@ -1695,7 +1748,9 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     bias_strides = (bias.stride(0), bias.stride(1), bias.stride(2)) if bias is not None else (0, 0, 0)
     pv_strides = pv.stride()
     out_strides = out.stride()
-    _lowrank_attn_fwd[(m_blocks, B * G, splits)](
+    grid = (m_blocks, B * G, splits)
+    run = functools.partial(_lowrank_attn_fwd.warmup, grid=grid) if compile_only else _lowrank_attn_fwd[grid]
+    kernel = run(
         q, z_k, z_v, P_k, pv, pos, inv_freq, bias_t, lens, n_valid_t, out, part_o, part_ml, locks,
         sk, lk, sv, lv, lse, *(prior if prior is not None else (out, lse)),
         *q.stride(), *_unit_strides(z_k, k_unit), *_unit_strides(z_v, v_unit), *sk_strides, *sv_strides,
@@ -1728,6 +1783,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") and not interpreting() else {}),
     )
+    if compile_only:
+        return kernel
     return (out, lse) if return_lse else out
 
 
@@ -1769,7 +1826,8 @@ def lowrank_attention(
     code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    return_config: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | dict:
     """Softmax attention over a latent KV cache (Triton); same contract as
     :func:`stiefkv.kernels.reference.lowrank_attention`.
 
@@ -1843,6 +1901,9 @@ def lowrank_attention(
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
+        ``return_config``: return the configuration this call would launch (tiles, warps, splits, the
+        loops' options) instead of launching it, so benchmarks record what ran; not with ``code_slice``'s
+        slicing, whose parts each resolve their own.
 
     Returns
     -------
@@ -1866,6 +1927,9 @@ def lowrank_attention(
     sliced = code_slice and n_rows > DECODE_BLOCK_M and (
         isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents))
     if sliced and (n_valid is not None or Nk - Nq > code_slice):
+        if return_config:
+            raise ValueError("return_config: this prefill attends over its codes in key slices, each "
+                             "launched with its own configuration; pass code_slice=0 to see one launch's")
         return _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths,
                                       n_valid, scale, return_lse, prior, int(code_slice))
     if n_rows > DECODE_BLOCK_M and not interpreting():
@@ -1914,6 +1978,12 @@ def lowrank_attention(
     if prior is not None:
         prior = _check_prior(prior, q, r_v, z_v.shape[3], P_v)
     args = (q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale)
+    n_sms = _num_sms(q.device)
+    if num_splits is None and n_rows <= DECODE_BLOCK_M and B * G <= n_sms and cfg["num_splits"] > 1 \
+            and (key_mode == "pre_rope" or codes) and q.is_cuda and not interpreting():
+        cfg["num_splits"] = _occupancy_splits(args, cfg, return_lse, prior, n_sms)
+    if return_config:
+        return cfg
     if max(padded_dim(z_k.shape[3]), padded_dim(z_v.shape[3])) <= d:  # ranks ≤ d: tiles measured to fit
         out = _launch(*args, cfg, return_lse, prior)
     else:  # tiles the caller chose (benchmarks' sweeps) are launched as given or refused, never shrunk
