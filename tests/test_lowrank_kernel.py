@@ -937,8 +937,10 @@ def test_return_config_is_what_launches():
     kwargs = dict(kwargs, key_mode="pre_rope")
     with torch.no_grad():
         cfg = lk.lowrank_attention(*args, **kwargs, return_config=True)
-        assert cfg == lk._default_config(3, 300, "pre_rope", 4, lk._num_sms(args[0].device), 24) | {
-            "fast_sincos": False, "fold_scales": False}
+        rule = lk._default_config(3, 300, "pre_rope", 4, lk._num_sms(args[0].device), 24) | {
+            "fast_sincos": not lk.interpreting(), "fold_scales": False}
+        assert dict(cfg, num_splits=0) == dict(rule, num_splits=0)
+        assert cfg["num_splits"] >= rule["num_splits"]  # more where more programs fit an SM (CUDA)
         out = lk.lowrank_attention(*args, **kwargs)
         again = lk.lowrank_attention(*args, **kwargs, num_splits=cfg["num_splits"], block_n=cfg["block_n"],
                                      num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
