@@ -903,9 +903,14 @@ def test_occupancy_splits_counts_each_kernel_once(monkeypatch):
         monkeypatch.setattr(lk, "_launch", fake_launch)
         monkeypatch.setattr(lk, "_resident_programs", lambda kernel, device, r=resident: r)
         assert lk._occupancy_splits(full, cfg, False, None, 132) == expected
-        shorter = (q[:, :, :, :], z_k[:, :, :4000], *full[2:])
-        lk._occupancy_splits(shorter, cfg, False, None, 132)
+        shorter = (q, z_k[:, :, :3000], *full[2:])  # at most 2 splits of ≥ 1024 keys: the rule's 2
+        assert lk._occupancy_splits(shorter, cfg, False, None, 132) == 2
     assert len(compiled) == 3  # one a kernel: the shorter cache reused the count
+    # 8 programs (Llama-3-8B's 1×32k): the rule's 33 stays, not 49 splits of 668 keys (slower, measured)
+    few = (q[:1, :8], torch.zeros(1, 1, 1, 32).expand(1, 8, 32768, 32), *full[2:])
+    rule = lk._default_config(4, 32768, "pre_rope", 8, 132, 32)
+    monkeypatch.setattr(lk, "_resident_programs", lambda kernel, device: 3)
+    assert rule["num_splits"] == 33 and lk._occupancy_splits(few, rule, False, None, 132) == 33
 
 
 @gpu_only

@@ -1267,6 +1267,8 @@ def _decode_splits(programs: int, n_k: int, n_sms: int, per_sm: int = 1, residen
 
 # decode kernels counted to fit more than two programs an SM take at most this many (see _occupancy_splits)
 MAX_RESIDENT = 4
+# ... and no more splits than leave this many keys each (the rule's own count stays where it is smaller)
+OCCUPANCY_MIN_KEYS = 1024
 # _fit_key(...) of a decode config (its splits left out) -> programs an SM holds, or None where not counted
 _RESIDENT: dict[tuple, int | None] = {}
 
@@ -1298,8 +1300,12 @@ def _occupancy_splits(args: tuple, cfg: dict, return_lse: bool, prior, n_sms: in
     registers a thread). At SmolLM2's (d 64, GQA 3, r 32) they fit three (~167 registers), and 32×8192
     (96 programs) took 4 splits instead of 2: ``pre_rope`` bf16 65.3 → 51.9 µs, int4 keys 91.5 → 60.7, int2
     ``post_rope`` 51.1 → 35.1 (H100, 2026-12-06, fourth session; bf16 ``post_rope``, memory-bound, not
-    faster past 2, so it keeps the rule). Capped at :data:`MAX_RESIDENT`. Only ``pre_rope`` and code
-    kernels come here (:func:`lowrank_attention`)."""
+    faster past 2, so it keeps the rule). At Llama-3-8B's shapes only int2 and int3 ``post_rope`` codes at
+    r 32 fit three; against the rule's count in the same run, µs: 8×8k 28.6 → 27.3 and 37.0 → 34.5, 16×16k
+    93.0 → 83.1 and 127.3 → 110.6, 4×128k 178.4 → 160.5 and 243.3 → 215.3, but 1×32k (8 programs: 49
+    splits of 668 keys against 33) 21.7 → 23.3 and 26.0 → 27.6; so the count never leaves a split fewer
+    than :data:`OCCUPANCY_MIN_KEYS` keys beyond the rule's own. Capped at :data:`MAX_RESIDENT`. Only
+    ``pre_rope`` and code kernels come here (:func:`lowrank_attention`)."""
     q, z_k = args[0], args[1]
     programs = q.shape[0] * z_k.shape[1]
     key = _fit_key(args, dict(cfg, num_splits=0), return_lse, prior)
@@ -1311,7 +1317,8 @@ def _occupancy_splits(args: tuple, cfg: dict, return_lse: bool, prior, n_sms: in
     if resident is None or resident <= 2:
         return cfg["num_splits"]
     codes = isinstance(z_k, QuantizedLatents) or isinstance(args[2], QuantizedLatents)
-    return _decode_splits(programs, z_k.shape[2], n_sms, 2 if codes else 1, min(resident, MAX_RESIDENT))
+    more = _decode_splits(programs, z_k.shape[2], n_sms, 2 if codes else 1, min(resident, MAX_RESIDENT))
+    return max(cfg["num_splits"], min(more, z_k.shape[2] // OCCUPANCY_MIN_KEYS))
 
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
