@@ -124,6 +124,27 @@ def run_prefill(runner, B: int, N: int, args, device, label: str) -> None:
         print(f"    {count} kernels, {gpu_ms:.2f} ms of GPU time", flush=True)
         for name, k, t in top:
             print(f"    {t:7.3f} ms  {k:5d}×  {name}", flush=True)
+    if args.op_sites:
+        print_op_sites(forward, args.rows)
+
+
+def print_op_sites(forward, rows: int) -> None:
+    """The lines of stiefkv whose operators one forward calls most often: where a host-bound prefill's
+    launches come from (``--op-sites``; the profiler's Python frames are the operators' parent events)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
+        forward()
+    sites: dict[str, int] = defaultdict(int)
+    for e in prof.events():
+        parent = e.cpu_parent
+        if not e.name.startswith("aten::") or parent is not None and parent.name.startswith("aten::"):
+            continue  # operators called by the Python code itself, not by another operator
+        while parent is not None and ("stiefkv/" not in parent.name or "profile_serve_step" in parent.name):
+            parent = parent.cpu_parent
+        site = parent.name.split("stiefkv/", 1)[-1] if parent is not None else "outside stiefkv"
+        sites[f"{site} {e.name}"] += 1
+    print(f"    {sum(sites.values())} operators called from Python; the most frequent sites:", flush=True)
+    for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:rows]:
+        print(f"    {n:6d}×  {site}", flush=True)
 
 
 def run(model, label: str, store, B: int, N: int, args, device) -> None:
@@ -198,6 +219,8 @@ def main() -> None:
     ap.add_argument("--no-uncompressed", action="store_true",
                     help="with --storage-from: skip the uncompressed cache (it does not fit at a compressed "
                          "cache's capacity batch)")
+    ap.add_argument("--op-sites", action="store_true",
+                    help="with --prefill: list the source lines whose operators the forward calls most often")
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     unknown = [v for v in args.variants.split(",") if v not in STORAGE_VARIANTS]
