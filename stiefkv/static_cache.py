@@ -78,16 +78,19 @@ def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int,
 
 
 def _fused_ring(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
-    """Whether a ``window8`` store's decoded token is held exact by the round-trip kernel
+    """Whether a ``window8`` store's tokens (a decoded one, or a prefill chunk) are held exact by the
+    round-trip kernel
     (``kernels.quantize.round_trip_into``: one launch, bit for bit ``held_exact``'s ~90 operators; any
     layout, since the exact window is per token)."""
     return spec.window8 and _writes_by_kernel(device, backend)
 
 
-def _round_trip_into(store, z: torch.Tensor, slot: torch.Tensor) -> None:
+def _round_trip_into(store, z: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> None:
+    """``z``'s tokens held exact (``held_exact``) into ``out`` (default: the store's ring) at ``slots``."""
     from stiefkv.kernels.quantize import round_trip_into  # imports Triton: only where it runs
 
-    round_trip_into(z, slot, store.ring, bits=WINDOW8.bits, largest=LOG8_LARGEST[WINDOW8.bits])
+    round_trip_into(z, slots, store.ring if out is None else out, bits=WINDOW8.bits,
+                    largest=LOG8_LARGEST[WINDOW8.bits])
 
 
 def _scale_buffers(spec: QuantSpec, shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -194,16 +197,26 @@ class WindowedCodes:
             self.low.index_copy_(2, groups, q.low)
 
     def write_many(self, start: int, z: torch.Tensor) -> None:
-        """Tokens ``z`` ``[B, G, n, r]`` at slots ``start …`` (host count): quantize what they make due."""
+        """Tokens ``z`` ``[B, G, n, r]`` at slots ``start …`` (host count): quantize what they make due. Where
+        the write kernels run, a prefill chunk's int8 window (``window8``) and its token-layout codes take
+        one launch each, the same bytes as PyTorch's ~90 and ~40-100 operators a latent (the prefill over
+        codes was host-bound: ~540 operators a layer at SmolLM2's shapes, serving.md)."""
         n, device = z.shape[2], z.device
         held, due = quantized_length(start, self.spec), quantized_length(start + n, self.spec)
         before = self.ring.index_select(2, torch.arange(held, start, device=device) % self.window)
-        # tokens held … start + n − 1
-        exact = torch.cat([before, held_exact(z, self.spec).to(self.ring.dtype)], 2)
+        if _fused_ring(self.spec, device, self.backend):
+            chunk = z.new_empty(z.shape, dtype=self.ring.dtype)
+            _round_trip_into(self, z, torch.arange(n, device=device), chunk)
+        else:
+            chunk = held_exact(z, self.spec).to(self.ring.dtype)
+        exact = torch.cat([before, chunk], 2)  # tokens held … start + n − 1
         self.tail = (exact, held)
         if due > held:
-            codes = quantize(exact[:, :, : due - held], self.spec)
-            self._store(torch.arange(held, due, device=device), codes)
+            slots = torch.arange(held, due, device=device)
+            if self.spec.layout == "token" and _fused_write(self.spec, device, self.backend):
+                _quantize_into(self, exact[:, :, : due - held], slots)
+            else:
+                self._store(slots, quantize(exact[:, :, : due - held], self.spec))
         keep = torch.arange(max(held, start + n - self.window), start + n, device=device)
         self.ring.index_copy_(2, keep % self.window, exact[:, :, keep - held])
 

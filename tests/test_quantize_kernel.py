@@ -154,7 +154,14 @@ def test_round_trip_kernel_holds_a_token_as_the_int8_window_does(dtype, r):
         assert torch.equal(got.isnan(), want.isnan()), f"slot {slot}: NaN at different places"
         assert torch.equal(got.nan_to_num(0.0), want.nan_to_num(0.0)), \
             f"slot {slot}: {(got.nan_to_num(0.0) != want.nan_to_num(0.0)).nonzero()[:4].tolist()}"
-    with pytest.raises(ValueError, match="one token and one slot"):
+    # a prefill chunk: every token into its own entry of a buffer, in one launch
+    chunk = torch.full_like(z, 7.0)
+    round_trip_into(z, torch.arange(5, device=DEVICE), chunk, bits=WINDOW8.bits,
+                    largest=LOG8_LARGEST[WINDOW8.bits])
+    want = held_exact(z.cpu(), spec).to(dtype)
+    assert torch.equal(chunk.cpu().isnan(), want.isnan())
+    assert torch.equal(chunk.cpu().nan_to_num(0.0), want.nan_to_num(0.0))
+    with pytest.raises(ValueError, match="2 tokens but 1 slots"):
         round_trip_into(z[:, :, :2], torch.tensor([0], device=DEVICE), ring)
 
 

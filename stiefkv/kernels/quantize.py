@@ -287,22 +287,24 @@ def _bf16_rne(x):
 @triton.jit
 def _round_trip_into_kernel(
     Z, SLOTS, OUT,
-    stride_zb, stride_zg, stride_zr,
+    stride_zb, stride_zg, stride_zn, stride_zr,
     stride_ob, stride_og, stride_on, stride_or,
     n_kv_heads,
     R: tl.constexpr, BITS: tl.constexpr, LARGEST: tl.constexpr, WINDOW: tl.constexpr,
 ):
-    """Program (batch row × KV head, group): ``Z``'s one token through log8 codes of ``BITS`` bits and back,
-    into ring entry ``SLOTS[0] mod WINDOW`` of ``OUT``."""
-    bg = tl.program_id(0).to(tl.int64)
-    grp = tl.program_id(1)
+    """Program (token ``t``, batch row × KV head, group): ``Z``'s token ``t`` through log8 codes of ``BITS``
+    bits and back, into entry ``SLOTS[t] mod WINDOW`` of ``OUT``."""
+    t = tl.program_id(0).to(tl.int64)
+    bg = tl.program_id(1).to(tl.int64)
+    grp = tl.program_id(2)
     b = bg // n_kv_heads
     g = bg % n_kv_heads
-    row = tl.load(SLOTS).to(tl.int64) % WINDOW
+    row = tl.load(SLOTS + t).to(tl.int64) % WINDOW
     LEVELS: tl.constexpr = (1 << BITS) - 1
     offs = grp * GROUP + tl.arange(0, GROUP)
     real = offs < R
-    x = tl.load(Z + b * stride_zb + g * stride_zg + offs * stride_zr, mask=real, other=0.0).to(tl.float32)
+    x = tl.load(Z + b * stride_zb + g * stride_zg + t * stride_zn + offs * stride_zr, mask=real,
+                other=0.0).to(tl.float32)
     lo, hi = _group_range(x, real)
     step, low = _log8(_log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST), BITS)
     code, _ = _grid_codes(x, low, step, LEVELS)
@@ -315,20 +317,23 @@ def _round_trip_into_kernel(
              out.to(OUT.dtype.element_ty), mask=real)
 
 
-def round_trip_into(z: torch.Tensor, slot: torch.Tensor, ring: torch.Tensor, *, bits: int = 8,
+def round_trip_into(z: torch.Tensor, slots: torch.Tensor, ring: torch.Tensor, *, bits: int = 8,
                     largest: int = 255) -> None:
-    """One token's latents ``z`` ``[B, G, 1, r]`` through per-token log8 codes of ``bits`` bits (groups of
-    :data:`QUANT_GROUP` channels) and back, written into ``ring`` ``[B, G, window, r]`` at entry ``slot mod
-    window`` (``slot`` ``[1]`` int on the device): bit for bit ``ring.index_copy_(2, slot % window,
-    stiefkv.quant.round_trip(z, QuantSpec(bits, "token", log8=True)).to(ring.dtype))``, in one launch. How a
-    ``window8`` store holds a decoded token exact (``stiefkv.quant.held_exact``): ~90 operators otherwise."""
+    """Latents ``z`` ``[B, G, n, r]`` through per-token log8 codes of ``bits`` bits (groups of
+    :data:`QUANT_GROUP` channels) and back, token ``t`` written into ``ring`` ``[B, G, window, r]`` at entry
+    ``slots[t] mod window`` (``slots`` ``[n]`` int on the device): bit for bit ``ring.index_copy_(2, slots %
+    window, stiefkv.quant.round_trip(z, QuantSpec(bits, "token", log8=True)).to(ring.dtype))``, in one
+    launch. How a ``window8`` store holds its tokens exact (``stiefkv.quant.held_exact``): ~90 operators
+    otherwise; a decoded token into its ring entry, or a prefill chunk into a buffer of its own."""
     B, G, n, r = z.shape
-    if n != 1 or slot.numel() != 1:
-        raise ValueError(f"one token and one slot, got {n} tokens and {slot.numel()} slots")
+    if slots.numel() != n:
+        raise ValueError(f"{n} tokens but {slots.numel()} slots")
     if ring.shape[:2] != (B, G) or ring.shape[3] != r:
         raise ValueError(f"a ring {tuple(ring.shape)} does not hold {r}-channel latents of {B} rows and {G} "
                          "KV heads")
-    _round_trip_into_kernel[(B * G, -(-r // QUANT_GROUP))](
-        z, slot, ring, z.stride(0), z.stride(1), z.stride(3), *ring.stride(),
+    if n == 0:
+        return
+    _round_trip_into_kernel[(n, B * G, -(-r // QUANT_GROUP))](
+        z, slots, ring, *z.stride(), *ring.stride(),
         G, R=r, BITS=bits, LARGEST=largest, WINDOW=ring.shape[2], num_warps=1, enable_fp_fusion=False,
     )
