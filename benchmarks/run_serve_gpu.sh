@@ -71,6 +71,8 @@
 #                tests, which launches take more splits than the rule (occupancy_splits.py, no timing), then
 #                the quant table at SmolLM2's shapes ($SMOLCASES, r 32 and 64, bf16/int4/int2) with the
 #                rule's count among the sweep (--sweep-with splits prefetch keys_left)
+#     writetests the CUDA tests of the write kernels: quantize-on-write and the int8 window's round trip,
+#                decode and prefill chunks, bit for bit the PyTorch write (~1 minute)
 #     ncupre     Nsight Compute's stall reasons, issue slots and XU-pipe count of the pre_rope decode over
 #                bf16 and int4 latents at 4x128k (~40 s; 2026-12-06's table in docs/notes/kernel-tries.md)
 #     ckserve    needs CK (a --storage-from checkpoint, e.g. .ck/a125.safetensors carried): its storage at
@@ -234,6 +236,8 @@ for s in "$@"; do
     smolkernel)  # the decode kernel at SmolLM2's attention shapes (H 9, G 3, d 64), default and the sweep
       step smolkernel python3 benchmarks/bench_attention.py --heads smollm2 --tables decode quant \
         --shapes ${SMOLCASES:-32x8192} --bits 16 4 2 ;;
+    writetests) step writetests python3 -m pytest -q -ra -p no:cacheprovider tests/test_serve.py \
+                  tests/test_quantize_kernel.py -k "quantize_on_write or round_trip or quantize_into" ;;
     occsplit)
       step occtests python3 -m pytest -q -ra -p no:cacheprovider tests/test_lowrank_kernel.py \
         -k "occupancy or return_config or decode_splits"
