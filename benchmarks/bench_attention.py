@@ -48,7 +48,8 @@ DECODE_SHAPES = [(1, 32768), (8, 8192), (16, 16384), (4, 131072)]
 BUDGETS = {"50%": 64, "25%": 32}
 TARGETS = {("post_rope", "50%"): 0.55, ("pre_rope", "50%"): 0.65, ("post_rope", "25%"): 0.35}
 MODES = ("post_rope", "pre_rope")
-# Decode configurations tried beside the default; "splits" multiplies the default number of key splits.
+# Decode configurations tried beside the default; "splits" multiplies the rule's number of key splits
+# (_default_config's; the default launches more where more programs fit an SM: lowrank._occupancy_splits).
 SWEEP = [
     {"block_n": 32, "num_warps": 4, "num_stages": 3},
     {"block_n": 64, "num_warps": 4, "num_stages": 3},
@@ -58,7 +59,7 @@ SWEEP = [
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "splits": 2},
     {"block_n": 64, "num_warps": 4, "num_stages": 3, "splits": 0.5},
 ]
-# Tried beside the default of each quant row ("splits" multiplies the default number of key splits).
+# Tried beside the default of each quant row ("splits" multiplies the rule's number of key splits).
 QUANT_SWEEP = [
     {"prefetch": True},
     {"prefetch": False},
@@ -437,15 +438,17 @@ def sweep_rows(shapes) -> None:
                         tried.append(
                             {"config": cfg, "kernel_ms": utils.graph_ms(kernel_call(x, mode, **cfg))}
                         )
+                    launched = default | {"num_splits": launched_splits(x, mode)}
                     row = case_fields(B, N, budget, mode) | {
                         "table": "sweep",
                         "sdpa_ms": sdpa,
-                        "config": default,
+                        "config": launched,
+                        "rule_splits": default["num_splits"],
                         "kernel_ms": utils.graph_ms(kernel_call(x, mode)),
                         "sweep": tried,
                     }
                     best = min(
-                        [{"config": default, "kernel_ms": row["kernel_ms"]}, *tried],
+                        [{"config": launched, "kernel_ms": row["kernel_ms"]}, *tried],
                         key=lambda t: t["kernel_ms"]["p50"],
                     )
                     row["best"] = best

@@ -86,11 +86,12 @@ def _fused_ring(spec: QuantSpec, device: torch.device, backend: str = "auto") ->
 
 
 def _round_trip_into(store, z: torch.Tensor, slots: torch.Tensor, out: torch.Tensor | None = None) -> None:
-    """``z``'s tokens held exact (``held_exact``) into ``out`` (default: the store's ring) at ``slots``."""
+    """``z``'s tokens held exact (``held_exact``) into the store's ring at ``slots`` (mod its window), or into
+    ``out`` at ``slots`` themselves."""
     from stiefkv.kernels.quantize import round_trip_into  # imports Triton: only where it runs
 
     round_trip_into(z, slots, store.ring if out is None else out, bits=WINDOW8.bits,
-                    largest=LOG8_LARGEST[WINDOW8.bits])
+                    largest=LOG8_LARGEST[WINDOW8.bits], wrap=out is None)
 
 
 def _scale_buffers(spec: QuantSpec, shape: tuple, device) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -580,7 +580,9 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
     ids, mask = prompt(batch=2, n=124, seed=2, device="cuda" if cuda else "cpu")
     steps = 22
     caches, calls, write, ring_calls, ring_write = [], [], sc._quantize_into, [], sc._round_trip_into
-    monkeypatch.setattr(sc, "_quantize_into", lambda *a, **k: (calls.append(a[0]), write(*a, **k)))
+    prefill_writes = []  # a windowed store's prefill chunk: codes written without its ring
+    monkeypatch.setattr(sc, "_quantize_into", lambda *a, **k: (
+        calls.append(a[0]), prefill_writes.append(a[0]) if "ring" not in k else None, write(*a, **k)))
     monkeypatch.setattr(sc, "_round_trip_into",
                         lambda *a, **k: (ring_calls.append(a[0]), ring_write(*a, **k)))
     for fused in (False, True):
@@ -602,6 +604,12 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
     assert kernel_written and {id(s) for s in calls} == kernel_written
     per_store = [sum(c is s for c in calls) for _, s in stores if id(s) in kernel_written]
     assert min(per_store) >= steps  # every decode step (a CodeBuffer's prefill chunks too)
+    # a windowed token-layout store's prefill chunks that made tokens due: by the kernel too (recent 16:
+    # both chunks; recent 40: the second only)
+    windowed = [s for _, s in stores if id(s) in kernel_written and isinstance(s, sc.WindowedCodes)
+                and s.spec.layout == "token"]
+    assert [sum(c is s for c in prefill_writes) for s in windowed] == [
+        1 + (s.spec.recent < 37) for s in windowed]
     # a window8 store's tokens went into its int8 window by the round-trip kernel: every decode step and
     # every prefill chunk (two: 37 tokens, then 87)
     window8 = [s for _, s in stores if getattr(getattr(s, "spec", None), "window8", False)]

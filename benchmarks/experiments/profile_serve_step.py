@@ -136,7 +136,7 @@ def print_op_sites(forward, rows: int) -> None:
     sites: dict[str, int] = defaultdict(int)
     for e in prof.events():
         parent = e.cpu_parent
-        if not e.name.startswith("aten::") or parent is not None and parent.name.startswith("aten::"):
+        if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
             continue  # operators called by the Python code itself, not by another operator
         while parent is not None and ("stiefkv/" not in parent.name or "profile_serve_step" in parent.name):
             parent = parent.cpu_parent

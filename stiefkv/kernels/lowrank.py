@@ -1273,6 +1273,13 @@ OCCUPANCY_MIN_KEYS = 1024
 _RESIDENT: dict[tuple, int | None] = {}
 
 
+def _layout(z) -> tuple[int, bool]:
+    """What else of a latent picks the kernel's loops, beside :func:`_fit_key`'s: its rows' unit stride and
+    whether they read as words, from strides and alignment."""
+    t = z.codes if isinstance(z, QuantizedLatents) else z
+    return _row_unit(t), _word_rows(t)
+
+
 def _resident_programs(kernel, device: torch.device) -> int | None:
     """Programs of the compiled ``kernel`` one SM holds at once: the fewest its registers (allocated 256 a
     warp at a time), its shared memory (plus the 1 KB a block the driver reserves) and its threads allow.
@@ -1281,7 +1288,7 @@ def _resident_programs(kernel, device: torch.device) -> int | None:
     from triton.runtime.errors import OutOfResources
 
     try:
-        kernel.run  # loads the binary, which is when Triton reads its register count  # noqa: B018
+        kernel.run  # loads the binary, which is when Triton reads its register count
         regs, warps, shared = int(kernel.n_regs), int(kernel.metadata.num_warps), int(kernel.metadata.shared)
     except (AttributeError, TypeError, OutOfResources):
         return None
@@ -1298,9 +1305,10 @@ def _occupancy_splits(args: tuple, cfg: dict, return_lse: bool, prior, n_sms: in
     SM (counted once a kernel, :data:`_RESIDENT`). The rule of :func:`_decode_splits` assumes two, which is
     what the ``pre_rope`` and code kernels fit at Llama-3-8B's head shapes (d 128, r 64, triton 3.6: 175-255
     registers a thread). At SmolLM2's (d 64, GQA 3, r 32) they fit three (~167 registers), and 32×8192
-    (96 programs) took 4 splits instead of 2: ``pre_rope`` bf16 65.3 → 51.9 µs, int4 keys 91.5 → 60.7, int2
-    ``post_rope`` 51.1 → 35.1 (H100, 2026-12-06, fourth session; bf16 ``post_rope``, memory-bound, not
-    faster past 2, so it keeps the rule). At Llama-3-8B's shapes only int2 and int3 ``post_rope`` codes at
+    (96 programs) took 4 splits instead of 2: ``pre_rope`` bf16 65.0 → 51.9 µs, int4 keys 90.6 → 60.9, int2
+    ``post_rope`` 50.4 → 35.0 (H100, 2026-12-06, fourth session, the rule's count and the launched one in
+    the same run at ``8d38f2e``; bf16 ``post_rope``, memory-bound, not faster past 2, so it keeps the
+    rule). At Llama-3-8B's shapes only int2 and int3 ``post_rope`` codes at
     r 32 fit three; against the rule's count in the same run, µs: 8×8k 28.6 → 27.3 and 37.0 → 34.5, 16×16k
     93.0 → 83.1 and 127.3 → 110.6, 4×128k 178.4 → 160.5 and 243.3 → 215.3, but 1×32k (8 programs: 49
     splits of 668 keys against 33) 21.7 → 23.3 and 26.0 → 27.6; so the count never leaves a split fewer
@@ -1308,7 +1316,7 @@ def _occupancy_splits(args: tuple, cfg: dict, return_lse: bool, prior, n_sms: in
     ``pre_rope`` and code kernels come here (:func:`lowrank_attention`)."""
     q, z_k = args[0], args[1]
     programs = q.shape[0] * z_k.shape[1]
-    key = _fit_key(args, dict(cfg, num_splits=0), return_lse, prior)
+    key = (*_fit_key(args, dict(cfg, num_splits=0), return_lse, prior), _layout(z_k), _layout(args[2]))
     if key not in _RESIDENT:
         kernel = _launch(*args, dict(cfg, num_splits=max(2, cfg["num_splits"])), return_lse, prior,
                          compile_only=True)
@@ -1910,7 +1918,8 @@ def lowrank_attention(
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
         ``return_config``: return the configuration this call would launch (tiles, warps, splits, the
         loops' options) instead of launching it, so benchmarks record what ran; not with ``code_slice``'s
-        slicing, whose parts each resolve their own.
+        slicing, whose parts each resolve their own; at ranks above ``d``, before any smaller tiles are
+        fitted to the GPU's shared memory.
 
     Returns
     -------

@@ -293,13 +293,15 @@ def _round_trip_into_kernel(
     R: tl.constexpr, BITS: tl.constexpr, LARGEST: tl.constexpr, WINDOW: tl.constexpr,
 ):
     """Program (token ``t``, batch row × KV head, group): ``Z``'s token ``t`` through log8 codes of ``BITS``
-    bits and back, into entry ``SLOTS[t] mod WINDOW`` of ``OUT``."""
+    bits and back, into entry ``SLOTS[t] mod WINDOW`` of ``OUT`` (``WINDOW == 0``: entry ``SLOTS[t]``)."""
     t = tl.program_id(0).to(tl.int64)
     bg = tl.program_id(1).to(tl.int64)
     grp = tl.program_id(2)
     b = bg // n_kv_heads
     g = bg % n_kv_heads
-    row = tl.load(SLOTS + t).to(tl.int64) % WINDOW
+    row = tl.load(SLOTS + t).to(tl.int64)
+    if WINDOW > 0:
+        row = row % WINDOW
     LEVELS: tl.constexpr = (1 << BITS) - 1
     offs = grp * GROUP + tl.arange(0, GROUP)
     real = offs < R
@@ -318,13 +320,16 @@ def _round_trip_into_kernel(
 
 
 def round_trip_into(z: torch.Tensor, slots: torch.Tensor, ring: torch.Tensor, *, bits: int = 8,
-                    largest: int = 255) -> None:
+                    largest: int = 255, wrap: bool = True) -> None:
     """Latents ``z`` ``[B, G, n, r]`` through per-token log8 codes of ``bits`` bits (groups of
     :data:`QUANT_GROUP` channels) and back, token ``t`` written into ``ring`` ``[B, G, window, r]`` at entry
     ``slots[t] mod window`` (``slots`` ``[n]`` int on the device): bit for bit ``ring.index_copy_(2, slots %
     window, stiefkv.quant.round_trip(z, QuantSpec(bits, "token", log8=True)).to(ring.dtype))``, in one
     launch. How a ``window8`` store holds its tokens exact (``stiefkv.quant.held_exact``): ~90 operators
-    otherwise; a decoded token into its ring entry, or a prefill chunk into a buffer of its own."""
+    otherwise; a decoded token into its ring entry, or a prefill chunk into a buffer of its own with
+    ``wrap=False`` (entry ``slots[t]`` itself, ``< window``: one compiled kernel for every chunk length, where
+    the window, a compile-time constant, would take one a length). The entries must differ (each token's
+    program writes its own)."""
     B, G, n, r = z.shape
     if slots.numel() != n:
         raise ValueError(f"{n} tokens but {slots.numel()} slots")
@@ -335,5 +340,6 @@ def round_trip_into(z: torch.Tensor, slots: torch.Tensor, ring: torch.Tensor, *,
         return
     _round_trip_into_kernel[(n, B * G, -(-r // QUANT_GROUP))](
         z, slots, ring, *z.stride(), *ring.stride(),
-        G, R=r, BITS=bits, LARGEST=largest, WINDOW=ring.shape[2], num_warps=1, enable_fp_fusion=False,
+        G, R=r, BITS=bits, LARGEST=largest, WINDOW=ring.shape[2] if wrap else 0, num_warps=1,
+        enable_fp_fusion=False,
     )
