@@ -79,9 +79,8 @@ def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int,
 
 def _fused_ring(spec: QuantSpec, device: torch.device, backend: str = "auto") -> bool:
     """Whether a ``window8`` store's tokens (a decoded one, or a prefill chunk) are held exact by the
-    round-trip kernel
-    (``kernels.quantize.round_trip_into``: one launch, bit for bit ``held_exact``'s ~90 operators; any
-    layout, since the exact window is per token)."""
+    round-trip kernel (``kernels.quantize.round_trip_into``: one launch, bit for bit ``held_exact``'s ~90
+    operators; any layout, since the exact window is per token)."""
     return spec.window8 and _writes_by_kernel(device, backend)
 
 
