@@ -66,12 +66,19 @@ def _writes_by_kernel(device: torch.device, backend: str) -> bool:
     return device.type == "cuda" and kernels.triton_available()
 
 
-def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int, int] | None = None) -> None:
-    from stiefkv.kernels.quantize import quantize_group_into, quantize_into  # imports Triton: where it runs
+def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int, int] | None = None,
+                   first: int = 0) -> None:
+    """``z``'s tokens quantized into the store at ``slots``; ``ring``: decode's one slot, whose token (or,
+    for ``channel``, group) is read from the ring. A prefill chunk's channel groups are whole groups at
+    slots ``first …`` (the host's count, a group's first slot: ``write_many``)."""
+    from stiefkv.kernels.quantize import quantize_group_into, quantize_groups_into, quantize_into
 
-    if store.spec.layout == "channel":  # decode only: a prefill's channel groups go through PyTorch
-        quantize_group_into(z, slots, store.codes, store.scale, store.low, bits=store.spec.bits,
-                            recent=store.spec.recent)
+    if store.spec.layout == "channel":
+        if ring is None:
+            quantize_groups_into(z, first, store.codes, store.scale, store.low, bits=store.spec.bits)
+        else:
+            quantize_group_into(z, slots, store.codes, store.scale, store.low, bits=store.spec.bits,
+                                recent=store.spec.recent)
         return
     quantize_into(z, slots, store.codes, store.scale, store.low, bits=store.spec.bits, log8=store.spec.log8,
                   largest=LOG8_LARGEST[store.spec.bits], ring=ring)
@@ -198,7 +205,7 @@ class WindowedCodes:
 
     def write_many(self, start: int, z: torch.Tensor) -> None:
         """Tokens ``z`` ``[B, G, n, r]`` at slots ``start …`` (host count): quantize what they make due. Where
-        the write kernels run, a prefill chunk's int8 window (``window8``) and its token-layout codes take
+        the write kernels run, a prefill chunk's int8 window (``window8``) and its codes (either layout) take
         one launch each, the same bytes as PyTorch's ~90 and ~40-100 operators a latent (the prefill over
         codes was host-bound: ~540 operators a layer at SmolLM2's shapes, serving.md)."""
         n, device = z.shape[2], z.device
@@ -213,8 +220,8 @@ class WindowedCodes:
         self.tail = (exact, held)
         if due > held:
             slots = torch.arange(held, due, device=device)
-            if self.spec.layout == "token" and _fused_write(self.spec, device, self.backend):
-                _quantize_into(self, exact[:, :, : due - held], slots)
+            if _fused_write(self.spec, device, self.backend):
+                _quantize_into(self, exact[:, :, : due - held], slots, first=held)
             else:
                 self._store(slots, quantize(exact[:, :, : due - held], self.spec))
         keep = torch.arange(max(held, start + n - self.window), start + n, device=device)

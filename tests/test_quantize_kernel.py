@@ -204,6 +204,44 @@ def test_channel_group_quantized_when_due(r, dtype, recent, bits):
         assert_same(bufs, want, f"channel int{bits} r={r} slot {slot}")
 
 
+@pytest.mark.parametrize("bits", [8, 4, 3, 2])
+@pytest.mark.parametrize("r, dtype, n, first", [(13, torch.bfloat16, 64, 128), (72, torch.float32, 192, 0),
+                                                (41, torch.float16, 128, 64)])
+def test_channel_chunk_groups_quantized(r, dtype, n, first, bits):
+    """``quantize_groups_into`` (a prefill chunk's channel groups, one launch) against ``quantize`` of the
+    chunk then ``WindowedCodes._store``: every byte of the codes at slots ``first …`` and of the groups'
+    scales and lows equal, every other byte untouched (stressed channels: constant, tiny, grid midpoints)."""
+    from stiefkv.kernels.quantize import quantize_groups_into
+
+    B, G, L = 2, 3, 320
+    z = (torch.randn(B, G, n, r) * torch.logspace(-3, 2, r)).to(dtype)
+    z[0, 0, :, 0] = 0.75
+    z[1, 2, :, r // 2] = 1e-6 * torch.randn(n)
+    z[1, 0, :, -1] = torch.arange(n) * 0.5 - 3.0
+    z = z.to(DEVICE)
+    bufs = channel_buffers(B, G, L, r, bits)
+    want = [t.clone().cpu() for t in bufs]
+    q = quantize(z.cpu(), QuantSpec(bits, "channel"))
+    slots = torch.arange(first, first + n)
+    want[0].index_copy_(2, slots, q.codes)
+    want[1].index_copy_(2, slots[::64] // 64, q.scale)
+    want[2].index_copy_(2, slots[::64] // 64, q.low)
+    quantize_groups_into(z, first, *bufs, bits=bits)
+    assert_same(bufs, want, f"channel chunk int{bits} r={r} {n} tokens at {first}")
+
+
+def test_channel_chunk_bad_input():
+    from stiefkv.kernels.quantize import quantize_groups_into
+
+    bufs = channel_buffers(1, 2, 128, 24, 4)
+    with pytest.raises(ValueError, match="whole groups of 64 tokens at a group's first slot: got 40 tokens"):
+        quantize_groups_into(torch.randn(1, 2, 40, 24, device=DEVICE), 0, *bufs, bits=4)
+    with pytest.raises(ValueError, match="got 64 tokens at slot 10"):
+        quantize_groups_into(torch.randn(1, 2, 64, 24, device=DEVICE), 10, *bufs, bits=4)
+    with pytest.raises(ValueError, match="do not hold 24-channel latents of 8 bits"):
+        quantize_groups_into(torch.randn(1, 2, 64, 24, device=DEVICE), 0, *bufs, bits=8)
+
+
 def test_channel_group_nan_and_bad_input():
     """A NaN in a channel of the group: that channel's scale and low NaN, its codes 0, as ``quantize``; the
     other channels unaffected. Buffers of another width and a ring too short for the window are refused."""

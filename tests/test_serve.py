@@ -12,6 +12,7 @@ import torch
 
 import stiefkv
 from stiefkv.attention import is_compressed, projections_of
+from stiefkv.quant import quantized_length
 from stiefkv.serve import Runner
 from stiefkv.static_cache import CacheOverflowError, StaticLatentCache
 from tests.tiny import random_projections, tiny_model
@@ -604,12 +605,13 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
     assert kernel_written and {id(s) for s in calls} == kernel_written
     per_store = [sum(c is s for c in calls) for _, s in stores if id(s) in kernel_written]
     assert min(per_store) >= steps  # every decode step (a CodeBuffer's prefill chunks too)
-    # a windowed token-layout store's prefill chunks that made tokens due: by the kernel too (recent 16:
-    # both chunks; recent 40: the second only)
-    windowed = [s for _, s in stores if id(s) in kernel_written and isinstance(s, sc.WindowedCodes)
-                and s.spec.layout == "token"]
+    # a windowed store's prefill chunks (37 tokens, then 87) that made tokens due, by the kernel too: token
+    # layout, recent 16 both chunks and recent 40 the second only; channel (whole groups), the second only
+    windowed = [s for _, s in stores if id(s) in kernel_written and isinstance(s, sc.WindowedCodes)]
+    assert any(s.spec.layout == "channel" for s in windowed) == any("channel" in x for x in specs)
     assert [sum(c is s for c in prefill_writes) for s in windowed] == [
-        1 + (s.spec.recent < 37) for s in windowed]
+        (quantized_length(37, s.spec) > 0) + (quantized_length(124, s.spec) > quantized_length(37, s.spec))
+        for s in windowed]
     # a window8 store's tokens went into its int8 window by the round-trip kernel: every decode step and
     # every prefill chunk (two: 37 tokens, then 87)
     window8 = [s for _, s in stores if getattr(getattr(s, "spec", None), "window8", False)]

@@ -209,25 +209,33 @@ def _quantize_group_kernel(
     stride_rb, stride_rg, stride_rn, stride_rr,
     stride_cb, stride_cg, stride_cn,
     stride_sb, stride_sg, stride_sn,
-    n_kv_heads,
-    R: tl.constexpr, BITS: tl.constexpr, RECENT: tl.constexpr, WINDOW: tl.constexpr,
+    n_kv_heads, chunk_first,
+    R: tl.constexpr, BITS: tl.constexpr, RECENT: tl.constexpr, WINDOW: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """Program (batch row × KV head, block of ``GROUP`` channels): when slot ``SLOTS[0]`` completes a group
-    of ``GROUP`` tokens past the window (``end = SLOTS[0] + 1 − RECENT``, a positive multiple of ``GROUP``),
-    the tokens ``end − GROUP … end − 1`` from their ring entries, quantized per channel into their slots and
-    the group's row of scales and lows; otherwise it writes nothing."""
+    """Program (batch row × KV head, block of ``GROUP`` channels, group of the chunk): when slot ``SLOTS[0]``
+    completes a group of ``GROUP`` tokens past the window (``end = SLOTS[0] + 1 − RECENT``, a positive
+    multiple of ``GROUP``), the tokens ``end − GROUP … end − 1`` from their ring entries, quantized per
+    channel into their slots and the group's row of scales and lows; otherwise it writes nothing.
+    ``CHUNK`` (a prefill chunk's groups, every one due): group ``j``'s tokens are rows ``j·GROUP …`` of
+    ``RING`` and slots ``chunk_first + j·GROUP …``."""
     bg = tl.program_id(0).to(tl.int64)
     blk = tl.program_id(1)
     b = bg // n_kv_heads
     g = bg % n_kv_heads
-    end = tl.load(SLOTS).to(tl.int64) + 1 - RECENT
-    if (end > 0) & (end % GROUP == 0):  # 63 steps of 64 read and write nothing
+    if CHUNK:
+        j = tl.program_id(2).to(tl.int64)
+        end = chunk_first + (j + 1) * GROUP
+        rows = j * GROUP + tl.arange(0, GROUP)
+    else:
+        end = tl.load(SLOTS).to(tl.int64) + 1 - RECENT
+        rows = (end - GROUP + tl.arange(0, GROUP)) % WINDOW
+    if (end > 0) & (end % GROUP == 0):  # decode: 63 steps of 64 read and write nothing
         first = end - GROUP
         tokens = first + tl.arange(0, GROUP)
         LEVELS: tl.constexpr = (1 << BITS) - 1
         offs = blk * GROUP + tl.arange(0, GROUP)
         real = (offs < R)[None, :]
-        x = tl.load(RING + b * stride_rb + g * stride_rg + (tokens % WINDOW)[:, None] * stride_rn
+        x = tl.load(RING + b * stride_rb + g * stride_rg + rows[:, None] * stride_rn
                     + offs[None, :] * stride_rr, mask=real, other=0.0).to(tl.float32)  # [tokens, channels]
         lo, hi = _group_range(x, real)  # per channel, over the group's tokens
         low16, scale16, low, step = _fp16_grid(lo, hi, LEVELS)
@@ -263,16 +271,43 @@ def quantize_group_into(ring: torch.Tensor, slot: torch.Tensor, codes: torch.Ten
     if window < recent + QUANT_GROUP:
         raise ValueError(f"a ring of {window} entries cannot hold {recent} recent tokens and a group of "
                          f"{QUANT_GROUP}")
+    _check_group_buffers(codes, scale, low, B, G, r, bits)
+    _quantize_group_kernel[(B * G, -(-r // QUANT_GROUP), 1)](
+        ring, slot, codes, scale, low, *ring.stride(), *codes.stride()[:3], *scale.stride()[:3],
+        G, 0, R=r, BITS=bits, RECENT=recent, WINDOW=window, CHUNK=False, num_warps=4,
+    )
+
+
+def quantize_groups_into(z: torch.Tensor, first: int, codes: torch.Tensor, scale: torch.Tensor,
+                         low: torch.Tensor, *, bits: int) -> None:
+    """The channel layout's prefill write: ``z`` ``[B, G, n, r]`` (``n`` a multiple of :data:`QUANT_GROUP`)
+    holds whole groups of tokens due at slots ``first … first + n − 1`` (``first`` a multiple of the group,
+    the host's count); quantize each group per channel on min–max ranges into ``codes`` at those slots and
+    ``scale``, ``low`` at the groups' rows, in one launch. Bit for bit ``stiefkv.quant.quantize`` of the
+    chunk then ``WindowedCodes._store`` (~56 operators a chunk). Triton only: CUDA tensors, or the CPU under
+    the interpreter."""
+    if bits not in KERNEL_BITS:
+        raise ValueError(f"bits must be one of {KERNEL_BITS}, got {bits}")
+    B, G, n, r = z.shape
+    if n % QUANT_GROUP or first % QUANT_GROUP or first < 0:
+        raise ValueError(f"a chunk's channel groups are whole groups of {QUANT_GROUP} tokens at a group's "
+                         f"first slot: got {n} tokens at slot {first}")
+    _check_group_buffers(codes, scale, low, B, G, r, bits)
+    if n == 0:
+        return
+    _quantize_group_kernel[(B * G, -(-r // QUANT_GROUP), n // QUANT_GROUP)](
+        z, z, codes, scale, low, *z.stride(), *codes.stride()[:3], *scale.stride()[:3],
+        G, first, R=r, BITS=bits, RECENT=0, WINDOW=0, CHUNK=True, num_warps=4,
+    )
+
+
+def _check_group_buffers(codes, scale, low, B: int, G: int, r: int, bits: int) -> None:
     if codes.shape[:2] != (B, G) or codes.shape[3] != -(-r // 8) * bits or scale.shape[3] != r \
             or low.shape != scale.shape:
         raise ValueError(f"buffers {tuple(codes.shape)} / {tuple(scale.shape)} do not hold {r}-channel "
                          f"latents of {bits} bits per channel for {B} rows and {G} KV heads")
     if any(t.stride(-1) != 1 for t in (codes, scale, low)):
         raise ValueError("the code, scale and low buffers need a unit stride along their last axis")
-    _quantize_group_kernel[(B * G, -(-r // QUANT_GROUP))](
-        ring, slot, codes, scale, low, *ring.stride(), *codes.stride()[:3], *scale.stride()[:3],
-        G, R=r, BITS=bits, RECENT=recent, WINDOW=window, num_warps=4,
-    )
 
 
 @triton.jit
