@@ -71,6 +71,30 @@ def test_tokens_quantized_into_their_slots(r, dtype, bits, log8):
     assert_same(bufs, want, f"int{bits} log8={log8} r={r} {dtype}")
 
 
+@pytest.mark.parametrize("bits, log8", [(4, True), (3, False)])
+def test_a_chunk_over_several_token_blocks(bits, log8):
+    """A prefill chunk longer than a program's block of tokens (``CHUNK_TOKENS``), not a multiple of it:
+    every token's codes, scales and lows at its slot, and through the round trip its entry; nothing past
+    the chunk written."""
+    from stiefkv.kernels.quantize import CHUNK_TOKENS, round_trip_into
+    from stiefkv.quant import WINDOW8, held_exact
+
+    B, G, r = 2, 3, 72
+    n, L = 2 * CHUNK_TOKENS + 5, 2 * CHUNK_TOKENS + 11
+    z = hard_latents(B, G, n, r, torch.bfloat16, log8)
+    slots = torch.randperm(L)[:n].to(DEVICE)
+    bufs = buffers(B, G, L, r, bits, log8)
+    want = expected(z, slots, bufs, QuantSpec(bits, "token", log8=log8))
+    quantize_into(z, slots, *bufs, bits=bits, log8=log8, largest=LOG8_LARGEST[bits])
+    assert_same(bufs, want, f"{n} tokens int{bits} log8={log8}")
+    out = torch.full((B, G, L, r), 7.0, dtype=torch.bfloat16, device=DEVICE)
+    round_trip_into(z, slots, out, bits=WINDOW8.bits, largest=LOG8_LARGEST[WINDOW8.bits], wrap=False)
+    want = torch.full_like(out, 7.0).cpu().index_copy_(2, slots.cpu(), held_exact(
+        z.cpu(), QuantSpec(4, "token", recent=16, window8=True)).to(torch.bfloat16))
+    assert torch.equal(out.cpu().isnan(), want.isnan())
+    assert torch.equal(out.cpu().nan_to_num(0.0), want.nan_to_num(0.0))
+
+
 @pytest.mark.parametrize("bits, log8", [(8, False), (4, True), (2, True), (3, False)])
 @pytest.mark.parametrize("slot", [0, 5, 16, 17, 40, 79, 100, 183], ids=lambda s: f"slot{s}")
 def test_ring_entry_pushed_out_of_the_window(slot, bits, log8):

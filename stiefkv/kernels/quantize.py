@@ -47,6 +47,9 @@ GROUP = tl.constexpr(QUANT_GROUP)
 LOG8_OFFSET = tl.constexpr(_common.LOG8_OFFSET)
 SMALLEST_STEP = tl.constexpr(2.0 ** -14)  # log8 codes start at float16's smallest normal
 ROUNDER = tl.constexpr(12582912.0)  # 1.5·2^23: v + this − this is v rounded half to even (|v| < 2^22)
+# tokens a program of a prefill chunk's write quantizes (decode's one token takes a program of one warp):
+# a program a token made the interpreter's tests crawl, and a 128-token chunk 8 times the programs
+CHUNK_TOKENS = 16
 
 
 @triton.jit
@@ -73,12 +76,12 @@ def _log8_code(step, LARGEST: tl.constexpr):
 
 
 @triton.jit
-def _group_range(x, real):
-    """A group's min and max over its ``real`` channels (fp32), NaN where any holds NaN: ``tl.min``/``max``
-    skip NaN, ``torch.amin``/``amax`` propagate it."""
-    lo = tl.min(tl.where(real, x, float("inf")), 0)
-    hi = tl.max(tl.where(real, x, float("-inf")), 0)
-    nan = tl.max((real & (x != x)).to(tl.int32), 0) > 0
+def _group_range(x, real, AXIS: tl.constexpr):
+    """A group's min and max along ``AXIS`` over its ``real`` entries (fp32), NaN where any holds NaN:
+    ``tl.min``/``max`` skip NaN, ``torch.amin``/``amax`` propagate it."""
+    lo = tl.min(tl.where(real, x, float("inf")), AXIS)
+    hi = tl.max(tl.where(real, x, float("-inf")), AXIS)
+    nan = tl.max((real & (x != x)).to(tl.int32), AXIS) > 0
     return tl.where(nan, float("nan"), lo), tl.where(nan, float("nan"), hi)
 
 
@@ -118,19 +121,20 @@ def _quantize_into_kernel(
     stride_zb, stride_zg, stride_zn, stride_zr,
     stride_cb, stride_cg, stride_cn,
     stride_sb, stride_sg, stride_sn,
-    n_kv_heads,
+    n_kv_heads, n_tokens,
     R: tl.constexpr, BITS: tl.constexpr, LOG8: tl.constexpr, LARGEST: tl.constexpr,
-    RECENT: tl.constexpr, WINDOW: tl.constexpr,
+    RECENT: tl.constexpr, WINDOW: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """Program (token ``t``, batch row × KV head, group): ``WINDOW == 0``: ``Z``'s token ``t`` to slot
-    ``SLOTS[t]``; else (one token) the ring entry ``(SLOTS[0] − RECENT) mod WINDOW`` of ``Z`` to slot
-    ``max(SLOTS[0] − RECENT, 0)`` (before any token is due, slot 0 gets codes no one reads)."""
-    t = tl.program_id(0)
+    """Program (block of ``TOKENS`` tokens, batch row × KV head, group): ``WINDOW == 0``: ``Z``'s tokens
+    ``t`` to slots ``SLOTS[t]``; else (one token) the ring entry ``(SLOTS[0] − RECENT) mod WINDOW`` of ``Z``
+    to slot ``max(SLOTS[0] − RECENT, 0)`` (before any token is due, slot 0 gets codes no one reads)."""
+    t = tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)
     bg = tl.program_id(1).to(tl.int64)
     grp = tl.program_id(2)
     b = bg // n_kv_heads
     g = bg % n_kv_heads
-    slot = tl.load(SLOTS + t).to(tl.int64)
+    live = t < n_tokens
+    slot = tl.load(SLOTS + t, mask=live, other=0).to(tl.int64)
     if WINDOW > 0:
         token = slot - RECENT
         row = ((token % WINDOW) + WINDOW) % WINDOW
@@ -139,27 +143,30 @@ def _quantize_into_kernel(
         row = t.to(tl.int64)
     LEVELS: tl.constexpr = (1 << BITS) - 1
     offs = grp * GROUP + tl.arange(0, GROUP)
-    real = offs < R
-    x = tl.load(Z + b * stride_zb + g * stride_zg + row * stride_zn + offs * stride_zr, mask=real,
-                other=0.0).to(tl.float32)
-    lo, hi = _group_range(x, real)  # NaN propagates (log8: LOG8_NAN)
+    real = (offs < R)[None, :]
+    x = tl.load(Z + b * stride_zb + g * stride_zg + row[:, None] * stride_zn + offs[None, :] * stride_zr,
+                mask=live[:, None] & real, other=0.0).to(tl.float32)  # [tokens, channels]
+    lo, hi = _group_range(x, real, 1)  # NaN propagates (log8: LOG8_NAN)
     s_off = b * stride_sb + g * stride_sg + slot * stride_sn + grp
     if LOG8:
         code = _log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST)
         step, low = _log8(code, BITS)
-        tl.store(SCALE + s_off, code.to(tl.uint8))
+        tl.store(SCALE + s_off, code.to(tl.uint8), mask=live)
     else:
         low16, scale16, low, step = _fp16_grid(lo, hi, LEVELS)
-        tl.store(SCALE + s_off, scale16)
-        tl.store(LOW + s_off, low16)
-    code, nan_v = _grid_codes(x, low, step, LEVELS)
+        tl.store(SCALE + s_off, scale16, mask=live)
+        tl.store(LOW + s_off, low16, mask=live)
+    code, nan_v = _grid_codes(x, low[:, None], step[:, None], LEVELS)
     # a NaN gives code 0, as PyTorch's NaN-to-uint8 does here (the group's scale says NaN)
     c = tl.where(real & ~nan_v, code, 0.0).to(tl.int64)
     # eight codes to one word of 8·BITS bits (code i at bit BITS·i), written as BITS little-endian bytes
-    words = tl.sum(tl.reshape(c, [GROUP // 8, 8]) << (BITS * tl.arange(0, 8))[None, :].to(tl.int64), 1)
+    shifts = (BITS * tl.arange(0, 8)).to(tl.int64)
+    words = tl.sum(tl.reshape(c, [TOKENS, GROUP // 8, 8]) << shifts[None, None, :], 2)
     width: tl.constexpr = (R + 7) // 8 * BITS  # the stored bytes (the last eight codes padded)
     first = grp * (GROUP // 8) * BITS + tl.arange(0, GROUP // 8) * BITS
-    _store_words(CODES + b * stride_cb + g * stride_cg + slot * stride_cn + first, words, first, width, BITS)
+    first = tl.where(live[:, None], first[None, :], width)  # a token past the block's end writes nothing
+    _store_words(CODES + b * stride_cb + g * stride_cg + slot[:, None] * stride_cn + first, words, first,
+                 width, BITS)
 
 
 def quantize_into(z: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, scale: torch.Tensor,
@@ -195,11 +202,12 @@ def quantize_into(z: torch.Tensor, slots: torch.Tensor, codes: torch.Tensor, sca
         return
     recent, window = ring if ring is not None else (0, 0)
     low_t = low if low is not None else scale
-    _quantize_into_kernel[(tokens, B * G, groups)](
+    block = 1 if tokens == 1 else CHUNK_TOKENS
+    _quantize_into_kernel[(-(-tokens // block), B * G, groups)](
         z, slots, codes, scale, low_t,
         *z.stride(), *codes.stride()[:3], *scale.stride()[:3],
-        G, R=r, BITS=bits, LOG8=log8, LARGEST=largest, RECENT=recent, WINDOW=window,
-        num_warps=1,
+        G, tokens, R=r, BITS=bits, LOG8=log8, LARGEST=largest, RECENT=recent, WINDOW=window, TOKENS=block,
+        num_warps=1 if block == 1 else 4,
     )
 
 
@@ -237,7 +245,7 @@ def _quantize_group_kernel(
         real = (offs < R)[None, :]
         x = tl.load(RING + b * stride_rb + g * stride_rg + rows[:, None] * stride_rn
                     + offs[None, :] * stride_rr, mask=real, other=0.0).to(tl.float32)  # [tokens, channels]
-        lo, hi = _group_range(x, real)  # per channel, over the group's tokens
+        lo, hi = _group_range(x, real, 0)  # per channel, over the group's tokens
         low16, scale16, low, step = _fp16_grid(lo, hi, LEVELS)
         s_off = b * stride_sb + g * stride_sg + (first // GROUP) * stride_sn + offs
         tl.store(SCALE + s_off, scale16, mask=offs < R)
@@ -324,34 +332,37 @@ def _round_trip_into_kernel(
     Z, SLOTS, OUT,
     stride_zb, stride_zg, stride_zn, stride_zr,
     stride_ob, stride_og, stride_on, stride_or,
-    n_kv_heads,
-    R: tl.constexpr, BITS: tl.constexpr, LARGEST: tl.constexpr, WINDOW: tl.constexpr,
+    n_kv_heads, n_tokens,
+    R: tl.constexpr, BITS: tl.constexpr, LARGEST: tl.constexpr, WINDOW: tl.constexpr, TOKENS: tl.constexpr,
 ):
-    """Program (token ``t``, batch row × KV head, group): ``Z``'s token ``t`` through log8 codes of ``BITS``
-    bits and back, into entry ``SLOTS[t] mod WINDOW`` of ``OUT`` (``WINDOW == 0``: entry ``SLOTS[t]``)."""
-    t = tl.program_id(0).to(tl.int64)
+    """Program (block of ``TOKENS`` tokens, batch row × KV head, group): ``Z``'s tokens ``t`` through log8
+    codes of ``BITS`` bits and back, into entries ``SLOTS[t] mod WINDOW`` of ``OUT`` (``WINDOW == 0``:
+    entries ``SLOTS[t]``)."""
+    t = (tl.program_id(0) * TOKENS + tl.arange(0, TOKENS)).to(tl.int64)
     bg = tl.program_id(1).to(tl.int64)
     grp = tl.program_id(2)
     b = bg // n_kv_heads
     g = bg % n_kv_heads
-    row = tl.load(SLOTS + t).to(tl.int64)
+    live = t < n_tokens
+    row = tl.load(SLOTS + t, mask=live, other=0).to(tl.int64)
     if WINDOW > 0:
         row = row % WINDOW
     LEVELS: tl.constexpr = (1 << BITS) - 1
     offs = grp * GROUP + tl.arange(0, GROUP)
-    real = offs < R
-    x = tl.load(Z + b * stride_zb + g * stride_zg + t * stride_zn + offs * stride_zr, mask=real,
-                other=0.0).to(tl.float32)
-    lo, hi = _group_range(x, real)
+    real = (offs < R)[None, :]
+    x = tl.load(Z + b * stride_zb + g * stride_zg + t[:, None] * stride_zn + offs[None, :] * stride_zr,
+                mask=live[:, None] & real, other=0.0).to(tl.float32)  # [tokens, channels]
+    lo, hi = _group_range(x, real, 1)
     step, low = _log8(_log8_code(tl.maximum(tl.abs(lo), tl.abs(hi)) * (2.0 / LEVELS), LARGEST), BITS)
+    step, low = step[:, None], low[:, None]
     code, _ = _grid_codes(x, low, step, LEVELS)
     # a NaN step (a group holding NaN or inf) reads back NaN, as PyTorch's does; product, then sum, each
     # rounded (the launch turns FMA contraction off): bit for bit PyTorch's two operators
     out = code * step + low
     if OUT.dtype.element_ty == tl.bfloat16:
         out = _bf16_rne(out)
-    tl.store(OUT + b * stride_ob + g * stride_og + row * stride_on + offs * stride_or,
-             out.to(OUT.dtype.element_ty), mask=real)
+    tl.store(OUT + b * stride_ob + g * stride_og + row[:, None] * stride_on + offs[None, :] * stride_or,
+             out.to(OUT.dtype.element_ty), mask=live[:, None] & real)
 
 
 def round_trip_into(z: torch.Tensor, slots: torch.Tensor, ring: torch.Tensor, *, bits: int = 8,
@@ -373,8 +384,9 @@ def round_trip_into(z: torch.Tensor, slots: torch.Tensor, ring: torch.Tensor, *,
                          "KV heads")
     if n == 0:
         return
-    _round_trip_into_kernel[(n, B * G, -(-r // QUANT_GROUP))](
+    block = 1 if n == 1 else CHUNK_TOKENS
+    _round_trip_into_kernel[(-(-n // block), B * G, -(-r // QUANT_GROUP))](
         z, slots, ring, *z.stride(), *ring.stride(),
-        G, R=r, BITS=bits, LARGEST=largest, WINDOW=ring.shape[2] if wrap else 0, num_warps=1,
-        enable_fp_fusion=False,
+        G, n, R=r, BITS=bits, LARGEST=largest, WINDOW=ring.shape[2] if wrap else 0, TOKENS=block,
+        num_warps=1 if block == 1 else 4, enable_fp_fusion=False,
     )
