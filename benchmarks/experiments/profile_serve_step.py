@@ -44,11 +44,25 @@ from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 import stiefkv  # noqa: E402
 from stiefkv import static_cache  # noqa: E402
 from stiefkv.kernels import lowrank  # noqa: E402
+from stiefkv.quant import QuantSpec  # noqa: E402
 from stiefkv.serve import PREFILL_TOKENS, DecodeState, Runner, chunk_per_row, make_cache  # noqa: E402
 
-# label: (bits, recent) of both latents, None for the uncompressed cache on our kernels
+
+def auto_kinds(model, key_mode: str) -> stiefkv.Projections:
+    """What SmolLM2's 12.5 % ``--bits auto`` checkpoint stores in most layers (serving.md), without the
+    checkpoint: int2 channel-layout keys and int2 log8 token values, each behind a 16-token int8 window, on
+    random bases of rank 0.75·d."""
+    proj = random_projections(model, 0.75, key_mode)
+    proj.quant = [(QuantSpec.parse("int2-channel-r16-w8"), QuantSpec.parse("int2-token-log8-r16-w8"))
+                  ] * len(proj.keys)
+    return proj
+
+
+# label: (bits, recent) of both latents, None for the uncompressed cache on our kernels, or a function of
+# the model and key mode giving the projections
 STORES = {"uncompressed (our kernels)": None, "bf16 latents": (16, 0), "int8 codes": (8, 0),
-          "int8 r16": (8, 16), "int4 codes": (4, 0), "int4 r16": (4, 16)}
+          "int8 r16": (8, 16), "int4 codes": (4, 0), "int4 r16": (4, 16),
+          "int2 w8 (auto's kinds)": auto_kinds}
 
 
 # --storage-from: the checkpoint's storage as calibrated, and with one of its features at a time taken
@@ -255,11 +269,12 @@ def main() -> None:
             run(model, label, storage_variant(args.storage_from, STORAGE_VARIANTS[label]), B, N, args, device)
         return
     for label in args.stores:
-        codes = STORES[label] is not None and STORES[label][0] < 16
+        store = STORES[label]
+        codes = store is not None and (callable(store) or store[0] < 16)
         for fused in modes if codes else [None]:
             static_cache.FUSED_WRITES = fused
             name = label + {None: "", True: " fused", False: " pytorch"}[fused]
-            run(model, name, STORES[label], B, N, args, device)
+            run(model, name, store, B, N, args, device)
 
 
 if __name__ == "__main__":
