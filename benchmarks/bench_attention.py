@@ -42,7 +42,7 @@ H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
 # --heads: the attention shapes measured (query heads, KV heads, head dim, model width); rows of any but the
 # first name them in their case and table ("decode-smollm2"), so that BENCHMARKS.md's Llama-3-8B tables and
 # claims never read them
-HEADS = {"llama8b": (32, 8, 128, 4096), "smollm2": (9, 3, 64, 576)}
+HEADS = {"llama8b": (32, 8, 128, 4096), "smollm2": (9, 3, 64, 576), "llama1b": (32, 8, 64, 2048)}
 CASE_PREFIX = TABLE_SUFFIX = ""
 DECODE_SHAPES = [(1, 32768), (8, 8192), (16, 16384), (4, 131072)]
 BUDGETS = {"50%": 64, "25%": 32}
@@ -593,8 +593,9 @@ def main() -> None:
                         help="quant table: key codes in the channel layout (auto's low budgets, KIVI), "
                              "values per token")
     parser.add_argument("--heads", default="llama8b", choices=sorted(HEADS),
-                        help="attention shapes: Llama-3-8B's (H 32, G 8, d 128) or SmolLM2-135M's (H 9, G 3, "
-                             "d 64; decode and quant tables, whose rows then name them)")
+                        help="attention shapes: Llama-3-8B's (H 32, G 8, d 128), SmolLM2-135M's (H 9, G 3, "
+                             "d 64) or Llama-3.2-1B's (H 32, G 8, d 64); decode and quant tables, whose rows "
+                             "then name them")
     args = parser.parse_args()
     if args.heads != "llama8b":
         set_heads(args.heads)
