@@ -859,6 +859,29 @@ def test_benchmarks_refuse_bad_arguments_before_any_work(script, argv, message, 
 
 
 
+def test_count_prefill_ops_counts_the_python_side_of_the_gpu_path():
+    """``count_prefill_ops.py`` on tiny shapes: the kernels stubbed under the interpreter, the prefill's
+    operators by function, the cache's kernel-written writes among them (``write_many``); without the
+    interpreter it refuses, naming the variable to set."""
+    import os
+    import subprocess
+
+    script = str(BENCHMARKS / "experiments" / "count_prefill_ops.py")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    out = subprocess.run([sys.executable, script, "--shape", "tiny", "--context", "90", "--tokens", "40"],
+                         capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-2000:]
+    head, rows = out.stdout.split("\n", 1)
+    total = int(head.split(": ")[1].split()[0])
+    counts = {line.split("`")[1]: int(line.split("|")[2]) for line in rows.splitlines()
+              if line.startswith("| `")}
+    assert counts["static_cache.py: write_many"] > 0 and 0 < sum(counts.values()) <= total, out.stdout
+    env.pop("TRITON_INTERPRET")
+    bad = subprocess.run([sys.executable, script, "--shape", "tiny"], capture_output=True, text=True,
+                         timeout=300, env=env)
+    assert bad.returncode == 2 and "set TRITON_INTERPRET=1" in bad.stderr
+
+
 @pytest.mark.parametrize("script, argv, message", [
     ("fp8_quality", ["m", "--baselines", "int8", "int9"], "invalid choice: 'int9'"),
     ("fp8_quality", ["m", "--budgets", "0.5", "1.5"], "1.5 is not in (0, 1]"),

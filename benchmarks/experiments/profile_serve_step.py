@@ -142,20 +142,27 @@ def run_prefill(runner, B: int, N: int, args, device, label: str) -> None:
         print_op_sites(forward, args.rows)
 
 
-def print_op_sites(forward, rows: int) -> None:
-    """The lines of stiefkv whose operators one forward calls most often: where a host-bound prefill's
-    launches come from (``--op-sites``; the profiler's Python frames are the operators' parent events)."""
+def operator_sites(forward) -> dict[tuple[str, str], int]:
+    """How often one ``forward()`` calls each PyTorch operator from each line of stiefkv (``("file.py(line):
+    function", "aten::op")``; "outside stiefkv" for the rest): operators called by the Python code itself,
+    not by another operator (the profiler's Python frames are the operators' parent events)."""
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], with_stack=True) as prof:
         forward()
-    sites: dict[str, int] = defaultdict(int)
+    sites: dict[tuple[str, str], int] = defaultdict(int)
     for e in prof.events():
         parent = e.cpu_parent
         if not e.name.startswith("aten::") or (parent is not None and parent.name.startswith("aten::")):
-            continue  # operators called by the Python code itself, not by another operator
+            continue
         while parent is not None and ("stiefkv/" not in parent.name or "profile_serve_step" in parent.name):
             parent = parent.cpu_parent
-        site = parent.name.split("stiefkv/", 1)[-1] if parent is not None else "outside stiefkv"
-        sites[f"{site} {e.name}"] += 1
+        sites[parent.name.split("stiefkv/", 1)[-1] if parent is not None else "outside stiefkv", e.name] += 1
+    return sites
+
+
+def print_op_sites(forward, rows: int) -> None:
+    """The lines of stiefkv whose operators one forward calls most often: where a host-bound prefill's
+    launches come from (``--op-sites``)."""
+    sites = {f"{site} {op}": n for (site, op), n in operator_sites(forward).items()}
     print(f"    {sum(sites.values())} operators called from Python; the most frequent sites:", flush=True)
     for site, n in sorted(sites.items(), key=lambda kv: -kv[1])[:rows]:
         print(f"    {n:6d}×  {site}", flush=True)
