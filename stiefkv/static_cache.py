@@ -66,7 +66,7 @@ def _writes_by_kernel(device: torch.device, backend: str) -> bool:
     return device.type == "cuda" and kernels.triton_available()
 
 
-def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor, ring: tuple[int, int] | None = None,
+def _quantize_into(store, z: torch.Tensor, slots: torch.Tensor | None, ring: tuple[int, int] | None = None,
                    first: int = 0) -> None:
     """``z``'s tokens quantized into the store at ``slots``; ``ring``: decode's one slot, whose token (or,
     for ``channel``, group) is read from the ring. A prefill chunk's channel groups are whole groups at
@@ -219,8 +219,11 @@ class WindowedCodes:
         exact = torch.cat([before, chunk], 2)  # tokens held … start + n − 1
         self.tail = (exact, held)
         if due > held:
-            slots = torch.arange(held, due, device=device)
-            if _fused_write(self.spec, device, self.backend):
+            fused = _fused_write(self.spec, device, self.backend)
+            # the channel kernel takes the host's first slot; the token kernel and PyTorch a slot a token
+            channel = fused and self.spec.layout == "channel"
+            slots = None if channel else torch.arange(held, due, device=device)
+            if fused:
                 _quantize_into(self, exact[:, :, : due - held], slots, first=held)
             else:
                 self._store(slots, quantize(exact[:, :, : due - held], self.spec))

@@ -620,6 +620,45 @@ def test_quantize_on_write_kernel_fills_the_buffers_as_pytorch(specs, monkeypatc
     assert bool(window8) == any("w8" in spec for spec in specs)
 
 
+@pytest.mark.parametrize("spec", ["int3-channel-r16", "int2-channel-w8", "int4-channel-r5-w8",
+                                  "int4-token-r16-w8"])
+def test_windowed_store_writes_by_kernel_as_pytorch(spec, monkeypatch):
+    """A windowed store alone (no model): prefill chunks of 100, 70, 120 and 10 tokens (channel groups due
+    with none held, then from slot 64 and 128 on, two in one chunk) and 36 decode steps (a group due from the
+    ring in each, an int8 window's among them), a NaN in one chunk: the kernel writes (the interpreter here)
+    leave every code, scale, low and ring byte the PyTorch writes leave."""
+    import stiefkv.static_cache as sc
+    from stiefkv.quant import QuantSpec
+
+    pytest.importorskip("triton")
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    quant = QuantSpec.parse(spec)
+    g = torch.Generator().manual_seed(5)
+    B, G, r, chunks, steps = 2, 3, 40, (100, 70, 120, 10), 36
+    tokens = torch.randn(B, G, sum(chunks) + steps, r, generator=g) * torch.logspace(-2, 1, r)
+    tokens[1, 2, 130, 7] = float("nan")  # in the second chunk: its group's scale and low NaN, codes 0
+    tokens = tokens.to(device)
+    stores = []
+    for fused in (False, True):
+        monkeypatch.setattr(sc, "FUSED_WRITES", fused)
+        store = sc.WindowedCodes(quant, B, G, 400, r, torch.float32, device)
+        start = 0
+        for n in chunks:
+            store.write_many(start, tokens[:, :, start:start + n])
+            start += n
+        for slot in range(start, start + steps):
+            store.write_one(torch.tensor([slot], device=device), tokens[:, :, slot:slot + 1])
+        stores.append(store)
+    plain, fused = stores
+    assert quantized_length(sum(chunks) + steps, quant) > quantized_length(sum(chunks), quant)
+    for name in ("codes", "scale", "low", "ring"):
+        x, y = getattr(plain, name), getattr(fused, name)
+        if x is None:
+            continue
+        assert torch.equal(x.isnan(), y.isnan()), name
+        assert torch.equal(x.nan_to_num(0.0), y.nan_to_num(0.0)), name
+
+
 @pytest.mark.parametrize("specs", WINDOWED[:1], ids=lambda s: "_".join(s))
 def test_generate_with_any_layout_matches_transformers(specs):
     model = windowed_served(*specs)
