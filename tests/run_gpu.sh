@@ -16,4 +16,4 @@ python3 -c "import torch, triton, transformers; print(torch.__version__, triton.
   | tee -a "$LOG"
 python3 -m pytest -q -ra -p no:cacheprovider "${workers[@]}" --durations=15 tests/test_streamkl.py \
   tests/test_lowrank_kernel.py tests/test_kernels_api.py tests/test_inference.py tests/test_cache.py tests/test_serve.py \
-  tests/test_architecture.py tests/test_quant.py 2>&1 | tee -a "$LOG"
+  tests/test_architecture.py tests/test_quant.py tests/test_band_kernel.py 2>&1 | tee -a "$LOG"

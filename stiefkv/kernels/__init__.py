@@ -244,10 +244,12 @@ def _band_splits(q, z_k, z_v, exact: ExactTail, kwargs: dict) -> bool:
 
 def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, positions, bias, lengths,
                     causal, **kwargs) -> torch.Tensor:
-    """Attention with an exact band as two parts merged by their log-sum-exp: the keys below the band, which
-    every query reads as stored and sees (the band starts at or before the first query), in the kernel
-    with ``causal=False``; the band, with each query's exact keys, in the reference. The reference's cost
-    then grows with the band (a prefill chunk and the exact window), not with every key held."""
+    """Attention with an exact band in two parts: the keys below the band, which every query reads as
+    stored and sees (the band starts at or before the first query), in the kernel with ``causal=False``;
+    the band, with each query's exact keys, in one launch of :func:`band.band_attention` (the reference
+    where Triton's head dims do not fit it). With a latent output (``P_v=None``) the kernel below continues
+    the band's softmax (``prior=``); otherwise the two merge by their log-sum-exp. Either part's cost then
+    grows with the band (a prefill chunk and the exact window), not with every key held."""
     band = exact.z_k.shape[2]
     cut = z_k.shape[2] - band
     below_lengths = band_lengths = None
@@ -258,14 +260,23 @@ def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, po
     def part(t, lo, hi):
         return None if t is None else t[..., lo:hi]
 
-    kwargs["return_lse"] = True
-    o1, l1 = lowrank_attention(q, z_k[:, :, :cut], z_v[:, :, :cut], P_k, P_v,
-                               positions=part(positions, 0, cut), bias=part(bias, 0, cut),
-                               lengths=below_lengths, causal=False, backend=backend, **kwargs)
     shifted = ExactTail(exact.z_k, exact.z_v, exact.key_from - cut, exact.value_from - cut)
-    o2, l2 = lowrank_attention_reference(q, z_k[:, :, cut:], z_v[:, :, cut:], P_k, P_v, exact=shifted,
-                                         positions=part(positions, cut, None), bias=part(bias, cut, None),
-                                         lengths=band_lengths, causal=causal, **kwargs)
+    band_args = dict(key_mode=kwargs["key_mode"], positions=part(positions, cut, None), rope=kwargs["rope"],
+                     bias=part(bias, cut, None), lengths=band_lengths, causal=causal, scale=kwargs["scale"])
+    z_k_band, z_v_band = z_k[:, :, cut:], z_v[:, :, cut:]
+    d = q.shape[3]
+    if d % 32 == 0 and d & (d - 1) == 0 and backend != "reference":
+        from .band import band_attention
+
+        o2, l2 = band_attention(q, z_k_band, z_v_band, shifted, P_k, P_v, **band_args)
+    else:
+        o2, l2 = lowrank_attention_reference(q, z_k_band, z_v_band, P_k, P_v, exact=shifted,
+                                             return_lse=True, **band_args)
+    below = dict(kwargs, positions=part(positions, 0, cut), bias=part(bias, 0, cut), lengths=below_lengths,
+                 causal=False, backend=backend)
+    if P_v is None:
+        return lowrank_attention(q, z_k[:, :, :cut], z_v[:, :, :cut], P_k, P_v, prior=(o2, l2), **below)
+    o1, l1 = lowrank_attention(q, z_k[:, :, :cut], z_v[:, :, :cut], P_k, P_v, **dict(below, return_lse=True))
     return merge_by_lse(o1, l1, o2, l2, q.dtype)
 
 

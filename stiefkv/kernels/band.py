@@ -1,0 +1,269 @@
+"""The exact band of a prefill forward over quantized latents, in one Triton launch.
+
+A cache that quantizes a token only once newer tokens have arrived shows each query its own recent keys
+exact (:class:`~stiefkv.kernels._common.ExactTail`). Below the band every query reads the keys as stored,
+and :func:`stiefkv.kernels.lowrank.lowrank_attention` takes them; inside it, which version of key ``j``
+query ``i`` reads moves with the query: the exact one where ``j ≥ key_from[i]`` (the values:
+``value_from[i]``), the stored one below. This kernel attends each query to the band with both versions at
+hand: per key tile it forms the logits from the stored and from the exact latents (``pre_rope``: both keys
+rebuilt as ``P_k z`` and rotated at their position; ``post_rope``: against ``P_kᵀ q``), keeps the one the
+query reads, and accumulates ``p_stored · v_stored + p_exact · v_exact`` with ``p`` split where the query's
+exact values start. The band is a prefill chunk and the exact window (~150 keys at SmolLM2's serving
+shapes), so computing both versions costs little; it replaces the reference's ~110 PyTorch operators a
+layer (``reference._banded_attention`` and the rebuilt keys it needs) with one launch.
+
+It returns the band's output and log-sum-exp, which the caller merges with the keys below (the decode kernel
+continues its softmax from them: ``prior=``). Its PyTorch reference is
+:func:`stiefkv.kernels.reference.lowrank_attention` with ``exact=``; floats in, any of bf16, fp16 or fp32,
+computed in float32. Inference only.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from stiefkv.kernels._common import KEY_MODES, LOG2E, ExactTail, RopeSpec, interpreting, padded_dim
+from stiefkv.kernels.lowrank import _sincos
+
+_LOG2E = tl.constexpr(LOG2E)
+_LN2 = tl.constexpr(0.6931471805599453)
+BLOCK_M = 32  # queries a program: the band is short, so small tiles keep both key versions in registers
+BLOCK_N = 32  # band keys a step
+
+
+@triton.jit
+def _latent_tile(Z, offs_n, n_keys, stride_n, stride_r, R: tl.constexpr, R_P2: tl.constexpr):
+    """``[BLOCK_N, R_P2]`` float32 latents of keys ``offs_n`` (0 past ``n_keys`` and past rank ``R``)."""
+    offs_r = tl.arange(0, R_P2)
+    mask = (offs_n < n_keys)[:, None] & (offs_r < R)[None, :]
+    ptrs = Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r
+    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _basis_rows(P, first, stride_pd, stride_pr, ROWS: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr):
+    """Rows ``first … first + ROWS`` of one KV head's basis ``[d, r]``, float32, zero past rank ``R``."""
+    offs_d = first + tl.arange(0, ROWS)
+    offs_r = tl.arange(0, R_P2)
+    ptrs = P + offs_d[:, None] * stride_pd + offs_r[None, :] * stride_pr
+    return tl.load(ptrs, mask=(offs_r < R)[None, :], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF: tl.constexpr, R: tl.constexpr,
+                        R_P2: tl.constexpr):
+    """``q · rot(P z)`` ``[BLOCK_M, BLOCK_N]``: the keys rebuilt from latents ``z`` ``[BLOCK_N, R_P2]`` in
+    halves and rotated by ``cos, sin`` ``[BLOCK_N, d/2]`` (transformers' ``rotate_half`` convention)."""
+    p1 = _basis_rows(P, 0, stride_pd, stride_pr, HALF, R, R_P2)
+    p2 = _basis_rows(P, HALF, stride_pd, stride_pr, HALF, R, R_P2)
+    a1 = tl.dot(z, tl.trans(p1), input_precision="ieee")  # [BLOCK_N, d/2]
+    a2 = tl.dot(z, tl.trans(p2), input_precision="ieee")
+    k1 = a1 * cos - a2 * sin
+    k2 = a2 * cos + a1 * sin
+    s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
+    return tl.dot(q2, tl.trans(k2), s, input_precision="ieee")
+
+
+@triton.jit
+def _band_fwd(
+    Q, ZK, ZV, EK, EV, KEY_FROM, VALUE_FROM, PK, PV, POS, INV_FREQ, BIAS, LENGTHS, OUT, LSE,
+    n_q, n_k, heads, group, sm_scale, rope_scaling,
+    stride_qb, stride_qh, stride_qn, stride_qd,
+    stride_zkb, stride_zkg, stride_zkn, stride_zkr, stride_zvb, stride_zvg, stride_zvn, stride_zvr,
+    stride_ekb, stride_ekg, stride_ekn, stride_ekr, stride_evb, stride_evg, stride_evn, stride_evr,
+    stride_pkg, stride_pkd, stride_pkr, stride_pvg, stride_pvd, stride_pvr,
+    stride_posb, stride_posg, stride_posn, stride_bb, stride_bg, stride_bn,
+    stride_ob, stride_oh, stride_on, stride_od, stride_lb, stride_lh,
+    HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_ROPE: tl.constexpr, CAUSAL: tl.constexpr,
+    HAS_BIAS: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PV: tl.constexpr,
+):
+    """One program: ``BLOCK_M`` queries of one (batch row, query head) over the whole band."""
+    pid_m = tl.program_id(0)
+    pid_bh = tl.program_id(1)
+    b = pid_bh // heads
+    h = pid_bh % heads
+    g = h // group
+    b64, h64, g64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < n_q
+    HALF: tl.constexpr = HEAD_DIM // 2
+    q_rows = Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qn
+    key_from = tl.load(KEY_FROM + offs_m, mask=row_ok, other=0)
+    value_from = tl.load(VALUE_FROM + offs_m, mask=row_ok, other=0)
+    ZK += b64 * stride_zkb + g64 * stride_zkg
+    ZV += b64 * stride_zvb + g64 * stride_zvg
+    EK += b64 * stride_ekb + g64 * stride_ekg
+    EV += b64 * stride_evb + g64 * stride_evg
+    PK += g64 * stride_pkg
+    if PRE_ROPE:
+        offs_h = tl.arange(0, HALF)
+        q1 = tl.load(q_rows + offs_h[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        q2 = tl.load(q_rows + (HALF + offs_h)[None, :] * stride_qd, mask=row_ok[:, None],
+                     other=0.0).to(tl.float32)
+        inv_freq = tl.load(INV_FREQ + offs_h).to(tl.float32)
+        POS += b64 * stride_posb + g64 * stride_posg
+    else:  # post_rope: logits in r_k dimensions against P_kᵀ q
+        offs_d = tl.arange(0, HEAD_DIM)
+        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
+        qp = tl.dot(q, _basis_rows(PK, 0, stride_pkd, stride_pkr, HEAD_DIM, R_K, R_K_P2),
+                    input_precision="ieee")  # [BLOCK_M, R_K_P2]
+    first_real = 0
+    if HAS_LENGTHS:  # left padding: a row's real keys are its last lengths[b]
+        first_real = n_k - tl.load(LENGTHS + b)
+    end = n_k
+    if CAUSAL:  # query i sits at key n_k − n_q + i
+        end = tl.minimum(n_k, n_k - n_q + pid_m * BLOCK_M + BLOCK_M)
+    acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
+    qk_scale = sm_scale * _LOG2E
+    for start in range(0, end, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        zk = _latent_tile(ZK, offs_n, n_k, stride_zkn, stride_zkr, R_K, R_K_P2)
+        ek = _latent_tile(EK, offs_n, n_k, stride_ekn, stride_ekr, R_K, R_K_P2)
+        if PRE_ROPE:
+            pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < n_k, other=0).to(tl.float32)
+            angle = pos[:, None] * inv_freq[None, :]
+            sin, cos = _sincos(angle)  # the decode kernel's polynomial: exact to ~1e-7 at any position
+            cos, sin = cos * rope_scaling, sin * rope_scaling
+            s_stored = _rotated_key_logits(q1, q2, zk, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
+                                           R_K_P2)
+            s_exact = _rotated_key_logits(q1, q2, ek, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
+                                          R_K_P2)
+        else:
+            s_stored = tl.dot(qp, tl.trans(zk), input_precision="ieee")
+            s_exact = tl.dot(qp, tl.trans(ek), input_precision="ieee")
+        s = tl.where(offs_n[None, :] >= key_from[:, None], s_exact, s_stored) * qk_scale
+        if HAS_BIAS:
+            bias = tl.load(BIAS + b64 * stride_bb + g64 * stride_bg + offs_n * stride_bn, mask=offs_n < n_k,
+                           other=0.0)
+            s += bias.to(tl.float32)[None, :] * _LOG2E
+        visible = ((offs_n < n_k) & (offs_n >= first_real))[None, :]
+        if CAUSAL:
+            visible = visible & (offs_n[None, :] <= (n_k - n_q + offs_m)[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        p_exact = tl.where(offs_n[None, :] >= value_from[:, None], p, 0.0)
+        zv = _latent_tile(ZV, offs_n, n_k, stride_zvn, stride_zvr, R_V, R_V_P2)
+        ev = _latent_tile(EV, offs_n, n_k, stride_evn, stride_evr, R_V, R_V_P2)
+        acc = tl.dot(p - p_exact, zv, acc * alpha[:, None], input_precision="ieee")
+        acc = tl.dot(p_exact, ev, acc, input_precision="ieee")
+        m_i = m_new
+    seen = l_i > 0.0
+    o = acc / tl.where(seen, l_i, 1.0)[:, None]
+    lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
+    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + offs_m, lse, mask=row_ok)
+    o_rows = OUT + b64 * stride_ob + h64 * stride_oh + offs_m[:, None] * stride_on
+    if HAS_PV:
+        pv = _basis_rows(PV + g64 * stride_pvg, 0, stride_pvd, stride_pvr, HEAD_DIM, R_V, R_V_P2)
+        out = tl.dot(o, tl.trans(pv), input_precision="ieee")  # [BLOCK_M, d]
+        offs_d = tl.arange(0, HEAD_DIM)
+        tl.store(o_rows + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+    else:
+        offs_r = tl.arange(0, R_V_P2)
+        tl.store(o_rows + offs_r[None, :] * stride_od, o.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_r < R_V)[None, :])
+
+
+def band_attention(
+    q: torch.Tensor,
+    z_k: torch.Tensor,
+    z_v: torch.Tensor,
+    exact: ExactTail,
+    P_k: torch.Tensor,
+    P_v: torch.Tensor | None,
+    *,
+    key_mode: str,
+    positions: torch.Tensor | None = None,
+    rope: RopeSpec | None = None,
+    bias: torch.Tensor | None = None,
+    causal: bool = True,
+    lengths: torch.Tensor | None = None,
+    scale: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Attention of ``q`` ``[B, H, Nq, d]`` over a band of ``Ne`` keys held twice: stored (``z_k``, ``z_v``
+    ``[B, G, Ne, r]``, the codes dequantized) and exact (``exact.z_k``, ``exact.z_v``, the same shapes);
+    query ``i`` reads key ``j`` exact where ``j ≥ exact.key_from[i]`` (values: ``value_from[i]``), indices
+    within the band. ``positions`` ``[B, Ne]`` or ``[B, G, Ne]`` (``pre_rope``), ``bias`` ``[B, G, Ne]``,
+    ``lengths`` ``[B]`` (real keys at the end of each row) and ``causal`` (query ``i`` at key
+    ``Ne − Nq + i``) as :func:`stiefkv.kernels.lowrank_attention` has them.
+
+    Returns the output ``[B, H, Nq, d]`` (``[B, H, Nq, r_v]`` with ``P_v=None``) in ``q.dtype`` and each
+    row's log-sum-exp of the logits it read ``[B, H, Nq]`` (float32, −inf where it sees no key; its output
+    is then 0), as the reference's ``return_lse=True`` gives them.
+    """
+    if not q.is_cuda and not interpreting():
+        raise RuntimeError("the Triton band attention runs on CUDA tensors (or on the CPU under "
+                           "TRITON_INTERPRET=1); the reference takes the band elsewhere")
+    _check_band(q, z_k, z_v, exact, P_k, P_v, key_mode, positions, rope, bias, lengths)
+    B, H, Nq, d = q.shape
+    G, Ne, r_k = z_k.shape[1], z_k.shape[2], z_k.shape[3]
+    r_v = z_v.shape[3]
+    out = torch.empty(B, H, Nq, d if P_v is not None else r_v, device=q.device, dtype=q.dtype)
+    lse = torch.empty(B, H, Nq, device=q.device, dtype=torch.float32)
+    if B * H * Nq == 0:
+        return out, lse
+    pre = key_mode == "pre_rope"
+    key_from = exact.key_from.to(device=q.device, dtype=torch.int32)
+    value_from = exact.value_from.to(device=q.device, dtype=torch.int32)
+    pos = positions if pre else None
+    pos_strides = (0, 0, 0) if pos is None else (
+        (pos.stride(0), 0, pos.stride(1)) if pos.dim() == 2 else pos.stride())
+    inv_freq = rope.inv_freq.to(device=q.device, dtype=torch.float32).contiguous() if pre else None
+    bias_strides = (0, 0, 0) if bias is None else bias.stride()
+    pv_strides = (0, 0, 0) if P_v is None else P_v.stride()
+    ek, ev = exact.z_k, exact.z_v
+    grid = (triton.cdiv(Nq, BLOCK_M), B * H)
+    _band_fwd[grid](
+        q, z_k, z_v, ek, ev, key_from, value_from, P_k, P_v, pos, inv_freq, bias,
+        None if lengths is None else lengths.to(device=q.device, dtype=torch.int32), out, lse,
+        Nq, Ne, H, H // G, float(d**-0.5 if scale is None else scale),
+        float(rope.attention_scaling) if pre else 1.0,
+        *q.stride(), *z_k.stride(), *z_v.stride(), *ek.stride(), *ev.stride(), *P_k.stride(), *pv_strides,
+        *pos_strides, *bias_strides, *out.stride(), lse.stride(0), lse.stride(1),
+        HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=padded_dim(r_k), R_V_P2=padded_dim(r_v),
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRE_ROPE=pre, CAUSAL=causal, HAS_BIAS=bias is not None,
+        HAS_LENGTHS=lengths is not None, HAS_PV=P_v is not None,
+    )
+    return out, lse
+
+
+def _check_band(q, z_k, z_v, exact, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
+    """Refuse inputs the band kernel cannot read, naming the bad one."""
+    if key_mode not in KEY_MODES:
+        raise ValueError(f"key_mode must be one of {KEY_MODES}, got {key_mode!r}")
+    if q.dim() != 4 or not all(isinstance(t, torch.Tensor) and t.dim() == 4
+                               for t in (z_k, z_v, exact.z_k, exact.z_v)):
+        raise ValueError("band_attention takes 4-D float queries, stored latents and exact latents; got "
+                         f"{[tuple(getattr(t, 'shape', ())) for t in (q, z_k, z_v, exact.z_k, exact.z_v)]}")
+    B, H, Nq, d = q.shape
+    G, Ne = z_k.shape[1], z_k.shape[2]
+    if d % 32 or d & (d - 1):
+        raise ValueError(f"the band kernel needs a power-of-two head dim ≥ 32, got {d}; use the reference")
+    if H % G:
+        raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({G})")
+    if exact.z_k.shape != z_k.shape or exact.z_v.shape != z_v.shape or tuple(z_v.shape[:3]) != (B, G, Ne):
+        raise ValueError(f"the band's stored latents {tuple(z_k.shape)}, {tuple(z_v.shape)} and exact ones "
+                         f"{tuple(exact.z_k.shape)}, {tuple(exact.z_v.shape)} must be [B={B}, G, Ne, r] "
+                         "alike")
+    if tuple(P_k.shape) != (G, d, z_k.shape[3]) or (P_v is not None and
+                                                   tuple(P_v.shape) != (G, d, z_v.shape[3])):
+        raise ValueError(f"P_k {tuple(P_k.shape)} and P_v {tuple(getattr(P_v, 'shape', ()))} must be "
+                         f"[G={G}, d={d}, r]")
+    for name in ("key_from", "value_from"):
+        if tuple(getattr(exact, name).shape) != (Nq,):
+            raise ValueError(f"exact.{name} must be [Nq={Nq}], got {tuple(getattr(exact, name).shape)}")
+    if key_mode == "pre_rope" and (positions is None or rope is None or tuple(positions.shape) not in (
+            (B, Ne), (B, G, Ne)) or rope.inv_freq.numel() != d // 2):
+        raise ValueError(f"pre_rope needs positions [B={B}, Ne={Ne}] (or [B, G, Ne]) and a rope spec of "
+                         f"d/2={d // 2} frequencies; got {tuple(getattr(positions, 'shape', ()))}")
+    if bias is not None and tuple(bias.shape) != (B, G, Ne):
+        raise ValueError(f"bias must be [B={B}, G={G}, Ne={Ne}], got {tuple(bias.shape)}")
+    if lengths is not None and tuple(lengths.shape) != (B,):
+        raise ValueError(f"lengths must be [B={B}], got {tuple(lengths.shape)}")
