@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-from stiefkv.kernels.lowrank import _default_config, _num_sms, _token_int4, lowrank_attention
+from stiefkv.kernels.lowrank import _default_config, _num_sms, _token_int2, _token_int4, lowrank_attention
 
 H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
 # --heads: the attention shapes measured (query heads, KV heads, head dim, model width); rows of any but the
@@ -221,11 +221,11 @@ def sdpa_decode_ms(B: int, N: int) -> dict:
 
 
 def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv: bool = False,
-                   k_channel: bool = False) -> dict:
-    """The kernel's default for these inputs; ``nibbles_kv`` as :func:`_token_int4` finds the codes,
-    ``k_channel``: key codes in the channel layout."""
+                   k_channel: bool = False, int2_kv: bool = False) -> dict:
+    """The kernel's default for these inputs; ``nibbles_kv`` and ``int2_kv`` as :func:`_token_int4` and
+    :func:`_token_int2` find the codes, ``k_channel``: key codes in the channel layout."""
     cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits,
-                          nibbles_kv, k_channel)
+                          nibbles_kv, k_channel, int2_kv=int2_kv)
     keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if bits < 16 else ()) \
         + (("keys_left", "sincos_fadd") if mode == "pre_rope" else ())
     return {k: cfg[k] for k in keys}
@@ -375,7 +375,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                 for mode in modes:
                     default = default_config(B, N, mode, r, bits,
                                              _token_int4(xq["z_k"]) and _token_int4(xq["z_v"]),
-                                             channel_keys and bits < 16)
+                                             channel_keys and bits < 16,
+                                             _token_int2(xq["z_k"]) and _token_int2(xq["z_v"]))
                     # the sweep's "splits" multiply the rule's count, so the rule's own count is among them
                     # where the launch takes more (more programs an SM fit)
                     rule_splits = default["num_splits"]

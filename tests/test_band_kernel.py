@@ -3,8 +3,9 @@ stored and exact, against the reference's banded attention (``reference.lowrank_
 under the Triton interpreter on the CPU and compiled where CUDA is present.
 
 Tolerances: float32 1e-4 (the kernel's dots are IEEE float32, as the reference's einsums), bfloat16 1.6e-2
-and float16 4e-3 on the output, which both round once at the end; the log-sum-exp is float32 on both sides
-(1e-4 absolute, after inputs rounded to the dtype on both sides alike).
+and float16 4e-3 on the output; the log-sum-exp is float32 on both sides, but in 16 bits the kernel rounds
+its rebuilt keys and probabilities to the dtype for the tensor cores, as the decode kernel does, where the
+reference computes in float32: 2e-2 (bf16) and 2e-3 (fp16) there, 1e-4 in float32.
 """
 
 import pytest
@@ -19,6 +20,7 @@ from stiefkv.kernels.band import band_attention  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 TOL = {torch.float32: 1e-4, torch.bfloat16: 1.6e-2, torch.float16: 4e-3}
+LSE_TOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-3}  # 16-bit: rebuilt keys rounded
 
 # (B, H, G, Nq, Ne, d, r_k, r_v): odd sizes, GQA 1, 3 and 4, ranks that are not powers of two, a band as long
 # as the queries (the first chunk: the band holds every key) and one much longer (SmolLM2's chunk and window)
@@ -74,7 +76,8 @@ def check(q, z_k, z_v, exact, P_k, P_v, key_mode, kwargs, what):
     unseen = torch.isinf(ref_lse)
     assert torch.equal(torch.isinf(lse), unseen), f"{what}: rows with no key"
     assert bool((lse[unseen] < 0).all()), f"{what}: +inf log-sum-exp"
-    assert_close(lse[~unseen], ref_lse[~unseen], atol=1e-4, rtol=1e-5, what=f"{what}: log-sum-exp")
+    lse_tol = LSE_TOL[q.dtype]
+    assert_close(lse[~unseen], ref_lse[~unseen], atol=lse_tol, rtol=lse_tol, what=f"{what}: log-sum-exp")
     assert torch.equal(out[unseen], torch.zeros_like(out[unseen])), f"{what}: a row with no key is not 0"
     return out, lse
 

@@ -681,6 +681,38 @@ def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
     assert_close(fetched, expected, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, prefetch")
 
 
+@pytest.mark.parametrize("ranks", [(64, 64), (40, 50), (64, 30)])
+def test_int2_post_rope_takes_two_warps_and_twice_the_splits(ranks):
+    """``post_rope`` decode over int2 token-layout keys and values at a padded rank of 64 (both) runs 2 warps
+    on 128-key tiles with twice the rule's splits; ``pre_rope``, log8 scales, other ranks and int4 keep the
+    rule. The default call (700 keys, GQA 4, splits of 2× the rule) against the reference."""
+    r_k, r_v = ranks
+    rule = lk._default_config(2, 700, "post_rope", 2, 132, r_k, True, 2)
+    taken = lk._default_config(2, 700, "post_rope", 2, 132, r_k, True, 2, int2_kv=True)
+    assert rule["num_warps"] == 4 and (taken["num_warps"], taken["block_n"]) == (2, 128)
+    assert taken["num_splits"] == 2 * rule["num_splits"] and taken["planes"] and taken["prefetch"]
+    assert lk._default_config(2, 700, "pre_rope", 2, 132, r_k, True, 2, int2_kv=True)["num_warps"] == 4
+    args, kwargs = make_inputs(1, 8, 2, 1, 700, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    qk, qv = quantize_latents(z_k, 2), quantize_latents(z_v, 2)
+    both = all(lk.padded_dim(r) == 64 for r in ranks)
+    assert (lk._token_int2(qk) and lk._token_int2(qv)) == both  # what the call passes
+    from stiefkv.kernels import QuantizedLatents
+    from stiefkv.quant import QuantSpec, quantize
+
+    log8 = quantize(z_k.float().cpu(), QuantSpec(2, "token", log8=True))
+    assert not lk._token_int2(QuantizedLatents(log8.codes, log8.scale, log8.low, 2, log8.rank, log8=True))
+    assert not lk._token_int2(quantize_latents(z_k, 4))
+    launched = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs, return_config=True)
+    assert launched["num_warps"] == (2 if both else 4)
+    with torch.no_grad():
+        expected = reference(q, qk.dequantize(torch.bfloat16), qv.dequantize(torch.bfloat16), P_k, P_v,
+                             key_mode="post_rope", **kwargs)
+        out = lk.lowrank_attention(q, qk, qv, P_k, P_v, key_mode="post_rope", **kwargs)
+    atol, rtol = TOL[torch.bfloat16]
+    assert_close(out, expected, atol=atol, rtol=rtol, what=f"int2 post_rope r{r_k}/{r_v}, default")
+
+
 @pytest.mark.parametrize("bits,ranks,key_mode", [(4, (56, 48), "post_rope"), (4, (40, 72), "pre_rope"),
                                                   (8, (24, 40), "post_rope")])
 def test_late_values_decode_the_same_tile(bits, ranks, key_mode):

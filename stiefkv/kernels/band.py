@@ -29,70 +29,98 @@ from stiefkv.kernels.lowrank import _sincos
 
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
-BLOCK_M = 32  # queries a program: the band is short, so small tiles keep both key versions in registers
+BLOCK_M = 32  # rows (query, head of the GQA group) a program: small tiles keep both key versions in registers
 BLOCK_N = 32  # band keys a step
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @triton.jit
-def _latent_tile(Z, offs_n, n_keys, stride_n, stride_r, R: tl.constexpr, R_P2: tl.constexpr):
-    """``[BLOCK_N, R_P2]`` float32 latents of keys ``offs_n`` (0 past ``n_keys`` and past rank ``R``)."""
+def _dot(a, b, acc, F32: tl.constexpr):
+    """``a @ b + acc``: IEEE float32 for float32 inputs (the reference's precision) and under the
+    interpreter (which multiplies bf16 operands wrongly, triton 3.9; the operands are already rounded to
+    their dtype, so the products are the GPU's), else on the tensor cores in the inputs' 16-bit dtype with
+    float32 accumulation, as the decode kernel's dots are."""
+    if F32:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc)
+
+
+@triton.jit
+def _latent_tile(Z, offs_n, n_keys, stride_n, stride_r, R: tl.constexpr, R_P2: tl.constexpr,
+                 DTYPE: tl.constexpr):
+    """``[BLOCK_N, R_P2]`` latents of keys ``offs_n`` in ``DTYPE`` (0 past ``n_keys`` and past rank ``R``)."""
     offs_r = tl.arange(0, R_P2)
     mask = (offs_n < n_keys)[:, None] & (offs_r < R)[None, :]
     ptrs = Z + offs_n[:, None] * stride_n + offs_r[None, :] * stride_r
-    return tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=mask, other=0.0).to(DTYPE)
 
 
 @triton.jit
-def _basis_rows(P, first, stride_pd, stride_pr, ROWS: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr):
-    """Rows ``first … first + ROWS`` of one KV head's basis ``[d, r]``, float32, zero past rank ``R``."""
+def _basis_rows(P, first, stride_pd, stride_pr, ROWS: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr,
+                DTYPE: tl.constexpr):
+    """Rows ``first … first + ROWS`` of one KV head's basis ``[d, r]`` in ``DTYPE``, zero past rank ``R``."""
     offs_d = first + tl.arange(0, ROWS)
     offs_r = tl.arange(0, R_P2)
     ptrs = P + offs_d[:, None] * stride_pd + offs_r[None, :] * stride_pr
-    return tl.load(ptrs, mask=(offs_r < R)[None, :], other=0.0).to(tl.float32)
+    return tl.load(ptrs, mask=(offs_r < R)[None, :], other=0.0).to(DTYPE)
 
 
 @triton.jit
 def _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF: tl.constexpr, R: tl.constexpr,
-                        R_P2: tl.constexpr):
-    """``q · rot(P z)`` ``[BLOCK_M, BLOCK_N]``: the keys rebuilt from latents ``z`` ``[BLOCK_N, R_P2]`` in
-    halves and rotated by ``cos, sin`` ``[BLOCK_N, d/2]`` (transformers' ``rotate_half`` convention)."""
-    p1 = _basis_rows(P, 0, stride_pd, stride_pr, HALF, R, R_P2)
-    p2 = _basis_rows(P, HALF, stride_pd, stride_pr, HALF, R, R_P2)
-    a1 = tl.dot(z, tl.trans(p1), input_precision="ieee")  # [BLOCK_N, d/2]
-    a2 = tl.dot(z, tl.trans(p2), input_precision="ieee")
-    k1 = a1 * cos - a2 * sin
-    k2 = a2 * cos + a1 * sin
-    s = tl.dot(q1, tl.trans(k1), input_precision="ieee")
-    return tl.dot(q2, tl.trans(k2), s, input_precision="ieee")
+                        R_P2: tl.constexpr, DTYPE: tl.constexpr, F32: tl.constexpr):
+    """``q · rot(P z)`` ``[BLOCK_M, BLOCK_N]`` (float32): the keys rebuilt from latents ``z`` ``[BLOCK_N,
+    R_P2]`` in halves and rotated by ``cos, sin`` ``[BLOCK_N, d/2]`` (transformers' ``rotate_half``), in
+    float32, then met by the queries' halves ``q1, q2`` in ``DTYPE``."""
+    p1 = _basis_rows(P, 0, stride_pd, stride_pr, HALF, R, R_P2, DTYPE)
+    p2 = _basis_rows(P, HALF, stride_pd, stride_pr, HALF, R, R_P2, DTYPE)
+    zero = tl.zeros([z.shape[0], HALF], dtype=tl.float32)
+    a1 = _dot(z, tl.trans(p1), zero, F32)  # [BLOCK_N, d/2]
+    a2 = _dot(z, tl.trans(p2), zero, F32)
+    k1 = (a1 * cos - a2 * sin).to(DTYPE)
+    k2 = (a2 * cos + a1 * sin).to(DTYPE)
+    s = _dot(q1, tl.trans(k1), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), F32)
+    return _dot(q2, tl.trans(k2), s, F32)
 
 
 @triton.jit
 def _band_fwd(
     Q, ZK, ZV, EK, EV, KEY_FROM, VALUE_FROM, PK, PV, POS, INV_FREQ, BIAS, LENGTHS, OUT, LSE,
-    n_q, n_k, heads, group, sm_scale, rope_scaling,
+    n_q, n_k, group, sm_scale, rope_scaling,
     stride_qb, stride_qh, stride_qn, stride_qd,
     stride_zkb, stride_zkg, stride_zkn, stride_zkr, stride_zvb, stride_zvg, stride_zvn, stride_zvr,
     stride_ekb, stride_ekg, stride_ekn, stride_ekr, stride_evb, stride_evg, stride_evn, stride_evr,
     stride_pkg, stride_pkd, stride_pkr, stride_pvg, stride_pvd, stride_pvr,
     stride_posb, stride_posg, stride_posn, stride_bb, stride_bg, stride_bn,
     stride_ob, stride_oh, stride_on, stride_od, stride_lb, stride_lh,
-    HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr, R_V_P2: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_ROPE: tl.constexpr, CAUSAL: tl.constexpr,
-    HAS_BIAS: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PV: tl.constexpr,
+    kv_heads, HEAD_DIM: tl.constexpr, R_K: tl.constexpr, R_V: tl.constexpr, R_K_P2: tl.constexpr,
+    R_V_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, PRE_ROPE: tl.constexpr,
+    CAUSAL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_LENGTHS: tl.constexpr, HAS_PV: tl.constexpr,
+    DTYPE: tl.constexpr, UPCAST: tl.constexpr,
 ):
-    """One program: ``BLOCK_M`` queries of one (batch row, query head) over the whole band."""
+    """One program: ``BLOCK_M`` rows of one (batch row, KV head) over the whole band; row ``m`` is query
+    ``m // group`` of the group's head ``m % group``, so each key tile is rebuilt once for the GQA group. A
+    key tile computes the stored version's logits only where some row still reads stored keys in it, the
+    exact version's only where some row reads exact ones (most tiles below the diagonal need one)."""
+    F32: tl.constexpr = DTYPE == tl.float32 or UPCAST
     pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    b = pid_bh // heads
-    h = pid_bh % heads
-    g = h // group
-    b64, h64, g64 = b.to(tl.int64), h.to(tl.int64), g.to(tl.int64)
+    pid_bg = tl.program_id(1)
+    b = pid_bg // kv_heads
+    g = pid_bg % kv_heads
+    b64, g64 = b.to(tl.int64), g.to(tl.int64)
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = offs_m < n_q
+    row_ok = offs_m < n_q * group
+    q_idx = offs_m // group
+    head = (g * group + offs_m % group).to(tl.int64)
     HALF: tl.constexpr = HEAD_DIM // 2
-    q_rows = Q + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qn
-    key_from = tl.load(KEY_FROM + offs_m, mask=row_ok, other=0)
-    value_from = tl.load(VALUE_FROM + offs_m, mask=row_ok, other=0)
+    q_rows = Q + b64 * stride_qb + head * stride_qh + q_idx * stride_qn
+    key_from = tl.load(KEY_FROM + q_idx, mask=row_ok, other=0)
+    value_from = tl.load(VALUE_FROM + q_idx, mask=row_ok, other=0)
+    # the tile's range of starts: a key tile at n reads stored keys for some row iff n < max(from), exact
+    # ones iff n + BLOCK_N > min(from)
+    k_lo = tl.min(tl.where(row_ok, key_from, n_k), 0)
+    k_hi = tl.max(tl.where(row_ok, key_from, 0), 0)
+    v_lo = tl.min(tl.where(row_ok, value_from, n_k), 0)
+    v_hi = tl.max(tl.where(row_ok, value_from, 0), 0)
     ZK += b64 * stride_zkb + g64 * stride_zkg
     ZV += b64 * stride_zvb + g64 * stride_zvg
     EK += b64 * stride_ekb + g64 * stride_ekg
@@ -100,42 +128,49 @@ def _band_fwd(
     PK += g64 * stride_pkg
     if PRE_ROPE:
         offs_h = tl.arange(0, HALF)
-        q1 = tl.load(q_rows + offs_h[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        q2 = tl.load(q_rows + (HALF + offs_h)[None, :] * stride_qd, mask=row_ok[:, None],
-                     other=0.0).to(tl.float32)
+        q1 = tl.load(q_rows[:, None] + offs_h[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(DTYPE)
+        q2 = tl.load(q_rows[:, None] + (HALF + offs_h)[None, :] * stride_qd, mask=row_ok[:, None],
+                     other=0.0).to(DTYPE)
         inv_freq = tl.load(INV_FREQ + offs_h).to(tl.float32)
         POS += b64 * stride_posb + g64 * stride_posg
     else:  # post_rope: logits in r_k dimensions against P_kᵀ q
         offs_d = tl.arange(0, HEAD_DIM)
-        q = tl.load(q_rows + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(tl.float32)
-        qp = tl.dot(q, _basis_rows(PK, 0, stride_pkd, stride_pkr, HEAD_DIM, R_K, R_K_P2),
-                    input_precision="ieee")  # [BLOCK_M, R_K_P2]
+        q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(DTYPE)
+        qp = _dot(q, _basis_rows(PK, 0, stride_pkd, stride_pkr, HEAD_DIM, R_K, R_K_P2, DTYPE),
+                  tl.zeros([BLOCK_M, R_K_P2], dtype=tl.float32), F32).to(DTYPE)  # [BLOCK_M, R_K_P2]
     first_real = 0
     if HAS_LENGTHS:  # left padding: a row's real keys are its last lengths[b]
         first_real = n_k - tl.load(LENGTHS + b)
     end = n_k
     if CAUSAL:  # query i sits at key n_k − n_q + i
-        end = tl.minimum(n_k, n_k - n_q + pid_m * BLOCK_M + BLOCK_M)
+        last_query = tl.minimum(n_q - 1, (pid_m * BLOCK_M + BLOCK_M - 1) // group)
+        end = tl.minimum(n_k, n_k - n_q + last_query + 1)
     acc = tl.zeros([BLOCK_M, R_V_P2], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     m_i = tl.full([BLOCK_M], -1.0e30, dtype=tl.float32)
     qk_scale = sm_scale * _LOG2E
     for start in range(0, end, BLOCK_N):
         offs_n = start + tl.arange(0, BLOCK_N)
-        zk = _latent_tile(ZK, offs_n, n_k, stride_zkn, stride_zkr, R_K, R_K_P2)
-        ek = _latent_tile(EK, offs_n, n_k, stride_ekn, stride_ekr, R_K, R_K_P2)
         if PRE_ROPE:
             pos = tl.load(POS + offs_n * stride_posn, mask=offs_n < n_k, other=0).to(tl.float32)
-            angle = pos[:, None] * inv_freq[None, :]
-            sin, cos = _sincos(angle)  # the decode kernel's polynomial: exact to ~1e-7 at any position
+            sin, cos = _sincos(pos[:, None] * inv_freq[None, :])  # the decode kernel's polynomial: ~1e-7
             cos, sin = cos * rope_scaling, sin * rope_scaling
-            s_stored = _rotated_key_logits(q1, q2, zk, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
-                                           R_K_P2)
-            s_exact = _rotated_key_logits(q1, q2, ek, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
-                                          R_K_P2)
-        else:
-            s_stored = tl.dot(qp, tl.trans(zk), input_precision="ieee")
-            s_exact = tl.dot(qp, tl.trans(ek), input_precision="ieee")
+        s_stored = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        s_exact = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        if start < k_hi:
+            zk = _latent_tile(ZK, offs_n, n_k, stride_zkn, stride_zkr, R_K, R_K_P2, DTYPE)
+            if PRE_ROPE:
+                s_stored = _rotated_key_logits(q1, q2, zk, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
+                                               R_K_P2, DTYPE, F32)
+            else:
+                s_stored = _dot(qp, tl.trans(zk), s_stored, F32)
+        if start + BLOCK_N > k_lo:
+            ek = _latent_tile(EK, offs_n, n_k, stride_ekn, stride_ekr, R_K, R_K_P2, DTYPE)
+            if PRE_ROPE:
+                s_exact = _rotated_key_logits(q1, q2, ek, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
+                                              R_K_P2, DTYPE, F32)
+            else:
+                s_exact = _dot(qp, tl.trans(ek), s_exact, F32)
         s = tl.where(offs_n[None, :] >= key_from[:, None], s_exact, s_stored) * qk_scale
         if HAS_BIAS:
             bias = tl.load(BIAS + b64 * stride_bb + g64 * stride_bg + offs_n * stride_bn, mask=offs_n < n_k,
@@ -143,31 +178,35 @@ def _band_fwd(
             s += bias.to(tl.float32)[None, :] * _LOG2E
         visible = ((offs_n < n_k) & (offs_n >= first_real))[None, :]
         if CAUSAL:
-            visible = visible & (offs_n[None, :] <= (n_k - n_q + offs_m)[:, None])
+            visible = visible & (offs_n[None, :] <= (n_k - n_q + q_idx)[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
         p_exact = tl.where(offs_n[None, :] >= value_from[:, None], p, 0.0)
-        zv = _latent_tile(ZV, offs_n, n_k, stride_zvn, stride_zvr, R_V, R_V_P2)
-        ev = _latent_tile(EV, offs_n, n_k, stride_evn, stride_evr, R_V, R_V_P2)
-        acc = tl.dot(p - p_exact, zv, acc * alpha[:, None], input_precision="ieee")
-        acc = tl.dot(p_exact, ev, acc, input_precision="ieee")
+        if start < v_hi:
+            zv = _latent_tile(ZV, offs_n, n_k, stride_zvn, stride_zvr, R_V, R_V_P2, DTYPE)
+            acc = _dot((p - p_exact).to(DTYPE), zv, acc, F32)
+        if start + BLOCK_N > v_lo:
+            ev = _latent_tile(EV, offs_n, n_k, stride_evn, stride_evr, R_V, R_V_P2, DTYPE)
+            acc = _dot(p_exact.to(DTYPE), ev, acc, F32)
         m_i = m_new
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
     lse = tl.where(seen, (m_i + tl.log2(tl.where(seen, l_i, 1.0))) * _LN2, float("-inf"))
-    tl.store(LSE + b64 * stride_lb + h64 * stride_lh + offs_m, lse, mask=row_ok)
-    o_rows = OUT + b64 * stride_ob + h64 * stride_oh + offs_m[:, None] * stride_on
-    if HAS_PV:
-        pv = _basis_rows(PV + g64 * stride_pvg, 0, stride_pvd, stride_pvr, HEAD_DIM, R_V, R_V_P2)
+    tl.store(LSE + b64 * stride_lb + head * stride_lh + q_idx, lse, mask=row_ok)
+    o_rows = OUT + b64 * stride_ob + head * stride_oh + q_idx * stride_on
+    if HAS_PV:  # in float32: one small dot a program, and the output keeps the reference's precision
+        pv = _basis_rows(PV + g64 * stride_pvg, 0, stride_pvd, stride_pvr, HEAD_DIM, R_V, R_V_P2, tl.float32)
         out = tl.dot(o, tl.trans(pv), input_precision="ieee")  # [BLOCK_M, d]
         offs_d = tl.arange(0, HEAD_DIM)
-        tl.store(o_rows + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty), mask=row_ok[:, None])
+        tl.store(o_rows[:, None] + offs_d[None, :] * stride_od, out.to(OUT.dtype.element_ty),
+                 mask=row_ok[:, None])
     else:
         offs_r = tl.arange(0, R_V_P2)
-        tl.store(o_rows + offs_r[None, :] * stride_od, o.to(OUT.dtype.element_ty),
+        tl.store(o_rows[:, None] + offs_r[None, :] * stride_od, o.to(OUT.dtype.element_ty),
                  mask=row_ok[:, None] & (offs_r < R_V)[None, :])
 
 
@@ -219,17 +258,18 @@ def band_attention(
     bias_strides = (0, 0, 0) if bias is None else bias.stride()
     pv_strides = (0, 0, 0) if P_v is None else P_v.stride()
     ek, ev = exact.z_k, exact.z_v
-    grid = (triton.cdiv(Nq, BLOCK_M), B * H)
+    grid = (triton.cdiv(Nq * (H // G), BLOCK_M), B * G)
     _band_fwd[grid](
         q, z_k, z_v, ek, ev, key_from, value_from, P_k, P_v, pos, inv_freq, bias,
         None if lengths is None else lengths.to(device=q.device, dtype=torch.int32), out, lse,
-        Nq, Ne, H, H // G, float(d**-0.5 if scale is None else scale),
+        Nq, Ne, H // G, float(d**-0.5 if scale is None else scale),
         float(rope.attention_scaling) if pre else 1.0,
         *q.stride(), *z_k.stride(), *z_v.stride(), *ek.stride(), *ev.stride(), *P_k.stride(), *pv_strides,
-        *pos_strides, *bias_strides, *out.stride(), lse.stride(0), lse.stride(1),
+        *pos_strides, *bias_strides, *out.stride(), lse.stride(0), lse.stride(1), G,
         HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=padded_dim(r_k), R_V_P2=padded_dim(r_v),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRE_ROPE=pre, CAUSAL=causal, HAS_BIAS=bias is not None,
-        HAS_LENGTHS=lengths is not None, HAS_PV=P_v is not None,
+        HAS_LENGTHS=lengths is not None, HAS_PV=P_v is not None, DTYPE=_TL_DTYPES[q.dtype],
+        UPCAST=interpreting(),
     )
     return out, lse
 

@@ -1331,7 +1331,7 @@ def _occupancy_splits(args: tuple, cfg: dict, return_lse: bool, prior, n_sms: in
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
                     codes: bool = False, k_bits: int = 16, nibbles_kv: bool = False, k_channel: bool = False,
-                    left_padded: bool = False) -> dict:
+                    left_padded: bool = False, int2_kv: bool = False) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
     and splits each row's keys so that ``programs × splits`` stays at or just under two programs per SM, at
     ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
@@ -1382,7 +1382,12 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     four shapes, r 64, 1.0-8.0 % less time over bf16, int8, int4 and int2 latents (4×128k bf16 0.5058 →
     0.4651 ms), at r 32 0.7-15.1 % (bf16 0.4091 → 0.3473), int4 channel keys at r 112 1.5-2.9 %, int4 r 56
     at 45×32k 3.4 %; over int3 keys 1.4 % less (1×32k) to 1.6 % more (channel keys at 4×128k), so not there
-    (H100, 2026-12-06, third session)."""
+    (H100, 2026-12-06, third session). ``post_rope`` decode over int2 keys and values in the token layout at
+    a padded rank of 64 (``int2_kv``, :func:`_token_int2`) runs 2 warps a program on 128-key tiles with
+    twice the rule's splits (about four programs an SM instead of two): at r 64, SmolLM2's heads 32×8k
+    75.2 → 55.6 µs, Llama-3.2-1B's 8×16k 74.2 → 61.7, Llama-3-8B's 16×16k 146.8 → 126.1 and 4×128k 284.6 →
+    222.1 (H100, 2026-12-06, sixth session, the default and the candidate in the same runs). Not int4: 46.0
+    against 50.0 µs at SmolLM2's shapes but 94.9 against 90.2 and 168.0 against 162.3 at Llama-3-8B's."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if codes else 1)
@@ -1394,7 +1399,10 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
             block_n = 64  # per-element scale loads at 128 keys spill
         if wide:
             block_n = WIDE_NIBBLE_TILE
-        return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=4, num_stages=3,
+        warps = 4
+        if int2_kv and key_mode == "post_rope":
+            block_n, warps, splits = 128, 2, 2 * splits
+        return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=warps, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
                     keys_left=k_bits in (16, 4), pairs=codes, channel_rows=codes, planes=codes,
                     nibble_words=False, sincos_fadd=k_bits != 3,
@@ -1412,6 +1420,13 @@ def _token_int4(z) -> bool:
     under the interpreter), so those ranks keep the 128-key tile."""
     return (isinstance(z, QuantizedLatents) and z.bits == 4 and z.layout != "channel" and not z.log8
             and 32 <= padded_dim(z.shape[3]) <= 64)
+
+
+def _token_int2(z) -> bool:
+    """Whether ``z`` holds int2 codes in the token layout at a padded rank of 64 (min–max scales): the
+    latents the 2-warp ``post_rope`` decode (``int2_kv`` of :func:`_default_config`) was measured on."""
+    return (isinstance(z, QuantizedLatents) and z.bits == 2 and z.layout != "channel" and not z.log8
+            and padded_dim(z.shape[3]) == 64)
 
 
 def _word_rows(codes: torch.Tensor) -> bool:
@@ -1963,7 +1978,8 @@ def lowrank_attention(
     k_bits = z_k.bits if isinstance(z_k, QuantizedLatents) else 16
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes, k_bits,
                           _token_int4(z_k) and _token_int4(z_v),
-                          isinstance(z_k, QuantizedLatents) and z_k.layout == "channel", lengths is not None)
+                          isinstance(z_k, QuantizedLatents) and z_k.layout == "channel", lengths is not None,
+                          _token_int2(z_k) and _token_int2(z_v))
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
                          "sin/cos")
@@ -1995,8 +2011,10 @@ def lowrank_attention(
         prior = _check_prior(prior, q, r_v, z_v.shape[3], P_v)
     args = (q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid, scale)
     n_sms = _num_sms(q.device)
+    # the occupancy count was measured on 4-warp kernels; the 2-warp int2 loop takes its own doubled count
     if num_splits is None and n_rows <= DECODE_BLOCK_M and B * G <= n_sms and cfg["num_splits"] > 1 \
-            and (key_mode == "pre_rope" or codes) and q.is_cuda and not interpreting():
+            and (key_mode == "pre_rope" or codes) and cfg["num_warps"] == 4 and q.is_cuda \
+            and not interpreting():
         cfg["num_splits"] = _occupancy_splits(args, cfg, return_lse, prior, n_sms)
     if return_config:
         return cfg
