@@ -83,6 +83,19 @@ def _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF: tl.c
 
 
 @triton.jit
+def _version_logits(Z, offs_n, n_k, stride_n, stride_r, q1, q2, P, stride_pd, stride_pr, cos, sin,
+                    HALF: tl.constexpr, R: tl.constexpr, R_P2: tl.constexpr, DTYPE: tl.constexpr,
+                    F32: tl.constexpr, PRE_ROPE: tl.constexpr):
+    """One version's logits ``[BLOCK_M, BLOCK_N]`` (float32) over the key tile ``offs_n`` of latents ``Z``:
+    ``pre_rope`` the keys rebuilt and rotated (:func:`_rotated_key_logits`, queries' halves ``q1, q2``),
+    ``post_rope`` against the projected queries ``q1`` (``P_kᵀ q``)."""
+    z = _latent_tile(Z, offs_n, n_k, stride_n, stride_r, R, R_P2, DTYPE)
+    if PRE_ROPE:
+        return _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF, R, R_P2, DTYPE, F32)
+    return _dot(q1, tl.trans(z), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), F32)
+
+
+@triton.jit
 def _band_fwd(
     Q, ZK, ZV, EK, EV, KEY_FROM, VALUE_FROM, PK, PV, POS, INV_FREQ, BIAS, LENGTHS, OUT, LSE,
     n_q, n_k, group, sm_scale, rope_scaling,
@@ -133,11 +146,14 @@ def _band_fwd(
                      other=0.0).to(DTYPE)
         inv_freq = tl.load(INV_FREQ + offs_h).to(tl.float32)
         POS += b64 * stride_posb + g64 * stride_posg
-    else:  # post_rope: logits in r_k dimensions against P_kᵀ q
+    else:  # post_rope: logits in r_k dimensions against P_kᵀ q (q1)
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(DTYPE)
-        qp = _dot(q, _basis_rows(PK, 0, stride_pkd, stride_pkr, HEAD_DIM, R_K, R_K_P2, DTYPE),
+        q1 = _dot(q, _basis_rows(PK, 0, stride_pkd, stride_pkr, HEAD_DIM, R_K, R_K_P2, DTYPE),
                   tl.zeros([BLOCK_M, R_K_P2], dtype=tl.float32), F32).to(DTYPE)  # [BLOCK_M, R_K_P2]
+        q2 = q1
+        cos = 0.0  # no rotation: unread
+        sin = 0.0
     first_real = 0
     if HAS_LENGTHS:  # left padding: a row's real keys are its last lengths[b]
         first_real = n_k - tl.load(LENGTHS + b)
@@ -158,19 +174,11 @@ def _band_fwd(
         s_stored = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         s_exact = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         if start < k_hi:
-            zk = _latent_tile(ZK, offs_n, n_k, stride_zkn, stride_zkr, R_K, R_K_P2, DTYPE)
-            if PRE_ROPE:
-                s_stored = _rotated_key_logits(q1, q2, zk, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
-                                               R_K_P2, DTYPE, F32)
-            else:
-                s_stored = _dot(qp, tl.trans(zk), s_stored, F32)
+            s_stored = _version_logits(ZK, offs_n, n_k, stride_zkn, stride_zkr, q1, q2, PK, stride_pkd,
+                                       stride_pkr, cos, sin, HALF, R_K, R_K_P2, DTYPE, F32, PRE_ROPE)
         if start + BLOCK_N > k_lo:
-            ek = _latent_tile(EK, offs_n, n_k, stride_ekn, stride_ekr, R_K, R_K_P2, DTYPE)
-            if PRE_ROPE:
-                s_exact = _rotated_key_logits(q1, q2, ek, PK, stride_pkd, stride_pkr, cos, sin, HALF, R_K,
-                                              R_K_P2, DTYPE, F32)
-            else:
-                s_exact = _dot(qp, tl.trans(ek), s_exact, F32)
+            s_exact = _version_logits(EK, offs_n, n_k, stride_ekn, stride_ekr, q1, q2, PK, stride_pkd,
+                                      stride_pkr, cos, sin, HALF, R_K, R_K_P2, DTYPE, F32, PRE_ROPE)
         s = tl.where(offs_n[None, :] >= key_from[:, None], s_exact, s_stored) * qk_scale
         if HAS_BIAS:
             bias = tl.load(BIAS + b64 * stride_bb + g64 * stride_bg + offs_n * stride_bn, mask=offs_n < n_k,
