@@ -21,7 +21,7 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import LatentCache, lengths_from_mask
 from stiefkv.kernels import CodesAndBand, QuantizedLatents
-from stiefkv.kernels._common import KERNEL_BITS, dequantized
+from stiefkv.kernels._common import KERNEL_BITS, dequantized, interpreting
 from stiefkv.models import decoder_layers
 from stiefkv.quant import (
     GROUP,
@@ -409,6 +409,15 @@ def _codes_and_band(store, filled: torch.Tensor, dtype: torch.dtype, split: int,
     them."""
     codes = store.latents()
     first = split if store.spec.layout == "token" else split // GROUP * GROUP  # whole channel groups
+    if isinstance(store, WindowedCodes) and (codes.codes.device.type == "cuda" or interpreting()):
+        # one launch for the dequantization and the ring's exact tokens laid over it: ~25 PyTorch operators
+        # a store and forward otherwise (count_prefill_ops.py)
+        from stiefkv.kernels.dequantize import dequantize_at
+
+        slots = torch.arange(first, upto, device=codes.codes.device)
+        band = dequantize_at(codes, slots, dtype, ring=store.ring, newest=slots,
+                             first_exact=quantized_length(filled, store.spec).reshape(1))
+        return CodesAndBand(codes.tokens(0, split), band[:, :, split - first:])
     band = dequantized(codes.tokens(first, upto), dtype)
     if isinstance(store, WindowedCodes):
         store._lay_exact(band, first, filled, upto)
