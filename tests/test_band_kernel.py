@@ -158,3 +158,59 @@ def test_bad_band_inputs_are_named():
                        **dict(kwargs, rope=None))
     with pytest.raises(ValueError, match="pre_rope needs positions"):
         band_attention(q, z_k, z_v, exact, P_k, P_v, key_mode="pre_rope", **dict(kwargs, positions=None))
+
+
+COMPILE = """
+import torch, triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stiefkv.kernels import band
+
+def case(dtype, pre, pv, bias, lengths, causal, d, r_k, r_v):
+    t = {torch.bfloat16: "*bf16", torch.float32: "*fp32"}[dtype]
+    types = dict(Q=t, ZK=t, ZV=t, EK=t, EV=t, OUT=t, KEY_FROM="*i32", VALUE_FROM="*i32", PK="*fp32",
+                 PV="*fp32", POS="*i64", INV_FREQ="*fp32", BIAS="*fp32", LENGTHS="*i32", LSE="*fp32",
+                 sm_scale="fp32", rope_scaling="fp32")
+    consts = dict(HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=triton.next_power_of_2(r_k),
+                  R_V_P2=triton.next_power_of_2(r_v), BLOCK_M=band.BLOCK_M, BLOCK_N=band.BLOCK_N,
+                  PRE_ROPE=pre, CAUSAL=causal, HAS_BIAS=bias, HAS_LENGTHS=lengths, HAS_PV=pv,
+                  DTYPE=band._TL_DTYPES[dtype], UPCAST=False)
+    for name, kept in (("PV", pv), ("POS", pre), ("INV_FREQ", pre), ("BIAS", bias), ("LENGTHS", lengths)):
+        if not kept:
+            consts[name] = None
+    names = band._band_fwd.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    constexprs = {(names.index(k),): v for k, v in consts.items()}
+    src = ASTSource(fn=band._band_fwd, signature=sig, constexprs=constexprs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    assert kernel.asm["cubin"], "no cubin"
+
+case(torch.bfloat16, True, False, False, False, True, 64, 64, 64)
+case(torch.bfloat16, False, False, False, False, True, 64, 23, 19)
+case(torch.bfloat16, True, True, True, True, True, 128, 56, 40)
+case(torch.float32, False, True, False, True, False, 32, 16, 16)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CUDA compiles and runs the kernel in the tests above")
+def test_band_kernel_compiles_for_the_gpu():
+    """Without a GPU, the kernel compiled to an sm_90 cubin by Triton's own compiler and ptxas (both key
+    modes, both outputs, bias, padding, not causal, bf16 and fp32): the interpreter runs neither the
+    compiler's type checks nor its tracing of code after a constexpr-if return, which let a post_rope dot
+    reach the pre_rope kernel (found this way, 2026-12-06). A fresh cache directory, so it really compiles."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache
+        done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True,
+                              timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -90,9 +90,13 @@ def _version_logits(Z, offs_n, n_k, stride_n, stride_r, q1, q2, P, stride_pd, st
     ``pre_rope`` the keys rebuilt and rotated (:func:`_rotated_key_logits`, queries' halves ``q1, q2``),
     ``post_rope`` against the projected queries ``q1`` (``P_kᵀ q``)."""
     z = _latent_tile(Z, offs_n, n_k, stride_n, stride_r, R, R_P2, DTYPE)
+    # if and else, not an early return: the compiler traces what follows a constexpr return (the
+    # interpreter does not), and the other mode's dot does not type-check
     if PRE_ROPE:
-        return _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF, R, R_P2, DTYPE, F32)
-    return _dot(q1, tl.trans(z), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), F32)
+        s = _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF, R, R_P2, DTYPE, F32)
+    else:
+        s = _dot(q1, tl.trans(z), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), F32)
+    return s
 
 
 @triton.jit
