@@ -182,7 +182,7 @@ def case(dtype, pre, pv, bias, lengths, causal, d, r_k, r_v):
     sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
     constexprs = {(names.index(k),): v for k, v in consts.items()}
     src = ASTSource(fn=band._band_fwd, signature=sig, constexprs=constexprs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": band.NUM_WARPS})
     assert kernel.asm["cubin"], "no cubin"
 
 case(torch.bfloat16, True, False, False, False, True, 64, 64, 64)

@@ -31,6 +31,10 @@ _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
 BLOCK_M = 32  # rows (query, head of the GQA group) a program: small tiles keep both key versions in registers
 BLOCK_N = 32  # band keys a step
+# 8 warps: ptxas's spills for an sm_90 cubin (triton 3.9, bf16, 32×32 tiles), not yet timed: at d 64, r 64
+# pre_rope 644 bytes of spill stores with 4 warps, 48 with 8; post_rope 124 and 0; at d 128, r 64 pre_rope
+# 1040 and 112 (16-row or 16-key tiles at 4 warps spilled more than 8 warps at 32)
+NUM_WARPS = 8
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -281,7 +285,7 @@ def band_attention(
         HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=padded_dim(r_k), R_V_P2=padded_dim(r_v),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRE_ROPE=pre, CAUSAL=causal, HAS_BIAS=bias is not None,
         HAS_LENGTHS=lengths is not None, HAS_PV=P_v is not None, DTYPE=_TL_DTYPES[q.dtype],
-        UPCAST=interpreting(),
+        UPCAST=interpreting(), num_warps=NUM_WARPS,
     )
     return out, lse
 
