@@ -118,6 +118,36 @@ def test_band_not_causal_with_starts_anywhere(key_mode):
     check(q, z_k, z_v, exact, P_k, P_v, key_mode, kwargs, f"{key_mode} not causal")
 
 
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_band_reads_views_as_the_prefill_hands_them(key_mode):
+    """Every input a view, as ``_below_and_band`` slices them from the cache: latents cut from wider buffers
+    along the keys and the rank, positions and bias sliced per KV head, and int32 starts read at a stride
+    of 2 (``.to(torch.int32)`` hands such a view through unchanged)."""
+    B, H, G, Nq, Ne, d, r = 2, 6, 3, 13, 40, 64, 21
+    q, z_k, z_v, exact, P_k, P_v, kwargs = band_inputs(B, H, G, Nq, Ne, d, r, r, torch.float32,
+                                                       per_head_positions=True, lengths=[40, 25], bias=True)
+
+    def widened(t):  # the same values inside a buffer with more keys and channels: a strided view
+        wide = torch.randn(B, G, Ne + 9, r + 5, device=DEVICE)
+        wide[:, :, 9:, 2: r + 2] = t
+        return wide[:, :, 9:, 2: r + 2]
+
+    def strided(t):
+        wide = torch.zeros(2 * t.numel(), dtype=torch.int32, device=DEVICE)
+        wide[::2] = t.to(torch.int32)
+        return wide[::2]
+
+    views = ExactTail(widened(exact.z_k), widened(exact.z_v), strided(exact.key_from),
+                      strided(exact.value_from))
+    pos = torch.zeros(B, G, Ne + 7, dtype=torch.long, device=DEVICE)
+    pos[..., 7:] = kwargs["positions"]
+    bias = torch.zeros(B, G, Ne + 7, device=DEVICE)
+    bias[..., 7:] = kwargs["bias"]
+    sliced = dict(kwargs, positions=pos[..., 7:], bias=bias[..., 7:])
+    assert not any(t.is_contiguous() for t in (*views, sliced["positions"], sliced["bias"]))
+    check(q, widened(z_k), widened(z_v), views, P_k, None, key_mode, sliced, f"{key_mode} views")
+
+
 def test_the_exact_latents_are_read_where_the_band_says():
     """Stored and exact latents far apart (a sign flip): a kernel that read the wrong version at any key
     moves the output far beyond the tolerance, so the comparison above cannot pass by the two being close."""
@@ -153,9 +183,11 @@ def test_bad_band_inputs_are_named():
     with pytest.raises(ValueError, match="key_from must be"):
         band_attention(q, z_k, z_v, exact._replace(key_from=exact.key_from[1:]), P_k, P_v,
                        key_mode="pre_rope", **kwargs)
-    with pytest.raises(ValueError, match="power-of-two head dim"):
+    with pytest.raises(ValueError, match="power-of-two head dim of 32 to 128"):
         band_attention(q[..., :24], z_k, z_v, exact, P_k[:, :24], P_v[:, :24], key_mode="post_rope",
                        **dict(kwargs, rope=None))
+    with pytest.raises(ValueError, match="bf16, fp16 or fp32"):
+        band_attention(q.double(), z_k, z_v, exact, P_k, P_v, key_mode="post_rope", **kwargs)
     with pytest.raises(ValueError, match="pre_rope needs positions"):
         band_attention(q, z_k, z_v, exact, P_k, P_v, key_mode="pre_rope", **dict(kwargs, positions=None))
 

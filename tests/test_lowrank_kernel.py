@@ -692,6 +692,9 @@ def test_int2_post_rope_takes_two_warps_and_twice_the_splits(ranks):
     assert rule["num_warps"] == 4 and (taken["num_warps"], taken["block_n"]) == (2, 128)
     assert taken["num_splits"] == 2 * rule["num_splits"] and taken["planes"] and taken["prefetch"]
     assert lk._default_config(2, 700, "pre_rope", 2, 132, r_k, True, 2, int2_kv=True)["num_warps"] == 4
+    # where the rule gives one split (two programs an SM and more), not measured: the rule stays
+    many = lk._default_config(2, 700, "post_rope", 264, 132, r_k, True, 2, int2_kv=True)
+    assert many["num_splits"] == 1 and many["num_warps"] == 4
     args, kwargs = make_inputs(1, 8, 2, 1, 700, 128, r_k, r_v, torch.bfloat16)
     q, z_k, z_v, P_k, P_v = args
     qk, qv = quantize_latents(z_k, 2), quantize_latents(z_v, 2)

@@ -175,9 +175,9 @@ def lowrank_attention(
         it back to the host.
     scale : softmax scale, ``d**-0.5`` by default.
     exact : :class:`ExactTail`, for a forward of many queries over quantized latents: each query reads its
-        recent keys exact, as decoding them one by one would. The kernel has no such band: where it runs,
-        it takes the keys below the band (every query reads them as stored) and the reference the band, the
-        two merged by their log-sum-exp (:func:`_below_and_band`); elsewhere the reference takes all
+        recent keys exact, as decoding them one by one would. Where the kernel runs, it takes the keys below
+        the band (every query reads them as stored) and the band kernel (``band.py``) the band, the first
+        continuing the second's softmax (:func:`_below_and_band`); elsewhere the reference takes all
         (decode needs none: its one query reads the cache as it is).
     backend : ``"auto"`` (the kernel for CUDA inputs that need no gradient, else the reference),
         ``"triton"`` (the kernel; on the CPU only under ``TRITON_INTERPRET=1``) or ``"reference"``.
@@ -264,10 +264,9 @@ def _below_and_band(q, z_k, z_v, P_k, P_v, exact: ExactTail, backend: str, *, po
     band_args = dict(key_mode=kwargs["key_mode"], positions=part(positions, cut, None), rope=kwargs["rope"],
                      bias=part(bias, cut, None), lengths=band_lengths, causal=causal, scale=kwargs["scale"])
     z_k_band, z_v_band = z_k[:, :, cut:], z_v[:, :, cut:]
-    d = q.shape[3]
-    if d % 32 == 0 and d & (d - 1) == 0 and backend != "reference":
-        from .band import band_attention
+    from .band import band_attention, fits
 
+    if fits(q.shape[3], z_k.shape[3], z_v.shape[3]) and backend != "reference":
         o2, l2 = band_attention(q, z_k_band, z_v_band, shifted, P_k, P_v, **band_args)
     else:
         o2, l2 = lowrank_attention_reference(q, z_k_band, z_v_band, P_k, P_v, exact=shifted,

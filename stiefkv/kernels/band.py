@@ -35,6 +35,7 @@ BLOCK_N = 32  # band keys a step
 # pre_rope 644 bytes of spill stores with 4 warps, 48 with 8; post_rope 124 and 0; at d 128, r 64 pre_rope
 # 1040 and 112 (16-row or 16-key tiles at 4 warps spilled more than 8 warps at 32)
 NUM_WARPS = 8
+MAX_DIM = 128  # head dims and ranks the kernel takes (fits)
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
@@ -265,8 +266,9 @@ def band_attention(
     if B * H * Nq == 0:
         return out, lse
     pre = key_mode == "pre_rope"
-    key_from = exact.key_from.to(device=q.device, dtype=torch.int32)
-    value_from = exact.value_from.to(device=q.device, dtype=torch.int32)
+    # contiguous: the kernel reads them by index (an int32 view would come through .to unchanged)
+    key_from = exact.key_from.to(device=q.device, dtype=torch.int32).contiguous()
+    value_from = exact.value_from.to(device=q.device, dtype=torch.int32).contiguous()
     pos = positions if pre else None
     pos_strides = (0, 0, 0) if pos is None else (
         (pos.stride(0), 0, pos.stride(1)) if pos.dim() == 2 else pos.stride())
@@ -277,7 +279,7 @@ def band_attention(
     grid = (triton.cdiv(Nq * (H // G), BLOCK_M), B * G)
     _band_fwd[grid](
         q, z_k, z_v, ek, ev, key_from, value_from, P_k, P_v, pos, inv_freq, bias,
-        None if lengths is None else lengths.to(device=q.device, dtype=torch.int32), out, lse,
+        None if lengths is None else lengths.to(device=q.device, dtype=torch.int32).contiguous(), out, lse,
         Nq, Ne, H // G, float(d**-0.5 if scale is None else scale),
         float(rope.attention_scaling) if pre else 1.0,
         *q.stride(), *z_k.stride(), *z_v.stride(), *ek.stride(), *ev.stride(), *P_k.stride(), *pv_strides,
@@ -290,6 +292,13 @@ def band_attention(
     return out, lse
 
 
+def fits(d: int, r_k: int, r_v: int) -> bool:
+    """Whether the kernel takes these shapes: a power-of-two head dim of 32 to :data:`MAX_DIM`, ranks up to
+    it (at d 256 and full rank the ``P_kᵀ q`` and ``P_v`` tiles need ~280 KB of shared memory on sm_90,
+    past the H100's 227 KB; d 128 at r 128 compiles to 82-98 KB)."""
+    return d % 32 == 0 and d & (d - 1) == 0 and d <= MAX_DIM and max(r_k, r_v) <= MAX_DIM
+
+
 def _check_band(q, z_k, z_v, exact, P_k, P_v, key_mode, positions, rope, bias, lengths) -> None:
     """Refuse inputs the band kernel cannot read, naming the bad one."""
     if key_mode not in KEY_MODES:
@@ -300,8 +309,12 @@ def _check_band(q, z_k, z_v, exact, P_k, P_v, key_mode, positions, rope, bias, l
                          f"{[tuple(getattr(t, 'shape', ())) for t in (q, z_k, z_v, exact.z_k, exact.z_v)]}")
     B, H, Nq, d = q.shape
     G, Ne = z_k.shape[1], z_k.shape[2]
-    if d % 32 or d & (d - 1):
-        raise ValueError(f"the band kernel needs a power-of-two head dim ≥ 32, got {d}; use the reference")
+    if not fits(d, z_k.shape[3], z_v.shape[3]):
+        raise ValueError(f"the band kernel needs a power-of-two head dim of 32 to {MAX_DIM} and ranks up to "
+                         f"{MAX_DIM}, got d {d}, ranks {z_k.shape[3]} and {z_v.shape[3]}; use the reference")
+    if q.dtype not in _TL_DTYPES or any(t.dtype not in _TL_DTYPES for t in (z_k, z_v, exact.z_k, exact.z_v)):
+        raise ValueError(f"the band kernel takes bf16, fp16 or fp32 queries and latents, got {q.dtype}, "
+                         f"{z_k.dtype}, {z_v.dtype}, {exact.z_k.dtype} and {exact.z_v.dtype}")
     if H % G:
         raise ValueError(f"query heads ({H}) must be a multiple of KV heads ({G})")
     if exact.z_k.shape != z_k.shape or exact.z_v.shape != z_v.shape or tuple(z_v.shape[:3]) != (B, G, Ne):

@@ -1386,7 +1386,8 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     a padded rank of 64 (``int2_kv``, :func:`_token_int2`) runs 2 warps a program on 128-key tiles with
     twice the rule's splits (about four programs an SM instead of two): at r 64, SmolLM2's heads 32×8k
     75.2 → 55.6 µs, Llama-3.2-1B's 8×16k 74.2 → 61.7, Llama-3-8B's 16×16k 146.8 → 126.1 and 4×128k 284.6 →
-    222.1 (H100, 2026-12-06, sixth session, the default and the candidate in the same runs). Not int4: 46.0
+    222.1 (H100, 2026-12-06, sixth session, the default and the candidate in the same runs; each with 2 to 8
+    splits by the rule, so not where the rule gives 1, which was not measured). Not int4: 46.0
     against 50.0 µs at SmolLM2's shapes but 94.9 against 90.2 and 168.0 against 162.3 at Llama-3-8B's."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
@@ -1400,7 +1401,7 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         if wide:
             block_n = WIDE_NIBBLE_TILE
         warps = 4
-        if int2_kv and key_mode == "post_rope":
+        if int2_kv and key_mode == "post_rope" and splits > 1:  # measured below a program an SM only
             block_n, warps, splits = 128, 2, 2 * splits
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=warps, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
