@@ -24,11 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
-from stiefkv.kernels._common import KEY_MODES, LOG2E, ExactTail, RopeSpec, interpreting, padded_dim
-from stiefkv.kernels.lowrank import _sincos
+from stiefkv.kernels._common import KEY_MODES, ExactTail, RopeSpec, interpreting, padded_dim
+from stiefkv.kernels.lowrank import _LN2, _LOG2E, _TL_DTYPES, _dot, _sincos
 
-_LOG2E = tl.constexpr(LOG2E)
-_LN2 = tl.constexpr(0.6931471805599453)
+# The decode kernel's dot: with F32 as its UPCAST (float32 inputs, and the interpreter, which multiplies bf16
+# operands wrongly) IEEE float32 on operands already rounded to their dtype, as the reference computes;
+# else the tensor cores in the inputs' 16-bit dtype with float32 accumulation (the precision is unread there)
+DOT_PREC = tl.constexpr("tf32")
 BLOCK_M = 32  # rows (query, head of the GQA group) a program: small tiles keep both key versions in registers
 BLOCK_N = 32  # band keys a step
 # 8 warps: ptxas's spills for an sm_90 cubin (triton 3.9, bf16, 32×32 tiles), not yet timed: at d 64, r 64
@@ -36,18 +38,6 @@ BLOCK_N = 32  # band keys a step
 # 1040 and 112 (16-row or 16-key tiles at 4 warps spilled more than 8 warps at 32)
 NUM_WARPS = 8
 MAX_DIM = 128  # head dims and ranks the kernel takes (fits)
-_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
-
-
-@triton.jit
-def _dot(a, b, acc, F32: tl.constexpr):
-    """``a @ b + acc``: IEEE float32 for float32 inputs (the reference's precision) and under the
-    interpreter (which multiplies bf16 operands wrongly, triton 3.9; the operands are already rounded to
-    their dtype, so the products are the GPU's), else on the tensor cores in the inputs' 16-bit dtype with
-    float32 accumulation, as the decode kernel's dots are."""
-    if F32:
-        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(a, b, acc)
 
 
 @triton.jit
@@ -79,12 +69,12 @@ def _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF: tl.c
     p1 = _basis_rows(P, 0, stride_pd, stride_pr, HALF, R, R_P2, DTYPE)
     p2 = _basis_rows(P, HALF, stride_pd, stride_pr, HALF, R, R_P2, DTYPE)
     zero = tl.zeros([z.shape[0], HALF], dtype=tl.float32)
-    a1 = _dot(z, tl.trans(p1), zero, F32)  # [BLOCK_N, d/2]
-    a2 = _dot(z, tl.trans(p2), zero, F32)
+    a1 = _dot(z, tl.trans(p1), zero, DOT_PREC, F32)  # [BLOCK_N, d/2]
+    a2 = _dot(z, tl.trans(p2), zero, DOT_PREC, F32)
     k1 = (a1 * cos - a2 * sin).to(DTYPE)
     k2 = (a2 * cos + a1 * sin).to(DTYPE)
-    s = _dot(q1, tl.trans(k1), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), F32)
-    return _dot(q2, tl.trans(k2), s, F32)
+    s = _dot(q1, tl.trans(k1), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), DOT_PREC, F32)
+    return _dot(q2, tl.trans(k2), s, DOT_PREC, F32)
 
 
 @triton.jit
@@ -100,7 +90,7 @@ def _version_logits(Z, offs_n, n_k, stride_n, stride_r, q1, q2, P, stride_pd, st
     if PRE_ROPE:
         s = _rotated_key_logits(q1, q2, z, P, stride_pd, stride_pr, cos, sin, HALF, R, R_P2, DTYPE, F32)
     else:
-        s = _dot(q1, tl.trans(z), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), F32)
+        s = _dot(q1, tl.trans(z), tl.zeros([q1.shape[0], z.shape[0]], dtype=tl.float32), DOT_PREC, F32)
     return s
 
 
@@ -159,7 +149,7 @@ def _band_fwd(
         offs_d = tl.arange(0, HEAD_DIM)
         q = tl.load(q_rows[:, None] + offs_d[None, :] * stride_qd, mask=row_ok[:, None], other=0.0).to(DTYPE)
         q1 = _dot(q, _basis_rows(PK, 0, stride_pkd, stride_pkr, HEAD_DIM, R_K, R_K_P2, DTYPE),
-                  tl.zeros([BLOCK_M, R_K_P2], dtype=tl.float32), F32).to(DTYPE)  # [BLOCK_M, R_K_P2]
+                  tl.zeros([BLOCK_M, R_K_P2], dtype=tl.float32), DOT_PREC, F32).to(DTYPE)  # [BLOCK_M, R_K_P2]
         q2 = q1
         cos = 0.0  # no rotation: unread
         sin = 0.0
@@ -205,10 +195,10 @@ def _band_fwd(
         p_exact = tl.where(offs_n[None, :] >= value_from[:, None], p, 0.0)
         if start < v_hi:
             zv = _latent_tile(ZV, offs_n, n_k, stride_zvn, stride_zvr, R_V, R_V_P2, DTYPE)
-            acc = _dot((p - p_exact).to(DTYPE), zv, acc, F32)
+            acc = _dot((p - p_exact).to(DTYPE), zv, acc, DOT_PREC, F32)
         if start + BLOCK_N > v_lo:
             ev = _latent_tile(EV, offs_n, n_k, stride_evn, stride_evr, R_V, R_V_P2, DTYPE)
-            acc = _dot(p_exact.to(DTYPE), ev, acc, F32)
+            acc = _dot(p_exact.to(DTYPE), ev, acc, DOT_PREC, F32)
         m_i = m_new
     seen = l_i > 0.0
     o = acc / tl.where(seen, l_i, 1.0)[:, None]
