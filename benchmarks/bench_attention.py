@@ -19,7 +19,9 @@ per measurement, by table:
   bytes read (latents or codes, scales, lows, positions) and the read bandwidth against the copy's; beside
   the default, the configurations of ``QUANT_SWEEP``: the candidates that read each tile one iteration
   ahead (``prefetch=True``) and that fold the scales into logits and probabilities
-  (``fold_scales=True``), more key splits, other tiles, warps and stages.
+  (``fold_scales=True``), more key splits, other tiles, warps and stages;
+- ``band``: a prefill chunk's exact band over a windowed store (rows × tokens behind an 8-token window), the
+  band kernel at its default and other warps against the PyTorch reference it replaced.
 
 Decode times are device times from CUDA-graph replay with an L2 flush before every call
 (:func:`utils.graph_ms`); prefill and ``fold`` use ``do_bench`` (:func:`utils.bench_ms`). Random data.
@@ -36,7 +38,11 @@ import torch
 import torch.nn.functional as F
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
+from stiefkv.kernels import band as band_kernel
+from stiefkv.kernels._common import ExactTail
+from stiefkv.kernels.band import band_attention
 from stiefkv.kernels.lowrank import _default_config, _num_sms, _token_int2, _token_int4, lowrank_attention
+from stiefkv.kernels.reference import lowrank_attention as reference_attention
 
 H, G, D_HEAD, D_MODEL = 32, 8, 128, 4096
 # --heads: the attention shapes measured (query heads, KV heads, head dim, model width); rows of any but the
@@ -163,7 +169,13 @@ QUANT_SWEEP = [
     {"int3_planes": True, "block_n": 128},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
-TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared")
+TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared", "band")
+# the band table: prefill chunks (rows × tokens) behind an exact window of BAND_WINDOW tokens, as
+# generate's prefill writes them into a windowed store; the band kernel's warps swept
+BAND_SHAPES = [(32, 128), (8, 512), (1, 2048)]
+BAND_WINDOW = 8
+BAND_DEFAULT_WARPS = band_kernel.NUM_WARPS
+BAND_WARPS = (4, 8)
 QUANT_BITS = (16, 8, 4)
 DTYPE = torch.bfloat16
 NAME = "attention"
@@ -495,6 +507,58 @@ def prefill_rows(n: int = 8192) -> None:
         empty_cache()
 
 
+def band_inputs(B: int, Nq: int, window: int, r: int) -> tuple[dict, ExactTail]:
+    """A prefill chunk's band: ``Nq`` queries over ``window + Nq`` keys held stored and exact, query ``i``
+    reading the newest ``window + 1`` keys up to its own exact (a windowed store's prefill), the rest as
+    stored."""
+    x = latent_inputs(B, Nq, window + Nq, r)
+    jitter = 0.05  # the exact latents stand a quantization step from the stored ones
+    starts = torch.arange(1, Nq + 1, device=DEVICE, dtype=torch.int32)  # key window + i is query i's own
+    exact = ExactTail(x["z_k"] + jitter * torch.randn_like(x["z_k"]),
+                      x["z_v"] + jitter * torch.randn_like(x["z_v"]), starts, starts)
+    return x, exact
+
+
+def band_rows(shapes, window: int = BAND_WINDOW) -> None:
+    """The exact band of a prefill chunk over a windowed store: the band kernel (``band.band_attention``, one
+    launch) at its default warps and the sweep's, against the reference it replaced
+    (``reference.lowrank_attention`` with ``exact=``, ~110 operators, as the library took the band until
+    2026-12-06), in both key modes, latent output (``P_v=None``, as ``_below_and_band`` hands it on). Timed
+    by ``do_bench`` (the reference reads the band's bounds back to the host, so it cannot be captured)."""
+    r = BUDGETS["50%"]
+    for B, Nq in shapes:
+        x, exact = band_inputs(B, Nq, window, r)
+        for mode in MODES:
+            args = (x["q"], x["z_k"], x["z_v"], exact, x["P_k"], None)
+            kw = dict(key_mode=mode, positions=x["positions"], rope=x["rope"])
+            with torch.no_grad():
+                ref = utils.bench_ms(functools.partial(reference_attention, *args[:3], x["P_k"], None,
+                                                       exact=exact, return_lse=True, **kw))
+                default = utils.bench_ms(functools.partial(band_attention, *args, **kw))
+                sweep = [{"config": {"num_warps": w},
+                          "kernel_ms": utils.bench_ms(functools.partial(band_attention, *args, num_warps=w,
+                                                                        **kw))}
+                         for w in BAND_WARPS if w != BAND_DEFAULT_WARPS]
+            row = {
+                **case_fields(B, Nq, "50%", mode),
+                "case": f"band {CASE_PREFIX}{B}x{Nq}+{window} r{r} {mode}",
+                "table": f"band{TABLE_SUFFIX}",
+                "window": window,
+                "band_keys": window + Nq,
+                "config": {"num_warps": BAND_DEFAULT_WARPS},
+                "kernel_ms": default,
+                "reference_ms": ref,
+                "ratio_median": default["p50"] / ref["p50"],
+                "sweep": sweep,
+            }
+            utils.write_rows(NAME, row)
+            swept = ", ".join(f"{t['config']['num_warps']} warps {t['kernel_ms']['p50']:.4f}" for t in sweep)
+            print(f"{row['case']}: reference {ref['p50']:.4f} ms, kernel {default['p50']:.4f} ms "
+                  f"({BAND_DEFAULT_WARPS} warps); {swept}", flush=True)
+        del x, exact
+        empty_cache()
+
+
 def fold_rows(shapes, prefill_n: int = 8192) -> None:
     """``P_v`` in the epilogue (+ ``o_proj`` on ``H·d`` inputs) vs folded (``P_v=None`` + ``o_proj`` on
     ``H·r``)."""
@@ -600,9 +664,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.heads != "llama8b":
         set_heads(args.heads)
-        if set(args.tables) - {"decode", "quant"}:
-            parser.error(f"--heads {args.heads}: only the decode and quant tables take other shapes (got "
-                         f"--tables {' '.join(args.tables)})")
+        if set(args.tables) - {"decode", "quant", "band"}:
+            parser.error(f"--heads {args.heads}: only the decode, quant and band tables take other shapes "
+                         f"(got --tables {' '.join(args.tables)})")
     options = sorted({key for entry in QUANT_SWEEP for key in entry})
     unknown = sorted(set(args.sweep_with or ()) - set(options))
     if unknown:  # it filtered the sweep to nothing, silently, after the decode table had run
@@ -635,6 +699,8 @@ def main() -> None:
         fold_rows(shapes)
     if "host" in args.tables:
         host_rows()
+    if "band" in args.tables:
+        band_rows(shapes if args.shapes else BAND_SHAPES)
 
 
 if __name__ == "__main__":

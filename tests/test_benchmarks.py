@@ -273,6 +273,32 @@ def test_bench_attention_at_smollm2_heads(results, monkeypatch):
     assert rows[0]["target_ratio"] is None  # the Llama targets are not these shapes
 
 
+def test_bench_attention_band_rows_on_the_cpu(results, monkeypatch):
+    """The band table at a tiny shape (the interpreter, the timer replaced): both key modes, the default
+    warps beside the sweep's, the reference's time in the same row; and the two paths agree on its inputs."""
+    pytest.importorskip("triton")
+    if torch.cuda.is_available():
+        pytest.skip("the CPU smoke test; on CUDA run the script itself")
+    import bench_attention as ba
+
+    monkeypatch.setattr(utils, "bench_ms", fake_timer)
+    for name, value in {"DEVICE": "cpu", "H": 6, "G": 2, "D_HEAD": 32, "BUDGETS": {"50%": 13}}.items():
+        monkeypatch.setattr(ba, name, value)
+    ba.band_rows([(2, 5)], window=3)
+    rows = utils.read_rows(results / "attention.jsonl")
+    assert [r["case"] for r in rows] == ["band 2x5+3 r13 post_rope", "band 2x5+3 r13 pre_rope"]
+    assert all(r["table"] == "band" and r["band_keys"] == 8 and r["reference_ms"]["p50"] == 2.0 for r in rows)
+    assert [t["config"]["num_warps"] for t in rows[0]["sweep"]] == [4]
+    x, exact = ba.band_inputs(2, 5, 3, 13)
+    for mode in ba.MODES:
+        kw = dict(key_mode=mode, positions=x["positions"], rope=x["rope"])
+        out, lse = ba.band_attention(x["q"], x["z_k"], x["z_v"], exact, x["P_k"], None, **kw)
+        ref, ref_lse = ba.reference_attention(x["q"], x["z_k"], x["z_v"], x["P_k"], None, exact=exact,
+                                              return_lse=True, **kw)
+        torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)  # bf16 inputs
+        torch.testing.assert_close(lse, ref_lse, atol=3e-2, rtol=1e-2)
+
+
 @pytest.mark.parametrize("recent", [0, 16])
 def test_bench_serve_runs_on_a_tiny_model(recent):
     """bench_serve.py end to end on the CPU (eager, the reference): the three caches, one line each; int8

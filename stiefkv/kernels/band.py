@@ -232,6 +232,7 @@ def band_attention(
     causal: bool = True,
     lengths: torch.Tensor | None = None,
     scale: float | None = None,
+    num_warps: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Attention of ``q`` ``[B, H, Nq, d]`` over a band of ``Ne`` keys held twice: stored (``z_k``, ``z_v``
     ``[B, G, Ne, r]``, the codes dequantized) and exact (``exact.z_k``, ``exact.z_v``, the same shapes);
@@ -242,7 +243,8 @@ def band_attention(
 
     Returns the output ``[B, H, Nq, d]`` (``[B, H, Nq, r_v]`` with ``P_v=None``) in ``q.dtype`` and each
     row's log-sum-exp of the logits it read ``[B, H, Nq]`` (float32, −inf where it sees no key; its output
-    is then 0), as the reference's ``return_lse=True`` gives them.
+    is then 0), as the reference's ``return_lse=True`` gives them. ``num_warps`` overrides
+    :data:`NUM_WARPS` (for benchmarks' sweeps).
     """
     if not q.is_cuda and not interpreting():
         raise RuntimeError("the Triton band attention runs on CUDA tensors (or on the CPU under "
@@ -277,7 +279,7 @@ def band_attention(
         HEAD_DIM=d, R_K=r_k, R_V=r_v, R_K_P2=padded_dim(r_k), R_V_P2=padded_dim(r_v),
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, PRE_ROPE=pre, CAUSAL=causal, HAS_BIAS=bias is not None,
         HAS_LENGTHS=lengths is not None, HAS_PV=P_v is not None, DTYPE=_TL_DTYPES[q.dtype],
-        UPCAST=interpreting(), num_warps=NUM_WARPS,
+        UPCAST=interpreting(), num_warps=NUM_WARPS if num_warps is None else num_warps,
     )
     return out, lse
 
