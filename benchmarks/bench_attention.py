@@ -167,6 +167,13 @@ QUANT_SWEEP = [
     {"int3_planes": True},
     {"int3_planes": False},
     {"int3_planes": True, "block_n": 128},
+    # pre_rope over bf16 latents: each tile's logits formed one iteration ahead, so the next tile's rebuild,
+    # sin/cos and rotation and this tile's softmax and value dot are independent work in one iteration
+    # (2026-12-06, seventh session; kernel_sass.py, triton 3.6, r 64: 748 → 769 instructions a tile with
+    # keys_left, 699 without; 255 and 250 registers, no stack, still two programs an SM)
+    {"ahead": True},
+    {"ahead": True, "keys_left": False},
+    {"ahead": True, "splits": 1.5},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared", "band")
@@ -404,7 +411,8 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                 (cfg.get("keys_left") or "sincos_fadd" in cfg) and mode != "pre_rope") or (
                                 "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
                                 cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4) \
-                                or (cfg.get("int3_planes") and bits != 3):
+                                or (cfg.get("int3_planes") and bits != 3) or (
+                                cfg.get("ahead") and (bits != 16 or mode != "pre_rope")):
                             continue
                         cfg["num_splits"] = max(1, round(rule_splits * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

@@ -93,6 +93,28 @@ def test_matches_reference(case, key_mode, dtype):
     check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"{path} {key_mode} {dtype}")
 
 
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-H{c[2]}G{c[3]}-q{c[4]}k{c[5]}-r{c[7]}_{c[8]}")
+def test_logits_ahead_matches_reference(case, dtype):
+    """``pre_rope`` logits formed one tile ahead (``ahead``) give the same attention in every path: the first
+    tile's logits before the loop, the last iteration's past the keys (masked loads, never read), the
+    masked tail's own look-ahead, causal rows, padding, bias, both key orders of the logits dot."""
+    path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, padded=padded, bias=bias, pv=pv)
+    for left in (True, False):
+        check(args, kwargs, key_mode="pre_rope", num_splits=splits, ahead=True, keys_left=left, block_n=16,
+              what=f"ahead keys_left={left} {path} {dtype}")
+
+
+def test_logits_ahead_is_taken_only_where_it_applies():
+    """``ahead`` asks for the look-ahead loop; over codes, with prefetch or after RoPE the launcher leaves it
+    off (their loops read the logits elsewhere), and the result is still the reference's."""
+    args, kwargs = make_inputs(2, 8, 2, 1, 90, 32, 24, 24, torch.bfloat16)
+    for key_mode, tuning in (("post_rope", {}), ("pre_rope", {"prefetch": True})):
+        check(args, kwargs, key_mode=key_mode, ahead=True, num_splits=2, what=f"ahead {key_mode} {tuning}",
+              **tuning)
+
+
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 @pytest.mark.parametrize("case", CASES[::2] + CASES[5:6],
                          ids=lambda c: f"{c[0]}-q{c[4]}k{c[5]}-r{c[7]}_{c[8]}")

@@ -96,6 +96,7 @@ def compile_decode(
     nibble_words: bool = False,
     sincos_fadd: bool = False,
     max_registers: int | None = None,
+    ahead: bool = False,
 ):
     """The split-decode variant of the kernel (latent output, no bias, no padding) as the device compiles it;
     ``fn`` another build of ``_lowrank_attn_fwd`` (benchmarks/experiments/ablate_decode.py's variants);
@@ -106,7 +107,8 @@ def compile_decode(
     values' where it differs);
     ``nibble_words``: int4 nibbles read as 32-bit words (the launcher's ``nibble_words``); ``sincos_fadd``:
     the angles' whole turns rounded on the FMA pipe (the launcher's ``sincos_fadd``; with ``fast_sincos``);
-    ``max_registers``: a ceiling on registers a thread (the launcher's ``max_registers``, ptxas's maxnreg)."""
+    ``max_registers``: a ceiling on registers a thread (the launcher's ``max_registers``, ptxas's maxnreg);
+    ``ahead``: ``pre_rope`` logits one tile ahead (the launcher's ``ahead``; float latents, no prefetch)."""
     if sincos_fadd and not fast_sincos:
         raise ValueError("sincos_fadd changes the hardware sin/cos's reduction: it needs fast_sincos")
     fn = fn or lk._lowrank_attn_fwd
@@ -157,6 +159,7 @@ def compile_decode(
         "K_NIBW": nibble_words and nibbles and bits == 4 and not k_channel and prefetch
         and (key_mode == "post_rope" or nibble_rebuild),
         "V_NIBW": nibble_words and nibbles and v_bits == 4 and prefetch,
+        "AHEAD": ahead and key_mode == "pre_rope" and bits == 16 and not prefetch,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})
@@ -310,13 +313,15 @@ def main() -> None:
                                     key_mode == "pre_rope", bits=4, prefetch=True, nibbles=True, log8=True)
             print(f"| {key_mode} int4 log8 prefetch nibbles " + report(kernel), flush=True)
         return
-    for key_mode, fast, left, fadd in (("post_rope", False, False, False), ("pre_rope", False, False, False),
-                                       ("pre_rope", True, False, False), ("pre_rope", True, True, False),
-                                       ("pre_rope", True, True, True)):
+    for key_mode, fast, left, fadd, ahead in (
+            ("post_rope", False, False, False, False), ("pre_rope", False, False, False, False),
+            ("pre_rope", True, False, False, False), ("pre_rope", True, True, False, False),
+            ("pre_rope", True, True, True, False), ("pre_rope", True, True, True, True),
+            ("pre_rope", True, False, True, True)):
         kernel = compile_decode(key_mode, args.r, args.block_n, args.warps, args.stages, fast, keys_left=left,
-                                sincos_fadd=fadd, max_registers=args.max_registers)
+                                sincos_fadd=fadd, max_registers=args.max_registers, ahead=ahead)
         name = key_mode + (" fast_sincos" if fast else "") + (" keys_left" if left else "") \
-            + (" sincos_fadd" if fadd else "")
+            + (" sincos_fadd" if fadd else "") + (" ahead" if ahead else "")
         print(f"| {name} " + report(kernel), flush=True)
 
 

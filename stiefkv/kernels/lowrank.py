@@ -795,7 +795,7 @@ def _attend_range(
     NIB_V: tl.constexpr = False, FOLD_NIB: tl.constexpr = False, K_LOG8: tl.constexpr = False,
     V_LOG8: tl.constexpr = False, KEYS_LEFT: tl.constexpr = False, LATE_V: tl.constexpr = False,
     K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False, K_NIBW: tl.constexpr = False,
-    V_NIBW: tl.constexpr = False,
+    V_NIBW: tl.constexpr = False, AHEAD: tl.constexpr = False,
 ):
     """Attend the query tile to keys ``[start, end)`` tile by tile. ``MASKED=False`` is for tiles every row
     sees entirely; ``MASKED=True`` masks keys ``≥ end`` and, when causal, keys past each row's position.
@@ -815,8 +815,21 @@ def _attend_range(
     ``1024 + code`` and applies each token's scale and low to the logits (``q1sum`` is ``Σ q'``).
     ``LATE_V`` (with ``PREFETCH``) keeps this tile's value codes packed through the logits and softmax and
     decodes them just before the value dot: the decoded tile (4× the codes' registers at int4) is then not
-    live beside the logits."""
+    live beside the logits. ``AHEAD`` (``pre_rope`` over float latents, no prefetch) forms the logits one
+    tile ahead: an iteration issues the next tile's rebuild, runs this tile's softmax and value dot on the
+    logits the last one left, then rotates the next tile and forms its logits. The two tiles' chains are
+    independent, so the scheduler can overlap them (FlashAttention-3's softmax and GEMM overlap within a
+    warpgroup); the logits it carries are ``BLOCK_M × BLOCK_N`` floats."""
     offs_nt = tl.arange(0, BLOCK_N)
+    tl.static_assert(not AHEAD or (KEY_MODE == 0 and not PREFETCH and not FOLD_K and not NIB_K),
+                     "logits ahead: pre_rope over float latents without prefetch only")
+    HALF: tl.constexpr = HEAD_DIM // 2
+    if AHEAD:  # the first tile's logits; each iteration forms the next one's
+        z_a = _load_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                           R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
+        pos_a = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+        s_a = _key_logits(q1, q2, p1t, p2t, inv_freq, z_a, pos_a, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
+                          FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
     PAIR_K: tl.constexpr = NIB_K and K_BITS == 8  # int8 codes read as words (channel pairs)
     PAIR_V: tl.constexpr = NIB_V and V_BITS == 8
     tl.static_assert(PREFETCH or not (PAIR_K or PAIR_V), "int8 pairs are read by the prefetched loop only")
@@ -886,6 +899,15 @@ def _attend_range(
             pos = _fetch_pos(POS, offs_n, end, stride_posn, BLOCK_N, KEY_MODE, MASKED)
             s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
+        elif AHEAD:  # this tile's logits came from the last iteration; the next tile's rebuild starts here
+            s = s_a
+            nxt = offs_n + BLOCK_N
+            z_a = _load_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                               R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
+            pos_a = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+            zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+            a1 = _dot(z_a, p1t, zero, DOT_PREC, UPCAST)
+            a2 = _dot(z_a, p2t, zero, DOT_PREC, UPCAST)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                              R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH, K_LOG8)  # [BLOCK_N, R_K_P2]
@@ -937,6 +959,9 @@ def _attend_range(
                 v = _decode_latent(vr_c, vs_c, vl_c, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8, V_PLANES,
                                    not UPCAST)
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
+        if AHEAD:  # the next tile's rotation and logits, after this tile's softmax in program order
+            s_a = _rotated_logits(q1, q2, a1, a2, pos_a, inv_freq, z_a.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS,
+                                  DOT_PREC, UPCAST, KEYS_LEFT)
     if NIB_V:
         acc = _join_acc(acc_e, acc_o, BLOCK_M, R_V_P2, V_BITS)
     return acc, l_i, m_i
@@ -1048,7 +1073,7 @@ def _lowrank_attn_fwd(
     FOLD_NIB: tl.constexpr, K_LOG8: tl.constexpr, V_LOG8: tl.constexpr, KEYS_LEFT: tl.constexpr,
     K_UNIT: tl.constexpr = 1, V_UNIT: tl.constexpr = 1, HAS_PRIOR: tl.constexpr = False,
     LATE_V: tl.constexpr = False, K_PLANES: tl.constexpr = False, V_PLANES: tl.constexpr = False,
-    K_NIBW: tl.constexpr = False, V_NIBW: tl.constexpr = False,
+    K_NIBW: tl.constexpr = False, V_NIBW: tl.constexpr = False, AHEAD: tl.constexpr = False,
 ):
     """One program: query tile ``pid_m`` (rows ``i·GROUP + s``) of batch row ``b`` and KV head ``g``, over
     key split ``pid_s`` of that row's visible keys. ``qk_scale = scale·log2(e)``. With ``SPLIT`` it writes the
@@ -1184,7 +1209,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, False, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES, K_NIBW, V_NIBW,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES, K_NIBW, V_NIBW, AHEAD,
     )
     acc, l_i, m_i = _attend_range(
         acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, _LOG2E, mid, hi, q_idx, n_q, n_k,
@@ -1193,7 +1218,7 @@ def _lowrank_attn_fwd(
         stride_skn, stride_skgr, stride_svn, stride_svgr,
         HEAD_DIM, R_K, R_V, R_K_P2, R_V_P2, BLOCK_M, BLOCK_N, KEY_MODE, CAUSAL, HAS_BIAS, True, FAST_SINCOS,
         DOT_PREC, UPCAST, K_BITS, V_BITS, DTYPE, q1sum, FOLD_K, FOLD_V, PREFETCH, K_CH, V_CH, NIB_K, NIB_V,
-        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES, K_NIBW, V_NIBW,
+        FOLD_NIB, K_LOG8, V_LOG8, KEYS_LEFT, LATE_V, K_PLANES, V_PLANES, K_NIBW, V_NIBW, AHEAD,
     )
 
     O_rows = OUT + b * stride_ob + (g * GROUP + head).to(tl.int64) * stride_oh \
@@ -1811,6 +1836,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
         HAS_PRIOR=prior is not None, LATE_V=bool(cfg.get("prefetch")) and bool(cfg.get("late_values")),
+        AHEAD=bool(cfg.get("ahead")) and pre and not k_codes and not cfg.get("prefetch"),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") and not interpreting() else {}),
     )
@@ -1854,6 +1880,7 @@ def lowrank_attention(
     int3_planes: bool | None = None,
     sincos_fadd: bool | None = None,
     nibble_words: bool | None = None,
+    ahead: bool | None = None,
     code_slice: int | None = None,
     return_lse: bool = False,
     prior: tuple[torch.Tensor, torch.Tensor] | None = None,
@@ -1929,6 +1956,10 @@ def lowrank_attention(
         longer shares the XU pipe with the MUFU sin/cos (Nsight Compute, H100: that pipe takes 110 of a
         64-key tile's 748 instructions a warp, a third of them ``FRND``); the decode default but over int3
         keys (ignored without ``fast_sincos``; see :func:`_default_config`).
+        ``ahead`` (``pre_rope`` over float latents, without ``prefetch``): each tile's logits formed one
+        iteration ahead, so that the next tile's rebuild, sin/cos and rotation and this tile's softmax and
+        value dot are independent work in one iteration (:func:`_attend_range`); a candidate, off until
+        timed.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -1997,7 +2028,8 @@ def lowrank_attention(
                      prefetch=prefetch, nibbles=nibbles, nibble_rebuild=nibble_rebuild,
                      nibble_fold=nibble_fold, keys_left=keys_left, max_registers=max_registers,
                      late_values=late_values, pairs=pairs, channel_rows=channel_rows, planes=planes,
-                     int3_planes=int3_planes, nibble_words=nibble_words, sincos_fadd=sincos_fadd)
+                     int3_planes=int3_planes, nibble_words=nibble_words, sincos_fadd=sincos_fadd,
+                     ahead=ahead)
     cfg.update({k: v for k, v in overrides.items() if v is not None}, fast_sincos=bool(fast_sincos),
                fold_scales=fold_scales)
     if n_rows > cfg["block_m"]:
