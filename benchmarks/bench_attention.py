@@ -174,6 +174,7 @@ QUANT_SWEEP = [
     {"ahead": True},
     {"ahead": True, "keys_left": False},
     {"ahead": True, "splits": 1.5},
+    {"ahead": False, "keys_left": True},  # the default before ahead (where ahead is now taken)
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared", "band")
@@ -244,9 +245,9 @@ def default_config(B: int, N: int, mode: str, r: int, bits: int = 16, nibbles_kv
     """The kernel's default for these inputs; ``nibbles_kv`` and ``int2_kv`` as :func:`_token_int4` and
     :func:`_token_int2` find the codes, ``k_channel``: key codes in the channel layout."""
     cfg = _default_config(H // G, N, mode, B * G, _num_sms(torch.device(DEVICE)), r, bits < 16, bits,
-                          nibbles_kv, k_channel, int2_kv=int2_kv)
+                          nibbles_kv, k_channel, int2_kv=int2_kv, head_dim=D_HEAD)
     keys = ("block_n", "num_warps", "num_stages", "num_splits") + (("prefetch",) if bits < 16 else ()) \
-        + (("keys_left", "sincos_fadd") if mode == "pre_rope" else ())
+        + (("keys_left", "sincos_fadd", "ahead") if mode == "pre_rope" else ())
     return {k: cfg[k] for k in keys}
 
 
@@ -412,7 +413,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                 "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
                                 cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4) \
                                 or (cfg.get("int3_planes") and bits != 3) or (
-                                cfg.get("ahead") and (bits != 16 or mode != "pre_rope")):
+                                "ahead" in cfg and (bits != 16 or mode != "pre_rope")):
                             continue
                         cfg["num_splits"] = max(1, round(rule_splits * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

@@ -288,7 +288,8 @@ def test_bench_attention_band_rows_on_the_cpu(results, monkeypatch):
     rows = utils.read_rows(results / "attention.jsonl")
     assert [r["case"] for r in rows] == ["band 2x5+3 r13 post_rope", "band 2x5+3 r13 pre_rope"]
     assert all(r["table"] == "band" and r["band_keys"] == 8 and r["reference_ms"]["p50"] == 2.0 for r in rows)
-    assert [t["config"]["num_warps"] for t in rows[0]["sweep"]] == [4]
+    assert [t["config"]["num_warps"] for t in rows[0]["sweep"]] == [8]  # beside the default 4
+    assert rows[0]["config"]["num_warps"] == 4
     x, exact = ba.band_inputs(2, 5, 3, 13)
     for mode in ba.MODES:
         kw = dict(key_mode=mode, positions=x["positions"], rope=x["rope"])

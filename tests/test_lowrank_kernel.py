@@ -703,6 +703,25 @@ def test_wide_int4_tiles_span_several_tiles_and_splits(ranks):
     assert_close(fetched, expected, atol=atol, rtol=rtol, what=f"int4 post_rope r{r_k}/{r_v}, prefetch")
 
 
+def test_logits_ahead_is_the_default_where_it_was_measured_to_win():
+    """``pre_rope`` decode over bf16 latents at d 128 and r 64 (64-key tiles) forms its logits one tile
+    ahead, with ``q kᵀ`` logits, where each split holds ≥ AHEAD_KEYS keys: 16×16k and 4×128k at Llama-3-8B's
+    heads; not 1×32k's ~1000 keys a split, nor codes, ``post_rope``, d 64 or r 32 (not measured, or lost)."""
+    def cfg(n_k, programs, key_mode="pre_rope", r=64, codes=False, bits=16, d=128):
+        return lk._default_config(4, n_k, key_mode, programs, 132, r, codes, bits, head_dim=d)
+
+    for n_k, programs in ((16384, 16 * 8), (131072, 4 * 8)):
+        taken = cfg(n_k, programs)
+        assert taken["ahead"] and not taken["keys_left"]
+        assert n_k >= lk.AHEAD_KEYS * taken["num_splits"]
+    one = cfg(32768, 8)
+    assert one["num_splits"] > 8 and not one["ahead"] and one["keys_left"]
+    for other in (cfg(131072, 32, "post_rope"), cfg(131072, 32, codes=True, bits=4), cfg(131072, 32, d=64),
+                  cfg(131072, 32, r=32)):
+        assert not other["ahead"]
+    assert cfg(131072, 32, codes=True, bits=4)["keys_left"]  # int4 keys keep their keys_left
+
+
 @pytest.mark.parametrize("ranks", [(64, 64), (40, 50), (64, 30)])
 def test_int2_post_rope_takes_two_warps_and_twice_the_splits(ranks):
     """``post_rope`` decode over int2 token-layout keys and values at a padded rank of 64 (both) runs 2 warps

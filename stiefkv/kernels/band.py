@@ -33,10 +33,12 @@ from stiefkv.kernels.lowrank import _LN2, _LOG2E, _TL_DTYPES, _dot, _sincos
 DOT_PREC = tl.constexpr("tf32")
 BLOCK_M = 32  # rows (query, head of the GQA group) a program: small tiles keep both key versions in registers
 BLOCK_N = 32  # band keys a step
-# 8 warps: ptxas's spills for an sm_90 cubin (triton 3.9, bf16, 32×32 tiles), not yet timed: at d 64, r 64
-# pre_rope 644 bytes of spill stores with 4 warps, 48 with 8; post_rope 124 and 0; at d 128, r 64 pre_rope
-# 1040 and 112 (16-row or 16-key tiles at 4 warps spilled more than 8 warps at 32)
-NUM_WARPS = 8
+# 4 warps: faster than 8 at every shape timed (H100, 2026-12-06, seventh session, bench_attention.py
+# --tables band, ms, 8 → 4 warps): Llama-3-8B's heads r 64, 32×128 tokens behind 8, post_rope 0.281 → 0.178,
+# pre_rope 0.452 → 0.357; 8×512 0.589 → 0.385, 1.099 → 0.862; 1×2048 0.922 → 0.658, 1.899 → 1.552;
+# SmolLM2's r 32 0.076 → 0.043 and 0.141 → 0.070 at 32×128. ptxas's log (triton 3.9) had put spills at 4
+# warps (d 64, r 64, pre_rope 644 bytes of spill stores against 48 at 8), which the timing outweighs.
+NUM_WARPS = 4
 MAX_DIM = 128  # head dims and ranks the kernel takes (fits)
 
 

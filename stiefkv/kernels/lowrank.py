@@ -68,6 +68,8 @@ INV_TWO_PI = tl.constexpr(0.15915494309189535)
 # addition itself, so subtracting it back gives rint(x) on the FMA pipe, where FRND runs on the XU pipe
 ROUND_MAGIC = tl.constexpr(12582912.0)
 DECODE_BLOCK_M = MIN_DOT  # the smallest tl.dot tile; a decode tile holds one query's GQA group
+# keys a split from which pre_rope decode over bf16 latents forms its logits one tile ahead (``ahead``)
+AHEAD_KEYS = 4096
 QUANT_GROUP = tl.constexpr(_common.QUANT_GROUP)  # channels per scale of quantized latents
 LOG8_EXP_OFFSET = tl.constexpr(_common.LOG8_OFFSET // 8)  # log8 code k: 2^((k >> 3) − this) · eighth(k & 7)
 LOG8_NAN = tl.constexpr(_common.LOG8_NAN)
@@ -1356,7 +1358,7 @@ def _occupancy_splits(args: tuple, cfg: dict, return_lse: bool, prior, n_sms: in
 
 def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: int, r_k: int = 64,
                     codes: bool = False, k_bits: int = 16, nibbles_kv: bool = False, k_channel: bool = False,
-                    left_padded: bool = False, int2_kv: bool = False) -> dict:
+                    left_padded: bool = False, int2_kv: bool = False, head_dim: int = 128) -> dict:
     """Tile sizes, warps and splits. Decode (one query's GQA group fits a 16-row tile) streams the cache
     and splits each row's keys so that ``programs × splits`` stays at or just under two programs per SM, at
     ≥ 256 keys a split. Rounding down matters: on the H200 sweep of ``benchmarks/bench_attention.py``,
@@ -1413,7 +1415,12 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
     75.2 → 55.6 µs, Llama-3.2-1B's 8×16k 74.2 → 61.7, Llama-3-8B's 16×16k 146.8 → 126.1 and 4×128k 284.6 →
     222.1 (H100, 2026-12-06, sixth session, the default and the candidate in the same runs; each with 2 to 8
     splits by the rule, so not where the rule gives 1, which was not measured). Not int4: 46.0
-    against 50.0 µs at SmolLM2's shapes but 94.9 against 90.2 and 168.0 against 162.3 at Llama-3-8B's."""
+    against 50.0 µs at SmolLM2's shapes but 94.9 against 90.2 and 168.0 against 162.3 at Llama-3-8B's.
+    ``pre_rope`` over bf16 latents at d 128 and r 64 forms its logits one tile ahead (``ahead``, with the
+    logits dot as ``q kᵀ``) where a split holds ≥ :data:`AHEAD_KEYS` keys: 16×16k 0.2424 → 0.2239 ms, 4×128k
+    0.4758 → 0.4258, 8×8k 0.0709 → 0.0708 (2048 keys a split), but 1×32k 0.0465 → 0.0504 (~1000 keys a
+    split: the prologue's tile and the wasted look-ahead are 2 of 16) (H100, 2026-12-06, seventh session;
+    with ``keys_left`` 0.2350 and 0.4537)."""
     if n_rows <= DECODE_BLOCK_M:
         wide = nibbles_kv and key_mode == "post_rope"
         splits = _decode_splits(programs, n_k, n_sms, 2 if codes else 1)
@@ -1428,9 +1435,14 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
         warps = 4
         if int2_kv and key_mode == "post_rope" and splits > 1:  # measured below a program an SM only
             block_n, warps, splits = 128, 2, 2 * splits
+        # logits one tile ahead where measured to win: bf16 r 64 at d 128, 64-key tiles, ≥ 4096 keys a split
+        # (a prologue tile and a wasted look-ahead a split cost 2 of ~16 tiles at 1×32k's 1000 keys a split)
+        ahead = (key_mode == "pre_rope" and not codes and head_dim == 128 and block_n == 64
+                 and padded_dim(r_k) == 64 and n_k >= AHEAD_KEYS * splits)
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=warps, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
-                    keys_left=k_bits in (16, 4), pairs=codes, channel_rows=codes, planes=codes,
+                    keys_left=k_bits in (16, 4) and not ahead, ahead=ahead, pairs=codes, channel_rows=codes,
+                    planes=codes,
                     nibble_words=False, sincos_fadd=k_bits != 3,
                     int3_planes=codes and key_mode == "pre_rope" and k_bits == 3 and k_channel)
     if key_mode == "post_rope":
@@ -2011,7 +2023,7 @@ def lowrank_attention(
     cfg = _default_config(n_rows, Nk, key_mode, B * G, _num_sms(q.device), z_k.shape[3], codes, k_bits,
                           _token_int4(z_k) and _token_int4(z_v),
                           isinstance(z_k, QuantizedLatents) and z_k.layout == "channel", lengths is not None,
-                          _token_int2(z_k) and _token_int2(z_v))
+                          _token_int2(z_k) and _token_int2(z_v), head_dim=d)
     if fast_sincos and interpreting():
         raise ValueError("fast_sincos=True needs a CUDA device: the Triton interpreter has no hardware "
                          "sin/cos")
