@@ -605,6 +605,38 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     assert_close(out, expected, atol=atol, rtol=rtol, what=f"int{bits} keys, bf16 values")
 
 
+@pytest.mark.parametrize("bits", [8, 4, 2])
+@pytest.mark.parametrize("case", QUANT_CASES[:2] + QUANT_CASES[4:5] + QUANT_CASES[6:7],
+                         ids=lambda c: f"{c[0]}-G{c[3]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
+def test_logits_ahead_over_codes_matches_the_reference(case, bits):
+    """``pre_rope`` logits one tile ahead over codes: with prefetch the keys' codes run two tiles ahead of
+    the softmax and the values' one (int4 nibbles with ``nibble_rebuild``, int8 pairs, int2 planes, the
+    plain decode; log8 values too); without prefetch over plain codes; both logits orders. Against the
+    reference on the dequantized latents (bf16 queries), at tiles of 16 keys so that every case spans
+    several."""
+    path, B, H, G, Nq, Nk, r_k, r_v, splits = case
+    args, kwargs = make_inputs(B, H, G, Nq, Nk, 128, r_k, r_v, torch.bfloat16)
+    q, z_k, z_v, P_k, P_v = args
+    qk, qv = quantize_latents(z_k, bits), quantize_latents(z_v, bits)
+    q8 = log8_latents(z_v, bits)
+    keys = qk.dequantize(torch.bfloat16)
+    with torch.no_grad():
+        expected = {log8: reference(q, keys, v.dequantize(torch.bfloat16), P_k, P_v, key_mode="pre_rope",
+                                    **kwargs) for log8, v in ((False, qv), (True, q8))}
+    atol, rtol = TOL[torch.bfloat16]
+    for values, prefetch, left, plain in ((qv, True, True, False), (qv, True, False, False),
+                                          (q8, True, True, False), (qv, True, True, True),
+                                          (qv, False, True, True)):
+        plain_loop = dict(nibbles=False, pairs=False, planes=False) if plain else {}
+        with torch.no_grad():
+            out = lk.lowrank_attention(q, qk, values, P_k, P_v, key_mode="pre_rope", **kwargs,
+                                       num_splits=splits, ahead=True, prefetch=prefetch, keys_left=left,
+                                       block_n=16, **plain_loop)
+        assert_close(out, expected[values is q8], atol=atol, rtol=rtol,
+                     what=f"ahead int{bits} {path} prefetch={prefetch} keys_left={left} log8={values is q8} "
+                          f"plain={plain}")
+
+
 # (B, H, G, Nk, r_k, r_v, splits): ranks at and across a scale group, padded ones (28 → 32, 44 → 64: words
 # past the rank masked), full rank with two groups, and 25 (stored as 32 codes: the word holding channel 24
 # read whole, its padding codes meeting zero basis rows)

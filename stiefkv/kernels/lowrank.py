@@ -783,6 +783,21 @@ def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos,
 
 
 @triton.jit
+def _rebuilt_halves(z_even, z_odd, p1t, p2t, p1t_o, p2t_o, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                    NIB: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
+    """The rebuilt key halves ``[BLOCK_N, d/2]`` (fp32) of a ``pre_rope`` tile: ``z P_1ᵀ``, ``z P_2ᵀ``, or
+    with ``NIB`` (a tile met as its even and odd channels) the sum of both halves' products."""
+    zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
+    if NIB:
+        a1 = _dot(z_odd, p1t_o, _dot(z_even, p1t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
+        a2 = _dot(z_odd, p2t_o, _dot(z_even, p2t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
+    else:
+        a1 = _dot(z_even, p1t, zero, DOT_PREC, UPCAST)
+        a2 = _dot(z_even, p2t, zero, DOT_PREC, UPCAST)
+    return a1, a2
+
+
+@triton.jit
 def _attend_range(
     acc, l_i, m_i, q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, bias_scale, start, end, q_idx, n_q, n_k,
     ZK, ZV, POS, BIAS, SK, LK, SV, LV,
@@ -817,21 +832,16 @@ def _attend_range(
     ``1024 + code`` and applies each token's scale and low to the logits (``q1sum`` is ``Σ q'``).
     ``LATE_V`` (with ``PREFETCH``) keeps this tile's value codes packed through the logits and softmax and
     decodes them just before the value dot: the decoded tile (4× the codes' registers at int4) is then not
-    live beside the logits. ``AHEAD`` (``pre_rope`` over float latents, no prefetch) forms the logits one
-    tile ahead: an iteration issues the next tile's rebuild, runs this tile's softmax and value dot on the
-    logits the last one left, then rotates the next tile and forms its logits. The two tiles' chains are
-    independent, so the scheduler can overlap them (FlashAttention-3's softmax and GEMM overlap within a
-    warpgroup); the logits it carries are ``BLOCK_M × BLOCK_N`` floats."""
+    live beside the logits. ``AHEAD`` (``pre_rope``) forms the logits one tile ahead: an iteration issues
+    the next tile's rebuild, runs this tile's softmax and value dot on the logits the last one left, then
+    rotates the next tile and forms its logits. The two tiles' chains are independent, so the scheduler can
+    overlap them (FlashAttention-3's softmax and GEMM overlap within a warpgroup); the logits it carries are
+    ``BLOCK_M × BLOCK_N`` floats. With ``PREFETCH`` the keys' codes then run two tiles ahead of the softmax
+    and the values' one."""
     offs_nt = tl.arange(0, BLOCK_N)
-    tl.static_assert(not AHEAD or (KEY_MODE == 0 and not PREFETCH and not FOLD_K and not NIB_K),
-                     "logits ahead: pre_rope over float latents without prefetch only")
+    tl.static_assert(not AHEAD or (KEY_MODE == 0 and not FOLD_K and not LATE_V and (PREFETCH or not NIB_K)),
+                     "logits ahead: pre_rope, not with fold_scales or late_values, nibbles with prefetch")
     HALF: tl.constexpr = HEAD_DIM // 2
-    if AHEAD:  # the first tile's logits; each iteration forms the next one's
-        z_a = _load_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn, stride_skg,
-                           R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
-        pos_a = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
-        s_a = _key_logits(q1, q2, p1t, p2t, inv_freq, z_a, pos_a, HEAD_DIM, BLOCK_M, BLOCK_N, KEY_MODE,
-                          FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
     PAIR_K: tl.constexpr = NIB_K and K_BITS == 8  # int8 codes read as words (channel pairs)
     PAIR_V: tl.constexpr = NIB_V and V_BITS == 8
     tl.static_assert(PREFETCH or not (PAIR_K or PAIR_V), "int8 pairs are read by the prefetched loop only")
@@ -851,6 +861,27 @@ def _attend_range(
         vr, vs, vl = _fetch_latent(ZV, SV, LV, start + offs_nt, end, stride_vn, stride_vr, stride_svn,
                                    stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V,
                                    V_PLANES)
+    if AHEAD:  # the first tile's logits; each iteration forms the next one's
+        if PREFETCH:  # from the codes just fetched; the keys' fetches then run a tile ahead of the values'
+            if NIB_K:
+                ze_a, zo_a = _decode_halves(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, not UPCAST, K_LOG8)
+            else:
+                ze_a = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES,
+                                      not UPCAST)
+                zo_a = ze_a
+            pos_a = kp
+            kr, ks, kl = _fetch_latent(ZK, SK, LK, start + BLOCK_N + offs_nt, end, stride_kn, stride_kr,
+                                       stride_skn, stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH,
+                                       K_LOG8, WORDS_K, K_PLANES)
+            kp = _fetch_pos(POS, start + BLOCK_N + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+        else:
+            ze_a = _load_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
+                                stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
+            zo_a = ze_a
+            pos_a = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+        a1, a2 = _rebuilt_halves(ze_a, zo_a, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, NIB_K, DOT_PREC, UPCAST)
+        s_a = _rotated_logits(q1, q2, a1, a2, pos_a, inv_freq, DTYPE, BLOCK_M, BLOCK_N, FAST_SINCOS, DOT_PREC,
+                              UPCAST, KEYS_LEFT)
     for start_n in range(start, end, BLOCK_N):
         offs_n = start_n + offs_nt
         if PREFETCH:
@@ -876,12 +907,22 @@ def _attend_range(
                 v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8, V_PLANES,
                                    not UPCAST)
             nxt = offs_n + BLOCK_N
-            kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
+            k_nxt = nxt + BLOCK_N if AHEAD else nxt  # with AHEAD the codes decoded above are the next tile's
+            kr, ks, kl = _fetch_latent(ZK, SK, LK, k_nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
                                        R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K, K_PLANES)
-            kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+            kp = _fetch_pos(POS, k_nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                        R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V, V_PLANES)
-            if NIB_K:
+            if AHEAD:  # this tile's logits came from the last iteration; the next tile's rebuild starts here
+                s = s_a
+                pos_a = pos
+                if NIB_K:
+                    a1, a2 = _rebuilt_halves(ze, zo, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, True, DOT_PREC,
+                                             UPCAST)
+                else:
+                    a1, a2 = _rebuilt_halves(z, z, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, False, DOT_PREC,
+                                             UPCAST)
+            elif NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
                 if FOLD_NIB:  # q'·(code·scale + low) = scale·(q'·(1024 + code)) + (low − 1024·scale)·Σq'
@@ -907,9 +948,7 @@ def _attend_range(
             z_a = _load_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
                                R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
             pos_a = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
-            zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
-            a1 = _dot(z_a, p1t, zero, DOT_PREC, UPCAST)
-            a2 = _dot(z_a, p2t, zero, DOT_PREC, UPCAST)
+            a1, a2 = _rebuilt_halves(z_a, z_a, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, False, DOT_PREC, UPCAST)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                              R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH, K_LOG8)  # [BLOCK_N, R_K_P2]
@@ -962,7 +1001,7 @@ def _attend_range(
                                    not UPCAST)
             acc, l_i, m_i = _online_softmax_update(acc, l_i, m_i, s, v, DOT_PREC, UPCAST)
         if AHEAD:  # the next tile's rotation and logits, after this tile's softmax in program order
-            s_a = _rotated_logits(q1, q2, a1, a2, pos_a, inv_freq, z_a.dtype, BLOCK_M, BLOCK_N, FAST_SINCOS,
+            s_a = _rotated_logits(q1, q2, a1, a2, pos_a, inv_freq, DTYPE, BLOCK_M, BLOCK_N, FAST_SINCOS,
                                   DOT_PREC, UPCAST, KEYS_LEFT)
     if NIB_V:
         acc = _join_acc(acc_e, acc_o, BLOCK_M, R_V_P2, V_BITS)
@@ -1809,6 +1848,10 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     nib_v = nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32
     # int4 nibbles read as words, with prefetch only
     nib_words = bool(cfg.get("nibble_words")) and bool(cfg.get("prefetch"))
+    prefetch = bool(cfg.get("prefetch"))
+    # logits one tile ahead (pre_rope): not beside a fold or late values; tiles met as halves need prefetch
+    ahead = bool(cfg.get("ahead")) and pre and not cfg.get("fold_scales") and not (
+        prefetch and cfg.get("late_values")) and (prefetch or not (nib_k or pair_k))
     # shared positions [B, Nk] are read per KV head with a zero head stride
     pos_strides = (0, 0, 0)
     if pre:
@@ -1848,7 +1891,7 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
         PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
         HAS_PRIOR=prior is not None, LATE_V=bool(cfg.get("prefetch")) and bool(cfg.get("late_values")),
-        AHEAD=bool(cfg.get("ahead")) and pre and not k_codes and not cfg.get("prefetch"),
+        AHEAD=ahead,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") and not interpreting() else {}),
     )
