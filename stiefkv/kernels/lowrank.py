@@ -783,6 +783,19 @@ def _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, z_even, z_odd, pos,
 
 
 @triton.jit
+def _decoded_keys(kr, ks, kl, R_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_BITS: tl.constexpr,
+                  DTYPE: tl.constexpr, K_CH: tl.constexpr, K_LOG8: tl.constexpr, K_PLANES: tl.constexpr,
+                  NIB_K: tl.constexpr, FP16: tl.constexpr):
+    """A prefetched key tile decoded: its even and odd channels (``NIB_K``), else the whole tile twice."""
+    if NIB_K:
+        ze, zo = _decode_halves(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, FP16, K_LOG8)
+    else:
+        ze = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES, FP16)
+        zo = ze
+    return ze, zo
+
+
+@triton.jit
 def _rebuilt_halves(z_even, z_odd, p1t, p2t, p1t_o, p2t_o, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
                     NIB: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
     """The rebuilt key halves ``[BLOCK_N, d/2]`` (fp32) of a ``pre_rope`` tile: ``z P_1ᵀ``, ``z P_2ᵀ``, or
@@ -863,12 +876,8 @@ def _attend_range(
                                    V_PLANES)
     if AHEAD:  # the first tile's logits; each iteration forms the next one's
         if PREFETCH:  # from the codes just fetched; the keys' fetches then run a tile ahead of the values'
-            if NIB_K:
-                ze_a, zo_a = _decode_halves(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, not UPCAST, K_LOG8)
-            else:
-                ze_a = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES,
-                                      not UPCAST)
-                zo_a = ze_a
+            ze_a, zo_a = _decoded_keys(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES,
+                                       NIB_K, not UPCAST)
             pos_a = kp
             kr, ks, kl = _fetch_latent(ZK, SK, LK, start + BLOCK_N + offs_nt, end, stride_kn, stride_kr,
                                        stride_skn, stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH,
@@ -893,11 +902,10 @@ def _attend_range(
                     k_scale, k_low = _log8(ks, 4)
                 else:
                     k_scale, k_low = ks, kl
-            elif NIB_K:
-                ze, zo = _decode_halves(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, not UPCAST, K_LOG8)
             else:
-                z = _decode_latent(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES,
-                                   not UPCAST)
+                ze, zo = _decoded_keys(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES,
+                                       NIB_K, not UPCAST)
+                z = ze
             pos = kp
             if LATE_V:
                 vr_c, vs_c, vl_c = vr, vs, vl
@@ -916,12 +924,8 @@ def _attend_range(
             if AHEAD:  # this tile's logits came from the last iteration; the next tile's rebuild starts here
                 s = s_a
                 pos_a = pos
-                if NIB_K:
-                    a1, a2 = _rebuilt_halves(ze, zo, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, True, DOT_PREC,
-                                             UPCAST)
-                else:
-                    a1, a2 = _rebuilt_halves(z, z, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, False, DOT_PREC,
-                                             UPCAST)
+                a1, a2 = _rebuilt_halves(ze, zo, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, NIB_K, DOT_PREC,
+                                         UPCAST)
             elif NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
