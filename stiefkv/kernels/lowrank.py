@@ -2015,10 +2015,12 @@ def lowrank_attention(
         longer shares the XU pipe with the MUFU sin/cos (Nsight Compute, H100: that pipe takes 110 of a
         64-key tile's 748 instructions a warp, a third of them ``FRND``); the decode default but over int3
         keys (ignored without ``fast_sincos``; see :func:`_default_config`).
-        ``ahead`` (``pre_rope`` over float latents, without ``prefetch``): each tile's logits formed one
-        iteration ahead, so that the next tile's rebuild, sin/cos and rotation and this tile's softmax and
-        value dot are independent work in one iteration (:func:`_attend_range`); a candidate, off until
-        timed.
+        ``ahead`` (``pre_rope``): each tile's logits formed one iteration ahead, so that the next tile's
+        rebuild, sin/cos and rotation and this tile's softmax and value dot are independent work in one
+        iteration (:func:`_attend_range`; over codes with ``prefetch`` the keys' codes run two tiles
+        ahead); ``None``: on for float latents (timed in bf16) at d 128 and r 64 where a split holds ≥
+        :data:`AHEAD_KEYS` keys, with ``keys_left`` off (see :func:`_default_config`); over codes a
+        candidate, untimed.
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
