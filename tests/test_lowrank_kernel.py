@@ -93,15 +93,27 @@ def test_matches_reference(case, key_mode, dtype):
     check(args, kwargs, key_mode=key_mode, num_splits=splits, what=f"{path} {key_mode} {dtype}")
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda t: str(t).removeprefix("torch."))
-@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}-H{c[2]}G{c[3]}-q{c[4]}k{c[5]}-r{c[7]}_{c[8]}")
-def test_logits_ahead_matches_reference(case, dtype):
+# every path in bf16 with both logits orders; fp32 and fp16 on a split decode and a causal chunk
+AHEAD_CASES = [(c, torch.bfloat16, (True, False)) for c in CASES] + [
+    (c, dtype, (False,)) for c in (CASES[2], CASES[7]) for dtype in (torch.float32, torch.float16)]
+
+
+def _ahead_id(x) -> str:
+    if isinstance(x, torch.dtype):
+        return str(x).removeprefix("torch.")
+    if len(x) < 5:  # the logits orders: keys_left and q kᵀ, or q kᵀ only
+        return "both-orders" if len(x) == 2 else "q-kT"
+    return f"{x[0]}-H{x[2]}G{x[3]}-q{x[4]}k{x[5]}-r{x[7]}_{x[8]}"
+
+
+@pytest.mark.parametrize("case,dtype,orders", AHEAD_CASES, ids=_ahead_id)
+def test_logits_ahead_matches_reference(case, dtype, orders):
     """``pre_rope`` logits formed one tile ahead (``ahead``) give the same attention in every path: the first
     tile's logits before the loop, the last iteration's past the keys (masked loads, never read), the
     masked tail's own look-ahead, causal rows, padding, bias, both key orders of the logits dot."""
     path, B, H, G, Nq, Nk, d, r_k, r_v, splits, padded, bias, pv = case
     args, kwargs = make_inputs(B, H, G, Nq, Nk, d, r_k, r_v, dtype, padded=padded, bias=bias, pv=pv)
-    for left in (True, False):
+    for left in orders:
         check(args, kwargs, key_mode="pre_rope", num_splits=splits, ahead=True, keys_left=left, block_n=16,
               what=f"ahead keys_left={left} {path} {dtype}")
 
@@ -605,10 +617,15 @@ def test_quantized_latents_match_the_reference(case, key_mode, bits):
     assert_close(out, expected, atol=atol, rtol=rtol, what=f"int{bits} keys, bf16 values")
 
 
-@pytest.mark.parametrize("bits", [8, 4, 2])
-@pytest.mark.parametrize("case", QUANT_CASES[:2] + QUANT_CASES[4:5] + QUANT_CASES[6:7],
-                         ids=lambda c: f"{c[0]}-G{c[3]}-q{c[4]}k{c[5]}-r{c[6]}_{c[7]}")
-def test_logits_ahead_over_codes_matches_the_reference(case, bits):
+# (bits, case): int4 (nibbles) at four shapes, int8 (pairs) and int2 (planes) at a split decode
+AHEAD_CODE_CASES = [(4, c) for c in QUANT_CASES[:2] + QUANT_CASES[4:5] + QUANT_CASES[6:7]] + [
+    (bits, QUANT_CASES[1]) for bits in (8, 2)]
+
+
+@pytest.mark.parametrize("bits,case", AHEAD_CODE_CASES,
+                         ids=lambda x: f"{x[0]}-G{x[3]}-q{x[4]}k{x[5]}-r{x[6]}_{x[7]}" if isinstance(x, tuple)
+                         else f"int{x}")
+def test_logits_ahead_over_codes_matches_the_reference(bits, case):
     """``pre_rope`` logits one tile ahead over codes: with prefetch the keys' codes run two tiles ahead of
     the softmax and the values' one (int4 nibbles with ``nibble_rebuild``, int8 pairs, int2 planes, the
     plain decode; log8 values too); without prefetch over plain codes; both logits orders. Against the
@@ -624,9 +641,9 @@ def test_logits_ahead_over_codes_matches_the_reference(case, bits):
         expected = {log8: reference(q, keys, v.dequantize(torch.bfloat16), P_k, P_v, key_mode="pre_rope",
                                     **kwargs) for log8, v in ((False, qv), (True, q8))}
     atol, rtol = TOL[torch.bfloat16]
-    for values, prefetch, left, plain in ((qv, True, True, False), (qv, True, False, False),
-                                          (q8, True, True, False), (qv, True, True, True),
-                                          (qv, False, True, True)):
+    variants = ((qv, True, True, False), (qv, True, False, False), (q8, True, True, False),
+                (qv, True, True, True), (qv, False, True, True))
+    for values, prefetch, left, plain in variants if bits == 4 else variants[1:3]:
         plain_loop = dict(nibbles=False, pairs=False, planes=False) if plain else {}
         with torch.no_grad():
             out = lk.lowrank_attention(q, qk, values, P_k, P_v, key_mode="pre_rope", **kwargs,
