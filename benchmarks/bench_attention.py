@@ -40,7 +40,6 @@ import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
 from stiefkv.kernels import band as band_kernel
 from stiefkv.kernels._common import ExactTail
-from stiefkv.kernels.band import band_attention
 from stiefkv.kernels.lowrank import _default_config, _num_sms, _token_int2, _token_int4, lowrank_attention
 from stiefkv.kernels.reference import lowrank_attention as reference_attention
 
@@ -544,13 +543,13 @@ def band_rows(shapes, window: int = BAND_WINDOW) -> None:
         for mode in MODES:
             args = (x["q"], x["z_k"], x["z_v"], exact, x["P_k"], None)
             kw = dict(key_mode=mode, positions=x["positions"], rope=x["rope"])
+            kernel = functools.partial(band_kernel.band_attention, *args, **kw)
             with torch.no_grad():
                 ref = utils.bench_ms(functools.partial(reference_attention, *args[:3], x["P_k"], None,
                                                        exact=exact, return_lse=True, **kw))
-                default = utils.bench_ms(functools.partial(band_attention, *args, **kw))
-                sweep = [{"config": {"num_warps": w},
-                          "kernel_ms": utils.bench_ms(functools.partial(band_attention, *args, num_warps=w,
-                                                                        **kw))}
+                default = utils.bench_ms(kernel)
+                sweep = [{"config": {"num_warps": w}, "kernel_ms": utils.bench_ms(functools.partial(kernel,
+                                                                                                 num_warps=w))}
                          for w in BAND_WARPS if w != BAND_DEFAULT_WARPS]
             row = {
                 **case_fields(B, Nq, "50%", mode),

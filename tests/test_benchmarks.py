@@ -293,7 +293,7 @@ def test_bench_attention_band_rows_on_the_cpu(results, monkeypatch):
     x, exact = ba.band_inputs(2, 5, 3, 13)
     for mode in ba.MODES:
         kw = dict(key_mode=mode, positions=x["positions"], rope=x["rope"])
-        out, lse = ba.band_attention(x["q"], x["z_k"], x["z_v"], exact, x["P_k"], None, **kw)
+        out, lse = ba.band_kernel.band_attention(x["q"], x["z_k"], x["z_v"], exact, x["P_k"], None, **kw)
         ref, ref_lse = ba.reference_attention(x["q"], x["z_k"], x["z_v"], x["P_k"], None, exact=exact,
                                               return_lse=True, **kw)
         torch.testing.assert_close(out.float(), ref.float(), atol=3e-2, rtol=3e-2)  # bf16 inputs

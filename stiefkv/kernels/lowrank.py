@@ -1851,8 +1851,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         and (not pre or bool(cfg.get("nibble_rebuild")))
     nib_v = nibbles and v_bits == 4 and not v_channel and r_v_p2 >= 32
     # int4 nibbles read as words, with prefetch only
-    nib_words = bool(cfg.get("nibble_words")) and bool(cfg.get("prefetch"))
     prefetch = bool(cfg.get("prefetch"))
+    nib_words = bool(cfg.get("nibble_words")) and prefetch
     # logits one tile ahead (pre_rope): not beside a fold or late values; tiles met as halves need prefetch
     ahead = bool(cfg.get("ahead")) and pre and not cfg.get("fold_scales") and not (
         prefetch and cfg.get("late_values")) and (prefetch or not (nib_k or pair_k))
@@ -1893,8 +1893,8 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
         and not k_channel and not pre and 32 <= r_k_p2 <= _common.QUANT_GROUP and half,
         NIB_V=nib_v or pair_v,
         K_LOG8=k_log8, V_LOG8=v_log8, KEYS_LEFT=pre and bool(cfg.get("keys_left")),
-        PREFETCH=bool(cfg.get("prefetch")), HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
-        HAS_PRIOR=prior is not None, LATE_V=bool(cfg.get("prefetch")) and bool(cfg.get("late_values")),
+        PREFETCH=prefetch, HAS_LSE=return_lse, K_UNIT=k_unit, V_UNIT=v_unit,
+        HAS_PRIOR=prior is not None, LATE_V=prefetch and bool(cfg.get("late_values")),
         AHEAD=ahead,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         **({"maxnreg": cfg["max_registers"]} if cfg.get("max_registers") and not interpreting() else {}),
