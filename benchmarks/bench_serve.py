@@ -666,6 +666,10 @@ def main() -> None:
     parser.add_argument("--code-slice", type=utils.at_least(0), default=None, metavar="KEYS",
                         help="prefill over codes dequantizes this many keys at a time (kernels.lowrank."
                              "PREFILL_CODE_SLICE; default: its value, 4096)")
+    parser.add_argument("--rebuilt", default=None, choices=["on", "off"],
+                        help="a prefill's keys that every query sees whole through rebuilt keys and "
+                             "FlashAttention, or the low-rank prefill kernel "
+                             "(kernels.lowrank.PREFILL_REBUILT; default: its value, on)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
     parser.add_argument("--decode-option", type=decode_option, action="append", metavar="KEY=VALUE",
                         help="a decode-kernel option over its default for decode over codes (pairs=false, "
@@ -720,6 +724,9 @@ def main() -> None:
     if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
     args.code_slice = lowrank.PREFILL_CODE_SLICE  # the rows record the slice in effect
+    if args.rebuilt is not None:
+        lowrank.PREFILL_REBUILT = args.rebuilt == "on"
+    args.rebuilt = lowrank.PREFILL_REBUILT
     if args.decode_option:
         override_decode(args.decode_option)
     if args.tiny:
@@ -761,7 +768,7 @@ def main() -> None:
                             + (" filled" if args.fill_first and not by_context else ""),
                        model=f"{SHAPES[args.shape][0]} shapes, random weights", cap_gib=args.cap_gib,
                        new_tokens=args.new_tokens, key_mode=args.key_mode, prefill_tokens=args.chunk,
-                       code_slice=args.code_slice, start_batch=args.start_batch,
+                       code_slice=args.code_slice, prefill_rebuilt=args.rebuilt, start_batch=args.start_batch,
                        baseline_start_batch=args.baseline_start_batch, decode_options=args.decode_option,
                        capacity_ratio=row.get("tokens", 0) / base["tokens"] if base.get("tokens") else None,
                        tps_ratio=row.get("tps", 0) / base["tps"] if base.get("tps") else None)

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench_attention as ba  # noqa: E402
 import utils  # noqa: E402
 
+from stiefkv.kernels import lowrank  # noqa: E402
 from stiefkv.kernels._common import QuantizedLatents, merge_prior  # noqa: E402
 from stiefkv.kernels.dequantize import dequantize_latents  # noqa: E402
 from stiefkv.kernels.lowrank import PREFILL_CODE_SLICE, lowrank_attention  # noqa: E402
@@ -125,8 +126,14 @@ def main() -> None:
                     (o1, l1), (o2, l2) = lib(), reb()
                     err = ((o1.float() - o2).abs().max().item(), (l1 - l2).abs().max().item())
                     t_lib, t_reb = ms(lib), ms(reb)
-                    line = (f"  int{bits} {mode}: library {t_lib['p50']:.3f} ms, rebuilt+flash "
-                            f"{t_reb['p50']:.3f} ms (max |Δo| {err[0]:.2e}, |Δlse| {err[1]:.2e})")
+                    lowrank.PREFILL_REBUILT = False
+                    (o3, l3), t_old = lib(), ms(lib)
+                    lowrank.PREFILL_REBUILT = True
+                    err_old = ((o3.float() - o2).abs().max().item(), (l3 - l2).abs().max().item())
+                    line = (f"  int{bits} {mode}: library {t_lib['p50']:.3f} ms, library with the kernel "
+                            f"(PREFILL_REBUILT off) {t_old['p50']:.3f} ms, rebuilt+flash here "
+                            f"{t_reb['p50']:.3f} ms (max |Δo| {err[0]:.2e}, |Δlse| {err[1]:.2e}; kernel's "
+                            f"{err_old[0]:.2e}, {err_old[1]:.2e})")
                     if bits == 16:  # the kernel's own configuration, and flash on keys already rebuilt
                         keys, values = rebuilt_slice(zk, zv, x["P_k"], mode, x["positions"], x["rope"],
                                                      ba.D_HEAD)
@@ -134,12 +141,14 @@ def main() -> None:
                         alone = ms(functools.partial(flash_with_lse, qg, keys, values, ba.D_HEAD**-0.5))
                         del keys, values
                         line += f", flash alone {alone['p50']:.3f} ms"
+                        lowrank.PREFILL_REBUILT = False  # the kernel's own configurations
                         for cfg in CONFIGS:
                             try:
                                 t = ms(functools.partial(lib, **cfg))["p50"]
                                 line += f"\n    {cfg}: {t:.3f} ms"
                             except Exception as e:  # a config that does not compile is a result too
                                 line += f"\n    {cfg}: {type(e).__name__}: {str(e)[:80]}"
+                        lowrank.PREFILL_REBUILT = True
                     print(line, flush=True)
             del zk, zv
         del x

@@ -232,6 +232,9 @@ def main() -> None:
                     help="tokens a prefill forward takes over all rows (generate's prefill_chunk)")
     ap.add_argument("--code-slice", type=int, default=None, metavar="KEYS",
                     help="keys a prefill over codes dequantizes at a time (default: PREFILL_CODE_SLICE)")
+    ap.add_argument("--rebuilt", default=None, choices=["on", "off"],
+                    help="a prefill's keys that every query sees whole through rebuilt keys and "
+                         "FlashAttention (on) or the low-rank prefill kernel (off); default: PREFILL_REBUILT")
     ap.add_argument("--storage-from", default=None, metavar="CKPT",
                     help="profile this checkpoint's storage (bench_serve.py --storage-from) instead of "
                          "--stores, as calibrated and with each feature taken away (STORAGE_VARIANTS)")
@@ -255,6 +258,8 @@ def main() -> None:
         args.key_mode = "pre_rope"
     if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
+    if args.rebuilt is not None:
+        lowrank.PREFILL_REBUILT = args.rebuilt == "on"
     if args.tiny:
         args.shape, args.case, args.steps = "tiny", "2x300", 2
     device = torch.device("cpu" if args.tiny else "cuda")

@@ -40,7 +40,7 @@ from triton.language.extra import libdevice
 
 # Absolute imports: benchmarks/experiments/ablate_decode.py imports edited copies of this file from outside
 # the package, where a relative import has no package to resolve against.
-from stiefkv.kernels import _common
+from stiefkv.kernels import _common, rebuilt
 from stiefkv.kernels._common import (
     KEY_MODES,
     LOG2E,
@@ -1658,12 +1658,26 @@ def _unit_strides(z: torch.Tensor, unit: int) -> tuple[int, ...]:
 # same cache holds 43 rows under 40 GiB and decodes 4.04× the uncompressed model's tokens/s at its capacity
 # (3.13× at 38 rows before; H200, docs/notes/serving.md, eleventh session).
 PREFILL_CODE_SLICE: int | None = 4096
+# A prefill's slices of keys that every query sees whole (no causal part, no padding, no bias) go through
+# keys rebuilt once at full width and FlashAttention (:mod:`stiefkv.kernels.rebuilt`) instead of the
+# low-rank prefill kernel, which rebuilds each key tile once per 128-row query tile.
+PREFILL_REBUILT = True
 
 
 def _slice_keys(z, a: int, c: int):
     """Keys ``[a, c)`` of latents ``[B, G, N, r]``, float or codes (``a`` a multiple of QUANT_GROUP for the
     channel layout, whose scales are per group of tokens)."""
     return z.tokens(a, c) if isinstance(z, QuantizedLatents) else z[:, :, a:c]
+
+
+def _as_floats(z, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
+    """Latents ``z`` as floats in ``dtype``, zero-padded to ``width`` channels if given: codes dequantized
+    in one Triton pass (``dequantize.py``), float latents as they are."""
+    if isinstance(z, QuantizedLatents):
+        from stiefkv.kernels.dequantize import dequantize_latents
+
+        return dequantize_latents(z, dtype, width)
+    return z if width is None or width == z.shape[3] else F.pad(z, (0, width - z.shape[3]))
 
 
 def _floats(z, P: torch.Tensor | None, dtype: torch.dtype):
@@ -1686,19 +1700,31 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
     and attended in the latent space with its log-sum-exp; the parts merge by log-sum-exp (after ``prior``,
     if given), and ``P_v`` applies once at the end. A slice's left padding is the part of the row's
     padding it holds; ``n_valid`` is read to the host (prefill is never captured)."""
-    B, H, Nq, _ = q.shape
+    B, H, Nq, d = q.shape
     Nk = int(n_valid.item()) if n_valid is not None else z_k.shape[2]
     step = max(_common.QUANT_GROUP, code_slice // _common.QUANT_GROUP * _common.QUANT_GROUP)
     own = max(0, Nk - Nq) // _common.QUANT_GROUP * _common.QUANT_GROUP  # channel scales: aligned starts
     bounds = [(a, min(a + step, own)) for a in range(0, own, step)] + [(own, Nk)]
     state = None if prior is None else (prior[0].float(), prior[1].float())  # (output, log-sum-exp)
+    # keys from ``whole`` on are held by every row (left padding ends there): read to the host once
+    whole = 0 if lengths is None else Nk - int(lengths.min())
+    rebuilds = PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_v.shape[3])
     for a, c in bounds:
+        own_keys = causal and c == Nk  # only the last part holds the queries' own keys
+        if rebuilds and not own_keys and a >= whole:
+            zk = _as_floats(_slice_keys(z_k, a, c), q.dtype)
+            zv = _as_floats(_slice_keys(z_v, a, c), q.dtype, d)
+            o, lse = rebuilt.attend_rebuilt(q, zk, zv, P_k, key_mode=key_mode, rope=rope,
+                                            positions=None if positions is None else positions[..., a:c],
+                                            scale=d**-0.5 if scale is None else scale)
+            o = o[..., :z_v.shape[3]]
+            state = (o, lse) if state is None else merge_prior(state, o, lse, torch.float32, True)
+            continue
         held = None if lengths is None else (c - torch.clamp(Nk - lengths, min=a)).clamp(0, c - a)
         part = dict(positions=None if positions is None else positions[..., a:c],
                     bias=None if bias is None else bias[..., a:c], lengths=held)
         zk, Pk = _floats(_slice_keys(z_k, a, c), P_k, q.dtype)
         zv, _ = _floats(_slice_keys(z_v, a, c), None, q.dtype)
-        own_keys = causal and c == Nk  # only the last part holds the queries' own keys
         o, lse = lowrank_attention(q, zk, zv, Pk, None, key_mode=key_mode, rope=rope, causal=own_keys,
                                    scale=scale, return_lse=True, code_slice=0, **part)
         o = o[..., :z_v.shape[3]]  # codes' values come back at the padded rank
@@ -2048,8 +2074,10 @@ def lowrank_attention(
     n_rows = Nq * (H // G)
     r_v = z_v.shape[3]
     code_slice = PREFILL_CODE_SLICE if code_slice is None else code_slice
+    # float latents too where the keys before the queries' own go through rebuilt keys (PREFILL_REBUILT)
     sliced = code_slice and n_rows > DECODE_BLOCK_M and (
-        isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents))
+        isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
+        or (PREFILL_REBUILT and bias is None and rebuilt.takes(q, r_v)))
     if sliced and (n_valid is not None or Nk - Nq > code_slice):
         if return_config:
             raise ValueError("return_config: this prefill attends over its codes in key slices, each "
