@@ -561,16 +561,16 @@ def quantize_latents(z: torch.Tensor, bits: int):
 # (path, B, H, G, Nq, Nk, r_k, r_v, splits): ranks below, at and across a 64-channel scale group, odd ones
 QUANT_CASES = [
     ("decode", 2, 8, 2, 1, 77, 24, 40, 1),
-    ("decode_split", 2, 6, 3, 1, 150, 64, 72, 3),
+    ("decode_split", 1, 6, 3, 1, 150, 64, 72, 3),  # one row: the dearest case under the interpreter
     ("prefill", 1, 4, 2, 37, 37, 40, 24, 1),
     ("prefill_chunk", 2, 6, 2, 19, 61, 72, 32, 1),
     ("decode_odd", 1, 4, 2, 1, 90, 25, 41, 2),  # odd ranks: a last byte with one nibble, split keys
     ("decode_narrow", 1, 4, 2, 1, 40, 13, 16, 1),  # padded ranks below 32: int4 interleaved, not split
     # three queries in the decode tile over 284 keys (full tiles, then the causal one), GQA 3, ranks padded
     # to 16: where the 256-key int4 tile gave wrong logits on the H200
-    ("decode_multi", 3, 6, 2, 3, 284, 11, 13, 1),
+    ("decode_multi", 2, 6, 2, 3, 284, 11, 13, 1),
     # full rank, r = d: the ranks --bits auto keeps at 50 %; two scale groups a token
-    ("decode_full", 2, 8, 2, 1, 150, 128, 128, 2),
+    ("decode_full", 1, 8, 2, 1, 150, 128, 128, 2),
 ]
 
 
