@@ -104,9 +104,14 @@ def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 
 def takes(q: torch.Tensor, r_v: int) -> bool:
     """Whether :func:`attend_rebuilt` serves queries ``q`` ``[B, H, Nq, d]``: half-precision queries (what
-    FlashAttention takes) at a head dimension it takes, value ranks up to ``d``, and a Triton device."""
-    return (q.dtype in (torch.bfloat16, torch.float16) and q.shape[3] in HEAD_DIMS and r_v <= q.shape[3]
-            and (q.is_cuda or interpreting()))
+    FlashAttention takes) at a head dimension it takes, value ranks up to ``d``, and a GPU FlashAttention
+    runs on (compute capability 8.0 or above), or the CPU under the interpreter."""
+    if q.is_cuda:
+        device_ok = torch.cuda.get_device_capability(q.device)[0] >= 8
+    else:
+        device_ok = interpreting()
+    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[3] in HEAD_DIMS and r_v <= q.shape[3] \
+        and device_ok
 
 
 def attend_rebuilt(q: torch.Tensor, z_k: torch.Tensor, z_v: torch.Tensor, P_k: torch.Tensor, *,
