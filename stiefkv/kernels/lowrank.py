@@ -1699,16 +1699,21 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
     query) in slices of ``code_slice``, then the rest (the queries' own, causal), each dequantized alone
     and attended in the latent space with its log-sum-exp; the parts merge by log-sum-exp (after ``prior``,
     if given), and ``P_v`` applies once at the end. A slice's left padding is the part of the row's
-    padding it holds; ``n_valid`` is read to the host (prefill is never captured)."""
+    padding it holds; ``n_valid`` is read to the host (prefill is never captured). With
+    :data:`PREFILL_REBUILT`, slices below the queries that hold no padding go through keys rebuilt at full
+    width (:mod:`stiefkv.kernels.rebuilt`), the slices narrowed by the padded rank over ``d`` so that the
+    transient stays the same bytes."""
     B, H, Nq, d = q.shape
     Nk = int(n_valid.item()) if n_valid is not None else z_k.shape[2]
+    rebuilds = PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_v.shape[3])
+    if rebuilds:  # rebuilt keys and padded values are d wide, the kernel's copy the padded rank: same bytes
+        code_slice = code_slice * max(padded_dim(z_k.shape[3]), padded_dim(z_v.shape[3])) // d
     step = max(_common.QUANT_GROUP, code_slice // _common.QUANT_GROUP * _common.QUANT_GROUP)
     own = max(0, Nk - Nq) // _common.QUANT_GROUP * _common.QUANT_GROUP  # channel scales: aligned starts
     bounds = [(a, min(a + step, own)) for a in range(0, own, step)] + [(own, Nk)]
     state = None if prior is None else (prior[0].float(), prior[1].float())  # (output, log-sum-exp)
     # keys from ``whole`` on are held by every row (left padding ends there): read to the host once
     whole = 0 if lengths is None else Nk - int(lengths.min())
-    rebuilds = PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_v.shape[3])
     for a, c in bounds:
         own_keys = causal and c == Nk  # only the last part holds the queries' own keys
         if rebuilds and not own_keys and a >= whole:
