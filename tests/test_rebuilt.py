@@ -44,7 +44,7 @@ def test_rebuilt_keys_match_the_reference(shape, key_mode, dtype):
     gen = torch.Generator().manual_seed(N)
     z = torch.randn(B, G, N + 3, r, generator=gen).to(dtype)[:, :, 3:]  # a view, as a slice is
     P = basis(G, d, r, gen)
-    positions = [torch.randint(0, 9000, (B, N), generator=gen), torch.randint(0, 9000, (B, G, N), generator=gen)]
+    positions = [torch.randint(0, 9000, size, generator=gen) for size in ((B, N), (B, G, N))]
     for pos in positions if key_mode == "pre_rope" else [None]:
         args = (z.to(DEVICE), P.to(DEVICE))
         kw = dict(key_mode=key_mode, positions=None if pos is None else pos.to(DEVICE), rope=rope(d))
@@ -96,7 +96,8 @@ def test_the_rebuilt_path_is_taken_where_it_applies(monkeypatch):
     queries' own keys, a slice holding a row's padding and any call with a bias do not."""
     calls = []
     real = rebuilt.attend_rebuilt
-    monkeypatch.setattr(rebuilt, "attend_rebuilt", lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
+    monkeypatch.setattr(rebuilt, "attend_rebuilt",
+                        lambda *a, **k: calls.append(a[1].shape[2]) or real(*a, **k))
     B, H, G, Nq, Nk, d, r = 1, 4, 2, 17, 300, 32, 16
     q = torch.randn(B, H, Nq, d).bfloat16().to(DEVICE)
     z = codes(torch.randn(B, G, Nk, r).bfloat16().to(DEVICE), 4)
