@@ -97,6 +97,7 @@ def main() -> None:
     p.add_argument("--rank", type=int, default=None, help="latent rank (default: half the head dimension)")
     p.add_argument("--bits", nargs="+", type=int, default=[2, 4, 16], choices=(16, 8, 4, 2))
     p.add_argument("--modes", nargs="+", default=["pre_rope", "post_rope"], choices=ba.MODES)
+    p.add_argument("--no-configs", action="store_true", help="skip the kernel's configurations (bf16)")
     p.add_argument("--step", type=int, default=PREFILL_CODE_SLICE or 4096, help="keys a slice")
     args = p.parse_args()
     ba.set_heads(args.heads)
@@ -142,7 +143,7 @@ def main() -> None:
                         del keys, values
                         line += f", flash alone {alone['p50']:.3f} ms"
                         lowrank.PREFILL_REBUILT = False  # the kernel's own configurations
-                        for cfg in CONFIGS:
+                        for cfg in [] if args.no_configs else CONFIGS:
                             try:
                                 t = ms(functools.partial(lib, **cfg))["p50"]
                                 line += f"\n    {cfg}: {t:.3f} ms"
