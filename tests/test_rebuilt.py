@@ -81,11 +81,11 @@ def test_a_prefill_behind_its_keys_matches_the_reference(bits, key_mode):
                   lengths=lengths)
         ref, ref_lse = lowrank_attention_reference(q.float(), *seen, P_k, None, **kw)
         for on in (True, False):
-            lowrank.PREFILL_REBUILT = on
+            default, lowrank.PREFILL_REBUILT = lowrank.PREFILL_REBUILT, on
             try:
                 out, lse = lowrank.lowrank_attention(q, K, V, P_k, None, code_slice=128, **kw)
             finally:
-                lowrank.PREFILL_REBUILT = True
+                lowrank.PREFILL_REBUILT = default
             what = f"int{bits} {key_mode} lengths {lengths} rebuilt {on}"
             assert_close(out, ref, atol=TOL, rtol=TOL, what=f"{what}: output")
             assert_close(lse, ref_lse, atol=LSE_TOL, rtol=LSE_TOL, what=f"{what}: log-sum-exp")
@@ -94,6 +94,7 @@ def test_a_prefill_behind_its_keys_matches_the_reference(bits, key_mode):
 def test_the_rebuilt_path_is_taken_where_it_applies(monkeypatch):
     """Slices below the queries, whole in every row and without a bias, go through rebuilt keys; the
     queries' own keys, a slice holding a row's padding and any call with a bias do not."""
+    monkeypatch.setattr(lowrank, "PREFILL_REBUILT", True)
     calls = []
     real = rebuilt.attend_rebuilt
     monkeypatch.setattr(rebuilt, "attend_rebuilt",
