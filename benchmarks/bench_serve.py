@@ -669,7 +669,7 @@ def main() -> None:
     parser.add_argument("--rebuilt", default=None, choices=["on", "off"],
                         help="a prefill's keys that every query sees whole through rebuilt keys and "
                              "FlashAttention, or the low-rank prefill kernel "
-                             "(kernels.lowrank.PREFILL_REBUILT; default: its value, on)")
+                             "(kernels.lowrank.PREFILL_REBUILT; default: its value, off)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
     parser.add_argument("--decode-option", type=decode_option, action="append", metavar="KEY=VALUE",
                         help="a decode-kernel option over its default for decode over codes (pairs=false, "

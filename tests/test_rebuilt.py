@@ -112,3 +112,49 @@ def test_the_rebuilt_path_is_taken_where_it_applies(monkeypatch):
     calls.clear()
     lowrank.lowrank_attention(q, z, z, P, None, bias=torch.zeros(B, G, Nk, device=DEVICE), **kw)
     assert calls == []
+
+
+COMPILE = """
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from stiefkv.kernels import rebuilt
+
+def case(dtype, pre, d, r):
+    types = dict(Z=dtype, P="*fp32", POS="*i64", INV_FREQ="*fp32", OUT=dtype, scaling="fp32")
+    consts = dict(R=r, R_P2=max(16, triton.next_power_of_2(r)), HALF=d // 2, BLOCK=rebuilt.BLOCK_N,
+                  PRE_ROPE=pre, DOT_PREC="tf32")
+    names = rebuilt._rebuild_keys_fwd.arg_names
+    sig = {n: "constexpr" if n in consts else types.get(n, "i32") for n in names}
+    src = ASTSource(fn=rebuilt._rebuild_keys_fwd, signature=sig,
+                    constexprs={(names.index(k),): v for k, v in consts.items()})
+    assert triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["cubin"], "no cubin"
+
+case("*bf16", True, 128, 56)
+case("*bf16", False, 64, 24)
+case("*fp16", True, 64, 9)
+case("*fp32", True, 32, 16)
+print("compiled")
+"""
+
+
+@pytest.mark.skipif(DEVICE == "cuda", reason="CUDA compiles and runs the kernel in the tests above")
+def test_the_rebuild_kernel_compiles_for_the_gpu():
+    """Without a GPU, the rebuild kernel compiled to an sm_90 cubin by Triton's own compiler and ptxas
+    (both key modes, bf16/fp16/fp32 latents, tf32 products as on the device): the interpreter runs neither
+    the compiler's type checks nor its dot shape rules. A fresh cache directory, so it really compiles."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache
+        done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True,
+                              timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]

@@ -1658,10 +1658,13 @@ def _unit_strides(z: torch.Tensor, unit: int) -> tuple[int, ...]:
 # same cache holds 43 rows under 40 GiB and decodes 4.04× the uncompressed model's tokens/s at its capacity
 # (3.13× at 38 rows before; H200, docs/notes/serving.md, eleventh session).
 PREFILL_CODE_SLICE: int | None = 4096
-# A prefill's slices of keys that every query sees whole (no causal part, no padding, no bias) go through
-# keys rebuilt once at full width and FlashAttention (:mod:`stiefkv.kernels.rebuilt`) instead of the
-# low-rank prefill kernel, which rebuilds each key tile once per 128-row query tile.
-PREFILL_REBUILT = True
+# Whether a prefill's slices of keys that every query sees whole (no causal part, no padding, no bias) go
+# through keys rebuilt once at full width and FlashAttention (:mod:`stiefkv.kernels.rebuilt`) instead of
+# the low-rank prefill kernel, which rebuilds each key tile once per 128-row query tile. A candidate, off:
+# exact against the reference under the interpreter and compiled for sm_90 on the CPU, but never run on a
+# GPU (2026-12-06, eighth session: no device machine came); benchmarks/experiments/below_band.py and
+# profile_serve_step.py --rebuilt on|off decide.
+PREFILL_REBUILT = False
 
 
 def _slice_keys(z, a: int, c: int):
