@@ -13,7 +13,7 @@ import torch
 
 from stiefkv.kernels import ExactTail, RopeSpec, lowrank_attention_reference
 
-from .utils import assert_close
+from .utils import assert_close, compiles_for_the_gpu
 
 pytest.importorskip("triton")
 from stiefkv.kernels.band import band_attention  # noqa: E402
@@ -231,18 +231,4 @@ def test_band_kernel_compiles_for_the_gpu():
     modes, both outputs, bias, padding, not causal, bf16 and fp32): the interpreter runs neither the
     compiler's type checks nor its tracing of code after a constexpr-if return, which let a post_rope dot
     reach the pre_rope kernel (found this way, 2026-12-06). A fresh cache directory, so it really compiles."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no NVIDIA backend to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    with tempfile.TemporaryDirectory() as cache:
-        env["TRITON_CACHE_DIR"] = cache
-        done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True,
-                              timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles_for_the_gpu(COMPILE)

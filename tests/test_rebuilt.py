@@ -14,7 +14,7 @@ import torch
 from stiefkv.kernels import QuantizedLatents, RopeSpec, lowrank_attention_reference
 from stiefkv.quant import QuantSpec, quantize
 
-from .utils import assert_close
+from .utils import assert_close, compiles_for_the_gpu
 
 pytest.importorskip("triton")
 from stiefkv.kernels import lowrank, rebuilt  # noqa: E402
@@ -143,18 +143,4 @@ def test_the_rebuild_kernel_compiles_for_the_gpu():
     """Without a GPU, the rebuild kernel compiled to an sm_90 cubin by Triton's own compiler and ptxas
     (both key modes, bf16/fp16/fp32 latents, tf32 products as on the device): the interpreter runs neither
     the compiler's type checks nor its dot shape rules. A fresh cache directory, so it really compiles."""
-    import os
-    import subprocess
-    import sys
-    import tempfile
-
-    try:
-        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
-    except ImportError:
-        pytest.skip("this triton has no NVIDIA backend to compile with")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    with tempfile.TemporaryDirectory() as cache:
-        env["TRITON_CACHE_DIR"] = cache
-        done = subprocess.run([sys.executable, "-c", COMPILE], env=env, capture_output=True, text=True,
-                              timeout=600)
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    compiles_for_the_gpu(COMPILE)

@@ -84,3 +84,26 @@ def greedy_by_backend(model, proj, x: torch.Tensor, new_tokens: int = 12) -> dic
         stiefkv.load(model, proj, backend=backend)
         outs[backend] = model.generate(x, attention_mask=torch.ones_like(x), **kw)
     return outs
+
+
+def compiles_for_the_gpu(script: str) -> None:
+    """Run ``script`` (it compiles kernels with ``triton.compile`` for a GPU target and prints "compiled")
+    in a fresh process without ``TRITON_INTERPRET`` and with a fresh cache directory, so that it really
+    compiles; skip where this triton has no NVIDIA backend."""
+    import os
+    import subprocess
+    import sys
+    import tempfile
+
+    import pytest
+
+    try:
+        from triton.backends.nvidia.compiler import CUDABackend  # noqa: F401
+    except ImportError:
+        pytest.skip("this triton has no NVIDIA backend to compile with")
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    with tempfile.TemporaryDirectory() as cache:
+        env["TRITON_CACHE_DIR"] = cache
+        done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
+                              timeout=600)
+    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
