@@ -38,6 +38,7 @@ from stiefkv.kernels import lowrank  # noqa: E402
 from stiefkv.kernels._common import QuantizedLatents, merge_prior  # noqa: E402
 from stiefkv.kernels.dequantize import dequantize_latents  # noqa: E402
 from stiefkv.kernels.lowrank import PREFILL_CODE_SLICE, lowrank_attention  # noqa: E402
+from stiefkv.kernels.rebuilt import flash_with_lse  # noqa: E402
 from stiefkv.kernels.reference import rebuild_keys  # noqa: E402
 
 CONFIGS = [
@@ -49,15 +50,6 @@ CONFIGS = [
     {"ahead": True, "block_n": 64},
     {"block_n": 64, "num_stages": 3},
 ]
-
-
-def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-    """Non-causal attention ``[B, h, L, d]`` with each row's natural log-sum-exp ``[B, h, L]`` (float32)."""
-    if q.is_cuda:
-        out = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)
-    else:
-        out = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, scale=scale)
-    return out[0], out[1]
 
 
 def rebuilt_slice(zk, zv, P_k, mode, positions, rope, d):

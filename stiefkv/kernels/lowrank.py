@@ -1675,7 +1675,8 @@ def _slice_keys(z, a: int, c: int):
 
 def _as_floats(z, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
     """Latents ``z`` as floats in ``dtype``, zero-padded to ``width`` channels if given: codes dequantized
-    in one Triton pass (``dequantize.py``), float latents as they are."""
+    in one Triton pass (``dequantize.py``; imported here because that module reads this one's log8
+    decoder) straight to that width, float latents as they are."""
     if isinstance(z, QuantizedLatents):
         from stiefkv.kernels.dequantize import dequantize_latents
 
@@ -1685,15 +1686,12 @@ def _as_floats(z, dtype: torch.dtype, width: int | None = None) -> torch.Tensor:
 
 def _floats(z, P: torch.Tensor | None, dtype: torch.dtype):
     """``(latents, basis)`` for a prefill tile: float latents and their basis as they are (the call pads
-    them, :func:`_pad_rank`), codes dequantized in one Triton pass (``dequantize.py``; imported here because
-    that module reads this one's log8 decoder) straight to the padded rank, the basis padded to match
-    (a separate pad of the dequantized copy cost a fill and a copy of it)."""
+    them, :func:`_pad_rank`), codes dequantized straight to the padded rank (:func:`_as_floats`), the basis
+    padded to match (a separate pad of the dequantized copy cost a fill and a copy of it)."""
     if not isinstance(z, QuantizedLatents):
         return z, P
-    from stiefkv.kernels.dequantize import dequantize_latents
-
     width = padded_dim(z.rank)
-    return dequantize_latents(z, dtype, width), (F.pad(P, (0, width - z.rank)) if P is not None else None)
+    return _as_floats(z, dtype, width), (F.pad(P, (0, width - z.rank)) if P is not None else None)
 
 
 def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths, n_valid,

@@ -124,6 +124,6 @@ def attend_rebuilt(q: torch.Tensor, z_k: torch.Tensor, z_v: torch.Tensor, P_k: t
     B, H, Nq, d = q.shape
     G, w = z_k.shape[1], z_v.shape[3]
     keys = rebuild_keys(z_k, P_k, key_mode=key_mode, positions=positions, rope=rope, dtype=q.dtype)
-    values = F.pad(z_v.to(q.dtype), (0, d - w))
+    values = z_v.to(q.dtype) if w == d else F.pad(z_v.to(q.dtype), (0, d - w))  # codes come at width d
     o, lse = flash_with_lse(q.reshape(B, G, (H // G) * Nq, d), keys, values, scale)
     return o.reshape(B, H, Nq, d)[..., :w].float(), lse.reshape(B, H, Nq)
