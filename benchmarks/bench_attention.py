@@ -174,10 +174,6 @@ QUANT_SWEEP = [
     {"ahead": True, "keys_left": False},
     {"ahead": True, "splits": 1.5},
     {"ahead": False, "keys_left": True},  # the default before ahead (where ahead is now taken)
-    # over codes (prefetch: the keys' codes two tiles ahead of the softmax); kernel_sass.py, triton 3.6, r 64:
-    # int4 at the default 128-key tile spills 576-680 bytes with ahead, at 64 keys none (899 instructions
-    # a tile with q kᵀ logits, 936 without ahead at 64 keys, 1711 the default's 128)
-    {"ahead": True, "keys_left": False, "block_n": 64},
 ]
 NIBBLE_OPTIONS = {"nibbles": None, "nibble_rebuild": "pre_rope", "nibble_fold": "post_rope"}  # key mode
 TABLES = ("decode", "prefill", "sweep", "fold", "host", "quant", "shared", "band")
@@ -416,7 +412,7 @@ def quant_rows(shapes, copy: float, modes=MODES, sweep_with=None, rank: int | No
                                 "channel_rows" in cfg and not (channel_keys and bits < 16)) or (
                                 cfg.get("planes") and bits != 2) or (cfg.get("nibble_words") and bits != 4) \
                                 or (cfg.get("int3_planes") and bits != 3) or (
-                                "ahead" in cfg and mode != "pre_rope"):
+                                "ahead" in cfg and (bits != 16 or mode != "pre_rope")):
                             continue
                         cfg["num_splits"] = max(1, round(rule_splits * cfg.pop("splits", 1)))
                         t = utils.graph_ms(kernel_call(xq, mode, **cfg))

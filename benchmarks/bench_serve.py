@@ -669,7 +669,8 @@ def main() -> None:
     parser.add_argument("--rebuilt", default=None, choices=["on", "off"],
                         help="a prefill's keys that every query sees whole through rebuilt keys and "
                              "FlashAttention, or the low-rank prefill kernel "
-                             "(kernels.lowrank.PREFILL_REBUILT; default: its value, off)")
+                             "(on: both key modes, off: neither; default: kernels.lowrank.PREFILL_REBUILT, "
+                             "pre_rope only)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
     parser.add_argument("--decode-option", type=decode_option, action="append", metavar="KEY=VALUE",
                         help="a decode-kernel option over its default for decode over codes (pairs=false, "
@@ -725,7 +726,7 @@ def main() -> None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
     args.code_slice = lowrank.PREFILL_CODE_SLICE  # the rows record the slice in effect
     if args.rebuilt is not None:
-        lowrank.PREFILL_REBUILT = args.rebuilt == "on"
+        lowrank.PREFILL_REBUILT = ("pre_rope", "post_rope") if args.rebuilt == "on" else ()
     args.rebuilt = lowrank.PREFILL_REBUILT
     if args.decode_option:
         override_decode(args.decode_option)

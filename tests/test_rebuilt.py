@@ -65,7 +65,7 @@ def codes(z, bits):
 def test_a_prefill_behind_its_keys_matches_the_reference(bits, key_mode):
     """A chunk of queries behind more keys than a slice: the slices below it go through rebuilt keys, its
     own (causal) part through the kernel; with a row's left padding the slices holding padding go
-    through the kernel too. The same call with PREFILL_REBUILT off is the old path."""
+    through the kernel too. The same call with PREFILL_REBUILT empty is the kernel's path."""
     B, H, G, Nq, Nk, d, r_k, r_v = 2, 9, 3, 20, 333, 64, 24, 40
     gen = torch.Generator().manual_seed(bits)
     q = torch.randn(B, H, Nq, d, generator=gen).bfloat16().to(DEVICE)
@@ -81,7 +81,7 @@ def test_a_prefill_behind_its_keys_matches_the_reference(bits, key_mode):
                   lengths=lengths)
         ref, ref_lse = lowrank_attention_reference(q.float(), *seen, P_k, None, **kw)
         for on in (True, False):
-            default, lowrank.PREFILL_REBUILT = lowrank.PREFILL_REBUILT, on
+            default, lowrank.PREFILL_REBUILT = lowrank.PREFILL_REBUILT, (key_mode,) if on else ()
             try:
                 out, lse = lowrank.lowrank_attention(q, K, V, P_k, None, code_slice=128, **kw)
             finally:
@@ -93,8 +93,9 @@ def test_a_prefill_behind_its_keys_matches_the_reference(bits, key_mode):
 
 def test_the_rebuilt_path_is_taken_where_it_applies(monkeypatch):
     """Slices below the queries, whole in every row and without a bias, go through rebuilt keys; the
-    queries' own keys, a slice holding a row's padding and any call with a bias do not."""
-    monkeypatch.setattr(lowrank, "PREFILL_REBUILT", True)
+    queries' own keys, a slice holding a row's padding, any call with a bias and a key mode not in
+    PREFILL_REBUILT do not."""
+    monkeypatch.setattr(lowrank, "PREFILL_REBUILT", ("pre_rope", "post_rope"))
     calls = []
     real = rebuilt.attend_rebuilt
     monkeypatch.setattr(rebuilt, "attend_rebuilt",
@@ -112,6 +113,9 @@ def test_the_rebuilt_path_is_taken_where_it_applies(monkeypatch):
     calls.clear()
     lowrank.lowrank_attention(q, z, z, P, None, bias=torch.zeros(B, G, Nk, device=DEVICE), **kw)
     assert calls == []
+    monkeypatch.setattr(lowrank, "PREFILL_REBUILT", ("pre_rope",))
+    lowrank.lowrank_attention(q, z, z, P, None, **kw)
+    assert calls == []  # post_rope: the kernel
 
 
 COMPILE = """

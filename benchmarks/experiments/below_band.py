@@ -116,13 +116,13 @@ def main() -> None:
                     lib = functools.partial(lowrank_attention, x["q"], zk, zv, x["P_k"], None, **kw)
                     reb = functools.partial(rebuilt_flash, x["q"], zk, zv, x["P_k"], mode, x["positions"],
                                             x["rope"], args.step)
-                    lowrank.PREFILL_REBUILT = True  # the library with the path on, then off
+                    lowrank.PREFILL_REBUILT = (mode,)  # the library with the path on, then off
                     (o1, l1), (o2, l2) = lib(), reb()
                     err = ((o1.float() - o2).abs().max().item(), (l1 - l2).abs().max().item())
                     t_lib, t_reb = ms(lib), ms(reb)
-                    lowrank.PREFILL_REBUILT = False
+                    lowrank.PREFILL_REBUILT = ()
                     (o3, l3), t_old = lib(), ms(lib)
-                    lowrank.PREFILL_REBUILT = True
+                    lowrank.PREFILL_REBUILT = (mode,)
                     err_old = ((o3.float() - o2).abs().max().item(), (l3 - l2).abs().max().item())
                     line = (f"  int{bits} {mode}: library, PREFILL_REBUILT on {t_lib['p50']:.3f} ms, "
                             f"off (the kernel) {t_old['p50']:.3f} ms, rebuilt+flash here "
@@ -135,14 +135,14 @@ def main() -> None:
                         alone = ms(functools.partial(flash_with_lse, qg, keys, values, ba.D_HEAD**-0.5))
                         del keys, values
                         line += f", flash alone {alone['p50']:.3f} ms"
-                        lowrank.PREFILL_REBUILT = False  # the kernel's own configurations
+                        lowrank.PREFILL_REBUILT = ()  # the kernel's own configurations
                         for cfg in [] if args.no_configs else CONFIGS:
                             try:
                                 t = ms(functools.partial(lib, **cfg))["p50"]
                                 line += f"\n    {cfg}: {t:.3f} ms"
                             except Exception as e:  # a config that does not compile is a result too
                                 line += f"\n    {cfg}: {type(e).__name__}: {str(e)[:80]}"
-                        lowrank.PREFILL_REBUILT = True
+                        lowrank.PREFILL_REBUILT = (mode,)
                     print(line, flush=True)
             del zk, zv
         del x

@@ -108,7 +108,7 @@ def compile_decode(
     ``nibble_words``: int4 nibbles read as 32-bit words (the launcher's ``nibble_words``); ``sincos_fadd``:
     the angles' whole turns rounded on the FMA pipe (the launcher's ``sincos_fadd``; with ``fast_sincos``);
     ``max_registers``: a ceiling on registers a thread (the launcher's ``max_registers``, ptxas's maxnreg);
-    ``ahead``: ``pre_rope`` logits one tile ahead (the launcher's ``ahead``)."""
+    ``ahead``: ``pre_rope`` logits one tile ahead (the launcher's ``ahead``; float latents, no prefetch)."""
     if sincos_fadd and not fast_sincos:
         raise ValueError("sincos_fadd changes the hardware sin/cos's reduction: it needs fast_sincos")
     fn = fn or lk._lowrank_attn_fwd
@@ -159,7 +159,7 @@ def compile_decode(
         "K_NIBW": nibble_words and nibbles and bits == 4 and not k_channel and prefetch
         and (key_mode == "post_rope" or nibble_rebuild),
         "V_NIBW": nibble_words and nibbles and v_bits == 4 and prefetch,
-        "AHEAD": ahead and key_mode == "pre_rope" and not fold and not (late_v and prefetch),
+        "AHEAD": ahead and key_mode == "pre_rope" and bits == 16 and not prefetch,
     }
     const = {k: v for k, v in const.items() if k in fn.arg_names}  # older builds (ablate_decode.py)
     const.update({name: 1 for name in UNIT_STRIDES + ("stride_skgr", "stride_svgr")})

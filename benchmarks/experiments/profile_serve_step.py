@@ -234,7 +234,8 @@ def main() -> None:
                     help="keys a prefill over codes dequantizes at a time (default: PREFILL_CODE_SLICE)")
     ap.add_argument("--rebuilt", default=None, choices=["on", "off"],
                     help="a prefill's keys that every query sees whole through rebuilt keys and "
-                         "FlashAttention (on) or the low-rank prefill kernel (off); default: PREFILL_REBUILT")
+                         "FlashAttention (on, both key modes) or the low-rank prefill kernel (off); default: "
+                         "PREFILL_REBUILT (pre_rope only)")
     ap.add_argument("--storage-from", default=None, metavar="CKPT",
                     help="profile this checkpoint's storage (bench_serve.py --storage-from) instead of "
                          "--stores, as calibrated and with each feature taken away (STORAGE_VARIANTS)")
@@ -259,7 +260,7 @@ def main() -> None:
     if args.code_slice is not None:
         lowrank.PREFILL_CODE_SLICE = args.code_slice
     if args.rebuilt is not None:
-        lowrank.PREFILL_REBUILT = args.rebuilt == "on"
+        lowrank.PREFILL_REBUILT = ("pre_rope", "post_rope") if args.rebuilt == "on" else ()
     if args.tiny:
         args.shape, args.case, args.steps = "tiny", "2x300", 2
     device = torch.device("cpu" if args.tiny else "cuda")

@@ -796,18 +796,11 @@ def _decoded_keys(kr, ks, kl, R_K_P2: tl.constexpr, BLOCK_N: tl.constexpr, K_BIT
 
 
 @triton.jit
-def _rebuilt_halves(z_even, z_odd, p1t, p2t, p1t_o, p2t_o, HALF: tl.constexpr, BLOCK_N: tl.constexpr,
-                    NIB: tl.constexpr, DOT_PREC: tl.constexpr, UPCAST: tl.constexpr):
-    """The rebuilt key halves ``[BLOCK_N, d/2]`` (fp32) of a ``pre_rope`` tile: ``z P_1ᵀ``, ``z P_2ᵀ``, or
-    with ``NIB`` (a tile met as its even and odd channels) the sum of both halves' products."""
+def _rebuilt_halves(z, p1t, p2t, HALF: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PREC: tl.constexpr,
+                    UPCAST: tl.constexpr):
+    """The rebuilt key halves ``[BLOCK_N, d/2]`` (fp32) of a ``pre_rope`` tile: ``z P_1ᵀ``, ``z P_2ᵀ``."""
     zero = tl.zeros([BLOCK_N, HALF], dtype=tl.float32)
-    if NIB:
-        a1 = _dot(z_odd, p1t_o, _dot(z_even, p1t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
-        a2 = _dot(z_odd, p2t_o, _dot(z_even, p2t, zero, DOT_PREC, UPCAST), DOT_PREC, UPCAST)
-    else:
-        a1 = _dot(z_even, p1t, zero, DOT_PREC, UPCAST)
-        a2 = _dot(z_even, p2t, zero, DOT_PREC, UPCAST)
-    return a1, a2
+    return _dot(z, p1t, zero, DOT_PREC, UPCAST), _dot(z, p2t, zero, DOT_PREC, UPCAST)
 
 
 @triton.jit
@@ -845,15 +838,15 @@ def _attend_range(
     ``1024 + code`` and applies each token's scale and low to the logits (``q1sum`` is ``Σ q'``).
     ``LATE_V`` (with ``PREFETCH``) keeps this tile's value codes packed through the logits and softmax and
     decodes them just before the value dot: the decoded tile (4× the codes' registers at int4) is then not
-    live beside the logits. ``AHEAD`` (``pre_rope``) forms the logits one tile ahead: an iteration issues
-    the next tile's rebuild, runs this tile's softmax and value dot on the logits the last one left, then
-    rotates the next tile and forms its logits. The two tiles' chains are independent, so the scheduler can
-    overlap them (FlashAttention-3's softmax and GEMM overlap within a warpgroup); the logits it carries are
-    ``BLOCK_M × BLOCK_N`` floats. With ``PREFETCH`` the keys' codes then run two tiles ahead of the softmax
-    and the values' one."""
+    live beside the logits. ``AHEAD`` (``pre_rope`` over float latents, no prefetch) forms the logits one
+    tile ahead: an iteration issues the next tile's rebuild, runs this tile's softmax and value dot on the
+    logits the last one left, then rotates the next tile and forms its logits. The two tiles' chains are
+    independent, so the scheduler can overlap them (FlashAttention-3's softmax and GEMM overlap within a
+    warpgroup); the logits it carries are ``BLOCK_M × BLOCK_N`` floats. (Over prefetched codes it lost:
+    docs/notes/kernel-tries.md.)"""
     offs_nt = tl.arange(0, BLOCK_N)
-    tl.static_assert(not AHEAD or (KEY_MODE == 0 and not FOLD_K and not LATE_V and (PREFETCH or not NIB_K)),
-                     "logits ahead: pre_rope, not with fold_scales or late_values, nibbles with prefetch")
+    tl.static_assert(not AHEAD or (KEY_MODE == 0 and not PREFETCH and not FOLD_K and not NIB_K),
+                     "logits ahead: pre_rope over float latents without prefetch only")
     HALF: tl.constexpr = HEAD_DIM // 2
     PAIR_K: tl.constexpr = NIB_K and K_BITS == 8  # int8 codes read as words (channel pairs)
     PAIR_V: tl.constexpr = NIB_V and V_BITS == 8
@@ -875,20 +868,10 @@ def _attend_range(
                                    stride_svg, R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V,
                                    V_PLANES)
     if AHEAD:  # the first tile's logits; each iteration forms the next one's
-        if PREFETCH:  # from the codes just fetched; the keys' fetches then run a tile ahead of the values'
-            ze_a, zo_a = _decoded_keys(kr, ks, kl, R_K_P2, BLOCK_N, K_BITS, DTYPE, K_CH, K_LOG8, K_PLANES,
-                                       NIB_K, not UPCAST)
-            pos_a = kp
-            kr, ks, kl = _fetch_latent(ZK, SK, LK, start + BLOCK_N + offs_nt, end, stride_kn, stride_kr,
-                                       stride_skn, stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH,
-                                       K_LOG8, WORDS_K, K_PLANES)
-            kp = _fetch_pos(POS, start + BLOCK_N + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
-        else:
-            ze_a = _load_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn,
-                                stride_skg, R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
-            zo_a = ze_a
-            pos_a = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
-        a1, a2 = _rebuilt_halves(ze_a, zo_a, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, NIB_K, DOT_PREC, UPCAST)
+        z_a = _load_latent(ZK, SK, LK, start + offs_nt, end, stride_kn, stride_kr, stride_skn, stride_skg,
+                           R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
+        pos_a = _fetch_pos(POS, start + offs_nt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+        a1, a2 = _rebuilt_halves(z_a, p1t, p2t, HALF, BLOCK_N, DOT_PREC, UPCAST)
         s_a = _rotated_logits(q1, q2, a1, a2, pos_a, inv_freq, DTYPE, BLOCK_M, BLOCK_N, FAST_SINCOS, DOT_PREC,
                               UPCAST, KEYS_LEFT)
     for start_n in range(start, end, BLOCK_N):
@@ -915,18 +898,12 @@ def _attend_range(
                 v = _decode_latent(vr, vs, vl, R_V_P2, BLOCK_N, V_BITS, DTYPE, V_CH, V_LOG8, V_PLANES,
                                    not UPCAST)
             nxt = offs_n + BLOCK_N
-            k_nxt = nxt + BLOCK_N if AHEAD else nxt  # with AHEAD the codes decoded above are the next tile's
-            kr, ks, kl = _fetch_latent(ZK, SK, LK, k_nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
+            kr, ks, kl = _fetch_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
                                        R_K, R_K_P2, BLOCK_N, True, K_BITS, K_CH, K_LOG8, WORDS_K, K_PLANES)
-            kp = _fetch_pos(POS, k_nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
+            kp = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
             vr, vs, vl = _fetch_latent(ZV, SV, LV, nxt, end, stride_vn, stride_vr, stride_svn, stride_svg,
                                        R_V, R_V_P2, BLOCK_N, True, V_BITS, V_CH, V_LOG8, WORDS_V, V_PLANES)
-            if AHEAD:  # this tile's logits came from the last iteration; the next tile's rebuild starts here
-                s = s_a
-                pos_a = pos
-                a1, a2 = _rebuilt_halves(ze, zo, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, NIB_K, DOT_PREC,
-                                         UPCAST)
-            elif NIB_K:
+            if NIB_K:
                 s = _nibble_logits(q1, q2, p1t, p2t, p1t_o, p2t_o, inv_freq, ze, zo, pos, HEAD_DIM, BLOCK_M,
                                    BLOCK_N, KEY_MODE, FAST_SINCOS, DOT_PREC, UPCAST, KEYS_LEFT)
                 if FOLD_NIB:  # q'·(code·scale + low) = scale·(q'·(1024 + code)) + (low − 1024·scale)·Σq'
@@ -952,7 +929,7 @@ def _attend_range(
             z_a = _load_latent(ZK, SK, LK, nxt, end, stride_kn, stride_kr, stride_skn, stride_skg,
                                R_K, R_K_P2, BLOCK_N, True, K_BITS, DTYPE, K_CH, K_LOG8)
             pos_a = _fetch_pos(POS, nxt, end, stride_posn, BLOCK_N, KEY_MODE, True)
-            a1, a2 = _rebuilt_halves(z_a, z_a, p1t, p2t, p1t_o, p2t_o, HALF, BLOCK_N, False, DOT_PREC, UPCAST)
+            a1, a2 = _rebuilt_halves(z_a, p1t, p2t, HALF, BLOCK_N, DOT_PREC, UPCAST)
         else:
             z = _load_latent(ZK, SK, LK, offs_n, end, stride_kn, stride_kr, stride_skn, stride_skg,
                              R_K, R_K_P2, BLOCK_N, MASKED, K_BITS, DTYPE, K_CH, K_LOG8)  # [BLOCK_N, R_K_P2]
@@ -1658,13 +1635,13 @@ def _unit_strides(z: torch.Tensor, unit: int) -> tuple[int, ...]:
 # same cache holds 43 rows under 40 GiB and decodes 4.04× the uncompressed model's tokens/s at its capacity
 # (3.13× at 38 rows before; H200, docs/notes/serving.md, eleventh session).
 PREFILL_CODE_SLICE: int | None = 4096
-# Whether a prefill's slices of keys that every query sees whole (no causal part, no padding, no bias) go
-# through keys rebuilt once at full width and FlashAttention (:mod:`stiefkv.kernels.rebuilt`) instead of
-# the low-rank prefill kernel, which rebuilds each key tile once per 128-row query tile. A candidate, off:
-# exact against the reference under the interpreter and compiled for sm_90 on the CPU, but never run on a
-# GPU (2026-12-06, eighth session: no device machine came); benchmarks/experiments/below_band.py and
-# profile_serve_step.py --rebuilt on|off decide.
-PREFILL_REBUILT = False
+# The key modes whose prefill slices of keys that every query sees whole (no causal part, no padding, no
+# bias) go through keys rebuilt once at full width and FlashAttention (:mod:`stiefkv.kernels.rebuilt`)
+# instead of the low-rank prefill kernel, which rebuilds each key tile once per 128-row query tile. Timed on
+# an H100 (2026-12-07, benchmarks/experiments/below_band.py, SmolLM2's heads, 32 rows x 128 queries behind
+# 8000 keys, a layer): pre_rope wins (bf16 latents 1.423 -> 0.901 ms, int2 codes 1.620 -> 1.400), post_rope
+# loses (bf16 0.302 -> 0.861, int2 1.045 -> 1.361: the kernel attends at the rank, FlashAttention at d).
+PREFILL_REBUILT: tuple[str, ...] = ("pre_rope",)
 
 
 def _slice_keys(z, a: int, c: int):
@@ -1700,13 +1677,13 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
     query) in slices of ``code_slice``, then the rest (the queries' own, causal), each dequantized alone
     and attended in the latent space with its log-sum-exp; the parts merge by log-sum-exp (after ``prior``,
     if given), and ``P_v`` applies once at the end. A slice's left padding is the part of the row's
-    padding it holds; ``n_valid`` is read to the host (prefill is never captured). With
-    :data:`PREFILL_REBUILT`, slices below the queries that hold no padding go through keys rebuilt at full
-    width (:mod:`stiefkv.kernels.rebuilt`), the slices narrowed by the padded rank over ``d`` so that the
-    transient stays the same bytes."""
+    padding it holds; ``n_valid`` is read to the host (prefill is never captured). Where ``key_mode`` is
+    in :data:`PREFILL_REBUILT`, slices below the queries that hold no padding go through keys rebuilt at
+    full width (:mod:`stiefkv.kernels.rebuilt`), the slices narrowed by the padded rank over ``d`` so that
+    the transient stays the same bytes."""
     B, H, Nq, d = q.shape
     Nk = int(n_valid.item()) if n_valid is not None else z_k.shape[2]
-    rebuilds = PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_v.shape[3])
+    rebuilds = key_mode in PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_v.shape[3])
     if rebuilds:  # rebuilt keys and padded values are d wide, the kernel's copy the padded rank: same bytes
         code_slice = code_slice * max(padded_dim(z_k.shape[3]), padded_dim(z_v.shape[3])) // d
     step = max(_common.QUANT_GROUP, code_slice // _common.QUANT_GROUP * _common.QUANT_GROUP)
@@ -1885,9 +1862,9 @@ def _launch(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, leng
     # int4 nibbles read as words, with prefetch only
     prefetch = bool(cfg.get("prefetch"))
     nib_words = bool(cfg.get("nibble_words")) and prefetch
-    # logits one tile ahead (pre_rope): not beside a fold or late values; tiles met as halves need prefetch
-    ahead = bool(cfg.get("ahead")) and pre and not cfg.get("fold_scales") and not (
-        prefetch and cfg.get("late_values")) and (prefetch or not (nib_k or pair_k))
+    # logits one tile ahead (pre_rope) over float latents without prefetch: over prefetched codes it lost
+    # (H100, 2026-12-07: int4 r 64 at 16x16k 0.632 ms against 0.264 without, 0.302 at 64-key tiles)
+    ahead = bool(cfg.get("ahead")) and pre and not k_codes and not prefetch
     # shared positions [B, Nk] are read per KV head with a zero head stride
     pos_strides = (0, 0, 0)
     if pre:
@@ -2049,10 +2026,10 @@ def lowrank_attention(
         keys (ignored without ``fast_sincos``; see :func:`_default_config`).
         ``ahead`` (``pre_rope``): each tile's logits formed one iteration ahead, so that the next tile's
         rebuild, sin/cos and rotation and this tile's softmax and value dot are independent work in one
-        iteration (:func:`_attend_range`; over codes with ``prefetch`` the keys' codes run two tiles
-        ahead); ``None``: on for float latents (timed in bf16) at d 128 and r 64 where a split holds ≥
-        :data:`AHEAD_KEYS` keys, with ``keys_left`` off (see :func:`_default_config`); over codes a
-        candidate, untimed.
+        iteration (:func:`_attend_range`); over float latents without ``prefetch`` only (left off
+        elsewhere: over prefetched codes it was timed and lost); ``None``: on for float latents (timed in
+        bf16) at d 128 and r 64 where a split holds ≥ :data:`AHEAD_KEYS` keys, with ``keys_left`` off (see
+        :func:`_default_config`).
         ``code_slice`` (prefill over codes): dequantize and attend the keys before the queries' own at most
         this many at a time, merged by log-sum-exp (:func:`_prefill_in_key_slices`), so the bf16 copy is a
         slice's and not the cache's; ``None``: :data:`PREFILL_CODE_SLICE`, 0 for whole.
@@ -2083,7 +2060,7 @@ def lowrank_attention(
     # float latents too where the keys before the queries' own go through rebuilt keys (PREFILL_REBUILT)
     sliced = code_slice and n_rows > DECODE_BLOCK_M and (
         isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
-        or (PREFILL_REBUILT and bias is None and rebuilt.takes(q, r_v)))
+        or (key_mode in PREFILL_REBUILT and bias is None and rebuilt.takes(q, r_v)))
     if sliced and (n_valid is not None or Nk - Nq > code_slice):
         if return_config:
             raise ValueError("return_config: this prefill attends over its codes in key slices, each "
