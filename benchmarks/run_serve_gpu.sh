@@ -79,6 +79,9 @@
 #                8x16k per layer (--key-mode auto), then at capacity (32k, 40 GiB, --fill-first) beside
 #                $BASELINE (default kivi2), then profile_serve_step.py at $ROWS rows (default 43) in each key
 #                mode (~10 minutes in all: split it over calls with CKSTEPS="serve capacity profile")
+#     h200claims on an H200: the issue's kernel claims again (the bf16 decode table in both key modes at
+#                16x16k and 4x128k, int4 post_rope at 4x128k), then serve 8x16k pre_rope (~6 minutes; the
+#                rows in BENCHMARKS.md date from before sincos_fadd, the wide int4 tile and ahead)
 set -u
 source "$(dirname "$0")/gpu_run.sh"
 serve() { step "serve $*" python3 benchmarks/bench_serve.py "$@"; }
@@ -269,6 +272,12 @@ for s in "$@"; do
             done ;;
         esac
       done ;;
+    h200claims)
+      step decode python3 benchmarks/bench_attention.py --tables decode --modes pre_rope post_rope \
+        --shapes 16x16384 4x131072
+      step quant4post python3 benchmarks/bench_attention.py --tables quant --bits 4 --modes post_rope \
+        --shapes 4x131072
+      serve --shape 8b --cases 8x16384 --key-mode pre_rope --rounds 2 ;;
     *) echo "unknown step $s" >> "$LOG" ;;
   esac
 done
