@@ -118,6 +118,44 @@ def test_the_rebuilt_path_is_taken_where_it_applies(monkeypatch):
     assert calls == []  # post_rope: the kernel
 
 
+def test_the_rebuilt_path_takes_only_what_it_serves():
+    """Not taken: a key basis too wide for the rebuild's shared memory (shared bases' ranks above d), float
+    latents wider than the queries' dtype (float32 keeps the kernel's float32 products), value ranks above
+    d, float32 queries; taken over codes and latents in the queries' dtype."""
+    q = torch.randn(1, 4, 3, 128).bfloat16().to(DEVICE)
+    z = {r: torch.randn(1, 2, 5, r).bfloat16().to(DEVICE) for r in (56, 128, 129, 512)}
+    int4 = codes(torch.randn(1, 2, 64, 56), 4)
+    for k, v in ((z[56], z[56]), (z[128], z[128]), (int4, int4)):
+        assert rebuilt.takes(q, k, v)
+    assert not rebuilt.takes(q, z[512], z[56])  # 4 · 512 · 128 bytes: 256 KiB
+    assert not rebuilt.takes(q, z[129], z[56])  # padded to 256: 128 KiB
+    assert not rebuilt.takes(q, z[56], z[129])
+    assert not rebuilt.takes(q, z[56].float(), z[56]) and not rebuilt.takes(q, z[56], z[56].float())
+    assert not rebuilt.takes(q.float(), z[56].float(), z[56].float())
+
+
+def test_no_keys_and_a_prior_leave_the_prior(monkeypatch):
+    """``n_valid`` 0 without the causal part: the one empty slice goes to the kernel (FlashAttention over no
+    keys gives a log-sum-exp of +inf on CUDA and stops the CPU's), so the result is the prior's attention
+    and log-sum-exp. A prior beside a value basis is refused on the sliced path as on the kernel's."""
+    monkeypatch.setattr(lowrank, "PREFILL_REBUILT", ("pre_rope",))
+    gen = torch.Generator().manual_seed(5)
+    B, H, G, Nq, Nk, d, r = 1, 4, 2, 40, 300, 64, 24
+    q = torch.randn(B, H, Nq, d, generator=gen).bfloat16().to(DEVICE)
+    z = torch.randn(B, G, Nk, r, generator=gen).bfloat16().to(DEVICE)
+    P = basis(G, d, r, gen).to(DEVICE)
+    prior = (torch.randn(B, H, Nq, r, generator=gen).bfloat16().to(DEVICE),
+             torch.randn(B, H, Nq, generator=gen).to(DEVICE))
+    kw = dict(key_mode="pre_rope", positions=torch.arange(Nk)[None].to(DEVICE), rope=rope(d), causal=False,
+              code_slice=64)
+    none = torch.tensor([0], dtype=torch.int32, device=DEVICE)
+    out, lse = lowrank.lowrank_attention(q, z, z, P, None, n_valid=none, prior=prior, return_lse=True, **kw)
+    assert_close(out, prior[0], atol=TOL, rtol=TOL, what="output over no keys")
+    assert_close(lse, prior[1], atol=1e-6, rtol=1e-6, what="log-sum-exp over no keys")
+    with pytest.raises(ValueError, match="pass P_v=None"):
+        lowrank.lowrank_attention(q, z, z, P, P, prior=prior, **kw)
+
+
 COMPILE = """
 import triton
 from triton.backends.compiler import GPUTarget

@@ -1683,7 +1683,7 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
     the transient stays the same bytes."""
     B, H, Nq, d = q.shape
     Nk = int(n_valid.item()) if n_valid is not None else z_k.shape[2]
-    rebuilds = key_mode in PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_v.shape[3])
+    rebuilds = key_mode in PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_k, z_v)
     if rebuilds:  # rebuilt keys and padded values are d wide, the kernel's copy the padded rank: same bytes
         code_slice = code_slice * max(padded_dim(z_k.shape[3]), padded_dim(z_v.shape[3])) // d
     step = max(_common.QUANT_GROUP, code_slice // _common.QUANT_GROUP * _common.QUANT_GROUP)
@@ -1694,7 +1694,7 @@ def _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bia
     whole = 0 if lengths is None else Nk - int(lengths.min())
     for a, c in bounds:
         own_keys = causal and c == Nk  # only the last part holds the queries' own keys
-        if rebuilds and not own_keys and a >= whole:
+        if rebuilds and not own_keys and a >= whole and c > a:  # FlashAttention over no keys: lse +inf
             zk = _as_floats(_slice_keys(z_k, a, c), q.dtype)
             zv = _as_floats(_slice_keys(z_v, a, c), q.dtype, d)
             o, lse = rebuilt.attend_rebuilt(q, zk, zv, P_k, key_mode=key_mode, rope=rope,
@@ -2060,11 +2060,13 @@ def lowrank_attention(
     # float latents too where the keys before the queries' own go through rebuilt keys (PREFILL_REBUILT)
     sliced = code_slice and n_rows > DECODE_BLOCK_M and (
         isinstance(z_k, QuantizedLatents) or isinstance(z_v, QuantizedLatents)
-        or (key_mode in PREFILL_REBUILT and bias is None and rebuilt.takes(q, r_v)))
+        or (key_mode in PREFILL_REBUILT and bias is None and rebuilt.takes(q, z_k, z_v)))
     if sliced and (n_valid is not None or Nk - Nq > code_slice):
         if return_config:
             raise ValueError("return_config: this prefill attends over its codes in key slices, each "
                              "launched with its own configuration; pass code_slice=0 to see one launch's")
+        if prior is not None:  # the slices merge it in the latent space: refused with P_v as the kernel does
+            _check_prior(prior, q, r_v, r_v, P_v)
         return _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths,
                                       n_valid, scale, return_lse, prior, int(code_slice))
     if n_rows > DECODE_BLOCK_M and not interpreting():

@@ -25,6 +25,9 @@ from ._common import RopeSpec, interpreting, padded_dim
 
 BLOCK_N = 64  # keys a program
 HEAD_DIMS = (32, 64, 128, 256)  # taken by FlashAttention; halves a power of two ≥ 16 for the rebuild's dots
+# the rebuild holds the key basis in float32 (4·R_P2·d bytes of shared memory): at most 64 KiB, which every
+# GPU of compute capability 8.x and 9.0 holds (sm_86/89: 99 KiB); r 512 at d 128 would need 256 KiB
+BASIS_TILE_BYTES = 64 * 1024
 
 
 @triton.jit
@@ -102,16 +105,21 @@ def flash_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     return out[0], out[1][..., : q.shape[2]]
 
 
-def takes(q: torch.Tensor, r_v: int) -> bool:
-    """Whether :func:`attend_rebuilt` serves queries ``q`` ``[B, H, Nq, d]``: half-precision queries (what
-    FlashAttention takes) at a head dimension it takes, value ranks up to ``d``, and a GPU FlashAttention
-    runs on (compute capability 8.0 or above), or the CPU under the interpreter."""
+def takes(q: torch.Tensor, z_k, z_v) -> bool:
+    """Whether :func:`attend_rebuilt` serves queries ``q`` ``[B, H, Nq, d]`` over latents ``z_k``, ``z_v``
+    (float or codes): half-precision queries (what FlashAttention takes) at a head dimension it takes,
+    value ranks up to ``d``, a key basis whose tile fits the rebuild's shared memory on every GPU it runs on
+    (:data:`BASIS_TILE_BYTES`: shared bases' ranks above ``d`` stay on the kernel, which fits its tiles),
+    float latents already in the queries' dtype (float32 ones keep the kernel's float32 products), and a
+    GPU FlashAttention runs on (compute capability 8.0 or above), or the CPU under the interpreter."""
     if q.is_cuda:
         device_ok = torch.cuda.get_device_capability(q.device)[0] >= 8
     else:
         device_ok = interpreting()
-    return q.dtype in (torch.bfloat16, torch.float16) and q.shape[3] in HEAD_DIMS and r_v <= q.shape[3] \
-        and device_ok
+    d = q.shape[3]
+    floats_ok = all(not isinstance(z, torch.Tensor) or z.dtype == q.dtype for z in (z_k, z_v))
+    return q.dtype in (torch.bfloat16, torch.float16) and d in HEAD_DIMS and z_v.shape[3] <= d \
+        and 4 * max(16, padded_dim(z_k.shape[3])) * d <= BASIS_TILE_BYTES and floats_ok and device_ok
 
 
 def attend_rebuilt(q: torch.Tensor, z_k: torch.Tensor, z_v: torch.Tensor, P_k: torch.Tensor, *,
