@@ -1602,15 +1602,20 @@ def _check_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, length
                            "backend takes the reference where a gradient is needed")
 
 
-def _check_prior(prior, q: torch.Tensor, r_v: int, width: int, P_v) -> tuple[torch.Tensor, torch.Tensor]:
-    """``prior`` as the kernel reads it: a latent output ``[B, H, Nq, r_v]`` in the queries' dtype, padded
-    with zeros to the value latents' ``width`` (a prefill pads odd ranks), and its log-sum-exp
-    ``[B, H, Nq]`` float32, both contiguous."""
+def _refuse_prior(prior, q: torch.Tensor, r_v: int, P_v) -> None:
+    """A ``prior`` continues an attention in the latent space: refused beside ``P_v`` or in another shape."""
     if P_v is not None:
         raise ValueError("prior= continues an attention in the latent space: pass P_v=None (and apply P_v "
                          "after, or fold it into o_proj), or call stiefkv.kernels.lowrank_attention, which "
                          "merges the two outputs")
     check_prior(prior, q, r_v)
+
+
+def _check_prior(prior, q: torch.Tensor, r_v: int, width: int, P_v) -> tuple[torch.Tensor, torch.Tensor]:
+    """``prior`` as the kernel reads it: a latent output ``[B, H, Nq, r_v]`` in the queries' dtype, padded
+    with zeros to the value latents' ``width`` (a prefill pads odd ranks), and its log-sum-exp
+    ``[B, H, Nq]`` float32, both contiguous."""
+    _refuse_prior(prior, q, r_v, P_v)
     o, lse = prior
     o = o.to(q.dtype)
     if width > r_v:  # a pad of nothing would still copy: one kernel a layer in the split decode
@@ -2066,7 +2071,7 @@ def lowrank_attention(
             raise ValueError("return_config: this prefill attends over its codes in key slices, each "
                              "launched with its own configuration; pass code_slice=0 to see one launch's")
         if prior is not None:  # the slices merge it in the latent space: refused with P_v as the kernel does
-            _check_prior(prior, q, r_v, r_v, P_v)
+            _refuse_prior(prior, q, r_v, P_v)
         return _prefill_in_key_slices(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, causal, lengths,
                                       n_valid, scale, return_lse, prior, int(code_slice))
     if n_rows > DECODE_BLOCK_M and not interpreting():
