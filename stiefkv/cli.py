@@ -492,7 +492,7 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                         f"--compact too (got --passkey {passkey}, --compact {compact})")
     to_stdout = json_path is not None and str(json_path) == "-"
 
-    def work():
+    def measure():
         _check_outputs({"--json": None if to_stdout else json_path}, model, files=(projections,), data=data)
         if passkey is None:  # the pass-key prompts are generated, not read
             check_data(data, "test")
@@ -519,14 +519,10 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
 
             pinned = {} if pin is None else {"pin": pin}
             if passkey is not None:
-                result = evaluate_retrieval(m, tok, context=context, keep=compact, method=compact_method,
-                                            samples=passkey, seed=seed, **pinned)
-            else:
-                result = evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
-                                            chunks=windows, data=data, projections=proj, **pinned)
-            if json_path is not None and not to_stdout:
-                _write_json(json_path, result.as_dict())
-            return result
+                return evaluate_retrieval(m, tok, context=context, keep=compact, method=compact_method,
+                                          samples=passkey, seed=seed, **pinned)
+            return evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
+                                      chunks=windows, data=data, projections=proj, **pinned)
         check_context(m.config, window, "--window")
         if baseline in TRANSFORMERS_BASELINES:
             return evaluate_through_cache(m, tok, lambda: transformers_quantized_cache(m, baseline),
@@ -544,6 +540,10 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
             result.attention_kl_context = kl_context
             result.attention_kl = attention_kl_per_layer(m, tok, proj, data=data, context=kl_context,
                                                          stream=kl_stream)
+        return result
+
+    def work():  # every kind of evaluation writes its --json file the same way
+        result = measure()
         if json_path is not None and not to_stdout:
             _write_json(json_path, result.as_dict())
         return result

@@ -364,7 +364,10 @@ def format_table(result: EvalResult, *, legend: bool = True) -> str:
         delta = 100 * (result.ppl / result.ppl_original - 1)
         err = "–" if result.layer_rel_error is None else f"{result.layer_rel_error:.4f}"
         cos = "–" if result.layer_cosine is None else f"{result.layer_cosine:.4f}"
-        rows.append(f"| {result.method} | {100 * result.budget:g} % | {result.key_mode} | {result.ppl:.4f} | "
+        # a quantized cache of transformers' has no budget: its share of the bytes stands in
+        budget = (f"{100 * result.budget:g} %" if result.budget is not None else
+                  f"{100 * result.kv_bytes_per_token / result.kv_bytes_per_token_original:.1f} % of bytes")
+        rows.append(f"| {result.method} | {budget} | {result.key_mode or '–'} | {result.ppl:.4f} | "
                     f"{delta:+.1f} % | {err} | {cos} | {result.next_token_kl:.4f} | "
                     f"{result.kv_bytes_per_token:.0f} |")
     text = head + "\n\n" + "\n".join(rows)

@@ -9,6 +9,7 @@ the same cast. NaN never passes: every output is checked finite.
 """
 
 import itertools
+import json
 import math
 
 import pytest
@@ -930,6 +931,25 @@ def test_transformers_quantized_cache_baseline(monkeypatch):
         assert coded + residual == 320 and coded > 0
         want = 2 * 2 * 2 * (coded * (64 * bits / 8 + 2 * 2) + residual * 64 * 2) / 320
         assert res.kv_bytes_per_token == pytest.approx(want), name
+
+
+def test_cli_eval_of_a_transformers_baseline_prints_its_table_and_writes_its_json(tmp_path, monkeypatch):
+    pytest.importorskip("optimum.quanto")
+    from stiefkv.cli import main
+
+    _tiny_windows(monkeypatch, window=320, n=1)
+    model = tiny_model(head_dim=64, heads=4, kv_heads=2)
+    monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (model, CharTokenizer()))
+    out = tmp_path / "hq.json"
+    result = CliRunner().invoke(main, ["eval", "tiny", "--baseline", "hf-quanto4", "--window", "320",
+                                       "--windows", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    row = next(x for x in result.output.splitlines() if x.startswith("| hf-quanto4 |"))
+    written = json.loads(out.read_text())
+    assert written["method"] == "hf-quanto4" and written["budget"] is None and math.isfinite(written["ppl"])
+    # no budget: the share of the bf16 bytes stands in for it
+    share = 100 * written["kv_bytes_per_token"] / written["kv_bytes_per_token_original"]
+    assert f"| {share:.1f} % of bytes | – |" in row
 
 
 def test_transformers_baseline_without_its_backend_says_what_to_install(monkeypatch):
