@@ -478,9 +478,11 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         from stiefkv.compaction import METHODS as AM_METHODS
 
         if projections is not None and (passkey is not None or compact_method not in AM_METHODS):
+            fix = ("drop --passkey" if passkey is not None else
+                   f"use --compact-method am or attention (not {compact_method})")
             raise UserError("--compact with --projections measures perplexity with --compact-method am or "
                             "attention (pass-key retrieval and kvpress's presses run on the uncompressed "
-                            "model): drop --passkey, or --projections")
+                            f"model): {fix}, or drop --projections")
         if context < 2:
             raise UserError(f"--context must be ≥ 2, got {context}")
     if pin is not None and (compact is None or compact_method not in ("am", "attention") or not 0 <= pin < 1):

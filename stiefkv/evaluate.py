@@ -92,12 +92,13 @@ class EvalResult:
         return asdict(self)
 
 
-def load_test_windows(tokenizer, *, data: str = "wikitext2", window: int = 2048,
-                      limit: int | None = None) -> torch.Tensor:
-    """``[W, window]`` token ids of the test split (the first ``limit`` windows when given)."""
+def load_test_windows(tokenizer, *, data: str = "wikitext2", window: int = 2048, limit: int | None = None,
+                      advice: str = "lower --window") -> torch.Tensor:
+    """``[W, window]`` token ids of the test split (the first ``limit`` windows when given); ``advice``
+    ends the error where there is not one window."""
     ws = windows(token_stream(tokenizer, load_texts(data, "test")), window)
     if len(ws) == 0:
-        raise ValueError(f"the test data has fewer than {window} tokens: lower --window")
+        raise ValueError(f"the test data has fewer than {window} tokens: {advice}")
     return ws if limit is None else ws[:limit]
 
 

@@ -33,7 +33,7 @@ from stiefkv.compacted import (
 )
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
-from stiefkv.models import check_context
+from stiefkv.models import max_positions
 
 METHODS = AM_METHODS + presses.PRESSES
 
@@ -150,6 +150,15 @@ def entry_bytes(model, proj=None, entries: int = 2048) -> tuple[float, float]:
     return stored + dims.L * dims.G * (4 + 2), full
 
 
+def _check_positions(config, context: int, extra: int, what: str) -> None:
+    """A clear error naming the largest context that fits the model's positions beside ``extra`` more."""
+    limit = max_positions(config)
+    if limit is not None and context + extra > limit:
+        raise ValueError(f"a context of {context} and {extra} {what} need {context + extra} positions; the "
+                         f"model has {limit} (max_position_embeddings): use --context (context=) at most "
+                         f"{limit - extra}")
+
+
 def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 512, keep: float = 0.1,
                        method: str = "am", chunks: int | None = None, data: str = "wikitext2",
                        window: int = DEFAULT_WINDOW, projections=None, **options) -> CompactedResult:
@@ -169,9 +178,11 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
         raise ValueError(f"snapkv needs a context longer than its window of {presses.SNAPKV_WINDOW} tokens")
     if context < 2 or score < 2:
         raise ValueError(f"need a context and a scored span of ≥ 2 tokens each, got {context} and {score}")
-    check_context(model.config, context + score, "context + score")
+    _check_positions(model.config, context, score, "scored tokens")
     device = next(model.parameters()).device
-    windows = load_test_windows(tokenizer, data=data, window=context + score, limit=chunks)
+    windows = load_test_windows(tokenizer, data=data, window=context + score, limit=chunks,
+                                advice=f"a chunk is a context of {context} and {score} scored tokens; lower "
+                                       "--context (context=) or give longer test text")
     proj, served, name = _served(model, projections, method)
     nll = nll_full = nll_ranks = 0.0
     tokens = kept = 0
@@ -300,7 +311,7 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
     if method in AM_METHODS:
         effective_options(method, _fit_options(options))
         pin_count(options.get("pin"), 1, method)
-    check_context(model.config, context + 32, "context + question")
+    _check_positions(model.config, context, 32, "tokens of the question and answer")
     rng = random.Random(seed)
     right = right_full = 0
     kept, held = 0, 0.0

@@ -406,6 +406,27 @@ def test_context_beyond_the_models_positions_is_refused(tmp_path, corpus, fake_l
     assert "--kl-context 8192 exceeds the model's 512 positions" in result.output
 
 
+def test_a_compacted_context_names_the_largest_that_fits_and_the_option_to_lower(tmp_path, fake_loader):
+    """``--compact`` scores 512 tokens after the context (32 for a pass key): the largest ``--context`` the
+    positions allow is named, and test text too short for one chunk asks for a shorter --context."""
+    result = run(["eval", "m", "--compact", "0.1", "--context", "512", "--windows", "1"], 2)
+    assert "512 scored tokens need 1024 positions" in result.output
+    assert "use --context (context=) at most 0" in result.output
+    result = run(["eval", "m", "--compact", "0.1", "--context", "500", "--passkey", "1"], 2)
+    assert "use --context (context=) at most 480" in result.output
+    short = tmp_path / "short.txt"
+    short.write_text("a few words of test text, fewer than one chunk of context and scored tokens. " * 3)
+    with pytest.raises(ValueError, match="fewer than 300 tokens: a chunk is a context of 200 and 100 scored "
+                                         "tokens; lower --context"):
+        from stiefkv.longcontext import evaluate_compacted
+
+        evaluate_compacted(tiny_model(), CharTokenizer(), context=200, score=100, data=str(short))
+    ckpt = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
+    result = run(["eval", "m", "--compact", "0.1", "--projections", ckpt, "--compact-method", "snapkv"], 2)
+    assert "use --compact-method am or attention (not snapkv), or drop --projections" in result.output
+    assert "--passkey" not in result.output
+
+
 def test_kl_context_beyond_the_test_text_is_refused_before_the_evaluation(tmp_path, fake_loader, monkeypatch):
     """``--attention-kl`` with more ``--kl-context`` tokens than the test text holds is refused before the
     perplexity pass (which ran first and was lost)."""
