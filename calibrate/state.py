@@ -85,8 +85,10 @@ class CalibrationState:
         changed = sorted(k for k in set(settings) | set(doc["settings"])
                          if settings.get(k) != doc["settings"].get(k))
         if changed:
-            raise ValueError(f"{path} was written with other settings ({', '.join(changed)}); "
-                             "use the same settings, or delete it to start over")
+            was = ", ".join(f"{k} {_short(doc['settings'].get(k))} there, {_short(settings.get(k))} now"
+                            for k in changed)
+            raise ValueError(f"{path} was written with other settings ({was}): rerun with its settings to "
+                             "continue it, or delete it to start over")
         state = cls(settings=doc["settings"], fingerprint=doc["fingerprint"], profiles=doc["profiles"],
                     ranks=[tuple(r) for r in doc["ranks"]], quant=doc.get("quant", []), errors=doc["errors"],
                     refine=doc["refine"])
@@ -100,3 +102,9 @@ class CalibrationState:
         log.info("resuming from %s: %d of the first pass's layers and %d bases done", path, len(state.eig_k),
                  len(state.keys))
         return state
+
+
+def _short(value) -> str:
+    """A setting as a message shows it: digests and long paths cut to their start."""
+    text = str(value)
+    return text if len(text) <= 24 else text[:12] + "…"

@@ -14,6 +14,7 @@ weights, plus the bases beside them in ``stiefkv_projections.safetensors``.
 from __future__ import annotations
 
 import logging
+import os
 import types
 import weakref
 from contextlib import contextmanager
@@ -295,6 +296,9 @@ def load(model: nn.Module, ckpt: str | Path | Projections, *, backend: str = "au
     :class:`~stiefkv.CheckpointError` when the checkpoint was made for another model. Undo with
     :func:`unload`.
     """
+    if not isinstance(ckpt, (str, os.PathLike, Projections)):
+        raise TypeError(f"stiefkv.load takes a checkpoint path or Projections, got {type(ckpt).__name__}: "
+                        "pass the file `stiefkv calibrate -o` wrote")
     proj = ckpt if isinstance(ckpt, Projections) else Projections.load(ckpt)
     return apply_projections(model, proj, backend=backend)
 

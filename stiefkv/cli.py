@@ -63,10 +63,11 @@ def _failures():
 def _run(fn, debug: bool, hint=None):
     """Call ``fn``; turn the errors a user can fix into one line (exit 2), failures into one line (exit 1).
 
-    ``hint()`` is appended to the message (e.g. where the progress of a failed calibration was kept).
+    ``hint(text)`` is appended to the message ``text`` (e.g. where the progress of a failed calibration was
+    kept, unless the message is about that file already).
     """
     def message(text: str) -> str:
-        extra = hint() if hint is not None else ""
+        extra = hint(text) if hint is not None else ""
         return f"{text}{extra}"
 
     try:
@@ -337,8 +338,8 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             plot_profiles(proj, plot)
         return proj
 
-    def kept():
-        if not leader or not partial.is_file():
+    def kept(text: str):
+        if not leader or not partial.is_file() or str(partial) in text:
             return ""
         return f"; the progress so far is kept in {partial}: rerun with --resume to continue, or delete it"
 

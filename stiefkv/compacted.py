@@ -31,7 +31,7 @@ from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword, refu
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import head_bases, head_latents, project_qkv, rotate_with
-from stiefkv.models import decoder_layers, dims_of, max_positions
+from stiefkv.models import check_token_ids, decoder_layers, dims_of, max_positions
 from stiefkv.quant import Quantized
 from stiefkv.static_cache import StaticLatentCache
 
@@ -192,9 +192,7 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     0.1, ``pin=0``: 10 of 10 on the CPU, against 0.30 for the window; docs/notes/compaction.md), at the price
     of a second prefill and more reference queries; :func:`compact`'s default ``pin`` keeps it too (0.95 on
     the H200) at neither price."""
-    if ids.ndim != 2 or ids.shape[1] < 2:
-        raise ValueError(f"prefill takes token ids [batch, tokens] of at least 2 tokens; got shape "
-                         f"{tuple(ids.shape)}")
+    check_token_ids(model, ids, "prefill's ids", least=2)
     if window < 0 or self_study < 0 or repeat < 0 or window + self_study + repeat == 0:
         raise ValueError(f"window, self_study and repeat count reference queries: ≥ 0, not all 0; got "
                          f"{window}, {self_study} and {repeat}")

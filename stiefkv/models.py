@@ -349,6 +349,21 @@ def max_positions(config) -> int | None:
     return int(value) if isinstance(value, int) and value > 0 else None
 
 
+def check_token_ids(model, ids, name: str, *, least: int = 1) -> None:
+    """Raise ``ValueError`` unless ``ids`` (named ``name``) is a ``[batch, tokens]`` integer tensor of at
+    least one row and ``least`` tokens, every id in the model's vocabulary."""
+    if not isinstance(ids, torch.Tensor) or ids.dim() != 2 or ids.shape[0] == 0 or ids.shape[1] < least:
+        tokens = "token" if least == 1 else f"{least} tokens"
+        raise ValueError(f"{name} must be a [batch, tokens] tensor with at least one row and {tokens}, got "
+                         f"{getattr(ids, 'shape', type(ids).__name__)}")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{name} must be integer token ids, got {ids.dtype}")
+    vocab = getattr(model.config, "vocab_size", None)
+    low, high = int(ids.min()), int(ids.max())
+    if vocab is not None and (low < 0 or high >= vocab):
+        raise ValueError(f"{name} hold ids outside the model's vocabulary [0, {vocab}): {low} … {high}")
+
+
 def check_context(config, tokens: int, what: str) -> None:
     """Raise ``ValueError`` when ``tokens`` positions (named ``what``, e.g. ``--window``) exceed the
     model's."""

@@ -24,7 +24,7 @@ from torch import nn
 
 from stiefkv import kernels
 from stiefkv.cache import cache_keyword
-from stiefkv.models import decoder_layers
+from stiefkv.models import check_token_ids, decoder_layers
 from stiefkv.static_cache import StaticLatentCache, transformers_static_length
 
 log = logging.getLogger(__name__)
@@ -97,16 +97,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
 
 
 def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture) -> tuple[int, int]:
-    if not isinstance(input_ids, torch.Tensor) or input_ids.dim() != 2 or 0 in input_ids.shape:
-        raise ValueError(f"input_ids must be a [batch, tokens] tensor with at least one row and token, got "
-                         f"{getattr(input_ids, 'shape', type(input_ids).__name__)}")
-    if input_ids.dtype.is_floating_point or input_ids.dtype.is_complex or input_ids.dtype == torch.bool:
-        raise ValueError(f"input_ids must be integer token ids, got {input_ids.dtype}")
-    vocab = getattr(model.config, "vocab_size", None)
-    low, high = int(input_ids.min()), int(input_ids.max())
-    if vocab is not None and (low < 0 or high >= vocab):
-        raise ValueError(f"input_ids hold ids outside the model's vocabulary [0, {vocab}): "
-                         f"{low} … {high}")
+    check_token_ids(model, input_ids, "input_ids")
     for name, value in (("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be a whole number ≥ 1, got {value!r}")

@@ -293,6 +293,12 @@ def test_save_refuses_bases_that_are_not_finite_or_not_orthonormal(tmp_path, pro
     assert list(tmp_path.iterdir()) == []
 
 
+def test_load_names_what_it_takes_when_given_no_checkpoint():
+    for bad in (None, 3, {"keys": []}):
+        with pytest.raises(TypeError, match=f"checkpoint path or Projections, got {type(bad).__name__}"):
+            stiefkv.load(tiny_model(), bad)
+
+
 # ------------------------------------------------------------------------------- 4. NaN in the model
 
 
@@ -486,6 +492,27 @@ def test_truncated_progress_file_with_resume(tmp_path, corpus, fake_loader):
     partial.write_bytes(partial.read_bytes()[:-5])
     result = run(["calibrate", "m", "--data", corpus, "-o", out, "--resume", *CALIBRATE_SMALL], 2)
     assert "is damaged" in result.output and "delete it" in result.output
+
+
+def test_resume_with_other_settings_says_which_and_gives_one_remedy(tmp_path, corpus, fake_loader,
+                                                                   monkeypatch):
+    """The progress file's settings against the new ones, without the failure hint that says to rerun with
+    --resume (which is what just failed)."""
+    save = CalibrationState.save
+
+    def interrupted_save(self, path):
+        save(self, path)
+        raise KeyboardInterrupt
+
+    out = tmp_path / "o.safetensors"
+    monkeypatch.setattr(CalibrationState, "save", interrupted_save)
+    run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL], 1)
+    monkeypatch.setattr(CalibrationState, "save", save)
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, "--resume", "--budget", "0.75",
+                  *CALIBRATE_SMALL], 2)
+    assert "other settings (budget 0.5 there, 0.75 now): rerun with its settings to continue it, or delete " \
+           "it to start over" in result.output
+    assert "--resume" not in result.output
 
 
 def test_failure_names_the_progress_file_it_kept(tmp_path, corpus, fake_loader, monkeypatch):

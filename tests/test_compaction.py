@@ -452,8 +452,12 @@ def test_bad_compact_requests_are_refused():
         stiefkv.compact(model, stiefkv.compact(model, cache))
     with pytest.raises(ValueError, match="allocation must be one of"):
         stiefkv.compact(model, cache, allocation="heads")
-    with pytest.raises(ValueError, match="at least 2 tokens"):
-        stiefkv.prefill(model, ids[0])
+    two = "at least one row and 2 tokens"
+    for bad, match in ((ids[0], two), (ids[:, :1], two), (ids.tolist(), "got list"),
+                       (ids.float(), "integer token ids, got torch.float32"),
+                       (ids + 10 ** 6, "outside the model's vocabulary")):
+        with pytest.raises(ValueError, match=match):
+            stiefkv.prefill(model, bad)
     with pytest.raises(ValueError, match="not all 0"):
         stiefkv.prefill(model, ids, window=0)
     for options, match in (({"block": 0}, "block must be"), ({"block": -5}, "block must be"),
