@@ -67,6 +67,7 @@ class LatentCache(_dynamic_cache_class()):
         self.prefix: list[int] = []
         self.head_positions: list[torch.Tensor] = []
         self.beta: list[torch.Tensor] = []
+        self.appended_ids: torch.Tensor | None = None  # behind a compacted prefix: see record_appended
 
     @property
     def compacted(self) -> bool:
@@ -186,6 +187,8 @@ class LatentCache(_dynamic_cache_class()):
     def _compacted_rows(self, fn) -> None:
         self.head_positions = [fn(t) for t in self.head_positions]
         self.beta = [fn(t) for t in self.beta]
+        if isinstance(self.appended_ids, torch.Tensor):
+            self.appended_ids = fn(self.appended_ids)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -218,7 +221,7 @@ class LatentCache(_dynamic_cache_class()):
 
     def reset(self):
         super().reset()
-        self.positions = self.lengths = self.length = None
+        self.positions = self.lengths = self.length = self.appended_ids = None
         self.prefix, self.head_positions, self.beta = [], [], []
 
 
@@ -454,6 +457,39 @@ def refuse_no_tokens(hidden_states: torch.Tensor, cache) -> None:
             "ids past the cache's length, and these ids are all in it. Pass the tokens that follow the "
             "cache's; to ask one compacted prompt several questions, give each its own copy "
             "(copy.deepcopy(cache)): generate extends the cache it is given.")
+
+
+UNKNOWN = "unknown"  # appended_ids of a cache extended by embeddings, not ids: nothing to check against
+
+
+def record_appended(cache, ids: torch.Tensor | None) -> None:
+    """Remember the token ids a forward appends behind a compacted prefix (``cache.length`` set), so that
+    :func:`refuse_another_question` can tell a continuation from a second question over the same cache."""
+    if getattr(cache, "length", None) is None or isinstance(getattr(cache, "appended_ids", None), str):
+        return
+    if ids is None:
+        cache.appended_ids = UNKNOWN
+    else:
+        old = cache.appended_ids
+        cache.appended_ids = ids.detach() if old is None else torch.cat([old, ids.to(old.device)], 1)
+
+
+def refuse_another_question(cache, input_ids: torch.Tensor) -> None:
+    """A clear error where ``generate`` is given ids that do not continue what a compacted cache holds: a
+    second question over the cache an earlier ``generate`` extended would otherwise be answered after the
+    first question and its answer, silently (generate passes only the ids past the cache's length)."""
+    seen = getattr(cache, "appended_ids", None)
+    if getattr(cache, "length", None) is None or not isinstance(seen, torch.Tensor) or seen.shape[1] == 0:
+        return
+    start, n = cache.length, seen.shape[1]
+    given = input_ids[:, start:start + n]
+    if given.shape == seen.shape and torch.equal(given.to(seen.device), seen):
+        return
+    raise ValueError(
+        f"this compacted cache already holds {n} tokens after its prompt of {start} (from an earlier "
+        "generate or forward), and the ids given do not continue them: generate would answer after those. "
+        "Give each question its own copy of the cache stiefkv.compact returned (copy.deepcopy(cache)), or "
+        "pass the prompt, the tokens since and then the new ones.")
 
 
 def _check_held(layer_idx: int, keys: int, values: int, positions: int) -> None:

@@ -208,7 +208,8 @@ def main():
 @click.argument("model")
 @click.option("--budget", type=float, default=DEFAULTS["budget"], show_default=True,
               help="KV-cache bytes per token as a fraction of the uncompressed bf16 cache's, in (0, 1], "
-                   "everything counted (latents, scales, positions); 0.5 halves it.")
+                   "latents, scales and exact tokens counted (positions, 4 bytes a token, on top); 0.5 "
+                   "halves it.")
 @click.option("--bits", default=DEFAULTS["bits"], show_default=True,
               help=f"How latents are stored: {', '.join(BITS_CHOICES)}. auto = rank, bit width and group "
                    "layout chosen together per layer for keys and values (bf16 and full rank included); "

@@ -21,13 +21,22 @@ Rows of a batch must be unpadded: compaction has no notion of padding.
 from __future__ import annotations
 
 import numbers
+import types
 from contextlib import contextmanager
 
 import torch
 from transformers import DynamicCache
 
 from stiefkv import presses
-from stiefkv.cache import LatentCache, QuantizedLatentLayer, cache_keyword, refuse_no_tokens, refuse_padding
+from stiefkv.cache import (
+    LatentCache,
+    QuantizedLatentLayer,
+    cache_keyword,
+    record_appended,
+    refuse_another_question,
+    refuse_no_tokens,
+    refuse_padding,
+)
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import head_bases, head_latents, project_qkv, rotate_with
@@ -48,6 +57,31 @@ class CompactedCache(DynamicCache):
         self.length = length
         self.prefix: list[int] = []
         self.beta: list[torch.Tensor] = []
+        self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
+
+    # the appended ids follow every batch edit transformers makes to the layers (beams, contrastive search)
+    def _appended_rows(self, fn) -> None:
+        if isinstance(self.appended_ids, torch.Tensor):
+            self.appended_ids = fn(self.appended_ids)
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        self.beta = [b.index_select(0, beam_idx.to(b.device)) for b in self.beta]
+        self._appended_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self.beta = [b.repeat_interleave(repeats, dim=0) for b in self.beta]
+        self._appended_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        self.beta = [b[indices] for b in self.beta]
+        self._appended_rows(lambda t: t[indices])
+
+    def crop(self, max_length: int):
+        super().crop(max_length)
+        self._appended_rows(lambda t: t[:, : max(0, self.get_seq_length() - self.length)])
 
     def add_layer(self, keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor) -> None:
         i = len(self.prefix)
@@ -102,6 +136,36 @@ def install_hooks(model) -> None:
             return args, kwargs
         handles.append(layer.self_attn.register_forward_pre_hook(use_beta, with_kwargs=True))
     setattr(model, HOOKS, handles)
+
+
+QUESTION_GUARD = "_stiefkv_question_guard"
+
+
+def _record_ids(module, args, kwargs):
+    cache = _cache_argument(kwargs)
+    if cache is not None:
+        record_appended(cache, kwargs.get("input_ids", args[0] if args else None))
+
+
+def _checked_inputs(self, input_ids, *args, **kwargs):
+    """``prepare_inputs_for_generation`` with a compacted cache's ids checked on ``generate``'s first step
+    (every step where this transformers does not say which is first)."""
+    if kwargs.get("is_first_iteration", True):
+        refuse_another_question(_cache_argument(kwargs), input_ids)
+    return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
+
+
+def install_question_guard(model) -> None:
+    """Once per model: the ids each forward appends behind a compacted prefix are recorded, and a
+    ``generate`` whose ids do not continue them is refused
+    (:func:`~stiefkv.cache.refuse_another_question`)."""
+    if getattr(model, QUESTION_GUARD, None):
+        return
+    handle = getattr(model, "model", model).register_forward_pre_hook(_record_ids, with_kwargs=True)
+    if hasattr(type(model), "prepare_inputs_for_generation"):
+        # a bound method, not a closure over this instance: a deep copy of the model rebinds it to itself
+        model.prepare_inputs_for_generation = types.MethodType(_checked_inputs, model)
+    setattr(model, QUESTION_GUARD, handle)
 
 
 # ---------------------------------------------------------------------------------------------- the prompt
@@ -706,7 +770,9 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
                          "stiefkv.prefill(model, ids), or pass queries=")
     check_queries(model, cache, queries)
     effective_options(method, {k: v for k, v in options.items() if k != "pin"})
-    return build(model, cache, queries, max(1, round(keep * T)), method, **options)
+    new = build(model, cache, queries, max(1, round(keep * T)), method, **options)
+    install_question_guard(model)
+    return new
 
 
 def check_queries(model, cache, queries) -> None:

@@ -9,6 +9,8 @@ Tolerances: float32 throughout (atol 1e-4 on logits of a tiny model; int4 latent
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -253,6 +255,38 @@ def test_compressed_context_perplexity_of_a_served_model():
     entry, full = entry_bytes(model, proj)
     dims = dims_of(model.config)
     assert full == dims.L * dims.G * 2 * dims.d * 2 and entry < full / 2
+
+
+def test_a_second_question_over_a_compacted_cache_generate_extended_is_refused():
+    """``generate`` extends the compacted cache it is given, so a second question over it (the prompt's ids
+    and other question tokens) would be answered after the first question and its answer, silently: it is
+    refused, on the plain and the served model; a copy answers it as a fresh cache does, a continuation of
+    what the cache holds goes on, also with its rows repeated (as beam search repeats them)."""
+    import copy
+
+    model, ids = prompt(8, 40)
+    q1 = torch.randint(3, 97, (1, 3), generator=torch.Generator().manual_seed(1))
+    q2 = torch.randint(3, 97, (1, 12), generator=torch.Generator().manual_seed(2))
+    G = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
+    key = cache_keyword(model)
+    for served in (False, True):
+        with compressed(model, random_projections(model, 8, 8)) if served else contextlib.nullcontext():
+            base = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.3)
+            spare = copy.deepcopy(base)
+            first = model.generate(torch.cat([ids, q1], 1), **{key: base}, **G)
+            for extended in (base, copy.deepcopy(base)):
+                held = "already holds 6 tokens after its prompt of 40.*deepcopy"
+                with pytest.raises(ValueError, match=held):
+                    model.generate(torch.cat([ids, q2], 1), **{key: extended}, **G)
+            again = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.3)
+            want = model.generate(torch.cat([ids, q2], 1), **{key: again}, **G)
+            assert torch.equal(model.generate(torch.cat([ids, q2], 1), **{key: spare}, **G), want)
+            rows = copy.deepcopy(base)  # rows repeated (as for beams): the recorded ids follow them
+            rows.batch_repeat_interleave(2)
+            assert rows.appended_ids.shape == (2, 6)
+            two = model.generate(torch.cat([first, q2], 1).repeat(2, 1), **{key: rows}, **G)
+            on = model.generate(torch.cat([first, q2], 1), **{key: base}, **G)  # the prompt, q1, its answer
+            assert on.shape[1] == first.shape[1] + 12 + 4 and torch.equal(two, on.repeat(2, 1))
 
 
 def test_a_cache_shortened_outside_stiefkv_or_no_new_tokens_is_refused_clearly():
