@@ -65,8 +65,8 @@ BITS_CHOICES = tuple(str(b) for b in BITS) + ("auto",)
 class CalibrationConfig:
     """Every calibration setting, with its default.
 
-    budget : the cache's bytes per token as a fraction of the uncompressed bf16 cache's, in (0, 1], everything
-        counted (latents at their bit width, scales, lows, positions).
+    budget : the cache's bytes per token as a fraction of the uncompressed bf16 cache's, in (0, 1]: latents at
+        their bit width, scales, lows and exact tokens counted (the positions, 4 bytes a token, on top).
     bits : how latents are stored: ``auto`` (per layer and separately for keys and values, the rank, bit
         width and group layout chosen together by the knapsack; bf16 and full rank are candidates),
         ``16`` (bf16 latents, ranks only: the allocation of earlier versions) or ``8``/``4``/``3``/``2``
@@ -196,6 +196,8 @@ class CalibrationConfig:
         if self.allocation == "uniform" and self.bits not in ("16", "auto"):
             raise ValueError(f"allocation 'uniform' stores bf16 latents; bits {self.bits} needs allocation "
                              "'dp'")
+        if self.allocation == "uniform":
+            self.bits = "16"  # what it stores, so that the checkpoint's header says so (not the default auto)
         for name, allowed in (("method", METHODS), ("key_mode", CALIBRATION_KEY_MODES),
                               ("allocation", allocate.ALLOCATIONS), ("weighting", WEIGHTINGS),
                               ("profile", PROFILES), ("order", ORDERS), ("loss", LOSSES),

@@ -248,7 +248,9 @@ def main():
               help="dp = per-layer ranks minimising the summed profiled error under the budget (exact "
                    "knapsack); uniform = the same ranks in every layer.")
 @click.option("--weighting", type=click.Choice(WEIGHTINGS), default=DEFAULTS["weighting"], show_default=True,
-              help="For dp: a layer's error relative to its output (output) or to its own update (update).")
+              help="For dp: what a layer's compression costs: the whole model's next-token KL with only "
+                   "that layer compressed (kl), or the layer's own error relative to its output (output) or "
+                   "to its update (update).")
 @click.option("--profile", type=click.Choice(PROFILES), default=DEFAULTS["profile"], show_default=True,
               help="For dp: profile errors with PCA bases (cheap) or refined bases at every rank (slow).")
 @click.option("--order", type=click.Choice(ORDERS), default=DEFAULTS["order"], show_default=True,

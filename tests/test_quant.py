@@ -817,6 +817,18 @@ def test_recent_tokens_are_checked_and_counted_in_the_smallest_budget(tmp_path, 
     assert result.exit_code == 2 and "--recent" in result.output and not out.exists()
 
 
+def test_uniform_allocation_records_the_bf16_latents_it_stores(corpus):
+    from stiefkv.calibrate.pipeline import CalibrationConfig
+
+    assert CalibrationConfig(allocation="uniform").validate().bits == "16"  # not the default's auto
+    assert CalibrationConfig(allocation="uniform", bits="16").validate().bits == "16"
+    assert CalibrationConfig().validate().bits == "auto"
+    proj = stiefkv.calibrate(tiny_model(layers=2), CharTokenizer(), data=str(corpus), method="pca",
+                             allocation="uniform", num_sequences=2, seq_len=17)
+    assert proj.settings["bits"] == "16" and all(k is None or not k.quantized for pair in proj.specs
+                                                 for k in pair)
+
+
 def test_the_default_recent_window_follows_the_budget():
     from stiefkv.calibrate.pipeline import CalibrationConfig, default_recent, storages
 
