@@ -20,18 +20,25 @@ def plot_profiles(proj, path: str | Path, weighting: str | None = None) -> Path:
     weighting = weighting or proj.settings.get("weighting", "output")
     fig, axes = plt.subplots(1, 2, figsize=(12, 5), sharey=True)
     cmap = plt.get_cmap("viridis")
-    for i, (p, (rk, rv)) in enumerate(zip(profiles, proj.ranks)):
+    coded = False
+    for i, (p, (rk, rv), specs) in enumerate(zip(profiles, proj.ranks, proj.specs)):
         prof = LayerProfile(**p)
         color = cmap(i / max(1, len(profiles) - 1))
-        for ax, which, chosen in ((axes[0], "k", rk), (axes[1], "v", rv)):
+        for ax, which, chosen, spec in ((axes[0], "k", rk, specs[0]), (axes[1], "v", rv, specs[1])):
             err = [max(e, 1e-12) for e in prof.relative(which, weighting)]
             ax.plot(prof.ranks, err, color=color, lw=1)
-            ax.plot([chosen], [err[prof.ranks.index(chosen)]], "o", color=color, ms=4)
+            # the profiles are of bf16 latents: a rank stored as codes is marked apart, at its bf16 error
+            quantized = spec is not None and spec.quantized
+            coded |= quantized
+            ax.plot([chosen], [err[prof.ranks.index(chosen)]], "x" if quantized else "o", color=color, ms=4)
+    measure = ("the whole model's next-token KL" if weighting == "kl" else
+               f"relative squared layer error ({weighting})")
     for ax, name in zip(axes, ("keys only", "values only")):
         ax.set_yscale("log")
-        ax.set_xlabel("rank")
-        ax.set_title(f"{name}: relative squared layer error ({weighting})")
-    axes[0].set_ylabel("error (dots: chosen rank; colour: layer)")
+        ax.set_xlabel("rank (bf16 latents)")
+        ax.set_title(f"{name}: {measure}")
+    axes[0].set_ylabel("error (dots: chosen rank; colour: layer)" if not coded else
+                       "error of bf16 latents (dots: chosen rank; crosses: stored as codes; colour: layer)")
     fig.suptitle(f"{proj.method}, {proj.key_mode_summary}, budget {proj.budget:g}")
     fig.tight_layout()
     path = Path(path)

@@ -223,7 +223,8 @@ def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):
     assert sum(e["rel_error"] for e in ours.errors) < 0.9 * sum(e["rel_error"] for e in pca.errors)
 
 
-def test_cli_plot_and_resume_flag(tmp_path, corpus):
+def test_cli_plot_and_resume_flag(tmp_path, corpus, monkeypatch):
+    import matplotlib.pyplot as plt
     from click.testing import CliRunner
 
     from stiefkv.cli import main
@@ -232,8 +233,15 @@ def test_cli_plot_and_resume_flag(tmp_path, corpus):
     model = tiny_model()
     proj = stiefkv.calibrate(model, CharTokenizer(), budget=0.5, method="pca", data=str(corpus),
                              num_sequences=3, seq_len=17)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
     png = plot_profiles(proj, tmp_path / "p.png")
     assert png.read_bytes()[:4] == b"\x89PNG"
+    # the default weighting's measure is named, and ranks stored as codes are marked apart (crosses)
+    keys = figures[0].axes[0]
+    assert "next-token KL" in keys.get_title() and proj.settings["weighting"] == "kl"
+    markers = [line.get_marker() for line in keys.lines if line.get_marker() not in ("None", None)]
+    assert markers == ["x" if k.quantized else "o" for k, _ in proj.specs]
     r = CliRunner().invoke(main, ["calibrate", "smollm2", "--order", "sideways", "-o", str(tmp_path / "x")])
     assert r.exit_code == 2 and "sideways" in r.output
 
