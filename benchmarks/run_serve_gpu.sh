@@ -79,6 +79,8 @@
 #                8x16k per layer (--key-mode auto), then at capacity (32k, 40 GiB, --fill-first) beside
 #                $BASELINE (default kivi2), then profile_serve_step.py at $ROWS rows (default 43) in each key
 #                mode (~10 minutes in all: split it over calls with CKSTEPS="serve capacity profile")
+#     capacitypre  the pre_rope capacity runs with the cache filled directly: 12.5 % (r 56 x int4) beside
+#                KIVI-2, then 50 % beside int8 (the H200's pre_rope capacity rows predate --fill-first)
 #     h200claims on an H200: the issue's kernel claims again (the bf16 decode table in both key modes at
 #                16x16k and 4x128k, int4 post_rope at 4x128k), then serve 8x16k pre_rope (~6 minutes; the
 #                rows in BENCHMARKS.md date from before sincos_fadd, the wide int4 tile and ahead)
@@ -272,6 +274,11 @@ for s in "$@"; do
             done ;;
         esac
       done ;;
+    capacitypre)
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --budget 0.4375 --bits 4 \
+        --key-mode pre_rope --baseline-cache kivi2 --fill-first
+      serve --shape 8b --capacity --context 32768 --cap-gib 40 --new-tokens 32 --key-mode pre_rope \
+        --baseline-cache int8 --fill-first ;;
     h200claims)
       step decode python3 benchmarks/bench_attention.py --tables decode --modes pre_rope post_rope \
         --shapes 16x16384 4x131072
