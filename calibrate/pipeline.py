@@ -506,14 +506,17 @@ def first_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibra
     bar = PhaseProgress(1, "profiles" if cfg.allocation == "dp" else "PCA", inputs.num_layers, shard.leader)
     try:
         for i in range(inputs.num_layers):
+            fresh = i >= len(state.eig_k)
+            if fresh:  # timed with the layer's own forward and advance, which every later layer pays too
+                bar.begin(i)
             layer, target = inputs.layers[i], inputs.run()
             check_finite(target, f"layer {i}")
-            if i >= len(state.eig_k):
-                bar.begin(i)
+            if fresh:
                 first_pass_layer(model, layer, i, inputs, target, output_kl, ranks, cfg, rope, state, shard)
                 state.save(progress)
-                bar.end(i)
             inputs.advance(target)
+            if fresh:
+                bar.end(i)
     finally:
         bar.close()
 
@@ -642,6 +645,9 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
     bar = PhaseProgress(2, f"{cfg.method} layers", inputs.num_layers, shard.leader)
     try:
         for i in range(inputs.num_layers):
+            done = i < len(state.keys)
+            if not done:  # timed with the layer's forward and advance, as in the first pass
+                bar.begin(i)
             layer, target = inputs.layers[i], inputs.run()
             check_finite(target, f"layer {i}")
             lcfg = cfg if key_modes[i] == cfg.key_mode else replace(cfg, key_mode=key_modes[i])
@@ -649,9 +655,7 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
             x = compressed_hidden.to(inputs.device) if sequential else inputs.hidden
             data = LayerBatch(i, x, target, inputs.position_embeddings, inputs.attention_mask,
                               inputs.position_ids)
-            done = i < len(state.keys)
             if not done:
-                bar.begin(i)
                 eig_k = key_eigenvectors(model, inputs, target, x, i, lcfg, shard) if rekey else None
                 P_k, P_v = fit_layer(layer, data, state, i, lcfg, rope, shard, eig_k=eig_k)
                 state.keys.append(P_k.cpu())
@@ -670,8 +674,9 @@ def second_pass(model, seqs: torch.Tensor, cfg: CalibrationConfig, state: Calibr
             if not done:
                 state.errors.append(error)
                 state.save(progress)
-                bar.end(i)
             inputs.advance(target)
+            if not done:
+                bar.end(i)
     finally:
         bar.close()
 

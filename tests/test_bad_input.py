@@ -619,6 +619,27 @@ def test_progress_names_the_phase_and_the_expected_time(corpus, caplog):
     assert "expect about" in caplog.text and "for the other 2 layers" in caplog.text
 
 
+def test_the_expected_time_counts_each_layers_forward(corpus, caplog, monkeypatch):
+    """Every layer pays its forward and advance: a first layer timed without them promised 5 s for
+    SmolLM2's other 29 layers where they took about 32."""
+    import time
+
+    from stiefkv.calibrate.collect import LayerInputs
+
+    run = LayerInputs.run
+
+    def slow(self, *args, **kwargs):
+        time.sleep(0.3)
+        return run(self, *args, **kwargs)
+
+    monkeypatch.setattr(LayerInputs, "run", slow)
+    with caplog.at_level(logging.INFO, logger="stiefkv"):
+        stiefkv.calibrate(tiny_model(layers=2), CharTokenizer(), budget=0.5, data=str(corpus), method="pca",
+                          num_sequences=2, seq_len=17, profile_sequences=1)
+    took = [float(t) for t in re.findall(r"layer 0 took ([0-9.]+) s", caplog.text)]
+    assert len(took) == 2 and min(took) >= 0.3, caplog.text
+
+
 # ------------------------------------------------------------------------ 15. a folder with projections
 
 
