@@ -59,29 +59,29 @@ class CompactedCache(DynamicCache):
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
 
-    # the appended ids follow every batch edit transformers makes to the layers (beams, contrastive search)
-    def _appended_rows(self, fn) -> None:
+    # β and the appended ids follow every batch edit transformers makes to the layers (beams, contrastive
+    # search), as LatentCache's per-row fields do
+    def _rows_follow(self, fn) -> None:
+        self.beta = [fn(b) for b in self.beta]
         if isinstance(self.appended_ids, torch.Tensor):
             self.appended_ids = fn(self.appended_ids)
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
-        self.beta = [b.index_select(0, beam_idx.to(b.device)) for b in self.beta]
-        self._appended_rows(lambda t: t.index_select(0, beam_idx.to(t.device)))
+        self._rows_follow(lambda t: t.index_select(0, beam_idx.to(t.device)))
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
-        self.beta = [b.repeat_interleave(repeats, dim=0) for b in self.beta]
-        self._appended_rows(lambda t: t.repeat_interleave(repeats, dim=0))
+        self._rows_follow(lambda t: t.repeat_interleave(repeats, dim=0))
 
     def batch_select_indices(self, indices: torch.Tensor):
         super().batch_select_indices(indices)
-        self.beta = [b[indices] for b in self.beta]
-        self._appended_rows(lambda t: t[indices])
+        self._rows_follow(lambda t: t[indices])
 
-    def crop(self, max_length: int):
-        super().crop(max_length)
-        self._appended_rows(lambda t: t[:, : max(0, self.get_seq_length() - self.length)])
+    def crop(self, *args, **kwargs):  # a maximum length or, in newer transformers, the tokens to remove
+        super().crop(*args, **kwargs)
+        if isinstance(self.appended_ids, torch.Tensor):
+            self.appended_ids = self.appended_ids[:, : max(0, self.get_seq_length() - self.length)]
 
     def add_layer(self, keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor) -> None:
         i = len(self.prefix)
