@@ -78,7 +78,7 @@ def main() -> None:
     total = synced() - t0
     if torch.cuda.is_available():
         peak = torch.cuda.max_memory_allocated() / 2**30
-    distributed.shutdown()
+    distributed.wait_for_all()
     if not leader:
         return
     row = {
@@ -95,3 +95,4 @@ def main() -> None:
 
 if __name__ == "__main__":
     main()
+    distributed.leave()

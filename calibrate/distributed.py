@@ -18,7 +18,9 @@ checkpoint.
 from __future__ import annotations
 
 import datetime
+import logging
 import os
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -165,11 +167,26 @@ def check_same(shard: Shard, what: str, value: dict) -> None:
                              "process with the same command")
 
 
-def shutdown() -> None:
-    """Leave the process group once every process is done: a gloo process that tears its group down while
-    another still uses it can abort ("terminate called without an active exception"). Call it only on
-    success; after an error the process just exits (a barrier there would wait for processes the launcher
-    is stopping)."""
+def wait_for_all() -> None:
+    """Return once every process is done with the collectives (a barrier). Call it only on success; after an
+    error the process just exits (a barrier there would wait for processes the launcher is stopping)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+
+
+def leave() -> None:
+    """End a process of a launched run once it has written all it had to: flush the output, exit 0, and skip
+    the interpreter's teardown. Does nothing outside a process group.
+
+    A gloo process can abort in that teardown ("terminate called without an active exception", SIGABRT)
+    although its work is done: on CI (torch 2.13) rank 1 of a 2-process calibration did, after a barrier and
+    ``destroy_process_group``, so the launcher failed the run. The group's C++ worker threads can outlive
+    ``destroy_process_group`` and be freed while the interpreter shuts down (pytorch/pytorch#179291).
+    After :func:`wait_for_all` no collective is left for a destructor to finish.
+    """
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -330,7 +330,7 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
         if devices:
             stiefkv.place_layers(m, devices)
         proj = stiefkv.calibrate(m, tok, seed=seed, progress=partial, resume=resume, **settings)
-        distributed.shutdown()
+        distributed.wait_for_all()
         if not leader:
             return proj
         proj.save(output)
@@ -350,6 +350,7 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     if leader:
         click.echo(_inspect_table(proj))
         click.echo(f"\nwrote {output} ({proj.settings['seconds']} s)")
+    distributed.leave()
 
 
 @main.command()
