@@ -220,7 +220,9 @@ class LatentCache(_dynamic_cache_class()):
         self._compacted_rows(lambda t: _rows(t, indices))
 
     def reset(self):
-        super().reset()
+        # dropped, not reset: transformers 5.0's DynamicLayer.reset zeroes its tensors and keeps their length
+        # and batch, which the next forward would continue
+        self.layers.clear()
         self.positions = self.lengths = self.length = self.appended_ids = None
         self.prefix, self.head_positions, self.beta = [], [], []
 
@@ -402,8 +404,8 @@ class QuantizedLatentLayer(_dynamic_layer_class()):
     def get_seq_length(self) -> int:
         return self.stores[0].length
 
-    def get_mask_sizes(self, query_length: int):
-        return self.get_seq_length() + query_length, 0
+    def get_mask_sizes(self, query_length):
+        return self.get_seq_length() + query_count(query_length), 0
 
     def reset(self) -> None:
         self.stores = tuple(LatentStore(s.spec) for s in self.stores)
@@ -442,6 +444,12 @@ def _rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
 def cache_keyword(model: nn.Module) -> str:
     """The keyword this transformers version's ``forward`` takes a cache by (renamed in 5.24)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def query_count(query) -> int:
+    """The queries of a ``get_mask_sizes`` call: recent transformers pass their count, 5.0
+    their ``cache_position`` tensor."""
+    return query.numel() if isinstance(query, torch.Tensor) else int(query)
 
 
 def refuse_no_tokens(hidden_states: torch.Tensor, cache) -> None:

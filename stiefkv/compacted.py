@@ -151,7 +151,10 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
     """``prepare_inputs_for_generation`` with a compacted cache's ids checked on ``generate``'s first step
     (every step where this transformers does not say which is first)."""
     if kwargs.get("is_first_iteration", True):
-        refuse_another_question(_cache_argument(kwargs), input_ids)
+        cache = _cache_argument(kwargs)
+        if cache is not None:  # before transformers 5.0's own slicing fails on ids the cache already holds
+            refuse_no_tokens(input_ids[:, cache.get_seq_length():], cache)
+        refuse_another_question(cache, input_ids)
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
 
 

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from stiefkv import kernels
-from stiefkv.cache import LatentCache, lengths_from_mask
+from stiefkv.cache import LatentCache, lengths_from_mask, query_count
 from stiefkv.kernels import CodesAndBand, QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS, dequantized, interpreting
 from stiefkv.models import decoder_layers
@@ -554,8 +554,7 @@ class StaticLatentCache(LatentCache):
 
     def get_mask_sizes(self, query_length, layer_idx: int = 0, *args) -> tuple[int, int]:
         # transformers builds the mask before the forward writes: it covers what is held plus the queries
-        n = query_length.numel() if isinstance(query_length, torch.Tensor) else int(query_length)
-        return self.seen + n, 0
+        return self.seen + query_count(query_length), 0
 
     def exact_tails(self, layer_idx: int):
         """In a forward of several tokens over windowed stores, each latent's exact latents from the first
