@@ -384,6 +384,7 @@ class QuantizedLatentLayer(_dynamic_layer_class()):
 
     def __init__(self, key_spec: QuantSpec = FLOAT, value_spec: QuantSpec = FLOAT):
         super().__init__()
+        self.is_initialized = False  # transformers 4.56's DynamicLayer has no lazy initialisation to set it
         self.stores = (LatentStore(key_spec), LatentStore(value_spec))
 
     @property

@@ -170,23 +170,35 @@ def file_sha256(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+def transformers_version() -> str:
+    import transformers
+
+    return transformers.__version__
+
+
+def _transformers_major() -> int:
+    return int(transformers_version().split(".")[0])
+
+
 def _gguf_cache_path(gguf: Path) -> Path:
     """The cache folder of a GGUF's de-quantised weights, keyed by the file's content: the same model
-    installed in several places (virtual environments, checkouts) is cached once."""
-    return cache_dir() / "gguf" / f"{gguf.stem}-sha256-{file_sha256(gguf)[:16]}"
+    installed in several places (virtual environments, checkouts) is cached once. And by transformers' major
+    version: the tokenizer files transformers 5 writes name a class transformers 4 does not have."""
+    key = f"sha256-{file_sha256(gguf)[:16]}-transformers{_transformers_major()}"
+    return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
 
 
 def _remove_legacy_cache_entries(gguf: Path) -> None:
-    """Delete the path-keyed cache folders of ``gguf``'s name that earlier versions wrote (one per install
-    path, never read again now that the key is the content)."""
+    """Delete the cache folders of ``gguf``'s name that earlier versions wrote and that are never read again:
+    keyed by install path (one per install), or by content without transformers' version."""
     import re
     import shutil
 
-    legacy = re.compile(re.escape(gguf.stem) + r"-[0-9a-f]{12}")
+    legacy = re.compile(re.escape(gguf.stem) + r"-([0-9a-f]{12}|sha256-[0-9a-f]{16})")
     root = cache_dir() / "gguf"
     for entry in root.iterdir() if root.is_dir() else ():
         if entry.is_dir() and legacy.fullmatch(entry.name):
-            log.info("removing %s (a cache entry of an earlier StiefKV, keyed by install path)", entry)
+            log.info("removing %s (a cache entry of an earlier StiefKV, never read again)", entry)
             shutil.rmtree(entry, ignore_errors=True)
 
 
@@ -409,9 +421,13 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as exc:
+        text = _first_line(exc)
+        advice = ("the folder was written by a newer transformers (this is "
+                  f"{transformers_version()}): upgrade transformers, or write the folder with this one"
+                  if "does not exist or is not currently imported" in text
+                  else "the folder needs tokenizer files beside the weights")
         raise ModelLoadError(f"cannot load the tokenizer of model {spec!r} ({type(exc).__name__}: "
-                             f"{_first_line(exc)}): the folder needs tokenizer files beside the "
-                             "weights") from None
+                             f"{text}): {advice}") from None
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     tok.padding_side = "left"  # the latent cache assumes left padding

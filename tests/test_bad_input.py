@@ -531,6 +531,8 @@ def test_failure_names_the_progress_file_it_kept(tmp_path, corpus, fake_loader, 
 
 
 def test_gguf_cache_is_keyed_by_content(tmp_path, monkeypatch):
+    import transformers
+
     from stiefkv.models import _gguf_cache_path, _remove_legacy_cache_entries
 
     monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
@@ -542,11 +544,33 @@ def test_gguf_cache_is_keyed_by_content(tmp_path, monkeypatch):
     (tmp_path / "env2" / "m.gguf").write_bytes(b"GGUF" + bytes(199) + b"\x01")
     assert _gguf_cache_path(tmp_path / "env2" / "m.gguf") != a
     cache = tmp_path / "cache" / "gguf"
-    legacy, other = cache / "m-0123456789ab", cache / "n-0123456789ab"
-    for folder in (legacy, other, a):
+    # a cache written by transformers 5 is not read by transformers 4 (its tokenizer names a v5 class)
+    assert a.name.endswith(f"-transformers{transformers.__version__.split('.')[0]}")
+    by_path, unversioned = cache / "m-0123456789ab", cache / a.name.rsplit("-", 1)[0]
+    other = cache / "n-0123456789ab"
+    for folder in (by_path, unversioned, other, a):
         folder.mkdir(parents=True)
     _remove_legacy_cache_entries(tmp_path / "env1" / "m.gguf")
-    assert not legacy.exists() and other.exists() and a.exists()
+    assert not by_path.exists() and not unversioned.exists() and other.exists() and a.exists()
+
+
+def test_a_folder_whose_tokenizer_this_transformers_cannot_read_is_named(tmp_path, monkeypatch):
+    """A tokenizer class this transformers lacks (transformers 4.57 reading a folder transformers 5 wrote says
+    what the stub below says) is told apart from a folder without tokenizer files."""
+    import transformers
+
+    folder = save_tiny_model(tmp_path / "m")
+    errors = [ValueError("Tokenizer class TokenizersBackend does not exist or is not currently imported."),
+              OSError(f"Can't load tokenizer for '{folder}'.")]
+
+    def fail(*args, **kwargs):
+        raise errors.pop(0)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", fail)
+    with pytest.raises(ModelLoadError, match="written by a newer transformers .this is [0-9.]+.: upgrade"):
+        stiefkv.load_model(str(folder))
+    with pytest.raises(ModelLoadError, match="needs tokenizer files beside the weights"):
+        stiefkv.load_model(str(folder))
 
 
 @pytest.fixture
