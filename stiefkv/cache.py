@@ -530,6 +530,24 @@ def _visible(row: torch.Tensor) -> torch.Tensor:
     return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
+def left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Each row's left padding ``[B]`` from a user's ``[B, N]`` attention mask; a clear error for a mask the
+    latent attention cannot represent: values other than 0 and 1, padding on the right or holes, a row with
+    no token."""
+    if not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (a token) only, as a tokenizer gives it")
+    mask = attention_mask.bool()
+    pads = (~mask).sum(1)
+    left = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pads[:, None]
+    if not torch.equal(left, mask):
+        raise ValueError("StiefKV's latent attention supports left-padded batches only; got a mask with "
+                         "padding on the right or holes. Set tokenizer.padding_side = 'left'.")
+    if bool((pads == mask.shape[1]).any()):
+        empty = (pads == mask.shape[1]).nonzero()[0, 0].item()
+        raise ValueError(f"attention_mask row {empty} has no token (all padding): each row needs one or more")
+    return pads
+
+
 def refuse_padding(mask: torch.Tensor | None) -> None:
     """A clear error when the model's 4-D mask hides a key from the last query (padding). For a compacted
     cache only padding is read from the mask: it is sized by layer 0's count, which the other layers do

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from stiefkv import kernels
-from stiefkv.cache import cache_keyword
+from stiefkv.cache import cache_keyword, left_pads
 from stiefkv.models import check_token_ids, decoder_layers
 from stiefkv.static_cache import StaticLatentCache, transformers_static_length
 
@@ -109,6 +109,8 @@ def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk,
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
                          f"{tuple(input_ids.shape)}")
+    if attention_mask is not None:
+        left_pads(attention_mask)  # the uncompressed model's static cache is read the same way
     if capture is True and not _one_device(model):
         devices = sorted({str(p.device) for p in model.parameters()})
         raise ValueError(f"capture=True needs the whole model on one device; it spans {devices}")

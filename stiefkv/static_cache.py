@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from stiefkv import kernels
-from stiefkv.cache import LatentCache, lengths_from_mask, query_count
+from stiefkv.cache import LatentCache, left_pads, lengths_from_mask, query_count
 from stiefkv.kernels import CodesAndBand, QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS, dequantized, interpreting
 from stiefkv.models import decoder_layers
@@ -575,16 +575,11 @@ class StaticLatentCache(LatentCache):
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
         """Record each row's left padding from a ``[B, N]`` 0/1 mask of the first tokens written (a mask with
         holes or right padding is refused); None or an all-ones mask means no padding."""
-        if attention_mask is None or bool(attention_mask.bool().all()):
+        if attention_mask is None:
             self.starts = None
             return
-        mask = attention_mask.bool()
-        pads = (~mask).sum(1)
-        left = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pads[:, None]
-        if not torch.equal(left, mask):
-            raise ValueError("StiefKV's latent attention supports left-padded batches only; got a mask with "
-                             "padding on the right or holes. Set tokenizer.padding_side = 'left'.")
-        self.starts = pads.to(self.filled.device, torch.int32)
+        pads = left_pads(attention_mask)
+        self.starts = None if not bool(pads.any()) else pads.to(self.filled.device, torch.int32)
 
     def check_room(self, n: int) -> None:
         """A clear error before ``n`` more tokens would overflow the buffers."""

@@ -281,8 +281,18 @@ def test_bad_input():
         stiefkv.generate(model, ids, max_new_tokens=3, capture=True)
     right = torch.ones_like(ids)
     right[0, -3:] = 0
-    with pytest.raises(ValueError, match="left-padded batches only"):
-        stiefkv.generate(model, ids, attention_mask=right, max_new_tokens=3)
+    empty, twos = torch.ones_like(ids), torch.full_like(ids, 2)
+    empty[1] = 0
+    for m in (model, tiny_model("llama")):  # the served model and the uncompressed one's static cache
+        with pytest.raises(ValueError, match="left-padded batches only"):
+            stiefkv.generate(m, ids, attention_mask=right, max_new_tokens=3)
+        with pytest.raises(ValueError, match="attention_mask row 1 has no token"):
+            stiefkv.generate(m, ids, attention_mask=empty, max_new_tokens=3)
+        for bad in (twos, mask * 0.5):
+            with pytest.raises(ValueError, match="must hold 0 .padding. and 1 .a token. only"):
+                stiefkv.generate(m, ids, attention_mask=bad, max_new_tokens=3)
+    assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask.float(), max_new_tokens=2),
+                       stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=2))
     with pytest.raises(ValueError, match="allocated for batch 3, got 2: allocate one for batch 2"):
         model(ids[:2], past_key_values=StaticLatentCache(model, 3, 30), use_cache=True)
     with pytest.raises(ValueError, match="prepare the model with stiefkv.load"):
