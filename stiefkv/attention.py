@@ -25,7 +25,15 @@ import torch
 from torch import nn
 
 from stiefkv import kernels
-from stiefkv.cache import LatentCache, as_latent_cache, cache_keyword, lengths_from_mask, refuse_no_tokens
+from stiefkv.cache import (
+    LatentCache,
+    as_latent_cache,
+    basis_tag,
+    cache_keyword,
+    check_bases,
+    lengths_from_mask,
+    refuse_no_tokens,
+)
 from stiefkv.kernels import CodesAndBand, QuantizedLatents, RopeSpec
 from stiefkv.layers import exact_band, head_bases, head_latents, project_qkv, rotate_with, to_latent
 from stiefkv.models import arch_of, decoder_layers, rope_spec
@@ -90,6 +98,7 @@ class LowRankAttention(nn.Module):
         self.register_buffer("o_fold", o_fold, persistent=False)
         for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
             self.register_buffer(name, tensor, persistent=False)
+        self.basis_tag = basis_tag(P_k, P_v, key_mode, self.quant)  # checked against each cache it writes
         self._cast_key: tuple | None = None  # (P_k's storage, version, device, dtype) of the cached cast
         self._cast_P_k: torch.Tensor | None = None
 
@@ -134,6 +143,7 @@ class LowRankAttention(nn.Module):
         q, z_k, z_v = self.latents(hidden_states, *position_embeddings)
         fresh, tails = (z_k, z_v), None
         if cache is not None:
+            check_bases(cache, self.layer_idx, self.basis_tag)
             z_k, z_v, positions, lengths = cache.update_layer(z_k, z_v, self.layer_idx, positions,
                                                               attention_mask, quant=self.quant)
             if isinstance(z_k, RingSplit):  # a static cache's codes beside its exact window

@@ -68,6 +68,7 @@ class LatentCache(_dynamic_cache_class()):
         self.head_positions: list[torch.Tensor] = []
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | None = None  # behind a compacted prefix: see record_appended
+        self.basis_tags: dict[int, str] = {}  # which bases wrote each layer: see check_bases
 
     @property
     def compacted(self) -> bool:
@@ -223,6 +224,7 @@ class LatentCache(_dynamic_cache_class()):
         # dropped, not reset: transformers 5.0's DynamicLayer.reset zeroes its tensors and keeps their length
         # and batch, which the next forward would continue
         self.layers.clear()
+        self.basis_tags = {}
         self.positions = self.lengths = self.length = self.appended_ids = None
         self.prefix, self.head_positions, self.beta = [], [], []
 
@@ -445,6 +447,28 @@ def _rows(t: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
 def cache_keyword(model: nn.Module) -> str:
     """The keyword this transformers version's ``forward`` takes a cache by (renamed in 5.24)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def check_bases(cache, layer_idx: int, tag: str) -> None:
+    """Record which bases (``tag``, :func:`basis_tag`) write layer ``layer_idx`` of ``cache``, and refuse a
+    forward under other ones: latents of another checkpoint of the same ranks would be read as this one's,
+    silently (``stiefkv.load`` called again with another checkpoint since the cache was filled)."""
+    held = cache.basis_tags.setdefault(layer_idx, tag)
+    if held != tag:
+        raise ValueError(f"layer {layer_idx} of this cache holds latents of other bases than the model is "
+                         "served with now (stiefkv.load was given another checkpoint since the cache was "
+                         "filled): make a new cache, or cache.reset(), for this model")
+
+
+def basis_tag(P_k: torch.Tensor, P_v: torch.Tensor, key_mode: str, quant) -> str:
+    """What a layer's latents mean: its bases' bytes, its key mode and its storage (a short sha1)."""
+    import hashlib
+
+    h = hashlib.sha1(f"{key_mode} {[str(q) for q in quant]}".encode())
+    for P in (P_k, P_v):
+        h.update(str(tuple(P.shape)).encode())
+        h.update(P.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
 
 
 def query_count(query) -> int:

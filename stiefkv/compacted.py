@@ -728,6 +728,11 @@ def check_cache(model, cache) -> int:
                 raise ValueError(f"the cache does not belong to this model as served: layer {i} holds "
                                  f"latents of ranks {ranks}, the model's checkpoint has {served} (another "
                                  "checkpoint filled it); prefill again with the model you compact for")
+            tag = cache.basis_tags.get(i)
+            if tag is not None and tag != layer.self_attn.basis_tag:
+                raise ValueError(f"the cache does not belong to this model as served: layer {i} holds "
+                                 "latents of other bases of the same ranks (another checkpoint filled it); "
+                                 "prefill again with the model you compact for")
     return cache.get_seq_length() if latent else shape[2]
 
 

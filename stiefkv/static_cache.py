@@ -738,5 +738,6 @@ class StaticLatentCache(LatentCache):
 
     def reset(self):
         self.filled.zero_()
+        self.basis_tags = {}
         self.seen = 0
         self.starts = self.lengths = None

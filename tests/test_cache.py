@@ -99,6 +99,28 @@ def test_a_latent_cache_continues_only_the_batch_it_holds():
     assert cache.get_seq_length() == 7
 
 
+def test_a_cache_filled_under_other_bases_of_the_same_ranks_is_refused():
+    """The model served again with another checkpoint of the same ranks: its latents would be read as the new
+    bases' silently. Refused at the next forward and by compact; a deep copy of the model (the same bases)
+    continues the cache, and a reset cache takes the new bases."""
+    import copy
+
+    model = served()
+    cache = LatentCache()
+    with torch.no_grad():
+        model(ids(), past_key_values=cache, use_cache=True)
+    twin = copy.deepcopy(model)
+    twin(ids(n=2, seed=1), past_key_values=copy.deepcopy(cache), use_cache=True)
+    stiefkv.load(model, random_projections(model, 16, 12, seed=5))
+    with pytest.raises(ValueError, match="layer 0 of this cache holds latents of other bases"):
+        model(ids(n=2, seed=1), past_key_values=cache, use_cache=True)
+    with pytest.raises(ValueError, match="layer 0 holds latents of other bases of the same ranks"):
+        stiefkv.compact(model, cache, keep=0.5)
+    cache.reset()
+    model(ids(), past_key_values=cache, use_cache=True)
+    assert cache.get_seq_length() == 7
+
+
 def test_generate_goes_through_the_wrapped_cache_preparation():
     """The one instance wrapper load installs: it fails here, not silently, if transformers stops preparing
     generate's cache in ``_prepare_cache_for_generation``."""
