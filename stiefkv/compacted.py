@@ -260,9 +260,17 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     of a second prefill and more reference queries; :func:`compact`'s default ``pin`` keeps it too (0.95 on
     the H200) at neither price."""
     check_token_ids(model, ids, "prefill's ids", least=2)
+    counts = {"window": window, "self_study": self_study, "repeat": repeat}
+    for name, value in counts.items():
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be a whole number of tokens, got {value!r}")
     if window < 0 or self_study < 0 or repeat < 0 or window + self_study + repeat == 0:
         raise ValueError(f"window, self_study and repeat count reference queries: ≥ 0, not all 0; got "
                          f"{window}, {self_study} and {repeat}")
+    if study_prompt is not None:
+        if not self_study:
+            raise ValueError("study_prompt is read before the self-study tokens: give self_study > 0 too")
+        study_prompt = _study_prompt(model, study_prompt)
     if repeat:
         repeat_room(model, ids.shape[1])
     cache, queries = prefill_with_queries(model, ids, max(1, min(window, ids.shape[1])))
@@ -277,6 +285,19 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     cache.reference_queries = queries
     cache.model_probe = model_probe(model)
     return cache
+
+
+def _study_prompt(model, prompt) -> torch.Tensor:
+    """``study_prompt`` as ids ``[p]``: a 1-D tensor, the ``[1, p]`` a tokenizer returns, or a list of ids."""
+    if isinstance(prompt, (list, tuple)):
+        prompt = torch.tensor(prompt) if prompt and all(isinstance(t, int) for t in prompt) else prompt
+    if isinstance(prompt, torch.Tensor) and prompt.dim() == 2 and prompt.shape[0] == 1:
+        prompt = prompt[0]
+    if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1:
+        raise ValueError(f"study_prompt must be token ids [p] (or the [1, p] a tokenizer returns), got "
+                         f"{getattr(prompt, 'shape', type(prompt).__name__)}")
+    check_token_ids(model, prompt[None], "study_prompt")
+    return prompt
 
 
 def model_probe(model) -> torch.Tensor:

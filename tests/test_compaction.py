@@ -350,6 +350,17 @@ def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_ca
     again = stiefkv.prefill(model, ids, window=0, self_study=4, study_prompt=ask, study_greedy=True, seed=9)
     assert all(q.shape[2] == 7 and torch.equal(q, r) for q, r in zip(told.reference_queries,
                                                                       again.reference_queries))
+    for same in (ask[None], [5, 6, 7]):  # what a tokenizer returns, and a list of ids
+        as_given = stiefkv.prefill(model, ids, window=0, self_study=4, study_prompt=same, study_greedy=True)
+        assert all(torch.equal(q, r) for q, r in zip(told.reference_queries, as_given.reference_queries))
+    for bad, message in (({"study_prompt": ask.repeat(2, 1)}, r"study_prompt must be token ids \[p\]"),
+                         ({"study_prompt": ["a"]}, r"study_prompt must be token ids \[p\]"),
+                         ({"study_prompt": ask + 1000}, "study_prompt hold ids outside"),
+                         ({"study_prompt": ask, "self_study": 0}, "give self_study > 0 too"),
+                         ({"self_study": 2.5}, "self_study must be a whole number"),
+                         ({"window": "8"}, "window must be a whole number")):
+        with pytest.raises(ValueError, match=message):
+            stiefkv.prefill(model, ids, **({"self_study": 4} | bad))
     for la, lb in zip(plain.layers, told.layers):
         assert torch.equal(la.keys, lb.keys) and torch.equal(la.values, lb.values)
     for la, lb in zip(plain.layers, studied.layers):
