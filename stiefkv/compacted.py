@@ -154,8 +154,29 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
         cache = _cache_argument(kwargs)
         if cache is not None:  # before transformers 5.0's own slicing fails on ids the cache already holds
             refuse_no_tokens(input_ids[:, cache.get_seq_length():], cache)
+            expand_rows(cache, input_ids.shape[0])
         refuse_another_question(cache, input_ids)
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
+
+
+def expand_rows(cache, rows: int) -> None:
+    """Give a compacted cache of ``B`` rows the ``rows = k·B`` rows ``generate`` runs with beams or several
+    sequences a prompt (it repeats each row of the ids ``k`` times, and not the cache it is given)."""
+    held = _compacted_rows(cache)
+    if held is None or rows == held:
+        return
+    if rows % held:
+        raise ValueError(f"this compacted cache holds {held} rows and generate runs {rows}: give generate "
+                         "the ids of the rows the cache was compacted from")
+    cache.batch_repeat_interleave(rows // held)
+
+
+def _compacted_rows(cache) -> int | None:
+    if isinstance(cache, CompactedCache) and cache.beta:
+        return cache.beta[0].shape[0]
+    if isinstance(cache, LatentCache) and cache.compacted and cache.head_positions:
+        return cache.head_positions[0].shape[0]
+    return None
 
 
 def install_question_guard(model) -> None:

@@ -289,6 +289,30 @@ def test_a_second_question_over_a_compacted_cache_generate_extended_is_refused()
             assert on.shape[1] == first.shape[1] + 12 + 4 and torch.equal(two, on.repeat(2, 1))
 
 
+@pytest.mark.parametrize("served", [False, True])
+def test_beams_and_several_sequences_continue_a_compacted_cache(served):
+    """generate repeats each row of the ids for beams and for several sequences a prompt, and not the cache
+    it is given: the compacted cache is repeated with them. Keeping every token, beam search over it is
+    beam search over the prompt; a cache of 2 rows under ids of 3 is refused."""
+    model, _ = prompt(3, 30)
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(4))
+    if served:
+        stiefkv.load(model, random_projections(model, 16, 12))
+    key, both = cache_keyword(model), torch.cat([ids, ids[:, :3]], 1)
+    G = dict(max_new_tokens=5, pad_token_id=0, eos_token_id=None, num_beams=3, num_return_sequences=2,
+             do_sample=False)
+    whole = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=1.0)
+    assert torch.equal(model.generate(both, **{key: whole}, **G), model.generate(both, **G))
+    sampled = model.generate(both, **{key: stiefkv.compact(model, stiefkv.prefill(model, ids, window=8),
+                                                           keep=0.3)},
+                             max_new_tokens=4, pad_token_id=0, eos_token_id=None, do_sample=True,
+                             num_return_sequences=3)
+    assert sampled.shape == (6, 37)
+    with pytest.raises(ValueError, match="holds 2 rows and generate runs 3"):
+        model.generate(torch.cat([both, both[:1]]), **{key: stiefkv.compact(
+            model, stiefkv.prefill(model, ids, window=8), keep=0.3)}, max_new_tokens=2, pad_token_id=0)
+
+
 def test_a_cache_shortened_outside_stiefkv_or_no_new_tokens_is_refused_clearly():
     """A kvpress-style forward hook that prunes a served model's ``cache.layers[i].keys`` (not the positions)
     is named at the next forward, not left to a shape error in the kernels; and a forward that brings no
