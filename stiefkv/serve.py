@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import numbers
 import warnings
+from contextlib import contextmanager
 
 import torch
 from torch import nn
@@ -75,10 +76,12 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     if max_length < N + max_new_tokens:
         raise ValueError(f"max_length={max_length} cannot hold the prompt ({N}) and {max_new_tokens} new "
                          f"tokens; raise it to at least {N + max_new_tokens}")
-    runner = Runner(model, make_cache(model, B, max_length), attention_mask)
     positions = _positions(attention_mask, B, N, device)
-    with torch.inference_mode():
+    with torch.inference_mode(), _out_of_memory_named(B, max_length):
+        # transformers' StaticCache allocates its buffers at the prefill's first write
+        runner = Runner(model, make_cache(model, B, max_length), attention_mask)
         logits = runner.prefill(input_ids, positions, prefill_chunk)
+    with torch.inference_mode():
         tokens = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
         tokens[:, 0] = logits.argmax(-1)
         if max_new_tokens > 1:
@@ -151,6 +154,21 @@ def _pad_after_eos(tokens: torch.Tensor, ends: list[int], pad: int) -> torch.Ten
     is_end = torch.isin(tokens, torch.tensor(ends, device=tokens.device, dtype=tokens.dtype)).long()
     after = (is_end.cumsum(1) - is_end) > 0  # strictly after the first end token
     return tokens.masked_fill(after, pad)
+
+
+@contextmanager
+def _out_of_memory_named(rows: int, max_length: int):
+    """An allocation that fails while the cache is made and the prompt read is a ``MemoryError`` that says
+    what to lower, not torch's allocator message."""
+    try:
+        yield
+    except RuntimeError as exc:
+        text = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        if not (isinstance(exc, torch.cuda.OutOfMemoryError) or "allocate" in text):
+            raise
+        raise MemoryError(f"out of memory for a cache of {rows} rows × {max_length} tokens and the prompt's "
+                          f"forward ({text[:160]}): lower max_length (by default the prompt plus "
+                          "max_new_tokens), the batch, or prefill_chunk") from None
 
 
 def make_cache(model: nn.Module, batch: int, max_length: int):

@@ -291,6 +291,9 @@ def test_bad_input():
         for bad in (twos, mask * 0.5):
             with pytest.raises(ValueError, match="must hold 0 .padding. and 1 .a token. only"):
                 stiefkv.generate(m, ids, attention_mask=bad, max_new_tokens=3)
+    for m in (model, tiny_model("llama")):
+        with pytest.raises(MemoryError, match="out of memory for a cache of 3 rows × 1000000000000 tokens"):
+            stiefkv.generate(m, ids, max_new_tokens=2, max_length=10**12)
     assert torch.equal(stiefkv.generate(model, ids, attention_mask=mask.float(), max_new_tokens=2),
                        stiefkv.generate(model, ids, attention_mask=mask, max_new_tokens=2))
     with pytest.raises(ValueError, match="allocated for batch 3, got 2: allocate one for batch 2"):
