@@ -740,11 +740,6 @@ def check_cache(model, cache) -> int:
     held = [la for la in cache.layers if la.get_seq_length()]
     if not held:
         raise ValueError("the cache is empty: prefill the prompt first (stiefkv.prefill(model, ids))")
-    probe = getattr(cache, "model_probe", None)
-    if probe is not None and not torch.equal(probe, model_probe(model)):
-        raise ValueError("the cache does not belong to this model: it was prefilled by a model with other "
-                         "key weights (another checkpoint of the same shapes); prefill with "
-                         "stiefkv.prefill(model, ids) on the model you compact for")
     if latent:
         if cache.lengths is not None:
             raise ValueError("compaction has no notion of padding: prefill unpadded rows")
@@ -761,6 +756,12 @@ def check_cache(model, cache) -> int:
     if not ok:
         raise ValueError(f"the cache does not belong to this model: it holds {len(held)} layers of keys "
                          f"{list(shape)}, the model has {len(layers)} layers of {heads}")
+    # the shapes first: a model of other shapes is named so, not as another checkpoint of the same ones
+    probe = getattr(cache, "model_probe", None)
+    if probe is not None and not torch.equal(probe, model_probe(model)):
+        raise ValueError("the cache does not belong to this model: it was prefilled by a model with other "
+                         "key weights (another checkpoint of the same shapes); prefill with "
+                         "stiefkv.prefill(model, ids) on the model you compact for")
     if latent:
         for i, (layer, held_layer) in enumerate(zip(layers, cache.layers)):
             ranks = (tuple(s.rank for s in held_layer.stores) if isinstance(held_layer, QuantizedLatentLayer)

@@ -482,6 +482,8 @@ def test_bad_compact_requests_are_refused():
         other.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
     with pytest.raises(ValueError, match="prefilled by a model with other key weights"):
         stiefkv.compact(other, cache, keep=0.3)
+    with pytest.raises(ValueError, match=r"holds 2 layers of keys \[1, 2, 20, 24\], the model has 3 layers"):
+        stiefkv.compact(tiny_model(layers=3), cache, keep=0.3)  # other shapes are named so
     for bad in ("half", "0.5", True):  # float() would take the string, and True as "keep everything"
         with pytest.raises(ValueError, match="keep must be a number"):
             stiefkv.compact(model, cache, keep=bad)
