@@ -287,7 +287,22 @@ def _resolve(spec: str) -> str:
         raise ModelLoadError(f"model folder {spec} holds a config.json but no weights "
                              f"({', '.join(WEIGHT_FILES[::2])}): copy the weights there, or give the model's "
                              ".gguf file or Hugging Face id")
+    if not path.exists():
+        _refuse_near_alias(spec)
     return str(path) if path.exists() else spec
+
+
+def _refuse_near_alias(spec: str) -> None:
+    """A name one typo from an alias (``smollm3``) is that typo, not a hub id to look up: say so at once
+    rather than after the hub's retries (half a minute offline)."""
+    import difflib
+
+    if "/" in spec:
+        return
+    near = difflib.get_close_matches(spec.lower(), list(ALIASES), n=1, cutoff=0.8)
+    if near:
+        raise ModelLoadError(f"model {spec!r} is neither an alias nor a local path: did you mean "
+                             f"{near[0]!r}? (aliases: {', '.join(ALIASES)})")
 
 
 def model_paths(spec: str) -> list[Path]:

@@ -470,6 +470,22 @@ def test_rank_step_larger_than_the_head_dim(tmp_path, corpus, fake_loader):
         assert "rank_step 48 must divide the model's head dimension d=24" in result.output
 
 
+def test_a_typo_of_an_alias_is_named_at_once(monkeypatch):
+    """Not looked up on the hub (half a minute of retries offline): the alias it misses is named."""
+    import transformers
+
+    def no_hub(*args, **kwargs):
+        raise AssertionError("looked up on the hub")
+
+    monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
+    for typo in ("smollm3", "SmolLM2", "smolm2"):
+        with pytest.raises(ModelLoadError, match=f"model '{typo}' is neither an alias nor a local path: did you "
+                                                 "mean 'smollm2'"):
+            stiefkv.load_model(typo)
+    with pytest.raises(AssertionError, match="looked up on the hub"):
+        stiefkv.load_model("gpt2")  # far from every alias: a hub id
+
+
 def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
     (model_dir / "model.safetensors").unlink()
