@@ -495,9 +495,11 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         raise UserError(f"--pin is the share of the kept entries held exact, with --compact and "
                         f"--compact-method am or attention, in [0, 1); got --pin {pin} (--compact {compact}, "
                         f"--compact-method {compact_method})")
-    if passkey is not None and (compact is None or passkey < 1):
-        raise UserError("--passkey N (N ≥ 1 prompts) measures retrieval after a compacted context: give "
-                        f"--compact too (got --passkey {passkey}, --compact {compact})")
+    if passkey is not None and passkey < 1:
+        raise UserError(f"--passkey N is the number of pass-key prompts: N ≥ 1, got {passkey}")
+    if passkey is not None and compact is None:
+        raise UserError("--passkey N measures retrieval after a compacted context: give --compact too (got "
+                        f"--passkey {passkey} alone)")
     to_stdout = json_path is not None and str(json_path) == "-"
 
     def measure():

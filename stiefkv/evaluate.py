@@ -182,7 +182,8 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
         # tests/test_quant.py), not a float32 model's
         kv = projections.kv_bytes_per_token(context=window)
         result.method, result.budget = projections.method, projections.budget
-        result.key_mode = projections.key_mode_summary
+        # a quantization-only baseline's identity bases have no key mode to speak of
+        result.key_mode = None if projections.method.startswith("baseline ") else projections.key_mode_summary
         result.ppl = math.exp(nll_comp / count)
         result.next_token_kl = kl_sum / count
         result.kv_bytes_per_token = kv

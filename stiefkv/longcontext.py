@@ -56,6 +56,7 @@ class CompactedResult:
     ppl_ranks: float | None = None  # with projections: the served model with the whole context
     bytes_fraction: float | None = None  # the compacted context's bytes / its bf16 cache's
     pinned_tokens: int = 0  # of the entries kept, the prompt's most surprising tokens held exact (pin)
+    shared: bool = False  # latents shared by a layer's KV heads: one entry set a layer, not a head
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -197,7 +198,8 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     ppl_ranks = float(torch.exp(torch.tensor(nll_ranks / tokens))) if served is not None else None
     entry, full = entry_bytes(model, proj, max(1, round(held)))
     return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept, held,
-                           name, ppl_ranks, held * entry / (context * full), _pinned(kept, method, options))
+                           name, ppl_ranks, held * entry / (context * full), _pinned(kept, method, options),
+                           shared=proj is not None and proj.shared)
 
 
 def _pinned(kept: int, method: str, options: dict) -> int:
@@ -228,11 +230,14 @@ def _kept(r) -> str:
 def format_compacted(r: CompactedResult) -> str:
     """A markdown table of one compressed-context result."""
     delta = 100 * (r.ppl / r.ppl_full - 1)
+    ranks = r.ppl_ranks is not None  # served: the ranks alone, over the whole context, beside the rest
+    kept = "kept a layer" if r.shared else "kept per head"
     return "\n".join([
-        "| method | context | kept per head | chunks | scored tokens | PPL | uncompressed | ΔPPL |",
-        "|---|---|---|---|---|---|---|---|",
-        f"| {r.method} | {r.context} | {_kept(r)} | {r.chunks} | {r.tokens} "
-        f"| {r.ppl:.3f} | {r.ppl_full:.3f} | {delta:+.1f} % |",
+        f"| method | context | {kept} | chunks | scored tokens | PPL |" + (" ranks only |" if ranks else "")
+        + " uncompressed | ΔPPL |",
+        "|---|---|---|---|---|---|" + ("---|" if ranks else "") + "---|---|",
+        f"| {r.method} | {r.context} | {_kept(r)} | {r.chunks} | {r.tokens} | {r.ppl:.3f} |"
+        + (f" {r.ppl_ranks:.3f} |" if ranks else "") + f" {r.ppl_full:.3f} | {delta:+.1f} % |",
     ])
 
 
@@ -274,7 +279,9 @@ def passkey_sample(tokenizer, context: int, rng: random.Random) -> tuple[torch.T
     fill = encode(FILLER)
     n = context - len(intro) - len(needle)
     if n < len(fill):
-        raise ValueError(f"a pass-key prompt needs more than {context} tokens of context")
+        least = len(intro) + len(needle) + len(fill)
+        raise ValueError(f"a pass-key prompt needs at least {least} tokens of context (its introduction, the "
+                         f"key's sentences and one filler passage), got {context}: raise --context")
     body = (fill * (n // len(fill) + 1))[:n]
     depth = rng.randrange(0, n // len(fill) + 1) * len(fill)  # between two filler passages
     ids = intro + body[:depth] + needle + body[depth:]

@@ -420,6 +420,11 @@ def test_a_compacted_context_names_the_largest_that_fits_and_the_option_to_lower
     assert "use --context (context=) at most 0" in result.output
     result = run(["eval", "m", "--compact", "0.1", "--context", "500", "--passkey", "1"], 2)
     assert "use --context (context=) at most 480" in result.output
+    result = run(["eval", "m", "--compact", "0.1", "--context", "100", "--passkey", "0"], 2)
+    assert "--passkey N is the number of pass-key prompts: N ≥ 1, got 0" in result.output
+    result = run(["eval", "m", "--compact", "0.1", "--context", "20", "--passkey", "1"], 2)
+    assert re.search(r"a pass-key prompt needs at least \d+ tokens of context .* got 20: raise --context",
+                     result.output), result.output
     short = tmp_path / "short.txt"
     short.write_text("a few words of test text, fewer than one chunk of context and scored tokens. " * 3)
     with pytest.raises(ValueError, match="fewer than 300 tokens: a chunk is a context of 200 and 100 scored "
@@ -479,8 +484,8 @@ def test_a_typo_of_an_alias_is_named_at_once(monkeypatch):
 
     monkeypatch.setattr(transformers.AutoConfig, "from_pretrained", no_hub)
     for typo in ("smollm3", "SmolLM2", "smolm2"):
-        with pytest.raises(ModelLoadError, match=f"model '{typo}' is neither an alias nor a local path: did you "
-                                                 "mean 'smollm2'"):
+        with pytest.raises(ModelLoadError, match=f"model '{typo}' is neither an alias nor a local path: "
+                                                 "did you mean 'smollm2'"):
             stiefkv.load_model(typo)
     with pytest.raises(AssertionError, match="looked up on the hub"):
         stiefkv.load_model("gpt2")  # far from every alias: a hub id

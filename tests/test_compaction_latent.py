@@ -10,6 +10,7 @@ Tolerances: float32 throughout (atol 1e-4 on logits of a tiny model; int4 latent
 from __future__ import annotations
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -311,6 +312,28 @@ def test_beams_and_several_sequences_continue_a_compacted_cache(served):
     with pytest.raises(ValueError, match="holds 2 rows and generate runs 3"):
         model.generate(torch.cat([both, both[:1]]), **{key: stiefkv.compact(
             model, stiefkv.prefill(model, ids, window=8), keep=0.3)}, max_new_tokens=2, pad_token_id=0)
+
+
+@pytest.mark.parametrize("shared", [False, True])
+def test_the_compressed_context_table_names_what_is_kept_and_shows_the_ranks_alone(shared, tmp_path):
+    from stiefkv.longcontext import evaluate_compacted, format_compacted
+    from tests.utils import CharTokenizer, corpus_text
+
+    data = tmp_path / "text.txt"
+    data.write_text(corpus_text())
+    model, _ = prompt(1, 8)
+    proj = random_projections(model, 24 if shared else 12, 24 if shared else 12, shared=shared)
+    res = evaluate_compacted(model, CharTokenizer(), context=60, score=20, keep=0.3, chunks=2, data=str(data),
+                             window=8, projections=proj)
+    assert res.shared is shared and math.isfinite(res.ppl_ranks) and res.ppl_ranks != res.ppl_full
+    header, _, row = format_compacted(res).splitlines()
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    names = [c.strip() for c in header.strip("|").split("|")]
+    assert names[2] == ("kept a layer" if shared else "kept per head")
+    assert float(cells[names.index("ranks only")]) == pytest.approx(res.ppl_ranks, abs=1e-3)
+    plain = evaluate_compacted(model, CharTokenizer(), context=60, score=20, keep=0.3, chunks=1,
+                               data=str(data), window=8)
+    assert "ranks only" not in format_compacted(plain) and not plain.shared
 
 
 def test_a_cache_shortened_outside_stiefkv_or_no_new_tokens_is_refused_clearly():
