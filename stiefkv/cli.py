@@ -445,7 +445,7 @@ def _inspect_table(proj) -> str:
                    "most surprising tokens exact, in [0, 1); 0 for none. Default: am a tenth (at least 64 "
                    "tokens, at most a quarter; none below 128 kept entries), attention none.")
 @click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
-              help="Also write the results as JSON to this file ('-' for stdout).")
+              help="Also write the results as JSON to this file; '-' prints the JSON instead of the table.")
 @common_options
 def evaluate(model, projections, baseline, data, window, windows, batch_size, backend, attention_kl,
              kl_context, compact, context, passkey, compact_method, pin, json_path, device, dtype, seed,
