@@ -174,19 +174,20 @@ def wait_for_all() -> None:
         torch.distributed.barrier()
 
 
-def leave() -> None:
-    """End a process of a launched run once it has written all it had to: flush the output, exit 0, and skip
-    the interpreter's teardown. Does nothing outside a process group.
+def leave(code: int = 0) -> None:
+    """End a process of a launched run once it has written all it had to: flush the output, exit with
+    ``code``, and skip the interpreter's teardown. Does nothing outside a process group.
 
     A gloo process can abort in that teardown ("terminate called without an active exception", SIGABRT)
     although its work is done: on CI (torch 2.13) rank 1 of a 2-process calibration did, after a barrier and
     ``destroy_process_group``, so the launcher failed the run. The group's C++ worker threads can outlive
     ``destroy_process_group`` and be freed while the interpreter shuts down (pytorch/pytorch#179291).
-    After :func:`wait_for_all` no collective is left for a destructor to finish.
+    After :func:`wait_for_all` no collective is left for a destructor to finish; after an error the launcher
+    stops the other processes anyway.
     """
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     logging.shutdown()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(0)
+    os._exit(code)

@@ -46,7 +46,15 @@ from stiefkv.calibrate.stiefel import RefineSettings, refine_layer
 from stiefkv.data import calibration_sequences
 from stiefkv.kernels._common import KERNEL_BITS
 from stiefkv.layers import NO_QUANT
-from stiefkv.models import arch_of, check_context, dims_of, fingerprint, layer_devices, rope_spec
+from stiefkv.models import (
+    arch_of,
+    check_context,
+    check_token_ids,
+    dims_of,
+    fingerprint,
+    layer_devices,
+    rope_spec,
+)
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
 from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, QuantSpec
 
@@ -222,7 +230,8 @@ class CalibrationConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
         if self.weighting == "kl" and self.profile != "pca":
-            raise ValueError("weighting 'kl' profiles with PCA bases only: use --profile pca")
+            raise ValueError(f"weighting 'kl' profiles with PCA bases only: profile {self.profile!r} needs "
+                             "weighting 'output' or 'update' (--weighting)")
         if self.steps < 0 or not 0 < self.lr < math.inf or not 0 <= self.kl_weight < math.inf:
             raise ValueError(f"need steps ≥ 0, a finite lr > 0 and a finite kl_weight ≥ 0; got {self.steps}, "
                              f"{self.lr}, {self.kl_weight}")
@@ -257,6 +266,24 @@ def default_recent(budget: float) -> int:
 CPU_SIZES = {"num_sequences": 32, "profile_sequences": 1, "step_sequences": 2}
 
 
+def check_calibration_call(model, tokenizer, sequences, settings: dict) -> None:
+    """Clear errors for a call :func:`calibrate` cannot take: no model, a model served by ``stiefkv.load``
+    (its layers' outputs are already the compressed ones: the bases would fit those), and a ``device`` (the
+    model's is used). Text data without a tokenizer is refused later, after the settings' own checks."""
+    from stiefkv.attention import is_compressed
+
+    if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"calibrate takes a loaded causal LM (stiefkv.load_model(...)), got "
+                        f"{type(model).__name__}")
+    if is_compressed(model):
+        raise ValueError("this model is served by stiefkv.load: calibrating it would fit its compressed "
+                         "layers' outputs. Calibrate the original: stiefkv.unload(model), or load it with "
+                         "stiefkv.load_model(..., projections=False)")
+    if "device" in settings:
+        raise TypeError("calibrate has no device setting: it calibrates where the model is (model.to(device) "
+                        "first, or stiefkv.place_layers for several devices)")
+
+
 def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: bool = False,
               sequences: torch.Tensor | None = None, **settings) -> Projections:
     """Learn low-rank key and value bases for every layer of ``model``.
@@ -272,6 +299,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     process calibrates on its share of the sequences and every process returns the same result; only rank 0
     writes ``progress``.
     """
+    check_calibration_call(model, tokenizer, sequences, settings)
     cfg = CalibrationConfig.from_kwargs(device=next(model.parameters()).device, **settings)
     arch_of(model.config)
     dims = dims_of(model.config)
@@ -286,9 +314,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
                         progress)
     t0 = time.perf_counter()
     if sequences is not None:
-        if sequences.dim() != 2 or sequences.shape[0] < 1 or sequences.shape[1] < 2:
-            raise ValueError(f"sequences must be [S, N] token ids with S ≥ 1 and N ≥ 2, got "
-                             f"{tuple(sequences.shape)}")
+        check_token_ids(model, sequences, "sequences", least=2)
         seqs = sequences.long().cpu()
         cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
     check_budget(cfg, dims)
@@ -296,6 +322,9 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     if sequences is None and cfg.data == "self" and len(layer_devices(model)) > 1:
         raise ValueError("--data self samples text with the whole model's forward, which does not run over "
                          "layers placed on several devices: calibrate on text (--data wikitext2 or a file)")
+    if sequences is None and tokenizer is None:
+        raise ValueError("calibrate needs the model's tokenizer to read or sample its calibration text "
+                         "(data=); pass it, or give pre-tokenized sequences= [S, N] instead")
     if sequences is None:
         seqs = calibration_sequences(model, tokenizer, data=cfg.data, num_sequences=cfg.num_sequences,
                                      seq_len=cfg.seq_len, seed=cfg.seed)

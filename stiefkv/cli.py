@@ -303,6 +303,9 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     devices = device.split(",") if "," in device else None  # place_layers checks each
     device, torch_dtype = _setup(devices[0] if devices else device, dtype, seed, debug)
     settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
+    if not output.name or output.name in (".", ".."):
+        raise UserError(f"-o {str(output)!r} names a folder, not the checkpoint file to write: give a file "
+                        "name, e.g. -o smollm2-50.safetensors")
     partial = output.with_name(output.name + ".partial")
     leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports
 
@@ -347,7 +350,13 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             return ""
         return f"; the progress so far is kept in {partial}: rerun with --resume to continue, or delete it"
 
-    proj = _run(work, debug, hint=kept)
+    try:
+        proj = _run(work, debug, hint=kept)
+    except click.ClickException as exc:  # launched: shown here, then out without gloo's teardown
+        if distributed.launched():
+            exc.show()
+            distributed.leave(exc.exit_code)
+        raise
     if leader:
         click.echo(_inspect_table(proj))
         click.echo(f"\nwrote {output} ({proj.settings['seconds']} s)")

@@ -332,7 +332,12 @@ def resolve_device(device: str | torch.device) -> torch.device:
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ValueError(f"device {str(device)!r}: this machine has {torch.cuda.device_count()} CUDA "
                              f"device(s), cuda:0 to cuda:{torch.cuda.device_count() - 1}")
-    elif dev.type not in ("cpu", "mps", "xpu"):
+    elif dev.type in ("mps", "xpu"):
+        backend = getattr(torch.backends, "mps", None) if dev.type == "mps" else getattr(torch, "xpu", None)
+        if backend is None or not backend.is_available():
+            raise ValueError(f"device {str(device)!r}: this torch or machine has no {dev.type.upper()} "
+                             "device; use cpu or auto")
+    elif dev.type != "cpu":
         raise ValueError(f"device {str(device)!r} is not supported: use auto, cpu, cuda or cuda:N")
     return dev
 

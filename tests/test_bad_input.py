@@ -491,6 +491,35 @@ def test_a_typo_of_an_alias_is_named_at_once(monkeypatch):
         stiefkv.load_model("gpt2")  # far from every alias: a hub id
 
 
+def test_calibrate_calls_it_cannot_take_are_named(tmp_path, corpus):
+    """The Python API: a served model (its layers already compressed), no model, text without a tokenizer,
+    a device setting, and sequences that are not token ids of the model."""
+    model = tiny_model()
+    tok = CharTokenizer()
+    kw = dict(data=str(corpus), num_sequences=4, seq_len=32, steps=1, method="pca", allocation="uniform")
+    served = stiefkv.load(tiny_model(), random_projections(model, 8, 8))
+    with pytest.raises(ValueError, match="served by stiefkv.load: calibrating it would fit its compressed"):
+        stiefkv.calibrate(served, tok, **kw)
+    with pytest.raises(TypeError, match="calibrate takes a loaded causal LM .* got str"):
+        stiefkv.calibrate("smollm2", tok, **kw)
+    with pytest.raises(ValueError, match="needs the model.s tokenizer to read or sample its calibration"):
+        stiefkv.calibrate(model, None, **kw)
+    with pytest.raises(TypeError, match="calibrate has no device setting"):
+        stiefkv.calibrate(model, tok, device="cpu", **kw)
+    seqs = torch.randint(3, 97, (4, 32))
+    for bad, message in ((seqs.float(), "integer token ids"), (seqs + 1000, "outside the model's vocabulary"),
+                         (seqs.tolist(), r"\[batch, tokens\] tensor"), (seqs[:, :1], "2 tokens")):
+        with pytest.raises(ValueError, match=message):
+            stiefkv.calibrate(model, None, sequences=bad, budget=0.5, method="pca", allocation="uniform")
+    with pytest.raises(ValueError, match="profile 'stiefel' needs weighting 'output' or 'update'"):
+        stiefkv.calibrate(model, tok, profile="stiefel", **kw)
+    with pytest.raises(ValueError, match="this torch or machine has no MPS device"):
+        stiefkv.models.resolve_device("mps")
+    for name in ("", "."):
+        result = run(["calibrate", "m", "--data", corpus, "-o", name], 2)
+        assert "names a folder, not the checkpoint file to write" in result.output
+
+
 def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
     (model_dir / "model.safetensors").unlink()
