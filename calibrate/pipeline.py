@@ -438,10 +438,15 @@ def check_budget(cfg: CalibrationConfig, dims) -> None:
     if specs == [FLOAT]:  # the bf16 allocation counts rank units, as earlier versions did: positions aside
         floor = cfg.rank_step / dims.d
     if cfg.budget < floor:
-        what = "bf16 latents" if specs == [FLOAT] else f"--bits {cfg.bits}"
+        bf16 = specs == [FLOAT]
+        what = "bf16 latents" if bf16 else f"--bits {cfg.bits}"
+        least = f"rank {cfg.rank_step} in every layer" + ("" if bf16 else " at the fewest bits")
+        auto = storages(replace(cfg, bits="auto")) or [FLOAT]
+        fits = cfg.bits != "auto" and cfg.budget >= allocate.smallest_budget(
+            dims.L, dims.G, dims.d, cfg.rank_step, auto, cfg.share_heads)
         raise ValueError(f"budget {cfg.budget:g} is below the smallest cache {what} can make for this model: "
-                         f"{floor:.4g} (rank {cfg.rank_step} in every layer at the fewest bits); raise the "
-                         "budget" + (" or allow fewer bits (--bits auto)" if cfg.bits != "auto" else ""))
+                         f"{floor:.4g} ({least}); raise the budget"
+                         + (" or let the bit widths be chosen (--bits auto)" if fits else ""))
 
 
 def layer_specs(state: CalibrationState) -> list[tuple[QuantSpec, QuantSpec]]:

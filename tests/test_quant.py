@@ -792,6 +792,12 @@ def test_cli_rejects_unsupported_bits_and_budgets_below_the_smallest(tmp_path, m
         lines = [x for x in result.output.splitlines() if x.strip() and not x.startswith(("INFO", "WARN"))]
         assert result.exit_code == 2 and len(lines) == 1 and message in lines[0], result.output
         assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+    # --bits auto is suggested where it fits the budget (tiny model: floors 0.067 auto and int2, 0.19 int8)
+    for bits, budget, suggested in (("8", "0.1", True), ("2", "0.05", False)):
+        result = CliRunner().invoke(main, ["calibrate", "tiny", "-o", str(out), "--bits", bits,
+                                           "--budget", budget])
+        assert result.exit_code == 2 and f"--bits {bits} can make" in result.output
+        assert ("(--bits auto)" in result.output) is suggested, result.output
 
 
 def test_recent_tokens_are_checked_and_counted_in_the_smallest_budget(tmp_path, monkeypatch):
