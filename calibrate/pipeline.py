@@ -56,7 +56,7 @@ from stiefkv.models import (
     rope_spec,
 )
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
-from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, QuantSpec
+from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, REFERENCE_CONTEXT, QuantSpec
 
 log = logging.getLogger(__name__)
 
@@ -249,6 +249,28 @@ class CalibrationConfig:
         return cls(**(sizes | kwargs)).validate()
 
 
+# Settings that do nothing under another one's value: given anyway, they are named (the user meant something)
+REFINEMENT_SETTINGS = ("steps", "lr", "step_sequences", "loss", "kl_weight", "order")
+PROFILE_SETTINGS = ("weighting", "profile", "profile_sequences", "profile_storages")
+
+
+def unused_settings(given: dict, cfg: "CalibrationConfig") -> list[str]:
+    """What of the settings ``given`` has no effect under ``cfg``, one sentence each."""
+    notes = []
+    if cfg.method == "pca":
+        notes += [f"{k} has no effect with method 'pca' (no refinement)" for k in REFINEMENT_SETTINGS
+                  if k in given]
+    elif "kl_weight" in given and cfg.loss != "output+kl":
+        notes.append("kl_weight has no effect without loss 'output+kl' (--loss output+kl)")
+    if cfg.allocation == "uniform":
+        notes += [f"{k} has no effect with allocation 'uniform' (no profiles)" for k in PROFILE_SETTINGS
+                  if k in given]
+    if storages(cfg) is not None and cfg.recent is not None and cfg.recent >= REFERENCE_CONTEXT:
+        notes.append(f"recent {cfg.recent} keeps every token of the {REFERENCE_CONTEXT}-token cache the "
+                     "budget is counted at exact: the codes are never read there")
+    return notes
+
+
 SMALL_BUDGET = 0.1
 SMALL_BUDGET_RECENT = 8
 
@@ -301,6 +323,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     """
     check_calibration_call(model, tokenizer, sequences, settings)
     cfg = CalibrationConfig.from_kwargs(device=next(model.parameters()).device, **settings)
+    for note in unused_settings(settings, cfg):
+        log.warning("%s", note)
     arch_of(model.config)
     dims = dims_of(model.config)
     if dims.d % cfg.rank_step:

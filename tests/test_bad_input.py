@@ -520,6 +520,27 @@ def test_calibrate_calls_it_cannot_take_are_named(tmp_path, corpus):
         assert "names a folder, not the checkpoint file to write" in result.output
 
 
+def test_settings_without_effect_are_named(corpus, caplog):
+    from stiefkv.calibrate.pipeline import CalibrationConfig, unused_settings
+
+    given = dict(method="pca", allocation="uniform", steps=5, kl_weight=0.5, weighting="output")
+    with caplog.at_level(logging.WARNING):
+        stiefkv.calibrate(tiny_model(), CharTokenizer(), data=str(corpus), num_sequences=4, seq_len=32,
+                          budget=0.5, **given)
+    said = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    for note in ("steps has no effect with method 'pca'", "kl_weight has no effect with method 'pca'",
+                 "weighting has no effect with allocation 'uniform'"):
+        assert any(note in line for line in said), said
+    assert not any("budget" in line and "no effect" in line for line in said)
+    stiefel = dict(kl_weight=0.5, recent=4096, bits="4")
+    notes = unused_settings(stiefel, CalibrationConfig.from_kwargs(**stiefel))
+    assert notes == ["kl_weight has no effect without loss 'output+kl' (--loss output+kl)",
+                     "recent 4096 keeps every token of the 2048-token cache the budget is counted at exact: "
+                     "the codes are never read there"]
+    assert unused_settings({"kl_weight": 0.5, "loss": "output+kl"},
+                           CalibrationConfig.from_kwargs(kl_weight=0.5, loss="output+kl")) == []
+
+
 def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
     (model_dir / "model.safetensors").unlink()
