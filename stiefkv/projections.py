@@ -347,6 +347,10 @@ class Projections:
                 tensors = {name: f.get_tensor(name) for name in f.keys()}
         except (SafetensorError, OSError, ValueError, RuntimeError) as exc:
             raise CheckpointError(f"{path} is not a readable safetensors file ({exc})") from None
+        if "stiefkv" not in meta and path.name.endswith(".partial"):
+            raise CheckpointError(f"{path} is the progress file of an interrupted calibration, not a "
+                                  "checkpoint: rerun its stiefkv calibrate command with --resume to finish "
+                                  "it")
         if "stiefkv" not in meta:
             raise CheckpointError(f"{path} is a safetensors file but not a StiefKV checkpoint (no 'stiefkv' "
                                   "header)")

@@ -208,6 +208,8 @@ def test_resume_refuses_other_data_or_dtype(corpus, tmp_path, monkeypatch):
     corpus.write_text(corpus.read_text()[::-1])
     with pytest.raises(ValueError, match="other settings \\(sequences_sha256 .* there, .* now\\)"):
         stiefkv.calibrate(tiny_model(layers=2), CharTokenizer(), progress=progress, resume=True, **kw)
+    with pytest.raises(stiefkv.CheckpointError, match="progress file of an interrupted calibration"):
+        stiefkv.Projections.load(progress)  # what stiefkv inspect and load read
 
 
 def test_stiefel_dp_beats_pca_uniform_on_calibration_error(corpus):
