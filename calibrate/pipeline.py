@@ -379,8 +379,9 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
                  f"layer{'s' if len(cut) > 1 else ''} {', '.join(map(str, cut))}" if cut else "no layer")
     second_pass(model, local, cfg, state, progress, shard, key_modes=key_modes,
                 profiled_key_mode=profiled.key_mode)
-    elapsed = time.perf_counter() - t0
-    log.info("calibrated %d layers in %.1f s; mean layer error %.4f", dims.L, elapsed,
+    elapsed = state.earlier + time.perf_counter() - t0  # a resumed run: with the interrupted ones' time
+    resumed = f" ({time.perf_counter() - t0:.1f} s of them in this run)" if state.earlier else ""
+    log.info("calibrated %d layers in %.1f s%s; mean layer error %.4f", dims.L, elapsed, resumed,
              sum(e["rel_error"] for e in state.errors) / len(state.errors))
     meta = asdict(cfg) | {"tokens": int(seqs.numel()), "seconds": round(elapsed, 1),
                           "model": getattr(model, "stiefkv_spec", None),

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -35,6 +36,13 @@ class CalibrationState:
     values: list[torch.Tensor] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     refine: list[dict] = field(default_factory=list)
+    earlier: float = 0.0  # seconds the interrupted runs it continues spent, up to their last save
+    started: float = field(default_factory=time.perf_counter, repr=False)  # this run's (not saved)
+
+    @property
+    def seconds(self) -> float:
+        """Seconds spent on this calibration: the earlier runs' and this one's so far."""
+        return self.earlier + time.perf_counter() - self.started
 
     def save(self, path: Path | None) -> None:
         """Write atomically (a temporary file beside ``path``, then a rename); nothing when ``path`` is
@@ -53,7 +61,7 @@ class CalibrationState:
                     memory_format=torch.contiguous_format)
         doc = {"settings": self.settings, "fingerprint": self.fingerprint, "profiles": self.profiles,
                "ranks": [list(r) for r in self.ranks], "quant": self.quant, "errors": self.errors,
-               "refine": self.refine,
+               "refine": self.refine, "seconds": round(self.seconds, 1),
                "counts": {name: len(getattr(self, name)) for name in ("eig_k", "eig_v", "keys", "values")}}
         tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
         try:
@@ -91,7 +99,7 @@ class CalibrationState:
                              "continue it, or delete it to start over")
         state = cls(settings=doc["settings"], fingerprint=doc["fingerprint"], profiles=doc["profiles"],
                     ranks=[tuple(r) for r in doc["ranks"]], quant=doc.get("quant", []), errors=doc["errors"],
-                    refine=doc["refine"])
+                    refine=doc["refine"], earlier=float(doc.get("seconds", 0.0)))
         try:
             for name, n in counts.items():
                 setattr(state, name, [tensors[f"{name}.{i}"] for i in range(n)])

@@ -176,7 +176,9 @@ def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch, stop):
         stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, **kw)
     assert seen[0] == (1, 1, 0)  # the first pass saves after its first layer
     monkeypatch.setattr(CalibrationState, "save", save)
+    _say_it_took(progress, 1000.0)  # the interrupted run's time counts in the checkpoint's
     resumed = stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True, **kw)
+    assert 1000.0 <= resumed.settings["seconds"] < 1000.0 + 600 and whole.settings["seconds"] < 600
     assert resumed.ranks == whole.ranks
     for a, b in zip(whole.keys + whole.values, resumed.keys + resumed.values):
         assert torch.equal(a, b)
@@ -185,6 +187,20 @@ def test_resume_gives_the_same_checkpoint(corpus, tmp_path, monkeypatch, stop):
     with pytest.raises(ValueError, match="other settings"):
         stiefkv.calibrate(tiny_model(layers=3), CharTokenizer(), progress=progress, resume=True,
                           **(kw | {"lr": 0.1}))
+
+
+def _say_it_took(progress, seconds: float) -> None:
+    """Rewrite a progress file as if its run had spent ``seconds``."""
+    import json
+
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    with safe_open(str(progress), framework="pt") as f:
+        doc = json.loads(f.metadata()["stiefkv_state"])
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    assert doc["seconds"] >= 0
+    save_file(tensors, str(progress), metadata={"stiefkv_state": json.dumps(doc | {"seconds": seconds})})
 
 
 def test_resume_refuses_other_data_or_dtype(corpus, tmp_path, monkeypatch):
