@@ -358,7 +358,7 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             distributed.leave(exc.exit_code)
         raise
     if leader:
-        click.echo(_inspect_table(proj))
+        click.echo(proj.summary())
         click.echo(f"\nwrote {output} ({proj.settings['seconds']} s)")
     distributed.leave()
 
@@ -372,43 +372,7 @@ def inspect(checkpoint, as_json):
 
     _logging(False)
     proj = _run(lambda: Projections.load(checkpoint), False)
-    click.echo(json.dumps(proj.header(), indent=2) if as_json else _inspect_table(proj))
-
-
-def _fmt(value, spec: str = ".4f") -> str:
-    """A header value as text: numbers formatted, anything else as it is (a header may be hand-edited)."""
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        return format(value, spec)
-    return "–" if value is None else str(value)
-
-
-def _inspect_table(proj) -> str:
-    s, fp = proj.settings, proj.fingerprint
-    steps = s.get("steps", "–") if proj.method == "stiefel" else "–"
-    L, G, d = fp.get("L"), fp.get("G"), fp.get("d")
-    lines = [
-        f"model {s.get('model') or fp.get('architecture')} ({fp.get('architecture')}, L={L} "
-        f"H={fp.get('H')} G={G} d={d}) · method {proj.method} · key mode "
-        f"{proj.key_mode_summary}" + (" · bases shared by each layer's KV heads" if proj.shared else "")
-        + f" · budget {_fmt(proj.budget, 'g')} (achieved {proj.achieved_budget:.4f})",
-        f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation "
-        f"{s.get('allocation')} · bits {s.get('bits', '–')} · order {s.get('order', '–')} · steps {steps}",
-        f"KV cache: {proj.kv_bytes_per_token():.1f} bytes per token (a {2048}-token cache, positions "
-        f"included)" + (f" against {L * G * 4 * d} for the uncompressed bf16 cache" if L and G and d else ""),
-        "",
-        "| layer | keys | values | B/token | rel. error | cosine |",
-        "|---|---|---|---|---|---|",
-    ]
-    # an edited file's entries without a whole layer number: by their place
-    errors = {(e["layer"] if isinstance(e.get("layer"), int) else i): e
-              for i, e in enumerate(proj.errors) if isinstance(e, dict)}
-    for i, ((rk, rv), (qk, qv)) in enumerate(zip(proj.ranks, proj.specs)):
-        e = errors.get(i, {})
-        g = proj.keys[i].shape[0]
-        layer_bytes = g * (qk.bytes_per_token(rk) + qv.bytes_per_token(rv))
-        lines.append(f"| {i} | {rk} × {qk} | {rv} × {qv} | {layer_bytes:.1f} | {_fmt(e.get('rel_error'))} | "
-                     f"{_fmt(e.get('cosine'))} |")
-    return "\n".join(lines)
+    click.echo(json.dumps(proj.header(), indent=2) if as_json else proj.summary())
 
 
 @main.command(name="eval")

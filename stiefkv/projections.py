@@ -284,6 +284,43 @@ class Projections:
             return 5
         return 4 if any(s.mse for s in specs) else 3
 
+    def summary(self) -> str:
+        """What ``stiefkv inspect`` prints: the model, method and settings, the bytes a token, and per layer
+        the ranks × storages, bytes and errors."""
+        s, fp = self.settings, self.fingerprint
+        steps = s.get("steps", "–") if self.method == "stiefel" else "–"
+        L, G, d = fp.get("L"), fp.get("G"), fp.get("d")
+        lines = [
+            f"model {s.get('model') or fp.get('architecture')} ({fp.get('architecture')}, L={L} "
+            f"H={fp.get('H')} G={G} d={d}) · method {self.method} · key mode "
+            f"{self.key_mode_summary}" + (" · bases shared by each layer's KV heads" if self.shared else "")
+            + f" · budget {_fmt(self.budget, 'g')} (achieved {self.achieved_budget:.4f})",
+            f"data {s.get('data')} · {s.get('tokens')} tokens · seed {s.get('seed')} · allocation "
+            f"{s.get('allocation')} · bits {s.get('bits', '–')} · order {s.get('order', '–')} · steps "
+            f"{steps}",
+            f"KV cache: {self.kv_bytes_per_token():.1f} bytes per token (a {REFERENCE_CONTEXT}-token cache, "
+            "positions included)"
+            + (f" against {L * G * 4 * d} for the uncompressed bf16 cache" if L and G and d else ""),
+            "",
+            "| layer | keys | values | B/token | rel. error | cosine |",
+            "|---|---|---|---|---|---|",
+        ]
+        # an edited file's entries without a whole layer number: by their place
+        errors = {(e["layer"] if isinstance(e.get("layer"), int) else i): e
+                  for i, e in enumerate(self.errors) if isinstance(e, dict)}
+        for i, ((rk, rv), (qk, qv)) in enumerate(zip(self.ranks, self.specs)):
+            e = errors.get(i, {})
+            g = self.keys[i].shape[0]
+            layer_bytes = g * (qk.bytes_per_token(rk) + qv.bytes_per_token(rv))
+            lines.append(f"| {i} | {rk} × {qk} | {rv} × {qv} | {layer_bytes:.1f} | "
+                         f"{_fmt(e.get('rel_error'))} | {_fmt(e.get('cosine'))} |")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        # the bases' values are no summary: what the checkpoint is, in one line (print .summary() for more)
+        return (f"Projections({self.method}, {len(self.keys)} layers, key mode {self.key_mode_summary}, "
+                f"budget {self.budget:g}, ranks {self.ranks[:2]}{'…' if len(self.ranks) > 2 else ''})")
+
     def header(self) -> dict:
         doc = {
             "format_version": self.format_version,
@@ -522,3 +559,10 @@ def _check_header(doc, path: Path) -> None:
         raise bad("errors is not a list of objects")
     if version >= 2 and "tensors_sha256" not in doc:
         raise bad("no 'tensors_sha256' (format version 2 always has one)")
+
+
+def _fmt(value, spec: str = ".4f") -> str:
+    """A header value as text: numbers formatted, anything else as it is (a header may be hand-edited)."""
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return format(value, spec)
+    return "–" if value is None else str(value)

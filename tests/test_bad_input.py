@@ -279,7 +279,10 @@ def test_version_1_checkpoint_loads_with_a_warning(tmp_path, proj, caplog):
     with caplog.at_level(logging.WARNING, logger="stiefkv"):
         back = Projections.load(path)
     assert back.ranks == proj.ranks and "without a checksum" in caplog.text
-    assert run(["inspect", path], 0).output.count("| 8 × bf16 | 16 × bf16 |") == 2
+    shown = run(["inspect", path], 0).output
+    assert shown.count("| 8 × bf16 | 16 × bf16 |") == 2
+    assert shown.strip() == back.summary().strip()  # the table from Python too
+    assert repr(back).startswith("Projections(") and "tensor" not in repr(back) and len(repr(back)) < 200
 
 
 def test_save_refuses_bases_that_are_not_finite_or_not_orthonormal(tmp_path, proj):
