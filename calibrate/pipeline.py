@@ -254,7 +254,7 @@ REFINEMENT_SETTINGS = ("steps", "lr", "step_sequences", "loss", "kl_weight", "or
 PROFILE_SETTINGS = ("weighting", "profile", "profile_sequences", "profile_storages")
 
 
-def unused_settings(given: dict, cfg: "CalibrationConfig") -> list[str]:
+def unused_settings(given: dict, cfg: CalibrationConfig) -> list[str]:
     """What of the settings ``given`` has no effect under ``cfg``, one sentence each."""
     notes = []
     if cfg.method == "pca":
@@ -288,7 +288,7 @@ def default_recent(budget: float) -> int:
 CPU_SIZES = {"num_sequences": 32, "profile_sequences": 1, "step_sequences": 2}
 
 
-def check_calibration_call(model, tokenizer, sequences, settings: dict) -> None:
+def check_calibration_call(model, settings: dict) -> None:
     """Clear errors for a call :func:`calibrate` cannot take: no model, a model served by ``stiefkv.load``
     (its layers' outputs are already the compressed ones: the bases would fit those), and a ``device`` (the
     model's is used). Text data without a tokenizer is refused later, after the settings' own checks."""
@@ -321,7 +321,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     process calibrates on its share of the sequences and every process returns the same result; only rank 0
     writes ``progress``.
     """
-    check_calibration_call(model, tokenizer, sequences, settings)
+    check_calibration_call(model, settings)
     cfg = CalibrationConfig.from_kwargs(device=next(model.parameters()).device, **settings)
     for note in unused_settings(settings, cfg):
         log.warning("%s", note)

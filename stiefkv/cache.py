@@ -554,6 +554,10 @@ def _visible(row: torch.Tensor) -> torch.Tensor:
     return row if row.dtype == torch.bool else row > torch.finfo(row.dtype).min / 2
 
 
+LEFT_PADDING_ONLY = ("StiefKV's latent attention supports left-padded batches only; got a mask with padding "
+                     "on the right or holes. Set tokenizer.padding_side = 'left'.")
+
+
 def left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
     """Each row's left padding ``[B]`` from a user's ``[B, N]`` attention mask; a clear error for a mask the
     latent attention cannot represent: values other than 0 and 1, padding on the right or holes, a row with
@@ -564,8 +568,7 @@ def left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
     pads = (~mask).sum(1)
     left = torch.arange(mask.shape[1], device=mask.device)[None, :] >= pads[:, None]
     if not torch.equal(left, mask):
-        raise ValueError("StiefKV's latent attention supports left-padded batches only; got a mask with "
-                         "padding on the right or holes. Set tokenizer.padding_side = 'left'.")
+        raise ValueError(LEFT_PADDING_ONLY)
     if bool((pads == mask.shape[1]).any()):
         empty = (pads == mask.shape[1]).nonzero()[0, 0].item()
         raise ValueError(f"attention_mask row {empty} has no token (all padding): each row needs one or more")
@@ -592,8 +595,5 @@ def lengths_from_mask(mask: torch.Tensor | None, batch: int, n_keys: int) -> tor
     visible = _visible(mask[:, 0, -1, -n_keys:]).expand(batch, n_keys)
     lengths = visible.sum(dim=-1)
     if not torch.equal(visible, reference.key_padding_mask(lengths, batch, n_keys, visible.device)):
-        raise ValueError(
-            "StiefKV's latent attention supports left-padded batches only; got a mask with padding on the "
-            "right or holes. Set tokenizer.padding_side = 'left'."
-        )
+        raise ValueError(LEFT_PADDING_ONLY)
     return None if bool((lengths == n_keys).all()) else lengths.to(torch.int32)

@@ -176,7 +176,7 @@ def transformers_version() -> str:
     return transformers.__version__
 
 
-def _transformers_major() -> int:
+def transformers_major() -> int:
     return int(transformers_version().split(".")[0])
 
 
@@ -184,7 +184,7 @@ def _gguf_cache_path(gguf: Path) -> Path:
     """The cache folder of a GGUF's de-quantised weights, keyed by the file's content: the same model
     installed in several places (virtual environments, checkouts) is cached once. And by transformers' major
     version: the tokenizer files transformers 5 writes name a class transformers 4 does not have."""
-    key = f"sha256-{file_sha256(gguf)[:16]}-transformers{_transformers_major()}"
+    key = f"sha256-{file_sha256(gguf)[:16]}-transformers{transformers_major()}"
     return cache_dir() / "gguf" / f"{gguf.stem}-{key}"
 
 

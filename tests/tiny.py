@@ -3,7 +3,7 @@
 import torch
 
 import stiefkv
-from stiefkv.models import dims_of, fingerprint
+from stiefkv.models import dims_of, fingerprint, transformers_major
 
 ARCHS = ["llama", "mistral", "qwen2", "qwen3"]
 
@@ -20,19 +20,13 @@ def tiny_config(arch: str = "llama", *, heads: int = 6, kv_heads: int = 2, head_
     if arch == "qwen2":
         kwargs["use_sliding_window"] = False
     config = AutoConfig.for_model(arch, **kwargs)
-    if rope_parameters is not None and _transformers_major() >= 5:
+    if rope_parameters is not None and transformers_major() >= 5:
         config.rope_parameters = rope_parameters
     elif rope_parameters is not None:  # transformers 4 keeps the base apart from the scaling
         scaling = dict(rope_parameters)
         config.rope_theta = scaling.pop("rope_theta")
         config.rope_scaling = scaling
     return config
-
-
-def _transformers_major() -> int:
-    import transformers
-
-    return int(transformers.__version__.split(".")[0])
 
 
 def tiny_model(arch: str = "llama", dtype=torch.float32, **kwargs):
