@@ -442,7 +442,7 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
         print(f"  trial {B}x{N}: {out['tps']:.0f} tok/s, peak {out['peak_gib']:.2f} GiB "
               f"({out['seconds']:.0f} s)", flush=True)
         return out
-    except torch.cuda.OutOfMemoryError:
+    except (torch.cuda.OutOfMemoryError, MemoryError):  # MemoryError: refused before allocating
         print(f"  trial {B}x{N}: out of memory ({time.perf_counter() - start:.0f} s)", flush=True)
         return None
     finally:
@@ -509,7 +509,7 @@ def context_trial(model, proj, N: int, args, device) -> dict | None:
             tps = args.new_tokens / (time.perf_counter() - start)
         return {"context": N, "tps": tps, "peak_gib": (torch.cuda.max_memory_allocated() - base) / GIB,
                 "cache_gib": _cache_bytes(runner.cache) / GIB}
-    except torch.cuda.OutOfMemoryError:
+    except (torch.cuda.OutOfMemoryError, MemoryError):  # MemoryError: refused before allocating
         return None
     finally:
         stiefkv.unload(model)

@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import geoopt
 import torch
 
+from stiefkv.calibrate.stiefel import geoopt_module
 from stiefkv.quant import GROUP, QuantSpec, fake_quant
 
 SOFTNESS = 0.05  # the smooth range's temperature, in units of the latents' standard deviation
@@ -54,6 +54,7 @@ def learn_rotation(z: torch.Tensor, spec: QuantSpec, *, steps: int = 100, lr: fl
     fit, held = (z[:-holdout], z[-holdout:]) if 0 < holdout < B else (z, z)
     scale = fit.std().clamp_min(1e-12)
     eye = torch.eye(r, device=z.device).expand(G, r, r)
+    geoopt = geoopt_module()
     R = geoopt.ManifoldParameter(eye.clone(), manifold=geoopt.Stiefel())
     opt = geoopt.optim.RiemannianAdam([R], lr=lr)
     with torch.enable_grad():

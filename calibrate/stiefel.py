@@ -15,7 +15,6 @@ from __future__ import annotations
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import geoopt
 import torch
 from torch import nn
 
@@ -24,6 +23,17 @@ from stiefkv.calibrate.distributed import SINGLE, Shard
 from stiefkv.calibrate.objective import compressed_layer_output, layer_attention_kl
 from stiefkv.kernels import RopeSpec
 from stiefkv.layers import NO_QUANT
+
+
+def geoopt_module():
+    """geoopt, imported where a basis is optimised on the manifold, not when the pipeline is: reading
+    checkpoints, evaluating and serving do not need it."""
+    try:
+        import geoopt
+    except ImportError as exc:
+        raise ImportError("Riemannian refinement needs geoopt: pip install geoopt (or calibrate with "
+                          "--method pca)") from exc
+    return geoopt
 
 
 @dataclass
@@ -130,6 +140,7 @@ def refine_layer(layer: nn.Module, data: LayerBatch, P_k: torch.Tensor, P_v: tor
     hold = hold or [shard.local(train_rows)]
     hold = [split(data, rows) for rows in hold if len(rows)]
 
+    geoopt = geoopt_module()
     manifold = geoopt.EuclideanStiefel()
     pk = geoopt.ManifoldParameter(P_k.detach().float().clone(), manifold=manifold)
     pv = geoopt.ManifoldParameter(P_v.detach().float().clone(), manifold=manifold)

@@ -26,7 +26,7 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import cache_keyword, left_pads
 from stiefkv.models import check_token_ids, decoder_layers
-from stiefkv.static_cache import StaticLatentCache, transformers_static_length
+from stiefkv.static_cache import StaticLatentCache, check_fits, full_cache_bytes, transformers_static_length
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +177,8 @@ def make_cache(model: nn.Module, batch: int, max_length: int):
         return StaticLatentCache(model, batch, max_length)
     from transformers import StaticCache
 
+    # transformers' cache allocates at its first write, inside the prefill: refuse one that cannot fit first
+    check_fits(full_cache_bytes(model, batch, max_length), batch, max_length)
     cache = StaticCache(config=model.config, max_cache_len=max_length)
     cache.stiefkv_batch = batch
     return cache

@@ -440,6 +440,70 @@ class _SplitStep(NamedTuple):
     bias: torch.Tensor  # [B, G, window]
 
 
+def free_bytes(device: torch.device) -> int | None:
+    """Bytes an allocation on ``device`` can still take: the device's free memory and what PyTorch's caching
+    allocator holds unused (CUDA), or the memory the kernel reports available (CPU, Linux); None where it
+    cannot be told."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        allocated = torch.cuda.memory_allocated(device)
+        room = free + torch.cuda.memory_reserved(device) - allocated
+        fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)  # a cap set on this process
+        if fraction is not None:
+            room = min(room, int(fraction(device) * total) - allocated)
+        return int(room)
+    if device.type == "cpu":
+        try:
+            with open("/proc/meminfo") as f:
+                for line in f:
+                    if line.startswith("MemAvailable:"):
+                        return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_fits(needed: dict, rows: int, max_length: int) -> None:
+    """Refuse a cache whose buffers (``needed``: bytes by device, a lower bound) exceed the memory a device
+    has free, before any is allocated: where the kernel overcommits memory, a huge allocation succeeds and
+    the process is killed when the zeros are written, with no message at all."""
+    for device, n in needed.items():
+        free = free_bytes(device)
+        if free is not None and n > free:
+            raise MemoryError(f"out of memory for a cache of {rows} rows × {max_length} tokens: its buffers "
+                              f"need {n / 2**30:.3g} GiB on {device}, which has {free / 2**30:.3g} GiB free; "
+                              "lower max_length (by default the prompt plus max_new_tokens) or the batch")
+
+
+def full_cache_bytes(model: nn.Module, rows: int, slots: int) -> dict:
+    """Bytes by device that transformers' ``StaticCache`` of ``rows`` × ``slots`` allocates for an
+    uncompressed ``model``: keys and values as ``k_proj`` and ``v_proj`` give them, in the weights' dtype."""
+    needed: dict = {}
+    for layer in decoder_layers(model):
+        attn = layer.self_attn
+        w = attn.k_proj.weight
+        width = attn.k_proj.out_features + attn.v_proj.out_features
+        needed[w.device] = needed.get(w.device, 0) + rows * slots * width * w.dtype.itemsize
+    return needed
+
+
+def latent_cache_bytes(model: nn.Module, rows: int, slots: int) -> dict:
+    """Bytes by device a :class:`StaticLatentCache` of ``rows`` × ``slots`` allocates for ``model``'s layers,
+    at least (codes counted as :meth:`QuantSpec.cache_bytes` counts them, positions beside them)."""
+    needed: dict = {}
+    for layer in decoder_layers(model):
+        attn = layer.self_attn
+        device, dtype = attn.q_proj.weight.device, attn.q_proj.weight.dtype
+        for spec, P in ((attn.quant[0], attn.P_k), (attn.quant[1], attn.P_v)):
+            per_head = (spec.cache_bytes(P.shape[2], slots) if spec.quantized
+                        else dtype.itemsize * P.shape[2] * slots)
+            needed[device] = needed.get(device, 0) + rows * P.shape[0] * per_head
+    first = decoder_layers(model)[0].self_attn.q_proj.weight.device
+    needed[first] = needed.get(first, 0) + rows * slots * 4  # positions
+    return needed
+
+
 class CacheOverflowError(ValueError):
     """A static cache asked to hold more tokens than it was allocated for."""
 
@@ -488,13 +552,15 @@ class StaticLatentCache(LatentCache):
         # 16-byte boundary the kernels' compiler can see (a stride divisible by 16); at 32834 slots of 28-byte
         # int4 rows the heads were 8-byte aligned and the decode kernel read its codes byte by byte.
         slots = -(-self.max_length // SLOT_ALIGN) * SLOT_ALIGN
+        layers = decoder_layers(model)
+        if not all(hasattr(layer.self_attn, "P_k") for layer in layers):
+            raise ValueError("StaticLatentCache holds a served model's latents; prepare the model with "
+                             "stiefkv.load(model, ckpt) first")
+        check_fits(latent_cache_bytes(model, self.rows, slots), self.rows, self.max_length)
         self.keys_buf: list[torch.Tensor] = []
         self.values_buf: list[torch.Tensor] = []
-        for i, layer in enumerate(decoder_layers(model)):
+        for layer in layers:
             attn = layer.self_attn
-            if not hasattr(attn, "P_k"):
-                raise ValueError("StaticLatentCache holds a served model's latents; prepare the model with "
-                                 "stiefkv.load(model, ckpt) first")
             device, dtype = attn.q_proj.weight.device, attn.q_proj.weight.dtype
             for spec, P, bufs in ((attn.quant[0], attn.P_k, self.keys_buf),
                                   (attn.quant[1], attn.P_v, self.values_buf)):

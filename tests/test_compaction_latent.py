@@ -37,7 +37,8 @@ def identity(model, key_mode: str) -> stiefkv.Projections:
 
 
 def continuation(model, cache, ids, C: int) -> torch.Tensor:
-    out = model(ids[:, C:], position_ids=torch.arange(C, ids.shape[1])[None], **{cache_keyword(model): cache})
+    positions = torch.arange(C, ids.shape[1], device=ids.device)[None]
+    out = model(ids[:, C:], position_ids=positions, **{cache_keyword(model): cache})
     logits = out.logits
     assert torch.isfinite(logits).all()
     return logits
@@ -164,9 +165,11 @@ def test_latents_shared_by_the_kv_heads_are_compacted_once_a_layer(key_mode, spe
 
 
 def test_compacted_shared_latents_read_by_the_kernels_as_by_the_reference():
-    """The Triton kernels (the interpreter on a CPU) read a compacted shared prefix, its one position and β
-    an entry expanded to every head (stride 0), as the reference does."""
+    """The Triton kernels (the interpreter on a CPU, compiled on CUDA) read a compacted shared prefix, its
+    one position and β an entry expanded to every head (stride 0), as the reference does."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     model, ids = prompt(7, 48, heads=6, kv_heads=2, head_dim=32)
+    model, ids = model.to(device), ids.to(device)
     C = 41
     proj = random_projections(model, 40, 24, shared=True)
     out = {}

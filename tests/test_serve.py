@@ -439,6 +439,40 @@ def test_static_cache_of_any_layout_gives_the_dynamic_logits(specs, key_mode):
     assert static.seen == 230
 
 
+@pytest.mark.parametrize("specs", [("bf16", "bf16"), *WINDOWED[:5], ("int4-token", "int8-token")],
+                         ids=lambda s: "_".join(s))
+def test_a_cache_that_cannot_fit_is_refused_before_it_is_allocated(specs, monkeypatch):
+    """The bytes counted before allocating are at most those allocated (so no cache that fits is refused)
+    and, at 1000 tokens, at least half of them; a cache over the free memory is refused with a
+    ``MemoryError`` before any buffer exists (where memory is overcommitted, the zeros' first write kills the
+    process instead)."""
+    import stiefkv.serve
+    import stiefkv.static_cache as sc
+
+    model = served() if specs == ("bf16", "bf16") else windowed_served(*specs, "pre_rope")
+    for rows, length in ((3, 19), (2, 240), (1, 1000)):
+        cache = StaticLatentCache(model, rows, length)
+        counted = sum(sc.latent_cache_bytes(model, rows, cache.positions.shape[1]).values())
+        assert counted <= cache.nbytes, (rows, length, counted, cache.nbytes)
+    # short caches hold proportionally more exact ring and group padding than codes
+    assert counted >= cache.nbytes / 2, (counted, cache.nbytes)
+    full = tiny_model("llama", heads=6, kv_heads=2, head_dim=24)
+    made = stiefkv.serve.make_cache(full, 2, 40)
+    ids, _ = prompt(batch=2, n=7, padded=False)
+    full(ids, past_key_values=made, use_cache=True)
+    held = sum(t.nbytes for layer in made.layers for t in (layer.keys, layer.values))
+    assert sum(sc.full_cache_bytes(full, 2, 40).values()) == held
+    allocated = []
+    monkeypatch.setattr(sc, "free_bytes", lambda device: 10_000)
+    monkeypatch.setattr(torch, "zeros", lambda *a, **k: allocated.append(a) or pytest.fail("allocated"))
+    refused = r"cache of 2 rows × 500 tokens: its buffers need .* GiB on cpu, which has 9.31e-06 GiB free"
+    with pytest.raises(MemoryError, match=refused):
+        StaticLatentCache(model, 2, 500)
+    with pytest.raises(MemoryError, match="cache of 2 rows × 40 tokens"):
+        stiefkv.serve.make_cache(full, 2, 40)
+    assert not allocated
+
+
 def test_a_reference_backend_keeps_the_pytorch_write():
     """A model loaded with ``backend="reference"`` runs no Triton, the cache's writes included."""
     from stiefkv import kernels
