@@ -757,6 +757,16 @@ def test_logits_ahead_is_the_default_where_it_was_measured_to_win():
     assert cfg(131072, 32, codes=True, bits=4)["keys_left"]  # int4 keys keep their keys_left
 
 
+def test_int4_keys_at_a_padded_rank_take_q_k_logits():
+    """``keys_left`` over int4 keys at r 64 (measured faster) but not at r 56, padded to 64 (measured slower
+    at three shapes); bf16 latents keep it at both."""
+    def cfg(r, bits, n_k=131072, programs=32):
+        return lk._default_config(4, n_k, "pre_rope", programs, 132, r, bits < 16, bits)
+
+    assert cfg(64, 4)["keys_left"] and not cfg(56, 4)["keys_left"] and not cfg(40, 4)["keys_left"]
+    assert cfg(56, 16, n_k=32768, programs=8)["keys_left"] and not cfg(64, 8)["keys_left"]
+
+
 @pytest.mark.parametrize("ranks", [(64, 64), (40, 50), (64, 30)])
 def test_int2_post_rope_takes_two_warps_and_twice_the_splits(ranks):
     """``post_rope`` decode over int2 token-layout keys and values at a padded rank of 64 (both) runs 2 warps

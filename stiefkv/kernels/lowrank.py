@@ -1461,13 +1461,21 @@ def _default_config(n_rows: int, n_k: int, key_mode: str, programs: int, n_sms: 
                  and padded_dim(r_k) == 64 and n_k >= AHEAD_KEYS * splits)
         return dict(block_m=DECODE_BLOCK_M, block_n=block_n, num_splits=splits, num_warps=warps, num_stages=3,
                     prefetch=codes and not wide, nibbles=codes, nibble_rebuild=codes, nibble_fold=codes,
-                    keys_left=k_bits in (16, 4) and not ahead, ahead=ahead, pairs=codes, channel_rows=codes,
-                    planes=codes,
+                    keys_left=_keys_left(k_bits, r_k) and not ahead, ahead=ahead, pairs=codes,
+                    channel_rows=codes, planes=codes,
                     nibble_words=False, sincos_fadd=k_bits != 3,
                     int3_planes=codes and key_mode == "pre_rope" and k_bits == 3 and k_channel)
     if key_mode == "post_rope":
         return dict(block_m=128, block_n=64, num_splits=1, num_warps=8, num_stages=2)
     return dict(block_m=128, block_n=32, num_splits=1, num_warps=8, num_stages=2)
+
+
+def _keys_left(k_bits: int, r_k: int) -> bool:
+    """``pre_rope`` logits as ``(k qᵀ)ᵀ`` over bf16 latents and over int4 keys at a power-of-two rank. At
+    r 56 over int4 keys ``q kᵀ`` was the faster: 0.5615 → 0.4984 ms at 4×128k, 0.2880 → 0.2554 at 16×16k,
+    1.531 → 1.405 at 45×32k (the 12.5 % capacity batch), while at r 64 it lost (0.5043 → 0.5210, 0.2598 →
+    0.2687; H100, 2026-12-07, the candidates in the same runs)."""
+    return k_bits == 16 or (k_bits == 4 and padded_dim(r_k) == r_k)
 
 
 def _token_int4(z) -> bool:
@@ -1993,8 +2001,9 @@ def lowrank_attention(
         logits. Both ``None``: on with ``nibbles`` (see :func:`_default_config`).
         ``keys_left`` (``pre_rope``): the logits as ``(k qᵀ)ᵀ``, the rebuilt and rotated keys the dot's
         left operand read from registers, instead of ``q kᵀ`` with the keys staged through shared memory;
-        ``None``: on for decode over float latents (measured: bf16) and int4 key codes (measured: token
-        layout, float16 scales), off over 8-, 3- and 2-bit keys (see :func:`_default_config`).
+        ``None``: on for decode over float latents (measured: bf16) and int4 key codes at a power-of-two
+        rank (measured: token layout, float16 scales), off over 8-, 3- and 2-bit keys and int4 keys at a
+        padded rank (see :func:`_keys_left`).
         ``max_registers``: a ceiling on registers a thread (Triton's ``maxnreg``; CUDA only), a candidate for
         fitting more programs an SM at the price of spills; ``None``: the compiler's choice.
         ``late_values`` (with ``prefetch``): decode a tile's value codes just before the value dot instead
