@@ -124,6 +124,22 @@ def _logging(debug: bool) -> None:
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
 
+def _output_file(ctx, param, value):
+    """An option naming a file to write, as a ``Path``; a name ending in a path separator is refused here,
+    while the separator is still there (``Path("name/")`` is ``name``: the file ``name`` would be written
+    where the user meant a folder)."""
+    if value is None or value == "-":
+        return value if value is None else Path(value)
+    if value.endswith(("/", os.sep)) or Path(value).name in ("", ".", ".."):
+        example = Path(value) / OUTPUT_EXAMPLES.get(param.name, "out")
+        raise UserError(f"{'/'.join(param.opts)} {value!r} names a folder, not the file to write: give a "
+                        f"file name, e.g. {str(example)!r}")
+    return Path(value)
+
+
+OUTPUT_EXAMPLES = {"output": "smollm2-50.safetensors", "plot": "profiles.png", "json_path": "results.json"}
+
+
 def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | None = None) -> None:
     """Refuse an output that is one of the inputs, lies inside a model folder being read, is a data file
     inside a data folder being read, or is another output; then check that each can be written (its
@@ -284,10 +300,10 @@ def main():
               help="Sequences per forward pass (memory vs speed).")
 @click.option("--rank-step", type=int, default=DEFAULTS["rank_step"], show_default=True,
               help="Ranks are multiples of this.")
-@click.option("-o", "--output", type=click.Path(path_type=Path), required=True,
+@click.option("-o", "--output", type=click.Path(), callback=_output_file, required=True,
               help="Where to write the checkpoint (.safetensors). Progress is kept in OUTPUT.partial.")
 @click.option("--resume", is_flag=True, help="Continue an interrupted run from OUTPUT.partial.")
-@click.option("--plot", type=click.Path(path_type=Path), default=None,
+@click.option("--plot", type=click.Path(), callback=_output_file, default=None,
               help="Draw the error-rank profiles with the chosen ranks marked to this .png (needs "
                    "matplotlib).")
 @common_options
@@ -303,9 +319,6 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     devices = device.split(",") if "," in device else None  # place_layers checks each
     device, torch_dtype = _setup(devices[0] if devices else device, dtype, seed, debug)
     settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
-    if not output.name or output.name in (".", ".."):
-        raise UserError(f"-o {str(output)!r} names a folder, not the checkpoint file to write: give a file "
-                        "name, e.g. -o smollm2-50.safetensors")
     partial = output.with_name(output.name + ".partial")
     leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports
 
@@ -417,7 +430,7 @@ def inspect(checkpoint, as_json):
               help="With --compact (am, attention): the share of the kept entries that hold the prompt's "
                    "most surprising tokens exact, in [0, 1); 0 for none. Default: am a tenth (at least 64 "
                    "tokens, at most a quarter; none below 128 kept entries), attention none.")
-@click.option("--json", "json_path", type=click.Path(path_type=Path), default=None,
+@click.option("--json", "json_path", type=click.Path(), callback=_output_file, default=None,
               help="Also write the results as JSON to this file; '-' prints the JSON instead of the table.")
 @common_options
 def evaluate(model, projections, baseline, data, window, windows, batch_size, backend, attention_kl,

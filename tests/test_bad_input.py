@@ -518,9 +518,12 @@ def test_calibrate_calls_it_cannot_take_are_named(tmp_path, corpus):
         stiefkv.calibrate(model, tok, profile="stiefel", **kw)
     with pytest.raises(ValueError, match="this torch or machine has no MPS device"):
         stiefkv.models.resolve_device("mps")
-    for name in ("", "."):
+    for name in ("", ".", "not-yet-made/", "/"):  # Path("not-yet-made/") would write the file not-yet-made
         result = run(["calibrate", "m", "--data", corpus, "-o", name], 2)
-        assert "names a folder, not the checkpoint file to write" in result.output
+        assert "names a folder, not the file to write" in result.output
+    for args in (["calibrate", "m", "-o", "m.safetensors", "--plot", "plots/"],
+                 ["eval", "m", "--json", "out/"]):
+        assert "names a folder, not the file to write" in run(args, 2).output
 
 
 def test_settings_without_effect_are_named(corpus, caplog):
