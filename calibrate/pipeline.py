@@ -229,6 +229,8 @@ class CalibrationConfig:
                      "step_sequences"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be ≥ 1, got {getattr(self, name)}")
+        if self.seq_len < 2:  # one token to predict from, one to score
+            raise ValueError(f"seq_len must be ≥ 2, got {self.seq_len}")
         if self.weighting == "kl" and self.profile != "pca":
             raise ValueError(f"weighting 'kl' profiles with PCA bases only: profile {self.profile!r} needs "
                              "weighting 'output' or 'update' (--weighting)")

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 import sys
 from dataclasses import fields
 from pathlib import Path
@@ -75,7 +76,7 @@ def _run(fn, debug: bool, hint=None):
     except _user_errors() as exc:
         if debug:
             raise
-        raise UserError(message(str(exc))) from None
+        raise UserError(message(_as_options(str(exc)))) from None
     except _failures() as exc:
         if debug:
             raise
@@ -86,6 +87,19 @@ def _run(fn, debug: bool, hint=None):
         raise click.ClickException(message(f"failed ({type(exc).__name__}): {text}")) from None
     except KeyboardInterrupt:
         raise click.ClickException(message("interrupted")) from None
+
+
+def _as_options(text: str) -> str:
+    """A message from the Python API with the settings it names as the running command's options
+    (``num_sequences must be ≥ 1`` → ``--num-sequences must be ≥ 1``): the user typed the options."""
+    ctx = click.get_current_context(silent=True)
+    if ctx is None:
+        return text
+    for param in ctx.command.params:
+        long = [o for o in param.opts if o.startswith("--")]
+        if isinstance(param, click.Option) and long and param.name:
+            text = re.sub(rf"(?<![\w-]){re.escape(param.name)}(?= must| ≥| is)", long[0], text)
+    return text
 
 
 def require_matplotlib() -> None:

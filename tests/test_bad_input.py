@@ -466,6 +466,11 @@ def test_kl_context_beyond_the_test_text_is_refused_before_the_evaluation(tmp_pa
     (["eval", "m", "--batch-size", "0"], "--batch-size must be ≥ 1"),
     (["eval", "m", "--device", "foo"], "--device foo: unknown device 'foo'"),
     (["calibrate", "m", "--device", "foo", "-o", "x.safetensors"], "unknown device 'foo'"),
+    # the calibration settings' checks, named as the options typed (not num_sequences, budget, ...)
+    (["calibrate", "m", "--budget", "2", "-o", "x.safetensors"], "--budget must be in (0, 1], got 2.0"),
+    (["calibrate", "m", "--num-sequences", "0", "-o", "x.safetensors"], "--num-sequences must be ≥ 1, got 0"),
+    (["calibrate", "m", "--seq-len", "1", "-o", "x.safetensors"], "--seq-len must be ≥ 2, got 1"),
+    (["calibrate", "m", "--rank-step", "0", "-o", "x.safetensors"], "--rank-step must be ≥ 1, got 0"),
 ])
 def test_bad_values_are_one_line(args, message, fake_loader):
     assert message in run(args, 2).output and not fake_loader.calls
