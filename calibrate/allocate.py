@@ -33,6 +33,26 @@ def uniform(num_layers: int, budget: float, head_dim: int, rank_step: int = 8) -
     return [(r, r)] * num_layers
 
 
+def uniform_storage(L: int, G: int, d: int, rank_step: int, budget: float, spec_k: QuantSpec,
+                    spec_v: QuantSpec, shared: bool = False) -> list[tuple[int, int]]:
+    """The same rank for keys and values of every layer, stored as ``spec_k`` and ``spec_v``: the largest
+    multiple of ``rank_step`` (``G ×`` it for one latent ``shared`` by the heads) whose bytes, everything
+    counted as :func:`storage_dp` counts them, fit ``budget`` × the uncompressed bf16 cache's."""
+    if not 0 < budget <= 1:
+        raise ValueError(f"budget must be in (0, 1], got {budget}")
+    heads, copies = (G, 1) if shared else (1, G)
+    room = budget * cache_bytes(L, G, d) - POSITION_BYTES
+    def used(r: int) -> float:
+        return L * copies * (spec_k.bytes_per_token(heads * r) + spec_v.bytes_per_token(heads * r))
+
+    fits = [r for r in range(rank_step, d + 1, rank_step) if used(r) <= room + 1e-9]
+    if not fits:
+        floor = smallest_budget(L, G, d, rank_step, {"k": [spec_k], "v": [spec_v]}, shared)
+        raise ValueError(f"budget {budget:g} is below the smallest cache of {spec_k} keys and {spec_v} "
+                         f"values: {floor:.4g} (rank {rank_step} in every layer); raise the budget")
+    return [(heads * fits[-1], heads * fits[-1])] * L
+
+
 def total_units(num_layers: int, budget: float, head_dim: int, rank_step: int) -> int:
     """The budget in rank units: ``⌊budget · L · 2d / rank_step⌋``."""
     if not 0 < budget <= 1:

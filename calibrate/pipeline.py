@@ -78,8 +78,9 @@ class CalibrationConfig:
     bits : how latents are stored: ``auto`` (per layer and separately for keys and values, the rank, bit
         width and group layout chosen together by the knapsack; bf16 and full rank are candidates),
         ``16`` (bf16 latents, ranks only: the allocation of earlier versions) or ``8``/``4``/``3``/``2``
-        (that width everywhere; rank and layout chosen). With ``allocation="uniform"`` every setting but a
-        fixed width stores bf16.
+        (that width everywhere; rank and layout chosen). With ``allocation="uniform"`` a fixed width stores
+        every latent at it in per-token groups, at the largest rank the budget holds; ``auto`` and ``16``
+        store bf16 there (auto's choice needs the profiles uniform does not make).
     mse : which latents (``none``, ``values`` or ``all``) of 4 bits and fewer encode each group on its
         least-squared-error range instead of its min–max range (no bytes added). Off by default: it halves
         the squared error at 2 bits yet raised the PPL of KIVI and of ``auto`` at 6.25 % (BENCHMARKS.md §1b;
@@ -201,11 +202,9 @@ class CalibrationConfig:
         if str(self.bits) not in BITS_CHOICES:
             raise ValueError(f"bits must be one of {', '.join(BITS_CHOICES)}; got {self.bits!r}")
         self.bits = str(self.bits)
-        if self.allocation == "uniform" and self.bits not in ("16", "auto"):
-            raise ValueError(f"allocation 'uniform' stores bf16 latents; bits {self.bits} needs allocation "
-                             "'dp'")
-        if self.allocation == "uniform":
-            self.bits = "16"  # what it stores, so that the checkpoint's header says so (not the default auto)
+        if self.allocation == "uniform" and self.bits == "auto":
+            # auto chooses widths from the profiles uniform does not make: bf16, as the header then says
+            self.bits = "16"
         for name, allowed in (("method", METHODS), ("key_mode", CALIBRATION_KEY_MODES),
                               ("allocation", allocate.ALLOCATIONS), ("weighting", WEIGHTINGS),
                               ("profile", PROFILES), ("order", ORDERS), ("loss", LOSSES),
@@ -267,7 +266,8 @@ def unused_settings(given: dict, cfg: CalibrationConfig) -> list[str]:
     if cfg.allocation == "uniform":
         notes += [f"{k} has no effect with allocation 'uniform' (no profiles)" for k in PROFILE_SETTINGS
                   if k in given]
-    if storages(cfg) is not None and cfg.recent is not None and cfg.recent >= REFERENCE_CONTEXT:
+    quantized = storages(cfg) is not None or uniform_specs(cfg) is not None
+    if quantized and cfg.recent is not None and cfg.recent >= REFERENCE_CONTEXT:
         notes.append(f"recent {cfg.recent} keeps every token of the {REFERENCE_CONTEXT}-token cache the "
                      "budget is counted at exact: the codes are never read there")
     return notes
@@ -458,9 +458,27 @@ def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
             for which in ("k", "v")}
 
 
+def uniform_specs(cfg: CalibrationConfig) -> tuple[QuantSpec, QuantSpec] | None:
+    """The storage of every key and value latent under ``allocation="uniform"`` with a fixed width (None for
+    bf16): per-token groups, which the decode kernels read in place, with ``recent`` exact tokens (none with
+    ``kernel_storage``), ``mse`` as it says for each."""
+    if cfg.allocation != "uniform" or cfg.bits == "16":
+        return None
+    b = int(cfg.bits)
+
+    def spec(which: str) -> QuantSpec:
+        mse = mse_for(cfg.mse, which) and b <= MSE_BITS
+        if cfg.kernel_storage:
+            return QuantSpec(b, "token", mse=mse)
+        return QuantSpec(b, "token", mse=mse, recent=cfg.recent, window8=cfg.window8)
+
+    return spec("k"), spec("v")
+
+
 def check_budget(cfg: CalibrationConfig, dims) -> None:
     """Refuse, before any work, a budget below the smallest cache the settings can represent."""
-    specs = storages(cfg) or [FLOAT]
+    fixed = uniform_specs(cfg)
+    specs = storages(cfg) or ({"k": [fixed[0]], "v": [fixed[1]]} if fixed else [FLOAT])
     floor = allocate.smallest_budget(dims.L, dims.G, dims.d, cfg.rank_step, specs, cfg.share_heads)
     if specs == [FLOAT]:  # the bf16 allocation counts rank units, as earlier versions did: positions aside
         floor = cfg.rank_step / dims.d
@@ -483,6 +501,11 @@ def layer_specs(state: CalibrationState) -> list[tuple[QuantSpec, QuantSpec]]:
 def choose_allocation(cfg: CalibrationConfig, state: CalibrationState,
                       dims) -> tuple[list[tuple[int, int]], list[tuple[QuantSpec, QuantSpec]] | None]:
     """Ranks per layer, and the storage of each latent when latents are quantized (None: bf16)."""
+    fixed = uniform_specs(cfg)
+    if fixed is not None:
+        ranks = allocate.uniform_storage(dims.L, dims.G, dims.d, cfg.rank_step, cfg.budget, *fixed,
+                                         shared=cfg.share_heads)
+        return ranks, [fixed] * dims.L
     specs = storages(cfg)
     if specs is None:
         return choose_ranks(cfg, state, dims), None

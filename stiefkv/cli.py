@@ -276,8 +276,8 @@ def main():
 @click.option("--allocation", type=click.Choice(ALLOCATIONS), default=DEFAULTS["allocation"],
               show_default=True,
               help="dp = per-layer ranks minimising the summed profiled error under the budget (exact "
-                   "knapsack); uniform = the same ranks in every layer, bf16 latents only (--bits 4 or 8 "
-                   "choose their layouts from dp's profiles).")
+                   "knapsack); uniform = the same rank in every layer: bf16 latents, or with --bits 8/4/3/2 "
+                   "that width in per-token groups at the largest rank the budget holds.")
 @click.option("--weighting", type=click.Choice(WEIGHTINGS), default=DEFAULTS["weighting"], show_default=True,
               help="For dp: what a layer's compression costs: the whole model's next-token KL with only "
                    "that layer compressed (kl), or the layer's own error relative to its output (output) or "

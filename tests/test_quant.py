@@ -22,12 +22,14 @@ from stiefkv.calibrate.allocate import knapsack_options, smallest_budget, storag
 from stiefkv.calibrate.profile import LayerProfile, spreading_rotation
 from stiefkv.evaluate import BASELINES, baseline_projections
 from stiefkv.kernels._common import KERNEL_BITS
+from stiefkv.models import dims_of
 from stiefkv.projections import FORMAT_VERSION, CheckpointError, Projections
 from stiefkv.quant import (
     CLIP_RATIOS,
     GROUP,
     LAYOUTS,
     LOG8_LARGEST,
+    POSITION_BYTES,
     QUANT_BITS,
     QuantSpec,
     _pack_words,
@@ -833,6 +835,40 @@ def test_uniform_allocation_records_the_bf16_latents_it_stores(corpus):
                              allocation="uniform", num_sequences=2, seq_len=17)
     assert proj.settings["bits"] == "16" and all(k is None or not k.quantized for pair in proj.specs
                                                  for k in pair)
+
+
+@pytest.mark.parametrize("bits, budget, shared, kernel", [(4, 0.25, False, False), (8, 0.4, False, True),
+                                                        (2, 0.2, True, False)])
+def test_uniform_allocation_at_a_fixed_width(corpus, bits, budget, shared, kernel):
+    """``allocation="uniform"`` with a fixed width: every latent at it in per-token groups (no window with
+    ``kernel_storage``), one rank everywhere, the largest whose bytes fit the budget; the model it serves
+    runs."""
+    from stiefkv.calibrate import allocate
+    from stiefkv.calibrate.pipeline import CalibrationConfig
+
+    model = tiny_model(layers=2)
+    step = 4
+    cfg = dict(data=str(corpus), method="pca", allocation="uniform", bits=bits, budget=budget, rank_step=step,
+               num_sequences=2, seq_len=17, share_heads=shared, kernel_storage=kernel)
+    proj = stiefkv.calibrate(model, CharTokenizer(), **cfg)
+    assert proj.settings["bits"] == str(bits) and len(set(proj.ranks)) == 1
+    default = CalibrationConfig(budget=budget).validate()  # the exact window, held in int8 by default
+    spec = QuantSpec(bits, "token", recent=0 if kernel else default.recent,
+                     window8=default.window8 and not kernel)
+    assert all(pair == (spec, spec) for pair in proj.specs), proj.specs
+    dims = dims_of(model.config)
+    full = allocate.cache_bytes(dims.L, dims.G, dims.d)
+    assert proj.kv_bytes_per_token() <= budget * full + 1e-6
+    R, heads = proj.ranks[0][0], dims.G if shared else 1
+    if R < heads * dims.d:  # a step more would not have fit
+        copies = 1 if shared else dims.G
+        more = dims.L * copies * 2 * spec.bytes_per_token(R + heads * step) + POSITION_BYTES
+        assert more > budget * full, (R, more, budget * full)
+    stiefkv.load(model, proj)
+    with torch.no_grad():
+        assert torch.isfinite(model(torch.randint(3, 90, (2, 30))).logits).all()
+    with pytest.raises(ValueError, match=f"below the smallest cache of {spec} keys"):
+        allocate.uniform_storage(2, 2, 24, step, 0.01, spec, spec)
 
 
 def test_the_default_recent_window_follows_the_budget():
