@@ -33,7 +33,7 @@ from stiefkv.compacted import (
 )
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
-from stiefkv.models import max_positions
+from stiefkv.models import decoder_layers, max_positions
 
 METHODS = AM_METHODS + presses.PRESSES
 
@@ -251,6 +251,12 @@ ANSWER_TOKENS = 7
 _FULL_ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def served_state(model) -> tuple:
+    """What the model's attention is now: each layer's bases, key mode and storage (their tags; None for an
+    uncompressed layer)."""
+    return tuple(getattr(layer.self_attn, "basis_tag", None) for layer in decoder_layers(model))
+
+
 @dataclass
 class RetrievalResult:
     """Pass-key accuracy after a compacted context and after the full one, on the same ``samples``."""
@@ -325,10 +331,13 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
     for i in tqdm(range(samples), desc=f"pass key {method} keep {keep:g}", unit="prompt"):
         ctx, question, key = passkey_sample(tokenizer, context, rng)
         answer, kept, h = retrieve(model, tokenizer, ctx, question, keep, method, window=window, **options)
-        memo = _FULL_ANSWERS.setdefault(model, {})  # the whole context's answer is the same for every method
-        if (context, seed, i) not in memo:
-            memo[context, seed, i] = key in retrieve(model, tokenizer, ctx, question, None, method)[0]
-        right, right_full = right + (key in answer), right_full + memo[context, seed, i]
+        # the whole context's answer is the same for every method, not for every checkpoint the model has
+        # been served with since (stiefkv.load and unload change it in place)
+        memo = _FULL_ANSWERS.setdefault(model, {})
+        at = (served_state(model), context, seed, i)
+        if at not in memo:
+            memo[at] = key in retrieve(model, tokenizer, ctx, question, None, method)[0]
+        right, right_full = right + (key in answer), right_full + memo[at]
         held += h / samples
     return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
                            held, _pinned(kept, method, options))

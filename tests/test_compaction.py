@@ -844,3 +844,32 @@ def test_unpinned_layers_are_gathered_one_at_a_time_and_let_go():
     with pytest.raises(TypeError, match="one at a time"):
         k[1:3]
     assert _unpinned(keys, values, None) == (keys, values)
+
+
+def test_the_uncompressed_pass_key_answers_follow_the_model_as_served_now(monkeypatch):
+    """The whole context's answers are remembered per model and prompt, and per the bases the model is
+    served with: after ``stiefkv.load`` or ``unload`` on the same object they are asked again (they were
+    reused, so the column reported the model as it had been)."""
+    import stiefkv
+    from stiefkv import longcontext
+    from stiefkv.attention import projections_of
+    from tests.tiny import random_projections, tiny_model
+
+    asked = []
+
+    def retrieve(model, tokenizer, ctx, question, keep, method, **kw):
+        served = projections_of(model) is not None
+        asked.append((keep, served))
+        return ("KEY" if not served else "nothing"), 1, 1.0
+
+    monkeypatch.setattr(longcontext, "retrieve", retrieve)
+    monkeypatch.setattr(longcontext, "passkey_sample", lambda tok, context, rng: ("ctx", "q", "KEY"))
+    model = tiny_model()
+    kw = dict(context=64, keep=0.5, method="attention", samples=2)
+    assert longcontext.evaluate_retrieval(model, None, **kw).accuracy_full == 1.0
+    stiefkv.load(model, random_projections(model, 8, 8))
+    assert longcontext.evaluate_retrieval(model, None, **kw).accuracy_full == 0.0
+    stiefkv.unload(model)
+    asked.clear()
+    assert longcontext.evaluate_retrieval(model, None, **kw).accuracy_full == 1.0
+    assert [k for k, _ in asked].count(None) == 0  # remembered for the uncompressed model: not asked again
