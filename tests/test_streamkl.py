@@ -202,6 +202,25 @@ def test_rejects_bad_inputs(device):
             sk.attention_kl(ok[0], ok[1].cpu(), ok[2], ok[3])
 
 
+@pytest.mark.parametrize("backend", ["auto", "reference"])
+def test_every_backend_refuses_what_the_kernel_refuses(backend):
+    """The materialised reference broadcast mismatched shapes silently (a student of one key gave a KL below
+    zero); the public call checks the shapes whichever backend runs."""
+    from stiefkv.kernels import attention_kl
+
+    qt, kt = torch.randn(2, 6, 7, 5), torch.randn(2, 2, 7, 5)
+    qs, ks = torch.randn(2, 6, 7, 3), torch.randn(2, 3, 7, 3)
+    attention_kl(qt, kt, qs, ks, backend=backend)  # well formed
+    for bad, message in (((qt, kt[:1], qs, ks), r"k_t has shape \(1, 2, 7, 5\); expected \[2, H_kv, 7, 5\]"),
+                         ((qt, kt, qs[:, :1], ks[:, :1]), "must agree on"),
+                         ((qt, kt, qs, ks[:, :, :1]), r"expected \[2, H_kv, 7, 3\]"),
+                         ((qt, kt, qs, torch.randn(2, 4, 7, 3)), "multiple of k_s's heads"),
+                         ((qt[0], kt, qs, ks), r"must be \[B, heads, tokens, head_dim\]"),
+                         ((qt, kt, qs, torch.randn(2, 3, 7, 4)), r"expected \[2, H_kv, 7, 3\]")):
+        with pytest.raises(ValueError, match=message):
+            attention_kl(*bad, backend=backend)
+
+
 def test_refuses_cpu_tensors_outside_the_interpreter(monkeypatch):
     """The kernel module never falls back: CPU tensors without the interpreter are the caller's mistake
     (``stiefkv.kernels.attention_kl`` is the function that chooses the reference)."""

@@ -275,3 +275,25 @@ def interpreting() -> bool:
 def padded_dim(n: int) -> int:
     """Tile width for a head dim or a rank ``n``: the next power of two, at least :data:`MIN_DOT`."""
     return max(MIN_DOT, 1 << max(n - 1, 0).bit_length())
+
+
+def check_kl_inputs(q_t, k_t, q_s, k_s) -> None:
+    """The shapes StreamKL's teacher and student must agree on, whichever backend computes it: one device,
+    ``[B, heads, tokens, head_dim]`` each, queries alike in ``[B, H, Nq]``, keys alike in ``B`` and ``Nk``,
+    each key's head dim its queries', query heads a multiple of each side's key heads (a mismatch
+    broadcast silently in the materialised reference, down to a KL below zero)."""
+    devices = {t.device for t in (q_t, k_t, q_s, k_s)}
+    if len(devices) > 1:
+        raise ValueError("attention_kl needs all four tensors on one device, got "
+                         f"{sorted(map(str, devices))}")
+    for name, x in (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s)):
+        if x.dim() != 4:
+            raise ValueError(f"{name} must be [B, heads, tokens, head_dim], got shape {tuple(x.shape)}")
+    B, H, n_q, d_t = q_t.shape
+    if q_s.shape[:3] != (B, H, n_q):
+        raise ValueError(f"q_t {tuple(q_t.shape)} and q_s {tuple(q_s.shape)} must agree on [B, H, n_q]")
+    for name, k, d in (("k_t", k_t, d_t), ("k_s", k_s, q_s.shape[-1])):
+        if k.shape[0] != B or k.shape[2] != k_t.shape[2] or k.shape[3] != d:
+            raise ValueError(f"{name} has shape {tuple(k.shape)}; expected [{B}, H_kv, {k_t.shape[2]}, {d}]")
+        if k.shape[1] < 1 or H % k.shape[1]:
+            raise ValueError(f"query heads ({H}) must be a multiple of {name}'s heads ({k.shape[1]})")

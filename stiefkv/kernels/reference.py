@@ -16,6 +16,7 @@ from ._common import (
     QuantizedLatents,
     RopeSpec,
     as_float_latents,
+    check_kl_inputs,
     check_prior,
     merge_prior,
 )
@@ -323,6 +324,7 @@ def attention_kl(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if direction not in ("forward", "reverse"):
         raise ValueError(f"direction must be 'forward' or 'reverse', got {direction!r}")
+    check_kl_inputs(q_t, k_t, q_s, k_s)
     a = _attention_logits(q_t, k_t, scale_t)
     b = _attention_logits(q_s, k_s, scale_s)
     if causal:

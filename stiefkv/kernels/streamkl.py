@@ -26,7 +26,7 @@ import triton
 import triton.language as tl
 from torch.autograd.function import once_differentiable
 
-from ._common import LN2, LOG2E, interpreting, padded_dim
+from ._common import LN2, LOG2E, check_kl_inputs, interpreting, padded_dim
 from .reference import attention_kl as attention_kl_reference
 
 MAX_HEAD_DIM = 256  # two query tiles of this width still fit in registers/shared memory
@@ -507,28 +507,16 @@ class StreamKLFunction(torch.autograd.Function):
 
 def _check_inputs(q_t, k_t, q_s, k_s) -> None:
     """Device, shape and dtype checks, so that nothing the backward cannot do gets through."""
-    devices = {t.device for t in (q_t, k_t, q_s, k_s)}
-    if len(devices) > 1:
-        raise ValueError(f"attention_kl needs all four tensors on one device, got "
-                         f"{sorted(map(str, devices))}")
+    check_kl_inputs(q_t, k_t, q_s, k_s)
     if q_t.device.type != "cuda" and not (q_t.device.type == "cpu" and interpreting()):
         raise RuntimeError(f"the StreamKL kernels run on CUDA tensors (or on the CPU under "
                            f"TRITON_INTERPRET=1), got {q_t.device.type}; stiefkv.kernels.attention_kl picks "
                            "the reference there")
     for name, x in (("q_t", q_t), ("k_t", k_t), ("q_s", q_s), ("k_s", k_s)):
-        if x.dim() != 4:
-            raise ValueError(f"{name} must be [B, heads, tokens, head_dim], got shape {tuple(x.shape)}")
         if x.dtype not in _DTYPES:
             raise ValueError(f"{name} has dtype {x.dtype}; StreamKL takes float16, bfloat16 or float32 "
                              "(stiefkv.kernels.attention_kl_reference takes any)")
-    B, H, n_q, d_t = q_t.shape
-    if q_s.shape[:3] != (B, H, n_q):
-        raise ValueError(f"q_t {tuple(q_t.shape)} and q_s {tuple(q_s.shape)} must agree on [B, H, n_q]")
-    for name, k, d in (("k_t", k_t, d_t), ("k_s", k_s, q_s.shape[-1])):
-        if k.shape[0] != B or k.shape[2] != k_t.shape[2] or k.shape[3] != d:
-            raise ValueError(f"{name} has shape {tuple(k.shape)}; expected [{B}, H_kv, {k_t.shape[2]}, {d}]")
-        if H % k.shape[1]:
-            raise ValueError(f"query heads ({H}) must be a multiple of {name}'s heads ({k.shape[1]})")
+    for name, d in (("k_t", q_t.shape[-1]), ("k_s", q_s.shape[-1])):
         if d > MAX_HEAD_DIM:
             raise ValueError(f"{name} head dim {d} exceeds the kernel's {MAX_HEAD_DIM}; use the reference")
 
