@@ -92,15 +92,40 @@ class LowRankAttention(nn.Module):
         self.rope = RopeSpec(rope.inv_freq.to(device), rope.attention_scaling)
         # P_v folded into o_proj (exact): attention returns its output in r_v dimensions and one matmul of
         # [D, H·r_v] replaces P_v's epilogue plus o_proj; measured faster on the H200 (BENCHMARKS.md §2, P_v).
-        with torch.no_grad():  # buffers, not functions of the weights: no graph to keep (and to deepcopy)
-            o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(self.P_v, self.kv_heads))
-            fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, key_mode)
-        self.register_buffer("o_fold", o_fold, persistent=False)
-        for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
-            self.register_buffer(name, tensor, persistent=False)
+        for name in ("o_fold", "zk_weight", "zk_bias", "zv_weight", "zv_bias"):
+            self.register_buffer(name, None, persistent=False)
+        self._folded: tuple | None = None
+        self.refold()
         self.basis_tag = basis_tag(P_k, P_v, key_mode, self.quant)  # checked against each cache it writes
         self._cast_key: tuple | None = None  # (P_k's storage, version, device, dtype) of the cached cast
         self._cast_P_k: torch.Tensor | None = None
+
+    def _fold_sources(self) -> tuple:
+        """The weights the folds are made of, each as (object, version): a write into any of them
+        (``load_state_dict``, an optimizer's step, an in-place edit) changes its version; a move or a cast
+        of the module, whose buffers move and cast with it, does not (a parameter keeps its object; the
+        bases, buffers, are replaced by a cast, so they are not among these: load other bases with
+        ``stiefkv.load``)."""
+        attn = self.original
+        tensors = (attn.o_proj.weight, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
+                   attn.v_proj.bias)
+        return tuple((id(t), t._version) for t in tensors if t is not None)
+
+    def refold(self) -> None:
+        """Fold the bases into ``k_proj``/``v_proj`` and ``P_v`` into ``o_proj`` again if those weights (or
+        the bases) were written since the last fold, so that a served model never computes with weights it
+        no longer has. The folds are buffers, not functions of the weights: gradients do not reach
+        ``k_proj``, ``v_proj`` or ``o_proj`` through a served model (train the unserved one)."""
+        sources = self._fold_sources()
+        if sources == self._folded:
+            return
+        attn = self.original
+        with torch.no_grad():  # buffers: no graph to keep (and to deepcopy)
+            self.o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(self.P_v, self.kv_heads))
+            fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, self.key_mode)
+        for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
+            setattr(self, name, tensor)
+        self._folded = sources
 
     def key_basis(self, dtype: torch.dtype) -> torch.Tensor:
         """``P_k`` in the latents' dtype, as the kernels take it: cast once, not on every call (again after
@@ -135,6 +160,7 @@ class LowRankAttention(nn.Module):
                 past_key_values=None, cache=None, position_ids=None, **kwargs):
         cache = as_latent_cache(cache if cache is not None else past_key_values)
         refuse_no_tokens(hidden_states, cache)
+        self.refold()
         B, N, _ = hidden_states.shape
         if position_ids is None:
             past = cache.get_seq_length(self.layer_idx) if cache is not None else 0

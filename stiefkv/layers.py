@@ -114,8 +114,9 @@ def to_latent(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
             raise ValueError(f"a shared basis needs G·d = {G * d} rows for {G} KV heads of dim {d}; got "
                              f"{tuple(P.shape)}")
         x = x.transpose(1, 2).reshape(B, 1, N, G * d)
-    # matmul broadcasts over B; einsum's host time per call measured ~2.6× larger
-    return torch.matmul(x.float(), P).to(x.dtype)
+    # matmul broadcasts over B; einsum's host time per call measured ~2.6× larger. P.float(): a served
+    # model cast after load (model.half()) holds its bases in that dtype
+    return torch.matmul(x.float(), P.float()).to(x.dtype)
 
 
 def head_latents(z: torch.Tensor, G: int) -> torch.Tensor:

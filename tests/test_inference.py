@@ -275,3 +275,30 @@ def test_key_modes_per_layer_are_served_layer_by_layer(arch):
         assert_close(mixed, same, atol=1e-4, rtol=0, what=f"mixed vs all {cut_mode}")
         assert_close(mixed_cached, mixed, atol=2e-5, rtol=1e-4, what="mixed, cached vs full forward")
         assert (mixed - other).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_a_served_model_computes_with_the_weights_it_has_now(key_mode):
+    """The bases are folded into k_proj, v_proj and o_proj at load; weights written afterwards
+    (``load_state_dict``, an in-place edit) are folded again (the served model kept computing with the old
+    ones). At full rank the served model is the unserved one: it stays so after the writes. A cast moves
+    the folds with the module instead."""
+    import copy
+
+    model = tiny_model()
+    d = dims_of(model.config).d
+    stiefkv.load(model, random_projections(model, d, d, key_mode))
+    ids = torch.randint(3, 90, (2, 13))
+    before = model(ids).logits
+    changed = {k: v * 1.5 if ("o_proj" in k or "v_proj" in k) else v for k, v in model.state_dict().items()}
+    model.load_state_dict(changed)
+    with torch.no_grad():
+        model.model.layers[0].self_attn.original.k_proj.weight.mul_(0.8)
+    after = model(ids).logits
+    plain = stiefkv.unload(copy.deepcopy(model))(ids).logits
+    assert (after - before).abs().max() > 1e-2
+    assert_close(after, plain, 1e-5, 1e-5, what="served at full rank after the weights were written")
+    model.to(torch.bfloat16)  # a cast: the folds were cast with the module, not made again
+    folded = model.model.layers[1].self_attn.o_fold
+    model(ids)
+    assert model.model.layers[1].self_attn.o_fold is folded and folded.dtype == torch.bfloat16
