@@ -317,7 +317,9 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
     tokens.
 
     Queries and original keys are the uncompressed model's at that layer; compressed keys go through the
-    layer's ``P_k`` as the served model's would. Memory grows linearly with ``context``.
+    layer's ``P_k`` and its key storage (codes, the exact recent band) as the served cache holds them once
+    it holds all ``context`` tokens. Memory grows linearly with ``context``. A KL is ≥ 0: rounding below
+    it (identical rows) reads 0.
     """
     if context < 1:
         raise ValueError(f"context must be ≥ 1 token, got {context}")
@@ -334,8 +336,10 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
         q, k_t, k_s = attention_queries_keys(attn, layers[i].input_layernorm(batch.hidden),
                                              projections.keys[i].to(device),
                                              key_mode=projections.key_modes[i],
-                                             position_embeddings=batch.position_embeddings)
-        kl[i] = chunked_attention_kl(q, k_t, k_s, scale=attn.scaling, chunk=chunk) / (q.shape[1] * q.shape[2])
+                                             position_embeddings=batch.position_embeddings,
+                                             key_spec=projections.specs[i][0])
+        rows = q.shape[1] * q.shape[2]
+        kl[i] = max(0.0, chunked_attention_kl(q, k_t, k_s, scale=attn.scaling, chunk=chunk) / rows)
 
     with layer_hooks(model, consume):
         # the decoder stack alone: no LM head needed

@@ -131,9 +131,11 @@ def head_bases(P: torch.Tensor, G: int) -> torch.Tensor:
     return P if P.shape[0] == G else P.reshape(G, P.shape[-2] // G, P.shape[-1])
 
 
-def rebuild(x: torch.Tensor, P: torch.Tensor) -> torch.Tensor:
-    """``[B, G, N, d]`` projected onto the bases' span and back (what the latents of ``x`` reproduce)."""
-    z = to_latent(x, P).float()
+def rebuild(x: torch.Tensor, P: torch.Tensor, spec: QuantSpec = FLOAT) -> torch.Tensor:
+    """``[B, G, N, d]`` projected onto the bases' span and back (what the latents of ``x`` reproduce), the
+    latents stored as ``spec`` between (:func:`~stiefkv.quant.fake_quant`: as a cache holding all ``N``)."""
+    z = fake_quant(to_latent(x, P).float(), spec)
+    P = P.float()
     if not is_shared(P, x.shape[-1]):
         return torch.matmul(z, P.transpose(-1, -2)).to(x.dtype)
     B, G, N, d = x.shape
@@ -213,18 +215,21 @@ def compressed_layer_output(layer: nn.Module, batch: LayerBatch, P_k: torch.Tens
 
 
 def attention_queries_keys(attn: nn.Module, normed: torch.Tensor, P_k: torch.Tensor | None, *, key_mode: str,
-                           position_embeddings) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                           position_embeddings, key_spec: QuantSpec = FLOAT
+                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Rotated queries ``[B, H, N, d]``, the original rotated keys and the keys rebuilt through ``P_k``
     (``[B, G, N, d]`` each): what the original and the compressed attention compare their logits on.
 
-    ``pre_rope`` rebuilds ``P_k P_kᵀ k`` and then rotates it; ``post_rope`` projects the rotated key.
+    ``pre_rope`` rebuilds ``P_k P_kᵀ k`` and then rotates it; ``post_rope`` projects the rotated key. The
+    key latents are stored as ``key_spec`` on the way (bf16: as they are).
     """
     cos, sin = position_embeddings
     q, k, _ = project_qkv(attn, normed, values=False)
     q, k_rot = rotate_with(q, cos, sin), rotate_with(k, cos, sin)
     if P_k is None:
         return q, k_rot, k_rot
-    k_low = rotate_with(rebuild(k, P_k), cos, sin) if key_mode == "pre_rope" else rebuild(k_rot, P_k)
+    k_low = (rotate_with(rebuild(k, P_k, key_spec), cos, sin) if key_mode == "pre_rope"
+             else rebuild(k_rot, P_k, key_spec))
     return q, k_rot, k_low
 
 

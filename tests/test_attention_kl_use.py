@@ -10,6 +10,7 @@ from stiefkv.calibrate.stiefel import RefineSettings, orthonormality_error, refi
 from stiefkv.evaluate import attention_kl_per_layer, chunked_attention_kl
 from stiefkv.kernels.reference import attention_kl as reference_kl
 from stiefkv.models import rope_spec
+from stiefkv.quant import QuantSpec
 from tests.test_calibrate import layer_data
 from tests.tiny import random_bases, random_projections, tiny_model
 from tests.utils import CharTokenizer
@@ -91,6 +92,12 @@ def test_eval_attention_kl_per_layer(tmp_path, monkeypatch):
     assert len(full) == 2 and all(abs(v) < 1e-5 for v in full)
     assert all(v > 1e-3 for v in low)
     assert low == pytest.approx(unchunked, rel=1e-4)
+    # the key storage counts: full-rank bases with int2 codes (but the 16 exact recent tokens) are far from
+    # the 0 of bf16, which is what the KL reported for them (the codes were not applied)
+    coded = random_projections(model, 24, 24)
+    coded.quant = [(QuantSpec(2, "token", recent=16), QuantSpec(2, "token", recent=16))] * len(coded.keys)
+    with_codes = attention_kl_per_layer(model, tok, coded, context=300, chunk=64)
+    assert all(v > 1e-3 for v in with_codes) and all(v >= 0 for v in full + low + with_codes)
     with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
         attention_kl_per_layer(model, tok, random_projections(model, 8, 8), context=10**6)
     (tmp_path / "wikitext-2" / "wiki.test.raw").write_text(text[:400])
