@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from stiefkv.models import same_model
 from stiefkv.projections import honour_umask
 
 log = logging.getLogger(__name__)
@@ -88,7 +89,7 @@ class CalibrationState:
         if missing:
             raise ValueError(damaged.format(f"no {', '.join(missing)}"))
         counts = doc["counts"]
-        if doc["fingerprint"] != fingerprint:
+        if not same_model(doc["fingerprint"], fingerprint):
             raise ValueError(f"{path} was written for another model; delete it or drop --resume")
         changed = sorted(k for k in set(settings) | set(doc["settings"])
                          if settings.get(k) != doc["settings"].get(k))

@@ -111,20 +111,39 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def weights_hash(model: nn.Module) -> str:
-    """sha256 of every layer's ``k_proj``/``v_proj`` weights, rounded to bfloat16.
+def weights_hash(model: nn.Module, via: torch.dtype | None = None) -> str:
+    """sha256 of every layer's ``k_proj``/``v_proj`` weights, rounded to bfloat16 (through ``via`` first).
 
     Rounding makes the hash of a float32 model equal that of the same model cast to bf16, so a
-    checkpoint calibrated in float32 on the CPU loads on the bf16 model on a GPU.
+    checkpoint calibrated in float32 on the CPU loads on the bf16 model on a GPU. A float16 model rounds
+    some weights to another bf16 value (two roundings): ``via=torch.float16`` is the hash it has.
     """
     h = hashlib.sha256()
     for layer in decoder_layers(model):
         # the original attention under a loaded LowRankAttention
         attn = getattr(layer.self_attn, "inner", layer.self_attn)
         for proj in (attn.k_proj, attn.v_proj):
-            w = proj.weight.detach().to("cpu", torch.bfloat16).contiguous()
+            w = proj.weight.detach().to("cpu")
+            w = (w if via is None else w.to(via)).to(torch.bfloat16).contiguous()
             h.update(w.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+WEIGHT_HASHES = ("kv_weights_sha256", "kv_weights_sha256_fp16")
+
+
+def same_weights(a: dict, b: dict) -> bool:
+    """Whether two fingerprints are of the same k_proj/v_proj weights: a hash in common, as bf16 or through
+    float16 (a float32 model and its float16 or bf16 casts share one; a file without the float16 hash has
+    the bf16 one only)."""
+    return bool(({a.get(k) for k in WEIGHT_HASHES} - {None}) & ({b.get(k) for k in WEIGHT_HASHES} - {None}))
+
+
+def same_model(a: dict, b: dict) -> bool:
+    """Whether two fingerprints are of one model: the same architecture, dimensions and RoPE settings, and
+    :func:`same_weights`."""
+    rest = set(a) | set(b)
+    return all(a.get(k) == b.get(k) for k in rest - set(WEIGHT_HASHES)) and same_weights(a, b)
 
 
 def fingerprint(model: nn.Module) -> dict:
@@ -137,6 +156,7 @@ def fingerprint(model: nn.Module) -> dict:
         "L": dims.L, "H": dims.H, "G": dims.G, "d": dims.d, "D": dims.D,
         "rope": rope,
         "kv_weights_sha256": weights_hash(model),
+        "kv_weights_sha256_fp16": weights_hash(model, via=torch.float16),
     }
 
 

@@ -441,15 +441,16 @@ class Projections:
     def check(self, model) -> None:
         """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``
         (and on bases that are not finite or not orthonormal)."""
-        from stiefkv.models import fingerprint
+        from stiefkv.models import fingerprint, same_weights
 
         mine, theirs = self.fingerprint, fingerprint(model)
         diffs = [f"{key}: checkpoint {mine.get(key)!r}, model {theirs.get(key)!r}"
                  for key in ("architecture", "L", "H", "G", "d", "D", "rope")
                  if mine.get(key) != theirs.get(key)]
-        if not diffs and mine.get("kv_weights_sha256") != theirs.get("kv_weights_sha256"):
+        if not diffs and not same_weights(mine, theirs):
             diffs.append("same shapes but different k_proj/v_proj weights (another checkpoint of this "
-                         "architecture?)")
+                         "architecture? A checkpoint written before 2026-12-07 has no float16 hash: load "
+                         "the model in bfloat16 or float32)")
         if diffs:
             raise CheckpointError(
                 "this checkpoint was made for another model — " + "; ".join(diffs)

@@ -11,7 +11,7 @@ from stiefkv.calibrate.allocate import uniform
 from stiefkv.calibrate.pca import top_eigenvectors
 from stiefkv.cli import main
 from stiefkv.data import DataError, calibration_sequences, load_texts
-from stiefkv.models import ModelLoadError, arch_of, fingerprint
+from stiefkv.models import ModelLoadError, arch_of, fingerprint, same_model
 from stiefkv.projections import CheckpointError
 from tests.tiny import ARCHS, random_projections, tiny_config, tiny_model
 from tests.utils import CharTokenizer
@@ -77,7 +77,9 @@ def test_mismatched_model_is_refused_with_the_difference(tmp_path):
 
 def test_fingerprint_survives_bf16():
     model = tiny_model("llama")
-    assert fingerprint(model) == fingerprint(tiny_model("llama").to(torch.bfloat16))
+    cast = fingerprint(tiny_model("llama").to(torch.bfloat16))
+    assert fingerprint(model)["kv_weights_sha256"] == cast["kv_weights_sha256"] and same_model(
+        fingerprint(model), cast)
 
 
 @pytest.mark.parametrize("content", [b"", b"not a safetensors file at all",
@@ -335,3 +337,32 @@ def test_python_dash_m_runs_the_cli(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "stiefkv", "inspect", str(tmp_path / "missing.safetensors")],
                          capture_output=True, text=True, timeout=120)
     assert bad.returncode == 2 and "missing.safetensors" in bad.stderr + bad.stdout
+
+
+def test_a_float32_checkpoint_loads_on_the_float16_model(tmp_path):
+    """bf16(fp16(w)) differs from bf16(w) for some weights, so the float16 model's bf16 hash missed the
+    float32 calibration's: the checkpoint also records the hash through float16, and either matching is
+    enough. A checkpoint without it (older) is refused on float16 with the way out named."""
+    import torch
+
+    import stiefkv
+    from stiefkv.models import weights_hash
+    from tests.tiny import random_projections, tiny_model
+
+    model = tiny_model()
+    with torch.no_grad():  # weights where the two roundings disagree
+        for layer in model.model.layers:
+            w = layer.self_attn.k_proj.weight
+            w.copy_(torch.linspace(1.0, 1.01, w.numel()).reshape(w.shape) * torch.sign(w))
+    half = tiny_model()
+    half.load_state_dict(model.state_dict())
+    half.half()
+    assert weights_hash(half) != weights_hash(model)  # the case this is about
+    proj = random_projections(model, 8, 8)
+    path = proj.save(tmp_path / "p.safetensors")
+    stiefkv.load(half, stiefkv.Projections.load(path))
+    old = stiefkv.Projections.load(path)
+    old.fingerprint.pop("kv_weights_sha256_fp16")
+    with pytest.raises(stiefkv.CheckpointError, match="load the model in bfloat16 or float32"):
+        stiefkv.load(stiefkv.unload(half), old)
+    stiefkv.load(model, old)  # float32 still matches the bf16 hash
