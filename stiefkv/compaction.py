@@ -420,6 +420,7 @@ AM_DEFAULTS = {"allocation": "layers-max", "pooling": "rms", "solver": "projecte
 
 
 OPTIONS = ("selection", "fit_beta", "refit_values", "allocation", "pooling", "solver", "ridge", "block")
+FIT_ONLY = ("selection", "fit_beta", "refit_values", "solver", "ridge", "block")  # am's: eviction has no fit
 
 
 def effective_options(method: str, options: dict) -> dict:
@@ -429,6 +430,11 @@ def effective_options(method: str, options: dict) -> dict:
     if unknown:
         raise ValueError(f"unknown compaction option {', '.join(map(repr, unknown))}: the options are "
                          f"{', '.join(OPTIONS)} (and pin)")
+    fitting = sorted(set(options) & set(FIT_ONLY))
+    if method != "am" and fitting:
+        raise ValueError(f"{', '.join(fitting)}: option{'s' if len(fitting) > 1 else ''} of method 'am' (the "
+                         f"fit); method {method!r} keeps the tokens it chooses as they are and takes "
+                         "allocation and pooling only")
     merged = {**(AM_DEFAULTS if method == "am" else {"allocation": "uniform"}), **options}
     for name, allowed in (("allocation", ALLOCATIONS), ("selection", SELECTIONS), ("pooling", POOLINGS),
                           ("solver", SOLVERS)):

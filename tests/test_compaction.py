@@ -477,6 +477,12 @@ def test_bad_compact_requests_are_refused():
                            ({"selection": "best"}, "selection must be"), ({"fit_beta": "y"}, "fit_beta is")):
         with pytest.raises(ValueError, match=match):
             stiefkv.compact(model, cache, 0.3, **options)
+    # the fit's options with eviction (they did nothing: the same entries, β 0)
+    for options in ({"fit_beta": True}, {"selection": "omp", "refit_values": True}, {"solver": "nnls"},
+                    {"ridge": 0.1}, {"block": 64}):
+        with pytest.raises(ValueError, match="of method 'am' .the fit.; method 'attention' keeps"):
+            stiefkv.compact(model, cache, 0.3, method="attention", **options)
+    stiefkv.compact(model, cache, 0.3, method="attention", pooling="max", allocation="global")
     other = tiny_model(layers=2)  # the same shapes, other key weights: another checkpoint
     with torch.no_grad():
         other.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
