@@ -332,7 +332,11 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
 
     devices = device.split(",") if "," in device else None  # place_layers checks each
     device, torch_dtype = _setup(devices[0] if devices else device, dtype, seed, debug)
-    settings = {k: v for k, v in settings.items() if v is not None}  # unset sizes: the device's defaults
+    # the options given only: the rest are CalibrationConfig's own defaults (unset sizes: the device's), and
+    # a setting passed on is "given" to the warnings about settings that do nothing
+    source = click.get_current_context().get_parameter_source
+    settings = {k: v for k, v in settings.items()
+                if v is not None and source(k) is not click.core.ParameterSource.DEFAULT}
     partial = output.with_name(output.name + ".partial")
     leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports
 

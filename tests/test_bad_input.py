@@ -552,6 +552,20 @@ def test_settings_without_effect_are_named(corpus, caplog):
                            CalibrationConfig.from_kwargs(kl_weight=0.5, loss="output+kl")) == []
 
 
+def test_the_cli_warns_only_of_options_given(tmp_path, corpus, monkeypatch, caplog):
+    """The CLI passed every option's default on, so each was "given": any stiefel run warned of kl_weight,
+    and README's PCA command of five settings. Only options typed are passed now."""
+    monkeypatch.setattr(stiefkv, "load_model", lambda spec, **kw: (tiny_model(), CharTokenizer()))
+    base = ["calibrate", "tiny", "--data", corpus, "--num-sequences", "4", "--seq-len", "32",
+            "--method", "pca", "--allocation", "uniform"]
+    for extra, name in (([], "a"), (["--steps", "5"], "b")):
+        caplog.clear()
+        with caplog.at_level(logging.WARNING):
+            run([*base, *extra, "-o", tmp_path / f"{name}.safetensors"], 0)
+        said = " ".join(r.getMessage() for r in caplog.records if "no effect" in r.getMessage())
+        assert said == ("steps has no effect with method 'pca' (no refinement)" if extra else ""), said
+
+
 def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, monkeypatch):
     monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
     (model_dir / "model.safetensors").unlink()
