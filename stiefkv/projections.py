@@ -57,6 +57,13 @@ def tensors_sha256(keys: list[torch.Tensor], values: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def header_sha256(doc: dict) -> str:
+    """sha256 of a header's JSON without its own hash (keys sorted): key mode, storage, ranks, budget and
+    the rest are what the bases are read as, so an edit of them is damage too."""
+    rest = {k: v for k, v in doc.items() if k != "header_sha256"}
+    return hashlib.sha256(json.dumps(rest, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def orthonormality_error(P: torch.Tensor) -> float:
     """``max |PᵀP − I|`` over every head of ``P`` ``[G, d, r]``, computed in float64."""
     P = P.detach().to("cpu", torch.float64)
@@ -339,6 +346,7 @@ class Projections:
         if self.quantized:
             doc["quant"] = [[str(qk), str(qv)] for qk, qv in self.quant]
             doc["kv_bytes_per_token"] = self.kv_bytes_per_token()
+        doc["header_sha256"] = header_sha256(doc)
         return doc
 
     def save(self, path: str | Path) -> Path:
@@ -436,7 +444,13 @@ class Projections:
         elif checksum != tensors_sha256(keys, values):
             raise CheckpointError(f"{path}: the tensor data does not match the sha256 in its header: the "
                                   "file is corrupt (copy it again or recalibrate)")
-        return proj.validate(str(path))
+        proj.validate(str(path))
+        # last, so that a header edited into something invalid is named by what is invalid
+        if "header_sha256" in doc and doc["header_sha256"] != header_sha256(doc):
+            raise CheckpointError(f"{path}: its header does not match the sha256 it carries: the header was "
+                                  "edited or damaged (its key mode, storage or ranks would be read wrongly); "
+                                  "copy the file again or recalibrate")
+        return proj
 
     def check(self, model) -> None:
         """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``

@@ -20,7 +20,7 @@ from stiefkv.calibrate.state import CalibrationState
 from stiefkv.cli import main
 from stiefkv.data import DataError, load_texts
 from stiefkv.models import ModelLoadError
-from stiefkv.projections import PROJECTIONS_FILE, CheckpointError, Projections, tensors_sha256
+from stiefkv.projections import PROJECTIONS_FILE, CheckpointError, Projections, header_sha256, tensors_sha256
 from tests.tiny import random_projections, tiny_model
 from tests.utils import CharTokenizer, save_tiny_model
 
@@ -212,10 +212,13 @@ def write_checkpoint(path: Path, proj: Projections, *, keys=None, values=None, e
     values = proj.values if values is None else values
     header = proj.header()
     header["tensors_sha256"] = tensors_sha256(keys, values)
-    if not checksum:
+    if not checksum:  # a file from before the checksums
         header.pop("tensors_sha256")
+        header.pop("header_sha256")
     if edit is not None:
         edit(header)
+    if checksum:  # the edit as a writer would have hashed it: what is checked is the edit itself
+        header["header_sha256"] = header_sha256(header)
     tensors = {f"layers.{i}.{x}": t.contiguous() for i, (k, v) in enumerate(zip(keys, values))
                for x, t in (("k", k), ("v", v))}
     save_file(tensors, str(path), metadata={"stiefkv": json.dumps(header)})

@@ -366,3 +366,23 @@ def test_a_float32_checkpoint_loads_on_the_float16_model(tmp_path):
     with pytest.raises(stiefkv.CheckpointError, match="load the model in bfloat16 or float32"):
         stiefkv.load(stiefkv.unload(half), old)
     stiefkv.load(model, old)  # float32 still matches the bf16 hash
+
+
+def test_an_edited_header_is_refused(tmp_path):
+    """The tensors had a checksum, the header none: a key mode or storage edited in the JSON was served
+    silently (the bases read as another mode). A header without its hash (older files) still loads."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from tests.tiny import random_projections, tiny_model
+
+    path = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
+    with safe_open(str(path), framework="pt") as f:
+        doc, tensors = json.loads(f.metadata()["stiefkv"]), {k: f.get_tensor(k) for k in f.keys()}
+    for edit in ({"key_mode": "post_rope" if doc["key_mode"] == "pre_rope" else "pre_rope"}, {"budget": 0.9}):
+        save_file(tensors, str(tmp_path / "e.safetensors"), metadata={"stiefkv": json.dumps({**doc, **edit})})
+        with pytest.raises(CheckpointError, match="its header does not match the sha256 it carries"):
+            stiefkv.Projections.load(tmp_path / "e.safetensors")
+    older = {k: v for k, v in doc.items() if k != "header_sha256"}
+    save_file(tensors, str(tmp_path / "o.safetensors"), metadata={"stiefkv": json.dumps(older)})
+    assert stiefkv.Projections.load(tmp_path / "o.safetensors").key_mode == doc["key_mode"]
