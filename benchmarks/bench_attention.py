@@ -691,6 +691,7 @@ def main() -> None:
     if args.rank is not None and args.rank > D_HEAD:
         parser.error(f"--rank {args.rank} is above the head dimension {D_HEAD}")
     torch.manual_seed(0)
+    utils.require_cuda()  # after the arguments' checks, before any work
     print(utils.header(), flush=True)
     shapes = DECODE_SHAPES[::3] if args.quick else DECODE_SHAPES
     if args.shapes:

@@ -15,6 +15,7 @@ One row per length to ``benchmarks/results/compaction_speed.jsonl``.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import torch
@@ -55,6 +56,11 @@ def main() -> None:
     ap.add_argument("--pin", default="default",
                     help="the share of the kept entries held exact: 'default' (AM's), or a share (0: none)")
     args = ap.parse_args()
+    if args.device.startswith("cuda"):
+        utils.require_cuda("--device cpu times the PyTorch path here")
+    elif args.shape != "tiny" and "--shape" not in sys.argv:
+        sys.exit(f"no CUDA device: the default --shape {args.shape} up to {max(args.lengths)} tokens is a "
+                 "GPU benchmark; give --shape tiny, or name --shape to run it on the CPU anyway")
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
     s = SHAPES[args.shape]

@@ -11,6 +11,7 @@ hold between calls. Rows go to ``benchmarks/results/decode_1b.jsonl``.
 
 from __future__ import annotations
 
+import argparse
 import functools
 
 import torch
@@ -33,6 +34,8 @@ VARIANTS = [
 
 
 def main() -> None:
+    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help, and no stray arguments
+    utils.require_cuda()
     print(utils.header(), flush=True)
     dtype = torch.bfloat16
     torch.manual_seed(0)

@@ -44,6 +44,8 @@ def main() -> None:
         help="also count the top-level aten operations of one step (torch.profiler)",
     )
     args = parser.parse_args()
+    if not args.tiny:
+        utils.require_cuda("--tiny runs a tiny model on the CPU")
     print(utils.header(), flush=True)
     torch.manual_seed(0)
     device, dtype = ("cpu", torch.float32) if args.tiny else ("cuda", torch.bfloat16)

@@ -92,7 +92,8 @@ def decode_speed(model, ids, new_tokens: int, device) -> tuple[float, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--context", type=utils.at_least(1), default=32768)
+    parser.add_argument("--context", type=utils.at_least(1), default=None,
+                        help="prompt tokens (default 32768; with --tiny 256)")
     parser.add_argument("--new-tokens", type=utils.at_least(1), default=64)
     parser.add_argument("--batch", type=utils.at_least(1), default=1)
     parser.add_argument("--budget", type=utils.share, default=0.5)
@@ -103,6 +104,14 @@ def main() -> None:
         "--tiny", action="store_true", help="a tiny model on the CPU (smoke test; writes no row)"
     )
     args = parser.parse_args()
+    limit = (TINY if args.tiny else LLAMA_1B)["max_position_embeddings"]
+    if args.context is None:
+        args.context = 256 if args.tiny else 32768
+    if args.context + args.new_tokens > limit:
+        parser.error(f"--context {args.context} and --new-tokens {args.new_tokens} run past the model's "
+                     f"{limit} positions")
+    if not args.tiny:
+        utils.require_cuda("--tiny runs a tiny model on the CPU")
     print(utils.header(), flush=True)
     device = torch.device("cpu" if args.tiny else "cuda")
     dtype = torch.float32 if args.tiny else torch.bfloat16

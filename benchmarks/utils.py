@@ -339,6 +339,15 @@ def random_llama(args, device, dtype: torch.dtype):
         return LlamaForCausalLM(config).to(dtype).eval()
 
 
+def require_cuda(hint: str = "") -> None:
+    """Exit with one line, before any work, where this benchmark cannot run: it times CUDA kernels, and
+    on a CPU it failed deep inside torch (``Torch not compiled with CUDA enabled``)."""
+    if not torch.cuda.is_available():
+        script = os.path.basename(sys.argv[0]) or "this benchmark"
+        sys.exit(f"{script} times CUDA kernels and this machine has no CUDA device"
+                 + (f"; {hint}" if hint else "") + " (the tests check the kernels on a CPU: scripts/test.sh)")
+
+
 def at_least(low: int):
     """An argparse type: an integer ``≥ low``, refused as the arguments are parsed (before any model is
     built or any case runs)."""

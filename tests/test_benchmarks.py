@@ -954,3 +954,23 @@ def test_ablate_decode_builds_every_variant(tmp_path, monkeypatch):
             assert old in source, f"{name}: the kernel no longer contains {old.strip()!r}"
         module = ablate.build(name, edits, tmp_path)
         assert hasattr(module, "_lowrank_attn_fwd"), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="what a CPU without CUDA says")
+def test_gpu_benchmarks_say_so_on_a_cpu():
+    """They failed deep inside torch ('Torch not compiled with CUDA enabled'); bench_decode_1b had no
+    parser (``--help`` ran it), and bench_generate's CPU smoke test defaulted to 32k tokens on a model of
+    4096 positions (the machine ran out of memory)."""
+    import subprocess
+
+    def run(*args):
+        return subprocess.run([sys.executable, str(BENCHMARKS / args[0]), *args[1:]], capture_output=True,
+                              text=True, timeout=120)
+
+    for script in ("bench_attention.py", "bench_decode_1b.py", "bench_streamkl.py", "bench_generate.py"):
+        out = run(script)
+        assert out.returncode == 1 and "times CUDA kernels and this machine has no CUDA device" in out.stderr
+        assert "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert run("bench_decode_1b.py", "--help").returncode == 0
+    out = run("bench_generate.py", "--tiny", "--context", "5000")
+    assert out.returncode == 2 and "run past the model's 4096 positions" in out.stderr
