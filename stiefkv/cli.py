@@ -495,6 +495,15 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                             f"model): {fix}, or drop --projections")
         if context < 2:
             raise UserError(f"--context must be ≥ 2, got {context}")
+        source = click.get_current_context().get_parameter_source
+        idle = ["window", "batch_size", "backend"] + (["data", "windows"] if passkey is not None else [])
+        for name in idle:
+            if source(name) is not click.core.ParameterSource.DEFAULT:
+                log.warning("--%s has no effect with --compact%s (%s)", name.replace("_", "-"),
+                            " --passkey" if passkey is not None else "",
+                            "AM's reference queries are its own window of 1024" if name == "window"
+                            else "the prompts are generated" if name in ("data", "windows")
+                            else "one chunk a forward, on the default backend")
     if pin is not None and (compact is None or compact_method not in ("am", "attention") or not 0 <= pin < 1):
         raise UserError(f"--pin is the share of the kept entries held exact, with --compact and "
                         f"--compact-method am or attention, in [0, 1); got --pin {pin} (--compact {compact}, "
@@ -535,8 +544,10 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
             if passkey is not None:
                 return evaluate_retrieval(m, tok, context=context, keep=compact, method=compact_method,
                                           samples=passkey, seed=seed, **pinned)
+            # the file, not the loaded bases: the result names the checkpoint by its path
+            source = projections or (saved if proj is not None else None)
             return evaluate_compacted(m, tok, context=context, keep=compact, method=compact_method,
-                                      chunks=windows, data=data, projections=proj, **pinned)
+                                      chunks=windows, data=data, projections=source, **pinned)
         check_context(m.config, window, "--window")
         if baseline in TRANSFORMERS_BASELINES:
             return evaluate_through_cache(m, tok, lambda: transformers_quantized_cache(m, baseline),

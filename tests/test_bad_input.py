@@ -789,3 +789,26 @@ def test_evaluation_refuses_windows_beyond_the_models_positions():
         evaluate(model, tiny_tokenizer(), proj, window=1)
     with pytest.raises(ValueError, match="context 600 exceeds"):
         attention_kl_per_layer(model, tiny_tokenizer(), proj, context=600)
+
+
+def test_compact_names_the_options_it_ignores_and_the_checkpoint_by_its_path(tmp_path, fake_loader,
+                                                                              monkeypatch, caplog):
+    """--window, --batch-size and --backend do nothing with --compact (a kvpress user may take --window for
+    the query window), and the result named the checkpoint by its method ("random"), not its file."""
+    import stiefkv.longcontext
+
+    seen = {}
+
+    def evaluate_compacted(model, tok, **kwargs):
+        seen.update(kwargs)
+        raise ValueError("stop here")
+
+    monkeypatch.setattr(stiefkv.longcontext, "evaluate_compacted", evaluate_compacted)
+    ckpt = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
+    with caplog.at_level(logging.WARNING):
+        run(["eval", "m", "--compact", "0.2", "--context", "64", "--projections", ckpt, "--window", "128",
+             "--backend", "reference", "--windows", "1"], 2)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "--window has no effect with --compact" in said and "--backend has no effect" in said
+    assert "--windows" not in said  # the chunks, with --compact
+    assert str(seen["projections"]) == str(ckpt)
