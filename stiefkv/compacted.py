@@ -267,7 +267,7 @@ def _refuse_latent(cache, what: str) -> None:
 
 def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_study: int = 0,
             seed: int = 0, study_prompt: torch.Tensor | None = None, study_greedy: bool = False,
-            repeat: int = 0) -> DynamicCache:
+            repeat: int = 0, **unexpected) -> DynamicCache:
     """Run the prompt ``ids`` ``[B, C]`` (unpadded rows) and return its ``DynamicCache``, holding as
     ``reference_queries`` the queries :func:`compact` fits to: the prompt's last ``window`` (all of a
     shorter one; 0 for none), rotated as if they came after it, and with ``self_study`` > 0 the queries of
@@ -280,6 +280,12 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     0.1, ``pin=0``: 10 of 10 on the CPU, against 0.30 for the window; docs/notes/compaction.md), at the price
     of a second prefill and more reference queries; :func:`compact`'s default ``pin`` keeps it too (0.95 on
     the H200) at neither price."""
+    if "attention_mask" in unexpected:
+        raise ValueError("prefill takes unpadded rows (no attention_mask): a compacted cache holds "
+                         "unpadded rows only; prefill and compact each prompt alone, or prompts of one "
+                         "length together")
+    if unexpected:
+        raise TypeError(f"prefill() got unexpected arguments {', '.join(sorted(unexpected))}")
     check_token_ids(model, ids, "prefill's ids", least=2)
     counts = {"window": window, "self_study": self_study, "repeat": repeat}
     for name, value in counts.items():
@@ -294,6 +300,12 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
         study_prompt = _study_prompt(model, study_prompt)
     if repeat:
         repeat_room(model, ids.shape[1])
+    limit = max_positions(model.config)
+    read = 0 if study_prompt is None else len(study_prompt)
+    if self_study and limit is not None and ids.shape[1] + read + self_study > limit:
+        raise ValueError(f"self_study {self_study} tokens after the prompt's {ids.shape[1]}"
+                         + (f" and the study prompt's {read}" if read else "")
+                         + f" run past the model's {limit} positions: lower self_study or the prompt")
     cache, queries = prefill_with_queries(model, ids, max(1, min(window, ids.shape[1])))
     if repeat:
         queries = repeat_queries(model, ids, cache, repeat)

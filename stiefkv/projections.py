@@ -57,6 +57,19 @@ def tensors_sha256(keys: list[torch.Tensor], values: list[torch.Tensor]) -> str:
     return h.hexdigest()
 
 
+def _spec(q) -> QuantSpec:
+    """A storage spec as given: a :class:`QuantSpec`, or its text (``"int4-token"``, ``"bf16"``)."""
+    if isinstance(q, QuantSpec):
+        return q
+    if isinstance(q, str):
+        try:
+            return QuantSpec.parse(q)
+        except ValueError as exc:
+            raise CheckpointError(str(exc)) from None
+    raise CheckpointError(f"a storage spec is a QuantSpec or its text (e.g. 'int4-token'), got "
+                          f"{type(q).__name__}")
+
+
 def header_sha256(doc: dict) -> str:
     """sha256 of a header's JSON without its own hash (keys sorted): key mode, storage, ranks, budget and
     the rest are what the bases are read as, so an edit of them is damage too."""
@@ -173,7 +186,9 @@ class Projections:
             if len(self.quant) != len(self.keys):
                 raise CheckpointError(f"{len(self.quant)} layers of storage specs for {len(self.keys)} "
                                       "layers")
-            self.quant = [tuple(q) for q in self.quant]
+            self.quant = [tuple(_spec(q) for q in pair) for pair in self.quant]
+            if any(len(pair) != 2 for pair in self.quant):
+                raise CheckpointError("quant gives each layer a (key spec, value spec) pair")
             if not any(q.quantized for pair in self.quant for q in pair):
                 self.quant = None  # all bf16: the same as saying nothing
 

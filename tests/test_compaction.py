@@ -471,6 +471,11 @@ def test_bad_compact_requests_are_refused():
             stiefkv.prefill(model, bad)
     with pytest.raises(ValueError, match="not all 0"):
         stiefkv.prefill(model, ids, window=0)
+    with pytest.raises(ValueError, match="prefill takes unpadded rows .no attention_mask."):
+        stiefkv.prefill(model, ids, attention_mask=torch.ones_like(ids))
+    positions = model.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"self_study 20 tokens after the prompt's {positions - 10} run"):
+        stiefkv.prefill(model, torch.randint(3, 90, (1, positions - 10)), self_study=20)
     for options, match in (({"block": 0}, "block must be"), ({"block": -5}, "block must be"),
                            ({"ridge": -1.0}, "ridge must be"), ({"foo": 1}, "unknown compaction option"),
                            ({"solver": "lsq"}, "solver must be one of"), ({"pooling": "sum"}, "pooling must"),

@@ -386,3 +386,22 @@ def test_an_edited_header_is_refused(tmp_path):
     older = {k: v for k, v in doc.items() if k != "header_sha256"}
     save_file(tensors, str(tmp_path / "o.safetensors"), metadata={"stiefkv": json.dumps(older)})
     assert stiefkv.Projections.load(tmp_path / "o.safetensors").key_mode == doc["key_mode"]
+
+
+def test_storage_specs_may_be_given_as_text():
+    """``Projections(quant=[("int4-token", "int4-token")] * L)`` failed inside with an AttributeError."""
+    import torch
+
+    from stiefkv.quant import QuantSpec
+    from tests.tiny import random_projections, tiny_model
+
+    base = random_projections(tiny_model(), 8, 8)
+    kw = dict(keys=base.keys, values=base.values, key_mode=base.key_mode, fingerprint=base.fingerprint,
+              budget=0.3)
+    proj = stiefkv.Projections(**kw, quant=[("int4-token", "bf16")] * len(base.keys))
+    assert proj.specs[0] == (QuantSpec(4, "token"), QuantSpec())
+    for bad, message in (([("int4token!", "bf16")] * 2, "not a latent storage spec"),
+                         ([(4, 4)] * 2, "got int"), ([("int4-token",)] * 2, "pair")):
+        with pytest.raises(CheckpointError, match=message):
+            stiefkv.Projections(**kw, quant=bad)
+    assert torch.equal(proj.keys[0], base.keys[0])
