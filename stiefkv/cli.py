@@ -443,7 +443,9 @@ def inspect(checkpoint, as_json):
               default="am", show_default=True,
               help="am = attention matching (keys, β and values fitted); attention evicts all but the keys "
                    "the same reference queries attend to most; the others are kvpress's presses, scored as "
-                   "kvpress defines them (stiefkv/presses.py).")
+                   "kvpress defines them (stiefkv/presses.py; snapkv = SnapKVPress, …). --compact is the "
+                   "share kept (kvpress's compression_ratio is the share removed); snapkv always keeps its "
+                   "64-token window, so below 64 kept tokens it is recency.")
 @click.option("--pin", type=float, default=None,
               help="With --compact (am, attention): the share of the kept entries that hold the prompt's "
                    "most surprising tokens exact, in [0, 1); 0 for none. Default: am a tenth (at least 64 "

@@ -7,7 +7,8 @@ kvpress's ``ScorerPress`` does. Each scorer takes one layer's cache ``keys``, ``
 
 - ``knorm``: the negated key norm (KnormPress);
 - ``snapkv``: the mean attention of the last ``window`` queries over the older keys, average-pooled along
-  the tokens, averaged over the query heads of a KV head; the window itself always kept (SnapKVPress);
+  the tokens, averaged over the query heads of a KV head; the window itself always kept (SnapKVPress), so
+  where fewer than ``window`` tokens are kept it keeps the newest, as ``recent`` does (kvpress likewise);
 - ``tova``: the last token's attention averaged over all query heads, the same for every KV head, the last
   token always kept (TOVAPress);
 - ``streaming_llm``: the first :data:`SINKS` tokens and the newest (StreamingLLMPress);
