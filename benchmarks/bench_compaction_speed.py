@@ -45,7 +45,7 @@ def compact_all(keys, values, queries, t: int, scale: float, surprise: torch.Ten
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="llama3-8b")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default llama3-8b")
     ap.add_argument("--lengths", type=utils.comma_list(utils.at_least(1)), default=[4096, 8192, 16384, 32768])
     ap.add_argument("--keep", type=utils.share, default=0.1)
     ap.add_argument("--window", type=utils.at_least(1), default=1024)
@@ -58,9 +58,10 @@ def main() -> None:
     args = ap.parse_args()
     if args.device.startswith("cuda"):
         utils.require_cuda("--device cpu times the PyTorch path here")
-    elif args.shape != "tiny" and "--shape" not in sys.argv:
-        sys.exit(f"no CUDA device: the default --shape {args.shape} up to {max(args.lengths)} tokens is a "
+    elif args.shape is None:
+        sys.exit(f"no CUDA device: the default --shape llama3-8b up to {max(args.lengths)} tokens is a "
                  "GPU benchmark; give --shape tiny, or name --shape to run it on the CPU anyway")
+    args.shape = args.shape or "llama3-8b"
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
     s = SHAPES[args.shape]

@@ -49,7 +49,7 @@ def uniform_storage(L: int, G: int, d: int, rank_step: int, budget: float, spec_
     if not fits:
         floor = smallest_budget(L, G, d, rank_step, {"k": [spec_k], "v": [spec_v]}, shared)
         raise ValueError(f"budget {budget:g} is below the smallest cache of {spec_k} keys and {spec_v} "
-                         f"values: {floor:.4g} (rank {rank_step} in every layer); raise the budget")
+                         f"values: {floor:.4g} (rank {heads * rank_step} in every layer); raise the budget")
     return [(heads * fits[-1], heads * fits[-1])] * L
 
 

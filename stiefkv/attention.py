@@ -95,34 +95,43 @@ class LowRankAttention(nn.Module):
         for name in ("o_fold", "zk_weight", "zk_bias", "zv_weight", "zv_bias"):
             self.register_buffer(name, None, persistent=False)
         self._folded: tuple | None = None
+        # float32 bases for folding, outside the module's buffers so that a cast of the module keeps them
+        self._masters = (self.P_k.detach().clone(), self.P_v.detach().clone())
         self.refold()
         self.basis_tag = basis_tag(P_k, P_v, key_mode, self.quant)  # checked against each cache it writes
         self._cast_key: tuple | None = None  # (P_k's storage, version, device, dtype) of the cached cast
         self._cast_P_k: torch.Tensor | None = None
 
     def _fold_sources(self) -> tuple:
-        """The weights the folds are made of, each as (object, version): a write into any of them
+        """The weights the folds are made of, each as (tensor, version): a write into any of them
         (``load_state_dict``, an optimizer's step, an in-place edit) changes its version; a move or a cast
-        of the module, whose buffers move and cast with it, does not (a parameter keeps its object; the
-        bases, buffers, are replaced by a cast, so they are not among these: load other bases with
-        ``stiefkv.load``)."""
+        of the module does not (a parameter keeps its object). Inference tensors have no version (they
+        cannot be written outside inference mode): 0."""
         attn = self.original
         tensors = (attn.o_proj.weight, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
                    attn.v_proj.bias)
-        return tuple((id(t), t._version) for t in tensors if t is not None)
+        return tuple((t, 0 if t.is_inference() else t._version) for t in tensors if t is not None)
 
     def refold(self) -> None:
-        """Fold the bases into ``k_proj``/``v_proj`` and ``P_v`` into ``o_proj`` again if those weights (or
-        the bases) were written since the last fold, so that a served model never computes with weights it
-        no longer has. The folds are buffers, not functions of the weights: gradients do not reach
-        ``k_proj``, ``v_proj`` or ``o_proj`` through a served model (train the unserved one)."""
+        """Fold the bases into ``k_proj``/``v_proj`` and ``P_v`` into ``o_proj`` again if those weights were
+        written since the last fold, so that a served model never computes with weights it no longer has.
+        The bases are folded from their float32 copies taken at load (a cast of the module rounds the
+        buffers); to change the bases, ``stiefkv.load`` others. The folds are buffers, not functions of the
+        weights: gradients do not reach ``k_proj``, ``v_proj`` or ``o_proj`` through a served model (train
+        the unserved one). Not under ``torch.compile``, whose graphs would break on the versions."""
+        if torch.compiler.is_compiling():
+            return
         sources = self._fold_sources()
-        if sources == self._folded:
+        if self._folded is not None and len(sources) == len(self._folded) and all(
+                t is u and v == w for (t, v), (u, w) in zip(sources, self._folded)):
             return
         attn = self.original
+        device = attn.o_proj.weight.device
+        P_k, P_v = (P.to(device) for P in self._masters)
         with torch.no_grad():  # buffers: no graph to keep (and to deepcopy)
-            self.o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(self.P_v, self.kv_heads))
-            fold = fold_bases_into_kv_proj(attn, self.P_k, self.P_v, self.key_mode)
+            o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(P_v, self.kv_heads))
+            fold = fold_bases_into_kv_proj(attn, P_k, P_v, self.key_mode)
+        self.o_fold = o_fold
         for name, tensor in zip(("zk_weight", "zk_bias", "zv_weight", "zv_bias"), fold):
             setattr(self, name, tensor)
         self._folded = sources
@@ -312,14 +321,40 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
                                            quant=proj.specs[i])
     getattr(model, "model", model).register_forward_pre_hook(_latent_cache_hook, with_kwargs=True)
     wrappers = (("_prepare_cache_for_generation", _wrap_prepare_cache), ("save_pretrained", _wrap_save))
-    for name, wrap in wrappers:
-        if hasattr(type(model), name):
-            # bound methods, not closures over this instance: a deep copy of the model rebinds them to itself
-            method = wrap(getattr(type(model), name))
-            method._stiefkv_projections = proj
-            setattr(model, name, types.MethodType(method, model))
+    methods = {name: wrap(getattr(type(model), name)) for name, wrap in wrappers
+               if hasattr(type(model), name)}
+    methods.update(_pickle_guards())
+    for name, method in methods.items():
+        # bound methods, not closures over this instance: a deep copy of the model rebinds them to itself
+        method._stiefkv_projections = proj
+        setattr(model, name, types.MethodType(method, model))
     _SERVED[model] = proj
     return model
+
+
+def _pickle_guards() -> dict:
+    """``__reduce_ex__`` and ``__deepcopy__`` for a served model's instance. Pickling refuses with the way
+    out: the instance methods ``load`` installs pickle by their function's name, and unpickled as
+    transformers' own methods or not at all (``torch.load`` failed with "no attribute 'prepare'"). A deep
+    copy goes on as before: the guards step aside for it and are bound to the copy."""
+    def __reduce_ex__(model, protocol):
+        raise TypeError("a model served by stiefkv.load does not pickle (torch.save(model)): save it with "
+                        "model.save_pretrained(folder) and read it back with stiefkv.load_model(folder), "
+                        "save its state_dict, or stiefkv.unload(model) first")
+
+    def __deepcopy__(model, memo):
+        import copy
+
+        guards = {name: model.__dict__.pop(name) for name in ("__reduce_ex__", "__deepcopy__")}
+        try:
+            new = copy.deepcopy(model, memo)
+        finally:
+            model.__dict__.update(guards)
+        for name, method in guards.items():
+            new.__dict__[name] = types.MethodType(method.__func__, new)
+        return new
+
+    return {"__reduce_ex__": __reduce_ex__, "__deepcopy__": __deepcopy__}
 
 
 def load(model: nn.Module, ckpt: str | Path | Projections, *, backend: str = "auto") -> nn.Module:

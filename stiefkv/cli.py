@@ -98,7 +98,8 @@ def _as_options(text: str) -> str:
     for param in ctx.command.params:
         long = [o for o in param.opts if o.startswith("--")]
         if isinstance(param, click.Option) and long and param.name:
-            text = re.sub(rf"(?<![\w-]){re.escape(param.name)}(?= must| ≥| is)", long[0], text)
+            # a word of its own: at the start or after a space or "(", never inside a path or a value
+            text = re.sub(rf"(?<![^\s(]){re.escape(param.name)}(?= must| ≥| is)", long[0], text)
     return text
 
 

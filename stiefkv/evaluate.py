@@ -339,7 +339,8 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
                                              position_embeddings=batch.position_embeddings,
                                              key_spec=projections.specs[i][0])
         rows = q.shape[1] * q.shape[2]
-        kl[i] = max(0.0, chunked_attention_kl(q, k_t, k_s, scale=attn.scaling, chunk=chunk) / rows)
+        value = chunked_attention_kl(q, k_t, k_s, scale=attn.scaling, chunk=chunk) / rows
+        kl[i] = 0.0 if -1e-6 < value < 0 else value  # rounding below 0 reads 0; a NaN stays one
 
     with layer_hooks(model, consume):
         # the decoder stack alone: no LM head needed

@@ -26,6 +26,7 @@ from stiefkv.cache import cache_keyword
 from stiefkv.compacted import (
     DEFAULT_WINDOW,
     build,
+    model_probe,
     pin_count,
     prefill_with_queries,
     repeat_queries,
@@ -253,8 +254,9 @@ _FULL_ANSWERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 def served_state(model) -> tuple:
     """What the model's attention is now: each layer's bases, key mode and storage (their tags; None for an
-    uncompressed layer)."""
-    return tuple(getattr(layer.self_attn, "basis_tag", None) for layer in decoder_layers(model))
+    uncompressed layer), and a few of its key weights (other weights loaded into the same object)."""
+    return (tuple(getattr(layer.self_attn, "basis_tag", None) for layer in decoder_layers(model)),
+            tuple(model_probe(model).tolist()))
 
 
 @dataclass

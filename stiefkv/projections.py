@@ -186,6 +186,9 @@ class Projections:
             if len(self.quant) != len(self.keys):
                 raise CheckpointError(f"{len(self.quant)} layers of storage specs for {len(self.keys)} "
                                       "layers")
+            if any(isinstance(pair, str) for pair in self.quant):
+                raise CheckpointError("quant gives each layer a (key spec, value spec) pair, e.g. "
+                                      "[('int4-token', 'int4-token')] * layers; got a string for a layer")
             self.quant = [tuple(_spec(q) for q in pair) for pair in self.quant]
             if any(len(pair) != 2 for pair in self.quant):
                 raise CheckpointError("quant gives each layer a (key spec, value spec) pair")
@@ -477,9 +480,11 @@ class Projections:
                  for key in ("architecture", "L", "H", "G", "d", "D", "rope")
                  if mine.get(key) != theirs.get(key)]
         if not diffs and not same_weights(mine, theirs):
+            half = next(model.parameters()).dtype == torch.float16
             diffs.append("same shapes but different k_proj/v_proj weights (another checkpoint of this "
-                         "architecture? A checkpoint written before 2026-12-07 has no float16 hash: load "
-                         "the model in bfloat16 or float32)")
+                         "architecture?" + (" This checkpoint predates float16 weight hashes: load the model "
+                                            "in bfloat16 or float32)" if half and
+                                            "kv_weights_sha256_fp16" not in mine else ")"))
         if diffs:
             raise CheckpointError(
                 "this checkpoint was made for another model — " + "; ".join(diffs)

@@ -479,6 +479,15 @@ def test_bad_values_are_one_line(args, message, fake_loader):
     assert message in run(args, 2).output and not fake_loader.calls
 
 
+def test_option_names_are_not_written_into_paths(tmp_path):
+    """A setting named in a message becomes its option only as a word of its own: a path ending in
+    ``/data`` stayed ``/--data``."""
+    folder = tmp_path / "data"
+    folder.mkdir()
+    out = run(["eval", str(folder)], 2).output
+    assert f"{folder} " in out and "/--data" not in out
+
+
 def test_rank_step_larger_than_the_head_dim(tmp_path, corpus, fake_loader):
     for allocation in ("dp", "uniform"):
         result = run(["calibrate", "m", "--data", corpus, "--rank-step", "48", "--allocation", allocation,

@@ -302,3 +302,43 @@ def test_a_served_model_computes_with_the_weights_it_has_now(key_mode):
     folded = model.model.layers[1].self_attn.o_fold
     model(ids)
     assert model.model.layers[1].self_attn.o_fold is folded and folded.dtype == torch.bfloat16
+
+
+def test_a_served_model_refuses_to_pickle_and_deep_copies():
+    """Pickling succeeded and unpickling failed (the installed methods pickle by their function's name):
+    now pickling refuses with the way out; a deep copy still serves, and an unloaded model pickles."""
+    import copy
+    import io
+    import pickle
+
+    from stiefkv.attention import projections_of
+
+    model = tiny_model()
+    stiefkv.load(model, random_projections(model, 8, 8))
+    for save in (pickle.dumps, lambda m: torch.save(m, io.BytesIO())):
+        with pytest.raises(TypeError, match="does not pickle.*save_pretrained"):
+            save(model)
+    twin = copy.deepcopy(model)
+    ids = torch.randint(3, 90, (2, 9))
+    assert projections_of(twin) is not None
+    assert torch.equal(twin.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0),
+                       model.generate(ids, max_new_tokens=4, do_sample=False, pad_token_id=0))
+    with pytest.raises(TypeError, match="does not pickle"):
+        pickle.dumps(twin)
+    back = pickle.loads(pickle.dumps(stiefkv.unload(twin)))
+    assert torch.equal(back(ids).logits, twin(ids).logits)
+
+
+def test_refolding_keeps_inference_tensors_and_compiled_graphs_working():
+    """The version check of the folds' weights: a model made under inference_mode (no versions) is served,
+    and torch.compile sees one graph, no break (review of the refold, 2026-12-07)."""
+    with torch.inference_mode():
+        model = tiny_model()
+    stiefkv.load(model, random_projections(model, 16, 16))
+    ids = torch.randint(3, 90, (1, 7))
+    with torch.inference_mode():
+        assert torch.isfinite(model(ids).logits).all()
+    served = tiny_model()
+    stiefkv.load(served, random_projections(served, 16, 16))
+    explained = torch._dynamo.explain(served)(ids)
+    assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
