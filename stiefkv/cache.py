@@ -596,4 +596,33 @@ def lengths_from_mask(mask: torch.Tensor | None, batch: int, n_keys: int) -> tor
     lengths = visible.sum(dim=-1)
     if not torch.equal(visible, reference.key_padding_mask(lengths, batch, n_keys, visible.device)):
         raise ValueError(LEFT_PADDING_ONLY)
+    if mask.shape[2] > 1:
+        _check_causal_rows(mask, lengths, batch, n_keys)
     return None if bool((lengths == n_keys).all()) else lengths.to(torch.int32)
+
+
+NOT_CAUSAL = ("StiefKV's latent attention is causal over left-padded rows; this 4-D attention_mask hides "
+              "other keys from some queries (packed documents, a custom pattern), which the latent attention "
+              "cannot represent: run each document as its own row, or the model unserved (stiefkv.unload)")
+_CHECKED: list = [None]  # the last mask found causal (a forward's layers share one)
+
+
+def _check_causal_rows(mask: torch.Tensor, lengths: torch.Tensor, batch: int, n_keys: int) -> None:
+    """Refuse a mask whose rows of real queries are not causal with left padding: only the last row was
+    read, so the rows before it of a packed or custom mask were silently attended as causal."""
+    key = (mask.data_ptr(), tuple(mask.shape), mask._version if not mask.is_inference() else 0, n_keys)
+    if _CHECKED[0] == key:
+        return
+    N = mask.shape[2]
+    visible = _visible(mask[:, 0, :, -n_keys:]).expand(batch, N, n_keys)
+    i = torch.arange(N, device=mask.device)
+    j = torch.arange(n_keys, device=mask.device)
+    pads = (n_keys - lengths.to(mask.device))[:, None]
+    causal = j[None, :] <= (n_keys - N + i)[:, None]
+    expected = causal[None] & (j[None, None, :] >= pads[..., None])
+    real = (n_keys - N + i)[None, :] >= pads
+    # a padding query's row sees nothing, or (transformers' fix for rows SDPA would turn to NaN) everything
+    whole = visible.all(-1) | ~visible.any(-1)
+    if bool(((visible != expected) & real[..., None]).any()) or not bool((whole | real).all()):
+        raise ValueError(NOT_CAUSAL)
+    _CHECKED[0] = key

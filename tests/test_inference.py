@@ -342,3 +342,25 @@ def test_refolding_keeps_inference_tensors_and_compiled_graphs_working():
     stiefkv.load(served, random_projections(served, 16, 16))
     explained = torch._dynamo.explain(served)(ids)
     assert explained.graph_count == 1 and explained.graph_break_count == 0, explained.break_reasons
+
+
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_a_mask_the_latent_attention_cannot_follow_is_refused(key_mode):
+    """Only a 4-D mask's last row was read: two packed documents looked like left padding, and every logit
+    of the first document was wrong, silently. A causal 4-D mask, and left padding, still serve."""
+    base = tiny_model()
+    served = tiny_model()
+    stiefkv.load(served, random_projections(served, 24, 24, key_mode))
+    ids = torch.randint(3, 90, (2, 12))
+    packed = torch.zeros(12, 12, dtype=torch.bool)
+    packed[:6, :6] = packed[6:, 6:] = torch.tril(torch.ones(6, 6, dtype=torch.bool))
+    positions = torch.cat([torch.arange(6), torch.arange(6)])[None].expand(2, 12)
+    with pytest.raises(ValueError, match="this 4-D attention_mask hides other keys"):
+        served(ids, attention_mask=packed[None, None].expand(2, 1, 12, 12), position_ids=positions)
+    causal = torch.tril(torch.ones(12, 12, dtype=torch.bool))[None, None].expand(2, 1, 12, 12)
+    assert_close(served(ids, attention_mask=causal).logits, base(ids, attention_mask=causal).logits,
+                 1e-5, 1e-5, what="a causal 4-D mask")
+    mask = torch.ones_like(ids)
+    mask[1, :4] = 0
+    assert_close(served(ids, attention_mask=mask).logits[1, 4:], base(ids, attention_mask=mask).logits[1, 4:],
+                 1e-5, 1e-5, what="left padding")
