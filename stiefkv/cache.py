@@ -74,6 +74,25 @@ class LatentCache(_dynamic_cache_class()):
     def compacted(self) -> bool:
         return self.length is not None
 
+    _writing = False  # set around the served attention's own writes (update_layer)
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Only the served attention writes here (:meth:`update_layer`): an unserved model's attention
+        wrote its keys and values into the latents' layers, silently wrong at full rank (a size error from
+        inside transformers below it)."""
+        if not self._writing:
+            raise ValueError("this cache holds a served model's latents (a stiefkv LatentCache): only the "
+                             "model served with its bases can continue it, and this one is not (unloaded, or "
+                             "another model); give it a new cache, or stiefkv.load it again")
+        return super().update(key_states, value_states, *args, **kwargs)
+
+    def _write(self, z_k: torch.Tensor, z_v: torch.Tensor, layer_idx: int):
+        self._writing = True
+        try:
+            return self.update(z_k, z_v, layer_idx)
+        finally:
+            self._writing = False
+
     def add_compacted_layer(self, z_k: torch.Tensor, z_v: torch.Tensor, positions: torch.Tensor,
                             beta: torch.Tensor, quant: tuple[QuantSpec, QuantSpec] | None = None) -> None:
         """Append the next layer of a compacted prefix: latents ``[B, G, t, r]`` at ``positions``
@@ -88,7 +107,7 @@ class LatentCache(_dynamic_cache_class()):
             self.layers[i] = QuantizedLatentLayer(*quant)
             self.layers[i].update(z_k, z_v, held=True)  # latents as read: not through the int8 window again
         else:
-            self.update(z_k, z_v, i)
+            self._write(z_k, z_v, i)
         self.exact_tails(i)  # the prefix is read as stored, like any cached token
         self.prefix.append(z_k.shape[2])
         self.head_positions.append(positions.to(torch.int32))
@@ -150,7 +169,7 @@ class LatentCache(_dynamic_cache_class()):
             raise ValueError(f"this LatentCache holds {held} rows and the forward brings {z_k.shape[0]}: a "
                              "cache continues the batch it was filled with (a new cache, or cache.reset(), "
                              "for another)")
-        z_k, z_v = self.update(z_k, z_v, layer_idx)
+        z_k, z_v = self._write(z_k, z_v, layer_idx)
         if self.length is not None:
             refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
             return z_k, z_v, self._extend_compacted(layer_idx, positions, z_k.shape[2]), None

@@ -237,3 +237,18 @@ def test_left_padding_lengths_are_cache_fields():
     assert cache.lengths.tolist() == [6, 4] and cache.positions.tolist()[1] == [0, 0, 0, 1, 2, 3]
     assert not any(name.startswith("_stiefkv") for name in vars(cache))
 
+
+
+def test_a_latent_cache_refuses_an_unserved_model():
+    """A served model's returned cache continued by the same model after unload: its attention wrote keys
+    and values among the latents (wrong tokens at full rank, a size error inside transformers below it)."""
+    ids = torch.randint(3, 90, (1, 12))
+    for rank in (24, 8):
+        model = tiny_model()
+        stiefkv.load(model, random_projections(model, rank, rank))
+        out = model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                             return_dict_in_generate=True)
+        stiefkv.unload(model)
+        with pytest.raises(ValueError, match="holds a served model's latents"):
+            model.generate(torch.cat([out.sequences, ids[:, :2]], 1), past_key_values=out.past_key_values,
+                           max_new_tokens=2, pad_token_id=0)
