@@ -79,6 +79,7 @@ class LowRankAttention(nn.Module):
         for name, param in attn.named_parameters(recurse=False):
             self.register_parameter(name, param)
         object.__setattr__(self, "original", attn)  # not a submodule: its weights are already ours
+        self.train(attn.training)  # a new module is in training mode; the model's may not be
         self.layer_idx, self.head_dim, self.scaling = attn.layer_idx, attn.head_dim, attn.scaling
         self.key_mode = key_mode
         self.backend = backend
@@ -170,6 +171,8 @@ class LowRankAttention(nn.Module):
         cache = as_latent_cache(cache if cache is not None else past_key_values)
         refuse_no_tokens(hidden_states, cache)
         self.refold()
+        _say_once_what_is_not_served(self.training and torch.is_grad_enabled(),
+                                     bool(kwargs.get("output_attentions")))
         B, N, _ = hidden_states.shape
         if position_ids is None:
             past = cache.get_seq_length(self.layer_idx) if cache is not None else 0
@@ -330,6 +333,25 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
         setattr(model, name, types.MethodType(method, model))
     _SERVED[model] = proj
     return model
+
+
+_SAID: set = set()
+
+
+def _say_once_what_is_not_served(training: bool, attentions: bool) -> None:
+    """Warn once a process of what a served model does not do: train its k/v/o projections (the folds are
+    buffers) or drop attention weights, and return attention weights."""
+    import warnings
+
+    for asked, key, text in (
+            (training, "train", "a served model computes with k_proj, v_proj and o_proj folded into "
+                                "buffers: they get no gradient through it, and attention dropout is not "
+                                "applied; train the unserved model (stiefkv.unload), then load again"),
+            (attentions, "weights", "a served model's latent attention returns no attention weights "
+                                    "(output_attentions gives None for its layers)")):
+        if asked and key not in _SAID:
+            _SAID.add(key)
+            warnings.warn(text, UserWarning, stacklevel=3)
 
 
 def _pickle_guards() -> dict:

@@ -364,3 +364,21 @@ def test_a_mask_the_latent_attention_cannot_follow_is_refused(key_mode):
     mask[1, :4] = 0
     assert_close(served(ids, attention_mask=mask).logits[1, 4:], base(ids, attention_mask=mask).logits[1, 4:],
                  1e-5, 1e-5, what="left padding")
+
+
+def test_what_a_served_model_does_not_do_is_said_once(monkeypatch):
+    """Training through a served model leaves k_proj, v_proj and o_proj without gradients, and its latent
+    attention returns no weights: each is said once a process, not silently."""
+    import stiefkv.attention
+
+    monkeypatch.setattr(stiefkv.attention, "_SAID", set())
+    model = tiny_model()
+    stiefkv.load(model, random_projections(model, 8, 8))
+    ids = torch.randint(3, 90, (1, 9))
+    model.train()
+    with pytest.warns(UserWarning, match="no gradient through it"):
+        model(ids, labels=ids).loss.backward()
+    assert model.model.layers[0].self_attn.original.o_proj.weight.grad is None
+    model.eval()
+    with torch.no_grad(), pytest.warns(UserWarning, match="returns no attention weights"):
+        model(ids, output_attentions=True)
