@@ -108,10 +108,10 @@ class LowRankAttention(nn.Module):
         (``load_state_dict``, an optimizer's step, an in-place edit) changes its version; a move or a cast
         of the module does not (a parameter keeps its object). Inference tensors have no version (they
         cannot be written outside inference mode): 0."""
-        attn = self.original
-        tensors = (attn.o_proj.weight, attn.k_proj.weight, attn.k_proj.bias, attn.v_proj.weight,
-                   attn.v_proj.bias)
-        return tuple((t, 0 if t.is_inference() else t._version) for t in tensors if t is not None)
+        attn = self.original  # the parameters read from the dicts, not module attributes: every forward
+        params = [m._parameters.get(name) for m in (attn.o_proj, attn.k_proj, attn.v_proj)
+                  for name in ("weight", "bias")]
+        return tuple((t, 0 if t.is_inference() else t._version) for t in params if t is not None)
 
     def refold(self) -> None:
         """Fold the bases into ``k_proj``/``v_proj`` and ``P_v`` into ``o_proj`` again if those weights were
