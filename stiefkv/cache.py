@@ -574,7 +574,9 @@ def _visible(row: torch.Tensor) -> torch.Tensor:
 
 
 LEFT_PADDING_ONLY = ("StiefKV's latent attention supports left-padded batches only; got a mask with padding "
-                     "on the right or holes. Set tokenizer.padding_side = 'left'.")
+                     "on the right or holes. Set tokenizer.padding_side = 'left'. (A right-padded batch is "
+                     "read in one forward from an empty cache, as scoring does, but a cache it filled holds "
+                     "its padding and cannot be continued.)")
 
 
 def left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -613,11 +615,26 @@ def lengths_from_mask(mask: torch.Tensor | None, batch: int, n_keys: int) -> tor
         raise ValueError(f"LowRankAttention needs a 4-D tensor attention mask, got {type(mask).__name__}")
     visible = _visible(mask[:, 0, -1, -n_keys:]).expand(batch, n_keys)
     lengths = visible.sum(dim=-1)
-    if not torch.equal(visible, reference.key_padding_mask(lengths, batch, n_keys, visible.device)):
-        raise ValueError(LEFT_PADDING_ONLY)
+    ends = torch.full_like(lengths, n_keys)  # a row's real keys are [n_keys − lengths, ends)
+    left = (visible == reference.key_padding_mask(lengths, batch, n_keys, visible.device)).all(-1)
+    if not bool(left.all()):
+        ends = _right_padded_ends(mask, visible, lengths, left, n_keys)
+        lengths = torch.where(left, lengths, n_keys)
     if mask.shape[2] > 1:
-        _check_causal_rows(mask, lengths, batch, n_keys)
+        _check_causal_rows(mask, lengths, ends, batch, n_keys)
     return None if bool((lengths == n_keys).all()) else lengths.to(torch.int32)
+
+
+def _right_padded_ends(mask: torch.Tensor, visible: torch.Tensor, lengths: torch.Tensor, left: torch.Tensor,
+                       n_keys: int) -> torch.Tensor:
+    """Where each row's real keys end ``[B]``, for a batch whose rows that are not left-padded are padded on
+    the right. That is representable only in a forward whose queries are all the keys (from an empty cache,
+    as scoring runs): causal attention then gives every real query the keys an unpadded row would, and the
+    padding queries' outputs are not defined (they are discarded). Anything else is refused."""
+    right = (visible == (torch.arange(n_keys, device=visible.device)[None, :] < lengths[:, None])).all(-1)
+    if mask.shape[2] != n_keys or not bool((left | right).all()):
+        raise ValueError(LEFT_PADDING_ONLY)
+    return torch.where(left, n_keys, lengths)
 
 
 NOT_CAUSAL = ("StiefKV's latent attention is causal over left-padded rows; this 4-D attention_mask hides "
@@ -626,9 +643,11 @@ NOT_CAUSAL = ("StiefKV's latent attention is causal over left-padded rows; this 
 _CHECKED: list = [None]  # the last mask found causal (a forward's layers share one)
 
 
-def _check_causal_rows(mask: torch.Tensor, lengths: torch.Tensor, batch: int, n_keys: int) -> None:
-    """Refuse a mask whose rows of real queries are not causal with left padding: only the last row was
-    read, so the rows before it of a packed or custom mask were silently attended as causal."""
+def _check_causal_rows(mask: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor, batch: int,
+                       n_keys: int) -> None:
+    """Refuse a mask whose rows of real queries are not causal with left padding (or right padding, which
+    ends a row's real keys at ``ends``): only the last row was read, so the rows before it of a packed or
+    custom mask were silently attended as causal."""
     key = (mask.data_ptr(), tuple(mask.shape), mask._version if not mask.is_inference() else 0, n_keys)
     if _CHECKED[0] == key:
         return
@@ -639,9 +658,11 @@ def _check_causal_rows(mask: torch.Tensor, lengths: torch.Tensor, batch: int, n_
     pads = (n_keys - lengths.to(mask.device))[:, None]
     causal = j[None, :] <= (n_keys - N + i)[:, None]
     expected = causal[None] & (j[None, None, :] >= pads[..., None])
-    real = (n_keys - N + i)[None, :] >= pads
-    # a padding query's row sees nothing, or (transformers' fix for rows SDPA would turn to NaN) everything
-    whole = visible.all(-1) | ~visible.any(-1)
+    at = (n_keys - N + i)[None, :]
+    real = (at >= pads) & (at < ends.to(mask.device)[:, None])
+    # a left padding query's row sees nothing, or (transformers' fix for rows SDPA would turn to NaN)
+    # everything; a right padding query's output is not defined (scoring discards it)
+    whole = visible.all(-1) | ~visible.any(-1) | (at >= pads)
     if bool(((visible != expected) & real[..., None]).any()) or not bool((whole | real).all()):
         raise ValueError(NOT_CAUSAL)
     _CHECKED[0] = key

@@ -1,5 +1,7 @@
 """LowRankAttention and LatentCache on tiny random models of every supported architecture."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -184,14 +186,33 @@ def test_switch_equals_compressed():
         assert torch.equal(model(x).logits, original)
 
 
-def test_right_padding_is_refused_clearly():
+@pytest.mark.parametrize("key_mode", KEY_MODES)
+@pytest.mark.parametrize("quant", [None, "int4-token"])
+def test_a_right_padded_batch_is_scored_in_one_forward_and_not_continued(key_mode, quant):
+    """Scoring pads on the right (tokenizers' default): from an empty cache every real query sees the keys its
+    unpadded row would; the cache it filled holds the padding, so a step after it is refused."""
     model = tiny_model("llama")
-    stiefkv.load(model, random_projections(model, 8, 8))
-    x = ids(batch=2, n=6)
-    mask = torch.ones_like(x)
-    mask[0, -2:] = 0
-    with pytest.raises(ValueError, match="left-padded"):
-        model(x, attention_mask=mask)
+    proj = random_projections(model, 16, 12, key_mode)
+    if quant:
+        proj = replace(proj, quant=[(quant, quant)] * len(proj.keys))
+    stiefkv.load(model, proj)
+    short, full = ids(batch=1, n=7, seed=7), ids(batch=1, n=10, seed=8)
+    alone = model(short).logits
+    batch = torch.cat([torch.cat([short, torch.zeros(1, 3, dtype=torch.long)], 1), full])
+    mask = torch.ones_like(batch)
+    mask[0, 7:] = 0
+    out = model(batch, attention_mask=mask)
+    assert_close(out.logits[:1, :7], alone, atol=2e-5, rtol=1e-4, what="right-padded row")
+    assert_close(out.logits[1:], model(full).logits, atol=2e-5, rtol=1e-4, what="its unpadded neighbour")
+    step = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    with pytest.raises(ValueError, match="cannot be continued"):
+        model(ids(batch=2, n=1, seed=9), attention_mask=step, past_key_values=out.past_key_values)
+    late = torch.ones(2, 4, dtype=torch.long)  # right padding behind a cache that already holds tokens
+    late[0, -1] = 0
+    cache = model(batch[:, :6]).past_key_values
+    with pytest.raises(ValueError, match="left-padded batches only"):
+        model(batch[:, 6:], attention_mask=torch.cat([torch.ones(2, 6, dtype=torch.long), late], 1),
+              past_key_values=cache)
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])  # k/v biases; a key norm; neither
