@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,7 +16,7 @@ from pathlib import Path
 import torch
 
 from stiefkv.models import same_model
-from stiefkv.projections import honour_umask
+from stiefkv.projections import write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -53,7 +52,6 @@ class CalibrationState:
         from safetensors.torch import save_file
 
         path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
         tensors = {}
         for name in ("eig_k", "eig_v", "keys", "values"):
             for i, t in enumerate(getattr(self, name)):
@@ -64,13 +62,9 @@ class CalibrationState:
                "ranks": [list(r) for r in self.ranks], "quant": self.quant, "errors": self.errors,
                "refine": self.refine, "seconds": round(self.seconds, 1),
                "counts": {name: len(getattr(self, name)) for name in ("eig_k", "eig_v", "keys", "values")}}
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            save_file(tensors, str(tmp), metadata={"stiefkv_state": json.dumps(doc)})
-            honour_umask(tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
+        text = json.dumps(doc)
+        write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"stiefkv_state": text}),
+                         "the progress file")
 
     @classmethod
     def load(cls, path: Path, settings: dict, fingerprint: dict) -> CalibrationState:

@@ -315,13 +315,20 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
     """Swap every decoder layer's attention for :class:`LowRankAttention` (in place)."""
     arch_of(model.config)
     proj.check(model)
+    rope = rope_spec(model.config)
+    layers = decoder_layers(model)
+    # every module is built before anything changes, so a refused load leaves a served model as it was
+    built = [LowRankAttention(_original(layer.self_attn), proj.keys[i], proj.values[i],
+                              key_mode=proj.key_modes[i], rope=rope, backend=backend, quant=proj.specs[i])
+             for i, layer in enumerate(layers)]
     if is_compressed(model):
         unload(model)
-    rope = rope_spec(model.config)
-    for i, layer in enumerate(decoder_layers(model)):
-        layer.self_attn = LowRankAttention(layer.self_attn, proj.keys[i], proj.values[i],
-                                           key_mode=proj.key_modes[i], rope=rope, backend=backend,
-                                           quant=proj.specs[i])
+    for layer, attn in zip(layers, built):
+        attn.train(layer.self_attn.training)
+        layer.self_attn = attn
+    # config.json names the bases while the model is served: a folder saved after unload does not, so
+    # load_model does not serve bases a folder kept from before (save_pretrained leaves other files there)
+    model.config.stiefkv_projections = PROJECTIONS_FILE
     getattr(model, "model", model).register_forward_pre_hook(_latent_cache_hook, with_kwargs=True)
     wrappers = (("_prepare_cache_for_generation", _wrap_prepare_cache), ("save_pretrained", _wrap_save))
     methods = {name: wrap(getattr(type(model), name)) for name, wrap in wrappers
@@ -420,8 +427,11 @@ def unload(model: nn.Module) -> nn.Module:
     model, whose hook and methods :func:`load` never registered)."""
     for layer in decoder_layers(model):
         if isinstance(layer.self_attn, LowRankAttention):
-            layer.self_attn = layer.self_attn.original
+            # the original sits outside the module tree while served: train()/eval() did not reach it
+            layer.self_attn = layer.self_attn.original.train(layer.self_attn.training)
     _SERVED.pop(model, None)
+    if hasattr(model.config, "stiefkv_projections"):
+        del model.config.stiefkv_projections
     for name in _our_methods(model):
         del model.__dict__[name]
     base = getattr(model, "model", model)
@@ -430,6 +440,11 @@ def unload(model: nn.Module) -> nn.Module:
             del base._forward_pre_hooks[key]
             base._forward_pre_hooks_with_kwargs.pop(key, None)
     return model
+
+
+def _original(attn: nn.Module) -> nn.Module:
+    """The model's own attention module, also under a :class:`LowRankAttention`."""
+    return attn.original if isinstance(attn, LowRankAttention) else attn
 
 
 def _served_backend(model: nn.Module) -> str:
@@ -443,8 +458,8 @@ def compressed(model: nn.Module, proj: Projections, *, backend: str = "auto"):
     as it was (served with its own checkpoint again, if it was)."""
     before = projections_of(model)
     before_backend = _served_backend(model) if before is not None and is_compressed(model) else None
-    apply_projections(model, proj, backend=backend)
     try:
+        apply_projections(model, proj, backend=backend)
         yield model
     finally:
         unload(model)
@@ -569,10 +584,19 @@ def _wrap_save(original):
     wrapper adds the bases beside them, so that the folder reloads compressed with ``stiefkv.load_model``."""
 
     def save_pretrained(model, save_directory, *args, **kwargs):
-        result = original(model, save_directory, *args, **kwargs)
         proj = projections_of(model)
         if proj is not None:
-            proj.save(Path(save_directory) / PROJECTIONS_FILE)
+            if kwargs.get("push_to_hub"):  # transformers uploads inside the call, before the bases exist
+                raise ValueError("save_pretrained(..., push_to_hub=True) on a model served by stiefkv.load "
+                                 "would upload the folder without its bases: save_pretrained(folder) first, "
+                                 "then model.push_to_hub(repo_id), which writes the bases too")
+            folder = Path(save_directory).expanduser()
+            if folder.exists() and not folder.is_dir():
+                raise ValueError(f"{save_directory} is a file: save_pretrained writes a model folder; name a "
+                                 "folder (new or existing)")
+        result = original(model, save_directory, *args, **kwargs)
+        if proj is not None:
+            proj.save(Path(save_directory).expanduser() / PROJECTIONS_FILE)
         return result
 
     return save_pretrained

@@ -145,6 +145,7 @@ def _output_file(ctx, param, value):
     where the user meant a folder)."""
     if value is None or value == "-":
         return value if value is None else Path(value)
+    value = os.path.expanduser(value)  # the shell leaves ~ alone after "=" (--output=~/x): one path for all
     if value.endswith(("/", os.sep)) or Path(value).name in ("", ".", ".."):
         example = Path(value) / OUTPUT_EXAMPLES.get(param.name, "out")
         raise UserError(f"{'/'.join(param.opts)} {value!r} names a folder, not the file to write: give a "
@@ -204,9 +205,12 @@ def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | Non
 
 
 def _write_json(path: Path, obj) -> None:
-    """Write ``obj`` to ``path``, making its folders (checked writable before the work, made only now)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(obj, indent=2))
+    """Write ``obj`` to ``path``, making its folders (checked writable before the work, made only now); a
+    failed write leaves the file that was there."""
+    from stiefkv.projections import write_atomically
+
+    text = json.dumps(obj, indent=2)
+    write_atomically(path, lambda tmp: tmp.write_text(text), "--json")
 
 
 def common_options(fn):
@@ -404,7 +408,7 @@ def inspect(checkpoint, as_json):
 
     _logging(False)
     proj = _run(lambda: Projections.load(checkpoint), False)
-    click.echo(json.dumps(proj.header(), indent=2) if as_json else proj.summary())
+    click.echo(json.dumps(Projections.stored_header(checkpoint), indent=2) if as_json else proj.summary())
 
 
 @main.command(name="eval")
@@ -536,6 +540,9 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
 
         saved = saved_projections(model)
         if saved is not None and proj is None and baseline is None:
+            if passkey is not None:
+                raise ValueError(f"{model} holds the bases a served model saved (in {saved.name}), and "
+                                 "--passkey measures the uncompressed model only: give the original model")
             log.info("%s holds the bases it was served with: evaluating them against the original", model)
             proj = stiefkv.Projections.load(saved)
         # the original model: a folder a served model saved is evaluated against itself uncompressed

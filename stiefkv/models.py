@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
+import json
 import logging
 import os
 import struct
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from torch import nn
 
-from stiefkv.projections import PROJECTIONS_FILE, honour_umask
+from stiefkv.projections import PROJECTIONS_FILE, CheckpointError, honour_umask
 
 log = logging.getLogger(__name__)
 
@@ -79,6 +81,10 @@ def arch_of(config) -> Arch:
             f"{model_type} with a sliding attention window ({window}) is not supported: the latent cache "
             "keeps every token"
         )
+    kinds = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention"}
+    if kinds:  # a window in some layers (Qwen3, Gemma-style): attention over every kept token is wrong there
+        raise ModelLoadError(f"{model_type} with {', '.join(sorted(kinds))} layers (config.layer_types) is "
+                             "not supported: StiefKV attends over every kept token in every layer")
     rope_type = rope_parameters(cfg).get("rope_type", "default")
     if rope_type in UNSUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported (position-dependent frequencies)")
@@ -129,14 +135,43 @@ def weights_hash(model: nn.Module, via: torch.dtype | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-WEIGHT_HASHES = ("kv_weights_sha256", "kv_weights_sha256_fp16")
+WEIGHT_SAMPLE = "kv_weights_sample"
+WEIGHT_HASHES = ("kv_weights_sha256", "kv_weights_sha256_fp16", WEIGHT_SAMPLE)
+SAMPLES_PER_MATRIX = 8
+# how far a weight may move between two precisions of one model: a rounding to bf16 (2⁻⁹ relative), a second
+# one through float16 (2⁻¹²), and float16's subnormal step for the smallest weights
+SAMPLE_RTOL, SAMPLE_ATOL = 2.0 ** -7, 1e-7
+
+
+def weights_sample(model: nn.Module) -> list[float]:
+    """A few ``k_proj``/``v_proj`` weights of every layer (evenly spaced), as floats: a bf16 model and a
+    float16 one round each weight apart, which no hash of rounded weights can tell from other weights."""
+    values = []
+    for layer in decoder_layers(model):
+        attn = getattr(layer.self_attn, "inner", layer.self_attn)
+        for proj in (attn.k_proj, attn.v_proj):
+            w = proj.weight.detach().reshape(-1)
+            idx = torch.linspace(0, w.numel() - 1, SAMPLES_PER_MATRIX, device=w.device).round().long()
+            values += [float(x) for x in w[idx].float().cpu()]
+    return values
+
+
+def _samples_agree(a, b) -> bool:
+    if not isinstance(a, list) or not isinstance(b, list) or len(a) != len(b) or not a:
+        return False
+    x, y = torch.tensor(a, dtype=torch.float64), torch.tensor(b, dtype=torch.float64)
+    return bool(((x - y).abs() <= SAMPLE_RTOL * torch.maximum(x.abs(), y.abs()) + SAMPLE_ATOL).all())
 
 
 def same_weights(a: dict, b: dict) -> bool:
     """Whether two fingerprints are of the same k_proj/v_proj weights: a hash in common, as bf16 or through
     float16 (a float32 model and its float16 or bf16 casts share one; a file without the float16 hash has
-    the bf16 one only)."""
-    return bool(({a.get(k) for k in WEIGHT_HASHES} - {None}) & ({b.get(k) for k in WEIGHT_HASHES} - {None}))
+    the bf16 one only), or else samples of the weights equal up to the roundings of another precision (a
+    bf16 model and a float16 one)."""
+    hashes = WEIGHT_HASHES[:2]
+    if ({a.get(k) for k in hashes} - {None}) & ({b.get(k) for k in hashes} - {None}):
+        return True
+    return _samples_agree(a.get(WEIGHT_SAMPLE), b.get(WEIGHT_SAMPLE))
 
 
 def same_model(a: dict, b: dict) -> bool:
@@ -157,6 +192,7 @@ def fingerprint(model: nn.Module) -> dict:
         "rope": rope,
         "kv_weights_sha256": weights_hash(model),
         "kv_weights_sha256_fp16": weights_hash(model, via=torch.float16),
+        WEIGHT_SAMPLE: weights_sample(model),
     }
 
 
@@ -474,18 +510,38 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     model.to(device).eval()
     model.stiefkv_spec = spec
     saved = saved_projections(source)
+    if hasattr(model.config, "stiefkv_projections"):
+        del model.config.stiefkv_projections  # stiefkv.load names them again
+    left = Path(source) / PROJECTIONS_FILE
+    if projections and saved is None and left.is_file():
+        warnings.warn(f"{left} is not served: the folder's config.json does not name it, so the model saved "
+                      "there last was not served (saved after stiefkv.unload, or by StiefKV before "
+                      f"2026-12-07). To serve it: stiefkv.load(model, {str(left)!r})", stacklevel=2)
     if projections and saved is not None:
         from stiefkv.attention import load as apply  # serving imports models: import it only here
 
         log.info("serving %s with the bases in %s", spec, saved)
-        apply(model, saved)
+        try:
+            apply(model, saved)
+        except CheckpointError as exc:
+            raise CheckpointError(f"{saved}, the bases saved in this model folder, do not fit the model "
+                                  f"saved there now ({exc}). Load it with projections=False, or delete the "
+                                  "file, or calibrate the model again") from None
     return model, tok
 
 
 def saved_projections(folder) -> Path | None:
-    """The bases ``save_pretrained`` of a served model wrote into a model folder, if it holds them."""
+    """The bases ``save_pretrained`` of a served model wrote into a model folder, if it holds them and its
+    ``config.json`` names them (``save_pretrained`` leaves files it did not write: a folder saved over by a
+    model that was not served keeps the file, but its config no longer names it)."""
     path = Path(folder).expanduser() / PROJECTIONS_FILE
-    return path if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        named = json.loads((path.parent / "config.json").read_text()).get("stiefkv_projections")
+    except (OSError, ValueError, AttributeError):
+        return None
+    return path if named == PROJECTIONS_FILE else None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -41,8 +41,10 @@ def plot_profiles(proj, path: str | Path, weighting: str | None = None) -> Path:
                        "error of bf16 latents (dots: chosen rank; crosses: stored as codes; colour: layer)")
     fig.suptitle(f"{proj.method}, {proj.key_mode_summary}, budget {proj.budget:g}")
     fig.tight_layout()
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)  # checked writable before the work, made only now
-    fig.savefig(path, dpi=110)
+    from stiefkv.projections import write_atomically
+
+    # folders checked writable before the work, made only now; a failed write leaves the file that was there
+    kind = Path(path).suffix[1:] or "png"  # the temporary file's name says nothing of the format
+    path = write_atomically(path, lambda tmp: fig.savefig(tmp, dpi=110, format=kind), "--plot")
     plt.close(fig)
     return path

@@ -107,13 +107,43 @@ def ensure_writable(path: str | Path, what: str = "output") -> Path:
     try:
         if not folder.is_dir():  # a file where a folder of the path should be
             raise NotADirectoryError(20, "Not a directory", str(folder))
-        fd, probe = tempfile.mkstemp(dir=folder, prefix=f".{path.name}.", suffix=".probe")
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".stiefkv-", suffix=".probe")
         os.close(fd)
         os.unlink(probe)
     except OSError as exc:
         where = f": {exc.filename}" if exc.filename else ""
         why = exc.strerror or type(exc).__name__
         raise ValueError(f"cannot write {what} {path} ({why}{where}): choose a writable location") from None
+    return path
+
+
+def write_atomically(path: str | Path, write, what: str = "file") -> Path:
+    """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``, so that a failed write
+    (a full disk, a size limit) leaves what was there. A failure is an ``OSError`` naming ``path`` (not the
+    temporary file) and the reason; the temporary name is short, so any legal name can be written."""
+    import tempfile
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise IsADirectoryError(21, f"cannot write {what} {path}: it is a folder; give a file name")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=".stiefkv-", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        write(tmp)
+        honour_umask(tmp)
+        os.replace(tmp, path)
+    except Exception as exc:
+        if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
+            reason = getattr(exc, "strerror", None) or str(exc).replace(str(tmp), "").strip(" :")
+            raise OSError(getattr(exc, "errno", None) or 5, f"cannot write {what} {path}: {reason}") from None
+        raise
+    finally:
+        try:
+            tmp.unlink(missing_ok=True)
+        except OSError:
+            pass
     return path
 
 
@@ -374,9 +404,14 @@ class Projections:
         """
         from safetensors.torch import save_file
 
-        path = Path(path)
+        path = Path(path).expanduser()
         self.validate(f"refusing to write {path}")
-        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            header = self.header()
+            text = json.dumps(header)
+        except TypeError as exc:  # a setting that is not JSON (a Path, a tensor)
+            raise ValueError(f"refusing to write {path}: its settings are not JSON ({exc})") from None
+        _check_header(header, path, writing=True)
         tensors = {}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             # clone: a basis may share storage with another tensor (a full-rank PCA slice), which
@@ -385,14 +420,8 @@ class Projections:
                 memory_format=torch.contiguous_format)
             tensors[f"layers.{i}.v"] = v.detach().to("cpu", torch.float32).clone(
                 memory_format=torch.contiguous_format)
-        tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-        try:
-            save_file(tensors, str(tmp), metadata={"stiefkv": json.dumps(self.header())})
-            honour_umask(tmp)
-            os.replace(tmp, path)
-        finally:
-            tmp.unlink(missing_ok=True)
-        return path
+        return write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"stiefkv": text}),
+                                "checkpoint")
 
     @classmethod
     def load(cls, path: str | Path) -> Projections:
@@ -404,6 +433,9 @@ class Projections:
         if not path.is_file():
             raise CheckpointError(f"checkpoint {path} does not exist" if not path.exists()
                                   else f"checkpoint {path} is not a file")
+        if not os.access(path, os.R_OK):  # safetensors reports a file it may not read as missing
+            raise CheckpointError(f"checkpoint {path} cannot be read (permission denied): make it readable "
+                                  f"(chmod u+r {path}) or run as its owner")
         try:
             with safe_open(str(path), framework="pt") as f:
                 meta = f.metadata() or {}
@@ -464,11 +496,23 @@ class Projections:
                                   "file is corrupt (copy it again or recalibrate)")
         proj.validate(str(path))
         # last, so that a header edited into something invalid is named by what is invalid
-        if "header_sha256" in doc and doc["header_sha256"] != header_sha256(doc):
+        if "header_sha256" not in doc:
+            log.info("%s has no header checksum (written before 2026-12-07): an edit of its key mode or "
+                     "storage cannot be detected (load and save it again to add one)", path)
+        elif doc["header_sha256"] != header_sha256(doc):
             raise CheckpointError(f"{path}: its header does not match the sha256 it carries: the header was "
                                   "edited or damaged (its key mode, storage or ranks would be read wrongly); "
                                   "copy the file again or recalibrate")
         return proj
+
+    @staticmethod
+    def stored_header(path: str | Path) -> dict:
+        """The header document as the file holds it (``stiefkv inspect --json``), not as :meth:`header`
+        would write it now; read after :meth:`load` has checked the file."""
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {})["stiefkv"])
 
     def check(self, model) -> None:
         """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``
@@ -480,11 +524,13 @@ class Projections:
                  for key in ("architecture", "L", "H", "G", "d", "D", "rope")
                  if mine.get(key) != theirs.get(key)]
         if not diffs and not same_weights(mine, theirs):
-            half = next(model.parameters()).dtype == torch.float16
+            dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+            old = "kv_weights_sample" not in mine and dtype != "float32"
             diffs.append("same shapes but different k_proj/v_proj weights (another checkpoint of this "
-                         "architecture?" + (" This checkpoint predates float16 weight hashes: load the model "
-                                            "in bfloat16 or float32)" if half and
-                                            "kv_weights_sha256_fp16" not in mine else ")"))
+                         "architecture?" + (f" Or the same one in another precision: this checkpoint "
+                                            f"predates weight samples, which tell a {dtype} model's weights "
+                                            "from others; load the model in float32, stiefkv.load it, then "
+                                            "cast)" if old else ")"))
         if diffs:
             raise CheckpointError(
                 "this checkpoint was made for another model — " + "; ".join(diffs)
@@ -540,10 +586,13 @@ def _quant_of(doc: dict, path: Path) -> list[tuple[QuantSpec, QuantSpec]] | None
     return specs
 
 
-def _check_header(doc, path: Path) -> None:
-    """Raise :class:`CheckpointError` naming the first field of the header document with a wrong type."""
+def _check_header(doc, path: Path, writing: bool = False) -> None:
+    """Raise :class:`CheckpointError` naming the first field of the header document with a wrong type (with
+    ``writing``, a ``ValueError``: a header :meth:`Projections.load` would refuse is not written)."""
 
-    def bad(what: str) -> CheckpointError:
+    def bad(what: str) -> Exception:
+        if writing:
+            return ValueError(f"refusing to write {path}: {what}")
         return CheckpointError(f"{path} has a damaged StiefKV header: {what}; recalibrate, or restore the "
                                "file")
 

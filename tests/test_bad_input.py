@@ -779,11 +779,107 @@ def test_load_model_applies_the_projections_in_its_folder(model_dir):
     from stiefkv.attention import is_compressed
 
     model, _ = stiefkv.load_model(str(model_dir))
-    random_projections(model, 8, 16).save(model_dir / PROJECTIONS_FILE)
+    stiefkv.load(model, random_projections(model, 8, 16))
+    model.save_pretrained(model_dir)
     compressed, _ = stiefkv.load_model(str(model_dir))
-    assert is_compressed(compressed) and not is_compressed(model)
+    assert is_compressed(compressed) and is_compressed(model)
+    result = run(["eval", model_dir, "--compact", "0.5", "--passkey", "2", "--context", "120"], 2)
+    assert "--passkey measures the uncompressed model only" in result.output  # it did, naming no bases
     plain, _ = stiefkv.load_model(str(model_dir), projections=False)
     assert not is_compressed(plain)
+    plain.save_pretrained(model_dir)  # the bases file stays beside the weights, and is no longer named
+
+
+def test_a_folder_saved_by_an_unserved_model_is_not_served_by_the_bases_left_in_it(model_dir):
+    """save_pretrained leaves files it did not write: after unload (or projections=False) a folder saved over
+    a served one kept the old bases, and load_model served them. Bases placed by hand are not served either;
+    bases that no longer fit the weights saved there name the file and the ways out."""
+    from stiefkv.attention import is_compressed
+
+    model, _ = stiefkv.load_model(str(model_dir))
+    stiefkv.load(model, random_projections(model, 8, 16))
+    model.save_pretrained(model_dir)
+    stiefkv.unload(model)
+    model.save_pretrained(model_dir)
+    assert (model_dir / PROJECTIONS_FILE).is_file()
+    with pytest.warns(UserWarning, match="is not served: the folder's config.json does not name it"):
+        again, _ = stiefkv.load_model(str(model_dir))
+    assert not is_compressed(again)
+    stiefkv.load(model, random_projections(model, 8, 16))
+    model.save_pretrained(model_dir)
+    stiefkv.unload(model)
+    with torch.no_grad():  # a fine-tune saved over the folder by plain transformers code
+        model.model.layers[0].self_attn.k_proj.weight.mul_(1.5)
+    model.config.stiefkv_projections = PROJECTIONS_FILE  # as from_pretrained of the served folder has it
+    model.save_pretrained(model_dir)
+    with pytest.raises(CheckpointError, match=f"{PROJECTIONS_FILE}, the bases saved in this model folder, do "
+                                              "not fit.*projections=False, or delete the file"):
+        stiefkv.load_model(str(model_dir))
+
+
+# ------------------------------------------------------------------------ 16. writing files
+
+
+def test_files_are_written_whole_or_not_at_all(tmp_path):
+    """A failed write (a full disk, a size limit) overwrote --json and --plot in place, and a checkpoint's
+    failure was safetensors' own error naming a temporary file (a long name's temporary name was too long)."""
+    from stiefkv.projections import write_atomically
+
+    old = tmp_path / "res.json"
+    old.write_text('{"ok": 1}')
+
+    def half_then_fail(tmp):
+        tmp.write_text('{"o')
+        raise OSError(27, "File too large")
+
+    with pytest.raises(OSError, match=f"cannot write --json {old}: File too large"):
+        write_atomically(old, half_then_fail, "--json")
+    assert old.read_text() == '{"ok": 1}' and os.listdir(tmp_path) == ["res.json"]
+
+    def safetensors_fails(tmp):
+        from safetensors import SafetensorError
+        raise SafetensorError(f"Error while serializing: I/O error at path {tmp}")
+
+    with pytest.raises(OSError, match="cannot write checkpoint .*p.safetensors: Error while serial") as err:
+        write_atomically(tmp_path / "p.safetensors", safetensors_fails, "checkpoint")
+    assert ".stiefkv-" not in str(err.value)
+    long = tmp_path / ("y" * 240 + ".safetensors")  # a legal name; the temporary one is short
+    random_projections(tiny_model(), 8, 16).save(long)
+    assert Projections.load(long).ranks
+    with pytest.raises(IsADirectoryError, match="it is a folder"):
+        random_projections(tiny_model(), 8, 16).save(tmp_path)
+
+
+def test_a_checkpoint_load_would_refuse_is_not_written(tmp_path):
+    from dataclasses import replace
+
+    good = random_projections(tiny_model(), 8, 16)
+    for bad, message in ((replace(good, budget=2.0), "budget 2.0 is not a number in"),
+                         (replace(good, fingerprint={}), "fingerprint L is None"),
+                         (replace(good, settings={"data": tmp_path}), "its settings are not JSON")):
+        with pytest.raises(ValueError, match=f"refusing to write {tmp_path / 'x.safetensors'}: {message}"):
+            bad.save(tmp_path / "x.safetensors")
+    assert not os.listdir(tmp_path)
+
+
+def test_a_tilde_after_an_equals_sign_is_the_home_folder(tmp_path, monkeypatch):
+    """--output=~/x: the shell leaves ~ alone after '='; the check expanded it and the writer did not."""
+    import click
+
+    from stiefkv.cli import _output_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    param = click.Option(["-o", "--output"])
+    assert _output_file(None, param, "~/t.safetensors") == tmp_path / "t.safetensors"
+
+
+def test_inspect_json_prints_the_header_the_file_holds(tmp_path):
+    path = random_projections(tiny_model(), 8, 16).save(tmp_path / "p.safetensors")
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        stored = json.loads(f.metadata()["stiefkv"])
+    assert json.loads(run(["inspect", "--json", path], 0).output) == stored
 
 
 def test_evaluation_refuses_windows_beyond_the_models_positions():

@@ -224,6 +224,39 @@ def test_save_pretrained_round_trips_both_ways(arch, tmp_path):
     assert not (tmp_path / "plain" / PROJECTIONS_FILE).exists()
 
 
+def test_unload_and_refused_loads_leave_the_model_as_it_was(tmp_path):
+    """unload left the original attention in the mode it had at load (dropout on in eval); a refused load
+    or compressed() (a backend typo) unloaded a served model first; save_pretrained(push_to_hub=True)
+    uploaded before the bases were written, and a file given as the folder failed inside pathlib."""
+    model = tiny_model("llama")
+    proj = random_projections(model, 8, 16)
+    model.train()
+    stiefkv.load(model, proj)
+    model.eval()
+    stiefkv.unload(model)
+    assert not any(m.training for m in model.modules())
+    stiefkv.load(model, proj)
+    model.train()
+    stiefkv.unload(model)
+    assert all(m.training for m in model.modules())
+    model.eval()
+    x = ids(n=8)
+    stiefkv.load(model, proj)
+    served = model(x).logits
+    with pytest.raises(ValueError, match="backend must be one of"):
+        stiefkv.load(model, random_projections(model, 16, 8), backend="trition")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with stiefkv.compressed(model, random_projections(model, 16, 8), backend="x"):
+            pass
+    assert stiefkv.attention.is_compressed(model) and torch.equal(model(x).logits, served)
+    with pytest.raises(ValueError, match="save_pretrained\\(folder\\) first, then model.push_to_hub"):
+        model.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="me/x")
+    (tmp_path / "file").write_text("")
+    with pytest.raises(ValueError, match="is a file: save_pretrained writes a model folder"):
+        model.save_pretrained(tmp_path / "file")
+    assert not (tmp_path / "hub").exists()
+
+
 def test_left_padding_lengths_are_cache_fields():
     model = served()
     x = ids(batch=2, n=6)
