@@ -40,7 +40,7 @@ from stiefkv.cache import (
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
 from stiefkv.layers import head_bases, head_latents, project_qkv, rotate_with
-from stiefkv.models import check_token_ids, decoder_layers, dims_of, max_positions
+from stiefkv.models import arch_of, check_token_ids, decoder_layers, dims_of, max_positions
 from stiefkv.quant import Quantized
 from stiefkv.static_cache import StaticLatentCache
 
@@ -78,8 +78,18 @@ class CompactedCache(DynamicCache):
         super().batch_select_indices(indices)
         self._rows_follow(lambda t: t[indices])
 
-    def crop(self, *args, **kwargs):  # a maximum length or, in newer transformers, the tokens to remove
-        super().crop(*args, **kwargs)
+    def crop(self, size: int):
+        """Remove ``-size`` tokens (transformers ≥ 5.2x), or keep ``size`` (older ones, in the reported
+        length: the original prompt's plus the tokens appended since). Only appended tokens can go: the
+        compacted entries stand for the whole prompt."""
+        reported = self.get_seq_length()
+        remove = -size if size < 0 else reported - size
+        if remove > reported - self.length:
+            raise ValueError(f"crop would remove {remove} tokens from a compacted cache that holds "
+                             f"{reported - self.length} tokens after its compacted prompt of {self.length}: "
+                             "only those can be removed (prefill and compact the prompt again for less)")
+        if remove > 0:
+            super().crop(-remove)  # in held entries, which the appended tokens are one each
         if isinstance(self.appended_ids, torch.Tensor):
             self.appended_ids = self.appended_ids[:, : max(0, self.get_seq_length() - self.length)]
 
@@ -144,7 +154,24 @@ QUESTION_GUARD = "_stiefkv_question_guard"
 def _record_ids(module, args, kwargs):
     cache = _cache_argument(kwargs)
     if cache is not None:
+        _refuse_positions_held(cache, kwargs)
         record_appended(cache, kwargs.get("input_ids", args[0] if args else None))
+
+
+def _refuse_positions_held(cache, kwargs: dict) -> None:
+    """A forward over positions a compacted cache already holds would attend to the prompt twice (assisted
+    and prompt-lookup decoding feed the prompt again on their first step): refused."""
+    if getattr(cache, "length", None) is None:
+        return
+    at = kwargs.get("cache_position")
+    if at is None and kwargs.get("position_ids") is not None:
+        at = kwargs["position_ids"]
+    held = cache.get_seq_length()
+    if isinstance(at, torch.Tensor) and at.numel() and int(at.min()) < held:
+        raise ValueError(f"this forward starts at position {int(at.min())} and the compacted cache "
+                         f"already holds {held} (its compacted prompt and the tokens since): feed only the "
+                         "new tokens. Assisted and prompt-lookup generate re-read the prompt, which a "
+                         "compacted cache no longer has: generate without them")
 
 
 def _checked_inputs(self, input_ids, *args, **kwargs):
@@ -154,20 +181,23 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
         cache = _cache_argument(kwargs)
         if cache is not None:  # before transformers 5.0's own slicing fails on ids the cache already holds
             refuse_no_tokens(input_ids[:, cache.get_seq_length():], cache)
-            expand_rows(cache, input_ids.shape[0])
+            expand_rows(cache, input_ids)
         refuse_another_question(cache, input_ids)
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
 
 
-def expand_rows(cache, rows: int) -> None:
-    """Give a compacted cache of ``B`` rows the ``rows = k·B`` rows ``generate`` runs with beams or several
-    sequences a prompt (it repeats each row of the ids ``k`` times, and not the cache it is given)."""
-    held = _compacted_rows(cache)
+def expand_rows(cache, input_ids: torch.Tensor) -> None:
+    """Give a compacted cache of ``B`` rows the ``k·B`` rows ``generate`` runs with beams or several
+    sequences a prompt (it repeats each row of the ids ``k`` times, and not the cache it is given). Ids whose
+    rows are not each row repeated ``k`` times are other prompts: refused."""
+    held, rows = _compacted_rows(cache), input_ids.shape[0]
     if held is None or rows == held:
         return
-    if rows % held:
+    groups = input_ids.reshape(held, rows // held, -1) if rows % held == 0 else None
+    if groups is None or not bool((groups == groups[:, :1]).all()):
         raise ValueError(f"this compacted cache holds {held} rows and generate runs {rows}: give generate "
-                         "the ids of the rows the cache was compacted from")
+                         "the ids of the rows the cache was compacted from (beams and num_return_sequences "
+                         "repeat them)")
     cache.batch_repeat_interleave(rows // held)
 
 
@@ -286,6 +316,7 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
                          "length together")
     if unexpected:
         raise TypeError(f"prefill() got unexpected arguments {', '.join(sorted(unexpected))}")
+    arch_of(model.config)  # Llama-style attention over every token (no window), as compaction assumes
     check_token_ids(model, ids, "prefill's ids", least=2)
     counts = {"window": window, "self_study": self_study, "repeat": repeat}
     for name, value in counts.items():
@@ -534,8 +565,8 @@ def pinned_tokens(cache, t: int, pin: float | None, method: str) -> torch.Tensor
     matching alone lets it go (docs/notes/compaction.md). None when no token is pinned, and for the
     default on a cache that :func:`prefill` did not make (no surprise recorded)."""
     p = pin_count(pin, t, method)
-    if not p:
-        return None
+    if not p or (t >= cache.get_seq_length() and method not in presses.PRESSES):
+        return None  # every token is kept: pins would only move some behind the rest (codes group by order)
     if method in presses.PRESSES:
         raise ValueError(f"pin is an option of attention matching and its eviction, not of kvpress's "
                          f"{method!r}")
@@ -722,7 +753,9 @@ def _pressed(model, cache, queries: list[torch.Tensor], t: int, method: str) -> 
                   "tova": lambda: presses.tova(k, q, scale),
                   "streaming_llm": lambda: presses.streaming_llm(k),
                   "expected_attention": lambda: presses.expected_attention(k, v, q, rotation),
-                  "recent": lambda: presses.recent(k), "random": lambda: presses.random_scores(k, seed=i),
+                  "recent": lambda: presses.recent(k),
+                  # the run's seed (--seed) and the layer: another seed draws another subset
+                  "random": lambda: presses.random_scores(k, seed=(torch.initial_seed() + i) % 2 ** 63),
                   }[method]()
         kept, vals, _ = presses.evict(k, v, scores, t)
         new.add_layer(kept, vals, torch.zeros(kept.shape[:3], dtype=k.dtype, device=k.device))
@@ -736,6 +769,7 @@ def check_cache(model, cache) -> int:
     otherwise."""
     from stiefkv.attention import is_compressed
 
+    arch_of(model.config)
     latent = isinstance(cache, LatentCache)
     if isinstance(cache, StaticLatentCache):
         raise ValueError("compaction rewrites the cache's layers and a StaticLatentCache keeps its buffers "

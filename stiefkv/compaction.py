@@ -635,7 +635,8 @@ def global_budgets(keys: list[torch.Tensor], queries: list[torch.Tensor], t: int
                    pooling: str = "mean", floor: int = 1, heads: str = "each",
                    scores: list[torch.Tensor] | None = None) -> list[torch.Tensor]:
     """Per layer ``[B, G]`` counts from the keys of highest attention (``pooling``) across every layer and
-    head of a batch row, at least ``floor`` each, ``t`` per head on average:
+    head of a batch row, at least ``floor`` each, ``t`` per head on average (more under ``"each"`` and
+    ``"mean"`` where the floor lifts heads the cut left below it: at ``t`` near ``floor``):
 
     - ``heads="each"``: each head its own count (a dense cache pads a layer's heads to the largest);
     - ``"mean"``: each layer's heads its mean count;
@@ -662,7 +663,7 @@ def global_budgets(keys: list[torch.Tensor], queries: list[torch.Tensor], t: int
         hi = torch.full_like(lo, ranked.shape[1])
         while bool((lo < hi).any()):
             mid = (lo + hi + 1) // 2
-            fits = counts_at(mid).amax(-1).sum(-1) * G <= total
+            fits = counts_at(mid).amax(-1).clamp(floor, T).sum(-1) * G <= total  # with the floor's lift
             open_ = lo < hi
             lo, hi = torch.where(open_ & fits, mid, lo), torch.where(open_ & ~fits, mid - 1, hi)
         counts = counts_at(lo).amax(-1, keepdim=True).expand(B, L, G)

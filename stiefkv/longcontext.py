@@ -199,14 +199,16 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     ppl_ranks = float(torch.exp(torch.tensor(nll_ranks / tokens))) if served is not None else None
     entry, full = entry_bytes(model, proj, max(1, round(held)))
     return CompactedResult(method, keep, context, score, len(windows), tokens, ppl, ppl_full, kept, held,
-                           name, ppl_ranks, held * entry / (context * full), _pinned(kept, method, options),
-                           shared=proj is not None and proj.shared)
+                           name, ppl_ranks, held * entry / (context * full),
+                           _pinned(kept, method, options, context), shared=proj is not None and proj.shared)
 
 
-def _pinned(kept: int, method: str, options: dict) -> int:
+def _pinned(kept: int, method: str, options: dict, context: int) -> int:
     """The exact tokens among ``kept`` entries a head that ``options``' ``pin`` gives (prefill records the
     surprise they need)."""
-    return pin_count(options.get("pin"), kept, method) if method in AM_METHODS else 0
+    if method not in AM_METHODS or kept >= context:  # every token kept: nothing pinned
+        return 0
+    return pin_count(options.get("pin"), kept, method)
 
 
 def _served(model, projections, method: str):
@@ -342,7 +344,7 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
         right, right_full = right + (key in answer), right_full + memo[at]
         held += h / samples
     return RetrievalResult(method, keep, context, samples, seed, right / samples, right_full / samples, kept,
-                           held, _pinned(kept, method, options))
+                           held, _pinned(kept, method, options, context))
 
 
 def format_retrieval(r: RetrievalResult) -> str:

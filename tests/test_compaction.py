@@ -884,3 +884,85 @@ def test_the_uncompressed_pass_key_answers_follow_the_model_as_served_now(monkey
     asked.clear()
     assert longcontext.evaluate_retrieval(model, None, **kw).accuracy_full == 1.0
     assert [k for k, _ in asked].count(None) == 0  # remembered for the uncompressed model: not asked again
+
+
+def test_what_a_compacted_cache_cannot_be_given_is_refused():
+    """Found by a walkthrough (silently wrong before): a sliding-window model compacted as if it attended to
+    every token; ids of other prompts (rows that are not each row repeated) given to generate, which
+    repeated the cache's rows; prompt-lookup generate, which reads the prompt again over the compacted cache;
+    a crop into the compacted prompt (a failure inside torch at the next forward)."""
+    import copy
+
+    from transformers import MistralConfig, MistralForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from stiefkv.models import ModelLoadError
+
+    small = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=512)
+    windowed = MistralForCausalLM(MistralConfig(**small, sliding_window=16)).eval()
+    mixed = Qwen3ForCausalLM(Qwen3Config(**small, sliding_window=16,
+                                         layer_types=["sliding_attention", "full_attention"])).eval()
+    for m in (windowed, mixed):
+        with pytest.raises(ModelLoadError, match="sliding"):
+            stiefkv.prefill(m, torch.randint(1, 128, (1, 40)))
+
+    model, ids = tiny_prompt(11, 46)
+    key = cache_keyword(model)
+    two = torch.cat([ids[:, :40], torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(3))])
+    cache = stiefkv.compact(model, stiefkv.prefill(model, two, window=16), keep=1.0, method="attention")
+    q = ids[:, 40:].expand(2, -1)
+    with pytest.raises(ValueError, match="holds 2 rows and generate runs 4"):
+        model.generate(torch.cat([two, q], 1).repeat(2, 1), **{key: copy.deepcopy(cache)}, max_new_tokens=2,
+                       do_sample=False, pad_token_id=0)
+    beams = model.generate(torch.cat([two, q], 1), **{key: copy.deepcopy(cache)}, max_new_tokens=3,
+                           do_sample=False, num_beams=2, num_return_sequences=2, pad_token_id=0)
+    want = model.generate(torch.cat([two, q], 1), max_new_tokens=3, do_sample=False, num_beams=2,
+                          num_return_sequences=2, pad_token_id=0)
+    assert torch.equal(beams, want)  # generate's own repeats are still taken
+
+    one = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :40], window=16), keep=1.0, method="attention")
+    with pytest.raises(ValueError, match="Assisted and prompt-lookup generate re-read the prompt"):
+        model.generate(ids, **{key: copy.deepcopy(one)}, prompt_lookup_num_tokens=3, max_new_tokens=4,
+                       do_sample=False, pad_token_id=0)
+
+    model(ids[:, 40:43], **{key: one})  # 3 tokens behind the prompt
+    with pytest.raises(ValueError, match="only those can be removed"):
+        one.crop(-5)
+    one.crop(-2)
+    assert one.get_seq_length() == 41
+    torch.testing.assert_close(model(ids[:, 41:42], **{key: one}).logits,
+                               model(ids[:, :42]).logits[:, -1:], atol=1e-5, rtol=1e-4)
+
+
+def test_keeping_every_token_over_codes_pins_nothing():
+    """With every token kept the default pins only moved some behind the rest, and channel-layout codes,
+    grouped by the entries' order, then rounded differently from the uncompacted cache."""
+    import copy
+
+    import stiefkv
+    from tests.tiny import random_projections, tiny_model
+
+    model = tiny_model()
+    proj = random_projections(model, 16, 12)
+    proj.quant = [("int4-channel", "int4-channel")] * len(proj.keys)
+    stiefkv.load(model, stiefkv.Projections(**vars(proj)))
+    ids = torch.randint(3, 97, (1, 150), generator=torch.Generator().manual_seed(2))
+    nxt = torch.randint(3, 97, (1, 4), generator=torch.Generator().manual_seed(4))
+    cache = stiefkv.prefill(model, ids, window=32)
+    want = model(nxt, past_key_values=copy.deepcopy(cache)).logits
+    got = model(nxt, past_key_values=stiefkv.compact(model, cache, keep=1.0)).logits
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)
+
+
+def test_the_random_press_follows_the_runs_seed():
+    from stiefkv.compacted import build, prefill_with_queries
+
+    model, ids = tiny_prompt(12, 40)
+    picks = []
+    for seed in (1, 2, 1):
+        torch.manual_seed(seed)
+        cache, queries = prefill_with_queries(model, ids, 8)
+        picks.append(build(model, cache, queries, 12, "random").layers[0].keys)
+    assert torch.equal(picks[0], picks[2]) and not torch.equal(picks[0], picks[1])
