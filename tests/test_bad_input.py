@@ -146,7 +146,9 @@ def test_a_folder_a_served_model_saved_is_calibrated_and_evaluated_as_the_origin
     'uncompressed'); ``calibrate`` fits bases to the original model's outputs."""
     model = tiny_model()
     folder = save_tiny_model(tmp_path / "served", model)
-    random_projections(model, 8, 8).save(folder / PROJECTIONS_FILE)
+    stiefkv.load(model, random_projections(model, 8, 8))
+    model.save_pretrained(folder)  # the bases beside the weights, named by its config.json
+    stiefkv.unload(model)
     result = run(["eval", folder, "--data", corpus, "--window", 64, "--windows", 2, "--json", "-"], 0)
     doc = json.loads(result.output[result.output.index("{"):])
     assert doc["method"] == "random" and doc["ppl"] != doc["ppl_original"]
