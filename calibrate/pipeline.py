@@ -53,6 +53,7 @@ from stiefkv.models import (
     dims_of,
     fingerprint,
     layer_devices,
+    parameters_sha256,
     rope_spec,
 )
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
@@ -74,7 +75,8 @@ class CalibrationConfig:
     """Every calibration setting, with its default.
 
     budget : the cache's bytes per token as a fraction of the uncompressed bf16 cache's, in (0, 1]: latents at
-        their bit width, scales, lows and exact tokens counted (the positions, 4 bytes a token, on top).
+        their bit width, scales, lows and exact tokens counted; the positions (4 bytes a token) too where
+        latents may be codes (``bits`` other than 16), on top with ``bits="16"`` (so that 1 is full rank).
     bits : how latents are stored: ``auto`` (per layer and separately for keys and values, the rank, bit
         width and group layout chosen together by the knapsack; bf16 and full rank are candidates),
         ``16`` (bf16 latents, ranks only: the allocation of earlier versions) or ``8``/``4``/``3``/``2``
@@ -197,6 +199,7 @@ class CalibrationConfig:
 
     def validate(self) -> "CalibrationConfig":
         self._check_types()
+        self.data = os.fspath(self.data)  # a Path is written into the progress file and checkpoint as text
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
         if str(self.bits) not in BITS_CHOICES:
@@ -267,6 +270,16 @@ def unused_settings(given: dict, cfg: CalibrationConfig) -> list[str]:
         notes += [f"{k} has no effect with allocation 'uniform' (no profiles)" for k in PROFILE_SETTINGS
                   if k in given]
     quantized = storages(cfg) is not None or uniform_specs(cfg) is not None
+    if not quantized:
+        notes += [f"{k} has no effect with bf16 latents (bits 16, or allocation 'uniform' with bits auto)"
+                  for k in ("recent", "window8", "log8", "kernel_storage") if k in given]
+    elif cfg.kernel_storage and given.get("recent"):
+        notes.append(f"recent {given['recent']} has no effect with kernel_storage (the kernels read codes "
+                     "only: no exact tokens)")
+    for k in ("step_sequences", "profile_sequences"):
+        n, most = getattr(cfg, k), cfg.num_sequences
+        if k in given and isinstance(n, int) and isinstance(most, int) and n > most:
+            notes.append(f"{k} {n} exceeds num_sequences {most}: {most} are used")
     if quantized and cfg.recent is not None and cfg.recent >= REFERENCE_CONTEXT:
         notes.append(f"recent {cfg.recent} keeps every token of the {REFERENCE_CONTEXT}-token cache the "
                      "budget is counted at exact: the codes are never read there")
@@ -362,7 +375,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     # what a resumed run must share with the interrupted one beyond the settings: the very token ids (a data
     # file edited in between) and the model's dtype
     run = {"sequences_sha256": hashlib.sha256(seqs.numpy().tobytes()).hexdigest()[:16],
-           "dtype": str(next(model.parameters()).dtype)}
+           "dtype": str(next(model.parameters()).dtype), "parameters_sha256": parameters_sha256(model)}
     state = shard.broadcast(initial_state(progress, resume, cfg, fp, run) if shard.leader else None)
     local = shard.select(seqs)
     profiled = profiled_config(cfg)
@@ -424,7 +437,10 @@ def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, f
     settings = asdict(cfg) | (run or {})
     if resume and progress is not None and progress.is_file():
         return CalibrationState.load(progress, settings, fp)
-    if resume:
+    if resume and progress is None:
+        log.warning("resume has no effect without progress=PATH (the file an interrupted run kept its "
+                    "progress in): starting from the beginning")
+    elif resume:
         log.info("nothing to resume at %s: starting from the beginning", progress)
     return CalibrationState(settings=settings, fingerprint=fp)
 

@@ -23,6 +23,11 @@ log = logging.getLogger(__name__)
 STATE_FIELDS = ("settings", "fingerprint", "profiles", "ranks", "errors", "refine")
 
 
+# settings that change memory or speed, not the result: a resumed run may take others (after running out of
+# memory, a smaller batch)
+RESUMABLE_CHANGES = ("batch_size",)
+
+
 @dataclass
 class CalibrationState:
     settings: dict
@@ -86,7 +91,16 @@ class CalibrationState:
         if not same_model(doc["fingerprint"], fingerprint):
             raise ValueError(f"{path} was written for another model; delete it or drop --resume")
         changed = sorted(k for k in set(settings) | set(doc["settings"])
-                         if settings.get(k) != doc["settings"].get(k))
+                         if settings.get(k) != doc["settings"].get(k) and k not in RESUMABLE_CHANGES)
+        old_file = "parameters_sha256" not in doc["settings"]
+        if "parameters_sha256" in changed and (old_file or "dtype" in changed):
+            # a progress file from before 2026-12-07 has no such hash; another dtype is said as a setting
+            changed.remove("parameters_sha256")
+        if "parameters_sha256" in changed:
+            raise ValueError(f"{path} was written for another model (its weights differ beyond the keys' and "
+                             "values' projections); delete it or drop --resume")
+        if "data" in changed and doc["settings"].get("sequences_sha256") == settings.get("sequences_sha256"):
+            changed.remove("data")  # the same token ids, the file named another way (./x, an absolute path)
         if changed:
             was = ", ".join(f"{k} {_short(doc['settings'].get(k))} there, {_short(settings.get(k))} now"
                             for k in changed)

@@ -11,6 +11,7 @@ import logging
 import os
 import re
 import sys
+import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -98,9 +99,22 @@ def _as_options(text: str) -> str:
     for param in ctx.command.params:
         long = [o for o in param.opts if o.startswith("--")]
         if isinstance(param, click.Option) and long and param.name:
-            # a word of its own: at the start or after a space or "(", never inside a path or a value
-            text = re.sub(rf"(?<![^\s(]){re.escape(param.name)}(?= must| ≥| is)", long[0], text)
+            # a word of its own: at the start or after a space or "(", never inside a path or a value; a name
+            # of several words (num_sequences) wherever it stands so, a one-word name (lr) before what is
+            # said of it
+            after = (r"(?![\w/.=-])" if "_" in param.name else
+                     r"(?= must| ≥| >| is| has| exceeds| keeps| [-0-9.]+ (?:must|exceeds|there))")
+            text = re.sub(rf"(?<![^\s(]){re.escape(param.name)}{after}", long[0], text)
     return text
+
+
+class _OptionNames(logging.Filter):
+    """Warnings the API logs name its settings; the command's user typed options (:func:`_as_options`)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno >= logging.WARNING:
+            record.msg, record.args = _as_options(record.getMessage()), None
+        return True
 
 
 def require_matplotlib() -> None:
@@ -108,6 +122,17 @@ def require_matplotlib() -> None:
 
     if importlib.util.find_spec("matplotlib") is None:
         raise ValueError("--plot needs matplotlib: pip install matplotlib (or stiefkv[plot])")
+
+
+def _check_plot_format(path: Path) -> None:
+    """Refuse a --plot name whose format matplotlib cannot write, before the work it would be drawn from."""
+    from matplotlib.figure import Figure
+
+    kinds = Figure().canvas.get_supported_filetypes()
+    kind = path.suffix[1:].lower() or "png"
+    if kind not in kinds:
+        raise ValueError(f"--plot {path}: matplotlib cannot write .{kind} files; name a file ending in "
+                         f"{', '.join('.' + k for k in sorted(kinds))}")
 
 
 def _setup(device: str, dtype: str, seed: int, debug: bool):
@@ -135,6 +160,9 @@ def _logging(debug: bool) -> None:
     if int(os.environ.get("RANK", "0")) != 0:  # one of several processes (torchrun): rank 0 reports progress
         level = logging.WARNING
     logging.basicConfig(level=level, format="%(levelname)s %(message)s")
+    for handler in logging.getLogger().handlers:
+        if not any(isinstance(f, _OptionNames) for f in handler.filters):
+            handler.addFilter(_OptionNames())
     for noisy in ("transformers", "accelerate", "httpx", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.ERROR)
 
@@ -243,8 +271,8 @@ def main():
 @click.argument("model")
 @click.option("--budget", type=float, default=DEFAULTS["budget"], show_default=True,
               help="KV-cache bytes per token as a fraction of the uncompressed bf16 cache's, in (0, 1], "
-                   "latents, scales and exact tokens counted (positions, 4 bytes a token, on top); 0.5 "
-                   "halves it.")
+                   "latents, scales and exact tokens counted; positions (4 bytes a token) too with codes, "
+                   "on top with --bits 16 (so that 1 is the full-rank cache); 0.5 halves it.")
 @click.option("--bits", default=DEFAULTS["bits"], show_default=True,
               help=f"How latents are stored: {', '.join(BITS_CHOICES)}. auto = rank, bit width and group "
                    "layout chosen together per layer for keys and values (bf16 and full rank included); "
@@ -357,7 +385,9 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
                                  "drop --plot or use --allocation dp")
         if leader:
             _check_outputs({"-o": output, "the progress file": partial, "--plot": plot}, model,
-                           data=settings.get("data"))
+                           data=str(cfg.data))  # the default (wikitext2) too: its files are inputs
+        if plot is not None:
+            _check_plot_format(plot)
         if devices and distributed.launched():
             raise ValueError(f"--device {','.join(devices)} places one model over several devices in one "
                              "process; under torchrun give each process one device")
@@ -381,8 +411,10 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             plot_profiles(proj, plot)
         return proj
 
-    def kept(text: str):
-        if not leader or not partial.is_file() or str(partial) in text:
+    started = time.time()
+
+    def kept(text: str):  # a progress file this run wrote (one from another run may hold other settings)
+        if not leader or not partial.is_file() or str(partial) in text or partial.stat().st_mtime < started:
             return ""
         return f"; the progress so far is kept in {partial}: rerun with --resume to continue, or delete it"
 
@@ -483,6 +515,12 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                         f"{', '.join([*BASELINES, *TRANSFORMERS_BASELINES])}")
     if baseline is not None and projections is not None:
         raise UserError("give --projections or --baseline, not both")
+    if baseline in TRANSFORMERS_BASELINES:
+        typed = click.get_current_context().get_parameter_source
+        for name in ("batch_size", "backend"):
+            if typed(name) is not click.core.ParameterSource.DEFAULT:
+                log.warning("--%s has no effect with --baseline %s (one window at a time through "
+                            "transformers' own attention)", name.replace("_", "-"), baseline)
     if attention_kl and projections is None:
         raise UserError("--attention-kl compares with compressed attention: give --projections")
     if compact is not None:
@@ -564,7 +602,7 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
                                           name=baseline, data=data, window=window, limit=windows,
                                           model_name=model)
         if baseline is not None:
-            proj = baseline_projections(m, baseline)
+            proj = baseline_projections(m, baseline, context=window)  # its bytes where they are scored
         kl_stream = None
         if attention_kl:
             check_context(m.config, kl_context, "--kl-context")

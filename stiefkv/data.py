@@ -81,10 +81,10 @@ def _read_file(path: Path) -> list[str]:
 
 def _read_texts(path: Path) -> list[str]:
     if path.suffix == ".txt":
-        return [path.read_text(encoding="utf-8")]
+        return [path.read_text(encoding="utf-8-sig")]  # an editor's byte-order mark is not text
     if path.suffix == ".jsonl":
         texts = []
-        with path.open(encoding="utf-8") as f:
+        with path.open(encoding="utf-8-sig") as f:
             for n, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -126,6 +126,9 @@ def check_data(spec: str, split: str = "calibration") -> None:
     """Refuse a data spec :func:`load_texts` would refuse, without reading it: run before a model loads, so
     a typo in ``--data`` costs no load. WikiText-2 is found locally or left to the ``datasets`` library (the
     hub is not asked here)."""
+    if spec == "self" and split != "calibration":
+        raise DataError("--data self samples calibration text from the model itself; evaluation scores test "
+                        "text: give wikitext2, or a .txt/.jsonl file or folder")
     if spec == "self":
         return
     if spec == "wikitext2":

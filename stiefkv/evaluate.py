@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 from dataclasses import asdict, dataclass, replace
 
 import torch
 from tqdm.auto import tqdm
 
-from stiefkv.attention import Switch
+from stiefkv.attention import Switch, is_compressed
 from stiefkv.cache import LatentCache, cache_keyword
 from stiefkv.data import load_texts, token_stream, windows
 from stiefkv.layers import (
@@ -28,7 +29,7 @@ from stiefkv.layers import (
 )
 from stiefkv.models import check_context, decoder_layers, rope_spec
 from stiefkv.projections import Projections
-from stiefkv.quant import DEFAULT_RECENT, QuantSpec
+from stiefkv.quant import DEFAULT_RECENT, POSITION_BYTES, QuantSpec
 
 # Quantization-only caches a user would otherwise pick, run through the same harness as the checkpoints:
 # full-rank (identity) bases with every latent quantized. int{b}: keys and values per token (groups of 64
@@ -51,8 +52,10 @@ BASELINES |= {f"{name}-w8": (replace(k, window8=True), replace(v, window8=True))
               for name, (k, v) in list(BASELINES.items()) if "-" not in name}
 
 
-def baseline_projections(model, name: str) -> Projections:
-    """The quantization-only cache ``name`` (a key of :data:`BASELINES`) as :class:`Projections`."""
+def baseline_projections(model, name: str, context: int | None = None) -> Projections:
+    """The quantization-only cache ``name`` (a key of :data:`BASELINES`) as :class:`Projections`, its budget
+    its bytes at ``context`` tokens (a per-channel group's and the exact window's share depend on it; the
+    default context: 2048)."""
     from stiefkv.models import dims_of, fingerprint
 
     if name not in BASELINES:
@@ -63,7 +66,9 @@ def baseline_projections(model, name: str) -> Projections:
     proj = Projections(keys=[eye] * dims.L, values=[eye] * dims.L, key_mode="pre_rope",
                        fingerprint=fingerprint(model), budget=1.0, method=f"baseline {name}",
                        quant=[specs] * dims.L)
-    proj.budget = round(proj.achieved_budget, 6)
+    bf16 = float(dims.L * dims.G * 2 * dims.d * 2)
+    proj.budget = round(proj.achieved_budget if context is None
+                        else (proj.kv_bytes_per_token(context) - POSITION_BYTES) / bf16, 6)
     return proj
 
 
@@ -132,6 +137,12 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
     first window was done (most likely one compilation per distinct rank pair of a DP checkpoint); the same
     windows with the reference took about 13 s (without layer errors). The kernels pay off in decode.
     """
+    if is_compressed(model):  # its "original" pass would be the compressed model, silently
+        raise ValueError("this model is served by stiefkv.load: evaluate compares the original model with "
+                         "the checkpoint given. Evaluate the original: stiefkv.unload(model), or load it "
+                         "with stiefkv.load_model(..., projections=False)")
+    if isinstance(projections, (str, os.PathLike)):
+        projections = Projections.load(projections)
     if window < 2:
         raise ValueError(f"window must be ≥ 2 tokens (one to predict from, one to score), got {window}")
     check_context(model.config, window, "window")

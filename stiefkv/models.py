@@ -174,6 +174,20 @@ def same_weights(a: dict, b: dict) -> bool:
     return _samples_agree(a.get(WEIGHT_SAMPLE), b.get(WEIGHT_SAMPLE))
 
 
+def parameters_sha256(model: nn.Module, per_tensor: int = 32) -> str:
+    """sha256 of every parameter's name, shape, dtype and ``per_tensor`` evenly spaced values: tells two
+    models of one architecture apart where the checkpoint's fingerprint (``k_proj``/``v_proj`` only) does
+    not (a calibration's profiles and targets depend on every weight), without reading a large model."""
+    h = hashlib.sha256()
+    for name, p in model.named_parameters():
+        w = p.detach().reshape(-1)
+        idx = torch.linspace(0, max(w.numel() - 1, 0), min(per_tensor, w.numel()), device=w.device).round()
+        values = w[idx.long()].to("cpu", torch.float32).contiguous()
+        h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
+        h.update(values.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
 def same_model(a: dict, b: dict) -> bool:
     """Whether two fingerprints are of one model: the same architecture, dimensions and RoPE settings, and
     :func:`same_weights`."""

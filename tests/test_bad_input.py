@@ -411,7 +411,7 @@ def test_context_beyond_the_models_positions_is_refused(tmp_path, corpus, fake_l
     with pytest.raises(ValueError, match="exceeds the model's 512 positions"):
         stiefkv.calibrate(tiny_model(), CharTokenizer(), data=str(corpus), seq_len=513)
     result = run(["calibrate", "m", "--data", corpus, "-o", tmp_path / "o", "--seq-len", "1024"], 2)
-    assert "seq_len 1024 exceeds the model's 512 positions" in result.output
+    assert "--seq-len 1024 exceeds the model's 512 positions" in result.output
     result = run(["eval", "m", "--window", "600"], 2)
     assert "--window 600 exceeds the model's 512 positions" in result.output
     ckpt = random_projections(tiny_model(), 8, 8).save(tmp_path / "p.safetensors")
@@ -494,7 +494,7 @@ def test_rank_step_larger_than_the_head_dim(tmp_path, corpus, fake_loader):
     for allocation in ("dp", "uniform"):
         result = run(["calibrate", "m", "--data", corpus, "--rank-step", "48", "--allocation", allocation,
                       "-o", tmp_path / "o.safetensors"], 2)
-        assert "rank_step 48 must divide the model's head dimension d=24" in result.output
+        assert "--rank-step 48 must divide the model's head dimension d=24" in result.output
 
 
 def test_a_typo_of_an_alias_is_named_at_once(monkeypatch):
@@ -577,7 +577,7 @@ def test_the_cli_warns_only_of_options_given(tmp_path, corpus, monkeypatch, capl
         with caplog.at_level(logging.WARNING):
             run([*base, *extra, "-o", tmp_path / f"{name}.safetensors"], 0)
         said = " ".join(r.getMessage() for r in caplog.records if "no effect" in r.getMessage())
-        assert said == ("steps has no effect with method 'pca' (no refinement)" if extra else ""), said
+        assert said == ("--steps has no effect with method 'pca' (no refinement)" if extra else ""), said
 
 
 def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, monkeypatch):
@@ -620,8 +620,8 @@ def test_resume_with_other_settings_says_which_and_gives_one_remedy(tmp_path, co
     monkeypatch.setattr(CalibrationState, "save", save)
     result = run(["calibrate", "m", "--data", corpus, "-o", out, "--resume", "--budget", "0.75",
                   *CALIBRATE_SMALL], 2)
-    assert "other settings (budget 0.5 there, 0.75 now): rerun with its settings to continue it, or delete " \
-           "it to start over" in result.output
+    assert "other settings (--budget 0.5 there, 0.75 now): rerun with its settings to continue it, or " \
+           "delete it to start over" in result.output
     assert "--resume" not in result.output
 
 
@@ -919,3 +919,94 @@ def test_compact_names_the_options_it_ignores_and_the_checkpoint_by_its_path(tmp
     assert "--window has no effect with --compact" in said and "--backend has no effect" in said
     assert "--windows" not in said  # the chunks, with --compact
     assert str(seen["projections"]) == str(ckpt)
+
+
+# ----------------------------------------------------------------- 17. calibration and evaluation flows
+
+
+def test_the_default_wikitext_data_is_an_input_an_output_may_not_overwrite(tmp_path, monkeypatch,
+                                                                           fake_loader):
+    """With --data left at its default the WikiText-2 file it reads was not among the inputs: -o overwrote
+    it with a checkpoint (helper 49's walkthrough)."""
+    data = tmp_path / "data" / "wikitext-2"
+    data.mkdir(parents=True)
+    for name in ("wiki.valid.tokens", "wiki.test.tokens", "wiki.train.tokens"):
+        (data / name).write_text(" = A = \n some text for the split . \n" * 50)
+    monkeypatch.setenv("STIEFKV_DATA_DIR", str(tmp_path / "data"))
+    before = (data / "wiki.valid.tokens").read_bytes()
+    result = run(["calibrate", "m", "-o", data / "wiki.valid.tokens", *CALIBRATE_SMALL], 2)
+    assert "WikiText-2 file" in result.output and (data / "wiki.valid.tokens").read_bytes() == before
+    assert not fake_loader.calls  # refused before the model loads
+
+
+def test_calibration_inputs_that_do_nothing_or_cannot_work_are_said_before_the_work(tmp_path, corpus,
+                                                                                    fake_loader, caplog):
+    """--plot's format is checked before the calibration (it failed after it); settings with no effect are
+    named as the options typed; eval --data self is refused before a model loads; a stale progress file of
+    another run is not offered for --resume."""
+    pytest.importorskip("matplotlib")
+    out = tmp_path / "p.safetensors"
+    result = run(["calibrate", "m", "--data", corpus, "-o", out, "--plot", tmp_path / "x.foo",
+                  "--allocation", "dp", "--method", "pca", "--num-sequences", "2", "--seq-len", "17"], 2)
+    assert "matplotlib cannot write .foo files" in result.output and not fake_loader.calls
+    with caplog.at_level(logging.WARNING):
+        run(["calibrate", "m", "--data", corpus, "-o", out, *CALIBRATE_SMALL, "--bits", "16", "--recent",
+             "4", "--kl-weight", "0.5", "--step-sequences", "3"], 0)
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "--recent has no effect with bf16 latents" in said and "--kl-weight has no effect" in said
+    assert "--step-sequences 3 exceeds --num-sequences 2" in said and "step_sequences" not in said
+    fake_loader.calls.clear()
+    result = run(["eval", "m", "--data", "self", "--windows", "1"], 2)
+    assert "--data self samples calibration text" in result.output and not fake_loader.calls
+    stale = tmp_path / "q.safetensors.partial"
+    stale.write_text("from another run")
+    result = run(["calibrate", "m", "--data", corpus, "-o", tmp_path / "q.safetensors", *CALIBRATE_SMALL,
+                  "--seq-len", "100000"], 2)
+    assert "--resume" not in result.output
+
+
+def test_evaluate_refuses_a_served_model_and_takes_a_checkpoint_path(tmp_path):
+    """evaluate() on a model served by stiefkv.load scored the compressed model as the original."""
+    from stiefkv.evaluate import evaluate
+
+    model = tiny_model()
+    path = random_projections(model, 8, 16).save(tmp_path / "p.safetensors")
+    stiefkv.load(model, path)
+    with pytest.raises(ValueError, match="this model is served by stiefkv.load"):
+        evaluate(model, CharTokenizer(), path, window=32, limit=1)
+    stiefkv.unload(model)
+    from stiefkv.evaluate import baseline_projections
+    from stiefkv.models import dims_of
+
+    dims = dims_of(model.config)  # a baseline's budget at the window scored, as its bytes a token (was 2048)
+    at = baseline_projections(model, "kivi4", context=256)
+    assert at.budget == pytest.approx((at.kv_bytes_per_token(256) - 4) / (dims.L * dims.G * 2 * dims.d * 2))
+    assert at.budget != baseline_projections(model, "kivi4").budget
+    with pytest.raises(DataError):  # the path is read as the checkpoint; then the data is what fails
+        evaluate(model, CharTokenizer(), str(path), data=str(tmp_path / "none.txt"), window=32, limit=1)
+
+
+def test_resume_refuses_another_model_and_takes_what_changes_no_result(tmp_path, corpus):
+    """The progress file matched the model by its k_proj/v_proj only: another model of the same keys and
+    values was resumed. The same data file named another way, or another batch size, was refused."""
+    kw = dict(data=str(corpus), num_sequences=2, seq_len=17, method="pca", allocation="uniform", budget=0.5)
+    partial = tmp_path / "p.partial"
+    model = tiny_model()
+    stiefkv.calibrate(model, CharTokenizer(), progress=partial, **kw)
+    other = tiny_model()
+    with torch.no_grad():
+        other.model.layers[0].mlp.down_proj.weight.mul_(5)
+    with pytest.raises(ValueError, match="written for another model"):
+        stiefkv.calibrate(other, CharTokenizer(), progress=partial, resume=True, **kw)
+    relative = os.path.relpath(corpus)
+    stiefkv.calibrate(model, CharTokenizer(), progress=partial, resume=True, **kw | {"data": relative,
+                                                                                    "batch_size": 1})
+
+
+def test_text_files_may_open_with_a_byte_order_mark(tmp_path):
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "hello"}\n')
+    assert load_texts(str(path)) == ["hello"]
+    txt = tmp_path / "bom.txt"
+    txt.write_bytes(b"\xef\xbb\xbfhello")
+    assert load_texts(str(txt)) == ["hello"]
