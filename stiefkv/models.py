@@ -143,6 +143,13 @@ SAMPLES_PER_MATRIX = 8
 SAMPLE_RTOL, SAMPLE_ATOL = 2.0 ** -7, 1e-7
 
 
+def spaced(n: int, k: int) -> torch.Tensor:
+    """``min(k, n)`` evenly spaced indices of ``range(n)``, first and last included, in integers (a float32
+    ``linspace`` rounds the last index of a tensor past 2²⁴ elements beyond its end)."""
+    k = min(k, n)
+    return torch.arange(k, dtype=torch.long) * (n - 1) // max(k - 1, 1)
+
+
 def weights_sample(model: nn.Module) -> list[float]:
     """A few ``k_proj``/``v_proj`` weights of every layer (evenly spaced), as floats: a bf16 model and a
     float16 one round each weight apart, which no hash of rounded weights can tell from other weights."""
@@ -151,8 +158,7 @@ def weights_sample(model: nn.Module) -> list[float]:
         attn = getattr(layer.self_attn, "inner", layer.self_attn)
         for proj in (attn.k_proj, attn.v_proj):
             w = proj.weight.detach().reshape(-1)
-            idx = torch.linspace(0, w.numel() - 1, SAMPLES_PER_MATRIX, device=w.device).round().long()
-            values += [float(x) for x in w[idx].float().cpu()]
+            values += [float(x) for x in w[spaced(w.numel(), SAMPLES_PER_MATRIX).to(w.device)].float().cpu()]
     return values
 
 
@@ -181,8 +187,7 @@ def parameters_sha256(model: nn.Module, per_tensor: int = 32) -> str:
     h = hashlib.sha256()
     for name, p in model.named_parameters():
         w = p.detach().reshape(-1)
-        idx = torch.linspace(0, max(w.numel() - 1, 0), min(per_tensor, w.numel()), device=w.device).round()
-        values = w[idx.long()].to("cpu", torch.float32).contiguous()
+        values = w[spaced(w.numel(), per_tensor).to(w.device)].to("cpu", torch.float32).contiguous()
         h.update(f"{name}{tuple(p.shape)}{p.dtype}".encode())
         h.update(values.numpy().tobytes())
     return h.hexdigest()[:16]

@@ -441,3 +441,14 @@ def test_storage_specs_may_be_given_as_text():
         with pytest.raises(CheckpointError, match=message):
             stiefkv.Projections(**kw, quant=bad)
     assert torch.equal(proj.keys[0], base.keys[0])
+
+
+def test_spaced_indices_stay_inside_large_tensors():
+    """A float32 linspace put the last of 32 indices of a 28,311,552-element embedding at 28,311,552 (one
+    past the end): the quickstart's calibration failed there."""
+    from stiefkv.models import spaced
+
+    for n in (1, 2, 7, 2 ** 24 + 3, 28_311_552, 10 ** 10):
+        idx = spaced(n, 32)
+        assert idx[0] == 0 and idx[-1] == n - 1 and bool((idx[1:] > idx[:-1]).all())
+        assert len(idx) == min(32, n)
