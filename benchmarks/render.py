@@ -506,7 +506,10 @@ def quality_other(res: Results) -> str:
             ]
         )
     for case, what in (
-        ("calibrate smollm2 defaults cpu", "calibration of SmolLM2, `--bits 16` (ranks only), 2-core CPU"),
+        (
+            "calibrate smollm2 float32 cpu bits=16",
+            "calibration of SmolLM2, `--bits 16` (ranks only), 2-core CPU",
+        ),
         (
             "calibrate L32 D4096 H32 G8 128x2048 bfloat16",
             "calibration at Llama-3-8B shapes (random weights, 128 × 2048 tokens, bf16), one H200",
