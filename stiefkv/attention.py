@@ -315,17 +315,25 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
     """Swap every decoder layer's attention for :class:`LowRankAttention` (in place)."""
     arch_of(model.config)
     proj.check(model)
+    if backend not in BACKENDS:  # before anything changes: a refused load leaves a served model as it was
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     rope = rope_spec(model.config)
     layers = decoder_layers(model)
-    # every module is built before anything changes, so a refused load leaves a served model as it was
-    built = [LowRankAttention(_original(layer.self_attn), proj.keys[i], proj.values[i],
-                              key_mode=proj.key_modes[i], rope=rope, backend=backend, quant=proj.specs[i])
-             for i, layer in enumerate(layers)]
-    if is_compressed(model):
+    before = projections_of(model) if is_compressed(model) else None
+    before_backend = _served_backend(model) if before is not None else None
+    modes = [layer.self_attn.training for layer in layers]
+    if before is not None:  # the old folds go before the new are made: one set of them at a time
         unload(model)
-    for layer, attn in zip(layers, built):
-        attn.train(layer.self_attn.training)
-        layer.self_attn = attn
+    try:
+        for i, layer in enumerate(layers):
+            attn = LowRankAttention(layer.self_attn, proj.keys[i], proj.values[i], key_mode=proj.key_modes[i],
+                                    rope=rope, backend=backend, quant=proj.specs[i])
+            layer.self_attn = attn.train(modes[i])
+    except BaseException:
+        unload(model)
+        if before is not None:
+            apply_projections(model, before, backend=before_backend)
+        raise
     # config.json names the bases while the model is served: a folder saved after unload does not, so
     # load_model does not serve bases a folder kept from before (save_pretrained leaves other files there)
     model.config.stiefkv_projections = PROJECTIONS_FILE
@@ -440,11 +448,6 @@ def unload(model: nn.Module) -> nn.Module:
             del base._forward_pre_hooks[key]
             base._forward_pre_hooks_with_kwargs.pop(key, None)
     return model
-
-
-def _original(attn: nn.Module) -> nn.Module:
-    """The model's own attention module, also under a :class:`LowRankAttention`."""
-    return attn.original if isinstance(attn, LowRankAttention) else attn
 
 
 def _served_backend(model: nn.Module) -> str:
@@ -588,15 +591,18 @@ def _wrap_save(original):
         if proj is not None:
             if kwargs.get("push_to_hub"):  # transformers uploads inside the call, before the bases exist
                 raise ValueError("save_pretrained(..., push_to_hub=True) on a model served by stiefkv.load "
-                                 "would upload the folder without its bases: save_pretrained(folder) first, "
-                                 "then model.push_to_hub(repo_id), which writes the bases too")
+                                 "would upload the folder without its bases: save_pretrained(folder) first "
+                                 "and upload that folder (stiefkv.load_model serves the bases of a local "
+                                 "folder; a hub id loads the original model)")
             folder = Path(save_directory).expanduser()
             if folder.exists() and not folder.is_dir():
                 raise ValueError(f"{save_directory} is a file: save_pretrained writes a model folder; name a "
                                  "folder (new or existing)")
+        if proj is not None:  # one folder for the weights and the bases (transformers leaves ~ as it is)
+            save_directory = os.path.expanduser(save_directory)
         result = original(model, save_directory, *args, **kwargs)
         if proj is not None:
-            proj.save(Path(save_directory).expanduser() / PROJECTIONS_FILE)
+            proj.save(Path(save_directory) / PROJECTIONS_FILE)
         return result
 
     return save_pretrained

@@ -11,7 +11,6 @@ import logging
 import os
 import re
 import sys
-import time
 from dataclasses import fields
 from pathlib import Path
 
@@ -103,7 +102,7 @@ def _as_options(text: str) -> str:
             # of several words (num_sequences) wherever it stands so, a one-word name (lr) before what is
             # said of it
             after = (r"(?![\w/.=-])" if "_" in param.name else
-                     r"(?= must| ≥| >| is| has| exceeds| keeps| [-0-9.]+ (?:must|exceeds|there))")
+                     r"(?= must| ≥| >| exceeds| [-0-9.]+ (?:must|exceeds|there))")
             text = re.sub(rf"(?<![^\s(]){re.escape(param.name)}{after}", long[0], text)
     return text
 
@@ -112,8 +111,11 @@ class _OptionNames(logging.Filter):
     """Warnings the API logs name its settings; the command's user typed options (:func:`_as_options`)."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if record.levelno >= logging.WARNING:
-            record.msg, record.args = _as_options(record.getMessage()), None
+        if record.levelno >= logging.WARNING and record.name.startswith("stiefkv"):  # ours only
+            try:
+                record.msg, record.args = _as_options(record.getMessage()), None
+            except Exception:  # a record that cannot be formatted is logging's to report, not ours to raise
+                pass
         return True
 
 
@@ -411,10 +413,10 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             plot_profiles(proj, plot)
         return proj
 
-    started = time.time()
+    found = partial.stat().st_mtime_ns if partial.is_file() else None
 
     def kept(text: str):  # a progress file this run wrote (one from another run may hold other settings)
-        if not leader or not partial.is_file() or str(partial) in text or partial.stat().st_mtime < started:
+        if not leader or not partial.is_file() or str(partial) in text or partial.stat().st_mtime_ns == found:
             return ""
         return f"; the progress so far is kept in {partial}: rerun with --resume to continue, or delete it"
 
@@ -574,9 +576,12 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         proj = stiefkv.Projections.load(projections) if projections else None
         if baseline in TRANSFORMERS_BASELINES:
             require_quanto(baseline)  # before the model loads
-        from stiefkv.models import saved_projections
+        from stiefkv.models import UNNAMED, saved_projections, unnamed_projections
 
         saved = saved_projections(model)
+        left = unnamed_projections(model)
+        if left is not None and proj is None and baseline is None:
+            log.warning("%s is not evaluated: %s. To evaluate it: --projections %s", left, UNNAMED, left)
         if saved is not None and proj is None and baseline is None:
             if passkey is not None:
                 raise ValueError(f"{model} holds the bases a served model saved (in {saved.name}), and "

@@ -83,6 +83,8 @@ class CompactedCache(DynamicCache):
         length: the original prompt's plus the tokens appended since). Only appended tokens can go: the
         compacted entries stand for the whole prompt."""
         reported = self.get_seq_length()
+        if size == 0:  # transformers ≥ 5: remove nothing (generate's stop checks crop(0) every step)
+            return
         remove = -size if size < 0 else reported - size
         if remove > reported - self.length:
             raise ValueError(f"crop would remove {remove} tokens from a compacted cache that holds "

@@ -135,12 +135,14 @@ def weights_hash(model: nn.Module, via: torch.dtype | None = None) -> str:
     return h.hexdigest()[:16]
 
 
-WEIGHT_SAMPLE = "kv_weights_sample"
-WEIGHT_HASHES = ("kv_weights_sha256", "kv_weights_sha256_fp16", WEIGHT_SAMPLE)
-SAMPLES_PER_MATRIX = 8
-# how far a weight may move between two precisions of one model: a rounding to bf16 (2⁻⁹ relative), a second
-# one through float16 (2⁻¹²), and float16's subnormal step for the smallest weights
-SAMPLE_RTOL, SAMPLE_ATOL = 2.0 ** -7, 1e-7
+WEIGHT_SAMPLE, WEIGHT_DTYPE = "kv_weights_sample", "kv_weights_dtype"
+WEIGHT_HASHES = ("kv_weights_sha256", "kv_weights_sha256_fp16")
+WEIGHT_KEYS = (*WEIGHT_HASHES, WEIGHT_SAMPLE, WEIGHT_DTYPE)  # what same_weights compares, not same_model
+SAMPLES_PER_MATRIX = 32
+# how far one weight may be from itself in bf16 (unit roundoff 2⁻⁸) and in float16 (2⁻¹¹), and float16's
+# subnormal step for the smallest weights
+SAMPLE_RTOL, SAMPLE_ATOL = (2.0 ** -8 + 2.0 ** -11) * 1.01, 1e-7
+HALVES = {"torch.bfloat16", "torch.float16"}
 
 
 def spaced(n: int, k: int) -> torch.Tensor:
@@ -151,8 +153,8 @@ def spaced(n: int, k: int) -> torch.Tensor:
 
 
 def weights_sample(model: nn.Module) -> list[float]:
-    """A few ``k_proj``/``v_proj`` weights of every layer (evenly spaced), as floats: a bf16 model and a
-    float16 one round each weight apart, which no hash of rounded weights can tell from other weights."""
+    """Evenly spaced ``k_proj``/``v_proj`` weights of every layer, as floats: a bf16 model and a float16 one
+    round each weight apart, which no hash of rounded weights can tell from other weights."""
     values = []
     for layer in decoder_layers(model):
         attn = getattr(layer.self_attn, "inner", layer.self_attn)
@@ -172,11 +174,12 @@ def _samples_agree(a, b) -> bool:
 def same_weights(a: dict, b: dict) -> bool:
     """Whether two fingerprints are of the same k_proj/v_proj weights: a hash in common, as bf16 or through
     float16 (a float32 model and its float16 or bf16 casts share one; a file without the float16 hash has
-    the bf16 one only), or else samples of the weights equal up to the roundings of another precision (a
-    bf16 model and a float16 one)."""
-    hashes = WEIGHT_HASHES[:2]
-    if ({a.get(k) for k in hashes} - {None}) & ({b.get(k) for k in hashes} - {None}):
+    the bf16 one only); between a bf16 and a float16 model, whose roundings no hash can match, samples of
+    the weights equal within both roundings."""
+    if ({a.get(k) for k in WEIGHT_HASHES} - {None}) & ({b.get(k) for k in WEIGHT_HASHES} - {None}):
         return True
+    if {a.get(WEIGHT_DTYPE), b.get(WEIGHT_DTYPE)} != HALVES:
+        return False
     return _samples_agree(a.get(WEIGHT_SAMPLE), b.get(WEIGHT_SAMPLE))
 
 
@@ -197,7 +200,12 @@ def same_model(a: dict, b: dict) -> bool:
     """Whether two fingerprints are of one model: the same architecture, dimensions and RoPE settings, and
     :func:`same_weights`."""
     rest = set(a) | set(b)
-    return all(a.get(k) == b.get(k) for k in rest - set(WEIGHT_HASHES)) and same_weights(a, b)
+    return all(a.get(k) == b.get(k) for k in rest - set(WEIGHT_KEYS)) and same_weights(a, b)
+
+
+def _kv_weight(model: nn.Module) -> torch.Tensor:
+    attn = getattr(decoder_layers(model)[0].self_attn, "inner", decoder_layers(model)[0].self_attn)
+    return attn.k_proj.weight
 
 
 def fingerprint(model: nn.Module) -> dict:
@@ -212,6 +220,7 @@ def fingerprint(model: nn.Module) -> dict:
         "kv_weights_sha256": weights_hash(model),
         "kv_weights_sha256_fp16": weights_hash(model, via=torch.float16),
         WEIGHT_SAMPLE: weights_sample(model),
+        WEIGHT_DTYPE: str(_kv_weight(model).dtype),
     }
 
 
@@ -531,11 +540,10 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     saved = saved_projections(source)
     if hasattr(model.config, "stiefkv_projections"):
         del model.config.stiefkv_projections  # stiefkv.load names them again
-    left = Path(source) / PROJECTIONS_FILE
-    if projections and saved is None and left.is_file():
-        warnings.warn(f"{left} is not served: the folder's config.json does not name it, so the model saved "
-                      "there last was not served (saved after stiefkv.unload, or by StiefKV before "
-                      f"2026-12-07). To serve it: stiefkv.load(model, {str(left)!r})", stacklevel=2)
+    left = unnamed_projections(source)
+    if projections and left is not None:
+        warnings.warn(f"{left} is not served: {UNNAMED}. To serve it: stiefkv.load(model, {str(left)!r})",
+                      stacklevel=2)
     if projections and saved is not None:
         from stiefkv.attention import load as apply  # serving imports models: import it only here
 
@@ -547,6 +555,16 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
                                   f"saved there now ({exc}). Load it with projections=False, or delete the "
                                   "file, or calibrate the model again") from None
     return model, tok
+
+
+UNNAMED = ("the folder's config.json does not name it, so the model saved there last was not served (saved "
+           "after stiefkv.unload, or by StiefKV before 2026-12-07)")
+
+
+def unnamed_projections(folder) -> Path | None:
+    """A bases file in a model folder whose ``config.json`` does not name it (:func:`saved_projections`)."""
+    path = Path(folder).expanduser() / PROJECTIONS_FILE
+    return path if path.is_file() and saved_projections(folder) is None else None
 
 
 def saved_projections(folder) -> Path | None:

@@ -119,31 +119,46 @@ def ensure_writable(path: str | Path, what: str = "output") -> Path:
 
 def write_atomically(path: str | Path, write, what: str = "file") -> Path:
     """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``, so that a failed write
-    (a full disk, a size limit) leaves what was there. A failure is an ``OSError`` naming ``path`` (not the
-    temporary file) and the reason; the temporary name is short, so any legal name can be written."""
+    (a full disk, a size limit) leaves what was there. A link is followed (its target is replaced, the link
+    kept), an existing file keeps its mode, and a target that is not a regular file (``/dev/stdout``, a pipe)
+    is written in place. A failure is an ``OSError`` naming ``path`` (not the temporary file) and the
+    reason; the temporary name is short, so any legal name can be written."""
+    import stat
     import tempfile
 
     path = Path(path).expanduser()
     if path.is_dir():
         raise IsADirectoryError(21, f"cannot write {what} {path}: it is a folder; give a file name")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, name = tempfile.mkstemp(dir=path.parent, prefix=".stiefkv-", suffix=".tmp")
-    os.close(fd)
-    tmp = Path(name)
+    target = Path(os.path.realpath(path))
+    tmp = None
     try:
+        if target.exists() and not target.is_file():  # a device or a pipe: nothing to replace atomically
+            write(target)
+            return path
+        mode = stat.S_IMODE(target.stat().st_mode) if target.exists() else None
+        target.parent.mkdir(parents=True, exist_ok=True)
+        fd, name = tempfile.mkstemp(dir=target.parent, prefix=".stiefkv-", suffix=".tmp")
+        os.close(fd)
+        tmp = Path(name)
         write(tmp)
-        honour_umask(tmp)
-        os.replace(tmp, path)
+        if mode is None:
+            honour_umask(tmp)
+        else:
+            os.chmod(tmp, mode)
+        os.replace(tmp, target)
     except Exception as exc:
         if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":
-            reason = getattr(exc, "strerror", None) or str(exc).replace(str(tmp), "").strip(" :")
+            reason = getattr(exc, "strerror", None) or str(exc)
+            if tmp is not None:
+                reason = reason.replace(str(tmp), "").strip(" :")
             raise OSError(getattr(exc, "errno", None) or 5, f"cannot write {what} {path}: {reason}") from None
         raise
     finally:
-        try:
-            tmp.unlink(missing_ok=True)
-        except OSError:
-            pass
+        if tmp is not None:
+            try:
+                tmp.unlink(missing_ok=True)
+            except OSError:
+                pass
     return path
 
 

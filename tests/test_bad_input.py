@@ -792,7 +792,7 @@ def test_load_model_applies_the_projections_in_its_folder(model_dir):
     plain.save_pretrained(model_dir)  # the bases file stays beside the weights, and is no longer named
 
 
-def test_a_folder_saved_by_an_unserved_model_is_not_served_by_the_bases_left_in_it(model_dir):
+def test_a_folder_saved_by_an_unserved_model_is_not_served_by_the_bases_left_in_it(model_dir, corpus, caplog):
     """save_pretrained leaves files it did not write: after unload (or projections=False) a folder saved over
     a served one kept the old bases, and load_model served them. Bases placed by hand are not served either;
     bases that no longer fit the weights saved there name the file and the ways out."""
@@ -807,6 +807,9 @@ def test_a_folder_saved_by_an_unserved_model_is_not_served_by_the_bases_left_in_
     with pytest.warns(UserWarning, match="is not served: the folder's config.json does not name it"):
         again, _ = stiefkv.load_model(str(model_dir))
     assert not is_compressed(again)
+    with caplog.at_level(logging.WARNING):  # eval scored the original alone and said nothing
+        run(["eval", model_dir, "--data", corpus, "--window", 32, "--windows", 1], 0)
+    assert "is not evaluated: the folder's config.json does not name it" in caplog.text
     stiefkv.load(model, random_projections(model, 8, 16))
     model.save_pretrained(model_dir)
     stiefkv.unload(model)
@@ -1010,3 +1013,40 @@ def test_text_files_may_open_with_a_byte_order_mark(tmp_path):
     txt = tmp_path / "bom.txt"
     txt.write_bytes(b"\xef\xbb\xbfhello")
     assert load_texts(str(txt)) == ["hello"]
+
+
+def test_a_written_file_keeps_its_link_and_mode_and_a_pipe_is_written_in_place(tmp_path):
+    """write_atomically replaced a link by a file (its target unchanged), reset a file's mode, and would have
+    replaced /dev/stdout; a read-only folder's failure named the temporary file."""
+    from stiefkv.projections import write_atomically
+
+    real = tmp_path / "real.json"
+    real.write_text("old")
+    real.chmod(0o640)
+    link = tmp_path / "link.json"
+    link.symlink_to(real)
+    write_atomically(link, lambda t: t.write_text("new"), "--json")
+    assert link.is_symlink() and real.read_text() == "new" and (real.stat().st_mode & 0o777) == 0o640
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    import threading
+
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_text()))
+    reader.start()
+    write_atomically(fifo, lambda t: t.write_text("through"), "--json")
+    reader.join(5)
+    assert got == ["through"] and not fifo.is_file()
+
+
+def test_options_are_named_only_where_a_setting_is_meant():
+    import click
+
+    from stiefkv.cli import _as_options
+
+    with click.Context(main.commands["calibrate"]):
+        assert _as_options("seq_len 5000 exceeds the model") == "--seq-len 5000 exceeds the model"
+        assert _as_options("need steps ≥ 0, a finite lr > 0") == "need --steps ≥ 0, a finite --lr > 0"
+        for text in ("the 2048-token cache the budget is counted at exact", "the device is busy",
+                     "data /tmp/p/seq_len/x.txt is a path"):
+            assert _as_options(text) == text

@@ -224,6 +224,18 @@ def test_save_pretrained_round_trips_both_ways(arch, tmp_path):
     assert not (tmp_path / "plain" / PROJECTIONS_FILE).exists()
 
 
+def test_a_served_model_saved_under_the_home_folder_keeps_one_folder(tmp_path, monkeypatch):
+    """save_pretrained("~/x"): transformers wrote ./~/x and the bases went to $HOME/x."""
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    model = tiny_model("llama")
+    stiefkv.load(model, random_projections(model, 8, 16))
+    model.save_pretrained("~/served")
+    served = tmp_path / "served"
+    assert (served / "config.json").is_file() and (served / PROJECTIONS_FILE).is_file()
+    assert not (tmp_path / "~").exists()
+
+
 def test_unload_and_refused_loads_leave_the_model_as_it_was(tmp_path):
     """unload left the original attention in the mode it had at load (dropout on in eval); a refused load
     or compressed() (a backend typo) unloaded a served model first; save_pretrained(push_to_hub=True)
@@ -249,7 +261,7 @@ def test_unload_and_refused_loads_leave_the_model_as_it_was(tmp_path):
         with stiefkv.compressed(model, random_projections(model, 16, 8), backend="x"):
             pass
     assert stiefkv.attention.is_compressed(model) and torch.equal(model(x).logits, served)
-    with pytest.raises(ValueError, match="save_pretrained\\(folder\\) first, then model.push_to_hub"):
+    with pytest.raises(ValueError, match="save_pretrained\\(folder\\) first and upload that folder"):
         model.save_pretrained(tmp_path / "hub", push_to_hub=True, repo_id="me/x")
     (tmp_path / "file").write_text("")
     with pytest.raises(ValueError, match="is a file: save_pretrained writes a model folder"):
