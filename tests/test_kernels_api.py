@@ -293,3 +293,65 @@ def test_rope_latent_refuses_mismatched_shapes():
         kernels.rope_latent(q, k, cos[:, :1], sin, P)
     with pytest.raises(ValueError, match="G dividing H"):
         kernels.rope_latent(q, k[:, :, :1].expand(1, 2, 3, 32), cos, sin, P)
+
+
+def _small(B=2, H=4, G=2, Nq=3, Nk=5, d=8, r=4, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q, z_k, z_v = (torch.randn(*s, generator=g) for s in ((B, H, Nq, d), (B, G, Nk, r), (B, G, Nk, r)))
+    P_k, P_v = (torch.linalg.qr(torch.randn(G, d, r, generator=g))[0] for _ in range(2))
+    rope = kernels.RopeSpec(1.0 / 10000 ** (torch.arange(0, d, 2).float() / d))
+    return q, z_k, z_v, P_k, P_v, dict(positions=torch.arange(Nk)[None].expand(B, Nk), rope=rope,
+                                       backend="reference")
+
+
+def test_the_reference_keeps_nan_and_zeros_only_rows_without_keys():
+    """The reference turned every NaN of its output into 0 (a NaN value latent gave a finite answer, the
+    kernel NaN), and merging by log-sum-exp dropped a NaN side. Rows that see no key are still 0."""
+    from stiefkv.kernels._common import merge_by_lse
+
+    q, z_k, z_v, P_k, P_v, kw = _small()
+    z_v[0, 0, 1, 0] = float("nan")
+    out = kernels.lowrank_attention(q, z_k, z_v, P_k, P_v, **kw)
+    assert out[0, :2].isnan().all() and not out[1].isnan().any()  # the NaN's KV head, not the other row
+    q, z_k, z_v, P_k, P_v, kw = _small()
+    out = kernels.lowrank_attention(q, z_k, z_v, P_k, P_v, lengths=torch.tensor([0, 3]), **kw)
+    assert torch.equal(out[0], torch.zeros_like(out[0])) and not out.isnan().any()
+    bias = torch.zeros(2, 2, 5)
+    bias[1, 0] = float("-inf")  # every key of one KV head hidden
+    out = kernels.lowrank_attention(q, z_k, z_v, P_k, P_v, bias=bias, **kw)
+    assert torch.equal(out[1, :2], torch.zeros_like(out[1, :2])) and not out.isnan().any()
+    nan, inf = float("nan"), float("inf")
+    one, zero = torch.ones(1, 2), torch.zeros(1, 2)
+    assert merge_by_lse(one, torch.tensor([nan]), zero, torch.tensor([0.0]), torch.float32).isnan().all()
+    none = torch.tensor([-inf])
+    assert torch.equal(merge_by_lse(one, none, zero, none, torch.float32), zero)
+    empty = kernels.lowrank_attention(*_small(B=0)[:5], **_small(B=0)[5])
+    assert empty.shape == (0, 4, 3, 8)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ({"z_v": lambda t: t[:, :1]}, "must be \\[B=2, G, Nk, r\\] with the same B, G and Nk"),
+    ({"P_k": lambda t: t[:1]}, "P_k must be \\[G=2, d=8, r_k=4\\]"),
+    ({"P_v": lambda t: torch.cat([t, t], 1)}, "P_v must be \\[G=2, d=8, r_v=4\\]"),
+    ({"q": lambda t: t.long()}, "q must be a floating-point"),
+    ({"positions": lambda t: t[:, None]}, "positions must be integers"),
+    ({"positions": lambda t: t.float()}, "positions must be integers"),
+    ({"lengths": torch.tensor([-1, 3])}, "lengths must lie in 0..Nk=5"),
+    ({"lengths": torch.tensor([2.5, 3.0])}, "lengths must be an integer tensor"),
+    ({"n_valid": torch.tensor([-1])}, "n_valid must lie in 0..Nk=5"),
+    ({"bias": torch.zeros(2, 5)}, "bias must be \\[B=2, G=2, Nk=5\\]"),
+])
+def test_the_reference_refuses_what_the_kernel_refuses(bad, message):
+    """The reference broadcast mismatched latents, bases and positions silently (or failed inside torch),
+    where the kernel refused them: code tested on the CPU then broke on the GPU."""
+    q, z_k, z_v, P_k, P_v, kw = _small()
+    args = {"q": q, "z_k": z_k, "z_v": z_v, "P_k": P_k, "P_v": P_v}
+    for name, change in bad.items():
+        if name in args:
+            args[name] = change(args[name])
+        elif name == "positions":
+            kw["positions"] = change(kw["positions"])
+        else:
+            kw[name] = change
+    with pytest.raises(ValueError, match=message):
+        kernels.lowrank_attention(*args.values(), **kw)

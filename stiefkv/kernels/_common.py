@@ -78,7 +78,9 @@ def merge_by_lse(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch
     ``[..., n]``: ``(e^{ℓ₁} o₁ + e^{ℓ₂} o₂) / (e^{ℓ₁} + e^{ℓ₂}) = o₂ + σ(ℓ₁ − ℓ₂)·(o₁ − o₂)``, in float32, in
     ``dtype``. A side with no visible key (ℓ = −inf) weighs nothing; a row with none on either side is 0
     (as each side's output is there)."""
-    w1 = torch.sigmoid(l1 - l2).nan_to_num(0.0)[..., None]
+    l1, l2 = l1.float(), l2.float()
+    empty = (l1 == float("-inf")) & (l2 == float("-inf"))  # no key on either side: weight 0, not NaN
+    w1 = torch.where(empty, 0.0, torch.sigmoid(l1 - l2))[..., None]  # a NaN stays NaN
     return torch.lerp(o2.float(), o1.float(), w1).to(dtype)
 
 
@@ -297,3 +299,48 @@ def check_kl_inputs(q_t, k_t, q_s, k_s) -> None:
             raise ValueError(f"{name} has shape {tuple(k.shape)}; expected [{B}, H_kv, {k_t.shape[2]}, {d}]")
         if k.shape[1] < 1 or H % k.shape[1]:
             raise ValueError(f"query heads ({H}) must be a multiple of {name}'s heads ({k.shape[1]})")
+
+
+def check_attention_inputs(q, z_k, z_v, P_k, P_v, key_mode: str, positions, rope, bias, lengths,
+                           n_valid=None) -> None:
+    """The shapes and kinds every backend of the low-rank attention needs (float latents; the kernel adds
+    its own limits): a clear ``ValueError`` naming the argument, where the reference would broadcast a
+    mismatch silently or fail inside torch."""
+    if not isinstance(q, torch.Tensor) or q.dim() != 4 or not q.is_floating_point():
+        raise ValueError(f"q must be a floating-point [B, H, Nq, d] tensor, got "
+                         f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    B, H, _, d = q.shape
+    for name, z in (("z_k", z_k), ("z_v", z_v)):
+        if z.dim() != 4:
+            raise ValueError(f"{name} must be [B, G, Nk, r], got {tuple(z.shape)}")
+    G, Nk, r_k, r_v = z_k.shape[1], z_k.shape[2], z_k.shape[3], z_v.shape[3]
+    if tuple(z_k.shape[:2]) != (B, G) or tuple(z_v.shape[:3]) != (B, G, Nk):
+        raise ValueError(f"z_k {tuple(z_k.shape)} and z_v {tuple(z_v.shape)} must be [B={B}, G, Nk, r] with "
+                         "the same B, G and Nk")
+    if G == 0 or H % G:
+        raise ValueError(f"q's {H} query heads must be a multiple of the latents' {G} KV heads")
+    if tuple(P_k.shape) != (G, d, r_k):
+        raise ValueError(f"P_k must be [G={G}, d={d}, r_k={r_k}], got {tuple(P_k.shape)}")
+    if P_v is not None and tuple(P_v.shape) != (G, d, r_v):
+        raise ValueError(f"P_v must be [G={G}, d={d}, r_v={r_v}], got {tuple(P_v.shape)}")
+    if key_mode == "pre_rope":
+        if positions is None or rope is None:
+            raise ValueError("key_mode='pre_rope' needs the key positions and the rope spec")
+        if tuple(positions.shape) not in ((B, Nk), (B, G, Nk)) or positions.is_floating_point():
+            raise ValueError(f"positions must be integers [B={B}, Nk={Nk}] or per KV head [B={B}, G={G}, "
+                             f"Nk={Nk}], got {positions.dtype} {tuple(positions.shape)}")
+        if d % 2 or rope.inv_freq.numel() != d // 2:
+            raise ValueError(f"rope.inv_freq must have d/2={d // 2} entries (d even), got "
+                             f"{rope.inv_freq.numel()} for d={d}")
+    if bias is not None and tuple(bias.shape) != (B, G, Nk):
+        raise ValueError(f"bias must be [B={B}, G={G}, Nk={Nk}], got {tuple(bias.shape)}")
+    if lengths is not None:
+        if (not isinstance(lengths, torch.Tensor) or tuple(lengths.shape) != (B,)
+                or lengths.is_floating_point()):
+            raise ValueError(f"lengths must be an integer tensor [B={B}], got {lengths!r:.60}")
+        if B and not bool(((lengths >= 0) & (lengths <= Nk)).all()):
+            raise ValueError(f"lengths must lie in 0..Nk={Nk} (real keys a row), got {lengths.tolist()}")
+    if n_valid is not None:
+        if (not isinstance(n_valid, torch.Tensor) or n_valid.numel() != 1 or n_valid.is_floating_point()):
+            raise ValueError(f"n_valid must be a tensor of one integer (the key slots filled), got "
+                             f"{n_valid!r:.60}")

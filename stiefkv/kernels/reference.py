@@ -16,6 +16,7 @@ from ._common import (
     QuantizedLatents,
     RopeSpec,
     as_float_latents,
+    check_attention_inputs,
     check_kl_inputs,
     check_prior,
     merge_prior,
@@ -142,8 +143,11 @@ def lowrank_attention(
                                      exact=exact, return_lse=True)
         return merge_prior(prior, out, lse, q.dtype, return_lse)
     z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
+    check_attention_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid)
     if n_valid is not None:
         n = int(n_valid.reshape(-1)[0])
+        if not 0 <= n <= z_k.shape[2]:
+            raise ValueError(f"n_valid must lie in 0..Nk={z_k.shape[2]} (the key slots filled), got {n}")
         z_k, z_v = z_k[:, :, :n], z_v[:, :, :n]
         positions = positions[..., :n] if positions is not None else None
         bias = bias[..., :n] if bias is not None else None
@@ -173,15 +177,29 @@ def lowrank_attention(
             is_causal=True, scale=scale)
     else:
         out = _masked_attention(qf, keys, z_v.float(), lengths=lengths, bias=bias, causal=causal, scale=scale)
-    out = out.nan_to_num(0.0)  # rows with no visible key
+    if not (causal and Nq <= Nk and lengths is None and bias is None):  # else every row sees a key
+        # a row with no visible key is 0 (SDPA gives NaN there); a NaN from the inputs stays NaN
+        out = torch.where(_no_key(B, H, Nq, Nk, lengths, bias, causal, q.device)[..., None], 0.0, out)
     if P_v is not None:
-        out = torch.einsum("bgsqr,gdr->bgsqd", out.view(B, G, H // G, Nq, -1), P_v.float())
-    out = out.reshape(B, H, Nq, -1).to(q.dtype)
+        out = torch.einsum("bgsqr,gdr->bgsqd", out.reshape(B, G, H // G, Nq, out.shape[-1]), P_v.float())
+    out = out.reshape(B, H, Nq, out.shape[-1]).to(q.dtype)  # sizes named: an empty batch has no -1
     if return_lse:
         if exact is None:
             lse = _logsumexp(qf, keys, lengths=lengths, bias=bias, causal=causal, scale=scale)
         return out, lse
     return out
+
+
+def _no_key(B: int, H: int, Nq: int, Nk: int, lengths, bias, causal: bool, device) -> torch.Tensor:
+    """``[B, H, Nq]``: the query rows that see no key (padding, causality, or a bias of −inf on all)."""
+    visible = key_padding_mask(lengths, B, Nk, device)[:, None, None, :]
+    if causal:
+        q_idx = torch.arange(Nq, device=device) + (Nk - Nq)
+        visible = visible & (torch.arange(Nk, device=device)[None, :] <= q_idx[:, None])
+    if bias is not None:
+        finite = (bias != float("-inf")).repeat_interleave(H // bias.shape[1], dim=1)
+        visible = visible & finite[:, :, None, :]
+    return ~visible.expand(B, H, Nq, Nk).any(-1)
 
 
 def _logsumexp(qf, keys, *, lengths, bias, causal: bool, scale: float) -> torch.Tensor:
