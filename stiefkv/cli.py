@@ -102,7 +102,8 @@ def _as_options(text: str) -> str:
             # of several words (num_sequences) wherever it stands so, a one-word name (lr) before what is
             # said of it
             after = (r"(?![\w/.=-])" if "_" in param.name else
-                     r"(?= must| ≥| >| exceeds| [-0-9.]+ (?:must|exceeds|there))")
+                     r"(?= must| ≥| >| exceeds| has no effect"
+                     r"| [-0-9.]+ (?:must|exceeds|there|has no effect))")
             text = re.sub(rf"(?<![^\s(]){re.escape(param.name)}{after}", long[0], text)
     return text
 

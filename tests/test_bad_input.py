@@ -1047,6 +1047,8 @@ def test_options_are_named_only_where_a_setting_is_meant():
     with click.Context(main.commands["calibrate"]):
         assert _as_options("seq_len 5000 exceeds the model") == "--seq-len 5000 exceeds the model"
         assert _as_options("need steps ≥ 0, a finite lr > 0") == "need --steps ≥ 0, a finite --lr > 0"
+        said = "steps has no effect with method 'pca'"
+        assert _as_options(said) == "--" + said
         for text in ("the 2048-token cache the budget is counted at exact", "the device is busy",
                      "data /tmp/p/seq_len/x.txt is a path"):
             assert _as_options(text) == text
