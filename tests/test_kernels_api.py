@@ -336,7 +336,6 @@ def test_the_reference_keeps_nan_and_zeros_only_rows_without_keys():
     ({"q": lambda t: t.long()}, "q must be a floating-point"),
     ({"positions": lambda t: t[:, None]}, "positions must be integers"),
     ({"positions": lambda t: t.float()}, "positions must be integers"),
-    ({"lengths": torch.tensor([-1, 3])}, "lengths must lie in 0..Nk=5"),
     ({"lengths": torch.tensor([2.5, 3.0])}, "lengths must be an integer tensor"),
     ({"n_valid": torch.tensor([-1])}, "n_valid must lie in 0..Nk=5"),
     ({"bias": torch.zeros(2, 5)}, "bias must be \\[B=2, G=2, Nk=5\\]"),
