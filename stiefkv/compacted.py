@@ -168,8 +168,12 @@ def _refuse_positions_held(cache, kwargs: dict) -> None:
     at = kwargs.get("cache_position")
     if at is None and kwargs.get("position_ids") is not None:
         at = kwargs["position_ids"]
+    # a forward of several tokens only: reading positions back waits for the device, which a decode step of
+    # one token (the path this hook sits on) should not; re-reading the prompt is always several
+    if not isinstance(at, torch.Tensor) or at.shape[-1] < 2:
+        return
     held = cache.get_seq_length()
-    if isinstance(at, torch.Tensor) and at.numel() and int(at.min()) < held:
+    if int(at.min()) < held:
         raise ValueError(f"this forward starts at position {int(at.min())} and the compacted cache "
                          f"already holds {held} (its compacted prompt and the tokens since): feed only the "
                          "new tokens. Assisted and prompt-lookup generate re-read the prompt, which a "

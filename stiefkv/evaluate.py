@@ -66,9 +66,8 @@ def baseline_projections(model, name: str, context: int | None = None) -> Projec
     proj = Projections(keys=[eye] * dims.L, values=[eye] * dims.L, key_mode="pre_rope",
                        fingerprint=fingerprint(model), budget=1.0, method=f"baseline {name}",
                        quant=[specs] * dims.L)
-    bf16 = float(dims.L * dims.G * 2 * dims.d * 2)
-    proj.budget = round(proj.achieved_budget if context is None
-                        else (proj.kv_bytes_per_token(context) - POSITION_BYTES) / bf16, 6)
+    at = None if context is None else (proj.kv_bytes_per_token(context) - POSITION_BYTES)
+    proj.budget = round(proj.achieved_budget if at is None else at / bf16_bytes_per_token(model), 6)
     return proj
 
 

@@ -125,14 +125,20 @@ def weights_hash(model: nn.Module, via: torch.dtype | None = None) -> str:
     some weights to another bf16 value (two roundings): ``via=torch.float16`` is the hash it has.
     """
     h = hashlib.sha256()
-    for layer in decoder_layers(model):
-        # the original attention under a loaded LowRankAttention
-        attn = getattr(layer.self_attn, "inner", layer.self_attn)
-        for proj in (attn.k_proj, attn.v_proj):
-            w = proj.weight.detach().to("cpu")
-            w = (w if via is None else w.to(via)).to(torch.bfloat16).contiguous()
-            h.update(w.view(torch.int16).numpy().tobytes())
+    for weight in kv_weights(model):
+        w = weight.detach().to("cpu")
+        w = (w if via is None else w.to(via)).to(torch.bfloat16).contiguous()
+        h.update(w.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def kv_weights(model: nn.Module):
+    """Every layer's ``k_proj`` and ``v_proj`` weights, in order (the original attention's under a loaded
+    LowRankAttention)."""
+    for layer in decoder_layers(model):
+        attn = getattr(layer.self_attn, "inner", layer.self_attn)
+        yield attn.k_proj.weight
+        yield attn.v_proj.weight
 
 
 WEIGHT_SAMPLE, WEIGHT_DTYPE = "kv_weights_sample", "kv_weights_dtype"
@@ -156,11 +162,9 @@ def weights_sample(model: nn.Module) -> list[float]:
     """Evenly spaced ``k_proj``/``v_proj`` weights of every layer, as floats: a bf16 model and a float16 one
     round each weight apart, which no hash of rounded weights can tell from other weights."""
     values = []
-    for layer in decoder_layers(model):
-        attn = getattr(layer.self_attn, "inner", layer.self_attn)
-        for proj in (attn.k_proj, attn.v_proj):
-            w = proj.weight.detach().reshape(-1)
-            values += [float(x) for x in w[spaced(w.numel(), SAMPLES_PER_MATRIX).to(w.device)].float().cpu()]
+    for weight in kv_weights(model):
+        w = weight.detach().reshape(-1)
+        values += [float(x) for x in w[spaced(w.numel(), SAMPLES_PER_MATRIX).to(w.device)].float().cpu()]
     return values
 
 
@@ -203,11 +207,6 @@ def same_model(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in rest - set(WEIGHT_KEYS)) and same_weights(a, b)
 
 
-def _kv_weight(model: nn.Module) -> torch.Tensor:
-    attn = getattr(decoder_layers(model)[0].self_attn, "inner", decoder_layers(model)[0].self_attn)
-    return attn.k_proj.weight
-
-
 def fingerprint(model: nn.Module) -> dict:
     """What a checkpoint must match: architecture, dimensions, RoPE settings, K/V weight hash."""
     cfg = text_config(model.config)
@@ -220,7 +219,7 @@ def fingerprint(model: nn.Module) -> dict:
         "kv_weights_sha256": weights_hash(model),
         "kv_weights_sha256_fp16": weights_hash(model, via=torch.float16),
         WEIGHT_SAMPLE: weights_sample(model),
-        WEIGHT_DTYPE: str(_kv_weight(model).dtype),
+        WEIGHT_DTYPE: str(next(kv_weights(model)).dtype),
     }
 
 
