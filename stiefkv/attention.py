@@ -593,7 +593,7 @@ def _wrap_save(original):
                 raise ValueError("save_pretrained(..., push_to_hub=True) on a model served by stiefkv.load "
                                  "would upload the folder without its bases: save_pretrained(folder) first "
                                  "and upload that folder (stiefkv.load_model serves the bases of a local "
-                                 "folder; a hub id loads the original model)")
+                                 "folder or of a hub id whose config.json names them)")
             folder = Path(save_directory).expanduser()
             if folder.exists() and not folder.is_dir():
                 raise ValueError(f"{save_directory} is a file: save_pretrained writes a model folder; name a "

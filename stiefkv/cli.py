@@ -577,9 +577,9 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         proj = stiefkv.Projections.load(projections) if projections else None
         if baseline in TRANSFORMERS_BASELINES:
             require_quanto(baseline)  # before the model loads
-        from stiefkv.models import UNNAMED, saved_projections, unnamed_projections
+        from stiefkv.models import UNNAMED, served_bases, unnamed_projections
 
-        saved = saved_projections(model)
+        saved = served_bases(model)
         left = unnamed_projections(model)
         if left is not None and proj is None and baseline is None:
             log.warning("%s is not evaluated: %s. To evaluate it: --projections %s", left, UNNAMED, left)

@@ -497,8 +497,9 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     spec : ``"smollm2"``, a ``.gguf`` file, a local model folder, or a Hugging Face id (needs the hub or
         its local cache).
     device, dtype : where and in which precision the model lives; ``device="auto"`` picks CUDA when present.
-    projections : a local folder that holds :data:`~stiefkv.projections.PROJECTIONS_FILE` (written by
-        ``save_pretrained`` on a compressed model) is served with those bases; ``False`` loads the original.
+    projections : a model folder, local or on the hub, whose ``config.json`` names the
+        :data:`~stiefkv.projections.PROJECTIONS_FILE` beside its weights (``save_pretrained`` on a compressed
+        model writes both) is served with those bases; ``False`` loads the original.
 
     Returns
     -------
@@ -536,7 +537,7 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     tok.padding_side = "left"  # the latent cache assumes left padding
     model.to(device).eval()
     model.stiefkv_spec = spec
-    saved = saved_projections(source)
+    saved = served_bases(source, config, spec) if projections else None
     if hasattr(model.config, "stiefkv_projections"):
         del model.config.stiefkv_projections  # stiefkv.load names them again
     left = unnamed_projections(source)
@@ -554,6 +555,43 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
                                   f"saved there now ({exc}). Load it with projections=False, or delete the "
                                   "file, or calibrate the model again") from None
     return model, tok
+
+
+def served_bases(spec: str, config=None, name: str | None = None) -> Path | None:
+    """The bases a model folder serves: a local folder's :func:`saved_projections`, or for a hub id whose
+    ``config.json`` names them, the file fetched beside its weights (``ModelLoadError`` when it cannot be).
+    ``config``: the model's, if loaded already; ``name``: the spec to name in errors (default ``spec``).
+    None for aliases, GGUF files, and hub ids that cannot be reached (loading the model says why)."""
+    path = Path(spec).expanduser()
+    if spec in ALIASES or path.suffix == ".gguf":
+        return None
+    if path.exists():
+        return saved_projections(path)
+    if config is None:
+        from transformers import AutoConfig
+
+        try:
+            config = AutoConfig.from_pretrained(spec)
+        except (OSError, ValueError):
+            return None
+    if getattr(config, "stiefkv_projections", None) != PROJECTIONS_FILE:
+        return None
+    return _hub_projections(spec, name or spec)
+
+
+def _hub_projections(repo: str, spec: str) -> Path:
+    """The bases that the config.json of hub model ``repo`` names (a folder a served model saved, uploaded),
+    fetched beside its weights, or from the local cache offline."""
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError
+
+    try:
+        return Path(hf_hub_download(repo, PROJECTIONS_FILE))
+    except (OSError, ValueError, EntryNotFoundError) as exc:
+        raise ModelLoadError(
+            f"model {spec!r} names StiefKV bases ({PROJECTIONS_FILE}) in its config.json, but they cannot be "
+            f"fetched ({type(exc).__name__}: {_first_line(exc)}): upload that file beside the weights, or "
+            "load the original model with projections=False") from None
 
 
 UNNAMED = ("the folder's config.json does not name it, so the model saved there last was not served (saved "

@@ -224,6 +224,67 @@ def test_save_pretrained_round_trips_both_ways(arch, tmp_path):
     assert not (tmp_path / "plain" / PROJECTIONS_FILE).exists()
 
 
+HUB_SCRIPT = """
+import sys, torch, stiefkv
+from stiefkv.models import ModelLoadError
+x = torch.load(sys.argv[1])
+model, _ = stiefkv.load_model("me/tiny-served")
+plain, _ = stiefkv.load_model("me/tiny-served", projections=False)
+try:
+    stiefkv.load_model("me/tiny-no-bases")
+    refused = ""
+except ModelLoadError as exc:
+    refused = str(exc)
+from stiefkv.models import served_bases
+found = [str(served_bases("me/tiny-served")), served_bases("me/not-in-the-cache")]  # what eval reads
+torch.save(dict(served=stiefkv.attention.is_compressed(model), logits=model(x).logits, found=found,
+                plain_served=stiefkv.attention.is_compressed(plain), plain=plain(x).logits, refused=refused),
+           sys.argv[2])
+"""
+
+
+def _hub_snapshot(cache, repo, folder, leave_out=()):
+    """``folder``'s files as the hub's local cache holds a download of ``repo`` at ``main``."""
+    import shutil
+
+    root = cache / f"models--{repo.replace('/', '--')}"
+    commit = "0123456789abcdef0123456789abcdef01234567"
+    (root / "refs").mkdir(parents=True)
+    (root / "refs" / "main").write_text(commit)
+    shutil.copytree(folder, root / "snapshots" / commit, ignore=shutil.ignore_patterns(*leave_out))
+
+
+def test_a_served_folder_uploaded_to_the_hub_loads_served(tmp_path):
+    """A hub id's folder that names its bases in config.json is served with them (fetched beside the weights,
+    here from the hub's local cache offline); named but missing, the load says so; projections=False loads
+    the original. Before, a hub id always loaded the original model, silently."""
+    import os
+    import subprocess
+    import sys
+
+    model = tiny_model()
+    x = ids(n=8)
+    original = model(x).logits
+    stiefkv.load(model, random_projections(model, 8, 16))
+    compressed = model(x).logits
+    model.save_pretrained(tmp_path / "folder")
+    tiny_tokenizer().save_pretrained(tmp_path / "folder")
+    _hub_snapshot(tmp_path / "hub", "me/tiny-served", tmp_path / "folder")
+    _hub_snapshot(tmp_path / "hub", "me/tiny-no-bases", tmp_path / "folder", leave_out=[PROJECTIONS_FILE])
+    torch.save(x, tmp_path / "x.pt")
+    env = dict(os.environ, HF_HUB_CACHE=str(tmp_path / "hub"), HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    run = subprocess.run([sys.executable, "-c", HUB_SCRIPT, str(tmp_path / "x.pt"), str(tmp_path / "out.pt")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = torch.load(tmp_path / "out.pt")
+    assert out["served"] and not out["plain_served"]
+    assert_close(out["logits"], compressed, atol=1e-6, rtol=1e-6, what="the hub id, served")
+    assert_close(out["plain"], original, atol=1e-6, rtol=1e-6, what="the hub id, projections=False")
+    assert "me/tiny-no-bases" in out["refused"] and PROJECTIONS_FILE in out["refused"]
+    assert "projections=False" in out["refused"]
+    assert out["found"][0].endswith(PROJECTIONS_FILE) and out["found"][1] is None
+
+
 def test_a_served_model_saved_under_the_home_folder_keeps_one_folder(tmp_path, monkeypatch):
     """save_pretrained("~/x"): transformers wrote ./~/x and the bases went to $HOME/x."""
     monkeypatch.setenv("HOME", str(tmp_path))
