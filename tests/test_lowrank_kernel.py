@@ -938,6 +938,41 @@ def test_quantized_latents_bad_input():
         lk.lowrank_attention(q, q8._replace(layout="channel"), z_v, P_k, P_v, **kwargs)
 
 
+@pytest.mark.parametrize("attend", ["kernel", "reference"])
+def test_malformed_codes_are_refused_by_the_kernel_and_the_reference(attend):
+    """The PyTorch reference ran none of the kernel's checks of the codes: a scale of the wrong shape or
+    dtype, a row of codes too narrow, a channel layout with log8 scales went into the dequantization
+    (broadcast, or an error inside torch), so code tested on a CPU broke on a GPU. Both refuse them now,
+    naming the tensor."""
+    args, kwargs = make_inputs(1, 4, 2, 1, 70, 64, 40, 24, torch.float32, padded=False)
+    q, z_k, z_v, P_k, P_v = args
+    attention = lk.lowrank_attention if attend == "kernel" else reference
+    qk, qv = quantize_latents(z_k, 4), quantize_latents(z_v, 4)
+    q3, q8 = quantize_latents(z_k, 3), log8_latents(z_k, 4)
+    bad = {
+        r"z_k\.codes must be uint8 \[B, G, N, ≥ 15\] for rank 40 at 3 bits":
+            q3._replace(codes=q3.codes[..., :14]),
+        r"z_k\.codes must be uint8": qk._replace(codes=qk.codes.to(torch.int16)),
+        r"z_k\.scale must be float16 \[1, 2, 70, 1\]": qk._replace(scale=qk.scale.float()),
+        r"z_k\.low must be float16 \[1, 2, 70, 1\]": qk._replace(low=qk.low[:, :, :69]),
+        r"z_k\.scale must be float16 \[1, 2, 70, 1\] \(token layout\)": qk._replace(scale=qk.scale[:, :1]),
+        r"z_k\.scale must be uint8 .*log8 codes": q8._replace(scale=q8.scale.half()),
+        "z_k: log8 scale codes are per token": q8._replace(layout="channel"),
+        "z_k.layout must be 'token' or 'channel'": qk._replace(layout="tokens"),
+    }
+    for message, z in bad.items():
+        with pytest.raises(ValueError, match=message):
+            attention(q, z, z_v, P_k, P_v, **kwargs)
+    with pytest.raises(ValueError, match=r"z_v\.scale must be float16"):
+        attention(q, z_k, qv._replace(scale=qv.scale.bfloat16()), P_k, P_v, **kwargs)
+    wide = q3._replace(codes=torch.cat([q3.codes, torch.zeros_like(q3.codes[..., :2])], -1))  # 17 ≥ 15 bytes
+    assert_close(attention(q, wide, z_v, P_k, P_v, **kwargs), reference(q, q3, z_v, P_k, P_v, **kwargs),
+                 atol=2e-5, rtol=2e-5, what="3-bit codes in rows wider than they need")
+    for bits in (5, 9):
+        with pytest.raises(ValueError, match=f"z_k.* 8 or 4 or 3 or 2.*, got {bits}"):
+            attention(q, qk._replace(bits=bits), z_v, P_k, P_v, **kwargs)
+
+
 def test_decode_splits():
     """Split counts: the four benchmark shapes keep their measured counts, rounds between one and two
     programs per SM are filled, enough programs take none, and a short cache is not split past 256 keys."""

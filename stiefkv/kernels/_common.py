@@ -189,7 +189,7 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
         return packed[..., :n].to(torch.int64)
     if bits == 4:  # byte by byte: code 2j in the low nibble of byte j, 2j + 1 in the high one
         return torch.stack((packed & 15, packed >> 4), -1).flatten(-2)[..., :n].to(torch.int64)
-    b = packed.to(torch.int64).unflatten(-1, (-1, bits))
+    b = packed[..., :-(-n // 8) * bits].to(torch.int64).unflatten(-1, (-1, bits))  # whole words, none past
     byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
     word = (b << byte_shifts).sum(-1, keepdim=True)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
@@ -198,6 +198,47 @@ def unpack(packed: torch.Tensor, bits: int, n: int) -> torch.Tensor:
 
 QUANT_GROUP = 64
 KERNEL_BITS = (8, 4, 3, 2)  # code widths the Triton kernels dequantize in registers
+
+
+def min_code_bytes(rank: int, bits: int) -> int:
+    """The fewest bytes a token's ``rank`` codes of ``bits`` can be read from: whole bytes at 8 and 4 bits,
+    whole words of eight codes (``bits`` bytes) at the other widths (``stiefkv.quant.pack`` writes whole
+    words at every width)."""
+    if bits == 8:
+        return rank
+    return -(-rank // 2) if bits == 4 else -(-rank // 8) * bits
+
+
+def check_codes(z: QuantizedLatents, name: str) -> None:
+    """Refuse :class:`QuantizedLatents` (named ``name``, e.g. ``z_k``) that do not hold the format they
+    declare: the kernel and the reference read the same codes, scales and lows, so both run this check."""
+    if z.bits not in KERNEL_BITS or isinstance(z.bits, bool):
+        raise ValueError(f"{name}.bits: codes of {' or '.join(map(str, KERNEL_BITS))} bits (stiefkv.quant's "
+                         f"widths), got {z.bits!r}")
+    if z.layout not in ("token", "channel"):
+        raise ValueError(f"{name}.layout must be 'token' or 'channel', got {z.layout!r}")
+    if not isinstance(z.codes, torch.Tensor) or z.codes.dim() != 4:
+        raise ValueError(f"{name}.codes must be a 4-D uint8 tensor [B, G, N, bytes], got "
+                         f"{getattr(z.codes, 'shape', type(z.codes).__name__)}")
+    B, G, N, r = z.shape
+    need = min_code_bytes(r, z.bits)
+    if z.codes.dtype != torch.uint8 or z.codes.shape[3] < need:
+        raise ValueError(f"{name}.codes must be uint8 [B, G, N, ≥ {need}] for rank {r} at {z.bits} bits, got "
+                         f"{z.codes.dtype} {tuple(z.codes.shape)}")
+    if z.log8 and z.layout != "token":
+        raise ValueError(f"{name}: log8 scale codes are per token (layout 'token'), got {z.layout!r}")
+    shape = (B, G, N, -(-r // QUANT_GROUP)) if z.layout == "token" else (B, G, -(-N // QUANT_GROUP), r)
+    parts = (("scale", torch.uint8),) if z.log8 else (("scale", torch.float16), ("low", torch.float16))
+    for part, dtype in parts:
+        t = getattr(z, part)
+        if not isinstance(t, torch.Tensor) or t.dim() != 4 or tuple(t.shape[:2]) != shape[:2] \
+                or t.shape[3] != shape[3] or t.shape[2] < shape[2] or t.dtype != dtype:
+            kind = f"{z.layout} layout" + (", log8 codes" if z.log8 else "")
+            raise ValueError(f"{name}.{part} must be {str(dtype).removeprefix('torch.')} {list(shape)} "
+                             f"({kind}), got {getattr(t, 'dtype', None)} {tuple(getattr(t, 'shape', ()))}")
+    if z.codes.device != z.scale.device or (z.low is not None and z.low.device != z.codes.device):
+        raise ValueError(f"{name}: codes, scale and low must be on one device, got {z.codes.device}, "
+                         f"{z.scale.device}" + ("" if z.low is None else f", {z.low.device}"))
 
 
 class CodesAndBand:

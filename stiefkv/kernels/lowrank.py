@@ -1534,26 +1534,8 @@ def _check_codes(z: QuantizedLatents, name: str, q: torch.Tensor) -> torch.Tenso
     if z.bits not in KERNEL_BITS:
         raise ValueError(f"{name}: the kernel reads {' or '.join(map(str, KERNEL_BITS))}-bit codes, got "
                          f"{z.bits}; dequantize them (QuantizedLatents.dequantize) or use the reference")
+    _common.check_codes(z, name)
     B, G, N, r = z.shape
-    if z.layout not in ("token", "channel"):
-        raise ValueError(f"{name}.layout must be 'token' or 'channel', got {z.layout!r}")
-    # the bytes the kernel reads per token: whole 8-code words below 4 bits (stiefkv.quant.pack)
-    need = -(-r // 8) * z.bits if z.bits < 4 else -(-r * z.bits // 8)
-    if z.codes.dtype != torch.uint8 or z.codes.dim() != 4 or z.codes.shape[3] < need:
-        raise ValueError(f"{name}.codes must be uint8 [B, G, N, ≥ {need}] for rank {r} at {z.bits} bits, got "
-                         f"{z.codes.dtype} {tuple(z.codes.shape)}")
-    group = _common.QUANT_GROUP
-    shape = (B, G, N, -(-r // group)) if z.layout == "token" else (B, G, -(-N // group), r)
-    if z.log8 and z.layout != "token":
-        raise ValueError(f"{name}: log8 scale codes are per token (layout 'token'), got {z.layout!r}")
-    parts = (("scale", torch.uint8),) if z.log8 else (("scale", torch.float16), ("low", torch.float16))
-    for part, dtype in parts:
-        t = getattr(z, part)
-        if tuple(t.shape[:2]) != shape[:2] or t.shape[3] != shape[3] or t.shape[2] < shape[2] \
-                or t.dtype != dtype:
-            kind = f"{z.layout} layout" + (", log8 codes" if z.log8 else "")
-            raise ValueError(f"{name}.{part} must be {str(dtype).removeprefix('torch.')} {list(shape)} "
-                             f"({kind}), got {t.dtype} {tuple(t.shape)}")
     if z.codes.stride(3) != 1:
         raise ValueError(f"{name}.codes must be contiguous along a token's bytes")
     return torch.empty(B, G, N, r, device="meta", dtype=q.dtype)

@@ -17,6 +17,7 @@ from ._common import (
     RopeSpec,
     as_float_latents,
     check_attention_inputs,
+    check_codes,
     check_kl_inputs,
     check_prior,
     merge_prior,
@@ -142,6 +143,9 @@ def lowrank_attention(
                                      bias=bias, causal=causal, lengths=lengths, n_valid=n_valid, scale=scale,
                                      exact=exact, return_lse=True)
         return merge_prior(prior, out, lse, q.dtype, return_lse)
+    for name, z in (("z_k", z_k), ("z_v", z_v)):
+        if isinstance(z, QuantizedLatents):
+            check_codes(z, name)
     z_k, z_v = as_float_latents(z_k, q.dtype), as_float_latents(z_v, q.dtype)
     check_attention_inputs(q, z_k, z_v, P_k, P_v, key_mode, positions, rope, bias, lengths, n_valid)
     if n_valid is not None:
