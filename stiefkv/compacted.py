@@ -156,8 +156,30 @@ QUESTION_GUARD = "_stiefkv_question_guard"
 def _record_ids(module, args, kwargs):
     cache = _cache_argument(kwargs)
     if cache is not None:
+        _refuse_padded_tokens(cache, kwargs)
         _refuse_positions_held(cache, kwargs)
         record_appended(cache, kwargs.get("input_ids", args[0] if args else None))
+
+
+def _refuse_padded_tokens(cache, kwargs: dict) -> None:
+    """Padding in a forward over a compacted cache: refused. The layers' checks see the model's 4-D mask
+    cut to the entries held, which after compaction are fewer than the tokens the user's 2-D mask spans,
+    so they read the prompt's columns of it and missed padding in the tokens appended behind them. As
+    in :func:`_refuse_positions_held`, forwards of several tokens only (a decode step of one token is
+    never padded, and reading the mask back would wait for the device)."""
+    mask = kwargs.get("attention_mask")
+    if getattr(cache, "length", None) is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        return
+    ids = kwargs.get("input_ids")
+    ids = kwargs.get("inputs_embeds") if ids is None else ids
+    if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] < 2:
+        return
+    hidden = mask == 0  # the prompt's columns too: prefill takes unpadded prompts only
+    if bool(hidden.any()):
+        rows = hidden.any(-1).nonzero().flatten().tolist()
+        raise ValueError(f"the attention_mask pads row(s) {', '.join(map(str, rows[:8]))} of a compacted "
+                         "cache's batch: a compacted cache holds unpadded rows only; continue it with "
+                         "unpadded tokens (rows of one length, or one row at a time)")
 
 
 def _refuse_positions_held(cache, kwargs: dict) -> None:

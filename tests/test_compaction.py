@@ -333,6 +333,34 @@ def test_a_compacted_cache_continues_at_the_original_positions_in_forward_and_ge
         model(ids[:, C:], attention_mask=mask, **{key: cache})
 
 
+@pytest.mark.parametrize("served", [False, True])
+def test_padding_behind_a_compacted_prompt_is_refused_at_any_keep(served):
+    """A question padded behind a compacted prompt: the layers' checks read the model's 4-D mask cut to the
+    entries held, fewer than the tokens the 2-D mask spans once compacted, so at keep 0.4 the padding was
+    attended silently (at 1.0 refused); generate said the prompt was read again. Refused at every keep."""
+    import stiefkv
+    from tests.tiny import random_projections, tiny_model
+
+    model = tiny_model(layers=2)
+    if served:
+        stiefkv.load(model, random_projections(model, 13, 11))
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    C = 31
+    mask = torch.ones_like(ids)
+    mask[0, C:C + 2] = 0
+    for keep in (0.4, 1.0):
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=keep)
+        with pytest.raises(ValueError, match=r"pads row\(s\) 0 .*unpadded rows only"):
+            model(ids[:, C:], attention_mask=mask, past_key_values=cache)
+        with pytest.raises(ValueError, match=r"pads row\(s\) 0 .*unpadded rows only"):
+            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
+    plain = model(ids[:, C:], past_key_values=cache).logits  # unpadded, with or without a mask of ones
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
+    ones = model(ids[:, C:], attention_mask=torch.ones_like(ids), past_key_values=cache).logits
+    assert torch.isfinite(plain).all() and torch.equal(plain, ones)
+
+
 def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_cache_as_it_was():
     import stiefkv
 
