@@ -10,6 +10,10 @@ LOG=${1:-/tmp}/pytest_gpu.log
 mkdir -p "$(dirname "$LOG")"
 python3 -m pip install -q --no-index --no-deps --no-build-isolation -e . >/dev/null 2>&1 \
   || echo "editable install failed: importing from the checkout" >&2
+# pytest puts the checkout first on sys.path, and an editable install that adds a path entry rather than a
+# finder (the device image's, 2026-12-07) maps no package-dir: stiefkv.calibrate (./calibrate) is then not
+# found from here
+python3 -c "import stiefkv.calibrate" 2>/dev/null || ln -sfn ../calibrate stiefkv/calibrate
 workers=(); python3 -c "import xdist" 2>/dev/null && workers=(-n 8 -p no:benchmark)
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$LOG"
 python3 -c "import torch, triton, transformers; print(torch.__version__, triton.__version__, transformers.__version__)" \
