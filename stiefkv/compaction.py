@@ -466,6 +466,20 @@ def choose_and_fit(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tens
     raise ValueError(f"method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
+def _head_in_blocks(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tensor, t: int, *, scale: float,
+                    scores: torch.Tensor, block: int, **options) -> Compacted:
+    """One KV head compacted by AM in blocks of ``block`` tokens, each to its share of ``t`` by the head's
+    ``scores`` ``[T]`` (:func:`block_counts`): :func:`compact_heads_blocked` for the fits that have no
+    batched form (OMP selection, the NNLS solver, counts that differ between heads), whose logits would
+    otherwise span the whole layer."""
+    parts = []
+    for s, n in zip(range(0, keys.shape[0], block), block_counts(scores[None], t, block)):
+        if n:
+            c = compact_head(keys[s:s + block], values[s:s + block], queries, n, scale=scale, **options)
+            parts.append(Compacted(c.index + s, c.beta, c.values))
+    return Compacted(*(torch.cat(x) for x in zip(*((c.index, c.beta, c.values) for c in parts))))
+
+
 PAD_BETA = -1e4  # β of padding entries (heads of one layer kept to different counts): never attended
 
 
@@ -489,7 +503,9 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
     the block's at those indices).
 
     ``block`` (AM, a count common to the heads): a layer of more tokens is compacted in blocks of that many
-    (:func:`compact_heads_blocked`). ``scores``: the layer's :func:`layer_scores`, when already computed."""
+    (:func:`compact_heads_blocked`; one head at a time by :func:`_head_in_blocks` for the fits that have no
+    batched form), each block's count from its share of the row's top keys. ``scores``: the layer's
+    :func:`layer_scores`, when already computed."""
     B, G = keys.shape[:2]
     per = queries.shape[1] // G
     budget = torch.as_tensor(t).expand(B, G)
@@ -510,9 +526,16 @@ def compact_layer(keys: torch.Tensor, values: torch.Tensor, queries: torch.Tenso
                                            scale=scale, method=method, block=block,
                                            scores=None if scores is None else scores[b:b + 1], **options)
                              for b in range(B)])
-    out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1),
-                           int(budget[b, g]), scale=scale, method=method, **options)
-            for g in range(G)] for b in range(B)]
+    if method == "am" and block is not None and keys.shape[2] > block:  # each head in blocks, one by one
+        if scores is None:
+            scores = layer_scores(keys, queries, scale, options.get("pooling", "mean"))
+        out = [[_head_in_blocks(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1),
+                                int(budget[b, g]), scale=scale, scores=scores[b, g], block=block, **options)
+                for g in range(G)] for b in range(B)]
+    else:
+        out = [[choose_and_fit(keys[b, g], values[b, g], queries[b, g * per:(g + 1) * per].flatten(0, 1),
+                               int(budget[b, g]), scale=scale, method=method, **options)
+                for g in range(G)] for b in range(B)]
     n = int(budget.max())
     out = [[_padded(c, n) for c in row] for row in out]
     index = torch.stack([torch.stack([c.index for c in row]) for row in out]).to(keys.device)
@@ -601,6 +624,12 @@ def _compact_layer_batched(keys, values, queries, t: int, *, scale: float, selec
     q = _group_queries(queries, G)
     blocked = block is not None and T > block
     step = _heads_per_slice(q.shape[2], min(T, block or T), B)
+    if blocked and B > 1:  # each row's blocks get the shares of its own keys, not the batch's
+        rows = [_compact_layer_batched(keys[b:b + 1], values[b:b + 1], queries[b:b + 1], t, scale=scale,
+                                       selection=selection, solver=solver, fit_beta=fit_beta,
+                                       refit_values=refit_values, ridge=ridge, pooling=pooling, block=block,
+                                       scores=None if scores is None else scores[b:b + 1]) for b in range(B)]
+        return tuple(torch.cat(parts) for parts in zip(*rows))
     if blocked:
         if scores is None:
             scores = layer_scores(keys, queries, scale, pooling)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from stiefkv.compaction import compact_head, compacted_attention, log_mass
+from tests.utils import assert_close
 
 
 def block(seed: int, T: int, d: int, dv: int, dtype=torch.float32):
@@ -723,9 +724,11 @@ def test_keeping_every_token_with_fewer_queries_than_tokens_is_the_uncompressed_
                exact) < 1e-4
 
 
-def test_each_row_of_a_batch_is_compacted_as_it_would_be_alone():
+@pytest.mark.parametrize("options", [{}, {"block": 16}, {"block": 16, "allocation": "uniform"}])
+def test_each_row_of_a_batch_is_compacted_as_it_would_be_alone(options):
     """The default allocation (``layers-max``) cuts each row by its own keys: a row batched with another keeps
-    the counts and continues with the logits it gets compacted alone."""
+    the counts and continues with the logits it gets compacted alone. In blocks too: each block's count was
+    its share of the whole batch's top keys (0.14 on the logits), now of the row's."""
     import stiefkv
     from stiefkv.cache import cache_keyword
     from tests.tiny import tiny_model
@@ -735,8 +738,8 @@ def test_each_row_of_a_batch_is_compacted_as_it_would_be_alone():
     C, key = 60, cache_keyword(model)
     pos = torch.arange(C, 70)[None]
     with torch.no_grad():
-        both = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3)
-        alone = stiefkv.compact(model, stiefkv.prefill(model, ids[:1, :C], window=16), keep=0.3)
+        both = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.3, **options)
+        alone = stiefkv.compact(model, stiefkv.prefill(model, ids[:1, :C], window=16), keep=0.3, **options)
         a = model(ids[:1, C:], position_ids=pos, **{key: alone}).logits
         b = model(ids[:, C:], position_ids=pos.expand(2, -1), **{key: both}).logits[:1]
     assert (a - b).abs().max() < 1e-4
@@ -796,6 +799,39 @@ def test_a_layer_compacted_in_blocks_reproduces_its_attention(B, G, H, T, t, blo
     assert blocked[0] < 1.5 * plain[0] + 0.02, (blocked, plain)
     few = compact_layer(keys, values, q, 2, scale=scale, block=block, **options)  # fewer entries than blocks
     assert few[3].shape == (B, G, 2) and torch.isfinite(few[2]).all()
+
+
+@pytest.mark.parametrize("options", [{"selection": "omp"}, {"solver": "nnls"}, {"solver": "projected"}])
+def test_block_is_honoured_by_the_fits_without_a_batched_form(options):
+    """OMP selection, the NNLS solver and counts that differ between heads (``allocation="global"``) took
+    the per-head fit, which dropped ``block``: a long layer was fitted whole, its logits spanning every
+    token. Each head is now compacted in blocks, each block to its share of the head's top keys
+    (:func:`block_counts` of the layer's scores), exactly as that block compacted alone (float32 in,
+    float64 fits: 1e-6)."""
+    from stiefkv.compaction import block_counts, compact_head, compact_layer, layer_scores
+
+    B, G, H, T, d, block, scale = 2, 2, 6, 83, 11, 24, 0.29
+    keys, values, q = layer_cache(9, B, G, H, T, d)
+    q = q[:, :, :40]
+    budget = torch.tensor([[9, 13], [11, 7]])  # heads of unequal counts: the per-head path
+    kept, beta, fitted, index = compact_layer(keys, values, q, budget, scale=scale, block=block, **options)
+    scores = layer_scores(keys, q, scale, "mean")
+    per = H // G
+    for b in range(B):
+        for g in range(G):
+            n, at = int(budget[b, g]), 0
+            for s, c in zip(range(0, T, block), block_counts(scores[b, g][None], n, block)):
+                if c == 0:
+                    continue
+                want = compact_head(keys[b, g, s:s + block], values[b, g, s:s + block],
+                                    q[b, g * per:(g + 1) * per].flatten(0, 1), c, scale=scale, **options)
+                assert torch.equal(index[b, g, at:at + c], want.index + s)
+                assert_close(beta[b, g, at:at + c], want.beta, atol=1e-6, rtol=1e-6, what="β of a block")
+                assert_close(fitted[b, g, at:at + c], want.values, atol=1e-6, rtol=1e-6, what="values")
+                at += c
+            assert at == n and bool((beta[b, g, n:] < -1e3).all())  # the rest: padding, never attended
+    whole = compact_layer(keys, values, q, budget, scale=scale, **options)
+    assert not torch.equal(whole[3], index)
 
 
 @pytest.mark.parametrize("B,G,H,T,block,counts", [(1, 3, 9, 137, 40, [3, 17, 1, 6]),
