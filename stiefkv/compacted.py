@@ -95,6 +95,21 @@ class CompactedCache(DynamicCache):
         if isinstance(self.appended_ids, torch.Tensor):
             self.appended_ids = self.appended_ids[:, : max(0, self.get_seq_length() - self.length)]
 
+    masked_for: int | None = None  # the layer whose mask the hook of install_hooks set last
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """``DynamicCache.update``, once this layer's hook has set its mask: without it (a model that
+        ``compact`` was not called on: a copy, a reload) attention would read the compacted prefix without
+        β, or fail inside torch on a mask of the wrong length."""
+        if layer_idx < len(self.prefix):
+            if self.masked_for != layer_idx:
+                raise ValueError(
+                    f"layer {layer_idx} reads this compacted cache without its β: the model continuing it "
+                    "has not the hooks stiefkv.compact installs on the model it is given. Continue the cache "
+                    "with that model, or call stiefkv.compacted.install_hooks(model) on this one first")
+            self.masked_for = None
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
     def add_layer(self, keys: torch.Tensor, values: torch.Tensor, beta: torch.Tensor) -> None:
         i = len(self.prefix)
         self.update(keys, values, i)
@@ -132,6 +147,7 @@ def _cache_argument(kwargs: dict):
 def install_hooks(model) -> None:
     """Once per model: a pre-hook on each attention module that, when the cache is a
     :class:`CompactedCache`, replaces the attention mask by the cache's own for that layer."""
+    install_question_guard(model)
     if getattr(model, HOOKS, None):
         return
     heads = model.config.num_attention_heads
@@ -145,6 +161,7 @@ def install_hooks(model) -> None:
             refuse_no_tokens(hidden, cache)
             refuse_padding(kwargs.get("attention_mask"))  # the cache's own mask would drop it silently
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
+            cache.masked_for = i
             return args, kwargs
         handles.append(layer.self_attn.register_forward_pre_hook(use_beta, with_kwargs=True))
     setattr(model, HOOKS, handles)
@@ -921,4 +938,7 @@ def check_queries(model, cache, queries) -> None:
             shape = list(q.shape) if isinstance(q, torch.Tensor) else type(q).__name__
             raise ValueError(f"queries of layer {i} must be [batch {B}, {H} query heads, ≥ 1 queries, {d}] "
                              f"(rotated, as stiefkv.prefill keeps them); got {shape}")
+        if not q.dtype.is_floating_point or not bool(torch.isfinite(q).all()):
+            what = q.dtype if not q.dtype.is_floating_point else "NaN or infinite values"
+            raise ValueError(f"queries of layer {i} hold {what}: the fits need finite float queries")
 

@@ -60,7 +60,16 @@ def snapkv(keys: torch.Tensor, queries: torch.Tensor, scale: float, window: int 
     attn = torch.softmax(logits + causal, -1)[..., :-window]
     scores = F.avg_pool1d(attn.mean(-2), kernel_size=kernel, padding=kernel // 2, stride=1)
     scores = _grouped_mean(scores, G)
-    return F.pad(scores, (0, window), value=float(scores.max()) + 1)
+    return torch.cat([scores, _kept_first(scores, window, newest=True)], -1)
+
+
+def _kept_first(scores: torch.Tensor, n: int, *, newest: bool) -> torch.Tensor:
+    """Scores ``[B, G, n]`` above all of ``scores`` for ``n`` tokens a press always keeps (the window, the
+    sinks), ranked among themselves so that keeping fewer than ``n`` keeps the newest (``newest``) or the
+    first, not a tie that ``topk`` breaks anyhow."""
+    rank = torch.arange(n, device=scores.device, dtype=torch.float32) / n
+    top = float(scores.max()) + 1 if scores.numel() else 1.0
+    return (top + (rank if newest else rank.flip(0))).expand(*scores.shape[:2], n)
 
 
 def tova(keys: torch.Tensor, last_query: torch.Tensor, scale: float) -> torch.Tensor:
@@ -81,7 +90,7 @@ def recent(keys: torch.Tensor) -> torch.Tensor:
 
 def streaming_llm(keys: torch.Tensor) -> torch.Tensor:
     scores = recent(keys)
-    scores[..., :SINKS] = keys.shape[2]
+    scores[..., :SINKS] = keys.shape[2] + torch.arange(SINKS, 0, -1, dtype=scores.dtype)[:keys.shape[2]]
     return scores
 
 
@@ -112,7 +121,7 @@ def expected_attention(keys: torch.Tensor, values: torch.Tensor, pre_rope_querie
     scores = (k @ mu[..., None]).squeeze(-1) / math.sqrt(d)
     scores = scores + torch.einsum("bhnd,bhde,bhne->bhn", k, cov, k) / d / 2
     scores = _grouped_mean(torch.softmax(scores, -1), G) * values[:, :, SINKS:].float().norm(dim=-1)
-    return F.pad(scores, (SINKS, 0), value=float(scores.max()) + 1)
+    return torch.cat([_kept_first(scores, SINKS, newest=False), scores], -1)
 
 
 def random_scores(keys: torch.Tensor, seed: int = 0) -> torch.Tensor:

@@ -129,6 +129,7 @@ def test_a_cache_kept_whole_scores_as_the_full_forward_and_beta_reaches_attentio
     cache = CompactedCache(40)  # 2 entries standing for 40 tokens, then 4 appended
     beta = torch.tensor([[[0.5, -1.0], [2.0, 0.0]]])
     cache.add_layer(torch.zeros(1, 2, 2, 4), torch.zeros(1, 2, 2, 4), beta)
+    cache.masked_for = 0  # as layer 0's hook leaves it before its attention appends
     cache.update(torch.zeros(1, 2, 4, 4), torch.zeros(1, 2, 4, 4), 0)
     assert cache.get_seq_length() == 44
     mask = cache.mask(0, new=3, heads=6, dtype=torch.float32)
@@ -164,6 +165,28 @@ def layer_cache(seed: int, B: int, G: int, H: int, T: int, d: int):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(B, G, T, d, generator=g), torch.randn(B, G, T, d, generator=g),
             torch.randn(B, H, T, d, generator=g))
+
+
+def test_presses_keep_the_newest_of_their_window_and_the_first_sinks_below_them():
+    """Keeping fewer tokens than SnapKV's window, or than the sinks of StreamingLLM and ExpectedAttention,
+    keeps the newest of the window and the first sinks, as documented (``eval --compact-method``: "below 64
+    kept tokens it is recency"); they all scored alike and topk kept an arbitrary subset ([51..56, 59,
+    62..74] of a 100-token window at 20)."""
+    from stiefkv import presses
+
+    B, G, H, T, d = 1, 2, 4, 100, 8
+    keys, values, q = layer_cache(0, B, G, H, T, d)
+    window = q[:, :, -presses.SNAPKV_WINDOW:]
+    for t in (1, 20, 64):
+        kept = presses.evict(keys, values, presses.snapkv(keys, window, 0.3), t)[2]
+        assert torch.equal(kept, torch.arange(T - t, T).expand(B, G, t)), t
+    rotation = presses.averaged_rotation(torch.ones(8, d), torch.zeros(8, d))
+    for t in (1, 3):
+        assert torch.equal(presses.evict(keys, values, presses.streaming_llm(keys), t)[2],
+                           torch.arange(t).expand(B, G, t))
+        scores = presses.expected_attention(keys, values, q[:, :, presses.SINKS:], rotation)
+        assert torch.equal(presses.evict(keys, values, scores, t)[2], torch.arange(t).expand(B, G, t))
+    assert presses.streaming_llm(keys[:, :, :2]).argsort(-1, descending=True).tolist() == [[[0, 1]] * G]
 
 
 def test_presses_keep_what_their_definitions_say():
@@ -362,6 +385,30 @@ def test_padding_behind_a_compacted_prompt_is_refused_at_any_keep(served):
     assert torch.isfinite(plain).all() and torch.equal(plain, ones)
 
 
+def test_a_compacted_cache_continued_by_a_model_without_the_hooks_is_refused():
+    """β reaches attention through hooks that compact installs on the model it is given: another instance
+    of the same model (a copy, a reload) read the prefix without β (0.31 on the logits) or failed inside
+    torch on a mask of the wrong length. Refused now, with the way to install them; installed, the same."""
+    import stiefkv
+    from stiefkv.compacted import install_hooks
+    from tests.tiny import tiny_model
+
+    model, other = tiny_model(layers=2), tiny_model(layers=2)
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    C = 31
+    for allocation in ("uniform", "layers-max"):
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4,
+                                allocation=allocation)
+        with pytest.raises(ValueError, match="without its β.*install_hooks"):
+            other(ids[:, C:], past_key_values=cache)
+    want = model(ids[:, C:], past_key_values=stiefkv.compact(
+        model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)).logits
+    install_hooks(other)
+    got = other(ids[:, C:], past_key_values=stiefkv.compact(
+        model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)).logits
+    assert torch.equal(got, want)
+
+
 def test_self_study_adds_the_queries_of_a_sampled_continuation_and_leaves_the_cache_as_it_was():
     import stiefkv
 
@@ -531,7 +578,10 @@ def test_bad_compact_requests_are_refused():
     queries = cache.reference_queries
     for bad, match in ((queries[:1], "one tensor a layer"), ([q[..., :5] for q in queries], "of layer 0"),
                        ([q[:, :, :0] for q in queries], "≥ 1 queries"),
-                       ([q.expand(2, -1, -1, -1) for q in queries], "batch 1")):
+                       ([q.expand(2, -1, -1, -1) for q in queries], "batch 1"),
+                       ([queries[0], queries[1].index_fill(2, torch.tensor([1]), float("nan"))],
+                        "layer 1 hold NaN or infinite"),  # gave NaN logits at the next forward
+                       ([q.long() for q in queries], "layer 0 hold torch.int64")):
         with pytest.raises(ValueError, match=match):
             stiefkv.compact(model, cache, 0.3, queries=bad)
     mixed = stiefkv.prefill(model, ids, window=0, repeat=10, self_study=3)
