@@ -31,6 +31,7 @@ from stiefkv.cache import (
     basis_tag,
     cache_keyword,
     check_bases,
+    forget_checked_mask,
     lengths_from_mask,
     refuse_no_tokens,
 )
@@ -88,16 +89,17 @@ class LowRankAttention(nn.Module):
         # a basis [1, G·d, r] shared by the KV heads: one latent a token, read by every head
         self.kv_heads = attn.k_proj.weight.shape[0] // attn.head_dim
         self.shared = P_k.shape[0] != self.kv_heads or P_v.shape[0] != self.kv_heads
-        self.register_buffer("P_k", P_k.detach().to(device, torch.float32), persistent=False)
-        self.register_buffer("P_v", P_v.detach().to(device, torch.float32), persistent=False)
-        self.rope = RopeSpec(rope.inv_freq.to(device), rope.attention_scaling)
+        self.register_buffer("P_k", _ordinary(P_k.detach().to(device, torch.float32)), persistent=False)
+        self.register_buffer("P_v", _ordinary(P_v.detach().to(device, torch.float32)), persistent=False)
+        self.rope = RopeSpec(_ordinary(rope.inv_freq.to(device)), rope.attention_scaling)
         # P_v folded into o_proj (exact): attention returns its output in r_v dimensions and one matmul of
         # [D, H·r_v] replaces P_v's epilogue plus o_proj; measured faster on the H200 (BENCHMARKS.md §2, P_v).
         for name in ("o_fold", "zk_weight", "zk_bias", "zv_weight", "zv_bias"):
             self.register_buffer(name, None, persistent=False)
         self._folded: tuple | None = None
         # float32 bases for folding, outside the module's buffers so that a cast of the module keeps them
-        self._masters = (self.P_k.detach().clone(), self.P_v.detach().clone())
+        with torch.inference_mode(False):
+            self._masters = (self.P_k.detach().clone(), self.P_v.detach().clone())
         self.refold()
         self.basis_tag = basis_tag(P_k, P_v, key_mode, self.quant)  # checked against each cache it writes
         self._cast_key: tuple | None = None  # (P_k's storage, version, device, dtype) of the cached cast
@@ -129,7 +131,8 @@ class LowRankAttention(nn.Module):
         attn = self.original
         device = attn.o_proj.weight.device
         P_k, P_v = (P.to(device) for P in self._masters)
-        with torch.no_grad():  # buffers: no graph to keep (and to deepcopy)
+        # buffers: no graph to keep (and to deepcopy), and ordinary tensors even under inference_mode
+        with torch.inference_mode(False), torch.no_grad():
             o_fold = fold_values_into_o_proj(attn.o_proj.weight, head_bases(P_v, self.kv_heads))
             fold = fold_bases_into_kv_proj(attn, P_k, P_v, self.key_mode)
         self.o_fold = o_fold
@@ -140,10 +143,12 @@ class LowRankAttention(nn.Module):
     def key_basis(self, dtype: torch.dtype) -> torch.Tensor:
         """``P_k`` in the latents' dtype, as the kernels take it: cast once, not on every call (again after
         the module moves or ``P_k`` is written in place)."""
-        key = (self.P_k.data_ptr(), self.P_k._version, self.P_k.device, dtype)
+        version = 0 if self.P_k.is_inference() else self.P_k._version
+        key = (self.P_k.data_ptr(), version, self.P_k.device, dtype)
         if key != self._cast_key:
             P = head_bases(self.P_k, self.kv_heads)  # a shared basis: head g's block of rows
-            self._cast_P_k, self._cast_key = P.to(dtype), key
+            with torch.inference_mode(False):
+                self._cast_P_k, self._cast_key = P.to(dtype, copy=True), key
         return self._cast_P_k
 
     def latents(self, hidden_states: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -334,6 +339,10 @@ def apply_projections(model: nn.Module, proj: Projections, *, backend: str = "au
         if before is not None:
             apply_projections(model, before, backend=before_backend)
         raise
+    if any(t.is_inference() for layer in layers for t, _ in layer.self_attn._fold_sources()):
+        log.warning("the model's k_proj, v_proj or o_proj weights are inference tensors (made inside "
+                    "torch.inference_mode()): StiefKV cannot see writes to them, so after changing them "
+                    "call stiefkv.load again, or the served model keeps computing with the old ones")
     # config.json names the bases while the model is served: a folder saved after unload does not, so
     # load_model does not serve bases a folder kept from before (save_pretrained leaves other files there)
     model.config.stiefkv_projections = PROJECTIONS_FILE
@@ -392,6 +401,17 @@ def _pickle_guards() -> dict:
         return new
 
     return {"__reduce_ex__": __reduce_ex__, "__deepcopy__": __deepcopy__}
+
+
+def _ordinary(t: torch.Tensor) -> torch.Tensor:
+    """``t``, or a copy of it that is an ordinary tensor where it is an inference tensor (made inside
+    ``torch.inference_mode()``): those have no version counter and cannot be saved for backward, so a model
+    served from inside inference mode failed in every forward (``key_basis`` reads the version) and in any
+    backward afterwards."""
+    if not t.is_inference():
+        return t
+    with torch.inference_mode(False):
+        return t.clone()
 
 
 def load(model: nn.Module, ckpt: str | Path | Projections, *, backend: str = "auto") -> nn.Module:
@@ -500,6 +520,7 @@ class Switch:
 def _latent_cache_hook(module: nn.Module, args, kwargs):
     """Forward pre-hook on the decoder stack: where it would make a ``DynamicCache`` for itself
     (``use_cache`` on and no cache given), give it a :class:`LatentCache`; refuse any other cache."""
+    forget_checked_mask()  # each forward checks its own mask once (its layers share it)
     names = [n for n in ("cache", "past_key_values") if kwargs.get(n) is not None]
     if names:
         as_latent_cache(kwargs[names[0]])
@@ -539,6 +560,12 @@ def _wrap_prepare_cache(original):
                 made = obj.get(key)
                 if id(made) in given:
                     continue
+                if type(made) in (DynamicCache, StaticCache) and getattr(made, "offloading", False):
+                    raise ValueError(
+                        "cache_implementation='offloaded' (or 'offloaded_static') is not supported on a "
+                        "model served by stiefkv.load: its latent cache stays on the model's device (it "
+                        "holds the latents, a fraction of the full cache's bytes). Drop "
+                        "cache_implementation, or ask for 'static'")
                 if type(made) is DynamicCache and made.get_seq_length() == 0:
                     obj[key] = LatentCache()
                 elif type(made) is StaticCache and not getattr(made, "_is_user_defined", False):

@@ -13,6 +13,7 @@ latents it cannot account for, and report sizes that are not ours.
 from __future__ import annotations
 
 import inspect
+import weakref
 
 import torch
 from torch import nn
@@ -169,17 +170,21 @@ class LatentCache(_dynamic_cache_class()):
             raise ValueError(f"this LatentCache holds {held} rows and the forward brings {z_k.shape[0]}: a "
                              "cache continues the batch it was filled with (a new cache, or cache.reset(), "
                              "for another)")
-        z_k, z_v = self._write(z_k, z_v, layer_idx)
+        # the mask is read before anything is written: a forward it refuses leaves the cache as it was
         if self.length is not None:
             refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
+        elif layer_idx == 0:
+            held = 0 if self.positions is None else self.positions.shape[1]
+            lengths = lengths_from_mask(attention_mask, z_k.shape[0], held + z_k.shape[2])
+        z_k, z_v = self._write(z_k, z_v, layer_idx)
+        if self.length is not None:
             return z_k, z_v, self._extend_compacted(layer_idx, positions, z_k.shape[2]), None
         if layer_idx == 0:
             positions = positions.to(torch.int32)
             old = self.positions
             self.positions = positions if old is None else torch.cat([old, positions], 1)
+            self.lengths = lengths
         _check_held(layer_idx, z_k.shape[2], z_v.shape[2], self.positions.shape[1])
-        if layer_idx == 0:
-            self.lengths = lengths_from_mask(attention_mask, z_k.shape[0], z_k.shape[2])
         return z_k, z_v, self.positions, self.lengths
 
     def _extend_compacted(self, i: int, positions: torch.Tensor, held: int) -> torch.Tensor:
@@ -220,9 +225,18 @@ class LatentCache(_dynamic_cache_class()):
         if self.length is not None:
             raise ValueError("a compacted LatentCache cannot be cropped (its layers hold different numbers "
                              "of entries); compact the prompt again from a fresh prefill")
-        super().crop(max_length)
+        # one reading of the argument for every layer, float and quantized alike: transformers ≥ 5.24 passes
+        # -(tokens to remove) and refuses a positive one in its own layers, earlier versions the length to
+        # keep; a checkpoint mixing the two kinds had some layers cropped, then failed, the cache half cut
+        held = self.get_seq_length()
+        keep = max(0, min(held, held + max_length if max_length <= 0 else max_length))
+        for layer in self.layers:
+            if isinstance(layer, QuantizedLatentLayer):
+                layer._keep(keep)
+            elif isinstance(getattr(layer, "keys", None), torch.Tensor) and layer.keys.dim() == 4:
+                layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
         if self.positions is not None:
-            self.positions = self.positions[:, : self.get_seq_length()]
+            self.positions = self.positions[:, :keep]
         # lengths are recomputed from the mask by the next forward, which sees the cropped length
 
     def batch_repeat_interleave(self, repeats: int):
@@ -640,7 +654,14 @@ def _right_padded_ends(mask: torch.Tensor, visible: torch.Tensor, lengths: torch
 NOT_CAUSAL = ("StiefKV's latent attention is causal over left-padded rows; this 4-D attention_mask hides "
               "other keys from some queries (packed documents, a custom pattern), which the latent attention "
               "cannot represent: run each document as its own row, or the model unserved (stiefkv.unload)")
-_CHECKED: list = [None]  # the last mask found causal (a forward's layers share one)
+_CHECKED: list = [None]  # (a weak reference to, and the key of) the last mask found causal: a forward's
+# layers share one. Its object, not its address: a new mask at a freed one's address is checked again.
+
+
+def forget_checked_mask() -> None:
+    """Check the next mask again (each forward of a served model starts so): an inference tensor has no
+    version, so a mask edited in place between forwards would otherwise pass as the one checked before."""
+    _CHECKED[0] = None
 
 
 def _check_causal_rows(mask: torch.Tensor, lengths: torch.Tensor, ends: torch.Tensor, batch: int,
@@ -649,7 +670,8 @@ def _check_causal_rows(mask: torch.Tensor, lengths: torch.Tensor, ends: torch.Te
     ends a row's real keys at ``ends``): only the last row was read, so the rows before it of a packed or
     custom mask were silently attended as causal."""
     key = (mask.data_ptr(), tuple(mask.shape), mask._version if not mask.is_inference() else 0, n_keys)
-    if _CHECKED[0] == key:
+    memo = _CHECKED[0]
+    if memo is not None and memo[0]() is mask and memo[1] == key:
         return
     N = mask.shape[2]
     visible = _visible(mask[:, 0, :, -n_keys:]).expand(batch, N, n_keys)
@@ -665,4 +687,4 @@ def _check_causal_rows(mask: torch.Tensor, lengths: torch.Tensor, ends: torch.Te
     whole = visible.all(-1) | ~visible.any(-1) | (at >= pads)
     if bool(((visible != expected) & real[..., None]).any()) or not bool((whole | real).all()):
         raise ValueError(NOT_CAUSAL)
-    _CHECKED[0] = key
+    _CHECKED[0] = (weakref.ref(mask), key)

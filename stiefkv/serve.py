@@ -61,8 +61,10 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         ``generate`` does; None keeps every token.
     """
     B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture)
+    max_new_tokens, prefill_chunk = int(max_new_tokens), int(prefill_chunk)
     if not (isinstance(eos_token_id, str) and eos_token_id == "model"):
-        _end_ids(eos_token_id)  # a bad end token is refused before any work
+        eos_token_id = _end_ids(eos_token_id)  # a bad end token is refused before any work
+    pad_token_id = _pad_id(model, pad_token_id)
     device = input_ids.device
     whole = isinstance(max_length, numbers.Integral) and not isinstance(max_length, bool)
     if max_length is not None and not whole:
@@ -102,10 +104,13 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
 def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture) -> tuple[int, int]:
     check_token_ids(model, input_ids, "input_ids")
     for name, value in (("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        if not _whole(value) or value < 1:
             raise ValueError(f"{name} must be a whole number ≥ 1, got {value!r}")
-    if capture not in CAPTURE:
-        raise ValueError(f"capture must be one of {CAPTURE}, got {capture!r}")
+    if not any(capture is c for c in CAPTURE[1:]) and not (isinstance(capture, str) and capture == "auto"):
+        raise ValueError(f"capture must be one of {CAPTURE}, got {capture!r}")  # not 1 for True
+    if attention_mask is not None and not isinstance(attention_mask, torch.Tensor):
+        raise ValueError(f"attention_mask must be a [batch, tokens] tensor of 0 and 1 (or None), got "
+                         f"{type(attention_mask).__name__}")
     if capture is True and input_ids.device.type != "cuda":
         raise ValueError(f"capture=True records a CUDA graph and needs the model and ids on a CUDA device; "
                          f"they are on {input_ids.device}. Use capture='auto' (eager here) or False")
@@ -139,15 +144,31 @@ def _model_end_tokens(model: nn.Module, pad: int | None):
     return getattr(config, "eos_token_id", None), pad
 
 
+def _whole(value) -> bool:
+    """An integer (Python's or numpy's), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def _end_ids(eos) -> list[int]:
     """End token ids from one id, a list or tensor of them, or None (none)."""
     if eos is None:
         return []
     ids = eos.flatten().tolist() if isinstance(eos, torch.Tensor) else eos
     ids = list(ids) if isinstance(ids, (list, tuple)) else [ids]
-    if not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+    if not all(_whole(i) for i in ids):
         raise ValueError(f"eos_token_id must be a token id, a list of them, None or 'model'; got {eos!r}")
-    return ids
+    return [int(i) for i in ids]
+
+
+def _pad_id(model, pad) -> int | None:
+    """``pad_token_id`` checked before any work: None, or a token id of the model's vocabulary."""
+    if pad is None:
+        return None
+    vocab = getattr(model.config, "vocab_size", None)
+    if not _whole(pad) or pad < 0 or (isinstance(vocab, int) and pad >= vocab):
+        where = f" in [0, {vocab})" if isinstance(vocab, int) else " ≥ 0"
+        raise ValueError(f"pad_token_id must be a token id{where} or None, got {pad!r}")
+    return int(pad)
 
 
 def _pad_after_eos(tokens: torch.Tensor, ends: list[int], pad: int) -> torch.Tensor:

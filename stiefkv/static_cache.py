@@ -13,6 +13,7 @@ It serves ``model.generate(..., cache_implementation="static")`` on a model prep
 
 from __future__ import annotations
 
+import numbers
 from typing import NamedTuple
 
 import torch
@@ -544,9 +545,11 @@ class StaticLatentCache(LatentCache):
 
     def __init__(self, model: nn.Module, batch_size: int, max_length: int):
         super().__init__()
-        if batch_size < 1 or max_length < 1:
-            raise ValueError(f"a static cache needs batch_size ≥ 1 and max_length ≥ 1, got {batch_size} and "
-                             f"{max_length}")
+        whole = [isinstance(v, numbers.Integral) and not isinstance(v, bool)
+                 for v in (batch_size, max_length)]
+        if not all(whole) or batch_size < 1 or max_length < 1:  # 2.7 rows were 2, "2" a TypeError
+            raise ValueError(f"a static cache needs whole numbers batch_size ≥ 1 and max_length ≥ 1, got "
+                             f"{batch_size!r} and {max_length!r}")
         self.rows, self.max_length = int(batch_size), int(max_length)
         # Slots allocated: max_length rounded up to 16, so that every (row, head) of a buffer starts on a
         # 16-byte boundary the kernels' compiler can see (a stride divisible by 16); at 32834 slots of 28-byte
@@ -670,16 +673,21 @@ class StaticLatentCache(LatentCache):
             raise ValueError(f"the static cache was allocated for batch {self.rows}, got {z_k.shape[0]}: "
                              f"allocate one for batch {z_k.shape[0]} (or pass {self.rows} rows)")
         if layer_idx == 0:
-            self._start = self.seen  # the host's count before this forward (not read under capture)
-            if not _capturing(z_k.device):
+            capturing = _capturing(z_k.device)
+            if not capturing:
                 self.check_room(n)
+            # the mask is read before anything moves: a forward it refuses leaves the cache as it was (the
+            # slots it would have taken were read as tokens by the next forward)
+            lengths = self._lengths(attention_mask, self.seen + (0 if capturing else n), n)
+            self._start = self.seen  # the host's count before this forward (not read under capture)
+            if not capturing:
                 self.seen += n
             self._cut = self.windowed and n > 1
             self._split_steps = {}
             self._slots = self.filled.long() + torch.arange(n, device=self.filled.device)
             self.positions.index_copy_(1, self._slots, positions.to(torch.int32))
             self.filled.add_(n)
-            self.lengths = self._lengths(attention_mask)
+            self.lengths = lengths
         slots = self._slots.to(z_k.device)
         if n == 1 and layer_idx in self.split_layers:
             return self._ring_split(layer_idx, slots, z_k, z_v), None, self.positions.to(z_k.device), None
@@ -769,13 +777,15 @@ class StaticLatentCache(LatentCache):
         self._split_steps[key] = step
         return step
 
-    def _lengths(self, attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    def _lengths(self, attention_mask: torch.Tensor | None, seen: int, n: int) -> torch.Tensor | None:
+        """Valid lengths ``[B]`` once this forward's ``n`` tokens are in (``seen`` slots held then), read
+        before ``filled`` advances."""
         if attention_mask is not None:  # transformers' 4-D mask over the filled slots (eager only)
-            lengths = lengths_from_mask(attention_mask, self.rows, self.seen)
+            lengths = lengths_from_mask(attention_mask, self.rows, seen)
             if lengths is not None:
-                self.starts = (self.seen - lengths).to(self.filled.device, torch.int32)
+                self.starts = (seen - lengths).to(self.filled.device, torch.int32)
             return lengths
-        return None if self.starts is None else self.filled - self.starts
+        return None if self.starts is None else self.filled + n - self.starts
 
     # ------------------------------------------------------------------ edits transformers makes
     def reorder_cache(self, beam_idx: torch.LongTensor):

@@ -285,6 +285,39 @@ def test_a_served_folder_uploaded_to_the_hub_loads_served(tmp_path):
     assert out["found"][0].endswith(PROJECTIONS_FILE) and out["found"][1] is None
 
 
+@pytest.mark.parametrize("implementation", ["offloaded", "offloaded_static"])
+def test_offloaded_caches_are_refused(implementation):
+    """generate's offloaded caches were replaced by a latent cache on the device without a word: refused,
+    naming what works."""
+    model = tiny_model()
+    stiefkv.load(model, random_projections(model, 11, 13))
+    with pytest.raises(ValueError, match="'offloaded'.*not supported.*ask for 'static'"):
+        model.generate(ids(n=6), max_new_tokens=2, cache_implementation=implementation, pad_token_id=0)
+
+
+def test_a_model_served_from_inside_inference_mode_runs_outside_it_too(caplog):
+    """stiefkv.load inside torch.inference_mode() made the bases, their masters and casts and the folds
+    inference tensors: every forward then failed inside torch (no version counter), and any backward
+    afterwards (they cannot be saved for it). They are ordinary tensors now, whatever the mode; the same
+    logits as a model served outside it."""
+    model, want = tiny_model(), tiny_model()
+    x = ids(n=6)
+    stiefkv.load(want, random_projections(want, 11, 13))
+    with torch.inference_mode():
+        stiefkv.load(model, random_projections(model, 11, 13))
+        inside = model(x).logits
+        model.generate(x, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    with torch.no_grad():
+        assert torch.equal(model(x).logits, inside) and torch.equal(want(x).logits, inside)
+    model(x).logits.sum().backward()  # gradients reach the embeddings, not the folded k/v/o weights
+    assert model.model.embed_tokens.weight.grad is not None
+    assert "inference tensors" not in caplog.text
+    with torch.inference_mode():  # weights made there have no version: edits to them cannot be seen
+        made_inside = tiny_model()
+    stiefkv.load(made_inside, random_projections(made_inside, 11, 13))
+    assert "inference tensors" in caplog.text and "call stiefkv.load again" in caplog.text
+
+
 def test_a_served_model_saved_under_the_home_folder_keeps_one_folder(tmp_path, monkeypatch):
     """save_pretrained("~/x"): transformers wrote ./~/x and the bases went to $HOME/x."""
     monkeypatch.setenv("HOME", str(tmp_path))

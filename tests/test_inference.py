@@ -6,6 +6,7 @@ import pytest
 import torch
 
 import stiefkv
+from stiefkv.cache import cache_keyword
 from stiefkv.models import dims_of, rope_spec
 from tests.tiny import ARCHS, random_projections, tiny_model
 from tests.utils import assert_close, greedy_by_backend
@@ -392,6 +393,58 @@ def test_a_mask_the_latent_attention_cannot_follow_is_refused(key_mode):
     mask[1, :4] = 0
     assert_close(served(ids, attention_mask=mask).logits[1, 4:], base(ids, attention_mask=mask).logits[1, 4:],
                  1e-5, 1e-5, what="left padding")
+
+
+def test_a_mask_edited_in_place_or_made_anew_is_checked_again():
+    """The check of a 4-D mask was remembered by the tensor's address and version: under inference mode
+    (no versions) a causal mask edited in place into two packed documents passed as the one checked before
+    (0.40 off on the logits), and so did a new packed mask at a freed one's address. Each forward checks its
+    mask now, and the memory holds the object, not its address."""
+    served = tiny_model()
+    stiefkv.load(served, random_projections(served, 24, 24))
+    ids = torch.randint(3, 90, (1, 16))
+    with torch.inference_mode():
+        mask = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()
+        served(ids, attention_mask=mask)
+        mask[:, :, 8:, :8] = False  # two packed documents
+        with pytest.raises(ValueError, match="this 4-D attention_mask hides other keys"):
+            served(ids, attention_mask=mask)
+    from stiefkv.cache import _check_causal_rows
+
+    lengths, ends = torch.tensor([16]), torch.tensor([16])
+    for _ in range(12):  # freed and made again: often at the same address
+        _check_causal_rows(torch.ones(1, 1, 16, 16, dtype=torch.bool).tril(), lengths, ends, 1, 16)
+        packed = torch.ones(1, 1, 16, 16, dtype=torch.bool).tril()
+        packed[:, :, 8:, :8] = False
+        with pytest.raises(ValueError, match="this 4-D attention_mask hides other keys"):
+            _check_causal_rows(packed, lengths, ends, 1, 16)
+
+
+@pytest.mark.parametrize("static", [False, True])
+def test_a_refused_forward_leaves_the_cache_as_it_was(static):
+    """A mask refused at layer 0 was read after that layer wrote its latents (the dynamic cache) or after
+    the slots, positions and count advanced (the static one): the next forward read a slot never written as
+    a token (0.04 off, silently), or was refused for the wrong reason. The mask is read before anything is
+    written now: the next forward equals one over a cache that never saw the refused call."""
+    served = tiny_model()
+    stiefkv.load(served, random_projections(served, 11, 13))
+    ids, nxt = torch.randint(3, 90, (2, 12)), torch.randint(3, 90, (2, 1))
+    hole = torch.ones(2, 13, dtype=torch.long)
+    hole[0, 5] = 0
+    kw = {cache_keyword(served): None, "use_cache": True}
+
+    def cache():
+        c = stiefkv.StaticLatentCache(served, 2, 20) if static else stiefkv.LatentCache()
+        served(ids, **{**kw, cache_keyword(served): c})
+        return c
+
+    refused = cache()
+    with pytest.raises(ValueError, match="left-padded batches only"):
+        served(nxt, attention_mask=hole, **{**kw, cache_keyword(served): refused})
+    assert refused.get_seq_length() == 12
+    got = served(nxt, **{**kw, cache_keyword(served): refused}).logits
+    want = served(nxt, **{**kw, cache_keyword(served): cache()}).logits
+    assert torch.equal(got, want)
 
 
 def test_what_a_served_model_does_not_do_is_said_once(monkeypatch):

@@ -561,16 +561,26 @@ def test_generate_greedy_and_beams_on_quantized_latents():
     assert beams.shape == (2, 15)
 
 
-def test_crop_then_continue_matches_a_fresh_prefill():
+@pytest.mark.parametrize("mixed", [False, True])
+@pytest.mark.parametrize("size", [-12, 13, 0, 40, -40])
+def test_crop_then_continue_matches_a_fresh_prefill(mixed, size):
+    """Either reading of crop's argument (transformers ≥ 5.24: tokens to remove; earlier: the length to
+    keep) crops every layer alike. A checkpoint of quantized and float layers had its quantized layers
+    cropped to a positive length, then failed in transformers' float layers, the cache left half cut."""
     model = tiny_model()
-    stiefkv.load(model, quantized_projections(model))
+    specs = [(QuantSpec(4, "token"), QuantSpec(3, "token")), (QuantSpec(16), QuantSpec(16))]
+    specs = specs if mixed else None
+    stiefkv.load(model, quantized_projections(model, specs=specs))
     ids = torch.randint(0, 97, (1, 30), generator=gen(4))
     _, cache = decode_logits(model, ids, 25)
-    cache.crop(-12)  # transformers ≥ 5.24: remove 12 tokens
-    assert cache.get_seq_length() == 18 and cache.positions.shape[1] == 18
-    nxt = model(ids[:, 18:19], use_cache=True, past_key_values=cache).logits
-    fresh = model(ids[:, :19], use_cache=False).logits[:, -1:]
-    torch.testing.assert_close(nxt, fresh, rtol=1e-4, atol=1e-4)
+    cache.crop(size)
+    keep = {-12: 18, 13: 13, 0: 30, 40: 30, -40: 0}[size]  # of the 30 held
+    assert cache.get_seq_length() == keep and cache.positions.shape[1] == keep
+    assert all(layer.get_seq_length() == keep for layer in cache.layers)
+    if 0 < keep < 30:
+        nxt = model(ids[:, keep:keep + 1], use_cache=True, past_key_values=cache).logits
+        fresh = model(ids[:, :keep + 1], use_cache=False).logits[:, -1:]
+        torch.testing.assert_close(nxt, fresh, rtol=1e-4, atol=1e-4)
 
 
 def test_quantized_checkpoint_round_trip_and_versions(tmp_path):

@@ -7,6 +7,7 @@ tokens exactly (GQA 3, ranks 11 and 13, left padding, prefill chunks that do not
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -310,6 +311,22 @@ def test_bad_input():
         stiefkv.generate(model, ids + 1000, max_new_tokens=2)
     with pytest.raises(ValueError, match="a StaticLatentCache keeps its buffers fixed"):
         stiefkv.compact(model, cache, keep=0.5)
+    # checked before any work (a bad pad id failed inside torch after the generation; 1.5 became 1), numpy
+    # integers taken where Python's are, capture=1 is not True, a mask that is not a tensor is named
+    for bad in ("x", 1.5, -1, 1000):
+        with pytest.raises(ValueError, match=r"pad_token_id must be a token id in \[0, 97\) or None"):
+            stiefkv.generate(model, ids, max_new_tokens=2, pad_token_id=bad, eos_token_id=5)
+    with pytest.raises(ValueError, match="capture must be one of"):
+        stiefkv.generate(model, ids, max_new_tokens=2, capture=1)
+    with pytest.raises(ValueError, match="attention_mask must be a .batch, tokens. tensor"):
+        stiefkv.generate(model, ids, max_new_tokens=2, attention_mask=mask.tolist())
+    want = stiefkv.generate(model, ids, max_new_tokens=3, eos_token_id=[5], pad_token_id=0)
+    numpy_ints = stiefkv.generate(model, ids, max_new_tokens=np.int64(3), prefill_chunk=np.int64(64),
+                                  eos_token_id=np.int64(5), pad_token_id=np.int64(0))
+    assert torch.equal(numpy_ints, want)
+    for rows, length in (("2", 20), (2.7, 20), (2, 20.0), (True, 20)):
+        with pytest.raises(ValueError, match="needs whole numbers batch_size ≥ 1 and max_length ≥ 1"):
+            StaticLatentCache(model, rows, length)
 
 
 # both key modes for the plain stores and the channel-keyed window; the other windowed stores (slow under the
