@@ -319,7 +319,8 @@ def main():
                    "that layer compressed (kl), or the layer's own error relative to its output (output) or "
                    "to its update (update).")
 @click.option("--profile", type=click.Choice(PROFILES), default=DEFAULTS["profile"], show_default=True,
-              help="For dp: profile errors with PCA bases (cheap) or refined bases at every rank (slow).")
+              help="For dp: profile errors with PCA bases (cheap) or refined bases at every rank (slow; "
+                   "with --weighting output or update: the default kl profiles with PCA bases only).")
 @click.option("--order", type=click.Choice(ORDERS), default=DEFAULTS["order"], show_default=True,
               help="sequential = each layer is fitted on the outputs of the already-compressed layers before "
                    "it; independent = on the uncompressed model's activations.")
@@ -454,9 +455,10 @@ def inspect(checkpoint, as_json):
               help="Instead of --projections, a quantization-only cache on the same harness and bytes "
                    "accounting: int8/int4/int3/int2 (keys and values per token) or kivi8/kivi4/kivi3/kivi2 "
                    f"(keys per channel over 64-token groups, values per token), each keeping its "
-                   f"{DEFAULT_RECENT} newest tokens exact (add -r0 for none: kivi2-r0); or transformers' own "
-                   "QuantizedCache (optimum-quanto backend): hf-quanto4/hf-quanto2, scored 64 tokens per "
-                   "forward through the cache.")
+                   f"{DEFAULT_RECENT} newest tokens exact (add -r0 for none: kivi2-r0; -w8 to hold them in "
+                   "int8: kivi2-w8); below 8 bits -mse or -vmse fit the codes by least squares (all, or the "
+                   "values only: int4-mse); or transformers' own QuantizedCache (optimum-quanto backend): "
+                   "hf-quanto4/hf-quanto2, scored 64 tokens per forward through the cache.")
 @click.option("--data", default="wikitext2", show_default=True,
               help="Test text: wikitext2 (test split) or a .txt/.jsonl file or folder.")
 @click.option("--window", type=int, default=2048, show_default=True, help="Tokens per perplexity window.")
@@ -472,8 +474,9 @@ def inspect(checkpoint, as_json):
 @click.option("--kl-context", type=int, default=8192, show_default=True, help="Tokens for --attention-kl.")
 @click.option("--compact", type=float, default=None,
               help="Compressed-context perplexity instead: prefill --context tokens, compact their cache to "
-                   "this fraction per KV head (--compact-method), score the next 512 tokens on top, against "
-                   "the same chunks uncompressed (the uncompressed model's own cache; --windows = chunks).")
+                   "this fraction per KV head (--compact-method), score the next 511 tokens on top (a chunk "
+                   "of 512 after the context: its first is predicted by the context's last), against the "
+                   "same chunks uncompressed (the uncompressed model's own cache; --windows = chunks).")
 @click.option("--context", type=int, default=4096, show_default=True, help="Context tokens for --compact.")
 @click.option("--passkey", type=int, default=None, metavar="N",
               help="With --compact: pass-key retrieval instead of perplexity, over N prompts of --context "
