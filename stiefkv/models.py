@@ -70,11 +70,8 @@ def arch_of(config) -> Arch:
     cfg = text_config(config)
     model_type = getattr(cfg, "model_type", "?")
     if model_type not in ARCHITECTURES:
-        raise ModelLoadError(
-            f"unsupported architecture {model_type!r} "
-            f"({', '.join(getattr(cfg, 'architectures', None) or [])}); "
-            f"StiefKV supports Llama-style attention: {', '.join(sorted(ARCHITECTURES))}"
-        )
+        classes = ", ".join(getattr(cfg, "architectures", None) or [])
+        _refuse_architecture(model_type, f" ({classes})" if classes else "")
     window = getattr(cfg, "sliding_window", None)
     if window and getattr(cfg, "use_sliding_window", model_type == "mistral"):
         raise ModelLoadError(
@@ -89,6 +86,11 @@ def arch_of(config) -> Arch:
     if rope_type in UNSUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported (position-dependent frequencies)")
     return ARCHITECTURES[model_type]
+
+
+def _refuse_architecture(name: str, where: str = "") -> None:
+    raise ModelLoadError(f"unsupported architecture {name!r}{where}; StiefKV supports Llama-style attention: "
+                         f"{', '.join(sorted(ARCHITECTURES))}")
 
 
 def dims_of(config) -> Dims:
@@ -305,14 +307,18 @@ def _load_gguf(gguf: Path) -> Path:
     for package in ("gguf", "accelerate"):
         if importlib.util.find_spec(package) is None:
             raise ModelLoadError(f"loading {gguf.name} needs the {package!r} package: pip install {package}")
+    # Refuse a foreign architecture from the header, before minutes of de-quantising and a cache entry
+    # that would never be served (arch_of reads the converted config only afterwards).
+    architecture = gguf_architecture(gguf)
+    if architecture not in ARCHITECTURES:
+        _refuse_architecture(architecture, f" (general.architecture of {gguf.name})")
     log.info("de-quantising %s (once; cached in %s)", gguf.name, cached)
     try:
         model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
                                                      dtype=torch.float32)
         tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     except GGUF_READ_ERRORS as exc:
-        raise ModelLoadError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: "
-                             f"{_first_line(exc)}); is the file complete?") from None
+        raise _unreadable_gguf(gguf, exc) from None
     tmp = cached.with_name(cached.name + f".tmp{os.getpid()}")
     try:
         _save_plain(model, tok, tmp)
@@ -328,6 +334,27 @@ def _load_gguf(gguf: Path) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
     _remove_legacy_cache_entries(gguf)
     return cached
+
+
+def _unreadable_gguf(gguf: Path, exc: BaseException) -> ModelLoadError:
+    return ModelLoadError(f"{gguf} is not a readable GGUF model ({type(exc).__name__}: {_first_line(exc)}); "
+                          "is the file complete?")
+
+
+def gguf_architecture(gguf: Path) -> str:
+    """The ``general.architecture`` a GGUF file's header names (``llama``, ``qwen2``, ``phi3`` …), read
+    without loading its tensors."""
+    from gguf import GGUFReader
+
+    try:
+        field = GGUFReader(gguf).get_field("general.architecture")
+        architecture = field.contents() if field is not None else None
+    except GGUF_READ_ERRORS as exc:
+        raise _unreadable_gguf(gguf, exc) from None
+    if not isinstance(architecture, str) or not architecture:
+        raise ModelLoadError(f"{gguf} names no model architecture (general.architecture) in its header: "
+                             "give a GGUF model file converted by llama.cpp")
+    return architecture
 
 
 def _save_plain(model, tok, folder: Path) -> None:

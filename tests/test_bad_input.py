@@ -22,7 +22,7 @@ from stiefkv.data import DataError, load_texts
 from stiefkv.models import ModelLoadError
 from stiefkv.projections import PROJECTIONS_FILE, CheckpointError, Projections, header_sha256, tensors_sha256
 from tests.tiny import random_projections, tiny_model
-from tests.utils import CharTokenizer, save_tiny_model
+from tests.utils import CharTokenizer, save_tiny_gguf, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
 PROGRESS_BAR = re.compile(r"\d+%\|")  # tqdm's lines (stderr) are not messages
@@ -662,6 +662,25 @@ def test_gguf_cache_is_keyed_by_content(tmp_path, monkeypatch):
         folder.mkdir(parents=True)
     _remove_legacy_cache_entries(tmp_path / "env1" / "m.gguf")
     assert not by_path.exists() and not unversioned.exists() and other.exists() and a.exists()
+
+
+def test_a_gguf_of_another_architecture_is_refused_from_its_header_before_converting(tmp_path, monkeypatch):
+    """Found by a tester: a phi3 GGUF was de-quantised and cached in full before arch_of refused it, naming
+    an empty list of classes "()". A supported one still converts."""
+    monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
+    phi3 = save_tiny_gguf(tmp_path / "phi.gguf", "phi3")
+    with pytest.raises(ModelLoadError, match=r"^unsupported architecture 'phi3' \(general.architecture of "
+                                             r"phi.gguf\); StiefKV supports Llama-style attention: llama, "):
+        stiefkv.load_model(str(phi3))
+    assert not (tmp_path / "cache" / "gguf").exists() or not any((tmp_path / "cache" / "gguf").iterdir())
+    result = run(["calibrate", phi3, "-o", tmp_path / "o.safetensors"], 2)
+    assert "unsupported architecture 'phi3'" in result.output
+    model, _ = stiefkv.load_model(str(save_tiny_gguf(tmp_path / "llama.gguf", "llama")))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    from transformers import GPT2Config
+
+    with pytest.raises(ModelLoadError, match=r"^unsupported architecture 'gpt2'; StiefKV supports"):
+        stiefkv.models.arch_of(GPT2Config())  # no classes named: no empty "()"
 
 
 def test_a_folder_whose_tokenizer_this_transformers_cannot_read_is_named(tmp_path, monkeypatch):

@@ -107,3 +107,52 @@ def compiles_for_the_gpu(script: str) -> None:
         done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True,
                               timeout=600)
     assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+
+
+def save_tiny_gguf(path: Path, architecture: str = "llama") -> Path:
+    """A one-layer random model of ``architecture`` (``llama``, or ``phi3`` with its fused QKV and gate-up
+    weights) with a 16-token tokenizer, written as a float32 GGUF file that transformers converts."""
+    import gguf
+    import numpy as np
+
+    V, D, F, H, G = 16, 8, 12, 2, 1
+    d = D // H
+    rng = np.random.default_rng(0)
+
+    def weight(*shape):
+        return rng.standard_normal(shape).astype(np.float32)
+
+    w = gguf.GGUFWriter(str(path), architecture)
+    w.add_name("tiny")
+    w.add_context_length(64)
+    w.add_embedding_length(D)
+    w.add_feed_forward_length(F)
+    w.add_block_count(1)
+    w.add_head_count(H)
+    w.add_head_count_kv(G)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_dimension_count(d)
+    w.add_tokenizer_model("llama")
+    w.add_token_list(["<unk>", "<s>", "</s>"] + [f"t{i}" for i in range(V - 3)])
+    w.add_token_scores([0.0] * V)
+    w.add_token_types([2, 3, 3] + [1] * (V - 3))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_pad_token_id(0)
+    layer = {"attn_output": weight(D, D), "ffn_down": weight(D, F), "attn_norm": np.ones(D, np.float32),
+             "ffn_norm": np.ones(D, np.float32)}
+    if architecture == "phi3":
+        layer |= {"attn_qkv": weight(D + 2 * G * d, D), "ffn_up": weight(2 * F, D)}
+    else:
+        layer |= {"attn_q": weight(D, D), "attn_k": weight(G * d, D), "attn_v": weight(G * d, D),
+                  "ffn_up": weight(F, D), "ffn_gate": weight(F, D)}
+    tensors = {"token_embd.weight": weight(V, D), "output_norm.weight": np.ones(D, np.float32),
+               "output.weight": weight(V, D)} | {f"blk.0.{k}.weight": v for k, v in layer.items()}
+    for name, tensor in tensors.items():
+        w.add_tensor(name, tensor)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
