@@ -195,11 +195,11 @@ def _check_outputs(outputs: dict, model: str, files: tuple = (), data: str | Non
 
     ``outputs`` maps an option name to a path (None: not given); ``files`` are input files or folders.
     """
-    from stiefkv.models import cache_dir, model_paths
+    from stiefkv.models import cache_dir, is_gguf, model_paths
     from stiefkv.projections import ensure_writable
 
     inputs = [("the model", p) for p in model_paths(model)] + [("an input", Path(f)) for f in files if f]
-    if Path(model).suffix == ".gguf" or model in ("smollm2",):
+    if is_gguf(model):
         inputs.append(("the de-quantised model cache", cache_dir() / "gguf"))
     data_path = Path(data).expanduser() if data not in (None, "wikitext2", "self") else None
     if data_path is not None and data_path.exists():

@@ -382,12 +382,18 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
                 "pytorch_model.bin.index.json")
 
 
+def is_gguf(spec: str) -> bool:
+    """Whether loading ``spec`` reads a GGUF file: an alias, or a path whose suffix is ``.gguf`` in any case
+    (``model.GGUF`` too)."""
+    return spec in ALIASES or Path(spec).suffix.lower() == ".gguf"
+
+
 def _resolve(spec: str) -> str:
     """A local folder path or hub id for ``from_pretrained``."""
     if spec in ALIASES:
         return str(_load_gguf(resolve_alias(spec)))
     path = Path(spec).expanduser()
-    if path.suffix == ".gguf":
+    if is_gguf(spec):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {spec} does not exist")
         return str(_load_gguf(path))
@@ -590,7 +596,7 @@ def served_bases(spec: str, config=None, name: str | None = None) -> Path | None
     ``config``: the model's, if loaded already; ``name``: the spec to name in errors (default ``spec``).
     None for aliases, GGUF files, and hub ids that cannot be reached (loading the model says why)."""
     path = Path(spec).expanduser()
-    if spec in ALIASES or path.suffix == ".gguf":
+    if is_gguf(spec):
         return None
     if path.exists():
         return saved_projections(path)

@@ -683,6 +683,17 @@ def test_a_gguf_of_another_architecture_is_refused_from_its_header_before_conver
         stiefkv.models.arch_of(GPT2Config())  # no classes named: no empty "()"
 
 
+def test_a_gguf_suffix_in_capitals_is_a_gguf(tmp_path, monkeypatch):
+    """Found by a tester: model.GGUF was taken for a model folder ("holds no config.json")."""
+    monkeypatch.setenv("STIEFKV_CACHE_DIR", str(tmp_path / "cache"))
+    model, _ = stiefkv.load_model(str(save_tiny_gguf(tmp_path / "model.GGUF")))
+    assert type(model).__name__ == "LlamaForCausalLM"
+    assert stiefkv.models.served_bases(str(tmp_path / "model.GGUF")) is None
+    inside_the_cache = tmp_path / "cache" / "gguf" / "o.safetensors"
+    result = run(["calibrate", tmp_path / "model.GGUF", "-o", inside_the_cache], 2)
+    assert "the de-quantised model cache" in result.output
+
+
 def test_a_folder_whose_tokenizer_this_transformers_cannot_read_is_named(tmp_path, monkeypatch):
     """A tokenizer class this transformers lacks (transformers 4.57 reading a folder transformers 5 wrote says
     what the stub below says) is told apart from a folder without tokenizer files."""
