@@ -538,7 +538,7 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
     -------
     ``(model, tokenizer)``, the model in eval mode.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoTokenizer
 
     device = resolve_device(device)
     source = _resolve(spec)
@@ -550,11 +550,7 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
             f"folder, or a reachable Hugging Face id ({type(exc).__name__}: {_first_line(exc)})"
         ) from None
     arch_of(config)
-    try:
-        model = AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"cannot load the weights of model {spec!r} ({type(exc).__name__}: "
-                             f"{_first_line(exc)})") from None
+    model = _load_weights(source, spec, config, dtype)
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, TypeError) as exc:
@@ -588,6 +584,60 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
                                   f"saved there now ({exc}). Load it with projections=False, or delete the "
                                   "file, or calibrate the model again") from None
     return model, tok
+
+
+def _load_weights(source: str, spec: str, config, dtype: torch.dtype) -> nn.Module:
+    """``from_pretrained`` of ``source``, with a damaged weights file or weights whose shapes differ from
+    ``config`` (named ``spec``) said in one line."""
+    from safetensors import SafetensorError
+    from transformers import AutoModelForCausalLM
+
+    try:
+        return AutoModelForCausalLM.from_pretrained(source, dtype=dtype, attn_implementation="sdpa")
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"cannot load the weights of model {spec!r} ({type(exc).__name__}: "
+                             f"{_first_line(exc)})") from None
+    except SafetensorError as exc:
+        raise ModelLoadError(f"cannot load the weights of model {spec!r} ({type(exc).__name__}: "
+                             f"{_first_line(exc)}): a weights file is damaged or incomplete; copy or "
+                             "download it again") from None
+    except RuntimeError as exc:  # transformers' shape mismatch or torch's unreadable .bin: torch's own type
+        mismatch = _mismatched_weight(Path(source), config)
+        if mismatch:
+            raise ModelLoadError(f"cannot load the weights of model {spec!r}: {mismatch}; use the "
+                                 "config.json saved with these weights") from None
+        raise ModelLoadError(f"cannot load the weights of model {spec!r} ({type(exc).__name__}: "
+                             f"{_first_line(exc)}): are its weights files complete, and saved with this "
+                             "config.json?") from None
+
+
+def _mismatched_weight(folder: Path, config) -> str | None:
+    """The first weight in a local folder's safetensors files whose shape differs from the one ``config``
+    gives it, as ``name is [..] in file but [..] by its config.json`` (transformers' own report of it is a
+    logged table the CLI does not show); None where there is none or the folder is not local."""
+    from transformers import AutoModelForCausalLM
+
+    if not folder.is_dir():
+        return None
+    with torch.device("meta"):  # shapes only: nothing allocated
+        model = AutoModelForCausalLM.from_config(config)
+    expected = {name: list(weight.shape) for name, weight in model.state_dict().items()}
+    for file in sorted(set(folder.glob("*.safetensors")) - {folder / PROJECTIONS_FILE}):
+        for name, shape in _safetensors_shapes(file).items():
+            if name in expected and expected[name] != shape:
+                return f"{name} is {shape} in {file.name} but {expected[name]} by its config.json"
+    return None
+
+
+def _safetensors_shapes(file: Path) -> dict[str, list[int]]:
+    """Every tensor's shape in a safetensors file, from its header; empty for a file that cannot be read."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(str(file), "pt") as f:
+            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except (SafetensorError, OSError):
+        return {}
 
 
 def served_bases(spec: str, config=None, name: str | None = None) -> Path | None:

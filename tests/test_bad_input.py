@@ -594,6 +594,30 @@ def test_model_folder_without_weights_and_a_broken_gguf(tmp_path, model_dir, mon
         assert name in result.output
 
 
+def test_damaged_or_mismatched_weights_are_one_line(tmp_path, model_dir):
+    """Found by a tester: a truncated model.safetensors escaped as safetensors' own error, and a config whose
+    num_key_value_heads does not match the weights as transformers' RuntimeError pointing at a report the
+    CLI does not show."""
+    weights = model_dir / "model.safetensors"
+    whole = weights.read_bytes()
+    weights.write_bytes(whole[: len(whole) // 2])
+    damaged = r"^cannot load the weights of model .*\(SafetensorError: .*\): a weights file is damaged"
+    with pytest.raises(ModelLoadError, match=damaged):
+        stiefkv.load_model(str(model_dir))
+    result = run(["calibrate", model_dir, "-o", tmp_path / "o.safetensors"], 2)
+    assert "a weights file is damaged or incomplete" in result.output
+    weights.write_bytes(whole)
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps(config | {"num_key_value_heads": 3}))
+    mismatch = (r"^cannot load the weights of model .*: model.layers.0.self_attn.k_proj.weight is \[48, 48\] "
+                r"in model.safetensors but \[72, 48\] by its config.json; use the config.json saved with "
+                "these weights")
+    with pytest.raises(ModelLoadError, match=mismatch):
+        stiefkv.load_model(str(model_dir))
+    result = run(["eval", model_dir, "--window", 32, "--windows", 1], 2)
+    assert "k_proj.weight is [48, 48]" in result.output
+
+
 def test_truncated_progress_file_with_resume(tmp_path, corpus, fake_loader):
     out = tmp_path / "o.safetensors"
     partial = tmp_path / "o.safetensors.partial"
