@@ -574,16 +574,28 @@ def load_model(spec: str, *, device: str | torch.device = "cpu", dtype: torch.dt
         warnings.warn(f"{left} is not served: {UNNAMED}. To serve it: stiefkv.load(model, {str(left)!r})",
                       stacklevel=2)
     if projections and saved is not None:
-        from stiefkv.attention import load as apply  # serving imports models: import it only here
-
-        log.info("serving %s with the bases in %s", spec, saved)
-        try:
-            apply(model, saved)
-        except CheckpointError as exc:
-            raise CheckpointError(f"{saved}, the bases saved in this model folder, do not fit the model "
-                                  f"saved there now ({exc}). Load it with projections=False, or delete the "
-                                  "file, or calibrate the model again") from None
+        _serve_saved_bases(model, saved, spec)
     return model, tok
+
+
+def _serve_saved_bases(model: nn.Module, saved: Path, spec: str) -> None:
+    """Serve ``model`` (loaded from ``spec``) with the bases ``saved`` in its folder, saying apart a file that
+    cannot be read (damaged, unreadable) from bases that do not fit the weights saved there now."""
+    from stiefkv.attention import load as apply  # serving imports models: import it only here
+    from stiefkv.projections import Projections
+
+    log.info("serving %s with the bases in %s", spec, saved)
+    try:
+        proj = Projections.load(saved)
+    except CheckpointError as exc:
+        raise CheckpointError(f"the bases saved in model folder {spec} cannot be read: {exc}. Load the model "
+                              "with projections=False, or delete the file") from None
+    try:
+        apply(model, proj)
+    except CheckpointError as exc:
+        raise CheckpointError(f"{saved}, the bases saved in this model folder, do not fit the model "
+                              f"saved there now ({exc}). Load it with projections=False, or delete the "
+                              "file, or calibrate the model again") from None
 
 
 def _load_weights(source: str, spec: str, config, dtype: torch.dtype) -> nn.Module:

@@ -876,6 +876,23 @@ def test_a_folder_saved_by_an_unserved_model_is_not_served_by_the_bases_left_in_
         stiefkv.load_model(str(model_dir))
 
 
+def test_a_corrupt_bases_file_in_a_model_folder_is_named_corrupt_not_unfit(model_dir):
+    """Found by a tester: one flipped byte in the bases a served model saved was reported as bases that "do
+    not fit the model saved there now (… the file is corrupt …)"."""
+    model, _ = stiefkv.load_model(str(model_dir))
+    stiefkv.load(model, random_projections(model, 8, 16))
+    model.save_pretrained(model_dir)
+    data = bytearray((model_dir / PROJECTIONS_FILE).read_bytes())
+    data[8 + struct.unpack("<Q", data[:8])[0] + 101] ^= 0x01
+    (model_dir / PROJECTIONS_FILE).write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"^the bases saved in model folder .* cannot be read: .*"
+                                              r"the file is corrupt .*projections=False") as info:
+        stiefkv.load_model(str(model_dir))
+    assert "do not fit" not in str(info.value)
+    result = run(["eval", model_dir, "--window", 32, "--windows", 1], 2)
+    assert "the file is corrupt" in result.output and "do not fit" not in result.output
+
+
 # ------------------------------------------------------------------------ 16. writing files
 
 
