@@ -72,20 +72,36 @@ def arch_of(config) -> Arch:
     if model_type not in ARCHITECTURES:
         classes = ", ".join(getattr(cfg, "architectures", None) or [])
         _refuse_architecture(model_type, f" ({classes})" if classes else "")
-    window = getattr(cfg, "sliding_window", None)
-    if window and getattr(cfg, "use_sliding_window", model_type == "mistral"):
-        raise ModelLoadError(
-            f"{model_type} with a sliding attention window ({window}) is not supported: the latent cache "
-            "keeps every token"
-        )
-    kinds = set(getattr(cfg, "layer_types", None) or ()) - {"full_attention"}
-    if kinds:  # a window in some layers (Qwen3, Gemma-style): attention over every kept token is wrong there
-        raise ModelLoadError(f"{model_type} with {', '.join(sorted(kinds))} layers (config.layer_types) is "
-                             "not supported: StiefKV attends over every kept token in every layer")
+    _check_full_attention(cfg, model_type)
     rope_type = rope_parameters(cfg).get("rope_type", "default")
     if rope_type in UNSUPPORTED_ROPE_TYPES:
         raise ModelLoadError(f"rope type {rope_type!r} is not supported (position-dependent frequencies)")
     return ARCHITECTURES[model_type]
+
+
+def _check_full_attention(cfg, model_type: str) -> None:
+    """Refuse a config whose attention is windowed in some layer: the latent cache keeps every token.
+
+    ``layer_types`` (transformers ≥ 4.54) says which layers the window applies to: a Qwen2 config with
+    ``use_sliding_window`` and ``max_window_layers`` equal to its layers has none. Configs without it say so
+    by ``use_sliding_window`` (Mistral: by the window alone). A window not smaller than the model's positions
+    (``max_position_embeddings``) never masks a token within them."""
+    window = getattr(cfg, "sliding_window", None)
+    positions = max_positions(cfg)
+    unbound = isinstance(window, int) and positions is not None and window >= positions
+    layer_types = getattr(cfg, "layer_types", None)
+    if layer_types is None:
+        if window and not unbound and getattr(cfg, "use_sliding_window", model_type == "mistral"):
+            raise ModelLoadError(
+                f"{model_type} with a sliding attention window ({window}) is not supported: the latent cache "
+                "keeps every token"
+            )
+        return
+    # sliding layers without a window are kept refused: transformers' mask cannot be built for them
+    kinds = set(layer_types) - {"full_attention"} - ({"sliding_attention"} if unbound else set())
+    if kinds:  # a window in some layers (Qwen3, Gemma-style): attention over every kept token is wrong there
+        raise ModelLoadError(f"{model_type} with {', '.join(sorted(kinds))} layers (config.layer_types) is "
+                             "not supported: StiefKV attends over every kept token in every layer")
 
 
 def _refuse_architecture(name: str, where: str = "") -> None:

@@ -237,6 +237,27 @@ def test_unsupported_architecture_is_refused():
         arch_of(tiny_config("mistral").__class__(sliding_window=64))
 
 
+def test_configs_whose_attention_is_full_are_accepted_and_windows_that_bind_are_not():
+    """Found by a tester: arch_of refused a Qwen2 config whose layer_types are all full attention (a window
+    in no layer: max_window_layers = the layers) and a Mistral whose window is not smaller than its
+    positions."""
+    from transformers import AutoConfig
+
+    def qwen2(window_from: int):
+        return AutoConfig.for_model("qwen2", num_hidden_layers=2, use_sliding_window=True, sliding_window=64,
+                                    max_window_layers=window_from)
+
+    assert arch_of(qwen2(2)).name == "qwen2"
+    assert arch_of(AutoConfig.for_model("mistral", sliding_window=512, max_position_embeddings=512)).name
+    with pytest.raises(ModelLoadError, match="qwen2 with sliding_attention layers"):
+        arch_of(qwen2(1))
+    with pytest.raises(ModelLoadError, match=r"mistral with a sliding attention window \(511\)"):
+        arch_of(AutoConfig.for_model("mistral", sliding_window=511, max_position_embeddings=512))
+    full_window = AutoConfig.for_model("qwen3", num_hidden_layers=2, use_sliding_window=True,
+                                       sliding_window=512, max_position_embeddings=512, max_window_layers=1)
+    assert "sliding_attention" in full_window.layer_types and arch_of(full_window).name == "qwen3"
+
+
 def test_local_folder_loads(tmp_path):
     model = tiny_model("qwen2")
     model.save_pretrained(tmp_path)
