@@ -312,6 +312,7 @@ def check_calibration_call(model, settings: dict) -> None:
     if not isinstance(model, torch.nn.Module) or not hasattr(model, "config"):
         raise TypeError(f"calibrate takes a loaded causal LM (stiefkv.load_model(...)), got "
                         f"{type(model).__name__}")
+    arch_of(model.config)  # first: what follows looks for the decoder layers of a supported model
     if is_compressed(model):
         raise ValueError("this model is served by stiefkv.load: calibrating it would fit its compressed "
                          "layers' outputs. Calibrate the original: stiefkv.unload(model), or load it with "
@@ -340,7 +341,6 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     cfg = CalibrationConfig.from_kwargs(device=next(model.parameters()).device, **settings)
     for note in unused_settings(settings, cfg):
         log.warning("%s", note)
-    arch_of(model.config)
     dims = dims_of(model.config)
     if dims.d % cfg.rank_step:
         raise ValueError(f"rank_step {cfg.rank_step} must divide the model's head dimension d={dims.d} "

@@ -70,8 +70,12 @@ def arch_of(config) -> Arch:
     cfg = text_config(config)
     model_type = getattr(cfg, "model_type", "?")
     if model_type not in ARCHITECTURES:
-        classes = ", ".join(getattr(cfg, "architectures", None) or [])
+        classes = _classes(cfg)
         _refuse_architecture(model_type, f" ({classes})" if classes else "")
+    if cfg is not config:  # a language model inside another (Llava): its layers are not at .model.layers
+        named = f"{_classes(config)}: " if _classes(config) else ""
+        _refuse_architecture(getattr(config, "model_type", "?"),
+                             f" ({named}a {model_type} language model inside another)")
     _check_full_attention(cfg, model_type)
     rope_type = rope_parameters(cfg).get("rope_type", "default")
     if rope_type in UNSUPPORTED_ROPE_TYPES:
@@ -102,6 +106,11 @@ def _check_full_attention(cfg, model_type: str) -> None:
     if kinds:  # a window in some layers (Qwen3, Gemma-style): attention over every kept token is wrong there
         raise ModelLoadError(f"{model_type} with {', '.join(sorted(kinds))} layers (config.layer_types) is "
                              "not supported: StiefKV attends over every kept token in every layer")
+
+
+def _classes(config) -> str:
+    """The model classes a config names (``LlamaForCausalLM``), or ``""``."""
+    return ", ".join(getattr(config, "architectures", None) or [])
 
 
 def _refuse_architecture(name: str, where: str = "") -> None:

@@ -545,6 +545,32 @@ def test_calibrate_calls_it_cannot_take_are_named(tmp_path, corpus):
         assert "names a folder, not the file to write" in run(args, 2).output
 
 
+def tiny_llava():
+    """A Llava model around a tiny Llama: its language model's layers are not at ``.model.layers``."""
+    from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
+
+    from tests.tiny import tiny_config
+
+    vision = CLIPVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                              num_attention_heads=2, image_size=16, patch_size=8)
+    config = LlavaConfig(text_config=tiny_config("llama"), vision_config=vision, image_token_index=5)
+    return LlavaForConditionalGeneration(config).eval()
+
+
+def test_calibrating_an_unsupported_model_names_its_architecture(corpus):
+    """Found by a tester: stiefkv.calibrate of a GPT-2 or a Llava model said "… has no decoder layers at
+    .model.layers" (the served-model check looked for the layers before the architecture was checked)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    kw = dict(data=str(corpus), num_sequences=2, seq_len=16, method="pca", allocation="uniform")
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=97)).eval()
+    with pytest.raises(ModelLoadError, match=r"^unsupported architecture 'gpt2'; StiefKV supports Llama"):
+        stiefkv.calibrate(gpt2, CharTokenizer(), **kw)
+    with pytest.raises(ModelLoadError, match=r"^unsupported architecture 'llava' \(a llama language model "
+                                             r"inside another\); StiefKV supports Llama-style"):
+        stiefkv.calibrate(tiny_llava(), CharTokenizer(), **kw)
+
+
 def test_settings_without_effect_are_named(corpus, caplog):
     from stiefkv.calibrate.pipeline import CalibrationConfig, unused_settings
 
