@@ -25,7 +25,7 @@ from torch import nn
 
 from stiefkv import kernels
 from stiefkv.cache import cache_keyword, left_pads
-from stiefkv.models import check_token_ids, decoder_layers
+from stiefkv.models import arch_of, check_token_ids, decoder_layers
 from stiefkv.static_cache import StaticLatentCache, check_fits, full_cache_bytes, transformers_static_length
 
 log = logging.getLogger(__name__)
@@ -45,7 +45,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
 
     Parameters
     ----------
-    model : a causal LM, served by :func:`stiefkv.load` (latent cache) or not (transformers' static cache).
+    model : a causal LM of an architecture StiefKV supports (:func:`stiefkv.models.arch_of`), served by
+        :func:`stiefkv.load` (latent cache) or not (transformers' static cache).
     input_ids : ``[B, N]`` prompt, left-padded where ``attention_mask`` says so.
     max_new_tokens : tokens to generate per row (≥ 1).
     attention_mask : ``[B, N]`` 0/1, left padding only; None for none.
@@ -102,6 +103,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
 
 
 def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture) -> tuple[int, int]:
+    # The Runner re-runs a Llama-style decoder stack (embedding, rotary tables, layers, norm, head) with a
+    # full-attention mask, served or not: other architectures and binding windows fail deep inside or differ.
+    arch_of(model.config)
     check_token_ids(model, input_ids, "input_ids")
     for name, value in (("max_new_tokens", max_new_tokens), ("prefill_chunk", prefill_chunk)):
         if not _whole(value) or value < 1:

@@ -23,7 +23,7 @@ from stiefkv import kernels
 from stiefkv.cache import LatentCache, left_pads, lengths_from_mask, query_count
 from stiefkv.kernels import CodesAndBand, QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS, dequantized, interpreting
-from stiefkv.models import decoder_layers
+from stiefkv.models import arch_of, decoder_layers
 from stiefkv.quant import (
     GROUP,
     LOG8_LARGEST,
@@ -555,6 +555,7 @@ class StaticLatentCache(LatentCache):
         # 16-byte boundary the kernels' compiler can see (a stride divisible by 16); at 32834 slots of 28-byte
         # int4 rows the heads were 8-byte aligned and the decode kernel read its codes byte by byte.
         slots = -(-self.max_length // SLOT_ALIGN) * SLOT_ALIGN
+        arch_of(model.config)  # an unsupported model is named as such, not by its missing .model.layers
         layers = decoder_layers(model)
         if not all(hasattr(layer.self_attn, "P_k") for layer in layers):
             raise ValueError("StaticLatentCache holds a served model's latents; prepare the model with "

@@ -109,6 +109,26 @@ def test_uncompressed_model_takes_transformers_static_cache():
                                         eos_token_id=None), expected)
 
 
+def test_an_unsupported_model_is_named_before_generating():
+    """Found by a tester: stiefkv.generate of an uncompressed model checked no architecture: phi3 failed on
+    a missing k_proj, gpt2 on its missing .model.layers, a sliding window shorter than the prompt inside SDPA
+    (a size mismatch). The Runner runs a Llama-style decoder over every token, served or not."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    small = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=1, num_attention_heads=2,
+                 num_key_value_heads=1, vocab_size=97, max_position_embeddings=128)
+    ids = torch.randint(3, 90, (1, 20))
+    for kind, settings, message in (
+            ("phi3", dict(small, pad_token_id=0), "unsupported architecture 'phi3'; StiefKV supports"),
+            ("gpt2", dict(n_embd=32, n_layer=1, n_head=2, vocab_size=97), "unsupported architecture 'gpt2'"),
+            ("mistral", dict(small, sliding_window=8), r"mistral with a sliding attention window \(8\)")):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(kind, **settings)).eval()
+        with pytest.raises(stiefkv.models.ModelLoadError, match=message):
+            stiefkv.generate(model, ids, max_new_tokens=2)
+        with pytest.raises(stiefkv.models.ModelLoadError, match=message):
+            StaticLatentCache(model, 1, 8)
+
+
 def test_eos_pads_the_rest_of_the_row():
     model = served()
     ids, mask = prompt(padded=False)
