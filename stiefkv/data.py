@@ -158,6 +158,18 @@ def token_stream(tokenizer, texts: list[str]) -> torch.Tensor:
     return torch.tensor(ids, dtype=torch.long)
 
 
+def check_vocabulary(model, ids: torch.Tensor, data: str) -> None:
+    """Refuse token ids ``[S, N]`` of ``data`` that ``model`` has no embedding for (a tokenizer that is not
+    the model's own): one line before the work, not an ``IndexError`` from the embedding in its first
+    forward. One pass over the ids."""
+    from stiefkv.models import check_token_ids
+
+    try:
+        check_token_ids(model, ids, f"the tokenizer's ids of data {data!r}")
+    except ValueError as exc:
+        raise DataError(f"{exc}: give the model's own tokenizer") from None
+
+
 def windows(stream: torch.Tensor, length: int) -> torch.Tensor:
     """Non-overlapping windows ``[W, length]`` (the tail shorter than ``length`` is dropped)."""
     n = stream.numel() // length
@@ -176,7 +188,9 @@ def calibration_sequences(model, tokenizer, *, data: str = "wikitext2", num_sequ
         raise DataError(f"data {data!r} gives only {len(pool)} sequences of {seq_len} tokens; "
                         f"asked for {num_sequences}: lower --num-sequences or --seq-len, or add text")
     g = torch.Generator().manual_seed(seed)
-    return pool[torch.randperm(len(pool), generator=g)[:num_sequences].sort().values]
+    seqs = pool[torch.randperm(len(pool), generator=g)[:num_sequences].sort().values]
+    check_vocabulary(model, seqs, data)
+    return seqs
 
 
 @torch.no_grad()

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from stiefkv.attention import Switch, is_compressed
 from stiefkv.cache import LatentCache, cache_keyword
-from stiefkv.data import load_texts, token_stream, windows
+from stiefkv.data import check_vocabulary, load_texts, token_stream, windows
 from stiefkv.layers import (
     ErrorStats,
     LayerBatch,
@@ -97,13 +97,17 @@ class EvalResult:
 
 
 def load_test_windows(tokenizer, *, data: str = "wikitext2", window: int = 2048, limit: int | None = None,
-                      advice: str = "lower --window") -> torch.Tensor:
+                      advice: str = "lower --window", model=None) -> torch.Tensor:
     """``[W, window]`` token ids of the test split (the first ``limit`` windows when given); ``advice``
-    ends the error where there is not one window."""
+    ends the error where there is not one window. With ``model``, ids it has no embedding for are refused
+    (:func:`~stiefkv.data.check_vocabulary`)."""
     ws = windows(token_stream(tokenizer, load_texts(data, "test")), window)
     if len(ws) == 0:
         raise ValueError(f"the test data has fewer than {window} tokens: {advice}")
-    return ws if limit is None else ws[:limit]
+    ws = ws if limit is None else ws[:limit]
+    if model is not None:
+        check_vocabulary(model, ws, data)
+    return ws
 
 
 def _nll_and_logprobs(model, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -146,7 +150,7 @@ def evaluate(model, tokenizer, projections: Projections | None = None, *, data: 
         raise ValueError(f"window must be ≥ 2 tokens (one to predict from, one to score), got {window}")
     check_context(model.config, window, "window")
     device = next(model.parameters()).device
-    ws = load_test_windows(tokenizer, data=data, window=window, limit=limit)
+    ws = load_test_windows(tokenizer, data=data, window=window, limit=limit, model=model)
     layers = decoder_layers(model)
     stats = [ErrorStats() for _ in layers]
     nll_orig = nll_comp = kl_sum = 0.0
@@ -270,7 +274,7 @@ def evaluate_through_cache(model, tokenizer, new_cache, *, name: str, projection
     cache holds after one whole window, divided by the window."""
     check_context(model.config, window, "window")
     device = next(model.parameters()).device
-    ws = load_test_windows(tokenizer, data=data, window=window, limit=limit)
+    ws = load_test_windows(tokenizer, data=data, window=window, limit=limit, model=model)
     switch = Switch(model, projections) if projections is not None else contextlib.nullcontext()
     nll_orig = nll_comp = kl_sum = 0.0
     count = 0
@@ -337,6 +341,7 @@ def attention_kl_per_layer(model, tokenizer, projections: Projections, *, data: 
     projections.check(model)
     device = next(model.parameters()).device
     stream = kl_tokens(tokenizer, data, context) if stream is None else stream
+    check_vocabulary(model, stream[None, :context], data)
     layers = decoder_layers(model)
     kl = [float("nan")] * len(layers)
 

@@ -184,7 +184,7 @@ def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 51
     device = next(model.parameters()).device
     windows = load_test_windows(tokenizer, data=data, window=context + score, limit=chunks,
                                 advice=f"a chunk is a context of {context} and {score} scored tokens; lower "
-                                       "--context (context=) or give longer test text")
+                                       "--context (context=) or give longer test text", model=model)
     proj, served, name = _served(model, projections, method)
     nll = nll_full = nll_ranks = 0.0
     tokens = kept = 0

@@ -463,6 +463,29 @@ def test_kl_context_beyond_the_test_text_is_refused_before_the_evaluation(tmp_pa
 # ------------------------------------------------------------------------ 8. no tracebacks on bad values
 
 
+def test_a_tokenizer_beyond_the_models_vocabulary_is_named_before_the_work(tmp_path, corpus, fake_loader):
+    """Found by a tester: a tokenizer whose ids exceed the model's vocabulary failed with an IndexError from
+    the embedding in the first forward of calibrate and eval."""
+    model = tiny_model()
+    model.resize_token_embeddings(40)  # CharTokenizer's ids reach 92
+    model.config.max_position_embeddings = 1024  # room for --compact's 512 scored tokens
+    fake_loader.model = model
+    said = r"the tokenizer's ids of data '.*calib.txt' hold ids outside the model's vocabulary \[0, 40\): .*"
+    for args in (["calibrate", "m", "--data", corpus, "-o", tmp_path / "o.safetensors", *CALIBRATE_SMALL],
+                 ["eval", "m", "--data", corpus, "--window", 32, "--windows", 1],
+                 ["eval", "m", "--data", corpus, "--compact", 0.5, "--context", 40, "--windows", 1]):
+        result = run(args, 2)
+        assert re.search(said + "give the model's own tokenizer", result.output), result.output
+    with pytest.raises(DataError, match=said):
+        stiefkv.calibrate(model, CharTokenizer(), data=str(corpus), num_sequences=2, seq_len=17, method="pca",
+                          allocation="uniform")
+    from stiefkv.evaluate import attention_kl_per_layer
+
+    with pytest.raises(DataError, match=said):
+        attention_kl_per_layer(model, CharTokenizer(), random_projections(model, 8, 8), data=str(corpus),
+                               context=32, stream=torch.arange(50, 150))
+
+
 @pytest.mark.parametrize("args, message", [
     (["eval", "m", "--window", "0"], "--window must be ≥ 2, got 0"),
     (["eval", "m", "--window", "-1"], "--window must be ≥ 2, got -1"),
