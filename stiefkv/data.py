@@ -199,7 +199,7 @@ def sample_from_model(model, tokenizer, *, num_sequences: int, seq_len: int, see
     """Sequences sampled from the model itself, starting at BOS (the data-free calibration set)."""
     log.warning("calibrating on %d × %d tokens sampled from the model itself (--data self)", num_sequences,
                 seq_len)
-    start = tokenizer.bos_token_id if tokenizer.bos_token_id is not None else tokenizer.eos_token_id
+    start = start_token(model, tokenizer)
     device = next(model.parameters()).device
     torch.manual_seed(seed)
     out = []
@@ -211,3 +211,24 @@ def sample_from_model(model, tokenizer, *, num_sequences: int, seq_len: int, see
                               pad_token_id=tokenizer.pad_token_id)
         out.append(seqs[:, :seq_len].cpu())
     return torch.cat(out)
+
+
+def start_token(model, tokenizer) -> int:
+    """The token sampled sequences start at: the tokenizer's BOS, else its EOS, else the BOS, then the EOS,
+    of the model's generation config or config (a tokenizer may name neither where the model does); a
+    :class:`DataError` where none does, or the one found is outside the model's vocabulary."""
+    names = ("bos_token_id", "eos_token_id")
+    found = [getattr(tokenizer, name, None) for name in names]
+    found += [getattr(source, name, None) for name in names
+              for source in (getattr(model, "generation_config", None), model.config)]
+    ids = [t[0] if isinstance(t, (list, tuple)) and t else t for t in found]  # several end tokens: the first
+    start = next((t for t in ids if isinstance(t, int) and not isinstance(t, bool)), None)
+    if start is None:
+        raise DataError("--data self starts every sample at a BOS or EOS token, and neither the tokenizer "
+                        "nor the model's config names one: give calibration text (--data wikitext2, a file "
+                        "or a folder)")
+    vocab = getattr(model.config, "vocab_size", None)
+    if vocab is not None and not 0 <= start < vocab:
+        raise DataError(f"--data self starts every sample at token {start} (BOS or EOS), outside the model's "
+                        f"vocabulary [0, {vocab}): give the model's own tokenizer, or calibration text")
+    return start

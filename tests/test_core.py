@@ -225,6 +225,27 @@ def test_self_data_samples_from_the_model(caplog):
     assert seqs.shape == (3, 9) and "sampled from the model itself" in caplog.text
 
 
+def test_self_data_starts_at_the_models_bos_when_the_tokenizer_names_none():
+    """Found by a tester: a tokenizer with neither BOS nor EOS failed in torch.full (fill_value None) though
+    the model's config names a BOS."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    bare = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"a": 0}, unk_token="a")))
+    assert bare.bos_token_id is None and bare.eos_token_id is None
+    model = tiny_model()
+    model.config.bos_token_id, model.generation_config.bos_token_id = 5, None
+    seqs = calibration_sequences(model, bare, data="self", num_sequences=2, seq_len=6)
+    assert seqs.shape == (2, 6) and bool((seqs[:, 0] == 5).all())
+    model.config.bos_token_id = model.config.eos_token_id = None
+    model.generation_config.bos_token_id = model.generation_config.eos_token_id = None
+    with pytest.raises(DataError, match="neither the tokenizer nor the model's config names one"):
+        calibration_sequences(model, bare, data="self", num_sequences=2, seq_len=6)
+    model.generation_config.eos_token_id = [500, 2]
+    with pytest.raises(DataError, match=r"token 500 \(BOS or EOS\), outside the model's vocabulary"):
+        calibration_sequences(model, bare, data="self", num_sequences=2, seq_len=6)
+
+
 # -------------------------------------------------------------------------------------------- models
 
 
