@@ -938,7 +938,7 @@ def _tiny_windows(monkeypatch, vocab=97, n=3, window=160, seed=11):
     import stiefkv.evaluate as ev
 
     ws = torch.randint(0, vocab, (n, window), generator=gen(seed))
-    monkeypatch.setattr(ev, "load_test_windows", lambda tok, data, window, limit: ws)
+    monkeypatch.setattr(ev, "load_test_windows", lambda tok, data, window, limit, model=None: ws)
     return ws
 
 
