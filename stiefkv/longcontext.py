@@ -156,9 +156,10 @@ def _check_positions(config, context: int, extra: int, what: str) -> None:
     """A clear error naming the largest context that fits the model's positions beside ``extra`` more."""
     limit = max_positions(config)
     if limit is not None and context + extra > limit:
+        fits = (f"use --context (context=) at most {limit - extra}" if limit - extra >= 2 else
+                f"the {what} alone leave no room for a context of 2 tokens: this model is too short for it")
         raise ValueError(f"a context of {context} and {extra} {what} need {context + extra} positions; the "
-                         f"model has {limit} (max_position_embeddings): use --context (context=) at most "
-                         f"{limit - extra}")
+                         f"model has {limit} (max_position_embeddings): {fits}")
 
 
 def evaluate_compacted(model, tokenizer, *, context: int = 4096, score: int = 512, keep: float = 0.1,
