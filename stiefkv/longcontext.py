@@ -34,6 +34,7 @@ from stiefkv.compacted import (
 )
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
+from stiefkv.data import check_vocabulary
 from stiefkv.models import decoder_layers, max_positions
 
 METHODS = AM_METHODS + presses.PRESSES
@@ -335,6 +336,8 @@ def evaluate_retrieval(model, tokenizer, *, context: int = 4096, keep: float = 0
     kept, held = 0, 0.0
     for i in tqdm(range(samples), desc=f"pass key {method} keep {keep:g}", unit="prompt"):
         ctx, question, key = passkey_sample(tokenizer, context, rng)
+        if i == 0:  # one prompt's ids tell a tokenizer that is not the model's, before the work
+            check_vocabulary(model, torch.cat([ctx, question])[None], "the pass-key prompts")
         answer, kept, h = retrieve(model, tokenizer, ctx, question, keep, method, window=window, **options)
         # the whole context's answer is the same for every method, not for every checkpoint the model has
         # been served with since (stiefkv.load and unload change it in place)

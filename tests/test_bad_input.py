@@ -476,6 +476,8 @@ def test_a_tokenizer_beyond_the_models_vocabulary_is_named_before_the_work(tmp_p
                  ["eval", "m", "--data", corpus, "--compact", 0.5, "--context", 40, "--windows", 1]):
         result = run(args, 2)
         assert re.search(said + "give the model's own tokenizer", result.output), result.output
+    result = run(["eval", "m", "--compact", 0.5, "--context", 400, "--passkey", 2], 2)  # prompts made here
+    assert "ids of data 'the pass-key prompts' hold ids outside the model's vocabulary" in result.output
     with pytest.raises(DataError, match=said):
         stiefkv.calibrate(model, CharTokenizer(), data=str(corpus), num_sequences=2, seq_len=17, method="pca",
                           allocation="uniform")
