@@ -580,20 +580,29 @@ def evaluate(model, projections, baseline, data, window, windows, batch_size, ba
         proj = stiefkv.Projections.load(projections) if projections else None
         if baseline in TRANSFORMERS_BASELINES:
             require_quanto(baseline)  # before the model loads
-        from stiefkv.models import UNNAMED, served_bases, unnamed_projections
+        from stiefkv.models import UNNAMED, model_paths, served_bases, unnamed_projections
 
-        saved = served_bases(model)
+        local = bool(model_paths(model))
         left = unnamed_projections(model)
         if left is not None and proj is None and baseline is None:
             log.warning("%s is not evaluated: %s. To evaluate it: --projections %s", left, UNNAMED, left)
-        if saved is not None and proj is None and baseline is None:
-            if passkey is not None:
-                raise ValueError(f"{model} holds the bases a served model saved (in {saved.name}), and "
-                                 "--passkey measures the uncompressed model only: give the original model")
-            log.info("%s holds the bases it was served with: evaluating them against the original", model)
-            proj = stiefkv.Projections.load(saved)
+
+        def own_bases(config=None):  # a hub id's only once its config is read (no second lookup)
+            saved = served_bases(model, config)
+            if saved is not None and proj is None and baseline is None:
+                if passkey is not None:
+                    raise ValueError(f"{model} holds the bases a served model saved (in {saved.name}), "
+                                     "and --passkey measures the uncompressed model only: give the original "
+                                     "model")
+                log.info("%s holds the bases it was served with: evaluating them against the original", model)
+                return saved, stiefkv.Projections.load(saved)
+            return saved, proj
+
+        saved, proj = own_bases() if local else (None, proj)
         # the original model: a folder a served model saved is evaluated against itself uncompressed
         m, tok = stiefkv.load_model(model, device=device, dtype=torch_dtype, projections=False)
+        if not local:
+            saved, proj = own_bases(m.config)
         if compact is not None:
             from stiefkv.longcontext import evaluate_compacted, evaluate_retrieval
 

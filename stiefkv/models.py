@@ -373,7 +373,8 @@ def gguf_architecture(gguf: Path) -> str:
 
     try:
         field = GGUFReader(gguf).get_field("general.architecture")
-        architecture = field.contents() if field is not None else None
+        # the string's bytes, as every gguf release lays a field out (ReaderField.contents came in 0.16)
+        architecture = bytes(field.parts[field.data[0]]).decode() if field is not None else None
     except GGUF_READ_ERRORS as exc:
         raise _unreadable_gguf(gguf, exc) from None
     if not isinstance(architecture, str) or not architecture:
@@ -639,7 +640,12 @@ def _load_weights(source: str, spec: str, config, dtype: torch.dtype) -> nn.Modu
                              f"{_first_line(exc)}): a weights file is damaged or incomplete; copy or "
                              "download it again") from None
     except RuntimeError as exc:  # transformers' shape mismatch or torch's unreadable .bin: torch's own type
-        mismatch = _mismatched_weight(Path(source), config)
+        if isinstance(exc, torch.OutOfMemoryError) or "allocate" in _first_line(exc):
+            raise  # memory, not the files
+        try:
+            mismatch = _mismatched_weight(Path(source), config)
+        except Exception:  # the diagnosis is a courtesy: its own failure must not hide the load's
+            mismatch = None
         if mismatch:
             raise ModelLoadError(f"cannot load the weights of model {spec!r}: {mismatch}; use the "
                                  "config.json saved with these weights") from None
@@ -690,6 +696,8 @@ def served_bases(spec: str, config=None, name: str | None = None) -> Path | None
     if config is None:
         from transformers import AutoConfig
 
+        _refuse_near_alias(spec)  # not half a minute of the hub's retries for a typo
+
         try:
             config = AutoConfig.from_pretrained(spec)
         except (OSError, ValueError):
@@ -711,7 +719,7 @@ def _hub_projections(repo: str, spec: str) -> Path:
         raise ModelLoadError(
             f"model {spec!r} names StiefKV bases ({PROJECTIONS_FILE}) in its config.json, but they cannot be "
             f"fetched ({type(exc).__name__}: {_first_line(exc)}): upload that file beside the weights, or "
-            "load the original model with projections=False") from None
+            "load the original model (stiefkv.load_model(..., projections=False))") from None
 
 
 UNNAMED = ("the folder's config.json does not name it, so the model saved there last was not served (saved "

@@ -165,13 +165,12 @@ def _end_ids(eos) -> list[int]:
 
 
 def _pad_id(model, pad) -> int | None:
-    """``pad_token_id`` checked before any work: None, or a token id of the model's vocabulary."""
+    """``pad_token_id`` checked before any work: None, or a token id ≥ 0. It is only written into the output
+    (never read by the model), so a tokenizer's added pad token beyond the embeddings is taken."""
     if pad is None:
         return None
-    vocab = getattr(model.config, "vocab_size", None)
-    if not _whole(pad) or pad < 0 or (isinstance(vocab, int) and pad >= vocab):
-        where = f" in [0, {vocab})" if isinstance(vocab, int) else " ≥ 0"
-        raise ValueError(f"pad_token_id must be a token id{where} or None, got {pad!r}")
+    if not _whole(pad) or pad < 0:
+        raise ValueError(f"pad_token_id must be a token id (≥ 0) or None, got {pad!r}")
     return int(pad)
 
 

@@ -534,6 +534,9 @@ def test_a_typo_of_an_alias_is_named_at_once(monkeypatch):
         with pytest.raises(ModelLoadError, match=f"model '{typo}' is neither an alias nor a local path: "
                                                  "did you mean 'smollm2'"):
             stiefkv.load_model(typo)
+        # stiefkv eval looked for a hub id's bases first: 25 s of retries offline before the same message
+        result = run(["eval", typo, "--windows", "1"], 2)
+        assert "did you mean 'smollm2'" in result.output and "looked up on the hub" not in result.output
     with pytest.raises(AssertionError, match="looked up on the hub"):
         stiefkv.load_model("gpt2")  # far from every alias: a hub id
 

@@ -333,8 +333,8 @@ def test_bad_input():
         stiefkv.compact(model, cache, keep=0.5)
     # checked before any work (a bad pad id failed inside torch after the generation; 1.5 became 1), numpy
     # integers taken where Python's are, capture=1 is not True, a mask that is not a tensor is named
-    for bad in ("x", 1.5, -1, 1000):
-        with pytest.raises(ValueError, match=r"pad_token_id must be a token id in \[0, 97\) or None"):
+    for bad in ("x", 1.5, -1):
+        with pytest.raises(ValueError, match=r"pad_token_id must be a token id \(≥ 0\) or None"):
             stiefkv.generate(model, ids, max_new_tokens=2, pad_token_id=bad, eos_token_id=5)
     with pytest.raises(ValueError, match="capture must be one of"):
         stiefkv.generate(model, ids, max_new_tokens=2, capture=1)
