@@ -172,7 +172,8 @@ class LatentCache(_dynamic_cache_class()):
                              "for another)")
         # the mask is read before anything is written: a forward it refuses leaves the cache as it was
         if self.length is not None:
-            refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
+            if layer_idx == 0:  # the layers share the mask: one read back a forward, not one a layer
+                refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
         elif layer_idx == 0:
             held = 0 if self.positions is None else self.positions.shape[1]
             lengths = lengths_from_mask(attention_mask, z_k.shape[0], held + z_k.shape[2])

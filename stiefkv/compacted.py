@@ -159,7 +159,8 @@ def install_hooks(model) -> None:
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             refuse_no_tokens(hidden, cache)
-            refuse_padding(kwargs.get("attention_mask"))  # the cache's own mask would drop it silently
+            if i == 0:  # the cache's own mask would drop padding silently; the layers share one mask
+                refuse_padding(kwargs.get("attention_mask"))
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
             cache.masked_for = i
             return args, kwargs
