@@ -627,6 +627,8 @@ def _wrap_save(original):
                                  "folder (new or existing)")
         if proj is not None:  # one folder for the weights and the bases (transformers leaves ~ as it is)
             save_directory = os.path.expanduser(save_directory)
+            # bases save would refuse are refused before the weights and a config.json naming them exist
+            proj.header_text(Path(save_directory) / PROJECTIONS_FILE)
         result = original(model, save_directory, *args, **kwargs)
         if proj is not None:
             proj.save(Path(save_directory) / PROJECTIONS_FILE)

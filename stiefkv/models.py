@@ -692,7 +692,13 @@ def served_bases(spec: str, config=None, name: str | None = None) -> Path | None
     if is_gguf(spec):
         return None
     if path.exists():
-        return saved_projections(path)
+        saved = saved_projections(path)
+        if saved is None and _names_bases(path) and not (path / PROJECTIONS_FILE).exists():
+            raise ModelLoadError(
+                f"model folder {name or spec} names StiefKV bases ({PROJECTIONS_FILE}) in its config.json "
+                "but does not hold them: copy that file there, or load the original model "
+                "(stiefkv.load_model(..., projections=False))")
+        return saved
     if config is None:
         from transformers import AutoConfig
 
@@ -705,6 +711,14 @@ def served_bases(spec: str, config=None, name: str | None = None) -> Path | None
     if getattr(config, "stiefkv_projections", None) != PROJECTIONS_FILE:
         return None
     return _hub_projections(spec, name or spec)
+
+
+def _names_bases(folder: Path) -> bool:
+    """Whether a model folder's ``config.json`` names the bases a served model saved beside it."""
+    try:
+        return json.loads((folder / "config.json").read_text()).get("stiefkv_projections") == PROJECTIONS_FILE
+    except (OSError, ValueError, AttributeError):
+        return False
 
 
 def _hub_projections(repo: str, spec: str) -> Path:

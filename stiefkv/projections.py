@@ -14,6 +14,7 @@ checksum — a damaged or edited file is refused with what is wrong, never serve
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import logging
@@ -182,7 +183,7 @@ def _is_number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
-@dataclass
+@dataclass(eq=False)  # lists of tensors have no truth value: compare checkpoints by header_sha256
 class Projections:
     """Low-rank bases for every layer of one model.
 
@@ -271,7 +272,10 @@ class Projections:
 
     def kv_bytes_per_token(self, context: int = REFERENCE_CONTEXT) -> float:
         """Bytes per token of a served cache holding ``context`` tokens, everything counted: every layer's
-        latents at their storage (codes, scales and lows, the exact window) and the int32 positions."""
+        latents at their storage (codes, scales and lows, the exact window) and the int32 positions. Float
+        latents count as bf16 (2 bytes), as a bf16 model holds them; a float32 model's are twice that."""
+        if isinstance(context, bool) or not isinstance(context, int) or context < 1:
+            raise ValueError(f"context must be a whole number of tokens ≥ 1, got {context!r}")
         latents = sum(k.shape[0] * qk.bytes_per_token(rk, context)  # G latents a token, or 1 shared
                       + v.shape[0] * qv.bytes_per_token(rv, context)
                       for k, v, (rk, rv), (qk, qv) in zip(self.keys, self.values, self.ranks, self.specs))
@@ -398,10 +402,11 @@ class Projections:
             "budget": self.budget,
             "achieved_budget": self.achieved_budget,
             "ranks": [list(r) for r in self.ranks],
-            "fingerprint": self.fingerprint,
+            # copies: the document is the caller's to edit, the checkpoint's own fields are not
+            "fingerprint": copy.deepcopy(self.fingerprint),
             "method": self.method,
-            "settings": self.settings,
-            "errors": self.errors,
+            "settings": copy.deepcopy(self.settings),
+            "errors": copy.deepcopy(self.errors),
             "tensors_sha256": tensors_sha256(self.keys, self.values),
         }
         if self.layer_key_modes is not None:
@@ -420,13 +425,7 @@ class Projections:
         from safetensors.torch import save_file
 
         path = Path(path).expanduser()
-        self.validate(f"refusing to write {path}")
-        try:
-            header = self.header()
-            text = json.dumps(header)
-        except TypeError as exc:  # a setting that is not JSON (a Path, a tensor)
-            raise ValueError(f"refusing to write {path}: its settings are not JSON ({exc})") from None
-        _check_header(header, path, writing=True)
+        text = self.header_text(path)
         tensors = {}
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             # clone: a basis may share storage with another tensor (a full-rank PCA slice), which
@@ -438,13 +437,25 @@ class Projections:
         return write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"stiefkv": text}),
                                 "checkpoint")
 
+    def header_text(self, path: str | Path) -> str:
+        """The header :meth:`save` would write to ``path``, as JSON; ``ValueError`` (naming ``path``) for
+        bases or fields it would refuse, so that a caller can check before writing anything else."""
+        self.validate(f"refusing to write {path}")
+        try:
+            header = self.header()
+            text = json.dumps(header, allow_nan=False)
+        except (TypeError, ValueError) as exc:  # a field that is not JSON (a Path, a tensor, a NaN)
+            raise ValueError(f"refusing to write {path}: its header is not JSON ({exc})") from None
+        _check_header(header, Path(path), writing=True)
+        return text
+
     @classmethod
     def load(cls, path: str | Path) -> Projections:
         """Read and check a checkpoint; a missing, foreign, damaged or edited file raises
         :class:`CheckpointError`."""
         from safetensors import SafetensorError, safe_open
 
-        path = Path(path)
+        path = Path(path).expanduser()  # as save, ensure_writable and save_pretrained take it
         if not path.is_file():
             raise CheckpointError(f"checkpoint {path} does not exist" if not path.exists()
                                   else f"checkpoint {path} is not a file")
@@ -466,8 +477,9 @@ class Projections:
                                   "header)")
         try:
             doc = json.loads(meta["stiefkv"])
-        except json.JSONDecodeError as exc:
-            raise CheckpointError(f"{path} has a damaged StiefKV header (not JSON: {exc})") from None
+        except (json.JSONDecodeError, RecursionError) as exc:  # nested past the parser's depth: not ours
+            raise CheckpointError(f"{path} has a damaged StiefKV header (not JSON: "
+                                  f"{str(exc)[:120]})") from None
         _check_header(doc, path)
         n = len(doc["ranks"])
         expected = {f"layers.{i}.{x}" for i in range(n) for x in "kv"}
@@ -481,8 +493,11 @@ class Projections:
             )
         keys = [tensors[f"layers.{i}.k"] for i in range(n)]
         values = [tensors[f"layers.{i}.v"] for i in range(n)]
-        if any(t.dtype != torch.float32 for t in keys + values):
-            raise CheckpointError(f"{path}: bases must be float32")
+        odd = next((name for name, t in tensors.items() if t.dtype != torch.float32), None)
+        if odd is not None:
+            dtype = str(tensors[odd].dtype).removeprefix("torch.")
+            raise CheckpointError(f"{path}: tensor {odd} is {dtype}; bases are float32: the file was edited "
+                                  "or written by another tool")
         odd = next((name for name, t in tensors.items() if t.dim() != 3), None)
         if odd is not None:
             raise CheckpointError(f"{path}: tensor {odd} has shape {list(tensors[odd].shape)}, not a basis "
@@ -491,6 +506,13 @@ class Projections:
                    budget=float(doc["budget"]), method=doc.get("method", "?"),
                    settings=doc.get("settings", {}), errors=doc.get("errors", []),
                    quant=_quant_of(doc, path), layer_key_modes=doc.get("layer_key_modes"))
+        modes = doc.get("layer_key_modes")
+        # one mode in every layer is folded into key_mode below: it must be key_mode (an older reader reads
+        # key_mode alone); differing modes meet the version check after
+        if modes is not None and len(set(modes)) == 1 and modes[0] != doc["key_mode"]:
+            raise CheckpointError(f"{path}: layer_key_modes {sorted(set(map(str, modes)))} beside key_mode "
+                                  f"{doc['key_mode']!r}: one mode in every layer is key_mode's; the file "
+                                  "was edited; recalibrate")
         if proj.layer_key_modes is not None and doc["format_version"] < 9:
             raise CheckpointError(f"{path}: per-layer key modes in a format version {doc['format_version']} "
                                   "file (they need 9): the file was edited; recalibrate")
@@ -524,10 +546,15 @@ class Projections:
     def stored_header(path: str | Path) -> dict:
         """The header document as the file holds it (``stiefkv inspect --json``), not as :meth:`header`
         would write it now; read after :meth:`load` has checked the file."""
-        from safetensors import safe_open
+        from safetensors import SafetensorError, safe_open
 
-        with safe_open(str(path), framework="pt") as f:
-            return json.loads((f.metadata() or {})["stiefkv"])
+        path = Path(path).expanduser()
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                return json.loads((f.metadata() or {})["stiefkv"])
+        except (SafetensorError, OSError, KeyError, ValueError, RecursionError) as exc:
+            raise CheckpointError(f"{path}: no readable StiefKV header ({type(exc).__name__}: "
+                                  f"{str(exc)[:120]}); check it with stiefkv inspect") from None
 
     def check(self, model) -> None:
         """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``

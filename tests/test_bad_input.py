@@ -21,7 +21,7 @@ from stiefkv.cli import main
 from stiefkv.data import DataError, load_texts
 from stiefkv.models import ModelLoadError
 from stiefkv.projections import PROJECTIONS_FILE, CheckpointError, Projections, header_sha256, tensors_sha256
-from tests.tiny import random_projections, tiny_model
+from tests.tiny import random_projections, tiny_model, tiny_tokenizer
 from tests.utils import CharTokenizer, save_tiny_gguf, save_tiny_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -986,10 +986,68 @@ def test_a_checkpoint_load_would_refuse_is_not_written(tmp_path):
     good = random_projections(tiny_model(), 8, 16)
     for bad, message in ((replace(good, budget=2.0), "budget 2.0 is not a number in"),
                          (replace(good, fingerprint={}), "fingerprint L is None"),
-                         (replace(good, settings={"data": tmp_path}), "its settings are not JSON")):
+                         (replace(good, settings={"data": tmp_path}), "its header is not JSON")):
         with pytest.raises(ValueError, match=f"refusing to write {tmp_path / 'x.safetensors'}: {message}"):
             bad.save(tmp_path / "x.safetensors")
     assert not os.listdir(tmp_path)
+
+
+def test_checkpoint_api_edges(tmp_path, monkeypatch):
+    """Found by a tester (helper 60): ``~`` worked for save and not for load; a NaN error was written as bare
+    NaN (not JSON); save_pretrained wrote the weights and a config.json naming the bases before the bases
+    were refused, and a folder whose config names bases it does not hold loaded as the original model,
+    silently; ``==`` between checkpoints raised; header() handed out the checkpoint's own dicts; a
+    contradicting key mode was read differently by older readers; a nested header raised RecursionError;
+    a context of 0 divided by zero."""
+    import json
+    from dataclasses import replace
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = tiny_model()
+    proj = random_projections(model, 8, 16)
+    proj.save("~/p.safetensors")
+    assert Projections.load("~/p.safetensors").ranks == proj.ranks
+    assert Projections.stored_header("~/p.safetensors")["ranks"] == [list(r) for r in proj.ranks]
+    with pytest.raises(ValueError, match="its header is not JSON"):
+        replace(proj, errors=[float("nan")]).save(tmp_path / "nan.safetensors")
+    assert (proj == Projections.load(tmp_path / "p.safetensors")) is False and proj == proj
+    header = proj.header()
+    header["fingerprint"]["L"] = 99
+    header["settings"]["x"] = 1
+    assert proj.fingerprint["L"] != 99 and "x" not in proj.settings
+    for context in (0, -5, 1.5):
+        with pytest.raises(ValueError, match="context must be a whole number of tokens ≥ 1"):
+            proj.kv_bytes_per_token(context)
+
+    stiefkv.load(model, replace(proj, settings={"data": tmp_path}))
+    with pytest.raises(ValueError, match="its header is not JSON"):
+        model.save_pretrained(tmp_path / "folder")
+    assert not (tmp_path / "folder").exists()
+    stiefkv.load(model, proj)
+    model.save_pretrained(tmp_path / "folder")
+    tiny_tokenizer().save_pretrained(tmp_path / "folder")
+    (tmp_path / "folder" / PROJECTIONS_FILE).unlink()
+    with pytest.raises(ModelLoadError, match="names StiefKV bases .* but does not hold them"):
+        stiefkv.load_model(str(tmp_path / "folder"))
+    assert not stiefkv.attention.is_compressed(stiefkv.load_model(str(tmp_path / "folder"),
+                                                                  projections=False)[0])
+
+    doc = proj.header()
+    doc.pop("header_sha256")
+    doc["layer_key_modes"] = ["post_rope"] * len(proj.ranks)  # beside key_mode pre_rope, version 2
+    doc["header_sha256"] = header_sha256(doc)
+    tensors = {f"layers.{i}.{x}": t for i, (k, v) in enumerate(zip(proj.keys, proj.values))
+               for x, t in (("k", k.contiguous()), ("v", v.contiguous()))}
+    save_file(tensors, str(tmp_path / "modes.safetensors"), metadata={"stiefkv": json.dumps(doc)})
+    with pytest.raises(CheckpointError, match="layer_key_modes .'post_rope'. beside key_mode 'pre_rope'"):
+        Projections.load(tmp_path / "modes.safetensors")
+    save_file(tensors, str(tmp_path / "deep.safetensors"), metadata={"stiefkv": "[" * 100000 + "]" * 100000})
+    with pytest.raises(CheckpointError, match="damaged StiefKV header"):
+        Projections.load(tmp_path / "deep.safetensors")
+    with pytest.raises(CheckpointError, match="no readable StiefKV header"):
+        Projections.stored_header(tmp_path / "deep.safetensors")
 
 
 def test_a_tilde_after_an_equals_sign_is_the_home_folder(tmp_path, monkeypatch):
