@@ -202,6 +202,8 @@ class CalibrationConfig:
         self.data = os.fspath(self.data)  # a Path is written into the progress file and checkpoint as text
         if not 0 < self.budget <= 1:
             raise ValueError(f"budget must be in (0, 1], got {self.budget}")
+        if not 0 <= self.seed <= SEED_MAX:  # per-layer seeds are seed·100003 + layer, in torch's int64
+            raise ValueError(f"seed must be in 0 … {SEED_MAX}, got {self.seed}")
         if str(self.bits) not in BITS_CHOICES:
             raise ValueError(f"bits must be one of {', '.join(BITS_CHOICES)}; got {self.bits!r}")
         self.bits = str(self.bits)
@@ -253,6 +255,8 @@ class CalibrationConfig:
         return cls(**(sizes | kwargs)).validate()
 
 
+SEED_MAX = 2**32 - 1
+
 # Settings that do nothing under another one's value: given anyway, they are named (the user meant something)
 REFINEMENT_SETTINGS = ("steps", "lr", "step_sequences", "loss", "kl_weight", "order")
 PROFILE_SETTINGS = ("weighting", "profile", "profile_sequences", "profile_storages")
@@ -261,7 +265,8 @@ PROFILE_SETTINGS = ("weighting", "profile", "profile_sequences", "profile_storag
 def unused_settings(given: dict, cfg: CalibrationConfig) -> list[str]:
     """What of the settings ``given`` has no effect under ``cfg``, one sentence each."""
     notes = []
-    if cfg.method == "pca":
+    if cfg.method == "pca" and not (cfg.allocation == "dp" and cfg.profile == "stiefel"):
+        # profile 'stiefel' refines the profiles' bases with these settings, whatever the method
         notes += [f"{k} has no effect with method 'pca' (no refinement)" for k in REFINEMENT_SETTINGS
                   if k in given]
     elif "kl_weight" in given and cfg.loss != "output+kl":
@@ -273,9 +278,9 @@ def unused_settings(given: dict, cfg: CalibrationConfig) -> list[str]:
     if not quantized:
         notes += [f"{k} has no effect with bf16 latents (bits 16, or allocation 'uniform' with bits auto)"
                   for k in ("recent", "window8", "log8", "kernel_storage") if k in given]
-    elif cfg.kernel_storage and given.get("recent"):
-        notes.append(f"recent {given['recent']} has no effect with kernel_storage (the kernels read codes "
-                     "only: no exact tokens)")
+    elif cfg.kernel_storage:
+        notes += [f"{k} has no effect with kernel_storage (the kernels read codes only: no exact tokens, no "
+                  "log8 scales)" for k in ("recent", "window8", "log8") if k in given]
     for k in ("step_sequences", "profile_sequences"):
         n, most = getattr(cfg, k), cfg.num_sequences
         if k in given and isinstance(n, int) and isinstance(most, int) and n > most:

@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from stiefkv.models import same_model
-from stiefkv.projections import write_atomically
+from stiefkv.projections import safetensors_writer, write_atomically
 
 log = logging.getLogger(__name__)
 
@@ -54,8 +54,6 @@ class CalibrationState:
         None."""
         if path is None:
             return
-        from safetensors.torch import save_file
-
         path = Path(path)
         tensors = {}
         for name in ("eig_k", "eig_v", "keys", "values"):
@@ -68,8 +66,7 @@ class CalibrationState:
                "refine": self.refine, "seconds": round(self.seconds, 1),
                "counts": {name: len(getattr(self, name)) for name in ("eig_k", "eig_v", "keys", "values")}}
         text = json.dumps(doc)
-        write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"stiefkv_state": text}),
-                         "the progress file")
+        write_atomically(path, safetensors_writer(tensors, {"stiefkv_state": text}), "the progress file")
 
     @classmethod
     def load(cls, path: Path, settings: dict, fingerprint: dict) -> CalibrationState:

@@ -25,6 +25,7 @@ from stiefkv.calibrate.pipeline import (
     METHODS,
     ORDERS,
     PROFILES,
+    SEED_MAX,
     SMALL_BUDGET,
     SMALL_BUDGET_RECENT,
     CalibrationConfig,
@@ -144,6 +145,8 @@ def _setup(device: str, dtype: str, seed: int, debug: bool):
 
     _logging(debug)
     dev = _device(device)
+    if not 0 <= seed <= SEED_MAX:  # per-layer seeds (seed·100003 + layer) and torch's take int64
+        raise UserError(f"--seed must be in 0 … {SEED_MAX}, got {seed}")
     torch.manual_seed(seed)
     return str(dev), getattr(torch, DTYPES[dtype])
 
@@ -387,6 +390,10 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
             if cfg.allocation != "dp":
                 raise ValueError("--plot draws the error-rank profiles, which only --allocation dp makes: "
                                  "drop --plot or use --allocation dp")
+        if resume and not partial.exists() and output.is_file():  # it would calibrate anew over it
+            raise ValueError(f"--resume: there is nothing to resume ({partial.name} does not exist), and "
+                             f"{output} holds a finished run's checkpoint: drop --resume to calibrate again "
+                             "over it, or give another -o")
         if leader:
             _check_outputs({"-o": output, "the progress file": partial, "--plot": plot}, model,
                            data=str(cfg.data))  # the default (wikitext2) too: its files are inputs

@@ -118,6 +118,21 @@ def ensure_writable(path: str | Path, what: str = "output") -> Path:
     return path
 
 
+def safetensors_writer(tensors: dict, metadata: dict):
+    """A writer for :func:`write_atomically` of ``tensors`` as one safetensors file: the bytes are made
+    first and written as they are, to the temporary file or in place into a device or pipe
+    (``safetensors.torch.save_file`` renames a temporary file of its own over its target: over
+    ``/dev/null`` it made a regular file)."""
+    from safetensors.torch import save
+
+    data = save(tensors, metadata=metadata)
+
+    def write(target) -> None:
+        with open(target, "wb") as f:
+            f.write(data)
+    return write
+
+
 def write_atomically(path: str | Path, write, what: str = "file") -> Path:
     """``write(tmp)`` a temporary file beside ``path``, then rename it over ``path``, so that a failed write
     (a full disk, a size limit) leaves what was there. A link is followed (its target is replaced, the link
@@ -422,7 +437,6 @@ class Projections:
 
         The file gets the mode any new file would (``0666`` less the umask).
         """
-        from safetensors.torch import save_file
 
         path = Path(path).expanduser()
         text = self.header_text(path)
@@ -434,8 +448,7 @@ class Projections:
                 memory_format=torch.contiguous_format)
             tensors[f"layers.{i}.v"] = v.detach().to("cpu", torch.float32).clone(
                 memory_format=torch.contiguous_format)
-        return write_atomically(path, lambda tmp: save_file(tensors, str(tmp), metadata={"stiefkv": text}),
-                                "checkpoint")
+        return write_atomically(path, safetensors_writer(tensors, {"stiefkv": text}), "checkpoint")
 
     def header_text(self, path: str | Path) -> str:
         """The header :meth:`save` would write to ``path``, as JSON; ``ValueError`` (naming ``path``) for

@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import re
+import stat
 import struct
 from pathlib import Path
 
@@ -1050,6 +1051,31 @@ def test_checkpoint_api_edges(tmp_path, monkeypatch):
         Projections.stored_header(tmp_path / "deep.safetensors")
 
 
+def test_calibration_settings_found_by_a_tester(tmp_path, corpus, fake_loader, caplog):
+    """Helper 59: --resume after a finished run calibrated anew over its checkpoint with one INFO line; a
+    seed past int64 failed after phase 1 (per-layer seeds overflow) or with torch's traceback; --steps was
+    said to have no effect under --profile stiefel, whose profiles it refines; --no-log8 and --no-window8
+    under --kernel-storage did nothing, silently."""
+    from stiefkv.calibrate.pipeline import CalibrationConfig, unused_settings
+
+    done = tmp_path / "done.safetensors"
+    done.write_bytes(b"a finished run's checkpoint")
+    result = run(["calibrate", "m", "--data", corpus, "-o", done, "--resume", *CALIBRATE_SMALL], 2)
+    assert "nothing to resume" in result.output and "drop --resume" in result.output
+    assert not fake_loader.calls and done.read_bytes() == b"a finished run's checkpoint"
+    for seed in ("-1", str(2**32), str(2**70)):
+        result = run(["calibrate", "m", "--data", corpus, "-o", tmp_path / "x.safetensors", "--seed", seed],
+                     2)
+        assert f"--seed must be in 0 … 4294967295, got {seed}" in result.output and not fake_loader.calls
+    with pytest.raises(ValueError, match="seed must be in 0 … 4294967295"):
+        CalibrationConfig.from_kwargs(seed=2**40)
+    cfg = CalibrationConfig.from_kwargs(method="pca", profile="stiefel", weighting="output", steps=3)
+    assert not [n for n in unused_settings({"steps": 3}, cfg) if "steps" in n]
+    cfg = CalibrationConfig.from_kwargs(kernel_storage=True, log8=False, window8=False, budget=0.25)
+    notes = " ".join(unused_settings({"log8": False, "window8": False}, cfg))
+    assert "log8 has no effect with kernel_storage" in notes and "window8 has no effect" in notes
+
+
 def test_a_tilde_after_an_equals_sign_is_the_home_folder(tmp_path, monkeypatch):
     """--output=~/x: the shell leaves ~ alone after '='; the check expanded it and the writer did not."""
     import click
@@ -1220,6 +1246,17 @@ def test_a_written_file_keeps_its_link_and_mode_and_a_pipe_is_written_in_place(t
     write_atomically(fifo, lambda t: t.write_text("through"), "--json")
     reader.join(5)
     assert got == ["through"] and not fifo.is_file()
+    # a checkpoint too (helper 59: safetensors' save_file renamed its own temporary file over the pipe, and
+    # over /dev/null as root): its bytes go through the pipe, which stays a pipe
+    proj = random_projections(tiny_model(), 8, 8)
+    got = []
+    reader = threading.Thread(target=lambda: got.append(fifo.read_bytes()))
+    reader.start()
+    proj.save(fifo)
+    reader.join(5)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and got and len(got[0]) > 1000
+    (tmp_path / "copy.safetensors").write_bytes(got[0])
+    assert Projections.load(tmp_path / "copy.safetensors").ranks == proj.ranks
 
 
 def test_options_are_named_only_where_a_setting_is_meant():
