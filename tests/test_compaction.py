@@ -988,7 +988,8 @@ def test_the_uncompressed_pass_key_answers_follow_the_model_as_served_now(monkey
         return ("KEY" if not served else "nothing"), 1, 1.0
 
     monkeypatch.setattr(longcontext, "retrieve", retrieve)
-    monkeypatch.setattr(longcontext, "passkey_sample", lambda tok, context, rng: ("ctx", "q", "KEY"))
+    prompt = (torch.arange(3, 60), torch.arange(60, 70), "KEY")  # ids the vocabulary check reads
+    monkeypatch.setattr(longcontext, "passkey_sample", lambda tok, context, rng: prompt)
     model = tiny_model()
     kw = dict(context=64, keep=0.5, method="attention", samples=2)
     assert longcontext.evaluate_retrieval(model, None, **kw).accuracy_full == 1.0
