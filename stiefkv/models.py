@@ -751,13 +751,7 @@ def saved_projections(folder) -> Path | None:
     ``config.json`` names them (``save_pretrained`` leaves files it did not write: a folder saved over by a
     model that was not served keeps the file, but its config no longer names it)."""
     path = Path(folder).expanduser() / PROJECTIONS_FILE
-    if not path.is_file():
-        return None
-    try:
-        named = json.loads((path.parent / "config.json").read_text()).get("stiefkv_projections")
-    except (OSError, ValueError, AttributeError):
-        return None
-    return path if named == PROJECTIONS_FILE else None
+    return path if path.is_file() and _names_bases(path.parent) else None
 
 
 def _first_line(exc: BaseException) -> str:

@@ -65,10 +65,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     max_new_tokens, prefill_chunk = int(max_new_tokens), int(prefill_chunk)
     if not (isinstance(eos_token_id, str) and eos_token_id == "model"):
         eos_token_id = _end_ids(eos_token_id)  # a bad end token is refused before any work
-    pad_token_id = _pad_id(model, pad_token_id)
+    pad_token_id = _pad_id(pad_token_id)
     device = input_ids.device
-    whole = isinstance(max_length, numbers.Integral) and not isinstance(max_length, bool)
-    if max_length is not None and not whole:
+    if max_length is not None and not _whole(max_length):
         raise ValueError(f"max_length must be a whole number of tokens a row, got {max_length!r}")
     max_length = N + max_new_tokens if max_length is None else int(max_length)
     positions_max = getattr(model.config, "max_position_embeddings", None)
@@ -164,7 +163,7 @@ def _end_ids(eos) -> list[int]:
     return [int(i) for i in ids]
 
 
-def _pad_id(model, pad) -> int | None:
+def _pad_id(pad) -> int | None:
     """``pad_token_id`` checked before any work: None, or a token id ≥ 0. It is only written into the output
     (never read by the model), so a tokenizer's added pad token beyond the embeddings is taken."""
     if pad is None:
