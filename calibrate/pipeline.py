@@ -327,6 +327,21 @@ def check_calibration_call(model, settings: dict) -> None:
                         "first, or stiefkv.place_layers for several devices)")
 
 
+def check_sequence_settings(sequences: torch.Tensor, settings: dict) -> None:
+    """Refuse a ``data``, ``num_sequences`` or ``seq_len`` given beside pre-tokenized ``sequences`` ``[S, N]``
+    that they contradict: the sequences are the calibration text and their shape its size, so such a setting
+    would be ignored, and a setting ignored without a word hides the caller's mistake. Values the shape
+    agrees with pass (a caller that passes its sizes along)."""
+    if "data" in settings:
+        raise ValueError(f"data={settings['data']!r} and sequences= both name the calibration text: give one "
+                         "(sequences= are calibrated on as they are)")
+    S, N = sequences.shape
+    for name, value in (("num_sequences", S), ("seq_len", N)):
+        if name in settings and settings[name] != value:
+            raise ValueError(f"{name}={settings[name]} contradicts sequences= of shape [{S}, {N}], whose "
+                             f"shape sets it: leave {name} out, or pass sequences of that size")
+
+
 def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: bool = False,
               sequences: torch.Tensor | None = None, **settings) -> Projections:
     """Learn low-rank key and value bases for every layer of ``model``.
@@ -335,7 +350,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     ``key_mode=``, ``allocation=``, ``order=``, ``steps=``, ``lr=``, ``seed=``, ``data=``,
     ``num_sequences=``, ``seq_len=``, …). With ``progress=PATH`` every finished step is written there, and
     ``resume=True`` continues from it. ``sequences`` ``[S, N]`` token ids replace ``data`` (pre-tokenized
-    calibration text; ``tokenizer`` may then be None). Returns :class:`~stiefkv.Projections`; save it with
+    calibration text; ``tokenizer`` may then be None; ``data=`` is then refused, and ``num_sequences=`` and
+    ``seq_len=`` unless they equal ``S`` and ``N``). Returns :class:`~stiefkv.Projections`; save it with
     ``.save(path)``.
 
     Inside a ``torch.distributed`` process group (``torchrun``; :mod:`stiefkv.calibrate.distributed`) each
@@ -359,6 +375,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     t0 = time.perf_counter()
     if sequences is not None:
         check_token_ids(model, sequences, "sequences", least=2)
+        check_sequence_settings(sequences, settings)
         seqs = sequences.long().cpu()
         cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
     check_budget(cfg, dims)

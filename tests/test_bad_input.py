@@ -574,6 +574,22 @@ def test_calibrate_calls_it_cannot_take_are_named(tmp_path, corpus):
         assert "names a folder, not the file to write" in run(args, 2).output
 
 
+def test_calibrate_refuses_data_settings_that_contradict_sequences(corpus):
+    """``sequences=`` are the calibration text and their shape its size: a ``data=``, ``num_sequences=`` or
+    ``seq_len=`` beside them used to be ignored without a word. Values the sequences agree with still pass."""
+    model = tiny_model()
+    seqs = torch.randint(3, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+    kw = dict(budget=0.5, method="pca", allocation="uniform")
+    shape = r"contradicts sequences= of shape \[3, 12\], whose shape sets it"
+    for given, message in (({"data": str(corpus)}, r"^data=.* and sequences= both name the calibration"),
+                           ({"num_sequences": 5}, rf"^num_sequences=5 {shape}"),
+                           ({"seq_len": 64}, rf"^seq_len=64 {shape}")):
+        with pytest.raises(ValueError, match=message):
+            stiefkv.calibrate(model, CharTokenizer(), sequences=seqs, **kw, **given)
+    proj = stiefkv.calibrate(model, None, sequences=seqs, num_sequences=3, seq_len=12, **kw)
+    assert proj.settings["tokens"] == 3 * 12
+
+
 def tiny_llava():
     """A Llava model around a tiny Llama: its language model's layers are not at ``.model.layers``."""
     from transformers import CLIPVisionConfig, LlavaConfig, LlavaForConditionalGeneration
