@@ -57,7 +57,7 @@ from stiefkv.models import (
     rope_spec,
 )
 from stiefkv.projections import KEY_MODES, Projections, ensure_writable
-from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, REFERENCE_CONTEXT, QuantSpec
+from stiefkv.quant import BITS, DEFAULT_RECENT, FLOAT, GROUP, REFERENCE_CONTEXT, QuantSpec, quantized_length
 
 log = logging.getLogger(__name__)
 
@@ -127,7 +127,9 @@ class CalibrationConfig:
     profile : bases used for the profiles: ``pca`` (cheap) or ``stiefel`` (refined at every rank).
     order : ``sequential`` (each layer sees the already-compressed layers before it) or ``independent``.
     data : ``wikitext2``, a .txt/.jsonl file or folder, or ``self``.
-    num_sequences, seq_len : size of the calibration set.
+    num_sequences, seq_len : size of the calibration set. Storages none of whose codes a sequence of
+        ``seq_len`` tokens holds (the channel layout below ``recent`` + 64 tokens) are left out of the
+        choice: their profiles would measure no error (:func:`measured_on`).
     profile_sequences : how many of the calibration sequences the profiles use.
     steps, lr, step_sequences : Riemannian Adam steps per layer, learning rate, sequences per step.
     loss, kl_weight : ``output`` (layer-output error) or ``output+kl`` (plus ``kl_weight`` × the KL between
@@ -378,6 +380,7 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
         check_sequence_settings(sequences, settings)
         seqs = sequences.long().cpu()
         cfg.data, cfg.num_sequences, cfg.seq_len = "tensor", seqs.shape[0], seqs.shape[1]
+    check_sequence_length(cfg)
     check_budget(cfg, dims)
     check_context(model.config, cfg.seq_len, "seq_len")
     if sequences is None and cfg.data == "self" and len(layer_devices(model)) > 1:
@@ -483,7 +486,51 @@ def check_distributed(shard: Shard, model, cfg: CalibrationConfig, fp: dict, seq
 
 def storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
     """The storages the allocation chooses among for keys (``k``) and values (``v``), or None for bf16
-    latents (ranks only)."""
+    latents (ranks only): those of the settings that calibration sequences of ``cfg.seq_len`` tokens can
+    measure (:func:`measured_on`)."""
+    specs = offered_storages(cfg)
+    if specs is None:
+        return None
+    return {which: [s for s in options if measured_on(s, cfg.seq_len)] for which, options in specs.items()}
+
+
+def measured_on(spec: QuantSpec, seq_len: int) -> bool:
+    """Whether a sequence of ``seq_len`` tokens stored as ``spec`` holds any token as codes. One that holds
+    none (a channel group fills only after :data:`~stiefkv.quant.GROUP` tokens older than the ``recent`` exact
+    ones: 80 by default) is profiled at its exact tokens' error, none, and the knapsack would take it at its
+    fewest bits, whatever its error in a long cache."""
+    return not spec.quantized or quantized_length(seq_len, spec) > 0
+
+
+def check_sequence_length(cfg: CalibrationConfig) -> None:
+    """Warn of the storages of the settings left out because ``cfg.seq_len`` quantizes none of their tokens
+    (:func:`measured_on`); refuse where that leaves a latent nothing to be stored in."""
+    offered = offered_storages(cfg) or {}
+    left_out = {s for options in offered.values() for s in options if not measured_on(s, cfg.seq_len)}
+    if not left_out:
+        return
+    layouts = " and ".join(sorted({s.layout for s in left_out}))
+    why = f"they keep the {cfg.recent} newest tokens exact" + (
+        f" and quantize channel groups of {GROUP} tokens" if "channel" in layouts else "")
+    if not all(storages(cfg).values()):
+        raise ValueError(f"seq_len {cfg.seq_len} quantizes no token of the bits {cfg.bits} storages "
+                         f"({why}): use seq_len {min(map(least_length, left_out))} or more, or bits 16")
+    log.warning("seq_len %d quantizes no token of the %s storages (%s): calibration would measure no error "
+                "for them and the allocation would take them at their fewest bits, so they are left out; "
+                "seq_len %d or more offers them", cfg.seq_len, layouts, why,
+                max(map(least_length, left_out)))
+
+
+def least_length(spec: QuantSpec) -> int:
+    """The fewest tokens of which a cache of ``spec`` holds one as codes
+    (:func:`~stiefkv.quant.quantized_length` > 0): one past the exact window, a whole group past it per
+    channel."""
+    return spec.recent + (GROUP if spec.layout == "channel" else 1)
+
+
+def offered_storages(cfg: CalibrationConfig) -> dict[str, list[QuantSpec]] | None:
+    """The storages the settings offer for keys (``k``) and values (``v``), whatever the sequences' length;
+    None for bf16 latents (ranks only)."""
     if cfg.bits == "16" or cfg.allocation == "uniform":
         return None
     bf16 = [FLOAT] if cfg.bits == "auto" else []

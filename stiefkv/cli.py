@@ -32,7 +32,7 @@ from stiefkv.calibrate.pipeline import (
 )
 from stiefkv.calibrate.profile import WEIGHTINGS
 from stiefkv.data import check_data
-from stiefkv.quant import DEFAULT_RECENT
+from stiefkv.quant import DEFAULT_RECENT, GROUP
 
 DEFAULTS = {f.name: f.default for f in fields(CalibrationConfig)}
 DTYPES = {"float32": "float32", "bfloat16": "bfloat16", "float16": "float16"}
@@ -349,7 +349,10 @@ def main():
               help="Number of calibration sequences "
                    f"[default: {DEFAULTS['num_sequences']}; on a CPU {CPU_SIZES['num_sequences']}]")
 @click.option("--seq-len", type=int, default=DEFAULTS["seq_len"], show_default=True,
-              help="Tokens per calibration sequence.")
+              help="Tokens per calibration sequence. Codes are measured only on tokens past the --recent "
+                   f"exact ones, and per-channel codes in whole groups of {GROUP}: below --recent + {GROUP} "
+                   f"({DEFAULT_RECENT + GROUP} with {DEFAULT_RECENT} exact tokens) the channel layout is "
+                   "left out of the --bits choices, with a warning.")
 @click.option("--batch-size", type=int, default=DEFAULTS["batch_size"], show_default=True,
               help="Sequences per forward pass (memory vs speed).")
 @click.option("--rank-step", type=int, default=DEFAULTS["rank_step"], show_default=True,

@@ -903,6 +903,35 @@ def test_the_default_recent_window_follows_the_budget():
         CalibrationConfig(recent=True).validate()
 
 
+def test_sequences_too_short_to_quantize_a_storage_leave_it_out(caplog):
+    """Found by a user: ``--bits auto --seq-len 40`` chose 2-bit channel codes. A channel group is quantized
+    only once 64 tokens older than the ``recent`` exact ones have come (80 by default), so shorter calibration
+    sequences measured no error for it and the knapsack took it at its fewest bits, for free. Such storages
+    are now left out of the choice, with a warning; a fixed width none of whose storages the sequences
+    quantize is refused."""
+    from stiefkv.calibrate.pipeline import CalibrationConfig, storages
+
+    def layouts(**kw):
+        specs = storages(CalibrationConfig(**kw).validate())
+        return {s.layout for s in specs["k"] + specs["v"] if s.quantized}
+
+    assert layouts(seq_len=79) == {"token"} and layouts(seq_len=80) == {"token", "channel"}
+    assert layouts(seq_len=71, budget=0.0625) == {"token"} and layouts(seq_len=72, budget=0.0625) == {
+        "token", "channel"}  # 8 exact tokens below a 10 % budget
+    assert layouts(seq_len=16) == set() and layouts(seq_len=17) == {"token"}
+    assert storages(CalibrationConfig(seq_len=16, bits="16").validate()) is None
+    seqs = torch.randint(3, 97, (4, 40), generator=torch.Generator().manual_seed(0))
+    kw = dict(budget=0.25, method="pca", profile_sequences=2)
+    with caplog.at_level("WARNING", logger="stiefkv.calibrate.pipeline"):
+        proj = stiefkv.calibrate(tiny_model(), None, sequences=seqs, **kw)
+    assert all(s.layout == "token" for pair in proj.specs for s in pair if s.quantized)
+    assert "seq_len 40 quantizes no token of the channel storages" in caplog.text
+    assert "seq_len 80 or more offers them" in caplog.text
+    with pytest.raises(ValueError, match=r"^seq_len 12 quantizes no token of the bits 2 storages .* "
+                                         r"use seq_len 17 or more"):
+        stiefkv.calibrate(tiny_model(), None, sequences=seqs[:, :12], bits=2, **kw)
+
+
 def test_save_pretrained_keeps_the_storage(tmp_path):
     from tests.tiny import tiny_tokenizer
 
