@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from stiefkv.projections import PROJECTIONS_FILE, CheckpointError, honour_umask
+from stiefkv.projections import KV_BIASES, PROJECTIONS_FILE, CheckpointError, honour_umask
 
 log = logging.getLogger(__name__)
 
@@ -144,28 +144,37 @@ def decoder_layers(model: nn.Module) -> nn.ModuleList:
     return layers
 
 
-def weights_hash(model: nn.Module, via: torch.dtype | None = None) -> str:
-    """sha256 of every layer's ``k_proj``/``v_proj`` weights, rounded to bfloat16 (through ``via`` first).
+def weights_hash(model: nn.Module, via: torch.dtype | None = None, *, biases: bool = True) -> str:
+    """sha256 of every layer's ``k_proj``/``v_proj`` weights (and biases: :func:`kv_weights`), rounded to
+    bfloat16 (through ``via`` first).
 
     Rounding makes the hash of a float32 model equal that of the same model cast to bf16, so a
     checkpoint calibrated in float32 on the CPU loads on the bf16 model on a GPU. A float16 model rounds
     some weights to another bf16 value (two roundings): ``via=torch.float16`` is the hash it has.
     """
     h = hashlib.sha256()
-    for weight in kv_weights(model):
+    for weight in kv_weights(model, biases):
         w = weight.detach().to("cpu")
         w = (w if via is None else w.to(via)).to(torch.bfloat16).contiguous()
         h.update(w.view(torch.int16).numpy().tobytes())
     return h.hexdigest()[:16]
 
 
-def kv_weights(model: nn.Module):
+def kv_weights(model: nn.Module, biases: bool = True):
     """Every layer's ``k_proj`` and ``v_proj`` weights, in order (the original attention's under a loaded
-    LowRankAttention)."""
+    LowRankAttention), each followed by its bias where it has one (Qwen2) and ``biases``: a bias shifts
+    every key or value the bases were fitted to. A model without them yields what earlier versions hashed."""
     for layer in decoder_layers(model):
         attn = getattr(layer.self_attn, "inner", layer.self_attn)
-        yield attn.k_proj.weight
-        yield attn.v_proj.weight
+        for proj in (attn.k_proj, attn.v_proj):
+            yield proj.weight
+            if biases and proj.bias is not None:
+                yield proj.bias
+
+
+def has_kv_biases(model: nn.Module) -> bool:
+    """Whether a layer's ``k_proj`` or ``v_proj`` has a bias (what :func:`kv_weights` adds to the weights)."""
+    return sum(1 for _ in kv_weights(model)) > sum(1 for _ in kv_weights(model, biases=False))
 
 
 WEIGHT_SAMPLE, WEIGHT_DTYPE = "kv_weights_sample", "kv_weights_dtype"
@@ -185,11 +194,12 @@ def spaced(n: int, k: int) -> torch.Tensor:
     return torch.arange(k, dtype=torch.long) * (n - 1) // max(k - 1, 1)
 
 
-def weights_sample(model: nn.Module) -> list[float]:
-    """Evenly spaced ``k_proj``/``v_proj`` weights of every layer, as floats: a bf16 model and a float16 one
-    round each weight apart, which no hash of rounded weights can tell from other weights."""
+def weights_sample(model: nn.Module, *, biases: bool = True) -> list[float]:
+    """Evenly spaced ``k_proj``/``v_proj`` weights (and biases: :func:`kv_weights`) of every layer, as floats:
+    a bf16 model and a float16 one round each weight apart, which no hash of rounded weights can tell from
+    other weights."""
     values = []
-    for weight in kv_weights(model):
+    for weight in kv_weights(model, biases):
         w = weight.detach().reshape(-1)
         values += [float(x) for x in w[spaced(w.numel(), SAMPLES_PER_MATRIX).to(w.device)].float().cpu()]
     return values
@@ -234,8 +244,11 @@ def same_model(a: dict, b: dict) -> bool:
     return all(a.get(k) == b.get(k) for k in rest - set(WEIGHT_KEYS)) and same_weights(a, b)
 
 
-def fingerprint(model: nn.Module) -> dict:
-    """What a checkpoint must match: architecture, dimensions, RoPE settings, K/V weight hash."""
+def fingerprint(model: nn.Module, *, biases: bool = True) -> dict:
+    """What a checkpoint must match: architecture, dimensions, RoPE settings, K/V weight (and bias) hash.
+
+    ``biases=False`` leaves the k/v biases out, as fingerprints before :data:`KV_BIASES` did: the model's
+    fingerprint to compare such a checkpoint's with (:func:`fingerprint_like`)."""
     cfg = text_config(model.config)
     dims = dims_of(cfg)
     rope = {k: v for k, v in rope_parameters(cfg).items() if isinstance(v, (int, float, str, bool))}
@@ -243,11 +256,17 @@ def fingerprint(model: nn.Module) -> dict:
         "architecture": cfg.model_type,
         "L": dims.L, "H": dims.H, "G": dims.G, "d": dims.d, "D": dims.D,
         "rope": rope,
-        "kv_weights_sha256": weights_hash(model),
-        "kv_weights_sha256_fp16": weights_hash(model, via=torch.float16),
-        WEIGHT_SAMPLE: weights_sample(model),
+        "kv_weights_sha256": weights_hash(model, biases=biases),
+        "kv_weights_sha256_fp16": weights_hash(model, via=torch.float16, biases=biases),
+        WEIGHT_SAMPLE: weights_sample(model, biases=biases),
         WEIGHT_DTYPE: str(next(kv_weights(model)).dtype),
-    }
+    } | ({KV_BIASES: True} if biases and has_kv_biases(model) else {})
+
+
+def fingerprint_like(model: nn.Module, recorded: dict) -> dict:
+    """``model``'s fingerprint as the checkpoint's ``recorded`` was taken: with the k/v biases where it covers
+    them, without where it was written before they were (so that it still loads, checked on the weights)."""
+    return fingerprint(model, biases=bool(recorded.get(KV_BIASES)))
 
 
 # --------------------------------------------------------------------------------------------- loading

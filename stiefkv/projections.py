@@ -31,10 +31,15 @@ log = logging.getLogger(__name__)
 
 # 2 adds "tensors_sha256", 3 "quant", 4 least-squared-error encoders ("int2-token-mse"), 5 exact recent tokens
 # ("int4-token-r64"), 6 log8 scales ("int2-token-log8-r16"), 7 exact tokens held in int8
-# ("int2-channel-r16-w8"), 8 bases shared by a layer's KV heads ([1, G·d, r]); each file is written at the
-# lowest version that holds it, so older StiefKV reads what it can; version 1 files load with a warning
-FORMAT_VERSION = 9
-READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9)
+# ("int2-channel-r16-w8"), 8 bases shared by a layer's KV heads ([1, G·d, r]), 9 key modes per layer, 10 a
+# fingerprint whose k/v hashes cover the k_proj/v_proj biases (models that have them); each file is written
+# at the lowest version that holds it, so older StiefKV reads what it can; version 1 files load with a
+# warning
+FORMAT_VERSION = 10
+READABLE_VERSIONS = (1, 2, 3, 4, 5, 6, 7, 8, 9, 10)
+# in a fingerprint whose hashes and samples cover the k/v biases (version 10; stiefkv.models.fingerprint
+# writes it for models that have them); a checkpoint without it is compared on the weights, as it was written
+KV_BIASES = "kv_biases"
 KEY_MODES = ("pre_rope", "post_rope")
 # The checkpoint a compressed model's save_pretrained writes into its folder; load_model applies it.
 PROJECTIONS_FILE = "stiefkv_projections.safetensors"
@@ -357,7 +362,11 @@ class Projections:
         latent's encoder searches its range (which version 3 readers do not know), 5 when a latent keeps its
         recent tokens exact (which earlier readers would quantize), 6 when a latent has log8 scales, 7 when
         it holds its exact tokens in int8 (which earlier readers would keep in bf16), 8 with bases shared by
-        a layer's KV heads, 9 when layers differ in key mode (which earlier readers would serve alike)."""
+        a layer's KV heads, 9 when layers differ in key mode (which earlier readers would serve alike), 10
+        when the fingerprint covers the model's k/v biases (which earlier readers would take for other
+        weights)."""
+        if isinstance(self.fingerprint, dict) and self.fingerprint.get(KV_BIASES):
+            return 10
         if self.layer_key_modes is not None:
             return 9
         if self.shared:
@@ -572,17 +581,18 @@ class Projections:
     def check(self, model) -> None:
         """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``
         (and on bases that are not finite or not orthonormal)."""
-        from stiefkv.models import fingerprint, same_weights
+        from stiefkv.models import fingerprint_like, same_weights
 
-        mine, theirs = self.fingerprint, fingerprint(model)
+        mine = self.fingerprint
+        theirs = fingerprint_like(model, mine)  # an older checkpoint's hashes leave the k/v biases out
         diffs = [f"{key}: checkpoint {mine.get(key)!r}, model {theirs.get(key)!r}"
                  for key in ("architecture", "L", "H", "G", "d", "D", "rope")
                  if mine.get(key) != theirs.get(key)]
         if not diffs and not same_weights(mine, theirs):
             dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
             old = "kv_weights_sample" not in mine and dtype != "float32"
-            diffs.append("same shapes but different k_proj/v_proj weights (another checkpoint of this "
-                         "architecture?" + (f" Or the same one in another precision: this checkpoint "
+            diffs.append("same shapes but different k_proj/v_proj weights or biases (another checkpoint of "
+                         "this architecture?" + (f" Or the same one in another precision: this checkpoint "
                                             f"predates weight samples, which tell a {dtype} model's weights "
                                             "from others; load the model in float32, stiefkv.load it, then "
                                             "cast)" if old else ")"))

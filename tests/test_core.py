@@ -75,6 +75,34 @@ def test_mismatched_model_is_refused_with_the_difference(tmp_path):
         stiefkv.load(other, path)
 
 
+def test_a_model_differing_only_in_its_kv_biases_is_refused(tmp_path):
+    """Qwen2's k_proj and v_proj have biases, which shift every key and value the bases were fitted to; the
+    fingerprint hashed the weights only, so a checkpoint loaded on a model differing in those biases alone.
+    Checkpoints written before (no ``kv_biases`` in the fingerprint) still load, on their weights."""
+    from stiefkv.projections import Projections
+
+    model = tiny_model("qwen2")
+    assert model.model.layers[0].self_attn.k_proj.bias is not None
+    path = random_projections(model, 8, 8).save(tmp_path / "p.safetensors")
+    for name in ("k_proj", "v_proj"):
+        other = tiny_model("qwen2")
+        with torch.no_grad():
+            getattr(other.model.layers[1].self_attn, name).bias.add_(0.5)
+        with pytest.raises(CheckpointError, match="different k_proj/v_proj weights or biases"):
+            stiefkv.load(other, path)
+        assert not same_model(fingerprint(other), fingerprint(model))
+    stiefkv.load(tiny_model("qwen2").to(torch.bfloat16), path)  # the biases round as the weights do
+    assert Projections.load(path).format_version == 10  # older readers say "upgrade", not "another model"
+    # a checkpoint as earlier versions wrote it: weights only, checked so
+    old = random_projections(model, 8, 8)
+    old.fingerprint = fingerprint(model, biases=False)
+    assert "kv_biases" not in old.fingerprint and old.format_version == 2
+    stiefkv.load(tiny_model("qwen2"), old.save(tmp_path / "old.safetensors"))
+    # a model without k/v biases has the fingerprint it always had
+    llama = tiny_model("llama")
+    assert fingerprint(llama) == fingerprint(llama, biases=False)
+
+
 def test_fingerprint_survives_bf16():
     model = tiny_model("llama")
     cast = fingerprint(tiny_model("llama").to(torch.bfloat16))
