@@ -453,8 +453,8 @@ def inspect(checkpoint, as_json):
     from stiefkv.projections import Projections
 
     _logging(False)
-    proj = _run(lambda: Projections.load(checkpoint), False)
-    click.echo(json.dumps(Projections.stored_header(checkpoint), indent=2) if as_json else proj.summary())
+    proj, stored = _run(lambda: Projections.load_with_header(checkpoint), False)
+    click.echo(json.dumps(stored, indent=2) if as_json else proj.summary())
 
 
 @main.command(name="eval")

@@ -475,6 +475,13 @@ class Projections:
     def load(cls, path: str | Path) -> Projections:
         """Read and check a checkpoint; a missing, foreign, damaged or edited file raises
         :class:`CheckpointError`."""
+        return cls.load_with_header(path)[0]
+
+    @classmethod
+    def load_with_header(cls, path: str | Path) -> tuple[Projections, dict]:
+        """:meth:`load`, and the header document as the file holds it (``stiefkv inspect --json``), not as
+        :meth:`header` would write it now: both from one read, so that the header shown is the one checked
+        (a second read could meet another file written there since)."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path).expanduser()  # as save, ensure_writable and save_pretrained take it
@@ -562,12 +569,12 @@ class Projections:
             raise CheckpointError(f"{path}: its header does not match the sha256 it carries: the header was "
                                   "edited or damaged (its key mode, storage or ranks would be read wrongly); "
                                   "copy the file again or recalibrate")
-        return proj
+        return proj, json.loads(meta["stiefkv"])  # parsed anew: proj holds the first parse's dicts
 
     @staticmethod
     def stored_header(path: str | Path) -> dict:
-        """The header document as the file holds it (``stiefkv inspect --json``), not as :meth:`header`
-        would write it now; read after :meth:`load` has checked the file."""
+        """The header document as the file holds it, not as :meth:`header` would write it now, unchecked
+        (:meth:`load_with_header` reads it with the checked checkpoint)."""
         from safetensors import SafetensorError, safe_open
 
         path = Path(path).expanduser()

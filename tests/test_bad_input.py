@@ -1112,6 +1112,27 @@ def test_inspect_json_prints_the_header_the_file_holds(tmp_path):
     assert json.loads(run(["inspect", "--json", path], 0).output) == stored
 
 
+def test_inspect_json_prints_the_header_it_checked(tmp_path, monkeypatch):
+    """``inspect --json`` read the header a second time after the check: a file replaced in between (another
+    calibration writing there) printed a header nobody checked, beside nothing. One read serves both."""
+    import safetensors
+
+    path = random_projections(tiny_model(), 8, 16).save(tmp_path / "p.safetensors")
+    checked = Projections.load(path).header()
+    other = random_projections(tiny_model(), 16, 8)
+    real_open, opened = safetensors.safe_open, []
+
+    def open_then_replace(*args, **kwargs):
+        opened.append(args[0])
+        handle = real_open(*args, **kwargs)
+        other.save(path)  # renamed over the file once it is open: only a second open sees it
+        return handle
+
+    monkeypatch.setattr(safetensors, "safe_open", open_then_replace)
+    shown = json.loads(run(["inspect", "--json", path], 0).output)
+    assert shown["ranks"] == checked["ranks"] == [[8, 16], [8, 16]] and len(opened) == 1
+
+
 def test_evaluation_refuses_windows_beyond_the_models_positions():
     from stiefkv.evaluate import attention_kl_per_layer, evaluate
     from tests.tiny import random_projections, tiny_model, tiny_tokenizer
