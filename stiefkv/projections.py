@@ -234,6 +234,13 @@ class Projections:
     layer_key_modes: list[str] | None = None
 
     def __post_init__(self):
+        self._check_fields()
+
+    def _check_fields(self) -> None:
+        """Check the fields against each other (key modes, one value basis and one storage pair per key
+        basis) and bring them to their plain form (specs parsed, one mode for all layers as ``key_mode``,
+        all-bf16 storage as None). Run at construction and again by :meth:`validate`: the fields are plain
+        attributes, and may have been edited since."""
         if self.key_mode not in KEY_MODES:
             raise CheckpointError(f"key_mode must be one of {KEY_MODES}, got {self.key_mode!r}")
         if self.layer_key_modes is not None:
@@ -322,11 +329,13 @@ class Projections:
     def validate(self, where: str = "projections") -> Projections:
         """Raise :class:`CheckpointError` unless every basis is finite, orthonormal and of a valid shape.
 
-        Checks, per layer and latent: a float ``[G, d, r]`` tensor with ``G``/``d`` from the fingerprint
+        Checks the fields as construction does (:meth:`_check_fields`: they may have been edited since),
+        then, per layer and latent: a float ``[G, d, r]`` tensor with ``G``/``d`` from the fingerprint
         (when it has them) and ``1 ≤ r ≤ d``, or a shared ``[1, G·d, r]`` with ``1 ≤ r ≤ G·d``; every value
         finite; ``max |PᵀP − I| ≤``
         :data:`ORTHONORMALITY_TOLERANCE`; and as many layers as the fingerprint's ``L``.
         """
+        self._check_fields()
         fp = self.fingerprint if isinstance(self.fingerprint, dict) else {}
         L, G, d = fp.get("L"), fp.get("G"), fp.get("d")
         if _is_int(L) and L != len(self.keys):

@@ -54,6 +54,34 @@ def test_key_modes_per_layer_round_trip(tmp_path):
                                 layer_key_modes=modes, fingerprint=proj.fingerprint, budget=0.5)
 
 
+def test_load_checks_projections_edited_after_construction():
+    """Projections' fields are checked when it is made; edited afterwards (they are plain attributes), they
+    reached stiefkv.load unchecked and failed inside it (an IndexError, a str without .quantized) or later.
+    load checks them as construction does, and leaves the model unserved."""
+    from stiefkv.attention import is_compressed
+    from stiefkv.quant import QuantSpec
+
+    int4 = QuantSpec(4, "token")
+    edits = {"layer_key_modes must give one of": lambda p: setattr(p, "layer_key_modes", ["pre_rope"]),
+             "key_mode must be one of": lambda p: setattr(p, "key_mode", "sideways"),
+             "2 key bases but 1 value bases": lambda p: p.values.pop(),
+             "1 layers of storage specs for 2 layers": lambda p: setattr(p, "quant", [(int4, int4)]),
+             "a string for a layer": lambda p: setattr(p, "quant", ["int4-token"] * 2)}
+    for message, edit in edits.items():
+        model = tiny_model()
+        proj = random_projections(model, 8, 8)
+        edit(proj)
+        with pytest.raises(CheckpointError, match=message):
+            stiefkv.load(model, proj)
+        assert not is_compressed(model)
+    # an edit construction would take is read as construction reads it
+    model = tiny_model()
+    proj = random_projections(model, 8, 8)
+    proj.quant = [("int4-token", "bf16")] * 2
+    stiefkv.load(model, proj)
+    assert proj.specs == [(int4, QuantSpec())] * 2
+
+
 def test_header_is_json_without_pickle(tmp_path):
     from safetensors import safe_open
 
