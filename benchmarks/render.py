@@ -1436,11 +1436,22 @@ def render(text: str, res: Results) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--check", action="store_true", help="fail if BENCHMARKS.md is not what the rows give")
-    ap.add_argument("--doc", type=Path, default=DOC)
-    ap.add_argument("--results", type=Path, default=utils.RESULTS)
+    ap.add_argument("--doc", type=Path, default=DOC, help="the document to rewrite (default: BENCHMARKS.md)")
+    ap.add_argument("--results", type=Path, default=utils.RESULTS,
+                    help="the folder of *.jsonl rows (default: benchmarks/results; not $STIEFKV_RESULTS_DIR)")
     args = ap.parse_args()
+    # a mistyped --results rendered every table empty and wrote that over BENCHMARKS.md (exit 0)
+    if not args.doc.is_file():
+        ap.error(f"--doc {args.doc}: no such file")
+    if not args.results.is_dir():
+        ap.error(f"--results {args.results}: no such folder")
+    if not any(args.results.glob("*.jsonl")):
+        ap.error(f"--results {args.results}: no *.jsonl rows there")
     text = args.doc.read_text()
-    new = render(text, Results(args.results))
+    try:
+        new = render(text, Results(args.results))
+    except ValueError as err:  # a malformed row (utils.read_rows), an unknown block
+        sys.exit(f"render.py: {err}")
     if args.check:
         if new != text:
             sys.exit(f"{args.doc} is out of date with {args.results}: run python benchmarks/render.py")

@@ -182,9 +182,22 @@ def _jsonable(x):
 
 
 def read_rows(path: str | Path) -> list[dict]:
-    """The rows of one JSONL file, in the order they were appended (later rows are newer)."""
+    """The rows of one JSONL file, in the order they were appended (later rows are newer); none where the
+    file does not exist. A line that is not a JSON object (a run stopped mid-write, a hand edit) is refused
+    with the file and line it is on: ``json``'s own message counted from the start of the line only."""
     text = Path(path).read_text() if Path(path).is_file() else ""
-    return [json.loads(line) for line in text.splitlines() if line.strip()]
+    rows = []
+    for number, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as err:
+            raise ValueError(f"{path}:{number}: not a JSON row ({err.msg}, column {err.colno})") from None
+        if not isinstance(row, dict):
+            raise ValueError(f"{path}:{number}: a row is a JSON object, not {type(row).__name__}")
+        rows.append(row)
+    return rows
 
 
 # ------------------------------------------------------------------------------------------------ timing

@@ -149,6 +149,34 @@ def test_render_refuses_unknown_blocks(tmp_path):
         render.render("<!-- render:nope -->\n<!-- /render:nope -->\n", render.Results(tmp_path))
 
 
+def test_render_refuses_a_missing_results_folder_and_names_a_malformed_row(tmp_path, monkeypatch, capsys):
+    """A mistyped ``--results`` rendered every table empty and wrote that over the document (exit 0); a
+    truncated row failed with json's traceback, counted from the start of its line, naming no file."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- render:pareto -->\nold\n<!-- /render:pareto -->\n")
+    (tmp_path / "empty").mkdir()
+
+    def run(*argv):
+        monkeypatch.setattr(sys, "argv", ["render.py", "--doc", str(doc), *argv])
+        with pytest.raises(SystemExit) as exit_:
+            render.main()
+        return exit_.value.code, capsys.readouterr().err
+
+    code, err = run("--results", str(tmp_path / "nope"))
+    assert code == 2 and "no such folder" in err
+    code, err = run("--results", str(tmp_path / "empty"))
+    assert code == 2 and "no *.jsonl rows there" in err
+    rows = tmp_path / "rows"
+    rows.mkdir()
+    (rows / "pareto.jsonl").write_text('{"case": "a"}\n{"case": "int8", "row"\n')
+    code, _ = run("--results", str(rows))
+    assert "pareto.jsonl:2: not a JSON row" in str(code)
+    assert "old" in doc.read_text()  # nothing written
+    with pytest.raises(ValueError, match=r"demo.jsonl:1: a row is a JSON object"):
+        (rows / "demo.jsonl").write_text("[1, 2]\n")
+        utils.read_rows(rows / "demo.jsonl")
+
+
 def test_benchmarks_md_is_rendered_from_the_committed_rows():
     text = render.DOC.read_text()
     assert render.render(text, render.Results(utils.RESULTS)) == text, "run: python benchmarks/render.py"
