@@ -678,6 +678,7 @@ def main() -> None:
                              "d 64) or Llama-3.2-1B's (H 32, G 8, d 64); decode and quant tables, whose rows "
                              "then name them")
     args = parser.parse_args()
+    utils.check_results_dir(parser)
     if args.heads != "llama8b":
         set_heads(args.heads)
         if set(args.tables) - {"decode", "quant", "band"}:

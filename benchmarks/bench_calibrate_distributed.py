@@ -52,6 +52,7 @@ def main() -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,bits=16")
     args = ap.parse_args()
+    utils.check_results_dir(ap)
     extra = utils.calibration_keywords(args.extra)  # a bad setting stops here, before any model is built
     device = distributed.init_from_env(args.device)
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1

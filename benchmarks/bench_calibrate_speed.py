@@ -31,6 +31,7 @@ def main() -> None:
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--extra", default="", help="calibration keywords, e.g. steps=20,method=pca")
     args = ap.parse_args()
+    utils.check_results_dir(ap)
     extra = utils.calibration_keywords(args.extra)  # a bad setting stops here, before any model is built
     print(utils.header(), flush=True)
     tok = seqs = None

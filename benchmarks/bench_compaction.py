@@ -80,6 +80,7 @@ def main() -> None:
     ap.add_argument("--projections", default=None,
                     help="a checkpoint: compact the served model's latent cache (ranks × tokens)")
     args = ap.parse_args()
+    utils.check_results_dir(ap)
     if args.projections and args.task == "retrieval":
         ap.error("--projections compacts a served model's cache for --task ppl; retrieval runs the model as "
                  "loaded: drop one of them")

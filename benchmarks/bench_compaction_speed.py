@@ -56,6 +56,7 @@ def main() -> None:
     ap.add_argument("--pin", default="default",
                     help="the share of the kept entries held exact: 'default' (AM's), or a share (0: none)")
     args = ap.parse_args()
+    utils.check_results_dir(ap)
     if args.device.startswith("cuda"):
         utils.require_cuda("--device cpu times the PyTorch path here")
     elif args.shape is None:

@@ -34,7 +34,9 @@ VARIANTS = [
 
 
 def main() -> None:
-    argparse.ArgumentParser(description=__doc__.split("\n")[0]).parse_args()  # --help, and no stray arguments
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.parse_args()  # --help, and no stray arguments
+    utils.check_results_dir(ap)
     utils.require_cuda()
     print(utils.header(), flush=True)
     dtype = torch.bfloat16

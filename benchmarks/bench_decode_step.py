@@ -44,6 +44,7 @@ def main() -> None:
         help="also count the top-level aten operations of one step (torch.profiler)",
     )
     args = parser.parse_args()
+    utils.check_results_dir(parser)
     if not args.tiny:
         utils.require_cuda("--tiny runs a tiny model on the CPU")
     print(utils.header(), flush=True)

@@ -111,6 +111,7 @@ def main() -> None:
         parser.error(f"--context {args.context} and --new-tokens {args.new_tokens} run past the model's "
                      f"{limit} positions")
     if not args.tiny:
+        utils.check_results_dir(parser)  # --tiny writes no row
         utils.require_cuda("--tiny runs a tiny model on the CPU")
     print(utils.header(), flush=True)
     device = torch.device("cpu" if args.tiny else "cuda")

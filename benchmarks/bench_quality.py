@@ -40,6 +40,7 @@ def main() -> None:
     ap.add_argument("--json", default=None, help="write all results to this file")
     ap.add_argument("--tag", default="", help="appended to each row's case (a variant set by --extra)")
     args = ap.parse_args()
+    utils.check_results_dir(ap)
     settings = dict(method=args.method, allocation=args.allocation, num_sequences=args.num_sequences,
                     seq_len=args.seq_len, **args.extra)
     # every row's settings, before the model loads and the uncompressed pass runs

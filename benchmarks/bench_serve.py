@@ -698,6 +698,7 @@ def main() -> None:
                         help="--capacity: start the --baseline-cache search at this batch (KIVI-2's peaks at "
                              "1 and 2 rows predicted 30 rows at 32k under 40 GiB, where 16 fit)")
     args = parser.parse_args()
+    utils.check_results_dir(parser)
     if not args.tiny:
         utils.require_cuda("--tiny serves a tiny model on the CPU")
     args.decode_option = dict(args.decode_option or [])

@@ -105,6 +105,7 @@ def main() -> None:
     )
     parser.add_argument("--budget-s", type=float, default=300.0, help="stop starting new shapes after this")
     args = parser.parse_args()
+    utils.check_results_dir(parser)
     utils.require_cuda()
     print(utils.header(), flush=True)
     compile_shapes = set()

@@ -154,6 +154,25 @@ def results_dir() -> Path:
     return Path(os.environ.get("STIEFKV_RESULTS_DIR") or RESULTS)
 
 
+def check_results_dir(parser: argparse.ArgumentParser | None = None) -> Path:
+    """:func:`results_dir`, checked before any work: a folder, or one that can be made. A results folder that
+    was a file (a mistyped ``STIEFKV_RESULTS_DIR``) failed in ``write_rows`` after the measurement, with
+    ``FileExistsError``. ``parser.error`` (else exit) with what is wrong."""
+    folder = results_dir()
+    existing = next(p for p in (folder, *folder.parents) if p.exists())
+    problem = None
+    if not existing.is_dir():
+        problem = "is a file" if existing == folder else f"lies under {existing}, a file"
+    elif not os.access(existing, os.W_OK | os.X_OK):
+        problem = "is not writable" if existing == folder else f"cannot be made in {existing}"
+    if problem:
+        message = f"rows go to {folder} ($STIEFKV_RESULTS_DIR, else benchmarks/results), which {problem}"
+        if parser is not None:
+            parser.error(message)
+        sys.exit(message)
+    return folder
+
+
 def write_rows(name: str, rows: dict | Iterable[dict]) -> Path:
     """Append ``rows`` (each a dict of one measurement; ``case`` names it within the file) to ``NAME.jsonl``,
     each with ``bench`` = ``name``, ``remeasured`` (True unless the row says otherwise: False marks a

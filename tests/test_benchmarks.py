@@ -914,6 +914,39 @@ def test_benchmarks_refuse_bad_arguments_before_any_work(script, argv, message, 
 
 
 
+@pytest.mark.parametrize("script, argv", [
+    ("bench_quality", ["m", "--windows", "1"]),
+    ("bench_compaction", ["m", "--chunks", "1"]),
+    ("bench_compaction_speed", []),
+    ("bench_calibrate_speed", []),
+])
+def test_benchmarks_refuse_a_results_folder_that_is_a_file_before_any_work(script, argv, tmp_path,
+                                                                           monkeypatch, capsys):
+    """``STIEFKV_RESULTS_DIR`` naming a file failed in ``write_rows`` with FileExistsError, after the
+    measurement (bench_quality: after the uncompressed pass); a folder under a file, the same."""
+    import importlib
+
+    import stiefkv
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the results folder was checked")
+
+    monkeypatch.setattr(stiefkv, "load_model", no_work)
+    module = importlib.import_module(script)
+    (tmp_path / "afile").write_text("")
+    for folder, said in ((tmp_path / "afile", "which is a file"), (tmp_path / "afile" / "sub", "a file")):
+        monkeypatch.setenv("STIEFKV_RESULTS_DIR", str(folder))
+        monkeypatch.setattr(sys, "argv", [f"{script}.py", *argv])
+        with pytest.raises(SystemExit) as exit_:
+            module.main()
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert said in err and str(folder) in err
+    monkeypatch.setenv("STIEFKV_RESULTS_DIR", str(tmp_path / "new" / "folder"))
+    assert utils.check_results_dir() == tmp_path / "new" / "folder"  # one that can be made passes
+    assert not (tmp_path / "new").exists()  # and is made only when a row is written
+
+
 def test_count_prefill_ops_counts_the_python_side_of_the_gpu_path():
     """``count_prefill_ops.py`` on tiny shapes: the kernels stubbed under the interpreter, the prefill's
     operators by function, the cache's kernel-written writes among them (``write_many``); without the
