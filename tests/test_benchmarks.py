@@ -947,6 +947,19 @@ def test_benchmarks_refuse_a_results_folder_that_is_a_file_before_any_work(scrip
     assert not (tmp_path / "new").exists()  # and is made only when a row is written
 
 
+def test_bench_generate_names_a_budget_other_than_the_claims_in_its_case():
+    """The claims read ``generate pre_rope B1 ctx32768 new64`` as the 50 % cache; the case did not name the
+    budget, so a ``--budget 0.25`` run replaced the 50 % row there."""
+    import argparse
+
+    import bench_generate
+
+    args = argparse.Namespace(key_mode="pre_rope", batch=1, context=32768, new_tokens=64, budget=0.5)
+    assert bench_generate.case_of(args) == "generate pre_rope B1 ctx32768 new64"  # the committed rows' case
+    args.budget = 0.25
+    assert bench_generate.case_of(args) == "generate pre_rope B1 ctx32768 new64 budget0.25"
+
+
 def test_count_prefill_ops_counts_the_python_side_of_the_gpu_path():
     """``count_prefill_ops.py`` on tiny shapes: the kernels stubbed under the interpreter, the prefill's
     operators by function, the cache's kernel-written writes among them (``write_many``); without the
