@@ -178,8 +178,8 @@ def main() -> None:
         f"({' '.join(f'{t:.1f}' for t in row['stiefkv_tps'])});"
         f" speed-up {row['ratio_median']:.2f}x (median of the rounds' ratios; {row['ratio_min']:.2f}-"
         f"{row['ratio_max']:.2f}); "
-        + (f"peak memory {row['stiefkv_peak_gib']:.2f} / {row['full_peak_gib']:.2f} GiB" if device.type == "cuda"
-           else "peak memory not measured on the CPU")  # it printed 0.00 / 0.00 GiB
+        + (f"peak memory {row['stiefkv_peak_gib']:.2f} / {row['full_peak_gib']:.2f} GiB"
+           if device.type == "cuda" else "peak memory not measured on the CPU")  # it printed 0.00 / 0.00 GiB
     )
 
 
