@@ -113,9 +113,15 @@ def pca_uniform_int4(model, first, rank: int):
                        quant=[(spec, spec)] * L)
 
 
-def row_of(name: str, budget: float | None, proj, result, calib_s: float | None, extra: dict) -> dict:
-    case = f"{name} {budget}" if budget is not None else name
-    case += f" {extra['tag']}" if extra.get("tag") else ""
+def case_of(name: str, budget: float | None, tag: str = "", subset: str = "") -> str:
+    """A row's case: ``subset`` (`` w2 cpu``) names a run on the first windows only, so that its rows
+    neither stand in for the whole test set's (render, the plot) nor count as them when a run resumes."""
+    return (f"{name} {budget}" if budget is not None else name) + (f" {tag}" if tag else "") + subset
+
+
+def row_of(name: str, budget: float | None, proj, result, calib_s: float | None, extra: dict,
+           subset: str = "", windows_limit: int | None = None) -> dict:
+    case = case_of(name, budget, extra.get("tag", ""), subset)
     full_bytes = 2 * 2 * proj.keys[0].shape[1] * proj.keys[0].shape[0] * len(proj.keys)  # L·G·2d·2
     return {
         "bench": "pareto", "case": case, "row": name, "budget": budget, "ppl": result.ppl,
@@ -124,7 +130,7 @@ def row_of(name: str, budget: float | None, proj, result, calib_s: float | None,
         "bytes_fraction": proj.kv_bytes_per_token() / full_bytes, "achieved_budget": proj.achieved_budget,
         "calibration_s": calib_s, "ranks": [list(r) for r in proj.ranks],
         "storage": [[str(q) for q in pair] for pair in proj.specs], "key_mode": proj.key_mode_summary,
-        "scoring": SCORING, "remeasured": True,
+        "scoring": SCORING, "windows_limit": windows_limit, "remeasured": True,
     } | extra | {"provenance": utils.provenance()}
 
 
@@ -163,6 +169,19 @@ def is_default_auto(r: dict) -> bool:
     return r["tag"] == f"w8-recent{want}" and r.get("extra") == {"recent": want} and window == want
 
 
+def whole_set(rows: list[dict]) -> list[dict]:
+    """The rows of the plot: scored on one set of windows. Rows of a ``--windows N`` run (``windows_limit``)
+    are left out beside the whole test set's; where every row is such a run's, those of the most rows'
+    window count."""
+    rows = [r for r in rows if "ppl" in r and not r.get("protocol")]
+    whole = [r for r in rows if not r.get("windows_limit")]
+    if whole:
+        return whole
+    counts = [r.get("windows") for r in rows]
+    most = max(set(counts), key=counts.count) if counts else None
+    return [r for r in rows if r.get("windows") == most]
+
+
 def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib
 
@@ -170,10 +189,11 @@ def plot(rows: list[dict], path: Path) -> Path:
     import matplotlib.pyplot as plt
 
     shared = lambda r: r.get("tag") == "share-heads"  # noqa: E731  (--extra '{"share_heads":true}')
-    latest = {(r["row"], r["budget"], shared(r)): r for r in rows  # a case measured again: its newest row
-              if "ppl" in r and not r.get("protocol")
-              and (shared(r) or (is_default_auto(r) if r.get("row") == "auto" else not r.get("tag")))}
+    latest = {(r["row"], r["budget"], shared(r)): r for r in whole_set(rows)  # a case measured again: newest
+              if shared(r) or (is_default_auto(r) if r.get("row") == "auto" else not r.get("tag"))}
     rows = list(latest.values())
+    if not rows:
+        raise ValueError("no calibrated or baseline row to plot (through-cache rows are not plotted)")
     fig, ax = plt.subplots(figsize=(7, 4.5))
     named = lambda pattern: lambda r: re.fullmatch(pattern, r["row"]) is not None  # noqa: E731
     groups = {"StiefKV auto": lambda r: r["row"] == "auto" and not shared(r),
@@ -191,7 +211,8 @@ def plot(rows: list[dict], path: Path) -> Path:
     base = rows[0]["ppl_original"]
     ax.axhline(base, color="gray", ls=":", label=f"uncompressed ({base:.2f})")
     ax.set_xlabel("KV bytes per token / uncompressed bf16 cache")
-    ax.set_ylabel("PPL (WikiText-2 test, 147 × 2048)")
+    windows = sorted({r.get("windows") for r in rows}, key=str)  # it said 147 whatever the rows held
+    ax.set_ylabel(f"PPL (WikiText-2 test, {'/'.join(map(str, windows))} × 2048)")
     ax.set_yscale("log")
     ax.set_ylim(base * 0.95, min(200, max(r["ppl"] for r in rows) * 1.1))
     ax.set_title("SmolLM2-135M: quality per byte")
@@ -221,8 +242,14 @@ def main() -> None:
     ap.add_argument("--plot", nargs=2, type=Path, metavar=("JSONL", "PNG"), help="only draw the plot")
     args = ap.parse_args()
     if args.plot:
-        rows = [json.loads(line) for line in args.plot[0].read_text().splitlines() if line.strip()]
-        print(plot(rows, args.plot[1]))
+        if not args.plot[0].is_file():
+            ap.error(f"--plot {args.plot[0]}: no such file")
+        if not args.plot[1].parent.is_dir():
+            ap.error(f"--plot {args.plot[1]}: its folder does not exist")
+        try:
+            print(plot(utils.read_rows(args.plot[0]), args.plot[1]))
+        except ValueError as err:
+            ap.error(f"--plot {args.plot[0]}: {err}")
         return
 
     import stiefkv
@@ -252,10 +279,15 @@ def main() -> None:
                             *(dict(extra, device=args.device, bits="auto", budget=b) for b in args.budgets))
     args.outdir.mkdir(parents=True, exist_ok=True)
     jsonl = args.outdir / "pareto.jsonl"
-    done = set()
-    if jsonl.is_file():
-        done = {(r["row"], r["budget"], r.get("tag", ""))
-                for r in map(json.loads, jsonl.read_text().splitlines())}
+    # a row already there, by its case, is not run again: the case names a --windows subset (`` w2 cpu``),
+    # so a run on the whole test set no longer skips the rows of a run on its first windows, nor the reverse
+    done = {r["case"] for r in utils.read_rows(jsonl)}
+    subset = f" w{args.windows} {args.device}" if args.windows else ""
+
+    def todo(case: str) -> bool:
+        if case in done:
+            print(f"{case}: already in {jsonl}, skipped", flush=True)
+        return case not in done
     kinds, budgets = args.rows, args.budgets
     model, tok = stiefkv.load_model(args.model, device=args.device)
 
@@ -272,15 +304,15 @@ def main() -> None:
 
     if "baselines" in kinds:
         for name in [n for n in names if n in BASELINES]:
-            if (name, None, "") not in done:
+            if todo(case_of(name, None, "", subset)):
                 proj = baseline_projections(model, name)
-                emit(row_of(name, None, proj, run_eval(proj), None, {}))
+                emit(row_of(name, None, proj, run_eval(proj), None, {}, subset, args.windows))
     if "through-cache" in kinds:
         dims = dims_of(model.config)
         for name in [n for n in THROUGH_CACHE if not args.baselines or n in args.baselines.split(",")]:
             row = name if name.startswith("hf-") else f"{name} chunk{CHUNK}"
-            row += f" w{args.windows} {args.device}" if args.windows else ""  # a subset: its own rows
-            if (row, None, "") in done:
+            row += subset  # a subset: its own rows
+            if not todo(row):
                 continue
             if name.startswith("hf-"):
                 res = evaluate_through_cache(model, tok, lambda: transformers_quantized_cache(model, name),
@@ -300,21 +332,23 @@ def main() -> None:
     if {"ranks", "pca-uniform-int4"} & set(kinds):
         path16 = args.outdir / f"first_pass_bits16{suffix16}.safetensors"
         first16, fp16_s = first_pass_state(model, seqs, cfg16, path16, args.device)
-        if "pca-uniform-int4" in kinds and ("pca-uniform-int4", 0.125, "") not in done and not extra16:
+        pca_case = case_of("pca-uniform-int4", 0.125, "", subset)
+        if "pca-uniform-int4" in kinds and not extra16 and todo(pca_case):
             proj = pca_uniform_int4(model, first16, first16.eig_k[0].shape[1] // 2)
-            emit(row_of("pca-uniform-int4", 0.125, proj, run_eval(proj), fp16_s, {}))
+            emit(row_of("pca-uniform-int4", 0.125, proj, run_eval(proj), fp16_s, {}, subset, args.windows))
         # bf16 latents cannot go below one rank step per latent (rank 8 of 64: 12.5 %)
         floor16 = cfg16.rank_step / first16.eig_k[0].shape[1]
         for b in budgets if "ranks" in kinds else ():
-            if ("ranks", b, tag16) not in done and b >= floor16:
+            if b >= floor16 and todo(case_of("ranks", b, tag16, subset)):
                 cfg = CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b, **extra16)
                 proj, s = calibrated(model, seqs, first16, cfg, args.device)
                 emit(row_of("ranks", b, proj, run_eval(proj), fp16_s + s,
-                            {"first_pass_s": fp16_s, "second_pass_s": s, "tag": tag16, "extra": extra16}))
+                            {"first_pass_s": fp16_s, "second_pass_s": s, "tag": tag16, "extra": extra16},
+                            subset, args.windows))
     if "auto" in kinds:
         firsts = {}  # one first pass per exact window the budgets resolve to: the profiles measure it
         for b in budgets:
-            if ("auto", b, args.tag) not in done:
+            if todo(case_of("auto", b, args.tag, subset)):
                 cfg = CalibrationConfig.from_kwargs(device=args.device, bits="auto", budget=b, **extra)
                 if cfg.recent not in firsts:
                     cfga = CalibrationConfig.from_kwargs(device=args.device, bits="auto",
@@ -325,7 +359,7 @@ def main() -> None:
                 proj, s = calibrated(model, seqs, firsta, cfg, args.device)
                 emit(row_of("auto", b, proj, run_eval(proj), fpa_s + s,
                             {"first_pass_s": fpa_s, "second_pass_s": s, "tag": args.tag, "extra": extra,
-                             "profile_storages": cfg.profile_storages}))
+                             "profile_storages": cfg.profile_storages}, subset, args.windows))
 
 
 if __name__ == "__main__":

@@ -1108,7 +1108,8 @@ def auto_default(res: Results, b: float) -> dict | None:
     8-token variant's rows below 10 %; calibration is deterministic, 43.952 at 6.25 % at two commits)."""
     from bench_pareto import is_default_auto
 
-    rows = [r for r in res.rows("pareto") if measured_row(r) and r.get("budget") == b and is_default_auto(r)]
+    rows = [r for r in res.rows("pareto") if measured_row(r) and r.get("budget") == b and is_default_auto(r)
+            and not r.get("windows_limit")]  # a --windows run's row does not stand in for the whole set's
     if not rows:
         return None  # as the plot: no row of a window that is no longer the default stands in for it
     res.used[id(rows[-1])] = ("pareto", rows[-1])

@@ -960,6 +960,61 @@ def test_bench_generate_names_a_budget_other_than_the_claims_in_its_case():
     assert bench_generate.case_of(args) == "generate pre_rope B1 ctx32768 new64 budget0.25"
 
 
+def test_bench_pareto_keeps_a_windows_subset_apart_from_the_whole_test_set(tmp_path, monkeypatch, capsys):
+    """A ``--windows N`` run wrote its baseline rows under the whole test set's case (``int8``), so render
+    and the plot could take them for it, and a run resumed into the same folder with another ``--windows``
+    skipped them silently (the skip read row, budget and tag only)."""
+    import importlib
+    import types
+
+    import stiefkv
+    import stiefkv.data
+    import stiefkv.evaluate
+
+    bp = importlib.import_module("bench_pareto")
+    scored = []
+
+    def evaluate(model, tok, proj, *, limit, **kwargs):
+        scored.append(limit)
+        n = limit or 147
+        return types.SimpleNamespace(ppl=22.0, ppl_original=21.97, next_token_kl=0.01, windows=n,
+                                     tokens_scored=2047 * n)
+
+    proj = types.SimpleNamespace(keys=[torch.zeros(3, 64, 64)] * 2, kv_bytes_per_token=lambda: 1000.0,
+                                 achieved_budget=1.0, ranks=[(64, 64)] * 2, specs=[("int8", "int8")] * 2,
+                                 key_mode_summary="pre_rope")
+    monkeypatch.setattr(stiefkv, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(stiefkv.evaluate, "evaluate", evaluate)
+    monkeypatch.setattr(stiefkv.evaluate, "baseline_projections", lambda model, name: proj)
+    monkeypatch.setattr(stiefkv.data, "calibration_sequences", lambda *a, **k: None)
+
+    def run(*argv):
+        monkeypatch.setattr(sys, "argv", ["bench_pareto.py", "m", str(tmp_path), "--rows", "baselines",
+                                          "--baselines", "int8", "--device", "cpu", *argv])
+        bp.main()
+
+    run("--windows", "2")
+    run("--windows", "2")  # resumed: skipped, and said so
+    assert "int8 w2 cpu: already in" in capsys.readouterr().out
+    run()  # the whole test set: not the subset's row
+    run("--windows", "3")
+    rows = utils.read_rows(tmp_path / "pareto.jsonl")
+    assert [(r["case"], r["windows_limit"]) for r in rows] == [("int8 w2 cpu", 2), ("int8", None),
+                                                                ("int8 w3 cpu", 3)]
+    assert scored == [2, None, 3]
+    # the plot reads the whole set's rows where there are any, and says how many windows they are
+    assert [r["case"] for r in bp.whole_set(rows)] == ["int8"]
+    assert [r["case"] for r in bp.whole_set(rows[::2])] in (["int8 w2 cpu"], ["int8 w3 cpu"])
+    # render's auto rows: a subset's row does not stand in for the default's
+    auto = {"case": "auto 0.5 w2 cpu", "row": "auto", "budget": 0.5, "windows_limit": 2, "storage": [],
+            "remeasured": True, "provenance": {}}
+    (tmp_path / "pareto.jsonl").write_text(json.dumps(auto) + "\n")
+    assert render.auto_default(render.Results(tmp_path), 0.5) is None
+    whole = auto | {"case": "auto 0.5", "windows_limit": None}
+    (tmp_path / "pareto.jsonl").write_text(json.dumps(whole) + "\n")
+    assert render.auto_default(render.Results(tmp_path), 0.5)["case"] == "auto 0.5"
+
+
 def test_count_prefill_ops_counts_the_python_side_of_the_gpu_path():
     """``count_prefill_ops.py`` on tiny shapes: the kernels stubbed under the interpreter, the prefill's
     operators by function, the cache's kernel-written writes among them (``write_many``); without the
