@@ -108,6 +108,13 @@ def run_row(
     return proj, result, seconds, state
 
 
+def case_of(row: dict) -> str:
+    """A row's case; the rows before the harness have none: made from them as ``render.py`` makes it."""
+    if "case" in row:
+        return row["case"]
+    return f"{row['key_mode']} {row['budget']:g} {row['row']}" + (f" {row['tag']}" if row.get("tag") else "")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
@@ -126,11 +133,12 @@ def main() -> None:
     utils.check_calibration(ap, dict(args.extra, key_mode=args.key_mode))
     args.outdir.mkdir(parents=True, exist_ok=True)
     jsonl, md = args.outdir / f"{args.key_mode}.jsonl", args.outdir / f"{args.key_mode}.md"
-    done = set()
-    if jsonl.is_file():
-        done = {
-            (r["row"], r["budget"], r.get("tag", "")) for r in map(json.loads, jsonl.read_text().splitlines())
-        }
+    # a row already there is skipped by its case, which names a --windows subset (`` w2 cpu``): a run on the
+    # whole test set skipped the rows of a run on its first windows (and the reverse), and render could take
+    # a subset's row for the whole set's; a row of another model is not this one's (rows without a model
+    # predate the field: the committed rows, which run_table_gpu.sh copies in to resume from)
+    subset = f" w{args.windows} {args.device}" if args.windows else ""
+    done = {case_of(r) for r in utils.read_rows(jsonl) if r.get("model", args.model) == args.model}
 
     model, tok = stiefkv.load_model(args.model, device=args.device)
     extra = args.extra
@@ -160,7 +168,9 @@ def main() -> None:
         )
     for budget in args.budgets:
         for row in args.rows:
-            if (row, budget, args.tag) in done:
+            case = f"{args.key_mode} {budget:g} {row}" + (f" {args.tag}" if args.tag else "") + subset
+            if case in done:
+                print(f"{case}: already in {jsonl}, skipped", flush=True)
                 continue
             method, allocation, order = ROWS[row]
             cfg = CalibrationConfig.from_kwargs(
@@ -173,7 +183,9 @@ def main() -> None:
             proj, r, seconds, state = run_row(model, tok, seqs, first, cfg, args.device, args.windows)
             layer_err = sum(e["rel_error"] for e in state.errors) / len(state.errors)
             record = {
-                "case": f"{args.key_mode} {budget:g} {row}" + (f" {args.tag}" if args.tag else ""),
+                "case": case,
+                "model": args.model,
+                "windows_limit": args.windows,
                 "row": row,
                 "budget": budget,
                 "tag": args.tag,

@@ -1015,6 +1015,52 @@ def test_bench_pareto_keeps_a_windows_subset_apart_from_the_whole_test_set(tmp_p
     assert render.auto_default(render.Results(tmp_path), 0.5)["case"] == "auto 0.5"
 
 
+def test_quality_table_resumes_by_case_model_and_windows(tmp_path, monkeypatch, capsys):
+    """The committed rows (some without a case, none with a model) still count as done for the whole test
+    set; a ``--windows N`` run's rows are their own case and are not skipped for the whole set's (the skip
+    read row, budget and tag only, and the rows did not name their model)."""
+    import importlib
+    import shutil
+    import types
+
+    import stiefkv
+
+    qt = importlib.import_module("quality_table")
+    shutil.copy(utils.RESULTS / "issue3-table-pre_rope.jsonl", tmp_path / "pre_rope.jsonl")
+    ran = []
+
+    def run_row(model, tok, seqs, first, cfg, device, windows):
+        ran.append((cfg.budget, cfg.method, windows))
+        proj = types.SimpleNamespace(achieved_budget=0.5, ranks=[(32, 32)])
+        result = types.SimpleNamespace(ppl=40.0, ppl_original=20.0, windows=windows or 147, tokens_scored=1,
+                                       next_token_kl=0.5)
+        return proj, result, 1.0, types.SimpleNamespace(errors=[{"rel_error": 0.1}], refine=[])
+
+    monkeypatch.setattr(stiefkv, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(qt, "calibration_sequences", lambda *a, **k: None)
+    monkeypatch.setattr(qt, "load_or_run_first_pass", lambda *a, **k: (None, 1.0))
+    monkeypatch.setattr(qt, "run_row", run_row)
+
+    def run(*argv):
+        monkeypatch.setattr(sys, "argv", ["quality_table.py", "m", str(tmp_path), "--device", "cpu", *argv])
+        qt.main()
+
+    run()  # every row of the default table is committed
+    assert ran == []
+    run("--windows", "2", "--budgets", "0.5", "--rows", "pca-uniform")
+    run("--windows", "2", "--budgets", "0.5", "--rows", "pca-uniform")
+    assert ran == [(0.5, "pca", 2)]
+    assert "pre_rope 0.5 pca-uniform w2 cpu: already in" in capsys.readouterr().out
+    run("--windows", "2", "--budgets", "0.5", "--rows", "pca-uniform")
+    monkeypatch.setattr(sys, "argv", ["quality_table.py", "other", str(tmp_path), "--device", "cpu",
+                                      "--windows", "2", "--budgets", "0.5", "--rows", "pca-uniform"])
+    qt.main()  # another model's row is not this one's
+    assert ran == [(0.5, "pca", 2)] * 2
+    last = utils.read_rows(tmp_path / "pre_rope.jsonl")[-1]
+    assert (last["case"], last["model"], last["windows_limit"]) == (
+        "pre_rope 0.5 pca-uniform w2 cpu", "other", 2)
+
+
 def test_count_prefill_ops_counts_the_python_side_of_the_gpu_path():
     """``count_prefill_ops.py`` on tiny shapes: the kernels stubbed under the interpreter, the prefill's
     operators by function, the cache's kernel-written writes among them (``write_many``); without the
