@@ -8,7 +8,11 @@
 # PASSES_DIR (default $HOME/pareto-passes), so that what comes back is rows and logs: the device tool returns
 # at most eight files a call, and on 2026-12-03 two processes' rows were left out behind them.
 set -u
-M=$1; R=$2; LIMIT=${3:-560}; shift 3; [ "${1:-}" = "--" ] && shift
+# SECONDS is optional: without it "--" (or the first NAME) was read as the limit, and the watchdog's
+# `sleep` of it ended at once, stopping every process as it started
+M=$1; R=$2; shift 2; LIMIT=560
+if [[ ${1:-} =~ ^[0-9]+$ ]]; then LIMIT=$1; shift; fi
+[ "${1:-}" = "--" ] && shift
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1
 pids=()
