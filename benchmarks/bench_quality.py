@@ -48,6 +48,10 @@ def main() -> None:
                                   for key_mode in args.key_modes for budget in args.budgets))
     if args.json and not Path(args.json).expanduser().parent.is_dir():
         ap.error(f"--json {args.json}: its folder does not exist")
+    if args.json and Path(args.json).expanduser().is_dir():  # it failed after every row had run
+        ap.error(f"--json {args.json}: a folder, not a file")
+    # the window size where it is not the default's: two runs of other window sizes wrote one case
+    scored = f"w{args.windows or 'all'}" + (f" window{args.window}" if args.window != 2048 else "")
 
     model, tok = stiefkv.load_model(args.model, device=args.device)
     print(utils.header())
@@ -81,7 +85,7 @@ def main() -> None:
     utils.write_rows(
         "quality",
         {
-            "case": f"{args.model} uncompressed w{args.windows or 'all'}",
+            "case": f"{args.model} uncompressed {scored}",
             **common,
             "ppl": base.ppl_original,
             "kv_bytes_per_token": base.kv_bytes_per_token_original,
@@ -126,7 +130,7 @@ def main() -> None:
                 "quality",
                 {
                     "case": f"{args.model} {key_mode} {budget:g} {args.method} {args.allocation} "
-                    f"w{args.windows or 'all'}" + (f" {args.tag}" if args.tag else ""),
+                    f"{scored}" + (f" {args.tag}" if args.tag else ""),
                     **common,
                     "key_mode": key_mode,
                     "budget": budget,

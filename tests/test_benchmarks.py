@@ -885,6 +885,7 @@ def test_bench_serve_refuses_decode_option_values_the_kernel_cannot_take(monkeyp
     ("bench_quality", ["--key-modes", "pre_rope,post_rop"], "key_mode must be one of"),
     ("bench_quality", ["--extra", '{"kernel_storage": "false"}'], "kernel_storage must be True or False"),
     ("bench_quality", ["--json", "/no/such/folder/x.json"], "its folder does not exist"),
+    ("bench_quality", ["--json", "/"], "a folder, not a file"),
     ("quality_table", ["m", "out", "--rows", "pca-dp,stiefel"], "stiefel: choose among"),
     ("quality_table", ["m", "out", "--budgets", "0.5,O.25"], "'O.25' is not a number"),
     ("bench_pareto", ["m", "out", "--baselines", "kivi4,kivi5"], "--baselines kivi5: choose among"),
