@@ -708,6 +708,7 @@ def _build_latent(model, cache: LatentCache, queries: list[torch.Tensor], t: int
         queries = _Lazy(queries, lambda q: _queries_of_shared(q, kv_heads))
     new = LatentCache()
     new.length = T
+    new.basis_tags = dict(cache.basis_tags)  # the bases that wrote the latents (check_cache matched them)
     rest_keys, rest_values = _unpinned(keys, [z_v for _, z_v in latents], pins)
     del keys  # the compaction lets each layer's rebuilt keys go once it is done
     fits = compact_layers(rest_keys, rest_values, queries, t - _count(pins),

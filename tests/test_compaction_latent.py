@@ -363,3 +363,17 @@ def test_a_cache_shortened_outside_stiefkv_or_no_new_tokens_is_refused_clearly()
             model.generate(ids[:, -1:], **{cache_keyword(model): done}, **G)
         with pytest.raises(ValueError, match="brings no tokens: pass at least one"):
             model(ids[:, :0])
+
+
+def test_a_compacted_latent_cache_keeps_the_tags_of_the_bases_that_wrote_it():
+    """A compacted LatentCache started with no basis tags, so a model served again with another checkpoint of
+    the same ranks continued it silently, reading the prefix's latents through the wrong bases (the
+    uncompacted cache is refused so)."""
+    model, ids = prompt(7, 40)
+    stiefkv.load(model, random_projections(model, 16, 12, seed=0))
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :30], window=8), keep=0.5)
+    stiefkv.load(model, random_projections(model, 16, 12, seed=1))
+    with pytest.raises(ValueError, match="holds latents of other bases"):
+        model(ids[:, 30:], **{cache_keyword(model): cache})
+    stiefkv.load(model, random_projections(model, 16, 12, seed=0))
+    model(ids[:, 30:], **{cache_keyword(model): cache})  # the bases that wrote it continue it
