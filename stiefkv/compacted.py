@@ -171,11 +171,19 @@ def install_hooks(model) -> None:
 QUESTION_GUARD = "_stiefkv_question_guard"
 
 
-def _record_ids(module, args, kwargs):
+def _check_forward(module, args, kwargs):
     cache = _cache_argument(kwargs)
     if cache is not None:
         _refuse_padded_tokens(cache, kwargs)
         _refuse_positions_held(cache, kwargs)
+
+
+def _record_ids(module, args, kwargs, output):
+    """After a forward that went through: a forward refused or failed part way (padding seen by a layer, an
+    interrupt) appends nothing to the cache, and recording its ids before it ran left the record one forward
+    ahead of the cache, so the correct continuation was then refused as another question."""
+    cache = _cache_argument(kwargs)
+    if cache is not None:
         record_appended(cache, kwargs.get("input_ids", args[0] if args else None))
 
 
@@ -261,7 +269,9 @@ def install_question_guard(model) -> None:
     (:func:`~stiefkv.cache.refuse_another_question`)."""
     if getattr(model, QUESTION_GUARD, None):
         return
-    handle = getattr(model, "model", model).register_forward_pre_hook(_record_ids, with_kwargs=True)
+    inner = getattr(model, "model", model)
+    handle = (inner.register_forward_pre_hook(_check_forward, with_kwargs=True),
+              inner.register_forward_hook(_record_ids, with_kwargs=True))
     if hasattr(type(model), "prepare_inputs_for_generation"):
         # a bound method, not a closure over this instance: a deep copy of the model rebinds it to itself
         model.prepare_inputs_for_generation = types.MethodType(_checked_inputs, model)

@@ -385,6 +385,32 @@ def test_padding_behind_a_compacted_prompt_is_refused_at_any_keep(served):
     assert torch.isfinite(plain).all() and torch.equal(plain, ones)
 
 
+@pytest.mark.parametrize("served", [False, True])
+def test_a_refused_forward_leaves_a_compacted_cache_to_continue(served):
+    """A forward refused part way (a one-token step padded, refused by the layers) had its ids recorded
+    already, so the correct continuation was then refused as another question."""
+    import copy
+
+    import stiefkv
+    from tests.tiny import random_projections, tiny_model
+
+    model = tiny_model(layers=2)
+    if served:
+        stiefkv.load(model, random_projections(model, 13, 11))
+    ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(0))
+    C, G = 31, dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    compacted = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
+    want = model.generate(ids, past_key_values=copy.deepcopy(compacted), **G)
+
+    cache = copy.deepcopy(compacted)
+    model(ids[:, C:C + 2], past_key_values=cache)
+    mask = torch.ones(2, C + 3, dtype=torch.long)
+    mask[1, 4] = 0
+    with pytest.raises(ValueError, match="unpadded rows only"):
+        model(ids[:, C + 2:C + 3], attention_mask=mask, past_key_values=cache)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **G), want)
+
+
 def test_a_compacted_cache_continued_by_a_model_without_the_hooks_is_refused():
     """β reaches attention through hooks that compact installs on the model it is given: another instance
     of the same model (a copy, a reload) read the prefix without β (0.31 on the logits) or failed inside
