@@ -174,6 +174,7 @@ QUESTION_GUARD = "_stiefkv_question_guard"
 def _check_forward(module, args, kwargs):
     cache = _cache_argument(kwargs)
     if cache is not None:
+        _refuse_other_rows(cache, kwargs, args)
         _refuse_padded_tokens(cache, kwargs)
         _refuse_positions_held(cache, kwargs)
 
@@ -185,6 +186,20 @@ def _record_ids(module, args, kwargs, output):
     cache = _cache_argument(kwargs)
     if cache is not None:
         record_appended(cache, kwargs.get("input_ids", args[0] if args else None))
+
+
+def _refuse_other_rows(cache, kwargs: dict, args: tuple) -> None:
+    """A forward of another number of rows than a compacted cache holds: refused, before torch fails to
+    join them inside the attention (``generate`` repeats the cache's rows for beams itself:
+    :func:`expand_rows`)."""
+    held = _compacted_rows(cache)
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = kwargs.get("inputs_embeds") if ids is None else ids
+    if held is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[0] == held:
+        return
+    raise ValueError(f"this compacted cache holds {held} row(s) and the forward brings {ids.shape[0]}: "
+                     "continue it with as many rows as it holds (for one of them alone, prefill and compact "
+                     "that prompt alone)")
 
 
 def _refuse_padded_tokens(cache, kwargs: dict) -> None:

@@ -386,9 +386,10 @@ def test_padding_behind_a_compacted_prompt_is_refused_at_any_keep(served):
 
 
 @pytest.mark.parametrize("served", [False, True])
-def test_a_refused_forward_leaves_a_compacted_cache_to_continue(served):
+def test_a_refused_forward_leaves_a_compacted_cache_to_continue_and_other_rows_are_refused_clearly(served):
     """A forward refused part way (a one-token step padded, refused by the layers) had its ids recorded
-    already, so the correct continuation was then refused as another question."""
+    already, so the correct continuation was then refused as another question; and a forward of another
+    number of rows than the compacted cache holds failed inside torch's cat (and was recorded too)."""
     import copy
 
     import stiefkv
@@ -408,6 +409,12 @@ def test_a_refused_forward_leaves_a_compacted_cache_to_continue(served):
     mask[1, 4] = 0
     with pytest.raises(ValueError, match="unpadded rows only"):
         model(ids[:, C + 2:C + 3], attention_mask=mask, past_key_values=cache)
+    assert torch.equal(model.generate(ids, past_key_values=cache, **G), want)
+
+    cache = copy.deepcopy(compacted)
+    for rows in (ids[:1, C:], ids[:, C:].repeat(2, 1)):
+        with pytest.raises(ValueError, match=f"holds 2 row\\(s\\) and the forward brings {rows.shape[0]}"):
+            model(rows, past_key_values=cache)
     assert torch.equal(model.generate(ids, past_key_values=cache, **G), want)
 
 
