@@ -54,7 +54,7 @@ class CompactedCache(DynamicCache):
 
     def __init__(self, length: int):
         super().__init__()
-        self.length = length
+        self.length: int | None = length  # None once reset
         self.prefix: list[int] = []
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
@@ -82,6 +82,8 @@ class CompactedCache(DynamicCache):
         """Remove ``-size`` tokens (transformers ≥ 5.2x), or keep ``size`` (older ones, in the reported
         length: the original prompt's plus the tokens appended since). Only appended tokens can go: the
         compacted entries stand for the whole prompt."""
+        if self.length is None:  # reset: an ordinary cache
+            return super().crop(size)
         reported = self.get_seq_length()
         if size == 0:  # transformers ≥ 5: remove nothing (generate's stop checks crop(0) every step)
             return
@@ -94,6 +96,15 @@ class CompactedCache(DynamicCache):
             super().crop(-remove)  # in held entries, which the appended tokens are one each
         if isinstance(self.appended_ids, torch.Tensor):
             self.appended_ids = self.appended_ids[:, : max(0, self.get_seq_length() - self.length)]
+
+    def reset(self) -> None:
+        """An empty cache, continued as an ordinary ``DynamicCache`` (as ``LatentCache.reset``): the layers
+        dropped (transformers 5.0's ``DynamicLayer.reset`` zeroes them and keeps their length), and the
+        compacted prefix's lengths, β and recorded ids with them, which otherwise stood for a prompt no longer
+        held (the next forward failed inside torch, or was refused as another question)."""
+        self.layers.clear()
+        self.prefix, self.beta = [], []
+        self.length = self.appended_ids = self.masked_for = None
 
     masked_for: int | None = None  # the layer whose mask the hook of install_hooks set last
 

@@ -418,6 +418,29 @@ def test_a_refused_forward_leaves_a_compacted_cache_to_continue_and_other_rows_a
     assert torch.equal(model.generate(ids, past_key_values=cache, **G), want)
 
 
+@pytest.mark.parametrize("served", [False, True])
+def test_a_reset_compacted_cache_is_an_empty_cache(served):
+    """``reset()`` of a CompactedCache kept its compacted prefix's lengths and β over emptied layers: it
+    reported the prompt's length less the entries held, and the next generate failed inside torch (or was
+    refused as another question after a turn). Now, as a reset LatentCache, it starts from nothing."""
+    import stiefkv
+    from tests.tiny import random_projections, tiny_model
+
+    model = tiny_model(layers=2)
+    if served:
+        stiefkv.load(model, random_projections(model, 13, 11))
+    ids = torch.randint(3, 97, (1, 40), generator=torch.Generator().manual_seed(0))
+    G = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    want = model.generate(ids, **G)
+    for turns in (0, 1):
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :31], window=8), keep=0.4)
+        if turns:
+            model.generate(ids, past_key_values=cache, **G)
+        cache.reset()
+        assert cache.get_seq_length() == 0
+        assert torch.equal(model.generate(ids, past_key_values=cache, **G), want)
+
+
 def test_a_compacted_cache_continued_by_a_model_without_the_hooks_is_refused():
     """β reaches attention through hooks that compact installs on the model it is given: another instance
     of the same model (a copy, a reload) read the prefix without β (0.31 on the logits) or failed inside
