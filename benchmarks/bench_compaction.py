@@ -26,6 +26,8 @@ from stiefkv.compaction import effective_options
 from stiefkv.longcontext import DEFAULT_WINDOW, evaluate_compacted, evaluate_retrieval
 from stiefkv.longcontext import METHODS as METHOD_NAMES
 
+DEFAULT_SCORE = 512  # the scored tokens of every committed row: render's tables and claims read only these
+
 # variants of AM's defaults (stiefkv.compaction.AM_DEFAULTS), and of the eviction by the same queries
 VARIANTS = {
     "am": {}, "am omp": {"selection": "omp"}, "am no-beta": {"fit_beta": False},
@@ -62,7 +64,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("model")
     ap.add_argument("--context", type=utils.at_least(1), default=4096)
-    ap.add_argument("--score", type=utils.at_least(1), default=512)
+    ap.add_argument("--score", type=utils.at_least(1), default=DEFAULT_SCORE)
     ap.add_argument("--keep", type=utils.share, default=0.1)
     ap.add_argument("--chunks", type=utils.at_least(1), default=None, help="first N chunks (default: all)")
     ap.add_argument("--window", type=utils.at_least(1), default=DEFAULT_WINDOW)
@@ -98,10 +100,14 @@ def main() -> None:
         r = evaluate_compacted(model, tok, context=args.context, score=args.score, keep=args.keep,
                                method=name.split()[0], chunks=args.chunks, window=args.window,
                                projections=args.projections, **_tokenized(tok, options))
+        # a score other than the default's and a model other than the default are named: a --score 128
+        # run wrote the case of the 512-token rows of its context, and render merged them
         row = {"case": f"{name} C{args.context} keep{args.keep:g}"
-               + (f" chunks{args.chunks}" if args.chunks else "") + _window(args)
-               + (f" {Path(args.projections).stem}" if args.projections else "") + f" {args.device}",
-               **r.as_dict(), "method": name,
+               + (f" chunks{args.chunks}" if args.chunks else "")
+               + (f" score{args.score}" if args.score != DEFAULT_SCORE else "") + _window(args)
+               + (f" {Path(args.projections).stem}" if args.projections else "")
+               + utils.model_case(args.model) + f" {args.device}",
+               **r.as_dict(), "method": name, "model": utils.model_name(args.model),
                "options": _recorded(name.split()[0], options), "window": args.window,
                "seconds": time.perf_counter() - t0}
         utils.write_rows("compaction", row)
@@ -140,9 +146,9 @@ def retrieval_row(model, tok, args, name: str, options: dict) -> None:
     r = evaluate_retrieval(model, tok, context=args.context, keep=args.keep, method=method,
                            samples=args.samples, seed=args.seed, window=args.window,
                            **_tokenized(tok, options))
-    row = {"case": f"{name} passkey C{args.context} keep{args.keep:g} n{args.samples}{_window(args)} "
-                   f"{args.device}",
-           **r.as_dict(), "method": name,
+    row = {"case": f"{name} passkey C{args.context} keep{args.keep:g} n{args.samples}{_window(args)}"
+                   f"{utils.model_case(args.model)} {args.device}",
+           **r.as_dict(), "method": name, "model": utils.model_name(args.model),
            "options": _recorded(method, options),
            "window": args.window, "seconds": time.perf_counter() - t0}
     utils.write_rows("retrieval", row)

@@ -1317,9 +1317,16 @@ def pins_at(pin, t: int) -> int:
 def compaction_rows(res: Results, name: str, only: Callable[[str], bool]) -> list[dict]:
     """The newest measured row (else transcribed) of each setting, in the order they first appear: the case
     less its variant's name, with :func:`compaction_label` in its place (a variant's name meant other
-    options before a default changed, and two names may spell one set of options)."""
+    options before a default changed, and two names may spell one set of options). Only rows of the default
+    model scored on the default's tokens: every table and claim of them compares like with like (a row
+    without ``model`` or ``score`` predates the field, and is the default's)."""
+    from bench_compaction import DEFAULT_SCORE
+
     newest: dict[tuple, dict] = {}
     for r in res.rows(name):
+        if (r.get("score", DEFAULT_SCORE), r.get("model", utils.DEFAULT_MODEL)) != (DEFAULT_SCORE,
+                                                                                   utils.DEFAULT_MODEL):
+            continue
         if only(r.get("case", "")):
             rest = r["case"][len(r["method"]):] if r["case"].startswith(r["method"]) else r["case"]
             key = (compaction_label(r), rest)  # a key keeps its first place

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import functools
+import hashlib
 import json
 import os
 import platform
@@ -40,6 +41,10 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 FLUSH_BYTES = 256 * 2**20  # > 4× the H200's 60 MB L2 (50 MB on an H100)
 QUANTILES = (0.2, 0.5, 0.8)
+# The project's default model (SmolLM2-135M-Instruct, Q4_1 GGUF): its alias, and its file's size and md5, so
+# that a copy of the file under another path (the GPU runs load ``$HOME/m/model.gguf``) is the same model
+DEFAULT_MODEL = "smollm2"
+DEFAULT_MODEL_FILE = (98362432, "a1231443440b107ff29f02bdb38c9d0a")
 
 
 # ------------------------------------------------------------------------------------------------ provenance
@@ -147,6 +152,35 @@ def header() -> str:
         f"# {device_name()}; {p['date']}; commit {p['commit'] or 'unknown'}{dirty}; python {p['python']}, "
         f"torch {p['torch']}, triton {p['triton']}, transformers {p['transformers']}; {p['command']}"
     )
+
+
+# ------------------------------------------------------------------------------------------------ models
+def model_name(spec: str) -> str:
+    """The name a row records for the model ``spec`` loads: :data:`DEFAULT_MODEL` for the default model,
+    by its alias or a copy of its GGUF file under any path (the same bytes: :data:`DEFAULT_MODEL_FILE`);
+    else ``spec`` as given."""
+    if spec == DEFAULT_MODEL:
+        return spec
+    path = Path(spec).expanduser()
+    size, md5 = DEFAULT_MODEL_FILE
+    if path.suffix.lower() == ".gguf" and path.is_file() and path.stat().st_size == size:
+        digest = hashlib.md5()
+        with path.open("rb") as f:
+            for block in iter(lambda: f.read(2**24), b""):
+                digest.update(block)
+        if digest.hexdigest() == md5:
+            return DEFAULT_MODEL
+    return spec
+
+
+def model_case(spec: str) -> str:
+    """`` NAME`` to put in a row's case where ``spec`` is not the default model (a local path by its file or
+    folder name), else nothing: the default's cases stay as they were before rows named their model."""
+    name = model_name(spec)
+    if name == DEFAULT_MODEL:
+        return ""
+    path = Path(spec).expanduser()
+    return f" {path.name if path.exists() else spec}"
 
 
 # ------------------------------------------------------------------------------------------------ rows

@@ -144,6 +144,48 @@ def test_bench_compaction_speed_times_the_pinned_default_and_records_it(results,
     assert labels == ["am (default)", "am (pin 0)"] and all(r["seconds"] > 0 for r in rows)
 
 
+def test_bench_compaction_names_a_score_and_model_other_than_the_defaults(results, monkeypatch, tmp_path):
+    """The case named neither ``--score`` nor the model and rows had no ``model``: a ``--score 128`` run
+    wrote the case of the 512-token rows of its context, and render merged them in its table and claims.
+    The default's cases stay as committed, whether the model is named by its alias or a copy of its file."""
+    import importlib
+
+    import stiefkv
+    from stiefkv.longcontext import CompactedResult
+
+    bc = importlib.import_module("bench_compaction")
+    monkeypatch.setattr(stiefkv, "load_model", lambda *a, **k: (None, None))
+
+    def evaluate_compacted(model, tok, *, context, score, keep, method, chunks, **kwargs):
+        return CompactedResult(method=method, keep=keep, context=context, score=score, chunks=chunks or 3,
+                               tokens=score, ppl=30.0 if score == 512 else 20.0, ppl_full=20.0,
+                               kept_tokens=round(keep * context), held_tokens=keep * context,
+                               bytes_fraction=keep)
+
+    monkeypatch.setattr(bc, "evaluate_compacted", evaluate_compacted)
+    copy = tmp_path / "model.gguf"  # a copy of the default model's file under another path
+    copy.write_bytes(b"GGUF" + bytes(60))
+    import hashlib
+    monkeypatch.setattr(utils, "DEFAULT_MODEL_FILE", (64, hashlib.md5(copy.read_bytes()).hexdigest()))
+    other = tmp_path / "other.gguf"
+    other.write_bytes(b"GGUF" + bytes(61))
+    for argv in (["smollm2"], [str(copy)], ["smollm2", "--score", "128"], [str(other)]):
+        monkeypatch.setattr(sys, "argv", ["bench_compaction.py", *argv, "--methods", "snapkv", "--device",
+                                          "cuda"])
+        with torch.no_grad():  # main() turns gradients off for the process; this restores them after
+            bc.main()
+    rows = utils.read_rows(results / "compaction.jsonl")
+    assert [(r["case"], r["model"]) for r in rows] == [
+        ("snapkv C4096 keep0.1 cuda", "smollm2"), ("snapkv C4096 keep0.1 cuda", "smollm2"),
+        ("snapkv C4096 keep0.1 score128 cuda", "smollm2"),
+        ("snapkv C4096 keep0.1 other.gguf cuda", str(other))]
+    # render's table and claims read the default score's rows of the default model only
+    res = render.Results(results)
+    assert [r["case"] for r in render.compaction_rows(res, "compaction", lambda case: True)] == [
+        "snapkv C4096 keep0.1 cuda"]
+    assert "+10.00" in render.compaction(res) and "+0.00" not in render.compaction(res)
+
+
 def test_render_refuses_unknown_blocks(tmp_path):
     with pytest.raises(ValueError, match="unknown render blocks"):
         render.render("<!-- render:nope -->\n<!-- /render:nope -->\n", render.Results(tmp_path))
