@@ -36,7 +36,7 @@ def main() -> None:
     print(utils.header(), flush=True)
     tok = seqs = None
     if args.model:
-        model, tok = stiefkv.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
+        model, tok = utils.load_model(args.model, device=args.device, dtype=getattr(torch, args.dtype))
     else:
         model = utils.random_llama(args, args.device, getattr(torch, args.dtype))
         seqs = torch.randint(0, model.config.vocab_size, (args.sequences, args.seq_len))

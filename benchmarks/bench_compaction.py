@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-import stiefkv
 from stiefkv.compacted import DEFAULT_PIN
 from stiefkv.compaction import METHODS as AM_METHODS
 from stiefkv.compaction import effective_options
@@ -90,7 +89,7 @@ def main() -> None:
         ap.error(f"--projections {args.projections}: no such checkpoint file")
     print(utils.header(), flush=True)
     torch.set_grad_enabled(False)
-    model, tok = stiefkv.load_model(args.model, device=args.device)
+    model, tok = utils.load_model(args.model, device=args.device)
     runs = [(m, {}) for m in args.methods] + [(v, VARIANTS[v]) for v in args.variants]
     for name, options in runs:
         if args.task == "retrieval":

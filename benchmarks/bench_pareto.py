@@ -289,7 +289,7 @@ def main() -> None:
             print(f"{case}: already in {jsonl}, skipped", flush=True)
         return case not in done
     kinds, budgets = args.rows, args.budgets
-    model, tok = stiefkv.load_model(args.model, device=args.device)
+    model, tok = utils.load_model(args.model, device=args.device)
 
     def run_eval(proj):
         return evaluate(model, tok, proj, window=2048, limit=args.windows, backend="reference",

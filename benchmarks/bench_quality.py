@@ -53,7 +53,7 @@ def main() -> None:
     # the window size where it is not the default's: two runs of other window sizes wrote one case
     scored = f"w{args.windows or 'all'}" + (f" window{args.window}" if args.window != 2048 else "")
 
-    model, tok = stiefkv.load_model(args.model, device=args.device)
+    model, tok = utils.load_model(args.model, device=args.device)
     print(utils.header())
     print(f"# {args.model} · WikiText-2 test · window {args.window}")
     print(

@@ -29,7 +29,6 @@ from pathlib import Path
 import torch
 import utils  # benchmarks/utils.py: the script's folder is first on sys.path
 
-import stiefkv
 from stiefkv.calibrate.pipeline import CalibrationConfig, choose_ranks, first_pass, second_pass
 from stiefkv.calibrate.state import CalibrationState
 from stiefkv.data import calibration_sequences
@@ -140,7 +139,7 @@ def main() -> None:
     subset = f" w{args.windows} {args.device}" if args.windows else ""
     done = {case_of(r) for r in utils.read_rows(jsonl) if r.get("model", args.model) == args.model}
 
-    model, tok = stiefkv.load_model(args.model, device=args.device)
+    model, tok = utils.load_model(args.model, device=args.device)
     extra = args.extra
     base_cfg = CalibrationConfig.from_kwargs(device=args.device, key_mode=args.key_mode, **extra)
     seqs = calibration_sequences(

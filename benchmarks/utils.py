@@ -183,6 +183,21 @@ def model_case(spec: str) -> str:
     return f" {path.name if path.exists() else spec}"
 
 
+def load_model(spec: str, **kwargs):
+    """``stiefkv.load_model(spec, **kwargs)``; a model that cannot be loaded (a mistyped name, a missing
+    file: ``ModelLoadError``, whose message says what to do) exits with that one line and status 2, as the
+    ``stiefkv`` command does, instead of a traceback."""
+    import stiefkv
+    from stiefkv.models import ModelLoadError
+
+    try:
+        return stiefkv.load_model(spec, **kwargs)
+    except ModelLoadError as err:
+        script = os.path.basename(sys.argv[0]) or "benchmark"
+        print(f"{script}: error: {err}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 # ------------------------------------------------------------------------------------------------ rows
 def results_dir() -> Path:
     return Path(os.environ.get("STIEFKV_RESULTS_DIR") or RESULTS)

@@ -990,6 +990,29 @@ def test_benchmarks_refuse_a_results_folder_that_is_a_file_before_any_work(scrip
     assert not (tmp_path / "new").exists()  # and is made only when a row is written
 
 
+@pytest.mark.parametrize("script, argv", [
+    ("bench_quality", ["smollm3", "--windows", "1"]),
+    ("bench_pareto", ["smollm3", "OUT", "--rows", "baselines"]),
+    ("bench_compaction", ["smollm3", "--chunks", "1"]),
+    ("quality_table", ["smollm3", "OUT"]),
+    ("bench_calibrate_speed", ["--model", "smollm3", "--device", "cpu"]),
+])
+def test_benchmarks_say_in_one_line_that_a_model_cannot_be_loaded(script, argv, results, monkeypatch, capsys):
+    """A mistyped model ended in ModelLoadError's traceback (its message was clear): now that one line,
+    exit 2, as the ``stiefkv`` command says it."""
+    import importlib
+
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", *[str(results / "out") if a == "OUT" else a
+                                                        for a in argv]])
+    with pytest.raises(SystemExit) as exit_:
+        module.main()
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.strip().splitlines() == [f"{script}.py: error: model 'smollm3' is neither an alias nor a "
+                                        "local path: did you mean 'smollm2'? (aliases: smollm2)"]
+
+
 def test_bench_generate_names_a_budget_other_than_the_claims_in_its_case():
     """The claims read ``generate pre_rope B1 ctx32768 new64`` as the 50 % cache; the case did not name the
     budget, so a ``--budget 0.25`` run replaced the 50 % row there."""
