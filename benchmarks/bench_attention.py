@@ -31,7 +31,6 @@ Decode times are device times from CUDA-graph replay with an L2 flush before eve
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import torch
@@ -654,7 +653,7 @@ def host_rows(n: int = 32768, calls: int = 200) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = utils.parser(__doc__.split("\n")[0])
     parser.add_argument("--tables", nargs="+", default=list(TABLES), choices=TABLES)
     parser.add_argument("--quick", action="store_true", help="two decode shapes (1x32k, 4x128k)")
     parser.add_argument("--shapes", nargs="+", metavar="BxN", type=utils.batch_context,

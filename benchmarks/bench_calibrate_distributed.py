@@ -16,7 +16,6 @@ elsewhere).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -46,7 +45,7 @@ def timed(seconds: dict, name: str, fn, everyone: bool = True):
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = utils.parser(__doc__.splitlines()[0])
     utils.add_llama_shape_args(ap)
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="cuda")

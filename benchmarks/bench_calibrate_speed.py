@@ -13,7 +13,6 @@ With ``--model`` the real model (and its calibration data) replaces the random o
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -23,7 +22,7 @@ import stiefkv
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = utils.parser(__doc__.splitlines()[0])
     ap.add_argument("--model", default=None,
                     help="a real model (smollm2, a .gguf, a folder) instead of random weights")
     utils.add_llama_shape_args(ap)

@@ -12,7 +12,6 @@ queries), and kvpress's presses (``stiefkv.presses``). One row per method, with 
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 
@@ -60,19 +59,24 @@ VARIANTS = {
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("--context", type=utils.at_least(1), default=4096)
-    ap.add_argument("--score", type=utils.at_least(1), default=DEFAULT_SCORE)
-    ap.add_argument("--keep", type=utils.share, default=0.1)
+    ap = utils.parser(__doc__.splitlines()[0])
+    ap.add_argument("model", help="an alias, a GGUF file or a model folder")
+    ap.add_argument("--context", type=utils.at_least(1), default=4096,
+                    help="prefilled tokens per chunk, compacted")
+    ap.add_argument("--score", type=utils.at_least(1), default=DEFAULT_SCORE,
+                    help="tokens scored per chunk after the compacted context")
+    ap.add_argument("--keep", type=utils.share, default=0.1, help="share of the context's tokens kept")
     ap.add_argument("--chunks", type=utils.at_least(1), default=None, help="first N chunks (default: all)")
-    ap.add_argument("--window", type=utils.at_least(1), default=DEFAULT_WINDOW)
+    ap.add_argument("--window", type=utils.at_least(1), default=DEFAULT_WINDOW,
+                    help="the compaction's window (stiefkv.longcontext)")
     ap.add_argument("--methods", type=utils.comma_list(str, METHOD_NAMES),
-                    default="am,attention,expected_attention,snapkv,streaming_llm,tova,knorm")
+                    default="am,attention,expected_attention,snapkv,streaming_llm,tova,knorm",
+                    help=f"comma-separated, of {', '.join(METHOD_NAMES)}")
     ap.add_argument("--variants", default=[],
                     type=utils.comma_list(lambda v: v.replace("_", " "), list(VARIANTS)),
                     help=f"comma-separated variants of {', '.join(VARIANTS)} ('_' for ' ')")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="(default: cuda where available, else cpu)")
     ap.add_argument("--task", choices=["ppl", "retrieval"], default="ppl",
                     help="compressed-context perplexity, or pass-key retrieval (rows to retrieval.jsonl)")
     ap.add_argument("--samples", type=utils.at_least(1), default=20,

@@ -14,7 +14,6 @@ One row per length to ``benchmarks/results/compaction_speed.jsonl``.
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
 
@@ -44,7 +43,7 @@ def compact_all(keys, values, queries, t: int, scale: float, surprise: torch.Ten
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = utils.parser(__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=sorted(SHAPES), default=None, help="default llama3-8b")
     ap.add_argument("--lengths", type=utils.comma_list(utils.at_least(1)), default=[4096, 8192, 16384, 32768])
     ap.add_argument("--keep", type=utils.share, default=0.1)

@@ -11,7 +11,6 @@ hold between calls. Rows go to ``benchmarks/results/decode_1b.jsonl``.
 
 from __future__ import annotations
 
-import argparse
 import functools
 
 import torch
@@ -34,7 +33,7 @@ VARIANTS = [
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = utils.parser(__doc__.split("\n")[0])
     ap.parse_args()  # --help, and no stray arguments
     utils.check_results_dir(ap)
     utils.require_cuda()

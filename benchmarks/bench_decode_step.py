@@ -14,7 +14,6 @@ run goes to ``benchmarks/results/decode_step.jsonl`` (``--tiny`` writes none).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 
 import torch
@@ -30,7 +29,7 @@ STEPS = 100
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = utils.parser(__doc__.splitlines()[0])
     parser.add_argument("--key-mode", default="pre_rope", choices=["pre_rope", "post_rope"])
     parser.add_argument("--context", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=4)

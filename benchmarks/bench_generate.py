@@ -16,7 +16,6 @@ writes none).
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import time
 
@@ -100,7 +99,7 @@ def case_of(args) -> str:
 
 def main() -> None:
     # the docstring's first sentence (its first line stopped at "with a 50 % latent")
-    parser = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
+    parser = utils.parser(" ".join(__doc__.split("\n\n")[0].split()))
     parser.add_argument("--context", type=utils.at_least(1), default=None,
                         help="prompt tokens (default 32768; with --tiny 256)")
     parser.add_argument("--new-tokens", type=utils.at_least(1), default=64)

@@ -29,7 +29,6 @@ continues), and ``--plot`` draws ``pareto.png`` from the rows.
 
 from __future__ import annotations
 
-import argparse
 import json
 import re
 import time
@@ -224,10 +223,11 @@ def plot(rows: list[dict], path: Path) -> Path:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?")
-    ap.add_argument("outdir", type=Path, nargs="?")
-    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default=",".join(map(str, BUDGETS)))
+    ap = utils.parser(__doc__.splitlines()[0])
+    ap.add_argument("model", nargs="?", help="an alias, a GGUF file or a model folder")
+    ap.add_argument("outdir", type=Path, nargs="?", help="folder of pareto.jsonl and the first passes")
+    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default=",".join(map(str, BUDGETS)),
+                    help="comma-separated budgets of the calibrated rows")
     ap.add_argument("--rows", type=utils.comma_list(str, list(ROW_KINDS)), default=",".join(ROW_KINDS),
                     help=f"comma-separated, of {', '.join(ROW_KINDS)}")
     ap.add_argument("--baselines", default=None, help="comma-separated baseline names (default: all of "
@@ -238,7 +238,8 @@ def main() -> None:
                     help="JSON of calibration settings for the auto rows, and for the ranks rows those of "
                     "BF16_SETTINGS (e.g. share_heads)")
     ap.add_argument("--tag", default="", help="label of a variant's rows (with --extra)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="(default: cuda where available, else cpu)")
     ap.add_argument("--plot", nargs=2, type=Path, metavar=("JSONL", "PNG"), help="only draw the plot")
     args = ap.parse_args()
     if args.plot:

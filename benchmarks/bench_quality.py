@@ -4,12 +4,16 @@ For every key mode and budget it calibrates (``stiefkv.calibrate``), then evalua
 (or ``--windows N``), and prints one markdown row per setting with the calibration wall time. Each row
 also goes to ``benchmarks/results/quality.jsonl``.
 
-    python benchmarks/bench_quality.py smollm2 --budgets 1,0.75,0.5,0.375,0.25 --key-modes pre_rope,post_rope
+A plain run is the whole table: 10 calibrations (5 budgets × 2 key modes, 64 × 512 tokens each) and 11
+evaluations on the whole WikiText-2 test set (147 windows of 2048 tokens): hours on a 2-core CPU. A
+quick CPU run takes one budget and key mode, a few windows and a small calibration set (a few minutes):
+
+    python benchmarks/bench_quality.py smollm2 --budgets 0.5 --key-modes pre_rope --windows 2 \
+        --num-sequences 8 --seq-len 256 --device cpu
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import time
 from pathlib import Path
@@ -23,18 +27,28 @@ from stiefkv.evaluate import evaluate
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model", nargs="?", default="smollm2")
-    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default="1,0.75,0.5,0.375,0.25")
-    ap.add_argument("--key-modes", type=utils.comma_list(str), default="pre_rope,post_rope")
-    ap.add_argument("--method", default="pca")
-    ap.add_argument("--allocation", default="uniform")
-    ap.add_argument("--num-sequences", type=utils.at_least(1), default=64)
-    ap.add_argument("--seq-len", type=utils.at_least(1), default=512)
-    ap.add_argument("--windows", type=utils.at_least(1), default=None)
-    ap.add_argument("--window", type=utils.at_least(1), default=2048)
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    ap.add_argument("--backend", default="reference", choices=BACKENDS)
+    ap = utils.parser(__doc__.splitlines()[0], epilog=(
+        "A plain run calibrates 10 times (5 budgets x 2 key modes) and evaluates 11 times on the whole "
+        "test set: hours on a 2-core CPU. A quick CPU run: --budgets 0.5 --key-modes pre_rope --windows 2 "
+        "--num-sequences 8 --seq-len 256 --device cpu."))
+    ap.add_argument("model", nargs="?", default="smollm2", help="an alias, a GGUF file or a model folder")
+    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default="1,0.75,0.5,0.375,0.25",
+                    help="comma-separated KV budgets, each calibrated and evaluated")
+    ap.add_argument("--key-modes", type=utils.comma_list(str), default="pre_rope,post_rope",
+                    help="comma-separated key modes, each at every budget")
+    ap.add_argument("--method", default="pca", help="calibration method")
+    ap.add_argument("--allocation", default="uniform", help="rank allocation across layers")
+    ap.add_argument("--num-sequences", type=utils.at_least(1), default=64,
+                    help="calibration sequences of WikiText-2 validation")
+    ap.add_argument("--seq-len", type=utils.at_least(1), default=512,
+                    help="tokens per calibration sequence")
+    ap.add_argument("--windows", type=utils.at_least(1), default=None,
+                    help="first N test windows (default: all 147, the whole test set)")
+    ap.add_argument("--window", type=utils.at_least(1), default=2048, help="tokens per test window")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="(default: cuda where available, else cpu)")
+    ap.add_argument("--backend", default="reference", choices=BACKENDS,
+                    help="attention backend of the compressed evaluations")
     ap.add_argument("--extra", type=utils.calibration_json, default="{}",
                     help="JSON of further calibration keywords")
     ap.add_argument("--json", default=None, help="write all results to this file")

@@ -638,7 +638,7 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = utils.parser(__doc__.split("\n")[0])
     parser.add_argument("--shape", default="8b", choices=sorted(SHAPES))
     parser.add_argument("--cases", nargs="+", type=utils.batch_context, default=["8x16384"],
                         help="BATCHxCONTEXT, e.g. 1x32768 8x16384")

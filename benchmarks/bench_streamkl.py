@@ -18,7 +18,6 @@ forward ≤ 2.5× SDPA, extra memory O(N).
 
 from __future__ import annotations
 
-import argparse
 import time
 
 import torch
@@ -85,10 +84,10 @@ def summary(r: dict) -> str:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS))
-    parser.add_argument("--heads", type=int, nargs="+", default=[8, 32])
-    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128])
+    parser = utils.parser(__doc__.splitlines()[0])
+    parser.add_argument("--lengths", type=int, nargs="+", default=list(LENGTHS), help="sequence lengths N")
+    parser.add_argument("--heads", type=int, nargs="+", default=[8, 32], help="head counts H")
+    parser.add_argument("--dims", type=int, nargs="+", default=[64, 128], help="head dimensions d")
     parser.add_argument("--eager-max-n", type=int, default=32768, help="skip the eager reference above this")
     parser.add_argument(
         "--compile-shapes",

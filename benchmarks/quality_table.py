@@ -19,7 +19,6 @@ the uncompressed inputs.
 
 from __future__ import annotations
 
-import argparse
 import datetime
 import json
 import time
@@ -115,11 +114,12 @@ def case_of(row: dict) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("model")
-    ap.add_argument("outdir", type=Path)
-    ap.add_argument("--key-mode", default="pre_rope")
-    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default="0.5,0.75,0.375,0.25")
+    ap = utils.parser(__doc__.splitlines()[0])
+    ap.add_argument("model", help="an alias, a GGUF file or a model folder")
+    ap.add_argument("outdir", type=Path, help="folder of the rows (KEY_MODE.jsonl, .md) and the first pass")
+    ap.add_argument("--key-mode", default="pre_rope", help="the key mode of every row")
+    ap.add_argument("--budgets", type=utils.comma_list(utils.share), default="0.5,0.75,0.375,0.25",
+                    help="comma-separated budgets")
     ap.add_argument("--rows", type=utils.comma_list(str, list(ROWS)), default=",".join(ROWS),
                     help=f"comma-separated, of {', '.join(ROWS)}")
     ap.add_argument("--windows", type=utils.at_least(1), default=None,
@@ -127,7 +127,8 @@ def main() -> None:
     ap.add_argument("--extra", type=utils.calibration_json, default="{}",
                     help="JSON of calibration settings for every row (steps, lr, …)")
     ap.add_argument("--tag", default="", help="label of the row variant in the table (with --extra)")
-    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                    help="(default: cuda where available, else cpu)")
     args = ap.parse_args()
     utils.check_calibration(ap, dict(args.extra, key_mode=args.key_mode))
     args.outdir.mkdir(parents=True, exist_ok=True)

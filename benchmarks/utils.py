@@ -21,6 +21,7 @@ quantiles do):
 from __future__ import annotations
 
 import argparse
+import copy
 import datetime
 import functools
 import hashlib
@@ -427,6 +428,34 @@ def require_cuda(hint: str = "") -> None:
         script = os.path.basename(sys.argv[0]) or "this benchmark"
         sys.exit(f"{script} times CUDA kernels and this machine has no CUDA device"
                  + (f"; {hint}" if hint else "") + " (the tests check the kernels on a CPU: scripts/test.sh)")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """``--help`` with every option's default, options without a help text too; nothing where the help
+    says its default already or there is none to say (``None``, a flag's ``False``, an empty text or list)."""
+
+    def _format_action(self, action):
+        if not action.help and _has_default(action):
+            action = copy.copy(action)
+            action.help = "(default: %(default)s)"
+        return super()._format_action(action)
+
+    def _get_help_string(self, action):
+        text = (action.help or "").strip()
+        if "default" in text or not _has_default(action):
+            return text
+        return f"{text} (default: %(default)s)".strip()
+
+
+def _has_default(action) -> bool:
+    default = action.default
+    none = default is None or default is False or default is argparse.SUPPRESS or default in ("", [], ())
+    return not none and (bool(action.option_strings) or action.nargs in ("?", "*"))
+
+
+def parser(description: str, **kwargs) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` whose ``--help`` shows every option's default (:class:`HelpFormatter`)."""
+    return argparse.ArgumentParser(description=description, formatter_class=HelpFormatter, **kwargs)
 
 
 def at_least(low: int):

@@ -1013,6 +1013,28 @@ def test_benchmarks_say_in_one_line_that_a_model_cannot_be_loaded(script, argv, 
                                         "local path: did you mean 'smollm2'? (aliases: smollm2)"]
 
 
+@pytest.mark.parametrize("script, shown", [
+    ("bench_quality", ["--num-sequences NUM_SEQUENCES", "(default: 64)", "(default: pre_rope,post_rope)",
+                       "(default: smollm2)", "hours on a 2-core CPU", "--windows 2"]),
+    ("bench_pareto", ["(default: 0.5,0.25,0.1875", "(default: cuda where available, else cpu)"]),
+    ("bench_compaction", ["(default: 512)", "(default: 4096)", "(default: 0.1)", "(default: 0)"]),
+    ("bench_streamkl", ["(default: [8, 32])", "(default: 300.0)"]),
+    ("quality_table", ["(default: pre_rope)", "(default: 0.5,0.75,0.375,0.25)"]),
+])
+def test_benchmark_help_shows_the_defaults(script, shown, monkeypatch, capsys):
+    """``--help`` left most defaults out (bench_quality's all of them, and what a plain run costs)."""
+    import importlib
+
+    module = importlib.import_module(script)
+    monkeypatch.setattr(sys, "argv", [f"{script}.py", "--help"])
+    monkeypatch.setenv("COLUMNS", "200")
+    with pytest.raises(SystemExit):
+        module.main()
+    out = capsys.readouterr().out
+    assert [s for s in shown if s not in out] == []
+    assert "(default: )" not in out and "(default: None)" not in out and "(default: [])" not in out
+
+
 def test_bench_generate_names_a_budget_other_than_the_claims_in_its_case():
     """The claims read ``generate pre_rope B1 ctx32768 new64`` as the 50 % cache; the case did not name the
     budget, so a ``--budget 0.25`` run replaced the 50 % row there."""
