@@ -46,6 +46,25 @@ ISSUE3_PROVENANCE = {
 
 
 # ------------------------------------------------------------------------------------------------ rows
+class MissingField(KeyError):
+    """A field a table reads that its row lacks: named with the row's file and case (a bare ``KeyError``
+    named neither)."""
+
+    def __init__(self, file: str | None, case: str | None, field):
+        super().__init__(field)
+        self.message = f"{file or 'a results file'}: the row of case {case!r} has no field {field!r}"
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class Row(dict):
+    """A result row: reading a field it lacks raises :class:`MissingField`."""
+
+    def __missing__(self, key):
+        raise MissingField(self.get("_file"), self.get("case"), key)
+
+
 class Results:
     """The rows of every results file, and which of them the rendered blocks used."""
 
@@ -56,7 +75,7 @@ class Results:
 
     def rows(self, name: str) -> list[dict]:
         if name not in self.files:
-            rows = utils.read_rows(self.folder / f"{name}.jsonl")
+            rows = [Row(r) for r in utils.read_rows(self.folder / f"{name}.jsonl")]
             for r in rows:
                 if "case" not in r and "row" in r:  # the issue-3 rows predate the harness
                     r["case"] = f"{r['key_mode']} {r['budget']:g} {r['row']}" + (
@@ -1436,8 +1455,14 @@ def render(text: str, res: Results) -> str:
         raise ValueError(
             f"BENCHMARKS.md names unknown render blocks {sorted(unknown)}; known: {sorted(BLOCKS)}"
         )
-    bodies = {name: BLOCKS[name](res) for name in names if name != "runs"}
-    bodies["runs"] = runs(res)
+    bodies = {}
+    for name in [n for n in names if n != "runs"] + ["runs"]:
+        try:
+            bodies[name] = (runs if name == "runs" else BLOCKS[name])(res)
+        except MissingField as err:
+            raise ValueError(f"block {name}: {err}") from None
+        except KeyError as err:  # a field of a nested record (a row's provenance, options, …)
+            raise ValueError(f"block {name}: a row lacks the field {err} it reads") from None
     return BLOCK.sub(lambda m: m.group(1) + bodies[m["name"]] + "\n" + m.group(4), text)
 
 

@@ -219,6 +219,23 @@ def test_render_refuses_a_missing_results_folder_and_names_a_malformed_row(tmp_p
         utils.read_rows(rows / "demo.jsonl")
 
 
+def test_render_names_the_file_case_and_field_of_a_row_missing_a_field(tmp_path, monkeypatch):
+    """A row without a field a table reads failed with a bare ``KeyError: 'ppl'``, naming neither the file
+    nor the row."""
+    doc = tmp_path / "doc.md"
+    doc.write_text("<!-- render:compaction -->\nold\n<!-- /render:compaction -->\n")
+    row = {"case": "snapkv C4096 keep0.1 cuda", "method": "snapkv", "context": 4096, "keep": 0.1,
+           "ppl_full": 20.0, "held_tokens": 410, "chunks": 3, "seconds": 1.0, "remeasured": True,
+           "provenance": {}}
+    (tmp_path / "compaction.jsonl").write_text(json.dumps(row) + "\n")
+    monkeypatch.setattr(sys, "argv", ["render.py", "--doc", str(doc), "--results", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        render.main()
+    assert str(exit_.value.code) == ("render.py: block compaction: compaction.jsonl: the row of case "
+                                     "'snapkv C4096 keep0.1 cuda' has no field 'ppl'")
+    assert "old" in doc.read_text()  # nothing written
+
+
 def test_benchmarks_md_is_rendered_from_the_committed_rows():
     text = render.DOC.read_text()
     assert render.render(text, render.Results(utils.RESULTS)) == text, "run: python benchmarks/render.py"
