@@ -91,15 +91,17 @@ def main() -> None:
         "window": args.window,
         "windows": base.windows,
         "device": args.device,
-        "backend": args.backend,
         "num_sequences": args.num_sequences,
         "seq_len": args.seq_len,
     }
     rows = [base.as_dict()]
+    tag = f" {args.tag}" if args.tag else ""
+    # the uncompressed row names --tag as the run's other rows do (two tagged runs wrote one case), and no
+    # backend: the uncompressed pass runs the model as loaded, whatever --backend says
     utils.write_rows(
         "quality",
         {
-            "case": f"{args.model} uncompressed {scored}",
+            "case": f"{args.model} uncompressed {scored}{tag}",
             **common,
             "ppl": base.ppl_original,
             "kv_bytes_per_token": base.kv_bytes_per_token_original,
@@ -144,8 +146,9 @@ def main() -> None:
                 "quality",
                 {
                     "case": f"{args.model} {key_mode} {budget:g} {args.method} {args.allocation} "
-                    f"{scored}" + (f" {args.tag}" if args.tag else ""),
+                    f"{scored}{tag}",
                     **common,
+                    "backend": args.backend,
                     "key_mode": key_mode,
                     "budget": budget,
                     "method": args.method,

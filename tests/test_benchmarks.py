@@ -1052,6 +1052,37 @@ def test_benchmark_help_shows_the_defaults(script, shown, monkeypatch, capsys):
     assert "(default: )" not in out and "(default: None)" not in out and "(default: [])" not in out
 
 
+def test_bench_quality_uncompressed_row_names_the_tag_and_no_backend(results, monkeypatch):
+    """Two tagged runs wrote one uncompressed case (it left --tag out), and the row recorded the --backend
+    of the compressed rows, which the uncompressed pass never used."""
+    import importlib
+    import types
+
+    import stiefkv
+
+    bq = importlib.import_module("bench_quality")
+
+    def evaluate(model, tok, proj, **kwargs):
+        r = types.SimpleNamespace(ppl=22.0, ppl_original=21.0, windows=1, tokens_scored=2047,
+                                  kv_bytes_per_token_original=23040.0, kv_bytes_per_token=11520.0,
+                                  layer_rel_error=0.1, next_token_kl=0.01)
+        r.as_dict = lambda: {"ppl": r.ppl, "ppl_original": r.ppl_original}
+        return r
+
+    monkeypatch.setattr(stiefkv, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(stiefkv, "calibrate", lambda *a, **k: types.SimpleNamespace(ranks=[(32, 32)]))
+    monkeypatch.setattr(bq, "evaluate", evaluate)
+    for argv in ([], ["--tag", "a"], ["--tag", "b"]):
+        monkeypatch.setattr(sys, "argv", ["bench_quality.py", "smollm2", "--budgets", "0.5", "--key-modes",
+                                          "pre_rope", "--windows", "1", "--device", "cpu", *argv])
+        bq.main()
+    rows = utils.read_rows(results / "quality.jsonl")
+    assert [(r["case"], r.get("backend")) for r in rows] == [
+        ("smollm2 uncompressed w1", None), ("smollm2 pre_rope 0.5 pca uniform w1", "reference"),
+        ("smollm2 uncompressed w1 a", None), ("smollm2 pre_rope 0.5 pca uniform w1 a", "reference"),
+        ("smollm2 uncompressed w1 b", None), ("smollm2 pre_rope 0.5 pca uniform w1 b", "reference")]
+
+
 def test_bench_generate_names_a_budget_other_than_the_claims_in_its_case():
     """The claims read ``generate pre_rope B1 ctx32768 new64`` as the 50 % cache; the case did not name the
     budget, so a ``--budget 0.25`` run replaced the 50 % row there."""
