@@ -328,8 +328,10 @@ def main() -> None:
     # too, under the tag; settings of quantized latents only (recent, …) leave them the plain rows
     tag16, suffix16 = (args.tag, suffix) if extra16 else ("", "")
     cfg16 = CalibrationConfig.from_kwargs(device=args.device, bits=16, **extra16)
+    # built only where a row calibrates (--rows baselines built them for nothing)
     seqs = calibration_sequences(model, tok, data=cfg16.data, num_sequences=cfg16.num_sequences,
-                                 seq_len=cfg16.seq_len, seed=cfg16.seed)
+                                 seq_len=cfg16.seq_len, seed=cfg16.seed) \
+        if {"ranks", "pca-uniform-int4", "auto"} & set(kinds) else None
     if {"ranks", "pca-uniform-int4"} & set(kinds):
         path16 = args.outdir / f"first_pass_bits16{suffix16}.safetensors"
         first16, fp16_s = first_pass_state(model, seqs, cfg16, path16, args.device)
@@ -340,7 +342,10 @@ def main() -> None:
         # bf16 latents cannot go below one rank step per latent (rank 8 of 64: 12.5 %)
         floor16 = cfg16.rank_step / first16.eig_k[0].shape[1]
         for b in budgets if "ranks" in kinds else ():
-            if b >= floor16 and todo(case_of("ranks", b, tag16, subset)):
+            if b < floor16:  # skipped silently before
+                print(f"{case_of('ranks', b, tag16, subset)}: below bf16 latents' floor {floor16:g} (one "
+                      f"rank step of {cfg16.rank_step} per latent), skipped", flush=True)
+            elif todo(case_of("ranks", b, tag16, subset)):
                 cfg = CalibrationConfig.from_kwargs(device=args.device, bits=16, budget=b, **extra16)
                 proj, s = calibrated(model, seqs, first16, cfg, args.device)
                 emit(row_of("ranks", b, proj, run_eval(proj), fp16_s + s,

@@ -1151,6 +1151,46 @@ def test_bench_pareto_keeps_a_windows_subset_apart_from_the_whole_test_set(tmp_p
     assert render.auto_default(render.Results(tmp_path), 0.5)["case"] == "auto 0.5"
 
 
+def test_bench_pareto_says_a_ranks_budget_below_the_floor_and_builds_no_sequences_for_baselines(
+        tmp_path, monkeypatch, capsys):
+    """A ``ranks`` budget below the bf16 floor (one rank step per latent) was skipped without a word, and the
+    calibration sequences were built even where no row calibrates (``--rows baselines``)."""
+    import importlib
+    import types
+
+    import stiefkv
+    import stiefkv.data
+    import stiefkv.evaluate
+
+    bp = importlib.import_module("bench_pareto")
+    built = []
+    proj = types.SimpleNamespace(keys=[torch.zeros(3, 64, 64)] * 2, kv_bytes_per_token=lambda: 1000.0,
+                                 achieved_budget=0.25, ranks=[(16, 16)] * 2, specs=[("bf16", "bf16")] * 2,
+                                 key_mode_summary="pre_rope")
+    result = types.SimpleNamespace(ppl=22.0, ppl_original=21.97, next_token_kl=0.01, windows=1,
+                                   tokens_scored=2047)
+    monkeypatch.setattr(stiefkv, "load_model", lambda *a, **k: (None, None))
+    monkeypatch.setattr(stiefkv.evaluate, "evaluate", lambda *a, **k: result)
+    monkeypatch.setattr(stiefkv.evaluate, "baseline_projections", lambda model, name: proj)
+    monkeypatch.setattr(stiefkv.data, "calibration_sequences", lambda *a, **k: built.append(1))
+    monkeypatch.setattr(bp, "first_pass_state",
+                        lambda *a: (types.SimpleNamespace(eig_k=[torch.zeros(3, 64, 64)]), 1.0))
+    monkeypatch.setattr(bp, "calibrated", lambda *a: (proj, 1.0))
+
+    def run(*argv):
+        monkeypatch.setattr(sys, "argv", ["bench_pareto.py", "m", str(tmp_path), "--device", "cpu",
+                                          "--windows", "1", *argv])
+        bp.main()
+
+    run("--rows", "baselines", "--baselines", "int8")
+    assert built == []
+    run("--rows", "ranks", "--budgets", "0.25,0.0625")
+    assert built == [1]
+    assert "ranks 0.0625 w1 cpu: below bf16 latents' floor 0.125" in capsys.readouterr().out
+    assert [r["case"] for r in utils.read_rows(tmp_path / "pareto.jsonl")] == ["int8 w1 cpu",
+                                                                               "ranks 0.25 w1 cpu"]
+
+
 def test_quality_table_resumes_by_case_model_and_windows(tmp_path, monkeypatch, capsys):
     """The committed rows (some without a case, none with a model) still count as done for the whole test
     set; a ``--windows N`` run's rows are their own case and are not skipped for the whole set's (the skip
