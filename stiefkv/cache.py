@@ -554,9 +554,25 @@ def refuse_another_question(cache, input_ids: torch.Tensor) -> None:
         return
     raise ValueError(
         f"this compacted cache already holds {n} tokens after its prompt of {start} (from an earlier "
-        "generate or forward), and the ids given do not continue them: generate would answer after those. "
-        "Give each question its own copy of the cache stiefkv.compact returned (copy.deepcopy(cache)), or "
-        "pass the prompt, the tokens since and then the new ones.")
+        f"generate or forward), and the ids given do not continue them ({_first_difference(given, seen, start)}"
+        "): generate would answer after those. Give each question its own copy of the cache stiefkv.compact "
+        "returned (copy.deepcopy(cache)), or pass the prompt, the tokens since and then the new ones. A chat "
+        "turn tokenized again from its text can split the last answer otherwise than generate made it: build "
+        "the next turn's ids as torch.cat([the ids generate returned, the new turn's ids], 1).")
+
+
+def _first_difference(given: torch.Tensor, seen: torch.Tensor, start: int) -> str:
+    """Where the ids ``given`` after a compacted prompt of ``start`` tokens first leave the ``seen`` ones,
+    in words."""
+    rows, width = given.shape
+    if rows != seen.shape[0]:
+        return f"{rows} rows against the cache's {seen.shape[0]}"
+    same = given.to(seen.device)[:, :width] == seen[:, :width]
+    if bool(same.all()):
+        return f"they end at position {start + width}, inside the held tokens"
+    row, col = (int(i) for i in (~same).nonzero()[0])
+    where = f"row {row}, " if rows > 1 else ""
+    return (f"{where}position {start + col}: id {int(given[row, col])} given, {int(seen[row, col])} held")
 
 
 def _check_held(layer_idx: int, keys: int, values: int, positions: int) -> None:

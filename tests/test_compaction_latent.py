@@ -278,8 +278,11 @@ def test_a_second_question_over_a_compacted_cache_generate_extended_is_refused()
             base = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.3)
             spare = copy.deepcopy(base)
             first = model.generate(torch.cat([ids, q1], 1), **{key: base}, **G)
+            kept = first[:, 40:46]  # what the cache holds after the prompt
+            at = 40 + int((q2[0, :6] != kept[0]).nonzero()[0])  # where the second question leaves it
             for extended in (base, copy.deepcopy(base)):
-                held = "already holds 6 tokens after its prompt of 40.*deepcopy"
+                held = (f"already holds 6 tokens after its prompt of 40.*position {at}: id "
+                        f"{int(q2[0, at - 40])} given, {int(kept[0, at - 40])} held.*deepcopy.*torch.cat")
                 with pytest.raises(ValueError, match=held):
                     model.generate(torch.cat([ids, q2], 1), **{key: extended}, **G)
             again = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.3)
@@ -377,3 +380,17 @@ def test_a_compacted_latent_cache_keeps_the_tags_of_the_bases_that_wrote_it():
         model(ids[:, 30:], **{cache_keyword(model): cache})
     stiefkv.load(model, random_projections(model, 16, 12, seed=0))
     model(ids[:, 30:], **{cache_keyword(model): cache})  # the bases that wrote it continue it
+
+
+def test_the_refusal_of_another_question_says_where_the_ids_leave_the_cache():
+    """The first position where the ids given after a compacted prompt leave the tokens the cache holds, in
+    the words of the refusal: a changed id (its row where there are several), or ids that stop early."""
+    from stiefkv.cache import _first_difference
+
+    seen = torch.tensor([[5, 6, 7, 8], [1, 2, 3, 4]])
+    changed = seen.clone()
+    changed[1, 2] = 9
+    assert _first_difference(changed, seen, 40) == "row 1, position 42: id 9 given, 3 held"
+    assert _first_difference(changed[1:], seen[1:], 40) == "position 42: id 9 given, 3 held"
+    assert _first_difference(seen[:, :2], seen, 40) == "they end at position 42, inside the held tokens"
+    assert _first_difference(seen[:1], seen, 40) == "1 rows against the cache's 2"
