@@ -552,11 +552,12 @@ def refuse_another_question(cache, input_ids: torch.Tensor) -> None:
     given = input_ids[:, start:start + n]
     if given.shape == seen.shape and torch.equal(given.to(seen.device), seen):
         return
+    where = _first_difference(given, seen, start)
     raise ValueError(
         f"this compacted cache already holds {n} tokens after its prompt of {start} (from an earlier "
-        f"generate or forward), and the ids given do not continue them ({_first_difference(given, seen, start)}"
-        "): generate would answer after those. Give each question its own copy of the cache stiefkv.compact "
-        "returned (copy.deepcopy(cache)), or pass the prompt, the tokens since and then the new ones. A chat "
+        f"generate or forward), and the ids given do not continue them ({where}): generate would answer "
+        "after those. Give each question its own copy of the cache stiefkv.compact returned "
+        "(copy.deepcopy(cache)), or pass the prompt, the tokens since and then the new ones. A chat "
         "turn tokenized again from its text can split the last answer otherwise than generate made it: build "
         "the next turn's ids as torch.cat([the ids generate returned, the new turn's ids], 1).")
 
