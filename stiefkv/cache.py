@@ -224,8 +224,7 @@ class LatentCache(_dynamic_cache_class()):
 
     def crop(self, max_length: int):
         if self.length is not None:
-            raise ValueError("a compacted LatentCache cannot be cropped (its layers hold different numbers "
-                             "of entries); compact the prompt again from a fresh prefill")
+            return self._crop_compacted(max_length)
         # one reading of the argument for every layer, float and quantized alike: transformers ≥ 5.24 passes
         # -(tokens to remove) and refuses a positive one in its own layers, earlier versions the length to
         # keep; a checkpoint mixing the two kinds had some layers cropped, then failed, the cache half cut
@@ -239,6 +238,30 @@ class LatentCache(_dynamic_cache_class()):
         if self.positions is not None:
             self.positions = self.positions[:, :keep]
         # lengths are recomputed from the mask by the next forward, which sees the cropped length
+
+    def _crop_compacted(self, size: int) -> None:
+        """:meth:`crop` behind a compacted prefix (as :class:`~stiefkv.compacted.CompactedCache`'s): only the
+        tokens appended since can go, from every layer alike, whatever its prefix holds; ``size`` as
+        transformers passes it (≤ 0: the tokens to remove; > 0: the length to keep, in the reported one)."""
+        reported = self.get_seq_length()
+        after = reported - self.length
+        remove = -size if size <= 0 else reported - size
+        if remove > after:
+            raise ValueError(f"crop would remove {remove} tokens from a compacted cache that holds {after} "
+                             f"tokens after its compacted prompt of {self.length}: only those can be removed "
+                             "(prefill and compact the prompt again for less)")
+        if remove <= 0:
+            return
+        for i, layer in enumerate(self.layers):
+            keep = self.prefix[i] + after - remove
+            if isinstance(layer, QuantizedLatentLayer):
+                layer._keep(keep)
+            else:
+                layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
+            self.head_positions[i] = self.head_positions[i][..., :keep]
+            self.beta[i] = self.beta[i][..., :keep]
+        if isinstance(self.appended_ids, torch.Tensor):
+            self.appended_ids = self.appended_ids[:, : after - remove]
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
