@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import numbers
 import types
+import weakref
 from contextlib import contextmanager
 
 import torch
@@ -52,9 +53,11 @@ class CompactedCache(DynamicCache):
     """A ``DynamicCache`` whose first ``prefix[i]`` entries of layer ``i`` are a compacted block with
     additive logit biases ``beta[i]`` ``[B, G, prefix[i]]``, standing for ``length`` original tokens."""
 
-    def __init__(self, length: int):
+    def __init__(self, length: int, probe: torch.Tensor | None = None):
         super().__init__()
         self.length: int | None = length  # None once reset
+        self.model_probe = probe  # the compacting model's (model_probe): another model continuing is refused
+        self.probed_by: weakref.ref | None = None  # the attention last found to match it
         self.prefix: list[int] = []
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
@@ -148,6 +151,22 @@ class CompactedCache(DynamicCache):
         return torch.cat([front, middle, causal.expand(B, heads, new, new)], -1)
 
 
+def _refuse_another_model(cache: CompactedCache, attn) -> None:
+    """A clear error where a model whose key weights differ from those of the model the cache was compacted
+    on continues it (``install_hooks`` on another checkpoint of the same shapes): its keys would meet
+    entries fitted to another model's, silently. Layer 0's attention ``attn`` is read once per model (one
+    small copy to the host), not at every step."""
+    probe = cache.model_probe
+    seen = cache.probed_by
+    if probe is None or (seen is not None and seen() is attn):
+        return
+    if not torch.equal(probe, _probe_of(attn)):
+        raise ValueError("this compacted cache was compacted on a model with other key weights (another "
+                         "checkpoint of the same shapes): continue it with the model stiefkv.compact was "
+                         "given, or prefill and compact the prompt on this one")
+    cache.probed_by = weakref.ref(attn)  # deepcopy keeps a weak reference as it is
+
+
 def _cache_argument(kwargs: dict):
     for name in ("cache", "past_key_values", "past_key_value"):  # renamed across transformers versions
         if kwargs.get(name) is not None:
@@ -172,6 +191,7 @@ def install_hooks(model) -> None:
             refuse_no_tokens(hidden, cache)
             if i == 0:  # the cache's own mask would drop padding silently; the layers share one mask
                 refuse_padding(kwargs.get("attention_mask"))
+                _refuse_another_model(cache, module)
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
             cache.masked_for = i
             return args, kwargs
@@ -450,7 +470,10 @@ def model_probe(model) -> torch.Tensor:
     """A few of layer 0's key-projection weights: enough to tell a cache prefilled by another checkpoint of
     the same shapes (a base and an instruct model) from one of ``model``; eight values copied once a prefill,
     where hashing every K/V weight would cost a second at 8B."""
-    attn = decoder_layers(model)[0].self_attn
+    return _probe_of(decoder_layers(model)[0].self_attn)
+
+
+def _probe_of(attn) -> torch.Tensor:
     return getattr(attn, "inner", attn).k_proj.weight.detach()[0, :8].float().cpu()
 
 
@@ -579,7 +602,7 @@ def build(model, cache, queries: list[torch.Tensor], t: int, method: str, **opti
     if method in presses.PRESSES:
         return _pressed(model, cache, queries, t, method)
     layers = decoder_layers(model)
-    new = CompactedCache(cache.layers[0].keys.shape[2])
+    new = CompactedCache(cache.layers[0].keys.shape[2], model_probe(model))
     keys = [cache.layers[i].keys for i in range(len(layers))]
     values = [cache.layers[i].values for i in range(len(layers))]
     scales = [la.self_attn.scaling for la in layers]
@@ -823,7 +846,7 @@ def _carried(old: Quantized, new: Quantized, take: torch.Tensor, first: int) -> 
 
 def _pressed(model, cache, queries: list[torch.Tensor], t: int, method: str) -> CompactedCache:
     """Every layer evicted to ``t`` tokens per KV head by kvpress's ``method`` (:mod:`stiefkv.presses`)."""
-    new = CompactedCache(cache.layers[0].keys.shape[2])
+    new = CompactedCache(cache.layers[0].keys.shape[2], model_probe(model))
     rotation = None
     if method == "expected_attention":
         C = cache.layers[0].keys.shape[2]

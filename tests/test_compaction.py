@@ -1138,3 +1138,35 @@ def test_the_random_press_follows_the_runs_seed():
         cache, queries = prefill_with_queries(model, ids, 8)
         picks.append(build(model, cache, queries, 12, "random").layers[0].keys)
     assert torch.equal(picks[0], picks[2]) and not torch.equal(picks[0], picks[1])
+
+
+def test_another_model_continuing_a_compacted_cache_is_refused():
+    """Found by a walkthrough (silently wrong before): a compacted cache continued by another checkpoint of
+    the same shapes that was given the hooks (``install_hooks``, as a copy or a reload needs) read entries
+    fitted to the compacting model's keys. It is refused at its first forward; the compacting model, a copy
+    of it and a press's cache continue as before, and the check is made once per model."""
+    import copy
+
+    import stiefkv
+    from stiefkv.cache import cache_keyword
+    from stiefkv.compacted import build, install_hooks
+    from tests.tiny import tiny_model
+
+    model, ids = tiny_prompt(5, 30)
+    key = cache_keyword(model)
+    other = tiny_model(layers=2)  # the same shapes, other key weights
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.mul_(1.01)
+    install_hooks(other)
+    twin = copy.deepcopy(model)
+    install_hooks(twin)
+    prefilled = stiefkv.prefill(model, ids[:, :24], window=8)
+    for cache in (stiefkv.compact(model, copy.deepcopy(prefilled), keep=0.5),
+                  build(model, copy.deepcopy(prefilled), prefilled.reference_queries, 12, "knorm")):
+        with pytest.raises(ValueError, match="compacted on a model with other key weights"):
+            other(ids[:, 24:26], **{key: copy.deepcopy(cache)})
+        want = model(ids[:, 24:26], **{key: copy.deepcopy(cache)}).logits
+        torch.testing.assert_close(twin(ids[:, 24:26], **{key: copy.deepcopy(cache)}).logits, want)
+        model(ids[:, 24:25], **{key: cache})
+        assert cache.probed_by() is model.model.layers[0].self_attn  # checked once, remembered
+        model(ids[:, 25:26], **{key: cache})
