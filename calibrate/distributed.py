@@ -20,6 +20,7 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import re
 import sys
 from dataclasses import dataclass
 
@@ -64,7 +65,7 @@ class Shard:
         if not self.active:
             return tuple(float(v) for v in values)
         t = torch.tensor(values, dtype=torch.float64, device=_comm_device())
-        torch.distributed.all_reduce(t)
+        collective("a sum", torch.distributed.all_reduce, t)
         return tuple(t.tolist())
 
     def sum_(self, tensor: torch.Tensor) -> torch.Tensor:
@@ -72,7 +73,7 @@ class Shard:
         if not self.active:
             return tensor
         t = tensor.to(_comm_device())
-        torch.distributed.all_reduce(t)
+        collective("a sum", torch.distributed.all_reduce, t)
         tensor.copy_(t)
         return tensor
 
@@ -90,7 +91,8 @@ class Shard:
         if not self.active:
             return obj
         box = [obj if self.leader else None]
-        torch.distributed.broadcast_object_list(box, src=0, device=_comm_device())
+        collective("rank 0's broadcast", torch.distributed.broadcast_object_list, box, src=0,
+                   device=_comm_device())
         return box[0]
 
     def gather(self, obj) -> list:
@@ -98,11 +100,32 @@ class Shard:
         if not self.active:
             return [obj]
         out = [None] * self.world
-        torch.distributed.all_gather_object(out, obj)
+        collective("a gather", torch.distributed.all_gather_object, out, obj)
         return out
 
 
 SINGLE = Shard()
+
+
+class PeerLost(ConnectionError):
+    """A collective failed in this process: another process of the run has most likely stopped (killed,
+    out of memory, an error of its own), and the backend saw its connection close."""
+
+
+def collective(what: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, a collective; its failure (gloo: "Connection reset by peer", NCCL: a watchdog
+    timeout …: a ``RuntimeError`` with a C++ source location and advice) as one :class:`PeerLost` line that
+    names this rank, instead of the backend's traceback in every surviving process."""
+    try:
+        return fn(*args, **kwargs)
+    except RuntimeError as exc:
+        text = " ".join(str(exc).split()) or type(exc).__name__
+        text = re.sub(r"^\[[^\]]*\]\s*", "", text)  # "[…/gloo/transport/tcp/pair.cc:537] Read error …"
+        text = text.split(" This is typically caused by")[0]  # gloo's advice (and its emoji)
+        rank = torch.distributed.get_rank() if torch.distributed.is_initialized() else "?"
+        raise PeerLost(f"{what} across the processes failed on rank {rank} ({text}): another process of the "
+                       "run has most likely stopped; its own message (above, or in the launcher's report) "
+                       "says why") from exc
 
 
 def _comm_device() -> torch.device:
@@ -171,7 +194,7 @@ def wait_for_all() -> None:
     """Return once every process is done with the collectives (a barrier). Call it only on success; after an
     error the process just exits (a barrier there would wait for processes the launcher is stopping)."""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.barrier()
+        collective("the final barrier", torch.distributed.barrier)
 
 
 def leave(code: int = 0) -> None:

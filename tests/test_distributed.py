@@ -52,6 +52,33 @@ def test_a_rank_without_a_gpu_is_refused(monkeypatch):
         init_from_env("meta")
 
 
+def test_a_collective_that_loses_its_peer_is_one_line(monkeypatch):
+    """A process killed mid-run: the survivors' all-reduce fails in gloo with a C++ location, advice and an
+    emoji. Each survivor says so in one line naming its rank (with the progress file's hint on rank 0), not
+    with the backend's traceback."""
+    import click
+
+    from stiefkv.calibrate import distributed
+    from stiefkv.cli import _run
+
+    def reset(*args, **kwargs):
+        raise RuntimeError("[/__w/pytorch/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:537] Read "
+                           "error [127.0.0.1]:26021: Connection reset by peer. This is typically caused by a "
+                           "remote worker hanging or bugs in the application. GLHF! 🏖️")
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", reset)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda: "gloo")
+    shard = Shard(0, 2, 4)
+    with pytest.raises(distributed.PeerLost, match=r"^a sum across the processes failed on rank \? \(Read "
+                       r"error \[127.0.0.1\]:26021: Connection reset by peer.\): another process"):
+        shard.sum_(torch.ones(3))
+    with pytest.raises(click.ClickException) as caught:
+        _run(lambda: shard.sum(1.0), False, hint=lambda text: "; progress kept")
+    message = caught.value.message
+    assert message.startswith("failed (PeerLost): a sum across the processes failed") and "\n" not in message
+    assert message.endswith("says why; progress kept") and "GLHF" not in message
+
+
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
