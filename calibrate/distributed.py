@@ -180,14 +180,32 @@ def init_from_env(device: str) -> str:
 def check_same(shard: Shard, what: str, value: dict) -> None:
     """Refuse a run whose processes disagree on ``value`` (settings, model, data), naming the first keys
     that differ and the ranks."""
-    values = shard.gather(value)
+    values = [_flat(v) for v in shard.gather(value)]
     for rank, other in enumerate(values):
-        differ = sorted(k for k in set(value) | set(other) if values[0].get(k) != other.get(k))
+        differ = sorted(k for k in set(values[0]) | set(other) if values[0].get(k) != other.get(k))
         if differ:
-            shown = ", ".join(f"{k}={values[0].get(k)!r} on rank 0, {other.get(k)!r} on rank {rank}"
+            first = values[0]
+            shown = ", ".join(f"{k}={_short(first.get(k))} on rank 0, {_short(other.get(k))} on rank {rank}"
                               for k in differ[:3])
             raise ValueError(f"the processes were started with different {what}: {shown}; start every "
                              "process with the same command")
+
+
+def _flat(value: dict) -> dict:
+    """A dict's nested dicts as dotted keys (``model.kv_weights_dtype``): a difference is named by the entry
+    that differs, not shown as the whole model fingerprint (kilobytes of weight samples) twice."""
+    flat = {}
+    for k, v in value.items():
+        if isinstance(v, dict):
+            flat |= {f"{k}.{sub}": w for sub, w in _flat(v).items()}
+        else:
+            flat[k] = v
+    return flat
+
+
+def _short(v, most: int = 60) -> str:
+    text = repr(v)
+    return text if len(text) <= most else text[:most - 1] + "…"
 
 
 def wait_for_all() -> None:

@@ -41,6 +41,21 @@ def test_processes_that_disagree_are_named(monkeypatch):
         check_same(shard, "settings", {"steps": 100, "budget": 0.5})
 
 
+def test_processes_with_other_models_are_named_by_the_entry_that_differs(monkeypatch):
+    """A rank loading the model in bfloat16: the refusal names the fingerprint's entries that differ, not the
+    two whole fingerprints (kilobytes of weight samples on one line)."""
+    from stiefkv.models import fingerprint
+    from tests.tiny import tiny_model
+
+    fp32, bf16 = fingerprint(tiny_model()), fingerprint(tiny_model(dtype=torch.bfloat16))
+    monkeypatch.setattr(Shard, "gather", lambda self, v: [v, v | {"model": bf16}])
+    with pytest.raises(ValueError) as caught:
+        check_same(Shard(0, 2, 8), "model or data", {"model": fp32, "data": "ab12"})
+    message = str(caught.value)
+    assert "model.kv_weights_dtype='torch.float32' on rank 0, 'torch.bfloat16' on rank 1" in message
+    assert len(message) < 600 and "data" not in message.replace("model or data", "")
+
+
 def test_a_rank_without_a_gpu_is_refused(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     monkeypatch.setenv("RANK", "1")
