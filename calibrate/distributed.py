@@ -21,6 +21,7 @@ import datetime
 import logging
 import os
 import re
+import signal
 import sys
 from dataclasses import dataclass
 
@@ -206,6 +207,23 @@ def _flat(value: dict) -> dict:
 def _short(v, most: int = 60) -> str:
     text = repr(v)
     return text if len(text) <= most else text[:most - 1] + "…"
+
+
+def interrupt_on_stop() -> None:
+    """In a launched process, SIGTERM (and SIGINT) raise ``KeyboardInterrupt`` once, then are ignored: the
+    calibration stops as on Ctrl-C in one process, with its one-line message (on rank 0: where the progress
+    is kept, and ``--resume``).
+
+    On Ctrl-C torchrun's agent sends each process SIGINT and, a millisecond later, SIGTERM, whose default
+    action killed rank 0 before it could say anything; a terminal's own SIGINT comes on top. The first of
+    them interrupts, the others would interrupt the reporting of the first."""
+    def stop(signum, frame):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, stop)
+    signal.signal(signal.SIGTERM, stop)
 
 
 def wait_for_all() -> None:

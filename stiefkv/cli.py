@@ -384,6 +384,8 @@ def calibrate(model, output, resume, plot, device, dtype, seed, debug, **setting
     leader = int(os.environ.get("RANK", "0")) == 0  # under torchrun only rank 0 writes and reports
 
     def work():
+        if distributed.launched():
+            distributed.interrupt_on_stop()  # torchrun's SIGTERM on Ctrl-C: "interrupted", --resume hint
         cfg = CalibrationConfig.from_kwargs(seed=seed, **settings)  # bad settings fail before the model loads
         check_data(cfg.data, "calibration")
         for each in devices or ():

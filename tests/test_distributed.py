@@ -211,6 +211,31 @@ def test_an_interrupted_two_process_run_resumes(setup, tmp_path):
         assert (x - y).abs().max() <= 1e-6
 
 
+def test_a_stopped_run_says_where_its_progress_is(setup, tmp_path):
+    """Ctrl-C under torchrun: the agent sends each process SIGTERM right after SIGINT. Rank 0 (here signalling
+    itself at layer 1's bases) reports the interruption and the progress file in one line, as one process
+    does, instead of dying of the signal without a word."""
+    root, model, data = setup
+    script = tmp_path / "sigterm.py"
+    script.write_text(
+        "import os, signal, sys\n"
+        "import stiefkv.calibrate.pipeline as pipeline\n"
+        "real = pipeline.fit_layer\n"
+        "def fit_layer(layer, data, state, i, *args, **kwargs):\n"
+        "    if i == 1 and os.environ['RANK'] == '0':\n"
+        "        os.kill(os.getpid(), signal.SIGTERM)\n"
+        "    return real(layer, data, state, i, *args, **kwargs)\n"
+        "pipeline.fit_layer = fit_layer\n"
+        "from stiefkv.cli import main\n"
+        "main(sys.argv[1:], prog_name='stiefkv')\n")
+    out = tmp_path / "s.safetensors"
+    r = launch(2, calibrate_args(model, data, out, ["--budget", "0.5", "--bits", "16"]), script)
+    assert r.returncode != 0 and not out.exists()
+    partial = tmp_path / "s.safetensors.partial"
+    assert f"Error: interrupted; the progress so far is kept in {partial}: rerun with --resume" in r.stderr
+    assert "[rank0]: Traceback" not in r.stderr and "[rank1]: Traceback" not in r.stderr
+
+
 # ------------------------------------------------------------------------- one model over several devices
 CALIB = {"num_sequences": 5, "seq_len": 70, "steps": 6, "step_sequences": 2, "profile_sequences": 2,
          "budget": 0.1, "seed": 3}
