@@ -57,10 +57,14 @@ class CompactedCache(DynamicCache):
         super().__init__()
         self.length: int | None = length  # None once reset
         self.model_probe = probe  # the compacting model's (model_probe): another model continuing is refused
-        self.probed_by: weakref.ref | None = None  # the attention last found to match it
+        self.probed_by: tuple | None = None  # the key weight last found to match it, and its version
         self.prefix: list[int] = []
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
+
+    def __getstate__(self):
+        # a weak reference does not pickle: the copy (torch.save, multiprocessing) checks its model again
+        return {**super().__getstate__(), "probed_by": None}
 
     # β and the appended ids follow every batch edit transformers makes to the layers (beams, contrastive
     # search), as LatentCache's per-row fields do
@@ -157,14 +161,19 @@ def _refuse_another_model(cache: CompactedCache, attn) -> None:
     entries fitted to another model's, silently. Layer 0's attention ``attn`` is read once per model (one
     small copy to the host), not at every step."""
     probe = cache.model_probe
+    if probe is None:
+        return
+    # the weight itself and its version: new weights loaded into the same modules (load_state_dict) are
+    # checked again; deepcopy keeps a weak reference as it is, so a copy is checked once more at most
+    weight = _probe_weight(attn)
     seen = cache.probed_by
-    if probe is None or (seen is not None and seen() is attn):
+    if seen is not None and seen[0]() is weight and seen[1] == weight._version:
         return
     if not torch.equal(probe, _probe_of(attn)):
         raise ValueError("this compacted cache was compacted on a model with other key weights (another "
                          "checkpoint of the same shapes): continue it with the model stiefkv.compact was "
                          "given, or prefill and compact the prompt on this one")
-    cache.probed_by = weakref.ref(attn)  # deepcopy keeps a weak reference as it is
+    cache.probed_by = (weakref.ref(weight), weight._version)
 
 
 def _cache_argument(kwargs: dict):
@@ -473,8 +482,12 @@ def model_probe(model) -> torch.Tensor:
     return _probe_of(decoder_layers(model)[0].self_attn)
 
 
+def _probe_weight(attn) -> torch.Tensor:
+    return getattr(attn, "inner", attn).k_proj.weight
+
+
 def _probe_of(attn) -> torch.Tensor:
-    return getattr(attn, "inner", attn).k_proj.weight.detach()[0, :8].float().cpu()
+    return _probe_weight(attn).detach()[0, :8].float().cpu()
 
 
 @torch.no_grad()

@@ -1140,14 +1140,17 @@ def test_the_random_press_follows_the_runs_seed():
     assert torch.equal(picks[0], picks[2]) and not torch.equal(picks[0], picks[1])
 
 
-def test_another_model_continuing_a_compacted_cache_is_refused():
+def test_another_model_continuing_a_compacted_cache_is_refused(monkeypatch):
     """Found by a walkthrough (silently wrong before): a compacted cache continued by another checkpoint of
     the same shapes that was given the hooks (``install_hooks``, as a copy or a reload needs) read entries
-    fitted to the compacting model's keys. It is refused at its first forward; the compacting model, a copy
-    of it and a press's cache continue as before, and the check is made once per model."""
+    fitted to the compacting model's keys. It is refused at its first forward, and so are other weights
+    loaded into the same modules; the compacting model, a copy of it and a press's cache continue as before,
+    the check is made once per model (not at every step), and the cache still pickles after forwards."""
     import copy
+    import pickle
 
     import stiefkv
+    from stiefkv import compacted
     from stiefkv.cache import cache_keyword
     from stiefkv.compacted import build, install_hooks
     from tests.tiny import tiny_model
@@ -1168,5 +1171,15 @@ def test_another_model_continuing_a_compacted_cache_is_refused():
         want = model(ids[:, 24:26], **{key: copy.deepcopy(cache)}).logits
         torch.testing.assert_close(twin(ids[:, 24:26], **{key: copy.deepcopy(cache)}).logits, want)
         model(ids[:, 24:25], **{key: cache})
-        assert cache.probed_by() is model.model.layers[0].self_attn  # checked once, remembered
-        model(ids[:, 25:26], **{key: cache})
+        assert cache.probed_by[0]() is model.model.layers[0].self_attn.k_proj.weight  # remembered
+        with monkeypatch.context() as m:  # not read again at the next step
+            m.setattr(compacted, "_probe_of", lambda attn: pytest.fail("the probe was read again"))
+            model(ids[:, 25:26], **{key: cache})
+        pickle.loads(pickle.dumps(cache))  # after forwards too (a weak reference does not pickle)
+    # other weights loaded into the same modules are checked again
+    again = stiefkv.compact(model, copy.deepcopy(prefilled), keep=0.5)
+    twin(ids[:, 24:25], **{key: again})
+    assert again.probed_by[0]() is twin.model.layers[0].self_attn.k_proj.weight
+    twin.load_state_dict(other.state_dict())
+    with pytest.raises(ValueError, match="compacted on a model with other key weights"):
+        twin(ids[:, 25:26], **{key: again})
