@@ -29,6 +29,7 @@ continues), and ``--plot`` draws ``pareto.png`` from the rows.
 
 from __future__ import annotations
 
+import functools
 import json
 import re
 import time
@@ -61,12 +62,12 @@ def first_pass_state(model, seqs, cfg, path: Path, device: str):
     """The first pass of ``cfg`` (loaded from ``path`` when an earlier run saved it) and its seconds."""
     from stiefkv.calibrate.pipeline import first_pass, profiled_config
     from stiefkv.calibrate.state import CalibrationState
-    from stiefkv.models import fingerprint
+    from stiefkv.models import fingerprint, fingerprint_like
 
     fp = fingerprint(model)
     settings = asdict(cfg) | {"budget": None}
     if path.is_file():
-        state = CalibrationState.load(path, settings, fp)
+        state = CalibrationState.load(path, settings, fp, functools.partial(fingerprint_like, model))
         return state, state.refine[0]["first_pass_seconds"]
     state = CalibrationState(settings=settings, fingerprint=fp)
     t0 = synced(device)

@@ -20,6 +20,7 @@ the uncompressed inputs.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import time
 from dataclasses import asdict
@@ -32,7 +33,7 @@ from stiefkv.calibrate.pipeline import CalibrationConfig, choose_ranks, first_pa
 from stiefkv.calibrate.state import CalibrationState
 from stiefkv.data import calibration_sequences
 from stiefkv.evaluate import evaluate
-from stiefkv.models import dims_of, fingerprint
+from stiefkv.models import dims_of, fingerprint, fingerprint_like
 from stiefkv.projections import Projections
 
 # name → (method, allocation, order)
@@ -64,7 +65,7 @@ def load_or_run_first_pass(
         "profile_sequences": cfg.profile_sequences,
     }
     if path.is_file():
-        state = CalibrationState.load(path, settings, fp)
+        state = CalibrationState.load(path, settings, fp, functools.partial(fingerprint_like, model))
         return state, state.refine[0]["first_pass_seconds"]
     state = CalibrationState(settings=settings, fingerprint=fp)
     t0 = synced_time(device)

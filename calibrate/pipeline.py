@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import logging
 import math
@@ -52,6 +53,7 @@ from stiefkv.models import (
     check_token_ids,
     dims_of,
     fingerprint,
+    fingerprint_like,
     layer_devices,
     parameters_sha256,
     rope_spec,
@@ -401,7 +403,8 @@ def calibrate(model, tokenizer, *, progress: str | Path | None = None, resume: b
     # file edited in between) and the model's dtype
     run = {"sequences_sha256": hashlib.sha256(seqs.numpy().tobytes()).hexdigest()[:16],
            "dtype": str(next(model.parameters()).dtype), "parameters_sha256": parameters_sha256(model)}
-    state = shard.broadcast(initial_state(progress, resume, cfg, fp, run) if shard.leader else None)
+    like = functools.partial(fingerprint_like, model)
+    state = shard.broadcast(initial_state(progress, resume, cfg, fp, run, like) if shard.leader else None)
     local = shard.select(seqs)
     profiled = profiled_config(cfg)
     if len(state.eig_k) < dims.L:
@@ -457,11 +460,12 @@ def served_key_modes(cfg: CalibrationConfig, ranks: list[tuple[int, int]], dims)
 
 
 def initial_state(progress: Path | None, resume: bool, cfg: CalibrationConfig, fp: dict,
-                  run: dict | None = None) -> CalibrationState:
-    """The progress of an interrupted run (``resume``), or a new state; ``run``: more that must match."""
+                  run: dict | None = None, like=None) -> CalibrationState:
+    """The progress of an interrupted run (``resume``), or a new state; ``run``: more that must match;
+    ``like``: as :meth:`CalibrationState.load`'s."""
     settings = asdict(cfg) | (run or {})
     if resume and progress is not None and progress.is_file():
-        return CalibrationState.load(progress, settings, fp)
+        return CalibrationState.load(progress, settings, fp, like)
     if resume and progress is None:
         log.warning("resume has no effect without progress=PATH (the file an interrupted run kept its "
                     "progress in): starting from the beginning")

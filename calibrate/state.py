@@ -69,8 +69,10 @@ class CalibrationState:
         write_atomically(path, safetensors_writer(tensors, {"stiefkv_state": text}), "the progress file")
 
     @classmethod
-    def load(cls, path: Path, settings: dict, fingerprint: dict) -> CalibrationState:
-        """The saved state if it belongs to these settings and this model; a ``ValueError`` naming why not."""
+    def load(cls, path: Path, settings: dict, fingerprint: dict, like=None) -> CalibrationState:
+        """The saved state if it belongs to these settings and this model; a ``ValueError`` naming why not.
+        ``like``: the model's fingerprint taken as a stored one was (``functools.partial(fingerprint_like,
+        model)``), so that a file written before fingerprints covered the k/v biases still resumes."""
         from safetensors import SafetensorError, safe_open
 
         damaged = (f"{path} is damaged or not a StiefKV progress file ({{}}): delete it to start over "
@@ -85,6 +87,8 @@ class CalibrationState:
         if missing:
             raise ValueError(damaged.format(f"no {', '.join(missing)}"))
         counts = doc["counts"]
+        if like is not None:
+            fingerprint = like(doc["fingerprint"])
         if not same_model(doc["fingerprint"], fingerprint):
             raise ValueError(f"{path} was written for another model; delete it or drop --resume")
         changed = sorted(k for k in set(settings) | set(doc["settings"])

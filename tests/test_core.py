@@ -131,6 +131,30 @@ def test_a_model_differing_only_in_its_kv_biases_is_refused(tmp_path):
     assert fingerprint(llama) == fingerprint(llama, biases=False)
 
 
+def test_a_progress_file_from_before_the_kv_biases_resumes(tmp_path):
+    """A calibration of a model with k/v biases interrupted before fingerprints covered them resumes: its
+    progress file is compared on the weights it recorded (found by the review: refused as another model).
+    Another model is still refused."""
+    import functools
+
+    from stiefkv.calibrate.state import CalibrationState
+    from stiefkv.models import fingerprint_like
+
+    model = tiny_model("qwen2")
+    path = tmp_path / "p.partial"
+    CalibrationState(settings={"budget": 0.5}, fingerprint=fingerprint(model, biases=False)).save(path)
+    with pytest.raises(ValueError, match="written for another model"):  # the fingerprint of now alone
+        CalibrationState.load(path, {"budget": 0.5}, fingerprint(model))
+    settings = {"budget": 0.5}
+    CalibrationState.load(path, settings, fingerprint(model), functools.partial(fingerprint_like, model))
+    other = tiny_model("qwen2")
+    with torch.no_grad():
+        other.model.layers[0].self_attn.k_proj.weight.add_(0.5)
+    like = functools.partial(fingerprint_like, other)
+    with pytest.raises(ValueError, match="written for another model"):
+        CalibrationState.load(path, {"budget": 0.5}, fingerprint(other), like)
+
+
 def test_fingerprint_survives_bf16():
     model = tiny_model("llama")
     cast = fingerprint(tiny_model("llama").to(torch.bfloat16))
