@@ -974,10 +974,10 @@ def context_claims(res: Results, claim) -> None:
     keys = f", `{modes.pop()}` keys" if len(modes) == 1 else ""
     claim(f"Longest context of one row under 40 GiB, 50 % / 12.5 %{keys} over uncompressed",
           f"{caps[0]:.2f}× / {caps[1]:.2f}×", "≥ 1.9× / ≥ 6×", caps[0] >= 1.9 and caps[1] >= 6, picked)
-    # The throughput targets are met by more rows a step (batch capacity). One row at its capacity
-    # reads the weights and a full cap of cache a step whatever the bytes a token, so ~1× bounds it.
+    # One row at its capacity reads the weights and about the same cache bytes a step whatever the bytes a
+    # token: near 1× (BENCHMARKS.md §3 says why); the targets stay, and are missed here
     claim("… decode tok/s there, 50 % / 12.5 % over uncompressed", f"{tps[0]:.2f}× / {tps[1]:.2f}×",
-          "≤ ~1× (same bytes a step)", None, picked)
+          "≥ 1.8× / ≥ 4×", tps[0] >= 1.8 and tps[1] >= 4, picked)
 
 
 # ------------------------------------------------------------------------------------------------ StreamKL
