@@ -243,14 +243,9 @@ class LatentCache(_dynamic_cache_class()):
         """:meth:`crop` behind a compacted prefix (as :class:`~stiefkv.compacted.CompactedCache`'s): only the
         tokens appended since can go, from every layer alike, whatever its prefix holds; ``size`` as
         transformers passes it (≤ 0: the tokens to remove; > 0: the length to keep, in the reported one)."""
-        reported = self.get_seq_length()
-        after = reported - self.length
-        remove = -size if size <= 0 else reported - size
-        if remove > after:
-            raise ValueError(f"crop would remove {remove} tokens from a compacted cache that holds {after} "
-                             f"tokens after its compacted prompt of {self.length}: only those can be removed "
-                             "(prefill and compact the prompt again for less)")
-        if remove <= 0:
+        after = self.get_seq_length() - self.length
+        remove = tokens_to_crop(self.get_seq_length(), self.length, size)
+        if remove == 0:
             return
         for i, layer in enumerate(self.layers):
             keep = self.prefix[i] + after - remove
@@ -585,12 +580,25 @@ def refuse_another_question(cache, input_ids: torch.Tensor) -> None:
         "the next turn's ids as torch.cat([the ids generate returned, the new turn's ids], 1).")
 
 
+def tokens_to_crop(reported: int, length: int, size: int) -> int:
+    """The tokens ``crop(size)`` removes from a compacted cache reporting ``reported`` (its prompt's
+    ``length`` and the tokens appended since): ``size`` ≤ 0 removes ``-size`` (transformers ≥ 5.24), > 0 keeps
+    that length (earlier versions). Only the appended tokens can go: the compacted entries stand for the
+    whole prompt."""
+    remove = -size if size <= 0 else reported - size
+    if remove > reported - length:
+        raise ValueError(f"crop would remove {remove} tokens from a compacted cache that holds "
+                         f"{reported - length} tokens after its compacted prompt of {length}: only those can "
+                         "be removed (prefill and compact the prompt again for less)")
+    return max(0, remove)
+
+
 def _first_difference(given: torch.Tensor, seen: torch.Tensor, start: int) -> str:
-    """Where the ids ``given`` after a compacted prompt of ``start`` tokens first leave the ``seen`` ones,
-    in words."""
+    """Where the ids ``given`` after a compacted prompt of ``start`` tokens leave the ``seen`` ones, in words:
+    the first differing id of the first row that differs, or where the ids stop."""
     rows, width = given.shape
     if rows != seen.shape[0]:
-        return f"{rows} rows against the cache's {seen.shape[0]}"
+        return f"{rows} row{'s' * (rows != 1)} against the cache's {seen.shape[0]}"
     same = given.to(seen.device)[:, :width] == seen[:, :width]
     if bool(same.all()):
         return f"they end at position {start + width}, inside the held tokens"

@@ -37,6 +37,7 @@ from stiefkv.cache import (
     refuse_another_question,
     refuse_no_tokens,
     refuse_padding,
+    tokens_to_crop,
 )
 from stiefkv.compaction import METHODS, compact_layers, effective_options
 from stiefkv.kernels import reference
@@ -91,14 +92,8 @@ class CompactedCache(DynamicCache):
         compacted entries stand for the whole prompt."""
         if self.length is None:  # reset: an ordinary cache
             return super().crop(size)
-        reported = self.get_seq_length()
-        if size == 0:  # transformers ≥ 5: remove nothing (generate's stop checks crop(0) every step)
-            return
-        remove = -size if size < 0 else reported - size
-        if remove > reported - self.length:
-            raise ValueError(f"crop would remove {remove} tokens from a compacted cache that holds "
-                             f"{reported - self.length} tokens after its compacted prompt of {self.length}: "
-                             "only those can be removed (prefill and compact the prompt again for less)")
+        # size 0 removes nothing (transformers ≥ 5: generate's stop checks crop(0) every step)
+        remove = tokens_to_crop(self.get_seq_length(), self.length, size)
         if remove > 0:
             super().crop(-remove)  # in held entries, which the appended tokens are one each
         if isinstance(self.appended_ids, torch.Tensor):

@@ -391,7 +391,7 @@ def test_the_refusal_of_another_question_says_where_the_ids_leave_the_cache():
     assert _first_difference(changed, seen, 40) == "row 1, position 42: id 9 given, 3 held"
     assert _first_difference(changed[1:], seen[1:], 40) == "position 42: id 9 given, 3 held"
     assert _first_difference(seen[:, :2], seen, 40) == "they end at position 42, inside the held tokens"
-    assert _first_difference(seen[:1], seen, 40) == "1 rows against the cache's 2"
+    assert _first_difference(seen[:1], seen, 40) == "1 row against the cache's 2"
 
 
 @pytest.mark.parametrize("specs", [None, ("int4-token", "int4-token-r5"), ("int2-channel-r16", "int4-token")])
