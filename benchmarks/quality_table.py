@@ -139,7 +139,9 @@ def main() -> None:
     # a subset's row for the whole set's; a row of another model is not this one's (rows without a model
     # predate the field: the committed rows, which run_table_gpu.sh copies in to resume from)
     subset = f" w{args.windows} {args.device}" if args.windows else ""
-    done = {case_of(r) for r in utils.read_rows(jsonl) if r.get("model", args.model) == args.model}
+    recorded = utils.model_name(args.model)  # the default model by its alias or a copy of its file: one name
+    done = {case_of(r) for r in utils.read_rows(jsonl)
+            if utils.model_name(r.get("model", recorded)) == recorded}
 
     model, tok = utils.load_model(args.model, device=args.device)
     extra = args.extra
@@ -185,7 +187,7 @@ def main() -> None:
             layer_err = sum(e["rel_error"] for e in state.errors) / len(state.errors)
             record = {
                 "case": case,
-                "model": args.model,
+                "model": recorded,
                 "windows_limit": args.windows,
                 "row": row,
                 "budget": budget,

@@ -24,7 +24,6 @@ import argparse
 import copy
 import datetime
 import functools
-import hashlib
 import json
 import os
 import platform
@@ -45,7 +44,7 @@ QUANTILES = (0.2, 0.5, 0.8)
 # The project's default model (SmolLM2-135M-Instruct, Q4_1 GGUF): its alias, and its file's size and md5, so
 # that a copy of the file under another path (the GPU runs load ``$HOME/m/model.gguf``) is the same model
 DEFAULT_MODEL = "smollm2"
-DEFAULT_MODEL_FILE = (98362432, "a1231443440b107ff29f02bdb38c9d0a")
+DEFAULT_MODEL_FILE = (98362432, "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53")
 
 
 # ------------------------------------------------------------------------------------------------ provenance
@@ -156,21 +155,20 @@ def header() -> str:
 
 
 # ------------------------------------------------------------------------------------------------ models
+@functools.lru_cache(maxsize=None)
 def model_name(spec: str) -> str:
     """The name a row records for the model ``spec`` loads: :data:`DEFAULT_MODEL` for the default model,
-    by its alias or a copy of its GGUF file under any path (the same bytes: :data:`DEFAULT_MODEL_FILE`);
-    else ``spec`` as given."""
+    by its alias or a copy of its GGUF file under any path (the same bytes: :data:`DEFAULT_MODEL_FILE`'s
+    size and sha256); else ``spec`` as given."""
+    from stiefkv.models import file_sha256
+
     if spec == DEFAULT_MODEL:
         return spec
     path = Path(spec).expanduser()
-    size, md5 = DEFAULT_MODEL_FILE
-    if path.suffix.lower() == ".gguf" and path.is_file() and path.stat().st_size == size:
-        digest = hashlib.md5()
-        with path.open("rb") as f:
-            for block in iter(lambda: f.read(2**24), b""):
-                digest.update(block)
-        if digest.hexdigest() == md5:
-            return DEFAULT_MODEL
+    size, sha256 = DEFAULT_MODEL_FILE
+    if path.suffix.lower() == ".gguf" and path.is_file() and path.stat().st_size == size \
+            and file_sha256(path) == sha256:
+        return DEFAULT_MODEL
     return spec
 
 

@@ -166,7 +166,8 @@ def test_bench_compaction_names_a_score_and_model_other_than_the_defaults(result
     copy = tmp_path / "model.gguf"  # a copy of the default model's file under another path
     copy.write_bytes(b"GGUF" + bytes(60))
     import hashlib
-    monkeypatch.setattr(utils, "DEFAULT_MODEL_FILE", (64, hashlib.md5(copy.read_bytes()).hexdigest()))
+    monkeypatch.setattr(utils, "DEFAULT_MODEL_FILE", (64, hashlib.sha256(copy.read_bytes()).hexdigest()))
+    utils.model_name.cache_clear()  # names are remembered per spec
     other = tmp_path / "other.gguf"
     other.write_bytes(b"GGUF" + bytes(61))
     for argv in (["smollm2"], [str(copy)], ["smollm2", "--score", "128"], [str(other)]):
