@@ -21,7 +21,11 @@ if not torch.cuda.is_available():
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+    grad = torch.is_grad_enabled()
     yield
+    # a benchmark's main() turns gradients off for its process; called by a test, and left by an error
+    # (a model it cannot load), it turned them off for every later test of the worker
+    torch.set_grad_enabled(grad)
 
 
 @pytest.fixture
