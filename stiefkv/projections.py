@@ -597,7 +597,7 @@ class Projections:
     def check(self, model) -> None:
         """Raise :class:`CheckpointError` naming every difference between this checkpoint and ``model``
         (and on bases that are not finite or not orthonormal)."""
-        from stiefkv.models import fingerprint_like, same_weights
+        from stiefkv.models import fingerprint_like, has_kv_biases, same_weights
 
         mine = self.fingerprint
         theirs = fingerprint_like(model, mine)  # an older checkpoint's hashes leave the k/v biases out
@@ -617,6 +617,9 @@ class Projections:
                 "this checkpoint was made for another model — " + "; ".join(diffs)
                 + ". Calibrate one for this model with `stiefkv calibrate`."
             )
+        if not mine.get(KV_BIASES) and has_kv_biases(model):
+            log.info("this checkpoint predates fingerprints of the k/v biases (format version 10): it was "
+                     "checked against the model's k_proj/v_proj weights only, not their biases")
         G, d = theirs["G"], theirs["d"]
         for i, (k, v) in enumerate(zip(self.keys, self.values)):
             if not all(P.shape[:2] in ((G, d), (1, G * d)) for P in (k, v)):

@@ -1,6 +1,7 @@
 """Checkpoint format, PCA calibration, data sources, model loading errors and the CLI (tiny models)."""
 
 import json
+import logging
 
 import pytest
 import torch
@@ -103,7 +104,7 @@ def test_mismatched_model_is_refused_with_the_difference(tmp_path):
         stiefkv.load(other, path)
 
 
-def test_a_model_differing_only_in_its_kv_biases_is_refused(tmp_path):
+def test_a_model_differing_only_in_its_kv_biases_is_refused(tmp_path, caplog):
     """Qwen2's k_proj and v_proj have biases, which shift every key and value the bases were fitted to; the
     fingerprint hashed the weights only, so a checkpoint loaded on a model differing in those biases alone.
     Checkpoints written before (no ``kv_biases`` in the fingerprint) still load, on their weights."""
@@ -125,7 +126,9 @@ def test_a_model_differing_only_in_its_kv_biases_is_refused(tmp_path):
     old = random_projections(model, 8, 8)
     old.fingerprint = fingerprint(model, biases=False)
     assert "kv_biases" not in old.fingerprint and old.format_version == 2
-    stiefkv.load(tiny_model("qwen2"), old.save(tmp_path / "old.safetensors"))
+    with caplog.at_level(logging.INFO, logger="stiefkv.projections"):
+        stiefkv.load(tiny_model("qwen2"), old.save(tmp_path / "old.safetensors"))
+    assert "checked against the model's k_proj/v_proj weights only" in caplog.text  # said, not silent
     # a model without k/v biases has the fingerprint it always had
     llama = tiny_model("llama")
     assert fingerprint(llama) == fingerprint(llama, biases=False)
