@@ -243,10 +243,11 @@ class LatentCache(_dynamic_cache_class()):
         """:meth:`crop` behind a compacted prefix (as :class:`~stiefkv.compacted.CompactedCache`'s): only the
         tokens appended since can go, from every layer alike, whatever its prefix holds; ``size`` as
         transformers passes it (≤ 0: the tokens to remove; > 0: the length to keep, in the reported one)."""
-        after = self.get_seq_length() - self.length
-        remove = tokens_to_crop(self.get_seq_length(), self.length, size)
+        reported = self.get_seq_length()
+        remove = tokens_to_crop(reported, self.length, size)
         if remove == 0:
             return
+        after = reported - self.length  # tokens appended behind the prompt: one entry each in every layer
         for i, layer in enumerate(self.layers):
             keep = self.prefix[i] + after - remove
             if isinstance(layer, QuantizedLatentLayer):
