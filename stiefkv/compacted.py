@@ -15,7 +15,8 @@ acts only when the cache passed is a :class:`CompactedCache`.
 On a model served by :func:`stiefkv.load` the same calls compact its :class:`~stiefkv.cache.LatentCache`
 (:func:`_build_latent`): positions and β per layer and KV head, β through the kernels' ``bias``.
 
-Rows of a batch must be unpadded: compaction has no notion of padding.
+Prompts of different lengths go in left-padded, with their ``attention_mask``: each row is prefilled and
+compacted alone and the rows joined (:mod:`stiefkv.padded`).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from contextlib import contextmanager
 import torch
 from transformers import DynamicCache
 
-from stiefkv import presses
+from stiefkv import padded, presses
 from stiefkv.cache import (
     LatentCache,
     QuantizedLatentLayer,
@@ -62,6 +63,7 @@ class CompactedCache(DynamicCache):
         self.prefix: list[int] = []
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
+        self.row_lengths: torch.Tensor | None = None  # [B] on the host: prompts of different lengths (padded)
 
     def __getstate__(self):
         # a weak reference does not pickle: the copy (torch.save, multiprocessing) checks its model again
@@ -71,6 +73,8 @@ class CompactedCache(DynamicCache):
     # search), as LatentCache's per-row fields do
     def _rows_follow(self, fn) -> None:
         self.beta = [fn(b) for b in self.beta]
+        if self.row_lengths is not None:
+            self.row_lengths = fn(self.row_lengths.to(self.beta[0].device)).cpu()
         if isinstance(self.appended_ids, torch.Tensor):
             self.appended_ids = fn(self.appended_ids)
 
@@ -106,7 +110,7 @@ class CompactedCache(DynamicCache):
         held (the next forward failed inside torch, or was refused as another question)."""
         self.layers.clear()
         self.prefix, self.beta = [], []
-        self.length = self.appended_ids = self.masked_for = None
+        self.length = self.appended_ids = self.masked_for = self.row_lengths = None
 
     masked_for: int | None = None  # the layer whose mask the hook of install_hooks set last
 
@@ -193,7 +197,9 @@ def install_hooks(model) -> None:
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             refuse_no_tokens(hidden, cache)
-            if i == 0:  # the cache's own mask would drop padding silently; the layers share one mask
+            # the cache's own mask would drop padding silently; the layers share one mask. Of padded prompts
+            # the model's mask spans the prompts' padding columns, not the entries: the 2-D one is checked
+            if i == 0 and cache.row_lengths is None:
                 refuse_padding(kwargs.get("attention_mask"))
                 _refuse_another_model(cache, module)
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
@@ -208,10 +214,23 @@ QUESTION_GUARD = "_stiefkv_question_guard"
 
 def _check_forward(module, args, kwargs):
     cache = _cache_argument(kwargs)
-    if cache is not None:
-        _refuse_other_rows(cache, kwargs, args)
-        _refuse_padded_tokens(cache, kwargs)
-        _refuse_positions_held(cache, kwargs)
+    if cache is None:
+        return
+    _refuse_other_rows(cache, kwargs, args)
+    if getattr(cache, "row_lengths", None) is not None and cache.length is not None:
+        tokens = _tokens_of(kwargs, args)
+        if tokens >= 2:  # reading the mask back waits for the device, which a decode step should not
+            padded.refuse_wrong_padding(cache, kwargs.get("attention_mask"))
+        padded.refuse_wrong_positions(cache, kwargs, tokens)
+        return
+    _refuse_padded_tokens(cache, kwargs)
+    _refuse_positions_held(cache, kwargs)
+
+
+def _tokens_of(kwargs: dict, args: tuple) -> int:
+    ids = kwargs.get("input_ids", args[0] if args else None)
+    ids = kwargs.get("inputs_embeds") if ids is None else ids
+    return ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() >= 2 else 0
 
 
 def _record_ids(module, args, kwargs, output):
@@ -286,6 +305,8 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
         if cache is not None:  # before transformers 5.0's own slicing fails on ids the cache already holds
             refuse_no_tokens(input_ids[:, cache.get_seq_length():], cache)
             expand_rows(cache, input_ids)
+            if getattr(cache, "row_lengths", None) is not None and cache.length is not None:
+                padded.refuse_wrong_padding(cache, kwargs.get("attention_mask"), required=True)
         refuse_another_question(cache, input_ids)
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
 
@@ -395,16 +416,20 @@ def _new_cache(model):
     return LatentCache() if is_compressed(model) else DynamicCache()
 
 
-def _refuse_latent(cache, what: str) -> None:
+REWOUND = " (its quantized layers cannot be rewound exactly)"
+
+
+def _refuse_latent(cache, what: str, instead: str = "use the prompt's own queries (window=) on a served "
+                   "model", why: str = REWOUND) -> None:
     if isinstance(cache, LatentCache):
-        raise ValueError(f"{what} on a stiefkv.LatentCache is not built (its quantized layers cannot be "
-                         "rewound exactly): use the prompt's own queries (window=) on a served model")
+        raise ValueError(f"{what} on a stiefkv.LatentCache (a model served by stiefkv.load) is not "
+                         f"built{why}: {instead}")
 
 
 def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_study: int = 0,
             seed: int = 0, study_prompt: torch.Tensor | None = None, study_greedy: bool = False,
-            repeat: int = 0, **unexpected) -> DynamicCache:
-    """Run the prompt ``ids`` ``[B, C]`` (unpadded rows) and return its ``DynamicCache``, holding as
+            repeat: int = 0, attention_mask: torch.Tensor | None = None, **unexpected) -> DynamicCache:
+    """Run the prompt ``ids`` ``[B, C]`` and return its ``DynamicCache``, holding as
     ``reference_queries`` the queries :func:`compact` fits to: the prompt's last ``window`` (all of a
     shorter one; 0 for none), rotated as if they came after it, and with ``self_study`` > 0 the queries of
     that many tokens the model then samples itself (from ``seed``; argmax with ``study_greedy``), at their
@@ -415,15 +440,25 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     meets queries that look back for it. For retrieval this keeps a hidden fact (a pass key at C 4096, keep
     0.1, ``pin=0``: 10 of 10 on the CPU, against 0.30 for the window; docs/notes/compaction.md), at the price
     of a second prefill and more reference queries; :func:`compact`'s default ``pin`` keeps it too (0.95 on
-    the H200) at neither price."""
-    if "attention_mask" in unexpected:
-        raise ValueError("prefill takes unpadded rows (no attention_mask): a compacted cache holds "
-                         "unpadded rows only; prefill and compact each prompt alone, or prompts of one "
-                         "length together")
+    the H200) at neither price.
+
+    Prompts of different lengths go in left-padded with their ``attention_mask`` (tokenizer
+    ``padding_side="left"``): each row is prefilled alone over its own tokens and the rows joined in a
+    :class:`~stiefkv.padded.PaddedPromptCache` (:mod:`stiefkv.padded`), which :func:`compact` compacts row by
+    row; continue it with the same mask (``generate`` takes each row's positions from it)."""
     if unexpected:
         raise TypeError(f"prefill() got unexpected arguments {', '.join(sorted(unexpected))}")
     arch_of(model.config)  # Llama-style attention over every token (no window), as compaction assumes
     check_token_ids(model, ids, "prefill's ids", least=2)
+    if attention_mask is not None:
+        lengths = padded.left_padded_lengths(attention_mask, ids)
+        if lengths is not None:
+            _refuse_latent(_new_cache(model), "prefill of padded prompts", "prefill and compact each "
+                           "prompt alone, or prompts of one length together",
+                           why=" (latent rows of different lengths are not joined)")
+            return padded.prefill_rows(model, ids, lengths, prefill, window=window, self_study=self_study,
+                                       seed=seed, study_prompt=study_prompt, study_greedy=study_greedy,
+                                       repeat=repeat)
     counts = {"window": window, "self_study": self_study, "repeat": repeat}
     for name, value in counts.items():
         if isinstance(value, bool) or not isinstance(value, int):
@@ -964,7 +999,8 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     kept where the window's queries lose it); by default (None) for AM a tenth, at least 64 tokens, at most a
     quarter, none below 128 kept entries (:func:`pin_count`), none for ``attention``; ``pin=0`` for none.
     The result continues with ``model(ids, past_key_values=...)`` or ``model.generate(...)`` at the prompt's
-    original positions."""
+    original positions. Padded prompts (:func:`prefill` with an ``attention_mask``) are compacted row by row,
+    each as it would be alone, and continue with that mask (:mod:`stiefkv.padded`)."""
     try:
         if isinstance(keep, (str, bytes, bool)):  # float() would take "0.5", and True as keep everything
             raise TypeError
@@ -978,6 +1014,11 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
         raise ValueError(f"method must be one of {', '.join(METHODS)} (kvpress's presses are baselines of "
                          f"stiefkv eval --compact); got {method!r}")
     T = check_cache(model, cache)
+    if isinstance(cache, padded.PaddedPromptCache):
+        padded.check_padded_cache(cache)
+        if queries is not None:
+            check_queries(model, cache, queries)
+        return padded.compact_rows(model, cache, compact, queries, keep=keep, method=method, **options)
     if T < 2:
         raise ValueError(f"the cache holds {T} token: too few to compact (at least 2)")
     queries = queries if queries is not None else getattr(cache, "reference_queries", None)

@@ -603,8 +603,6 @@ def test_bad_compact_requests_are_refused():
             stiefkv.prefill(model, bad)
     with pytest.raises(ValueError, match="not all 0"):
         stiefkv.prefill(model, ids, window=0)
-    with pytest.raises(ValueError, match="prefill takes unpadded rows .no attention_mask."):
-        stiefkv.prefill(model, ids, attention_mask=torch.ones_like(ids))
     positions = model.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"self_study 20 tokens after the prompt's {positions - 10} run"):
         stiefkv.prefill(model, torch.randint(3, 90, (1, positions - 10)), self_study=20)

@@ -1,0 +1,210 @@
+"""Prompts of different lengths in one batch, prefilled and compacted row by row (DESIGN.md, Compaction).
+
+>>> batch = tokenizer(prompts, padding=True, padding_side="left", return_tensors="pt")     # doctest: +SKIP
+>>> cache = stiefkv.prefill(model, batch.input_ids, attention_mask=batch.attention_mask)  # doctest: +SKIP
+>>> cache = stiefkv.compact(model, cache, keep=0.1)                                        # doctest: +SKIP
+>>> model.generate(ids, attention_mask=mask, past_key_values=cache)                         # doctest: +SKIP
+
+(``ids`` and ``mask``: the padded prompts and the questions behind them, the questions unpadded.)
+
+Each row is prefilled alone over its own tokens, at positions 0 … L−1, as a left-padded batch is read when
+its positions come from the attention mask (``generate`` does so); its reference queries and surprise are its
+own. :func:`prefill_rows` joins the rows into a :class:`PaddedPromptCache`, the left-padded ``DynamicCache``
+of the batch (zeros in the padding) that keeps each row's fitting data beside it. :func:`compact_rows`
+compacts each row alone, as :func:`stiefkv.compact` compacts one prompt, and joins the rows into one
+:class:`~stiefkv.compacted.CompactedCache`: a layer's rows kept to different counts are padded to the largest
+with entries attention never reads (β = :data:`~stiefkv.compaction.PAD_BETA`). The joined cache reports the
+padded length for every row, where the next cache slot is; the next *position* of each row is its own
+length, which ``generate`` takes from the attention mask and a plain forward from ``position_ids``. Its
+checks (:func:`refuse_wrong_padding`, :func:`refuse_wrong_positions`) refuse a continuation that reads the
+rows at other positions or with other padding.
+
+On a model served by :func:`stiefkv.load` (a ``LatentCache``) padded prompts are refused: joining latent
+caches of rows of different lengths is not built.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import DynamicCache
+
+from stiefkv.compaction import PAD_BETA
+
+
+class PaddedPromptCache(DynamicCache):
+    """The left-padded ``DynamicCache`` of prompts of ``row_lengths`` ``[B]`` tokens in ``columns`` (each
+    row's keys and values in its last ``L`` columns, zeros before them), keeping beside it what each row
+    prefilled alone recorded for :func:`stiefkv.compact`: ``row_queries`` (per row, its reference queries a
+    layer ``[1, H, m, d]``) and ``row_surprise`` (per row ``[1, L]``)."""
+
+    def __init__(self, row_lengths: torch.Tensor, columns: int, row_queries: list, row_surprise: list,
+                 probe: torch.Tensor):
+        super().__init__()
+        self.row_lengths = row_lengths
+        self.columns = columns
+        self.row_queries = row_queries
+        self.row_surprise = row_surprise
+        self.model_probe = probe
+
+
+def left_padded_lengths(mask, ids: torch.Tensor) -> torch.Tensor | None:
+    """Each row's tokens ``[B]`` (on the host) in the left-padded ``mask`` of ``ids``; None when nothing is
+    padded. A clear error for a mask of another shape or other values, right padding and holes, and rows of
+    fewer than 2 tokens."""
+    if not isinstance(mask, torch.Tensor) or tuple(mask.shape) != tuple(ids.shape):
+        shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"attention_mask must be a tensor of the ids' shape {list(ids.shape)} (1 for a "
+                         f"token, 0 for padding); got {shape}")
+    mask = mask.detach().cpu()
+    if mask.dtype.is_complex or not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError("attention_mask must hold only 1 (a token) and 0 (padding)")
+    mask = mask.long()
+    lengths = mask.sum(1)
+    C = mask.shape[1]
+    left = torch.arange(C)[None] >= (C - lengths)[:, None]  # each row's ones at its end, as left padding
+    wrong = (mask.bool() != left).any(1)
+    if bool(wrong.any()):
+        row = int(wrong.nonzero()[0])
+        raise ValueError(f"prefill takes left-padded prompts (tokenizer padding_side='left'): row {row} of "
+                         "the attention_mask has padding after or between its tokens")
+    short = (lengths < 2).nonzero().flatten().tolist()
+    if short:
+        raise ValueError(f"row(s) {', '.join(map(str, short[:8]))} of the attention_mask hold fewer than 2 "
+                         "tokens: a prompt to compact needs at least 2")
+    return None if bool((lengths == C).all()) else lengths
+
+
+def prefill_rows(model, ids: torch.Tensor, lengths: torch.Tensor, prefill_one,
+                 **options) -> PaddedPromptCache:
+    """The :class:`PaddedPromptCache` of the left-padded ``ids`` ``[B, C]`` whose rows hold ``lengths``
+    tokens, each row prefilled alone by ``prefill_one(model, row_ids, **options)``
+    (:func:`stiefkv.prefill`)."""
+    B, C = ids.shape
+    rows = [prefill_one(model, ids[b:b + 1, C - int(lengths[b]):], **options) for b in range(B)]
+    cache = PaddedPromptCache(lengths, C, [r.reference_queries for r in rows],
+                              [r.prompt_surprise for r in rows], rows[0].model_probe)
+    for i in range(len(rows[0].layers)):
+        keys = _left_padded([r.layers[i].keys for r in rows], C)
+        cache.update(keys, _left_padded([r.layers[i].values for r in rows], C), i)
+    return cache
+
+
+def _left_padded(rows: list[torch.Tensor], C: int) -> torch.Tensor:
+    """Rows ``[1, G, L_b, d]`` as one ``[B, G, C, d]``, each in its last ``L_b`` columns, zeros before."""
+    first = rows[0]
+    out = first.new_zeros(len(rows), first.shape[1], C, first.shape[3])
+    for b, row in enumerate(rows):
+        out[b, :, C - row.shape[2]:] = row[0]
+    return out
+
+
+def check_padded_cache(cache: PaddedPromptCache) -> None:
+    """A clear error unless ``cache`` is as :func:`prefill_rows` left it (not extended, its rows not
+    reordered)."""
+    B, C = cache.layers[0].keys.shape[0], cache.columns
+    if B != len(cache.row_lengths) or any(layer.keys.shape[2] != C for layer in cache.layers):
+        raise ValueError(f"this padded prompts' cache holds {B} rows of {cache.get_seq_length()} tokens, "
+                         f"its prompts {len(cache.row_lengths)} of {C}: compact it as stiefkv.prefill "
+                         "returned it")
+
+
+def row_cache(cache: PaddedPromptCache, b: int) -> DynamicCache:
+    """Row ``b`` of ``cache`` alone, unpadded, with its own reference queries and surprise: what
+    :func:`stiefkv.prefill` returns for that prompt by itself."""
+    C, L = cache.layers[0].keys.shape[2], int(cache.row_lengths[b])
+    one = DynamicCache()
+    for i, layer in enumerate(cache.layers):
+        one.update(layer.keys[b:b + 1, :, C - L:], layer.values[b:b + 1, :, C - L:], i)
+    one.reference_queries = cache.row_queries[b]
+    one.prompt_surprise = cache.row_surprise[b]
+    one.model_probe = cache.model_probe
+    return one
+
+
+def compact_rows(model, cache: PaddedPromptCache, compact_one, queries: list[torch.Tensor] | None, **options):
+    """Each row of ``cache`` compacted alone by ``compact_one(model, row, queries=..., **options)``
+    (:func:`stiefkv.compact`; ``queries``, when given, ``[B, H, m, d]`` a layer, split by row), joined into
+    one :class:`~stiefkv.compacted.CompactedCache` of the padded length."""
+    from stiefkv.compacted import CompactedCache
+
+    rows = []
+    for b in range(len(cache.row_lengths)):
+        mine = None if queries is None else [q[b:b + 1] for q in queries]
+        rows.append(compact_one(model, row_cache(cache, b), queries=mine, **options))
+    joined = CompactedCache(cache.layers[0].keys.shape[2], cache.model_probe)
+    joined.row_lengths = cache.row_lengths.clone()
+    for i in range(len(rows[0].prefix)):
+        n = max(r.prefix[i] for r in rows)
+        keys, values, beta = zip(*(_entries_padded(r, i, n) for r in rows))
+        joined.add_layer(torch.cat(keys), torch.cat(values), torch.cat(beta))
+    return joined
+
+
+def _entries_padded(row, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Layer ``i`` of a one-row compacted cache (its prefix: the tokens appended since are none) padded to
+    ``n`` entries that attention never reads: zero keys and values, β = :data:`PAD_BETA`."""
+    keys, values, beta = row.layers[i].keys, row.layers[i].values, row.beta[i]
+    extra = n - keys.shape[2]
+    if extra == 0:
+        return keys, values, beta
+    pad = (0, 0, 0, extra)
+    return (torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad),
+            torch.nn.functional.pad(beta, (0, extra), value=PAD_BETA))
+
+
+# ------------------------------------------------------------------------------------ continuing the batch
+def next_positions(cache) -> torch.Tensor:
+    """Each row's next position ``[B]`` (host): its prompt's length and the tokens appended since."""
+    return cache.row_lengths + (cache.get_seq_length() - cache.length)
+
+
+def refuse_wrong_padding(cache, mask, required: bool = False) -> None:
+    """A clear error unless the 2-D ``mask`` of a forward or ``generate`` over a compacted cache of padded
+    prompts pads each row's prompt as it was prefilled and nothing after it: ``generate`` takes the rows'
+    positions from it, and other padding would read them at other positions. ``required``: no mask is an
+    error too (``generate``; a forward takes the positions from ``position_ids``)."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        if required:
+            raise ValueError(WRONG_MASK.format(lengths=_listed(cache.row_lengths), C=cache.length))
+        return
+    C = cache.length
+    want = torch.arange(C)[None] >= (C - cache.row_lengths)[:, None]
+    have = mask.detach().cpu()
+    if have.shape[0] != want.shape[0] or have.shape[1] < C or not torch.equal(have[:, :C].bool(), want) \
+            or not bool(have[:, C:].bool().all()):
+        raise ValueError(WRONG_MASK.format(lengths=_listed(cache.row_lengths), C=C))
+
+
+WRONG_MASK = ("this compacted cache holds prompts of {lengths} tokens left-padded to {C}: pass the "
+              "attention_mask they were prefilled with, then ones for every token after it (the tokens "
+              "appended behind the prompts are unpadded)")
+
+
+def _listed(values: torch.Tensor) -> str:
+    return ", ".join(map(str, values.tolist()[:8])) + (" …" if len(values) > 8 else "")
+
+
+def refuse_wrong_positions(cache, kwargs: dict, tokens: int) -> None:
+    """A clear error where a forward over a compacted cache of padded prompts would read a row at another
+    position than its own next one (:func:`next_positions`): without ``position_ids`` the model places every
+    row after the padded length. The values are read back for forwards of several tokens only, as the
+    other checks do (a decode step should not wait for the device)."""
+    positions = kwargs.get("position_ids")
+    lengths = cache.row_lengths
+    if positions is None:
+        if bool((lengths == lengths[0]).all()):
+            return  # the padded length plus the appended tokens is each row's own position
+        raise ValueError("this compacted cache holds prompts of different lengths: pass position_ids (each "
+                         "row's prompt length onward) to the forward, or to generate the attention_mask the "
+                         "prompts were prefilled with")
+    if tokens < 2 or not isinstance(positions, torch.Tensor):
+        return
+    first = positions.detach().reshape(-1, positions.shape[-1])[:, 0].cpu()
+    want = next_positions(cache)
+    if first.shape[0] == 1:
+        first = first.expand_as(want)
+    if first.shape != want.shape or not torch.equal(first, want):
+        raise ValueError(f"position_ids start at {first.tolist()[:8]}, and the rows of this compacted cache "
+                         f"continue at {want.tolist()[:8]} (each prompt's length and the tokens since): feed "
+                         "only the new tokens, at those positions (to generate, pass the attention_mask the "
+                         "prompts were prefilled with)")

@@ -1,0 +1,172 @@
+"""Prompts of different lengths, left-padded in one batch, prefilled and compacted row by row
+(stiefkv.padded): each row continues as it does compacted alone, in a forward and in generate."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import stiefkv
+from stiefkv.cache import cache_keyword
+from tests.tiny import tiny_model
+
+LENGTHS = (41, 29, 53)  # odd, unequal: each row kept to its own count, the layers padded to the largest
+Q = 7  # question tokens behind every prompt, unpadded
+
+
+def batch(seed: int, lengths=LENGTHS, q: int = Q):
+    """Left-padded prompts of ``lengths`` tokens with ``q`` question tokens each: ids ``[B, C + q]``, the
+    prompts' mask ``[B, C]``, and each row's own prompt and question."""
+    g = torch.Generator().manual_seed(seed)
+    C = max(lengths)
+    ids = torch.zeros(len(lengths), C + q, dtype=torch.long)
+    mask = torch.zeros(len(lengths), C, dtype=torch.long)
+    rows = []
+    for b, L in enumerate(lengths):
+        own = torch.randint(3, 97, (1, L + q), generator=g)
+        ids[b, C - L:] = own[0]
+        mask[b, C - L:] = 1
+        rows.append(own)
+    return ids, mask, rows
+
+
+def question_mask(mask: torch.Tensor, q: int) -> torch.Tensor:
+    return torch.cat([mask, torch.ones(mask.shape[0], q, dtype=mask.dtype)], 1)
+
+
+@pytest.mark.parametrize("method,options", [("am", {}), ("am", {"allocation": "global", "pin": 0.2}),
+                                            ("attention", {}), ("am", {"block": 16, "selection": "omp"})])
+def test_each_padded_row_continues_as_it_does_compacted_alone(method, options):
+    """Logits of the questions behind a padded batch's compacted cache equal each row's behind its own,
+    within float32 rounding (1e-4): the padding entries (β = PAD_BETA) are never read, each row's positions
+    are its own."""
+    model = tiny_model(layers=3)
+    key = cache_keyword(model)
+    ids, mask, rows = batch(3)
+    C = mask.shape[1]
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16),
+                                keep=0.3, method=method, **options)
+        assert isinstance(cache, stiefkv.CompactedCache) and cache.get_seq_length() == C
+        lengths = torch.tensor(LENGTHS)
+        positions = lengths[:, None] + torch.arange(Q)
+        got = model(ids[:, C:], position_ids=positions, attention_mask=question_mask(mask, Q),
+                    **{key: cache}).logits
+        assert cache.get_seq_length() == C + Q
+        for b, (own, L) in enumerate(zip(rows, LENGTHS)):
+            alone = stiefkv.compact(model, stiefkv.prefill(model, own[:, :L], window=16), keep=0.3,
+                                    method=method, **options)
+            want = model(own[:, L:], position_ids=torch.arange(L, L + Q)[None], **{key: alone}).logits
+            assert torch.isfinite(got[b]).all()
+            assert (got[b] - want[0]).abs().max() < 1e-4, b
+            assert alone.prefix <= [max(p, 1) for p in cache.prefix]
+
+
+def test_generate_over_a_padded_compacted_batch_gives_each_rows_own_tokens():
+    """Greedy generate over the joined cache, with the prompts' mask, equals each row generated over its
+    own compacted cache; beams repeat the rows' lengths with the rows."""
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, rows = batch(5)
+    C, new = mask.shape[1], 6
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16),
+                                keep=0.25)
+        beams = copy.deepcopy(cache)
+        # min_new_tokens on both sides: a row that ends at once is padded in the batch and not alone
+        got = model.generate(ids, attention_mask=question_mask(mask, Q), max_new_tokens=new, do_sample=False,
+                             min_new_tokens=new, **{key: cache})
+        for b, (own, L) in enumerate(zip(rows, LENGTHS)):
+            alone = stiefkv.compact(model, stiefkv.prefill(model, own[:, :L], window=16), keep=0.25)
+            want = model.generate(own, max_new_tokens=new, do_sample=False, min_new_tokens=new,
+                                  **{key: alone})
+            assert torch.equal(got[b, C + Q:], want[0, L + Q:]), b
+        out = model.generate(ids, attention_mask=question_mask(mask, Q), max_new_tokens=3, num_beams=2,
+                             do_sample=False, **{key: beams})
+        assert out.shape == (3, C + Q + 3)
+
+
+def test_an_unpadded_mask_is_the_plain_prefill_and_a_padded_cache_continues_uncompacted():
+    """A mask of ones prefills as without it; the padded prompts' cache itself, uncompacted, is the
+    left-padded cache a model reads with the mask and each row's positions (as the rows alone)."""
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, rows = batch(7)
+    C = mask.shape[1]
+    with torch.no_grad():
+        plain = stiefkv.prefill(model, rows[0][:, :20], window=8)
+        masked = stiefkv.prefill(model, rows[0][:, :20], window=8, attention_mask=torch.ones(1, 20))
+        assert type(masked) is type(plain)
+        torch.testing.assert_close(masked.layers[1].keys, plain.layers[1].keys)
+        cache = stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8)
+        got = model(ids[:, C:], attention_mask=question_mask(mask, Q),
+                    position_ids=torch.tensor(LENGTHS)[:, None] + torch.arange(Q), **{key: cache}).logits
+        for b, (own, L) in enumerate(zip(rows, LENGTHS)):
+            want = model(own).logits[0, L:]
+            torch.testing.assert_close(got[b], want, atol=1e-4, rtol=1e-4)
+
+
+def test_a_padded_compacted_batch_read_at_other_positions_or_padding_is_refused():
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, _ = batch(9)
+    C = mask.shape[1]
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
+                                keep=0.3)
+        full = question_mask(mask, Q)
+        with pytest.raises(ValueError, match="prompts of different lengths: pass position_ids"):
+            model(ids[:, C:], **{key: cache})
+        wrong = torch.arange(C - 12, C - 12 + Q)[None].expand(3, -1)
+        with pytest.raises(ValueError, match=r"start at \[41, 41, 41\].*continue at \[41, 29, 53\]"):
+            model(ids[:, C:], position_ids=wrong, attention_mask=full, **{key: cache})
+        with pytest.raises(ValueError, match="pass the attention_mask they were prefilled with"):
+            model.generate(ids, max_new_tokens=2, do_sample=False, **{key: cache})  # no mask: all ones
+        shifted = full.clone()
+        shifted[1, C - LENGTHS[1]] = 0
+        with pytest.raises(ValueError, match="pass the attention_mask they were prefilled with"):
+            model.generate(ids, attention_mask=shifted, max_new_tokens=2, do_sample=False, **{key: cache})
+        question_padded = full.clone()
+        question_padded[0, C] = 0
+        with pytest.raises(ValueError, match="tokens appended behind the prompts are unpadded"):
+            model(ids[:, C:], attention_mask=question_padded,
+                  position_ids=torch.tensor(LENGTHS)[:, None] + torch.arange(Q), **{key: cache})
+        assert cache.get_seq_length() == C  # nothing appended by the refused forwards
+        out = model.generate(ids, attention_mask=full, max_new_tokens=2, do_sample=False, **{key: cache})
+        assert out.shape == (3, C + Q + 2)
+
+
+def test_bad_padded_prompts_are_refused():
+    model = tiny_model(layers=2)
+    ids, mask, _ = batch(11)
+    C = mask.shape[1]
+    prompts = ids[:, :C]
+    right = mask.flip(1)
+    for bad, match in ((right, "left-padded prompts .* row 0 of the attention_mask has padding after"),
+                       (mask[:, :-1], "attention_mask must be a tensor of the ids' shape"),
+                       (mask * 2, "only 1 .a token. and 0"),
+                       ([[1] * C] * 3, "attention_mask must be a tensor")):
+        with pytest.raises(ValueError, match=match):
+            stiefkv.prefill(model, prompts, attention_mask=bad)
+    short = mask.clone()
+    short[1, :-1] = 0
+    with pytest.raises(ValueError, match=r"row\(s\) 1 of the attention_mask hold fewer than 2 tokens"):
+        stiefkv.prefill(model, prompts, attention_mask=short)
+    cache = stiefkv.prefill(model, prompts, attention_mask=mask, window=8)
+    with torch.no_grad():
+        model(ids[:, C:C + 1], attention_mask=question_mask(mask, 1),
+              position_ids=torch.tensor(LENGTHS)[:, None], **{cache_keyword(model): cache})
+    with pytest.raises(ValueError, match="compact it as stiefkv.prefill returned it"):
+        stiefkv.compact(model, cache, keep=0.5)
+
+
+def test_padded_prompts_on_a_served_model_are_refused_clearly():
+    from tests.tiny import random_projections
+
+    model = tiny_model(layers=2)
+    ids, mask, _ = batch(13)
+    served = stiefkv.load(model, random_projections(model, 13, 11))
+    with pytest.raises(ValueError, match="prefill of padded prompts on a stiefkv.LatentCache .* not built"):
+        stiefkv.prefill(served, ids[:, :mask.shape[1]], attention_mask=mask)
