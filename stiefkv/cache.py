@@ -69,6 +69,7 @@ class LatentCache(_dynamic_cache_class()):
         self.head_positions: list[torch.Tensor] = []
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | None = None  # behind a compacted prefix: see record_appended
+        self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
         self.basis_tags: dict[int, str] = {}  # which bases wrote each layer: see check_bases
 
     @property
@@ -213,8 +214,9 @@ class LatentCache(_dynamic_cache_class()):
     def _compacted_rows(self, fn) -> None:
         self.head_positions = [fn(t) for t in self.head_positions]
         self.beta = [fn(t) for t in self.beta]
-        if isinstance(self.appended_ids, torch.Tensor):
-            self.appended_ids = fn(self.appended_ids)
+        for name in ("appended_ids", "prompt_ids"):
+            if isinstance(getattr(self, name), torch.Tensor):
+                setattr(self, name, fn(getattr(self, name)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -278,7 +280,7 @@ class LatentCache(_dynamic_cache_class()):
         # and batch, which the next forward would continue
         self.layers.clear()
         self.basis_tags = {}
-        self.positions = self.lengths = self.length = self.appended_ids = None
+        self.positions = self.lengths = self.length = self.appended_ids = self.prompt_ids = None
         self.prefix, self.head_positions, self.beta = [], [], []
 
 
@@ -579,6 +581,32 @@ def refuse_another_question(cache, input_ids: torch.Tensor) -> None:
         "(copy.deepcopy(cache)), or pass the prompt, the tokens since and then the new ones. A chat "
         "turn tokenized again from its text can split the last answer otherwise than generate made it: build "
         "the next turn's ids as torch.cat([the ids generate returned, the new turn's ids], 1).")
+
+
+def refuse_another_prompt(cache, input_ids: torch.Tensor) -> None:
+    """A clear error where ``generate`` is given ids whose prompt part is not the prompt a compacted cache
+    was compacted from (``cache.prompt_ids``, recorded by :func:`stiefkv.compact`; of padded prompts only
+    their real tokens, ``cache.row_lengths``): generate passes only the ids past the cache's length, so
+    another prompt of the same length was answered from the first one's entries, silently."""
+    held = getattr(cache, "prompt_ids", None)
+    if getattr(cache, "length", None) is None or not isinstance(held, torch.Tensor):
+        return
+    given = input_ids[:, :held.shape[1]].to(held.device)
+    if given.shape != held.shape:
+        return  # too few ids: refused by refuse_no_tokens; other rows: by expand_rows
+    same = given == held
+    lengths = getattr(cache, "row_lengths", None)
+    if lengths is not None:  # the padding's ids are not the prompt's
+        C = held.shape[1]
+        same |= torch.arange(C, device=held.device)[None] < (C - lengths.to(held.device))[:, None]
+    if bool(same.all()):
+        return
+    row, col = (int(i) for i in (~same).nonzero()[0])
+    where = f"row {row}, " if held.shape[0] > 1 else ""
+    raise ValueError(
+        f"the ids given do not begin with the prompt this cache was compacted from ({where}position {col}: "
+        f"id {int(given[row, col])} given, {int(held[row, col])} held): a compacted cache stands for its own "
+        "prompt only. Pass that prompt's ids, then the new ones; for another prompt, prefill and compact it")
 
 
 def tokens_to_crop(reported: int, length: int, size: int) -> int:

@@ -35,6 +35,7 @@ from stiefkv.cache import (
     QuantizedLatentLayer,
     cache_keyword,
     record_appended,
+    refuse_another_prompt,
     refuse_another_question,
     refuse_no_tokens,
     refuse_padding,
@@ -64,6 +65,7 @@ class CompactedCache(DynamicCache):
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
         self.row_lengths: torch.Tensor | None = None  # [B] on the host: prompts of different lengths (padded)
+        self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
 
     def __getstate__(self):
         # a weak reference does not pickle: the copy (torch.save, multiprocessing) checks its model again
@@ -75,8 +77,9 @@ class CompactedCache(DynamicCache):
         self.beta = [fn(b) for b in self.beta]
         if self.row_lengths is not None:
             self.row_lengths = fn(self.row_lengths.to(self.beta[0].device)).cpu()
-        if isinstance(self.appended_ids, torch.Tensor):
-            self.appended_ids = fn(self.appended_ids)
+        for name in ("appended_ids", "prompt_ids"):
+            if isinstance(getattr(self, name), torch.Tensor):
+                setattr(self, name, fn(getattr(self, name)))
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -110,7 +113,7 @@ class CompactedCache(DynamicCache):
         held (the next forward failed inside torch, or was refused as another question)."""
         self.layers.clear()
         self.prefix, self.beta = [], []
-        self.length = self.appended_ids = self.masked_for = self.row_lengths = None
+        self.length = self.appended_ids = self.masked_for = self.row_lengths = self.prompt_ids = None
 
     masked_for: int | None = None  # the layer whose mask the hook of install_hooks set last
 
@@ -305,6 +308,7 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
         if cache is not None:  # before transformers 5.0's own slicing fails on ids the cache already holds
             refuse_no_tokens(input_ids[:, cache.get_seq_length():], cache)
             expand_rows(cache, input_ids)
+            refuse_another_prompt(cache, input_ids)
             if getattr(cache, "row_lengths", None) is not None and cache.length is not None:
                 padded.refuse_wrong_padding(cache, kwargs.get("attention_mask"), required=True)
         refuse_another_question(cache, input_ids)
@@ -489,6 +493,7 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
                                                                for a, b in zip(queries, studied)]
     cache.reference_queries = queries
     cache.model_probe = model_probe(model)
+    cache.prefilled_ids = ids.detach()
     return cache
 
 
@@ -1028,8 +1033,16 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     check_queries(model, cache, queries)
     effective_options(method, {k: v for k, v in options.items() if k != "pin"})
     new = build(model, cache, queries, max(1, round(keep * T)), method, **options)
+    new.prompt_ids = prompt_ids_held(cache, T)
     install_question_guard(model)
     return new
+
+
+def prompt_ids_held(cache, T: int) -> torch.Tensor | None:
+    """The ids of the ``T`` tokens ``cache`` holds, as :func:`prefill` recorded them (a cache cropped since
+    holds the first of them); None where unknown: not prefilled by it, or extended since."""
+    ids = getattr(cache, "prefilled_ids", None)
+    return ids[:, :T] if isinstance(ids, torch.Tensor) and ids.shape[1] >= T else None
 
 
 def check_queries(model, cache, queries) -> None:

@@ -83,6 +83,7 @@ def prefill_rows(model, ids: torch.Tensor, lengths: torch.Tensor, prefill_one,
     rows = [prefill_one(model, ids[b:b + 1, C - int(lengths[b]):], **options) for b in range(B)]
     cache = PaddedPromptCache(lengths, C, [r.reference_queries for r in rows],
                               [r.prompt_surprise for r in rows], rows[0].model_probe)
+    cache.prefilled_ids = ids.detach()
     for i in range(len(rows[0].layers)):
         keys = _left_padded([r.layers[i].keys for r in rows], C)
         cache.update(keys, _left_padded([r.layers[i].values for r in rows], C), i)
@@ -118,6 +119,7 @@ def row_cache(cache: PaddedPromptCache, b: int) -> DynamicCache:
     one.reference_queries = cache.row_queries[b]
     one.prompt_surprise = cache.row_surprise[b]
     one.model_probe = cache.model_probe
+    one.prefilled_ids = cache.prefilled_ids[b:b + 1, C - L:]
     return one
 
 
@@ -133,6 +135,7 @@ def compact_rows(model, cache: PaddedPromptCache, compact_one, queries: list[tor
         rows.append(compact_one(model, row_cache(cache, b), queries=mine, **options))
     joined = CompactedCache(cache.layers[0].keys.shape[2], cache.model_probe)
     joined.row_lengths = cache.row_lengths.clone()
+    joined.prompt_ids = cache.prefilled_ids
     for i in range(len(rows[0].prefix)):
         n = max(r.prefix[i] for r in rows)
         keys, values, beta = zip(*(_entries_padded(r, i, n) for r in rows))

@@ -295,6 +295,38 @@ def test_a_second_question_over_a_compacted_cache_generate_extended_is_refused()
 
 
 @pytest.mark.parametrize("served", [False, True])
+def test_generate_over_another_prompt_of_the_same_length_is_refused(served):
+    """generate passes only the ids past a compacted cache's length, so another prompt of the same length
+    was answered from the first prompt's entries, silently: refused, naming where the ids differ. The same
+    prompt goes on, also with its rows repeated for beams, and from a cache cropped before compaction."""
+    import copy
+
+    model, ids = prompt(17, 40)
+    other = ids.clone()
+    other[0, 23] = (int(ids[0, 23]) + 1 - 3) % 94 + 3
+    q = torch.randint(3, 97, (1, 4), generator=torch.Generator().manual_seed(3))
+    G = dict(max_new_tokens=3, do_sample=False, pad_token_id=0, eos_token_id=None)
+    key = cache_keyword(model)
+    with compressed(model, random_projections(model, 8, 8)) if served else contextlib.nullcontext():
+        base = stiefkv.compact(model, stiefkv.prefill(model, ids, window=8), keep=0.3)
+        assert torch.equal(base.prompt_ids, ids)
+        with pytest.raises(ValueError, match=f"do not begin with the prompt .*position 23: id "
+                                             f"{int(other[0, 23])} given, {int(ids[0, 23])} held"):
+            model.generate(torch.cat([other, q], 1), **{key: copy.deepcopy(base)}, **G)
+        beams = model.generate(torch.cat([ids, q], 1), num_beams=2, **{key: copy.deepcopy(base)}, **G)
+        assert beams.shape == (1, 47)
+        model.generate(torch.cat([ids, q], 1), **{key: base}, **G)
+        cache = stiefkv.prefill(model, ids, window=8)
+        if not served:  # cropped after prefill (crop's argument differs between transformers versions)
+            from stiefkv.compacted import _truncate
+
+            _truncate(cache, 30)
+            cut = stiefkv.compact(model, cache, keep=0.3)
+            assert torch.equal(cut.prompt_ids, ids[:, :30])
+            model.generate(torch.cat([ids[:, :30], q], 1), **{key: cut}, **G)
+
+
+@pytest.mark.parametrize("served", [False, True])
 def test_beams_and_several_sequences_continue_a_compacted_cache(served):
     """generate repeats each row of the ids for beams and for several sequences a prompt, and not the cache
     it is given: the compacted cache is repeated with them. Keeping every token, beam search over it is

@@ -134,6 +134,14 @@ def test_a_padded_compacted_batch_read_at_other_positions_or_padding_is_refused(
             model(ids[:, C:], attention_mask=question_padded,
                   position_ids=torch.tensor(LENGTHS)[:, None] + torch.arange(Q), **{key: cache})
         assert cache.get_seq_length() == C  # nothing appended by the refused forwards
+        other = ids.clone()
+        other[1, C - 3] += 1  # a real token of row 1; its padding's ids are not checked
+        other[1, 0] += 1
+        with pytest.raises(ValueError, match=f"do not begin with the prompt .*row 1, position {C - 3}"):
+            model.generate(other, attention_mask=full, max_new_tokens=2, do_sample=False, **{key: cache})
+        other[1, C - 3] -= 1
+        model.generate(other, attention_mask=full, max_new_tokens=1, do_sample=False,
+                       **{key: copy.deepcopy(cache)})
         out = model.generate(ids, attention_mask=full, max_new_tokens=2, do_sample=False, **{key: cache})
         assert out.shape == (3, C + Q + 2)
 
