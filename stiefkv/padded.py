@@ -46,6 +46,31 @@ class PaddedPromptCache(DynamicCache):
         self.row_surprise = row_surprise
         self.model_probe = probe
 
+    # not compacted: the checks compact installs on the model read a compacted cache's length, and skip a
+    # cache whose length is None (as a CompactedCache once reset)
+    length = None
+
+    # each row's fitting data follows every batch edit of its keys (beams, a selection of rows): otherwise
+    # compact would cut a row from another's columns and fit it to another's queries, silently
+    def _rows_follow(self, index: torch.Tensor) -> None:
+        index = index.detach().cpu()
+        self.row_lengths = self.row_lengths[index]
+        self.row_queries = [self.row_queries[b] for b in index.tolist()]
+        self.row_surprise = [self.row_surprise[b] for b in index.tolist()]
+        self.prefilled_ids = self.prefilled_ids[index.to(self.prefilled_ids.device)]
+
+    def reorder_cache(self, beam_idx: torch.LongTensor):
+        super().reorder_cache(beam_idx)
+        self._rows_follow(beam_idx)
+
+    def batch_repeat_interleave(self, repeats: int):
+        super().batch_repeat_interleave(repeats)
+        self._rows_follow(torch.arange(len(self.row_lengths)).repeat_interleave(repeats))
+
+    def batch_select_indices(self, indices: torch.Tensor):
+        super().batch_select_indices(indices)
+        self._rows_follow(torch.arange(len(self.row_lengths))[indices.cpu()])
+
 
 def left_padded_lengths(mask, ids: torch.Tensor) -> torch.Tensor | None:
     """Each row's tokens ``[B]`` (on the host) in the left-padded ``mask`` of ``ids``; None when nothing is
@@ -83,7 +108,7 @@ def prefill_rows(model, ids: torch.Tensor, lengths: torch.Tensor, prefill_one,
     rows = [prefill_one(model, ids[b:b + 1, C - int(lengths[b]):], **options) for b in range(B)]
     cache = PaddedPromptCache(lengths, C, [r.reference_queries for r in rows],
                               [r.prompt_surprise for r in rows], rows[0].model_probe)
-    cache.prefilled_ids = ids.detach()
+    cache.prefilled_ids = ids.detach().clone()  # not the caller's tensor, which may be refilled in place
     for i in range(len(rows[0].layers)):
         keys = _left_padded([r.layers[i].keys for r in rows], C)
         cache.update(keys, _left_padded([r.layers[i].values for r in rows], C), i)
@@ -100,8 +125,8 @@ def _left_padded(rows: list[torch.Tensor], C: int) -> torch.Tensor:
 
 
 def check_padded_cache(cache: PaddedPromptCache) -> None:
-    """A clear error unless ``cache`` is as :func:`prefill_rows` left it (not extended, its rows not
-    reordered)."""
+    """A clear error unless ``cache`` holds its prompts only, as :func:`prefill_rows` left them (its rows may
+    have been reordered, repeated or selected since: their lengths follow)."""
     B, C = cache.layers[0].keys.shape[0], cache.columns
     if B != len(cache.row_lengths) or any(layer.keys.shape[2] != C for layer in cache.layers):
         raise ValueError(f"this padded prompts' cache holds {B} rows of {cache.get_seq_length()} tokens, "
@@ -195,11 +220,13 @@ def refuse_wrong_positions(cache, kwargs: dict, tokens: int) -> None:
     positions = kwargs.get("position_ids")
     lengths = cache.row_lengths
     if positions is None:
-        if bool((lengths == lengths[0]).all()):
-            return  # the padded length plus the appended tokens is each row's own position
-        raise ValueError("this compacted cache holds prompts of different lengths: pass position_ids (each "
-                         "row's prompt length onward) to the forward, or to generate the attention_mask the "
-                         "prompts were prefilled with")
+        # the model places every row at the padded length onward: each row's own only where none is padded
+        # (rows of one length padded alike, as pad_to_multiple_of does, are not)
+        if bool((lengths == cache.length).all()):
+            return
+        raise ValueError(f"this compacted cache holds prompts of {_listed(lengths)} tokens left-padded to "
+                         f"{cache.length}: pass position_ids (each row's prompt length onward) to the forward, "
+                         "or to generate the attention_mask the prompts were prefilled with")
     if tokens < 2 or not isinstance(positions, torch.Tensor):
         return
     first = positions.detach().reshape(-1, positions.shape[-1])[:, 0].cpu()

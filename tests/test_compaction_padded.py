@@ -117,7 +117,7 @@ def test_a_padded_compacted_batch_read_at_other_positions_or_padding_is_refused(
         cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
                                 keep=0.3)
         full = question_mask(mask, Q)
-        with pytest.raises(ValueError, match="prompts of different lengths: pass position_ids"):
+        with pytest.raises(ValueError, match="prompts of 41, 29, 53 tokens left-padded to 53: pass position_ids"):
             model(ids[:, C:], **{key: cache})
         wrong = torch.arange(C - 12, C - 12 + Q)[None].expand(3, -1)
         with pytest.raises(ValueError, match=r"start at \[41, 41, 41\].*continue at \[41, 29, 53\]"):
@@ -178,3 +178,88 @@ def test_padded_prompts_on_a_served_model_are_refused_clearly():
     served = stiefkv.load(model, random_projections(model, 13, 11))
     with pytest.raises(ValueError, match="prefill of padded prompts on a stiefkv.LatentCache .* not built"):
         stiefkv.prefill(served, ids[:, :mask.shape[1]], attention_mask=mask)
+
+
+def test_a_padded_prompts_cache_continues_uncompacted_on_a_model_that_compacted_another():
+    """compact installs checks on the model that read a padded compacted cache's ``length``; the padded
+    prompts' cache, not compacted, has none (before: AttributeError at every forward and generate)."""
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, rows = batch(15)
+    C = mask.shape[1]
+    with torch.no_grad():
+        stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8), keep=0.3)
+        cache = stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8)
+        got = model(ids[:, C:], attention_mask=question_mask(mask, Q),
+                    position_ids=torch.tensor(LENGTHS)[:, None] + torch.arange(Q), **{key: cache}).logits
+        for b, (own, L) in enumerate(zip(rows, LENGTHS)):
+            torch.testing.assert_close(got[b], model(own).logits[0, L:], atol=1e-4, rtol=1e-4)
+        cache = stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8)
+        model.generate(ids, attention_mask=question_mask(mask, Q), max_new_tokens=2, do_sample=False,
+                       **{key: cache})
+
+
+def test_prompts_padded_alike_are_read_at_their_own_positions():
+    """Rows of one length padded alike (pad_to_multiple_of, padding="max_length"): a forward without
+    position_ids would place them after the padding, not at their length (before: accepted, silently)."""
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, rows = batch(17, lengths=(30, 30))
+    pad = 3
+    ids = torch.cat([torch.zeros(2, pad, dtype=ids.dtype), ids], 1)
+    mask = torch.cat([torch.zeros(2, pad, dtype=mask.dtype), mask], 1)
+    C, L = mask.shape[1], 30
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
+                                keep=0.3)
+        full = question_mask(mask, Q)
+        with pytest.raises(ValueError, match="left-padded to 33: pass position_ids"):
+            model(ids[:, C:], attention_mask=full, **{key: copy.deepcopy(cache)})
+        got = model.generate(ids, attention_mask=full, max_new_tokens=3, min_new_tokens=3, do_sample=False,
+                             **{key: cache})
+        for b, own in enumerate(rows):
+            alone = stiefkv.compact(model, stiefkv.prefill(model, own[:, :L], window=8), keep=0.3)
+            want = model.generate(own, max_new_tokens=3, min_new_tokens=3, do_sample=False, **{key: alone})
+            assert torch.equal(got[b, C + Q:], want[0, L + Q:]), b
+
+
+def test_the_prompt_recorded_is_not_the_callers_buffer():
+    """The ids prefill records are a copy: a buffer the caller fills with the next prompt is that prompt, and
+    refused (before: the record followed the buffer, and the other prompt was accepted)."""
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, _ = batch(19)
+    C = mask.shape[1]
+    prompts = ids[:, :C].clone()
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, prompts, attention_mask=mask, window=8), keep=0.3)
+        prompts[:, -1] += 1
+        with pytest.raises(ValueError, match="do not begin with the prompt"):
+            model.generate(torch.cat([prompts, ids[:, C:]], 1), attention_mask=question_mask(mask, Q),
+                           max_new_tokens=1, do_sample=False, **{key: cache})
+
+
+def test_a_padded_prompts_cache_reordered_compacts_each_row_with_its_own_length():
+    """Rows reordered, repeated or selected keep their lengths, queries and ids (before: the rows' keys
+    moved and their lengths did not, so each row was compacted from another's columns, silently)."""
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, _ = batch(21)
+    C = mask.shape[1]
+    order = torch.tensor([2, 1, 0, 0])  # the edits below, in turn
+    with torch.no_grad():
+        cache = stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8)
+        want = stiefkv.compact(model, copy.deepcopy(cache), keep=0.3)
+        cache.batch_select_indices(torch.tensor([0, 1, 2, 0]))
+        cache.reorder_cache(torch.tensor([2, 1, 0, 3]))
+        cache.batch_repeat_interleave(2)
+        cache.batch_select_indices(torch.arange(8)[::2])
+        got = stiefkv.compact(model, cache, keep=0.3)
+        assert got.row_lengths.tolist() == [LENGTHS[i] for i in order.tolist()]
+        assert torch.equal(got.prompt_ids, ids[order, :C])
+        positions = torch.tensor(LENGTHS)[order, None] + torch.arange(Q)
+        full = question_mask(mask, Q)
+        logits = model(ids[order, C:], position_ids=positions, attention_mask=full[order], **{key: got}).logits
+        expected = model(ids[:, C:], position_ids=torch.tensor(LENGTHS)[:, None] + torch.arange(Q),
+                         attention_mask=full, **{key: want}).logits
+        torch.testing.assert_close(logits, expected[order], atol=1e-4, rtol=1e-4)
