@@ -593,7 +593,7 @@ def refuse_another_prompt(cache, input_ids: torch.Tensor) -> None:
         return
     given = input_ids[:, :held.shape[1]].to(held.device)
     if given.shape != held.shape:
-        return  # too few ids: refused by refuse_no_tokens; other rows: by expand_rows
+        return  # too few ids: refused by refuse_no_tokens; other rows: by repeats_of
     same = given == held
     lengths = getattr(cache, "row_lengths", None)
     if lengths is not None:  # the padding's ids are not the prompt's

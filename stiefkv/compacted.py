@@ -64,7 +64,7 @@ class CompactedCache(DynamicCache):
         self.prefix: list[int] = []
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
-        self.row_lengths: torch.Tensor | None = None  # [B] on the host: prompts of different lengths (padded)
+        self.row_lengths: torch.Tensor | None = None  # [B] of prompts of different lengths: stiefkv.padded
         self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
 
     def __getstate__(self):
@@ -75,8 +75,8 @@ class CompactedCache(DynamicCache):
     # search), as LatentCache's per-row fields do
     def _rows_follow(self, fn) -> None:
         self.beta = [fn(b) for b in self.beta]
-        if self.row_lengths is not None:
-            self.row_lengths = fn(self.row_lengths.to(self.beta[0].device)).cpu()
+        if self.row_lengths is not None:  # on the rows' device from then on: beams reorder every step
+            self.row_lengths = fn(self.row_lengths.to(self.beta[0].device))
         for name in ("appended_ids", "prompt_ids"):
             if isinstance(getattr(self, name), torch.Tensor):
                 setattr(self, name, fn(getattr(self, name)))
@@ -200,10 +200,12 @@ def install_hooks(model) -> None:
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             refuse_no_tokens(hidden, cache)
-            # the cache's own mask would drop padding silently; the layers share one mask. Of padded prompts
-            # the model's mask spans the prompts' padding columns, not the entries: the 2-D one is checked
-            if i == 0 and cache.row_lengths is None:
-                refuse_padding(kwargs.get("attention_mask"))
+            if i == 0:
+                # the cache's own mask would drop padding silently; the layers share one mask. Of padded
+                # prompts the model's mask spans the prompts' padding columns, not the entries: the 2-D one
+                # is checked (_check_forward)
+                if cache.row_lengths is None:
+                    refuse_padding(kwargs.get("attention_mask"))
                 _refuse_another_model(cache, module)
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
             cache.masked_for = i
@@ -248,7 +250,7 @@ def _record_ids(module, args, kwargs, output):
 def _refuse_other_rows(cache, kwargs: dict, args: tuple) -> None:
     """A forward of another number of rows than a compacted cache holds: refused, before torch fails to
     join them inside the attention (``generate`` repeats the cache's rows for beams itself:
-    :func:`expand_rows`)."""
+    :func:`repeats_of`)."""
     held = _compacted_rows(cache)
     ids = kwargs.get("input_ids", args[0] if args else None)
     ids = kwargs.get("inputs_embeds") if ids is None else ids
@@ -307,27 +309,34 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
         cache = _cache_argument(kwargs)
         if cache is not None:  # before transformers 5.0's own slicing fails on ids the cache already holds
             refuse_no_tokens(input_ids[:, cache.get_seq_length():], cache)
-            expand_rows(cache, input_ids)
-            refuse_another_prompt(cache, input_ids)
+            k = repeats_of(cache, input_ids)
+            # one row of each repeated group checked, before the cache is repeated: a refused generate leaves
+            # the cache as it was, for the corrected call
+            own, mask = input_ids[::k], kwargs.get("attention_mask")
+            refuse_another_prompt(cache, own)
             if getattr(cache, "row_lengths", None) is not None and cache.length is not None:
-                padded.refuse_wrong_padding(cache, kwargs.get("attention_mask"), required=True)
-        refuse_another_question(cache, input_ids)
+                mask = mask[::k] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else mask
+                padded.refuse_wrong_padding(cache, mask, required=True)
+            refuse_another_question(cache, own)
+            if k > 1:
+                cache.batch_repeat_interleave(k)
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
 
 
-def expand_rows(cache, input_ids: torch.Tensor) -> None:
-    """Give a compacted cache of ``B`` rows the ``k·B`` rows ``generate`` runs with beams or several
-    sequences a prompt (it repeats each row of the ids ``k`` times, and not the cache it is given). Ids whose
-    rows are not each row repeated ``k`` times are other prompts: refused."""
+def repeats_of(cache, input_ids: torch.Tensor) -> int:
+    """How many times ``generate`` repeats each row of a compacted cache of ``B`` rows: it runs ``k·B`` rows
+    with beams or several sequences a prompt, repeating each row of the ids ``k`` times, and not the cache
+    it is given (1 for any other cache). Ids whose rows are not each row repeated ``k`` times are other
+    prompts: refused."""
     held, rows = _compacted_rows(cache), input_ids.shape[0]
     if held is None or rows == held:
-        return
+        return 1
     groups = input_ids.reshape(held, rows // held, -1) if rows % held == 0 else None
     if groups is None or not bool((groups == groups[:, :1]).all()):
         raise ValueError(f"this compacted cache holds {held} rows and generate runs {rows}: give generate "
                          "the ids of the rows the cache was compacted from (beams and num_return_sequences "
                          "repeat them)")
-    cache.batch_repeat_interleave(rows // held)
+    return rows // held
 
 
 def _compacted_rows(cache) -> int | None:
@@ -493,7 +502,7 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
                                                                for a, b in zip(queries, studied)]
     cache.reference_queries = queries
     cache.model_probe = model_probe(model)
-    cache.prefilled_ids = ids.detach()
+    cache.prefilled_ids = ids.detach().clone()  # not the caller's tensor, which may be refilled in place
     return cache
 
 

@@ -183,7 +183,7 @@ def _entries_padded(row, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, to
 # ------------------------------------------------------------------------------------ continuing the batch
 def next_positions(cache) -> torch.Tensor:
     """Each row's next position ``[B]`` (host): its prompt's length and the tokens appended since."""
-    return cache.row_lengths + (cache.get_seq_length() - cache.length)
+    return cache.row_lengths.cpu() + (cache.get_seq_length() - cache.length)
 
 
 def refuse_wrong_padding(cache, mask, required: bool = False) -> None:
@@ -195,12 +195,12 @@ def refuse_wrong_padding(cache, mask, required: bool = False) -> None:
         if required:
             raise ValueError(WRONG_MASK.format(lengths=_listed(cache.row_lengths), C=cache.length))
         return
-    C = cache.length
-    want = torch.arange(C)[None] >= (C - cache.row_lengths)[:, None]
+    C, lengths = cache.length, cache.row_lengths.cpu()
+    want = torch.arange(C)[None] >= (C - lengths)[:, None]
     have = mask.detach().cpu()
     if have.shape[0] != want.shape[0] or have.shape[1] < C or not torch.equal(have[:, :C].bool(), want) \
             or not bool(have[:, C:].bool().all()):
-        raise ValueError(WRONG_MASK.format(lengths=_listed(cache.row_lengths), C=C))
+        raise ValueError(WRONG_MASK.format(lengths=_listed(lengths), C=C))
 
 
 WRONG_MASK = ("this compacted cache holds prompts of {lengths} tokens left-padded to {C}: pass the "
@@ -218,15 +218,15 @@ def refuse_wrong_positions(cache, kwargs: dict, tokens: int) -> None:
     row after the padded length. The values are read back for forwards of several tokens only, as the
     other checks do (a decode step should not wait for the device)."""
     positions = kwargs.get("position_ids")
-    lengths = cache.row_lengths
-    if positions is None:
+    if positions is None:  # never so in generate: the read back below costs a decode step nothing there
+        lengths = cache.row_lengths.cpu()
         # the model places every row at the padded length onward: each row's own only where none is padded
         # (rows of one length padded alike, as pad_to_multiple_of does, are not)
         if bool((lengths == cache.length).all()):
             return
         raise ValueError(f"this compacted cache holds prompts of {_listed(lengths)} tokens left-padded to "
-                         f"{cache.length}: pass position_ids (each row's prompt length onward) to the forward, "
-                         "or to generate the attention_mask the prompts were prefilled with")
+                         f"{cache.length}: pass position_ids (each row's prompt length onward) to the "
+                         "forward, or to generate the attention_mask the prompts were prefilled with")
     if tokens < 2 or not isinstance(positions, torch.Tensor):
         return
     first = positions.detach().reshape(-1, positions.shape[-1])[:, 0].cpu()

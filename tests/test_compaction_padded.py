@@ -117,7 +117,7 @@ def test_a_padded_compacted_batch_read_at_other_positions_or_padding_is_refused(
         cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
                                 keep=0.3)
         full = question_mask(mask, Q)
-        with pytest.raises(ValueError, match="prompts of 41, 29, 53 tokens left-padded to 53: pass position_ids"):
+        with pytest.raises(ValueError, match="of 41, 29, 53 tokens left-padded to 53: pass position_ids"):
             model(ids[:, C:], **{key: cache})
         wrong = torch.arange(C - 12, C - 12 + Q)[None].expand(3, -1)
         with pytest.raises(ValueError, match=r"start at \[41, 41, 41\].*continue at \[41, 29, 53\]"):
@@ -223,20 +223,67 @@ def test_prompts_padded_alike_are_read_at_their_own_positions():
             assert torch.equal(got[b, C + Q:], want[0, L + Q:]), b
 
 
-def test_the_prompt_recorded_is_not_the_callers_buffer():
+@pytest.mark.parametrize("padded", [True, False])
+def test_the_prompt_recorded_is_not_the_callers_buffer(padded):
     """The ids prefill records are a copy: a buffer the caller fills with the next prompt is that prompt, and
-    refused (before: the record followed the buffer, and the other prompt was accepted)."""
+    refused (before: the record followed the buffer, and the other prompt was accepted), padded or not."""
     model = tiny_model(layers=2)
     key = cache_keyword(model)
     ids, mask, _ = batch(19)
+    if not padded:
+        ids, mask = ids[2:], mask[2:]  # the longest row: no padding
     C = mask.shape[1]
     prompts = ids[:, :C].clone()
     with torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, prompts, attention_mask=mask, window=8), keep=0.3)
+        cache = stiefkv.compact(model, stiefkv.prefill(model, prompts, attention_mask=mask, window=8),
+                                keep=0.3)
         prompts[:, -1] += 1
         with pytest.raises(ValueError, match="do not begin with the prompt"):
             model.generate(torch.cat([prompts, ids[:, C:]], 1), attention_mask=question_mask(mask, Q),
                            max_new_tokens=1, do_sample=False, **{key: cache})
+
+
+def test_another_model_continuing_a_padded_compacted_cache_is_refused():
+    """The other-model check of layer 0 runs for padded prompts too (before: it sat under the padding
+    check, which padded prompts skip, and another checkpoint of the same shapes continued silently)."""
+    from stiefkv.compacted import install_hooks
+
+    model, other = tiny_model(layers=2), tiny_model(layers=2)
+    with torch.no_grad():
+        for layer in other.model.layers:
+            layer.self_attn.k_proj.weight.add_(0.1)
+    install_hooks(other)
+    ids, mask, _ = batch(23)
+    C = mask.shape[1]
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
+                                keep=0.3)
+        with pytest.raises(ValueError, match="compacted on a model with other key weights"):
+            other.generate(ids, attention_mask=question_mask(mask, Q), max_new_tokens=1, do_sample=False,
+                           **{cache_keyword(model): cache})
+
+
+def test_a_refused_generate_with_beams_leaves_the_cache_for_the_corrected_call():
+    """generate's checks run on one row of each repeated group before the cache is repeated for beams: a
+    call refused (no mask, another prompt) leaves the cache's rows as they were, and its message names the
+    prompts' own lengths (before: the cache kept the beams' rows, and the corrected call was refused)."""
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    ids, mask, _ = batch(29)
+    C = mask.shape[1]
+    beams = dict(max_new_tokens=2, num_beams=2, do_sample=False)
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
+                                keep=0.3)
+        with pytest.raises(ValueError, match="prompts of 41, 29, 53 tokens left-padded"):
+            model.generate(ids, **beams, **{key: cache})
+        other = ids.clone()
+        other[0, -Q - 1] += 1
+        with pytest.raises(ValueError, match="do not begin with the prompt"):
+            model.generate(other, attention_mask=question_mask(mask, Q), **beams, **{key: cache})
+        assert cache.beta[0].shape[0] == 3 and len(cache.row_lengths) == 3
+        out = model.generate(ids, attention_mask=question_mask(mask, Q), **beams, **{key: cache})
+        assert out.shape == (3, C + Q + 2)
 
 
 def test_a_padded_prompts_cache_reordered_compacts_each_row_with_its_own_length():
@@ -259,7 +306,8 @@ def test_a_padded_prompts_cache_reordered_compacts_each_row_with_its_own_length(
         assert torch.equal(got.prompt_ids, ids[order, :C])
         positions = torch.tensor(LENGTHS)[order, None] + torch.arange(Q)
         full = question_mask(mask, Q)
-        logits = model(ids[order, C:], position_ids=positions, attention_mask=full[order], **{key: got}).logits
+        logits = model(ids[order, C:], position_ids=positions, attention_mask=full[order],
+                       **{key: got}).logits
         expected = model(ids[:, C:], position_ids=torch.tensor(LENGTHS)[:, None] + torch.arange(Q),
                          attention_mask=full, **{key: want}).logits
         torch.testing.assert_close(logits, expected[order], atol=1e-4, rtol=1e-4)
