@@ -70,6 +70,7 @@ class LatentCache(_dynamic_cache_class()):
         self.beta: list[torch.Tensor] = []
         self.appended_ids: torch.Tensor | None = None  # behind a compacted prefix: see record_appended
         self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
+        self.row_lengths: torch.Tensor | None = None  # [B] of prompts of different lengths: stiefkv.padded
         self.basis_tags: dict[int, str] = {}  # which bases wrote each layer: see check_bases
 
     @property
@@ -173,8 +174,11 @@ class LatentCache(_dynamic_cache_class()):
                              "for another)")
         # the mask is read before anything is written: a forward it refuses leaves the cache as it was
         if self.length is not None:
-            if layer_idx == 0:  # the layers share the mask: one read back a forward, not one a layer
-                refuse_padding(attention_mask)  # a compacted prefix has no padding; nor may what follows it
+            # the layers share the mask: one read back a forward, not one a layer. A compacted prefix has no
+            # padding, nor may what follows it; of padded prompts the mask spans their padding columns, not
+            # the entries, and its 2-D form is checked instead (stiefkv.padded.refuse_wrong_padding)
+            if layer_idx == 0 and self.row_lengths is None:
+                refuse_padding(attention_mask)
         elif layer_idx == 0:
             held = 0 if self.positions is None else self.positions.shape[1]
             lengths = lengths_from_mask(attention_mask, z_k.shape[0], held + z_k.shape[2])
@@ -217,6 +221,8 @@ class LatentCache(_dynamic_cache_class()):
         for name in ("appended_ids", "prompt_ids"):
             if isinstance(getattr(self, name), torch.Tensor):
                 setattr(self, name, fn(getattr(self, name)))
+        if self.row_lengths is not None:  # on the rows' device from then on: beams reorder every step
+            self.row_lengths = fn(self.row_lengths.to(self.head_positions[0].device))
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -281,6 +287,7 @@ class LatentCache(_dynamic_cache_class()):
         self.layers.clear()
         self.basis_tags = {}
         self.positions = self.lengths = self.length = self.appended_ids = self.prompt_ids = None
+        self.row_lengths = None
         self.prefix, self.head_positions, self.beta = [], [], []
 
 
@@ -652,6 +659,10 @@ def as_latent_cache(cache) -> LatentCache | None:
     """``cache`` itself when it is a :class:`LatentCache` (or None); any other cache is refused."""
     if cache is None or isinstance(cache, LatentCache):
         return cache
+    if getattr(cache, "rows", None) is not None:  # stiefkv.padded.PaddedPromptCache of a served model
+        raise ValueError("this cache of padded prompts (stiefkv.prefill with an attention_mask, on a served "
+                         "model) holds each row's latents apart, for stiefkv.compact only: compact it first, "
+                         "or read the padded batch from a new cache with its attention_mask")
     raise ValueError(
         "a model served by stiefkv.load keeps its keys and values as latents in a stiefkv.LatentCache; "
         f"got a {type(cache).__name__}. Pass cache=stiefkv.LatentCache() (or past_key_values=), or no "

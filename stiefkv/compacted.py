@@ -429,14 +429,10 @@ def _new_cache(model):
     return LatentCache() if is_compressed(model) else DynamicCache()
 
 
-REWOUND = " (its quantized layers cannot be rewound exactly)"
-
-
-def _refuse_latent(cache, what: str, instead: str = "use the prompt's own queries (window=) on a served "
-                   "model", why: str = REWOUND) -> None:
+def _refuse_latent(cache, what: str) -> None:
     if isinstance(cache, LatentCache):
-        raise ValueError(f"{what} on a stiefkv.LatentCache (a model served by stiefkv.load) is not "
-                         f"built{why}: {instead}")
+        raise ValueError(f"{what} on a stiefkv.LatentCache is not built (its quantized layers cannot be "
+                         "rewound exactly): use the prompt's own queries (window=) on a served model")
 
 
 def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_study: int = 0,
@@ -456,9 +452,10 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     the H200) at neither price.
 
     Prompts of different lengths go in left-padded with their ``attention_mask`` (tokenizer
-    ``padding_side="left"``): each row is prefilled alone over its own tokens and the rows joined in a
+    ``padding_side="left"``): each row is prefilled alone over its own tokens and the rows kept in a
     :class:`~stiefkv.padded.PaddedPromptCache` (:mod:`stiefkv.padded`), which :func:`compact` compacts row by
-    row; continue it with the same mask (``generate`` takes each row's positions from it)."""
+    row; continue the compacted cache with the same mask (``generate`` takes each row's positions from
+    it)."""
     if unexpected:
         raise TypeError(f"prefill() got unexpected arguments {', '.join(sorted(unexpected))}")
     arch_of(model.config)  # Llama-style attention over every token (no window), as compaction assumes
@@ -466,9 +463,6 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
     if attention_mask is not None:
         lengths = padded.left_padded_lengths(attention_mask, ids)
         if lengths is not None:
-            _refuse_latent(_new_cache(model), "prefill of padded prompts", "prefill and compact each "
-                           "prompt alone, or prompts of one length together",
-                           why=" (latent rows of different lengths are not joined)")
             return padded.prefill_rows(model, ids, lengths, prefill, window=window, self_study=self_study,
                                        seed=seed, study_prompt=study_prompt, study_greedy=study_greedy,
                                        repeat=repeat)
@@ -867,21 +861,45 @@ def _queries_of_shared(q: torch.Tensor, G: int) -> torch.Tensor:
     return wide.reshape(B, H, n, G * d)
 
 
-def _carry_key_codes(before, after, index: torch.Tensor) -> None:
+def _carry_key_codes(before, after, index: torch.Tensor | list[torch.Tensor], stores: tuple = (0,)) -> None:
     """Give the compacted layer ``after`` the kept keys' own codes where ``before`` held them so and ``after``
     holds them the same way: per-token codes (quantizing dequantized log8 codes again can pick a finer scale,
     a second rounding; min–max codes come back the same either way), and the int8 codes of a ``window8``
     window (int8 on log8 scales is not idempotent either). ``index`` ``[B, G, t]``: the kept entries' tokens
-    in ``before``."""
-    if not isinstance(before, QuantizedLatentLayer) or not isinstance(after, QuantizedLatentLayer):
+    in ``before``. ``before`` and ``index`` may be lists, each layer the source of the next rows of ``after``,
+    as many as its index has (padded prompts, each row compacted alone: :mod:`stiefkv.padded`). ``stores``:
+    the keys' (0) by default; (0, 1) with the values' too, where ``before`` holds the very values kept."""
+    befores, indices = (before, index) if isinstance(before, list) else ([before], [index])
+    if not isinstance(after, QuantizedLatentLayer) or \
+            not all(isinstance(b, QuantizedLatentLayer) for b in befores):
         return
-    old, new = before.stores[0], after.stores[0]
-    if new.spec != old.spec or not new.spec.quantized:
-        return
-    if new.codes is not None and old.codes is not None and new.spec.layout == "token":
-        new.codes = _carried(old.codes, new.codes, index[..., : new.held], 0)
-    if isinstance(new.window, Quantized) and isinstance(old.window, Quantized):
-        new.window = _carried(old.window, new.window, index[..., new.held:], old.held)
+    for s in stores:
+        new, olds = after.stores[s], [b.stores[s] for b in befores]
+        if not new.spec.quantized or any(old.spec != new.spec for old in olds):
+            continue
+        if new.codes is not None and new.spec.layout == "token":
+            new.codes = _carried_rows(olds, "codes", new.codes, [i[..., : new.held] for i in indices])
+        if isinstance(new.window, Quantized):
+            new.window = _carried_rows(olds, "window", new.window, [i[..., new.held:] for i in indices])
+
+
+def _carried_rows(olds: list, name: str, new: Quantized, takes: list[torch.Tensor]) -> Quantized:
+    """``new`` with its rows, in order, carried from each store of ``olds`` (:func:`_carried`: as many rows as
+    its ``take``) where that store holds its ``name`` (``codes``, or the ``window``'s int8 codes behind its
+    ``held`` tokens) as codes."""
+    parts, start = [], 0
+    for old, take in zip(olds, takes):
+        rows = slice(start, start + take.shape[0])
+        start = rows.stop
+        mine = new.apply(lambda t, rows=rows: t[rows])
+        held = getattr(old, name)
+        first = 0 if name == "codes" else old.held
+        parts.append(_carried(held, mine, take, first) if isinstance(held, Quantized) else mine)
+    if len(parts) == 1:
+        return parts[0]
+    low = None if parts[0].low is None else torch.cat([p.low for p in parts])
+    return Quantized(torch.cat([p.codes for p in parts]), torch.cat([p.scale for p in parts]), low,
+                     new.bits, new.layout, new.rank)
 
 
 def _carried(old: Quantized, new: Quantized, take: torch.Tensor, first: int) -> Quantized:
@@ -1027,12 +1045,11 @@ def compact(model, cache, keep: float = 0.1, *, method: str = "am", queries: lis
     if method not in METHODS:
         raise ValueError(f"method must be one of {', '.join(METHODS)} (kvpress's presses are baselines of "
                          f"stiefkv eval --compact); got {method!r}")
-    T = check_cache(model, cache)
-    if isinstance(cache, padded.PaddedPromptCache):
+    if isinstance(cache, padded.PaddedPromptCache):  # each row compacted alone, by this function
         padded.check_padded_cache(cache)
-        if queries is not None:
-            check_queries(model, cache, queries)
+        padded.check_row_queries(queries, len(cache.row_lengths))
         return padded.compact_rows(model, cache, compact, queries, keep=keep, method=method, **options)
+    T = check_cache(model, cache)
     if T < 2:
         raise ValueError(f"the cache holds {T} token: too few to compact (at least 2)")
     queries = queries if queries is not None else getattr(cache, "reference_queries", None)

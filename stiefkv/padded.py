@@ -19,8 +19,10 @@ length, which ``generate`` takes from the attention mask and a plain forward fro
 checks (:func:`refuse_wrong_padding`, :func:`refuse_wrong_positions`) refuse a continuation that reads the
 rows at other positions or with other padding.
 
-On a model served by :func:`stiefkv.load` (a ``LatentCache``) padded prompts are refused: joining latent
-caches of rows of different lengths is not built.
+On a model served by :func:`stiefkv.load` the rows' latent caches are kept apart (``rows``: quantized
+stores of different lengths are not joined uncompacted), so the :class:`PaddedPromptCache` is for
+:func:`stiefkv.compact` only; the compacted rows are joined into one compacted ``LatentCache``
+(:func:`_joined_latent`).
 """
 
 from __future__ import annotations
@@ -28,14 +30,19 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
+from stiefkv.cache import LatentCache
 from stiefkv.compaction import PAD_BETA
+from stiefkv.models import decoder_layers
 
 
 class PaddedPromptCache(DynamicCache):
     """The left-padded ``DynamicCache`` of prompts of ``row_lengths`` ``[B]`` tokens in ``columns`` (each
     row's keys and values in its last ``L`` columns, zeros before them), keeping beside it what each row
     prefilled alone recorded for :func:`stiefkv.compact`: ``row_queries`` (per row, its reference queries a
-    layer ``[1, H, m, d]``) and ``row_surprise`` (per row ``[1, L]``)."""
+    layer ``[1, H, m, d]``) and ``row_surprise`` (per row ``[1, L]``). On a served model it holds no layers:
+    ``rows`` are the rows' own prefilled ``LatentCache``s, which only :func:`stiefkv.compact` reads."""
+
+    rows: list | None = None
 
     def __init__(self, row_lengths: torch.Tensor, columns: int, row_queries: list, row_surprise: list,
                  probe: torch.Tensor):
@@ -58,6 +65,8 @@ class PaddedPromptCache(DynamicCache):
         self.row_queries = [self.row_queries[b] for b in index.tolist()]
         self.row_surprise = [self.row_surprise[b] for b in index.tolist()]
         self.prefilled_ids = self.prefilled_ids[index.to(self.prefilled_ids.device)]
+        if self.rows is not None:
+            self.rows = [self.rows[b] for b in index.tolist()]
 
     def reorder_cache(self, beam_idx: torch.LongTensor):
         super().reorder_cache(beam_idx)
@@ -109,6 +118,9 @@ def prefill_rows(model, ids: torch.Tensor, lengths: torch.Tensor, prefill_one,
     cache = PaddedPromptCache(lengths, C, [r.reference_queries for r in rows],
                               [r.prompt_surprise for r in rows], rows[0].model_probe)
     cache.prefilled_ids = ids.detach().clone()  # not the caller's tensor, which may be refilled in place
+    if isinstance(rows[0], LatentCache):
+        cache.rows = rows
+        return cache
     for i in range(len(rows[0].layers)):
         keys = _left_padded([r.layers[i].keys for r in rows], C)
         cache.update(keys, _left_padded([r.layers[i].values for r in rows], C), i)
@@ -127,17 +139,36 @@ def _left_padded(rows: list[torch.Tensor], C: int) -> torch.Tensor:
 def check_padded_cache(cache: PaddedPromptCache) -> None:
     """A clear error unless ``cache`` holds its prompts only, as :func:`prefill_rows` left them (its rows may
     have been reordered, repeated or selected since: their lengths follow)."""
-    B, C = cache.layers[0].keys.shape[0], cache.columns
-    if B != len(cache.row_lengths) or any(layer.keys.shape[2] != C for layer in cache.layers):
-        raise ValueError(f"this padded prompts' cache holds {B} rows of {cache.get_seq_length()} tokens, "
-                         f"its prompts {len(cache.row_lengths)} of {C}: compact it as stiefkv.prefill "
-                         "returned it")
+    lengths, C = cache.row_lengths.tolist(), cache.columns
+    if cache.rows is not None:
+        held = [r.get_seq_length() for r in cache.rows]
+    else:
+        B = cache.layers[0].keys.shape[0] if cache.layers else 0
+        held = [cache.get_seq_length()] * B if all(la.keys.shape[2] == C for la in cache.layers) else None
+    if held is None or len(held) != len(lengths) or (cache.rows is not None and held != lengths):
+        raise ValueError(f"this padded prompts' cache no longer holds its {len(lengths)} prompts of "
+                         f"{_listed(cache.row_lengths)} tokens (left-padded to {C}) alone: something "
+                         "extended or cut it since stiefkv.prefill. Compact it as prefill returned it")
+
+
+def check_row_queries(queries, rows: int) -> None:
+    """A clear error unless ``queries`` (None, or one tensor a layer) has the padded batch's ``rows``: each
+    row's are its slice, checked in full where that row is compacted."""
+    if queries is None:
+        return
+    ok = isinstance(queries, (list, tuple)) and all(isinstance(q, torch.Tensor) and q.dim() == 4 and
+                                                    q.shape[0] == rows for q in queries)
+    if not ok:
+        raise ValueError(f"queries must be a list of one [batch {rows}, query heads, ≥ 1 queries, head dim] "
+                         "tensor a layer (rotated, as stiefkv.prefill keeps them), one row a prompt")
 
 
 def row_cache(cache: PaddedPromptCache, b: int) -> DynamicCache:
     """Row ``b`` of ``cache`` alone, unpadded, with its own reference queries and surprise: what
     :func:`stiefkv.prefill` returns for that prompt by itself."""
-    C, L = cache.layers[0].keys.shape[2], int(cache.row_lengths[b])
+    if cache.rows is not None:
+        return cache.rows[b]
+    C, L = cache.columns, int(cache.row_lengths[b])
     one = DynamicCache()
     for i, layer in enumerate(cache.layers):
         one.update(layer.keys[b:b + 1, :, C - L:], layer.values[b:b + 1, :, C - L:], i)
@@ -158,13 +189,47 @@ def compact_rows(model, cache: PaddedPromptCache, compact_one, queries: list[tor
     for b in range(len(cache.row_lengths)):
         mine = None if queries is None else [q[b:b + 1] for q in queries]
         rows.append(compact_one(model, row_cache(cache, b), queries=mine, **options))
-    joined = CompactedCache(cache.layers[0].keys.shape[2], cache.model_probe)
+    if isinstance(rows[0], LatentCache):
+        joined = _joined_latent(model, rows, cache.columns)
+    else:
+        joined = CompactedCache(cache.columns, cache.model_probe)
+        for i in range(len(rows[0].prefix)):
+            n = max(r.prefix[i] for r in rows)
+            keys, values, beta = zip(*(_entries_padded(r, i, n) for r in rows))
+            joined.add_layer(torch.cat(keys), torch.cat(values), torch.cat(beta))
     joined.row_lengths = cache.row_lengths.clone()
     joined.prompt_ids = cache.prefilled_ids
-    for i in range(len(rows[0].prefix)):
+    return joined
+
+
+def _joined_latent(model, rows: list[LatentCache], C: int) -> LatentCache:
+    """Compacted latent caches of one row each joined into one of the padded length ``C``: each layer's
+    entries as stored, padded to the largest row's count in front, by a row's first entry again at β =
+    :data:`PAD_BETA` (never attended), stored as the model stores latents, with each row's own codes carried
+    over (log8 codes quantized again from their values could take another scale). In front, so that a
+    row's last entries stay in the slots a quantized store holds exact (its residual, its int8 window), as
+    they are in the row alone; per-token codes are then the row's own, and only channel groups (codes over
+    several tokens) fall elsewhere."""
+    from stiefkv.compacted import _carry_key_codes
+
+    joined = LatentCache()
+    joined.length = C
+    joined.basis_tags = dict(rows[0].basis_tags)
+    dtype = next(model.parameters()).dtype
+    for i, layer in enumerate(decoder_layers(model)):
         n = max(r.prefix[i] for r in rows)
-        keys, values, beta = zip(*(_entries_padded(r, i, n) for r in rows))
-        joined.add_layer(torch.cat(keys), torch.cat(values), torch.cat(beta))
+        parts, indices = [], []
+        for r in rows:
+            z_k, z_v = r.read_layer(i, dtype)
+            front = n - r.prefix[i]
+            take = (torch.arange(n, device=z_k.device) - front).clamp(min=0)
+            beta = r.beta[i].index_select(2, take)
+            beta[..., :front] = PAD_BETA
+            parts.append((z_k.index_select(2, take), z_v.index_select(2, take),
+                          r.head_positions[i].index_select(2, take), beta))
+            indices.append(take.expand(*z_k.shape[:2], n))
+        joined.add_compacted_layer(*(torch.cat(x) for x in zip(*parts)), quant=layer.self_attn.quant)
+        _carry_key_codes([r.layers[i] for r in rows], joined.layers[i], indices, stores=(0, 1))
     return joined
 
 

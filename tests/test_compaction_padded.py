@@ -166,18 +166,57 @@ def test_bad_padded_prompts_are_refused():
     with torch.no_grad():
         model(ids[:, C:C + 1], attention_mask=question_mask(mask, 1),
               position_ids=torch.tensor(LENGTHS)[:, None], **{cache_keyword(model): cache})
-    with pytest.raises(ValueError, match="compact it as stiefkv.prefill returned it"):
+    with pytest.raises(ValueError, match="no longer holds its 3 prompts of 41, 29, 53 tokens .* Compact"):
         stiefkv.compact(model, cache, keep=0.5)
 
 
-def test_padded_prompts_on_a_served_model_are_refused_clearly():
+# (storages, prompt lengths, tolerance on the logits): channel groups hold 64 tokens, so only rows that keep
+# more than 64 entries exercise them
+SERVED_CASES = [(None, LENGTHS, 1e-4), (("int4-token", "int2-token-r5"), LENGTHS, 1e-4),
+                (("int3-token-log8-r7-w8", "int3-token-log8"), LENGTHS, 1e-4),
+                (("int2-channel-r5-w8", "int4-channel"), (150, 97, 201), 5e-2)]
+
+
+@pytest.mark.parametrize("specs,lengths,tol", SERVED_CASES)
+@pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
+def test_padded_prompts_on_a_served_model_continue_as_each_row_compacted_alone(specs, lengths, tol, key_mode):
+    """A served model's padded prompts: each row's latent cache prefilled and compacted alone, the rows
+    joined into one compacted LatentCache (entries padded in front by the first one again, β = PAD_BETA),
+    its codes carried from the rows. Each row's logits behind it equal its own compacted alone, to 1e-4
+    (float32), for float latents and per-token codes (min–max, log8 with an int8 window) in both key modes;
+    channel groups (codes over 64 tokens) fall otherwise behind the padding, and stay within 0.05 of the row
+    alone (its own quantization error against the uncompacted cache is of that size: 0.009-0.023 in a
+    trial)."""
+    from stiefkv.attention import compressed
+    from stiefkv.models import dims_of
+    from stiefkv.quant import QuantSpec
     from tests.tiny import random_projections
 
     model = tiny_model(layers=2)
-    ids, mask, _ = batch(13)
-    served = stiefkv.load(model, random_projections(model, 13, 11))
-    with pytest.raises(ValueError, match="prefill of padded prompts on a stiefkv.LatentCache .* not built"):
-        stiefkv.prefill(served, ids[:, :mask.shape[1]], attention_mask=mask)
+    key = cache_keyword(model)
+    ids, mask, rows = batch(13, lengths)
+    C = mask.shape[1]
+    proj = random_projections(model, 9, 7, key_mode=key_mode)
+    if specs:
+        proj.quant = [tuple(QuantSpec.parse(s) for s in specs)] * dims_of(model.config).L
+    with compressed(model, proj), torch.no_grad():
+        padded = stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16)
+        with pytest.raises(ValueError, match="holds each row's latents apart, for stiefkv.compact only"):
+            model(ids[:, C:C + 1], **{key: padded})
+        keep = 0.3 if tol < 1e-3 else 0.9
+        cache = stiefkv.compact(model, padded, keep=keep)
+        assert isinstance(cache, stiefkv.LatentCache) and cache.get_seq_length() == C
+        positions = torch.tensor(lengths)[:, None] + torch.arange(Q)
+        got = model(ids[:, C:], position_ids=positions, attention_mask=question_mask(mask, Q),
+                    **{key: cache}).logits
+        for b, (own, L) in enumerate(zip(rows, lengths)):
+            alone = stiefkv.compact(model, stiefkv.prefill(model, own[:, :L], window=16), keep=keep)
+            want = model(own[:, L:], position_ids=torch.arange(L, L + Q)[None], **{key: alone}).logits
+            assert torch.isfinite(got[b]).all()
+            assert (got[b] - want[0]).abs().max() < tol, b
+        out = model.generate(torch.cat([ids, got.argmax(-1)[:, -1:]], 1), num_beams=2, max_new_tokens=3,
+                             attention_mask=question_mask(mask, Q + 1), do_sample=False, **{key: cache})
+        assert out.shape == (3, C + Q + 4)
 
 
 def test_a_padded_prompts_cache_continues_uncompacted_on_a_model_that_compacted_another():
@@ -311,3 +350,32 @@ def test_a_padded_prompts_cache_reordered_compacts_each_row_with_its_own_length(
         expected = model(ids[:, C:], position_ids=torch.tensor(LENGTHS)[:, None] + torch.arange(Q),
                          attention_mask=full, **{key: want}).logits
         torch.testing.assert_close(logits, expected[order], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("specs", [None, ("int4-token", "int4-token-r5")])
+def test_a_served_padded_compacted_batch_is_read_by_the_kernels_as_by_the_reference(specs):
+    """The Triton kernels (the interpreter on a CPU, compiled on CUDA) read the joined rows, their padding
+    entries at β = PAD_BETA in front, as the PyTorch reference does."""
+    from stiefkv.attention import compressed
+    from stiefkv.models import dims_of
+    from stiefkv.quant import QuantSpec
+    from tests.tiny import random_projections
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    model = tiny_model(layers=2, heads=6, kv_heads=2, head_dim=32).to(device)
+    ids, mask, _ = batch(31, (23, 37, 30))
+    ids, mask = ids.to(device), mask.to(device)
+    C = mask.shape[1]
+    proj = random_projections(model, 24, 19)
+    if specs:
+        proj.quant = [tuple(QuantSpec.parse(s) for s in specs)] * dims_of(model.config).L
+    positions = torch.tensor((23, 37, 30), device=device)[:, None] + torch.arange(Q, device=device)
+    out = {}
+    for backend in ("reference", "triton"):
+        with compressed(model, proj, backend=backend), torch.no_grad():
+            cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=12),
+                                    keep=0.3)
+            out[backend] = model(ids[:, C:], position_ids=positions, attention_mask=question_mask(mask, Q),
+                                 **{cache_keyword(model): cache}).logits
+    assert torch.isfinite(out["triton"]).all()
+    torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4)
