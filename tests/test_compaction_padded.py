@@ -33,7 +33,7 @@ def batch(seed: int, lengths=LENGTHS, q: int = Q):
 
 
 def question_mask(mask: torch.Tensor, q: int) -> torch.Tensor:
-    return torch.cat([mask, torch.ones(mask.shape[0], q, dtype=mask.dtype)], 1)
+    return torch.cat([mask, torch.ones(mask.shape[0], q, dtype=mask.dtype, device=mask.device)], 1)
 
 
 @pytest.mark.parametrize("method,options", [("am", {}), ("am", {"allocation": "global", "pin": 0.2}),
