@@ -33,6 +33,7 @@ from transformers import DynamicCache
 from stiefkv.cache import LatentCache
 from stiefkv.compaction import PAD_BETA
 from stiefkv.models import decoder_layers
+from stiefkv.quant import quantized_length
 
 
 class PaddedPromptCache(DynamicCache):
@@ -182,7 +183,8 @@ def row_cache(cache: PaddedPromptCache, b: int) -> DynamicCache:
 def compact_rows(model, cache: PaddedPromptCache, compact_one, queries: list[torch.Tensor] | None, **options):
     """Each row of ``cache`` compacted alone by ``compact_one(model, row, queries=..., **options)``
     (:func:`stiefkv.compact`; ``queries``, when given, ``[B, H, m, d]`` a layer, split by row), joined into
-    one :class:`~stiefkv.compacted.CompactedCache` of the padded length."""
+    one :class:`~stiefkv.compacted.CompactedCache` of the padded length (on a served model one compacted
+    ``LatentCache``: :func:`_joined_latent`)."""
     from stiefkv.compacted import CompactedCache
 
     rows = []
@@ -204,12 +206,17 @@ def compact_rows(model, cache: PaddedPromptCache, compact_one, queries: list[tor
 
 def _joined_latent(model, rows: list[LatentCache], C: int) -> LatentCache:
     """Compacted latent caches of one row each joined into one of the padded length ``C``: each layer's
-    entries as stored, padded to the largest row's count in front, by a row's first entry again at β =
-    :data:`PAD_BETA` (never attended), stored as the model stores latents, with each row's own codes carried
-    over (log8 codes quantized again from their values could take another scale). In front, so that a
-    row's last entries stay in the slots a quantized store holds exact (its residual, its int8 window), as
-    they are in the row alone; per-token codes are then the row's own, and only channel groups (codes over
-    several tokens) fall elsewhere."""
+    entries as stored, padded to the largest row's count by a row's first entry again at β =
+    :data:`PAD_BETA` (never attended; where the pads go: :func:`_slots`), stored as the model stores latents,
+    with each row's own codes carried over (log8 codes quantized again from their values could take another
+    scale). Per-token codes and, where every quantized store of a layer holds channel groups of one
+    ``recent``, channel groups are then the row's own; of other mixes (per-token keys beside channel values,
+    channel stores of different ``recent``) channel groups fall elsewhere.
+
+    The padding is held as any entry is (``nbytes`` counts it): a layer holds the largest row's count for
+    every row (channel groups: up to a group more), so rows of very different lengths hold up to ``B``
+    times their own entries (rows of 5 and 300 tokens at keep 0.1, int3/int2 per-token stores: 1.9× the
+    rows' bytes alone)."""
     from stiefkv.compacted import _carry_key_codes
 
     joined = LatentCache()
@@ -217,20 +224,54 @@ def _joined_latent(model, rows: list[LatentCache], C: int) -> LatentCache:
     joined.basis_tags = dict(rows[0].basis_tags)
     dtype = next(model.parameters()).dtype
     for i, layer in enumerate(decoder_layers(model)):
-        n = max(r.prefix[i] for r in rows)
+        counts = [r.prefix[i] for r in rows]
+        coded = _coded_alone(counts, layer.self_attn.quant)
         parts, indices = [], []
-        for r in rows:
+        for b, r in enumerate(rows):
             z_k, z_v = r.read_layer(i, dtype)
-            front = n - r.prefix[i]
-            take = (torch.arange(n, device=z_k.device) - front).clamp(min=0)
+            take, pad = _slots(b, counts, coded, z_k.device)
             beta = r.beta[i].index_select(2, take)
-            beta[..., :front] = PAD_BETA
+            beta[..., pad] = PAD_BETA
             parts.append((z_k.index_select(2, take), z_v.index_select(2, take),
                           r.head_positions[i].index_select(2, take), beta))
-            indices.append(take.expand(*z_k.shape[:2], n))
+            indices.append(take.expand(*z_k.shape[:2], len(take)))
         joined.add_compacted_layer(*(torch.cat(x) for x in zip(*parts)), quant=layer.self_attn.quant)
         _carry_key_codes([r.layers[i] for r in rows], joined.layers[i], indices, stores=(0, 1))
     return joined
+
+
+def _coded_alone(counts: list[int], quant) -> list[int] | None:
+    """Each row's entries held as codes alone, where every quantized store of the layer (``quant``: its key
+    and value specs) holds ``channel`` groups of one ``recent``: the rows are then joined group-aligned
+    (:func:`_slots`). None otherwise (float or per-token stores, or several kinds: padding in front)."""
+    specs = [s for s in (quant or ()) if s.quantized]
+    if not specs or any(s.layout != "channel" or s.recent != specs[0].recent for s in specs):
+        return None
+    return [quantized_length(c, specs[0]) for c in counts]
+
+
+def _slots(b: int, counts: list[int], coded: list[int] | None, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row ``b``'s slots in a joined layer of rows kept to ``counts``: each slot's entry of the row (``take``)
+    and whether it is padding (``pad``).
+
+    Padding goes in front, so that the row's last entries stay in the slots its store holds exact (the
+    residual, the int8 window), as alone. Channel groups (``coded``: each row's entries held as codes alone,
+    :func:`_coded_alone`) need more: the row's coded entries end where the longest coded run ends, the pads
+    before them whole groups, so that its groups are its own; and its exact entries end the layer, the pads
+    between, so that the group still filling holds them all (behind the largest count, a short row's tail,
+    exact alone, fell in a full group, and a longer row's groups shifted: int2-channel, 0.17 on the logits
+    from the row alone, against 0.06 for the row alone from its uncompacted cache)."""
+    if coded is None:
+        slot = torch.arange(max(counts), device=device) - (max(counts) - counts[b])
+        return slot.clamp(min=0), slot < 0
+    codes, tail = max(coded), max(c - h for c, h in zip(counts, coded))
+    h, n = coded[b], codes + tail
+    exact = counts[b] - h  # the row's entries behind its codes, which end the layer in every row
+    slot = torch.arange(n, device=device)
+    front = slot < codes
+    entry = torch.where(front, slot - (codes - h), slot - (n - exact) + h)
+    pad = torch.where(front, slot < codes - h, slot < n - exact)
+    return torch.where(pad, 0, entry), pad
 
 
 def _entries_padded(row, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

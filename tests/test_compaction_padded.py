@@ -379,3 +379,36 @@ def test_a_served_padded_compacted_batch_is_read_by_the_kernels_as_by_the_refere
                                  **{cache_keyword(model): cache}).logits
     assert torch.isfinite(out["triton"]).all()
     torch.testing.assert_close(out["triton"], out["reference"], atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("specs", [("int2-channel", "int2-channel"), ("int4-channel-r5", "int2-channel-r5")])
+def test_a_short_row_joined_with_a_long_one_keeps_its_channel_groups_and_exact_tail(specs):
+    """Channel stores of one ``recent``: a short row's entries, held exact alone (the group still filling),
+    stay exact beside a long row, and each row's codes stay in groups of their own, so every row's logits
+    behind the joined cache equal its own compacted alone (before, padded in front to the largest count:
+    0.16 for the short row, whose tail fell in a full int2 group, against 0.06 for the row alone from its
+    uncompacted cache). The first question token's: the tokens appended fill the one group still filling
+    of the joined layer, which quantizes at another count than each row's alone (not compared)."""
+    from stiefkv.attention import compressed
+    from stiefkv.models import dims_of
+    from stiefkv.quant import QuantSpec
+    from tests.tiny import random_projections
+
+    model = tiny_model(layers=2)
+    key = cache_keyword(model)
+    lengths = (60, 400)
+    ids, mask, rows = batch(13, lengths)
+    C = mask.shape[1]
+    proj = random_projections(model, 9, 7)
+    proj.quant = [tuple(QuantSpec.parse(s) for s in specs)] * dims_of(model.config).L
+    with compressed(model, proj), torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16),
+                                keep=0.5)
+        positions = torch.tensor(lengths)[:, None] + torch.arange(Q)
+        got = model(ids[:, C:], position_ids=positions, attention_mask=question_mask(mask, Q),
+                    **{key: cache}).logits
+        for b, (own, L) in enumerate(zip(rows, lengths)):
+            alone = stiefkv.compact(model, stiefkv.prefill(model, own[:, :L], window=16), keep=0.5)
+            want = model(own[:, L:], position_ids=torch.arange(L, L + Q)[None], **{key: alone}).logits
+            assert (got[b, 0] - want[0, 0]).abs().max() < 1e-4, b
+
