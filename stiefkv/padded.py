@@ -157,11 +157,19 @@ def check_row_queries(queries, rows: int) -> None:
     row's are its slice, checked in full where that row is compacted."""
     if queries is None:
         return
-    ok = isinstance(queries, (list, tuple)) and all(isinstance(q, torch.Tensor) and q.dim() == 4 and
-                                                    q.shape[0] == rows for q in queries)
-    if not ok:
-        raise ValueError(f"queries must be a list of one [batch {rows}, query heads, ≥ 1 queries, head dim] "
-                         "tensor a layer (rotated, as stiefkv.prefill keeps them), one row a prompt")
+    if not isinstance(queries, (list, tuple)):
+        got = f"a {type(queries).__name__}"
+    else:
+        bad = [(i, q) for i, q in enumerate(queries)
+               if not (isinstance(q, torch.Tensor) and q.dim() == 4 and q.shape[0] == rows)]
+        if not bad:
+            return
+        i, q = bad[0]  # the first wrong layer named, with what it holds: the caller's own mistake to find
+        got = f"layer {i} " + (f"of shape {list(q.shape)}" if isinstance(q, torch.Tensor) else
+                               f"a {type(q).__name__}")
+    raise ValueError(f"queries must be a list of one [batch {rows}, query heads, ≥ 1 queries, head dim] "
+                     "tensor a layer (rotated, as stiefkv.prefill keeps them), one row a prompt of the "
+                     f"padded batch; got {got}")
 
 
 def row_cache(cache: PaddedPromptCache, b: int) -> DynamicCache:

@@ -412,3 +412,17 @@ def test_a_short_row_joined_with_a_long_one_keeps_its_channel_groups_and_exact_t
             want = model(own[:, L:], position_ids=torch.arange(L, L + Q)[None], **{key: alone}).logits
             assert (got[b, 0] - want[0, 0]).abs().max() < 1e-4, b
 
+
+def test_wrong_queries_for_padded_prompts_are_named():
+    """queries= of another batch, or not a list: the message names the layer and what it holds (before: the
+    same sentence for every mistake, naming nothing given)."""
+    model = tiny_model(layers=2)
+    ids, mask, _ = batch(33)
+    C = mask.shape[1]
+    with torch.no_grad():
+        cache = stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8)
+        one_row = [q[:1] for q in cache.row_queries[0]]
+        with pytest.raises(ValueError, match=r"of the padded batch; got layer 0 of shape \[1, "):
+            stiefkv.compact(model, cache, keep=0.3, queries=one_row)
+        with pytest.raises(ValueError, match="got a Tensor"):
+            stiefkv.compact(model, cache, keep=0.3, queries=one_row[0])
