@@ -58,6 +58,19 @@ class PaddedPromptCache(DynamicCache):
     # cache whose length is None (as a CompactedCache once reset)
     length = None
 
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """The padded prompts' columns, as the layers of an unserved model's hold them (a served model's
+        rows are held apart, with no layers)."""
+        return self.columns if self.rows is not None else super().get_seq_length(layer_idx)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache: its layers' keys and values, or a served model's rows' latents."""
+        if self.rows is not None:
+            return sum(r.nbytes for r in self.rows)
+        held = (t for layer in self.layers for t in (layer.keys, layer.values))
+        return sum(t.nbytes for t in held if isinstance(t, torch.Tensor))
+
     # each row's fitting data follows every batch edit of its keys (beams, a selection of rows): otherwise
     # compact would cut a row from another's columns and fit it to another's queries, silently
     def _rows_follow(self, index: torch.Tensor) -> None:
@@ -225,7 +238,7 @@ def _joined_latent(model, rows: list[LatentCache], C: int) -> LatentCache:
     every row (channel groups: up to a group more), so rows of very different lengths hold up to ``B``
     times their own entries (rows of 5 and 300 tokens at keep 0.1, int3/int2 per-token stores: 1.9× the
     rows' bytes alone)."""
-    from stiefkv.compacted import _carry_key_codes
+    from stiefkv.compacted import _carry_codes
 
     joined = LatentCache()
     joined.length = C
@@ -244,7 +257,7 @@ def _joined_latent(model, rows: list[LatentCache], C: int) -> LatentCache:
                           r.head_positions[i].index_select(2, take), beta))
             indices.append(take.expand(*z_k.shape[:2], len(take)))
         joined.add_compacted_layer(*(torch.cat(x) for x in zip(*parts)), quant=layer.self_attn.quant)
-        _carry_key_codes([r.layers[i] for r in rows], joined.layers[i], indices, stores=(0, 1))
+        _carry_codes([r.layers[i] for r in rows], joined.layers[i], indices, stores=(0, 1))
     return joined
 
 

@@ -201,6 +201,7 @@ def test_padded_prompts_on_a_served_model_continue_as_each_row_compacted_alone(s
         proj.quant = [tuple(QuantSpec.parse(s) for s in specs)] * dims_of(model.config).L
     with compressed(model, proj), torch.no_grad():
         padded = stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16)
+        assert padded.get_seq_length() == C and padded.nbytes == sum(r.nbytes for r in padded.rows) > 0
         with pytest.raises(ValueError, match="holds each row's latents apart, for stiefkv.compact only"):
             model(ids[:, C:C + 1], **{key: padded})
         keep = 0.3 if tol < 1e-3 else 0.9
