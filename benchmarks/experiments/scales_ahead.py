@@ -10,7 +10,8 @@ iteration, converted through shared memory to the decode's layout before the fir
 TTGIR of ``kernel_sass.py``'s build, triton 3.6). The variant issues the next tile's scale and low loads
 after this tile's decode and carries them in registers (four ``[256]`` fp16 vectors), so their latency
 overlaps the dots and the softmax. Statically it is the same loop (1367 against 1368 instructions a tile,
-255 against 250 registers, triton 3.6); only a timing tells.
+255 against 250 registers, triton 3.6). Timed on an H100 (2026-12-07, docs/notes/kernel-tries.md): 1.14× the
+default's time at 16×16k and 4×128k, so not kept.
 
 The variant is built from ``stiefkv/kernels/lowrank.py`` by replacing lines of ``_attend_range`` (as
 ``ablate_decode.py``), so it always matches the kernel in the tree. Its edit holds for token-layout int4
