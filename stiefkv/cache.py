@@ -18,6 +18,7 @@ import weakref
 import torch
 from torch import nn
 
+from stiefkv.compaction import PAD_BETA
 from stiefkv.kernels import reference
 from stiefkv.quant import (
     FLOAT,
@@ -71,6 +72,8 @@ class LatentCache(_dynamic_cache_class()):
         self.appended_ids: torch.Tensor | None = None  # behind a compacted prefix: see record_appended
         self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
         self.row_lengths: torch.Tensor | None = None  # [B] of prompts of different lengths: stiefkv.padded
+        self.appended_mask: torch.Tensor | None = None  # behind a compacted prefix: see appended_bias
+        self.incoming: torch.Tensor | None = None
         self.basis_tags: dict[int, str] = {}  # which bases wrote each layer: see check_bases
 
     @property
@@ -173,13 +176,10 @@ class LatentCache(_dynamic_cache_class()):
                              "cache continues the batch it was filled with (a new cache, or cache.reset(), "
                              "for another)")
         # the mask is read before anything is written: a forward it refuses leaves the cache as it was
-        if self.length is not None:
-            # the layers share the mask: one read back a forward, not one a layer. A compacted prefix has no
-            # padding, nor may what follows it; of padded prompts the mask spans their padding columns, not
-            # the entries, and its 2-D form is checked instead (stiefkv.padded.refuse_wrong_padding)
-            if layer_idx == 0 and self.row_lengths is None:
-                refuse_padding(attention_mask)
-        elif layer_idx == 0:
+        # behind a compacted prefix the model's 4-D mask is sized by the entries held, not the tokens its 2-D
+        # mask spans, so it is not read: stiefkv.compacted checks the 2-D mask, and padding among the tokens
+        # appended reaches the kernels as their β (appended_bias)
+        if self.length is None and layer_idx == 0:
             held = 0 if self.positions is None else self.positions.shape[1]
             lengths = lengths_from_mask(attention_mask, z_k.shape[0], held + z_k.shape[2])
         z_k, z_v = self._write(z_k, z_v, layer_idx)
@@ -199,7 +199,8 @@ class LatentCache(_dynamic_cache_class()):
         n = held - self.head_positions[i].shape[2]
         new = positions[:, -n:].to(torch.int32)[:, None].expand(B, G, n)
         self.head_positions[i] = torch.cat([self.head_positions[i], new], 2)
-        self.beta[i] = torch.cat([self.beta[i], self.beta[i].new_zeros(B, G, n)], 2)
+        beta = appended_bias(self.incoming, n, self.beta[i])
+        self.beta[i] = torch.cat([self.beta[i], beta[:, None].expand(B, G, n)], 2)
         return self.head_positions[i]
 
     def exact_tails(self, layer_idx: int):
@@ -218,7 +219,7 @@ class LatentCache(_dynamic_cache_class()):
     def _compacted_rows(self, fn) -> None:
         self.head_positions = [fn(t) for t in self.head_positions]
         self.beta = [fn(t) for t in self.beta]
-        for name in ("appended_ids", "prompt_ids"):
+        for name in ("appended_ids", "prompt_ids", "appended_mask"):
             if isinstance(getattr(self, name), torch.Tensor):
                 setattr(self, name, fn(getattr(self, name)))
         if self.row_lengths is not None:  # on the rows' device from then on: beams reorder every step
@@ -264,8 +265,9 @@ class LatentCache(_dynamic_cache_class()):
                 layer.keys, layer.values = layer.keys[..., :keep, :], layer.values[..., :keep, :]
             self.head_positions[i] = self.head_positions[i][..., :keep]
             self.beta[i] = self.beta[i][..., :keep]
-        if isinstance(self.appended_ids, torch.Tensor):
-            self.appended_ids = self.appended_ids[:, : after - remove]
+        for name in ("appended_ids", "appended_mask"):
+            if isinstance(getattr(self, name), torch.Tensor):
+                setattr(self, name, getattr(self, name)[:, : after - remove])
 
     def batch_repeat_interleave(self, repeats: int):
         super().batch_repeat_interleave(repeats)
@@ -287,7 +289,7 @@ class LatentCache(_dynamic_cache_class()):
         self.layers.clear()
         self.basis_tags = {}
         self.positions = self.lengths = self.length = self.appended_ids = self.prompt_ids = None
-        self.row_lengths = None
+        self.row_lengths = self.appended_mask = self.incoming = None
         self.prefix, self.head_positions, self.beta = [], [], []
 
 
@@ -699,12 +701,59 @@ def left_pads(attention_mask: torch.Tensor) -> torch.Tensor:
     return pads
 
 
-def refuse_padding(mask: torch.Tensor | None) -> None:
-    """A clear error when the model's 4-D mask hides a key from the last query (padding). For a compacted
-    cache only padding is read from the mask: it is sized by layer 0's count, which the other layers do
-    not share, and causality comes from the kernels."""
-    if isinstance(mask, torch.Tensor) and mask.dim() == 4 and not bool(_visible(mask[:, 0, -1]).all()):
-        raise ValueError("a compacted cache holds unpadded rows only; continue it without padding")
+def appended_bias(incoming: torch.Tensor | None, n: int, like: torch.Tensor) -> torch.Tensor:
+    """The logit bias ``[B, n]`` (``like``'s dtype and device) of the ``n`` tokens a forward appends behind
+    a compacted prefix: 0 for a token, :data:`~stiefkv.compaction.PAD_BETA` for padding, so that padding is
+    never attended, then or later. ``incoming``: the forward's columns ``[B, n]`` of its 2-D attention mask
+    (True for a token), which :mod:`stiefkv.compacted`'s check of the forward sets on the cache; None when
+    it had no mask."""
+    B = like.shape[0]
+    if incoming is None:
+        return like.new_zeros(B, n)
+    real = incoming[:, -n:].to(like.device)
+    return torch.where(real, 0.0, PAD_BETA).to(like.dtype).expand(B, n)
+
+
+def record_appended_mask(cache, n: int) -> None:
+    """Remember which of the ``n`` tokens a forward appended behind a compacted prefix were padding
+    (``cache.incoming``, None for none): the rows' own positions count their tokens only
+    (:func:`real_appended`), and a ``CompactedCache`` reads them again at every forward."""
+    if getattr(cache, "length", None) is None or not n:
+        return
+    incoming, old = getattr(cache, "incoming", None), getattr(cache, "appended_mask", None)
+    if incoming is None:
+        rows = old.shape[0] if old is not None else _rows_held(cache)
+        device = old.device if old is not None else None
+        incoming = torch.ones(rows, n, dtype=torch.bool, device=device)
+    incoming = incoming[:, -n:]
+    cache.appended_mask = incoming if old is None else torch.cat([old, incoming.to(old.device)], 1)
+    cache.incoming = None
+
+
+def first_token_positions(positions: torch.Tensor, incoming: torch.Tensor | None) -> torch.Tensor:
+    """Each row's position ``[B]`` (``[1]`` for positions shared by the rows and no mask; on the host) of the
+    first of a forward's new tokens that is not padding (``incoming``: their mask columns, True for a token;
+    None for none padded); -1 for a row whose new tokens are all padding. Padding takes any position (the
+    mask's count, or 0), so the rows' positions are read at their tokens."""
+    pos = positions.detach().reshape(-1, positions.shape[-1]).cpu()
+    if incoming is None:
+        return pos[:, 0]
+    real = incoming.cpu()
+    pos = pos.expand(real.shape[0], -1) if pos.shape[0] == 1 else pos
+    first = pos.gather(1, real.to(torch.uint8).argmax(1, keepdim=True))[:, 0]
+    return torch.where(real.any(1), first, -1)
+
+
+def _rows_held(cache) -> int:
+    beta = getattr(cache, "beta", None)
+    return beta[0].shape[0] if beta else 1
+
+
+def real_appended(cache) -> torch.Tensor | int:
+    """The tokens, not padding, appended behind a compacted prefix: ``[B]``, or the count for every row where
+    none was recorded as padding."""
+    mask = getattr(cache, "appended_mask", None)
+    return mask.sum(1) if mask is not None else cache.get_seq_length() - cache.length
 
 
 def lengths_from_mask(mask: torch.Tensor | None, batch: int, n_keys: int) -> torch.Tensor | None:

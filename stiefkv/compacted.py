@@ -33,12 +33,15 @@ from stiefkv import padded, presses
 from stiefkv.cache import (
     LatentCache,
     QuantizedLatentLayer,
+    appended_bias,
     cache_keyword,
+    first_token_positions,
+    real_appended,
     record_appended,
+    record_appended_mask,
     refuse_another_prompt,
     refuse_another_question,
     refuse_no_tokens,
-    refuse_padding,
     tokens_to_crop,
 )
 from stiefkv.compaction import METHODS, compact_layers, effective_options
@@ -66,6 +69,8 @@ class CompactedCache(DynamicCache):
         self.appended_ids: torch.Tensor | str | None = None  # cache.record_appended
         self.row_lengths: torch.Tensor | None = None  # [B] of prompts of different lengths: stiefkv.padded
         self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
+        self.appended_mask: torch.Tensor | None = None  # which appended tokens were padding: appended_bias
+        self.incoming: torch.Tensor | None = None
 
     def __getstate__(self):
         # a weak reference does not pickle: the copy (torch.save, multiprocessing) checks its model again
@@ -77,7 +82,7 @@ class CompactedCache(DynamicCache):
         self.beta = [fn(b) for b in self.beta]
         if self.row_lengths is not None:  # on the rows' device from then on: beams reorder every step
             self.row_lengths = fn(self.row_lengths.to(self.beta[0].device))
-        for name in ("appended_ids", "prompt_ids"):
+        for name in ("appended_ids", "prompt_ids", "appended_mask"):
             if isinstance(getattr(self, name), torch.Tensor):
                 setattr(self, name, fn(getattr(self, name)))
 
@@ -103,8 +108,10 @@ class CompactedCache(DynamicCache):
         remove = tokens_to_crop(self.get_seq_length(), self.length, size)
         if remove > 0:
             super().crop(-remove)  # in held entries, which the appended tokens are one each
-        if isinstance(self.appended_ids, torch.Tensor):
-            self.appended_ids = self.appended_ids[:, : max(0, self.get_seq_length() - self.length)]
+        after = max(0, self.get_seq_length() - self.length)
+        for name in ("appended_ids", "appended_mask"):
+            if isinstance(getattr(self, name), torch.Tensor):
+                setattr(self, name, getattr(self, name)[:, :after])
 
     def reset(self) -> None:
         """An empty cache, continued as an ordinary ``DynamicCache`` (as ``LatentCache.reset``): the layers
@@ -114,6 +121,7 @@ class CompactedCache(DynamicCache):
         self.layers.clear()
         self.prefix, self.beta = [], []
         self.length = self.appended_ids = self.masked_for = self.row_lengths = self.prompt_ids = None
+        self.appended_mask = self.incoming = None
 
     masked_for: int | None = None  # the layer whose mask the hook of install_hooks set last
 
@@ -145,16 +153,21 @@ class CompactedCache(DynamicCache):
 
     def mask(self, layer_idx: int, new: int, heads: int, dtype: torch.dtype) -> torch.Tensor:
         """The additive mask ``[B, heads, new, held + new]`` of ``new`` tokens about to enter layer
-        ``layer_idx``: β on the compacted prefix (each KV head's for its query heads), 0 on the tokens
-        appended since, causal among the new."""
+        ``layer_idx``: β on the compacted prefix (each KV head's for its query heads), on the tokens appended
+        since and the new ones 0, or :data:`~stiefkv.compaction.PAD_BETA` where they are padding
+        (:func:`~stiefkv.cache.appended_bias`), causal among the new."""
         beta = self.beta[layer_idx]
         B, G, t = beta.shape
         held = self.layers[layer_idx].get_seq_length()
         low = torch.finfo(dtype).min
         front = beta.to(dtype).repeat_interleave(heads // G, 1)[:, :, None, :].expand(B, heads, new, t)
-        middle = torch.zeros(B, heads, new, held - t, dtype=dtype, device=beta.device)
+        like = beta.new_zeros(B, 0, dtype=dtype)
+        middle = appended_bias(self.appended_mask, held - t, like) if held > t else like
         causal = torch.full((new, new), low, dtype=dtype, device=beta.device).triu(1)
-        return torch.cat([front, middle, causal.expand(B, heads, new, new)], -1)
+        fresh = causal + appended_bias(self.incoming, new, like)[:, None, None]
+        behind = torch.cat([middle[:, None, None].expand(B, heads, new, held - t),
+                            fresh.expand(B, heads, new, new)], -1)
+        return torch.cat([front, behind], -1)
 
 
 def _refuse_another_model(cache: CompactedCache, attn) -> None:
@@ -200,12 +213,9 @@ def install_hooks(model) -> None:
                 return None
             hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
             refuse_no_tokens(hidden, cache)
+            # the cache's own mask replaces the model's, which is sized by the entries held, not the tokens
+            # the 2-D mask spans: _check_forward read that one, and the padding it marks is in the cache's
             if i == 0:
-                # the cache's own mask would drop padding silently; the layers share one mask. Of padded
-                # prompts the model's mask spans the prompts' padding columns, not the entries: the 2-D one
-                # is checked (_check_forward)
-                if cache.row_lengths is None:
-                    refuse_padding(kwargs.get("attention_mask"))
                 _refuse_another_model(cache, module)
             kwargs["attention_mask"] = cache.mask(i, hidden.shape[1], heads, hidden.dtype)
             cache.masked_for = i
@@ -218,18 +228,33 @@ QUESTION_GUARD = "_stiefkv_question_guard"
 
 
 def _check_forward(module, args, kwargs):
+    """Before a forward over a compacted cache: its rows, the prompt's padding in its 2-D mask (read back
+    once a forward, as the layers' check of the 4-D mask it replaces was) and its positions; then the mask's
+    columns of the new tokens are set on the cache (``incoming``), which their β follows."""
     cache = _cache_argument(kwargs)
     if cache is None:
         return
     _refuse_other_rows(cache, kwargs, args)
-    if getattr(cache, "row_lengths", None) is not None and cache.length is not None:
-        tokens = _tokens_of(kwargs, args)
-        if tokens >= 2:  # reading the mask back waits for the device, which a decode step should not
-            padded.refuse_wrong_padding(cache, kwargs.get("attention_mask"))
-        padded.refuse_wrong_positions(cache, kwargs, tokens)
+    if getattr(cache, "length", None) is None:
         return
-    _refuse_padded_tokens(cache, kwargs)
-    _refuse_positions_held(cache, kwargs)
+    tokens, mask = _tokens_of(kwargs, args), _mask_2d(kwargs)
+    cache.incoming = mask[:, mask.shape[1] - tokens:].bool() if mask is not None and tokens else None
+    if getattr(cache, "row_lengths", None) is not None:
+        padded.refuse_wrong_padding(cache, mask)
+        padded.refuse_wrong_positions(cache, kwargs, tokens)
+    else:
+        _refuse_padded_prompt(cache, mask)
+        _refuse_positions_held(cache, kwargs)
+
+
+def _mask_2d(kwargs: dict) -> torch.Tensor | None:
+    """The forward's 2-D attention mask, or None; a 4-D one is refused over a compacted cache, whose own
+    mask replaces it."""
+    mask = kwargs.get("attention_mask")
+    if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
+        return mask
+    raise ValueError("a compacted cache takes a 2-D attention_mask (1 for a token, 0 for padding) or none: "
+                     "its own mask, with its β, replaces the model's")
 
 
 def _tokens_of(kwargs: dict, args: tuple) -> int:
@@ -245,6 +270,7 @@ def _record_ids(module, args, kwargs, output):
     cache = _cache_argument(kwargs)
     if cache is not None:
         record_appended(cache, kwargs.get("input_ids", args[0] if args else None))
+        record_appended_mask(cache, _tokens_of(kwargs, args))
 
 
 def _refuse_other_rows(cache, kwargs: dict, args: tuple) -> None:
@@ -261,45 +287,48 @@ def _refuse_other_rows(cache, kwargs: dict, args: tuple) -> None:
                      "that prompt alone)")
 
 
-def _refuse_padded_tokens(cache, kwargs: dict) -> None:
-    """Padding in a forward over a compacted cache: refused. The layers' checks see the model's 4-D mask
-    cut to the entries held, which after compaction are fewer than the tokens the user's 2-D mask spans,
-    so they read the prompt's columns of it and missed padding in the tokens appended behind them. As
-    in :func:`_refuse_positions_held`, forwards of several tokens only (a decode step of one token is
-    never padded, and reading the mask back would wait for the device)."""
-    mask = kwargs.get("attention_mask")
-    if getattr(cache, "length", None) is None or not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+def _refuse_padded_prompt(cache, mask: torch.Tensor | None) -> None:
+    """Padding in the columns of a prompt compacted unpadded: refused (its entries stand for every token of
+    it; prompts of different lengths are prefilled with their mask, :mod:`stiefkv.padded`). The tokens
+    appended behind it may be padded: their β follows the mask."""
+    if mask is None:
         return
-    ids = kwargs.get("input_ids")
-    ids = kwargs.get("inputs_embeds") if ids is None else ids
-    if not isinstance(ids, torch.Tensor) or ids.dim() < 2 or ids.shape[1] < 2:
-        return
-    hidden = mask == 0  # the prompt's columns too: prefill takes unpadded prompts only
+    hidden = mask[:, :cache.length] == 0
     if bool(hidden.any()):
         rows = hidden.any(-1).nonzero().flatten().tolist()
-        raise ValueError(f"the attention_mask pads row(s) {', '.join(map(str, rows[:8]))} of a compacted "
-                         "cache's batch: a compacted cache holds unpadded rows only; continue it with "
-                         "unpadded tokens (rows of one length, or one row at a time)")
+        raise ValueError(f"the attention_mask pads row(s) {', '.join(map(str, rows[:8]))} inside the prompt "
+                         f"of {cache.length} tokens this cache was compacted from unpadded: pass ones over "
+                         "its columns (tokens after it may be padded). Prompts of different lengths: prefill "
+                         "them with their mask, stiefkv.prefill(model, ids, attention_mask=mask)")
 
 
 def _refuse_positions_held(cache, kwargs: dict) -> None:
     """A forward over positions a compacted cache already holds would attend to the prompt twice (assisted
-    and prompt-lookup decoding feed the prompt again on their first step): refused."""
-    if getattr(cache, "length", None) is None:
-        return
-    at = kwargs.get("cache_position")
-    if at is None and kwargs.get("position_ids") is not None:
-        at = kwargs["position_ids"]
+    and prompt-lookup decoding feed the prompt again on their first step): refused. By the cache slots where
+    the forward says them (``cache_position``), else by each row's first position, which counts the tokens
+    appended, not their padding (:func:`~stiefkv.cache.real_appended`)."""
+    slots, positions = kwargs.get("cache_position"), kwargs.get("position_ids")
+    at = slots if isinstance(slots, torch.Tensor) else positions
     # a forward of several tokens only: reading positions back waits for the device, which a decode step of
     # one token (the path this hook sits on) should not; re-reading the prompt is always several
     if not isinstance(at, torch.Tensor) or at.shape[-1] < 2:
         return
-    held = cache.get_seq_length()
-    if int(at.min()) < held:
-        raise ValueError(f"this forward starts at position {int(at.min())} and the compacted cache "
-                         f"already holds {held} (its compacted prompt and the tokens since): feed only the "
-                         "new tokens. Assisted and prompt-lookup generate re-read the prompt, which a "
-                         "compacted cache no longer has: generate without them")
+    if at is slots:
+        first, held = int(at.min()), cache.get_seq_length()
+    else:
+        starts = first_token_positions(at, getattr(cache, "incoming", None))
+        held_by_row = torch.as_tensor(cache.length + real_appended(cache)).cpu()
+        below = ((starts < held_by_row) & (starts >= 0)).nonzero().flatten()
+        if not len(below):
+            return
+        row = int(below[0])
+        first = int(starts[min(row, len(starts) - 1)])
+        held = int(held_by_row.reshape(-1)[min(row, held_by_row.numel() - 1)])
+    if first < held:
+        raise ValueError(f"this forward starts at position {first} and the compacted cache already holds "
+                         f"{held} (its compacted prompt and the tokens since): feed only the new tokens. "
+                         "Assisted and prompt-lookup generate re-read the prompt, which a compacted cache no "
+                         "longer has: generate without them")
 
 
 def _checked_inputs(self, input_ids, *args, **kwargs):

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 from transformers import DynamicCache
 
-from stiefkv.cache import LatentCache
+from stiefkv.cache import LatentCache, first_token_positions, real_appended
 from stiefkv.compaction import PAD_BETA
 from stiefkv.models import decoder_layers
 from stiefkv.quant import quantized_length
@@ -309,15 +309,17 @@ def _entries_padded(row, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 # ------------------------------------------------------------------------------------ continuing the batch
 def next_positions(cache) -> torch.Tensor:
-    """Each row's next position ``[B]`` (host): its prompt's length and the tokens appended since."""
-    return cache.row_lengths.cpu() + (cache.get_seq_length() - cache.length)
+    """Each row's next position ``[B]`` (host): its prompt's length and the tokens appended since, not their
+    padding."""
+    return (cache.row_lengths.cpu() + torch.as_tensor(real_appended(cache)).cpu()).long()
 
 
 def refuse_wrong_padding(cache, mask, required: bool = False) -> None:
     """A clear error unless the 2-D ``mask`` of a forward or ``generate`` over a compacted cache of padded
-    prompts pads each row's prompt as it was prefilled and nothing after it: ``generate`` takes the rows'
-    positions from it, and other padding would read them at other positions. ``required``: no mask is an
-    error too (``generate``; a forward takes the positions from ``position_ids``)."""
+    prompts pads each row's prompt as it was prefilled: ``generate`` takes the rows' positions from it, and
+    other padding would read them at other positions (the tokens after the prompts may be padded: their β
+    follows the mask). ``required``: no mask is an error too (``generate``; a forward takes the positions
+    from ``position_ids``)."""
     if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
         if required:
             raise ValueError(WRONG_MASK.format(lengths=_listed(cache.row_lengths), C=cache.length))
@@ -325,14 +327,12 @@ def refuse_wrong_padding(cache, mask, required: bool = False) -> None:
     C, lengths = cache.length, cache.row_lengths.cpu()
     want = torch.arange(C)[None] >= (C - lengths)[:, None]
     have = mask.detach().cpu()
-    if have.shape[0] != want.shape[0] or have.shape[1] < C or not torch.equal(have[:, :C].bool(), want) \
-            or not bool(have[:, C:].bool().all()):
+    if have.shape[0] != want.shape[0] or have.shape[1] < C or not torch.equal(have[:, :C].bool(), want):
         raise ValueError(WRONG_MASK.format(lengths=_listed(lengths), C=C))
 
 
 WRONG_MASK = ("this compacted cache holds prompts of {lengths} tokens left-padded to {C}: pass the "
-              "attention_mask they were prefilled with, then ones for every token after it (the tokens "
-              "appended behind the prompts are unpadded)")
+              "attention_mask they were prefilled with, then the mask of the tokens after them")
 
 
 def _listed(values: torch.Tensor) -> str:
@@ -356,11 +356,11 @@ def refuse_wrong_positions(cache, kwargs: dict, tokens: int) -> None:
                          "forward, or to generate the attention_mask the prompts were prefilled with")
     if tokens < 2 or not isinstance(positions, torch.Tensor):
         return
-    first = positions.detach().reshape(-1, positions.shape[-1])[:, 0].cpu()
+    first = first_token_positions(positions, getattr(cache, "incoming", None))
     want = next_positions(cache)
     if first.shape[0] == 1:
         first = first.expand_as(want)
-    if first.shape != want.shape or not torch.equal(first, want):
+    if first.shape != want.shape or not bool(((first == want) | (first < 0)).all()):
         raise ValueError(f"position_ids start at {first.tolist()[:8]}, and the rows of this compacted cache "
                          f"continue at {want.tolist()[:8]} (each prompt's length and the tokens since): feed "
                          "only the new tokens, at those positions (to generate, pass the attention_mask the "

@@ -349,19 +349,23 @@ def test_a_compacted_cache_continues_at_the_original_positions_in_forward_and_ge
     got = model.generate(ids[:, :C + 1], **{key: cache}, max_new_tokens=new, do_sample=False)
     assert got.shape == (1, C + 1 + new) and cache.get_seq_length() == C + new
 
-    # padding is refused, not dropped by the cache's own mask
+    # padding inside the prompt compacted unpadded is refused, not dropped by the cache's own mask
     cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=16), keep=0.1)
     mask = torch.ones(1, 67, dtype=torch.long)
     mask[:, :3] = 0
-    with pytest.raises(ValueError, match="holds unpadded rows only"):
+    with pytest.raises(ValueError, match="pads row.s. 0 inside the prompt of 53 tokens"):
         model(ids[:, C:], attention_mask=mask, **{key: cache})
 
 
 @pytest.mark.parametrize("served", [False, True])
-def test_padding_behind_a_compacted_prompt_is_refused_at_any_keep(served):
-    """A question padded behind a compacted prompt: the layers' checks read the model's 4-D mask cut to the
-    entries held, fewer than the tokens the 2-D mask spans once compacted, so at keep 0.4 the padding was
-    attended silently (at 1.0 refused); generate said the prompt was read again. Refused at every keep."""
+def test_padding_behind_a_compacted_prompt_is_never_attended(served):
+    """Padding among the tokens behind a compacted prompt (a batch's questions of different lengths, or a
+    row that ended early in the last turn) gets β = PAD_BETA in the cache, then and in every later forward:
+    each row goes on as it does without its padding, at the positions its mask counts, in a forward, in a
+    one-token step and in generate, at any keep. Before, the layers' checks read the model's 4-D mask cut to
+    the entries held, and at keep 0.4 the padding was attended silently."""
+    import copy
+
     import stiefkv
     from tests.tiny import random_projections, tiny_model
 
@@ -370,19 +374,32 @@ def test_padding_behind_a_compacted_prompt_is_refused_at_any_keep(served):
         stiefkv.load(model, random_projections(model, 13, 11))
     ids = torch.randint(3, 97, (2, 40), generator=torch.Generator().manual_seed(0))
     C = 31
+    gap = [C, C + 1]  # row 0: two padding tokens first behind the prompt
     mask = torch.ones_like(ids)
-    mask[0, C:C + 2] = 0
+    mask[0, gap] = 0
+    positions = (mask.cumsum(1) - 1)[:, C:]
+    keep_cols = [c for c in range(C, 40) if c not in gap]
+    G = dict(max_new_tokens=4, do_sample=False, pad_token_id=0, eos_token_id=None)
     for keep in (0.4, 1.0):
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=keep)
-        with pytest.raises(ValueError, match=r"pads row\(s\) 0 .*unpadded rows only"):
-            model(ids[:, C:], attention_mask=mask, past_key_values=cache)
-        with pytest.raises(ValueError, match=r"pads row\(s\) 0 .*unpadded rows only"):
-            model.generate(ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
-    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
-    plain = model(ids[:, C:], past_key_values=cache).logits  # unpadded, with or without a mask of ones
-    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
-    ones = model(ids[:, C:], attention_mask=torch.ones_like(ids), past_key_values=cache).logits
-    assert torch.isfinite(plain).all() and torch.equal(plain, ones)
+        base = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=keep)
+        cache = copy.deepcopy(base)
+        got = model(ids[:, C:], attention_mask=mask, position_ids=positions, past_key_values=cache).logits
+        alone = copy.deepcopy(base)
+        alone.batch_select_indices(torch.tensor([0]))
+        want = model(ids[:1, keep_cols], position_ids=torch.arange(C, 38)[None], past_key_values=alone).logits
+        torch.testing.assert_close(got[0, 2:], want[0], atol=1e-5, rtol=1e-4)
+        # a later one-token step, padded or not, still never reads the padding
+        step = torch.tensor([[5], [6]])
+        more = torch.cat([mask, torch.ones(2, 1, dtype=mask.dtype)], 1)
+        nxt = model(step, attention_mask=more, position_ids=positions[:, -1:] + 1,
+                    past_key_values=cache).logits
+        ref = model(step[:1], position_ids=torch.tensor([[38]]), past_key_values=alone).logits
+        torch.testing.assert_close(nxt[0], ref[0], atol=1e-5, rtol=1e-4)
+        out = model.generate(ids, attention_mask=mask, past_key_values=copy.deepcopy(base), **G)
+        solo = copy.deepcopy(base)
+        solo.batch_select_indices(torch.tensor([0]))
+        one = model.generate(ids[:1, list(range(C)) + keep_cols], past_key_values=solo, **G)
+        assert torch.equal(out[0, 40:], one[0, 38:])
 
 
 @pytest.mark.parametrize("served", [False, True])
@@ -407,7 +424,7 @@ def test_a_refused_forward_leaves_a_compacted_cache_to_continue_and_other_rows_a
     model(ids[:, C:C + 2], past_key_values=cache)
     mask = torch.ones(2, C + 3, dtype=torch.long)
     mask[1, 4] = 0
-    with pytest.raises(ValueError, match="unpadded rows only"):
+    with pytest.raises(ValueError, match="inside the prompt"):
         model(ids[:, C + 2:C + 3], attention_mask=mask, past_key_values=cache)
     assert torch.equal(model.generate(ids, past_key_values=cache, **G), want)
 
