@@ -73,6 +73,7 @@ class LatentCache(_dynamic_cache_class()):
         self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
         self.row_lengths: torch.Tensor | None = None  # [B] of prompts of different lengths: stiefkv.padded
         self.appended_mask: torch.Tensor | None = None  # behind a compacted prefix: see appended_bias
+        # the mask columns of the forward under way's new tokens (set by stiefkv.compacted's check)
         self.incoming: torch.Tensor | None = None
         self.basis_tags: dict[int, str] = {}  # which bases wrote each layer: see check_bases
 
@@ -708,7 +709,7 @@ def appended_bias(incoming: torch.Tensor | None, n: int, like: torch.Tensor) -> 
     (True for a token), which :mod:`stiefkv.compacted`'s check of the forward sets on the cache; None when
     it had no mask."""
     B = like.shape[0]
-    if incoming is None:
+    if incoming is None or n == 0:
         return like.new_zeros(B, n)
     real = incoming[:, -n:].to(like.device)
     return torch.where(real, 0.0, PAD_BETA).to(like.dtype).expand(B, n)
@@ -717,17 +718,34 @@ def appended_bias(incoming: torch.Tensor | None, n: int, like: torch.Tensor) -> 
 def record_appended_mask(cache, n: int) -> None:
     """Remember which of the ``n`` tokens a forward appended behind a compacted prefix were padding
     (``cache.incoming``, None for none): the rows' own positions count their tokens only
-    (:func:`real_appended`), and a ``CompactedCache`` reads them again at every forward."""
-    if getattr(cache, "length", None) is None or not n:
+    (:func:`real_appended`), and a ``CompactedCache`` reads them again at every forward. On the device of
+    the cache's β, where the layers read them."""
+    if getattr(cache, "length", None) is None or not n or not cache.beta:
         return
-    incoming, old = getattr(cache, "incoming", None), getattr(cache, "appended_mask", None)
+    beta, old = cache.beta[0], getattr(cache, "appended_mask", None)
+    incoming = getattr(cache, "incoming", None)
     if incoming is None:
-        rows = old.shape[0] if old is not None else _rows_held(cache)
-        device = old.device if old is not None else None
-        incoming = torch.ones(rows, n, dtype=torch.bool, device=device)
-    incoming = incoming[:, -n:]
-    cache.appended_mask = incoming if old is None else torch.cat([old, incoming.to(old.device)], 1)
+        incoming = torch.ones(beta.shape[0], n, dtype=torch.bool, device=beta.device)
+    incoming = incoming[:, -n:].to(beta.device)
+    cache.appended_mask = incoming if old is None else torch.cat([old, incoming], 1)
     cache.incoming = None
+
+
+def mask_appended(cache, held: torch.Tensor) -> None:
+    """Which of the tokens a compacted cache holds behind its prefix are padding, from a later forward's
+    mask ``held`` ``[B, appended]`` (True for a token): padding ``generate`` fed a row that ended early is
+    held as tokens, and the next turn's mask hides it. A ``LatentCache`` writes their β again in every
+    layer; a ``CompactedCache`` makes its mask from ``appended_mask`` at every forward."""
+    beta = cache.beta[0] if cache.beta else None
+    if beta is None or held.shape[0] != beta.shape[0]:
+        return
+    held = held.to(beta.device)
+    cache.appended_mask = held
+    if isinstance(cache, LatentCache):
+        for i, t in enumerate(cache.prefix):
+            n = cache.beta[i].shape[2] - t
+            if n == held.shape[1]:
+                cache.beta[i][..., t:] = appended_bias(held, n, cache.beta[i])[:, None]
 
 
 def first_token_positions(positions: torch.Tensor, incoming: torch.Tensor | None) -> torch.Tensor:
@@ -742,11 +760,6 @@ def first_token_positions(positions: torch.Tensor, incoming: torch.Tensor | None
     pos = pos.expand(real.shape[0], -1) if pos.shape[0] == 1 else pos
     first = pos.gather(1, real.to(torch.uint8).argmax(1, keepdim=True))[:, 0]
     return torch.where(real.any(1), first, -1)
-
-
-def _rows_held(cache) -> int:
-    beta = getattr(cache, "beta", None)
-    return beta[0].shape[0] if beta else 1
 
 
 def real_appended(cache) -> torch.Tensor | int:

@@ -36,6 +36,7 @@ from stiefkv.cache import (
     appended_bias,
     cache_keyword,
     first_token_positions,
+    mask_appended,
     real_appended,
     record_appended,
     record_appended_mask,
@@ -70,6 +71,7 @@ class CompactedCache(DynamicCache):
         self.row_lengths: torch.Tensor | None = None  # [B] of prompts of different lengths: stiefkv.padded
         self.prompt_ids: torch.Tensor | None = None  # the compacted prompt's: see refuse_another_prompt
         self.appended_mask: torch.Tensor | None = None  # which appended tokens were padding: appended_bias
+        # the mask columns of the forward under way's new tokens (set by its check, _check_forward)
         self.incoming: torch.Tensor | None = None
 
     def __getstate__(self):
@@ -160,14 +162,14 @@ class CompactedCache(DynamicCache):
         B, G, t = beta.shape
         held = self.layers[layer_idx].get_seq_length()
         low = torch.finfo(dtype).min
-        front = beta.to(dtype).repeat_interleave(heads // G, 1)[:, :, None, :].expand(B, heads, new, t)
-        like = beta.new_zeros(B, 0, dtype=dtype)
-        middle = appended_bias(self.appended_mask, held - t, like) if held > t else like
+        beta = beta.to(dtype)
+        front = beta.repeat_interleave(heads // G, 1)[:, :, None, :].expand(B, heads, new, t)
+        # the tokens appended since and the new ones: 0, or PAD_BETA where the mask said padding
+        since = appended_bias(self.appended_mask, held - t, beta)[:, None, None]
+        since = since.expand(B, heads, new, held - t)
         causal = torch.full((new, new), low, dtype=dtype, device=beta.device).triu(1)
-        fresh = causal + appended_bias(self.incoming, new, like)[:, None, None]
-        behind = torch.cat([middle[:, None, None].expand(B, heads, new, held - t),
-                            fresh.expand(B, heads, new, new)], -1)
-        return torch.cat([front, behind], -1)
+        fresh = (causal + appended_bias(self.incoming, new, beta)[:, None, None]).expand(B, heads, new, new)
+        return torch.cat([front, since, fresh], -1)
 
 
 def _refuse_another_model(cache: CompactedCache, attn) -> None:
@@ -228,33 +230,59 @@ QUESTION_GUARD = "_stiefkv_question_guard"
 
 
 def _check_forward(module, args, kwargs):
-    """Before a forward over a compacted cache: its rows, the prompt's padding in its 2-D mask (read back
-    once a forward, as the layers' check of the 4-D mask it replaces was) and its positions; then the mask's
-    columns of the new tokens are set on the cache (``incoming``), which their β follows."""
+    """Before a forward over a compacted cache: its rows, its 2-D mask's width, the prompt's padding in it
+    and its positions; then the cache takes the mask's padding of the tokens behind the prompt, held and new
+    (:func:`_take_padding`), which their β follows. The mask and positions are read back for forwards of
+    several tokens only (a turn's first): a decode step should not wait for the device."""
     cache = _cache_argument(kwargs)
     if cache is None:
         return
     _refuse_other_rows(cache, kwargs, args)
     if getattr(cache, "length", None) is None:
         return
-    tokens, mask = _tokens_of(kwargs, args), _mask_2d(kwargs)
-    cache.incoming = mask[:, mask.shape[1] - tokens:].bool() if mask is not None and tokens else None
+    tokens, mask = _tokens_of(kwargs, args), _mask_2d(cache, kwargs, _tokens_of(kwargs, args))
+    incoming = None if mask is None or not tokens else mask[:, -tokens:].bool()
+    held = None if mask is None else mask[:, cache.length:mask.shape[1] - tokens].bool()
+    if tokens >= 2:
+        if getattr(cache, "row_lengths", None) is not None:
+            padded.refuse_wrong_padding(cache, mask)
+        else:
+            _refuse_padded_prompt(cache, mask)
     if getattr(cache, "row_lengths", None) is not None:
-        padded.refuse_wrong_padding(cache, mask)
-        padded.refuse_wrong_positions(cache, kwargs, tokens)
+        padded.refuse_wrong_positions(cache, kwargs, tokens, incoming, held)
     else:
-        _refuse_padded_prompt(cache, mask)
-        _refuse_positions_held(cache, kwargs)
+        _refuse_positions_held(cache, kwargs, incoming, held)
+    _take_padding(cache, incoming, held, tokens)
 
 
-def _mask_2d(kwargs: dict) -> torch.Tensor | None:
-    """The forward's 2-D attention mask, or None; a 4-D one is refused over a compacted cache, whose own
-    mask replaces it."""
+def _mask_2d(cache, kwargs: dict, tokens: int) -> torch.Tensor | None:
+    """The forward's 2-D attention mask (None for none), as wide as the tokens the cache reports and the new
+    ones: its columns are the prompt's, those of the tokens appended since, then the new ones'. A 4-D mask
+    is refused over a compacted cache, whose own mask replaces it."""
     mask = kwargs.get("attention_mask")
-    if mask is None or (isinstance(mask, torch.Tensor) and mask.dim() == 2):
-        return mask
-    raise ValueError("a compacted cache takes a 2-D attention_mask (1 for a token, 0 for padding) or none: "
-                     "its own mask, with its β, replaces the model's")
+    if mask is None:
+        return None
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2:
+        shape = list(mask.shape) if isinstance(mask, torch.Tensor) else type(mask).__name__
+        raise ValueError(f"a compacted cache takes a 2-D attention_mask (1 for a token, 0 for padding) or "
+                         f"none, its own mask with its β replacing the model's; got {shape}")
+    want = cache.get_seq_length() + tokens
+    if mask.shape[1] != want:
+        raise ValueError(f"the attention_mask is {mask.shape[1]} columns wide; this compacted cache reports "
+                         f"{cache.get_seq_length()} tokens (its prompt of {cache.length} and the tokens "
+                         f"since) and the forward brings {tokens}: pass a mask of {want} columns, the "
+                         "prompt's first")
+    return mask
+
+
+def _take_padding(cache, incoming: torch.Tensor | None, held: torch.Tensor | None, tokens: int) -> None:
+    """Set on the cache which new tokens are padding (``incoming``, read by the layers as their β is made)
+    and, on a turn's first forward (several tokens), which of the tokens it holds behind the prompt are: a
+    row that ended early in the last turn holds the padding ``generate`` fed it as tokens, which the next
+    turn's mask hides (:func:`~stiefkv.cache.mask_appended`). Device tensors only: nothing is read back."""
+    cache.incoming = incoming
+    if held is not None and tokens >= 2 and held.shape[1]:
+        mask_appended(cache, held)
 
 
 def _tokens_of(kwargs: dict, args: tuple) -> int:
@@ -302,11 +330,13 @@ def _refuse_padded_prompt(cache, mask: torch.Tensor | None) -> None:
                          "them with their mask, stiefkv.prefill(model, ids, attention_mask=mask)")
 
 
-def _refuse_positions_held(cache, kwargs: dict) -> None:
+def _refuse_positions_held(cache, kwargs: dict, incoming: torch.Tensor | None,
+                           held: torch.Tensor | None) -> None:
     """A forward over positions a compacted cache already holds would attend to the prompt twice (assisted
     and prompt-lookup decoding feed the prompt again on their first step): refused. By the cache slots where
-    the forward says them (``cache_position``), else by each row's first position, which counts the tokens
-    appended, not their padding (:func:`~stiefkv.cache.real_appended`)."""
+    the forward says them (``cache_position``), else by each row's first position of a token (``incoming``:
+    the new tokens' mask), against the prompt and the tokens appended since, not their padding (``held``:
+    the mask's columns of those, else as recorded: :func:`~stiefkv.cache.real_appended`)."""
     slots, positions = kwargs.get("cache_position"), kwargs.get("position_ids")
     at = slots if isinstance(slots, torch.Tensor) else positions
     # a forward of several tokens only: reading positions back waits for the device, which a decode step of
@@ -314,21 +344,21 @@ def _refuse_positions_held(cache, kwargs: dict) -> None:
     if not isinstance(at, torch.Tensor) or at.shape[-1] < 2:
         return
     if at is slots:
-        first, held = int(at.min()), cache.get_seq_length()
+        first, limit = int(at.min()), cache.get_seq_length()
+        if first >= limit:
+            return
     else:
-        starts = first_token_positions(at, getattr(cache, "incoming", None))
-        held_by_row = torch.as_tensor(cache.length + real_appended(cache)).cpu()
-        below = ((starts < held_by_row) & (starts >= 0)).nonzero().flatten()
+        appended = held.sum(1) if held is not None else real_appended(cache)
+        starts, limits = torch.broadcast_tensors(first_token_positions(at, incoming),
+                                                 torch.as_tensor(cache.length + appended).cpu())
+        below = ((starts >= 0) & (starts < limits)).nonzero().flatten()
         if not len(below):
             return
-        row = int(below[0])
-        first = int(starts[min(row, len(starts) - 1)])
-        held = int(held_by_row.reshape(-1)[min(row, held_by_row.numel() - 1)])
-    if first < held:
-        raise ValueError(f"this forward starts at position {first} and the compacted cache already holds "
-                         f"{held} (its compacted prompt and the tokens since): feed only the new tokens. "
-                         "Assisted and prompt-lookup generate re-read the prompt, which a compacted cache no "
-                         "longer has: generate without them")
+        first, limit = int(starts[below[0]]), int(limits[below[0]])
+    raise ValueError(f"this forward starts at position {first} and the compacted cache already holds "
+                     f"{limit} (its compacted prompt and the tokens since, not their padding): feed only the "
+                     "new tokens. Assisted and prompt-lookup generate re-read the prompt, which a compacted "
+                     "cache no longer has: generate without them")
 
 
 def _checked_inputs(self, input_ids, *args, **kwargs):

@@ -308,10 +308,11 @@ def _entries_padded(row, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, to
 
 
 # ------------------------------------------------------------------------------------ continuing the batch
-def next_positions(cache) -> torch.Tensor:
+def next_positions(cache, held: torch.Tensor | None = None) -> torch.Tensor:
     """Each row's next position ``[B]`` (host): its prompt's length and the tokens appended since, not their
-    padding."""
-    return (cache.row_lengths.cpu() + torch.as_tensor(real_appended(cache)).cpu()).long()
+    padding (``held``: the forward's mask over them, else as recorded)."""
+    appended = held.sum(1) if held is not None else real_appended(cache)
+    return (cache.row_lengths.cpu() + torch.as_tensor(appended).cpu()).long()
 
 
 def refuse_wrong_padding(cache, mask, required: bool = False) -> None:
@@ -339,11 +340,14 @@ def _listed(values: torch.Tensor) -> str:
     return ", ".join(map(str, values.tolist()[:8])) + (" …" if len(values) > 8 else "")
 
 
-def refuse_wrong_positions(cache, kwargs: dict, tokens: int) -> None:
+def refuse_wrong_positions(cache, kwargs: dict, tokens: int, incoming: torch.Tensor | None = None,
+                           held: torch.Tensor | None = None) -> None:
     """A clear error where a forward over a compacted cache of padded prompts would read a row at another
     position than its own next one (:func:`next_positions`): without ``position_ids`` the model places every
     row after the padded length. The values are read back for forwards of several tokens only, as the
-    other checks do (a decode step should not wait for the device)."""
+    other checks do (a decode step should not wait for the device); each row's position is its first new
+    token's (``incoming``: the new tokens' mask), against the tokens held behind its prompt, not their
+    padding (``held``: the forward's mask over them)."""
     positions = kwargs.get("position_ids")
     if positions is None:  # never so in generate: the read back below costs a decode step nothing there
         lengths = cache.row_lengths.cpu()
@@ -356,8 +360,8 @@ def refuse_wrong_positions(cache, kwargs: dict, tokens: int) -> None:
                          "forward, or to generate the attention_mask the prompts were prefilled with")
     if tokens < 2 or not isinstance(positions, torch.Tensor):
         return
-    first = first_token_positions(positions, getattr(cache, "incoming", None))
-    want = next_positions(cache)
+    first = first_token_positions(positions, incoming)
+    want = next_positions(cache, held)
     if first.shape[0] == 1:
         first = first.expand_as(want)
     if first.shape != want.shape or not bool(((first == want) | (first < 0)).all()):

@@ -404,8 +404,8 @@ def test_padding_behind_a_compacted_prompt_is_never_attended(served):
 
 @pytest.mark.parametrize("served", [False, True])
 def test_a_refused_forward_leaves_a_compacted_cache_to_continue_and_other_rows_are_refused_clearly(served):
-    """A forward refused part way (a one-token step padded, refused by the layers) had its ids recorded
-    already, so the correct continuation was then refused as another question; and a forward of another
+    """A forward refused part way (a step padded inside the prompt) had its ids recorded already, so the
+    correct continuation was then refused as another question; and a forward of another
     number of rows than the compacted cache holds failed inside torch's cat (and was recorded too)."""
     import copy
 
@@ -422,10 +422,10 @@ def test_a_refused_forward_leaves_a_compacted_cache_to_continue_and_other_rows_a
 
     cache = copy.deepcopy(compacted)
     model(ids[:, C:C + 2], past_key_values=cache)
-    mask = torch.ones(2, C + 3, dtype=torch.long)
-    mask[1, 4] = 0
+    mask = torch.ones(2, C + 4, dtype=torch.long)
+    mask[1, 4] = 0  # inside the prompt: read back on forwards of several tokens (a turn's first)
     with pytest.raises(ValueError, match="inside the prompt"):
-        model(ids[:, C + 2:C + 3], attention_mask=mask, past_key_values=cache)
+        model(ids[:, C + 2:C + 4], attention_mask=mask, past_key_values=cache)
     assert torch.equal(model.generate(ids, past_key_values=cache, **G), want)
 
     cache = copy.deepcopy(compacted)
@@ -1198,3 +1198,101 @@ def test_another_model_continuing_a_compacted_cache_is_refused(monkeypatch):
     twin.load_state_dict(other.state_dict())
     with pytest.raises(ValueError, match="compacted on a model with other key weights"):
         twin(ids[:, 25:26], **{key: again})
+
+
+@pytest.mark.parametrize("served", [False, True])
+def test_padding_a_row_was_fed_in_the_last_turn_is_hidden_by_the_next_turns_mask(served):
+    """A row that ended early in turn 1 holds the padding generate fed it as tokens (mask 1). Turn 2's mask
+    hides them: the cache takes the mask over the tokens it holds behind the prompt on a turn's first
+    forward, so the row goes on as it does without them, in generate and in a forward (before: generate
+    was refused as re-reading the prompt, and a forward attended the padding, 0.04-0.20 on the logits)."""
+    import copy
+
+    import stiefkv
+    from tests.tiny import random_projections, tiny_model
+
+    model = tiny_model(layers=2)
+    if served:
+        stiefkv.load(model, random_projections(model, 13, 11))
+    g = torch.Generator().manual_seed(3)
+    ids, q2 = torch.randint(3, 97, (2, 36), generator=g), torch.randint(3, 97, (2, 4), generator=g)
+    C, pad = 30, 0
+    G = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=pad, eos_token_id=None)
+    base = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
+    answers = torch.randint(3, 97, (2, 5), generator=g)
+    answers[0, 2:] = pad  # row 0 ended after two answer tokens: generate fed it padding, mask 1
+    held = torch.cat([ids, answers], 1)
+    cache = copy.deepcopy(base)
+    model(held[:, C:], past_key_values=cache)  # turn 1 as generate leaves it: the padding held as tokens
+    mask = torch.ones(2, 45, dtype=torch.long)
+    mask[0, 38:41] = 0
+    out = model.generate(torch.cat([held, q2], 1), attention_mask=mask, past_key_values=cache, **G)
+    solo = stiefkv.compact(model, stiefkv.prefill(model, ids[:1, :C], window=8), keep=0.4)
+    model(held[:1, C:38], past_key_values=solo)  # row 0 alone: its question and two answer tokens
+    want = model.generate(torch.cat([held[:1, :38], q2[:1]], 1), past_key_values=solo, **G)
+    assert torch.equal(out[0, 45:], want[0, 42:])
+
+
+def test_a_mask_of_another_width_over_a_compacted_cache_is_refused_by_its_width():
+    """The mask's columns are the prompt's, the tokens held since and the new ones': a mask of another width
+    (one of the new tokens only, or wider) is refused by its width, not read at the wrong columns (before:
+    padding in it was blamed on the prompt, or the pads it meant were attended)."""
+    import stiefkv
+    from tests.tiny import tiny_model
+
+    model = tiny_model(layers=2)
+    ids = torch.randint(3, 97, (2, 36), generator=torch.Generator().manual_seed(4))
+    C = 30
+    cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
+    for width in (6, 39):
+        with pytest.raises(ValueError, match=f"attention_mask is {width} columns wide.*pass a mask of 36"):
+            model(ids[:, C:], attention_mask=torch.ones(2, width, dtype=torch.long), past_key_values=cache)
+    with pytest.raises(ValueError, match=r"2-D attention_mask .*got \[2, 1, 6, 36\]"):
+        model(ids[:, C:], attention_mask=torch.zeros(2, 1, 6, 36), past_key_values=cache)
+
+
+@pytest.mark.parametrize("served", [False, True])
+@pytest.mark.parametrize("padded", [False, True])
+def test_a_one_token_step_over_a_compacted_cache_reads_nothing_back(served, padded):
+    """A decode step of one token over a compacted cache, with its mask and positions, reads nothing back
+    to the host from StiefKV's code (on a GPU each read waits for the device): the mask's and positions'
+    checks run on a turn's first forward, of several tokens; the padding of the step reaches β on the
+    device."""
+    import traceback
+
+    from torch.overrides import TorchFunctionMode
+
+    import stiefkv
+    from tests.test_compaction_padded import Q, batch, question_mask
+    from tests.tiny import random_projections, tiny_model
+
+    reads = {torch.Tensor.cpu, torch.Tensor.__bool__, torch.Tensor.item, torch.Tensor.tolist,
+             torch.Tensor.__int__, torch.equal, torch.Tensor.nonzero}
+    seen = []
+
+    class Spy(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            if func in reads:
+                frames = [f for f in traceback.extract_stack()[:-1] if "/stiefkv/" in f.filename]
+                if frames:
+                    where = frames[-1].filename.split("/stiefkv/")[1]
+                    seen.append(f"{func.__name__} {where}:{frames[-1].lineno}")
+            return func(*args, **(kwargs or {}))
+
+    model = tiny_model(layers=2)
+    if served:
+        stiefkv.load(model, random_projections(model, 13, 11))
+    ids, mask, _ = batch(41)
+    if not padded:
+        ids, mask = ids[2:], mask[2:]  # the longest row: no padding
+    C, B = mask.shape[1], mask.shape[0]
+    with torch.no_grad():
+        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
+                                keep=0.3)
+        full = question_mask(mask, Q)
+        positions = (full.cumsum(1) - 1)[:, C:]
+        model(ids[:, C:], attention_mask=full, position_ids=positions, past_key_values=cache)
+        step = torch.cat([full, torch.ones(B, 1, dtype=full.dtype)], 1)
+        with Spy():
+            model(ids[:, -1:], attention_mask=step, position_ids=positions[:, -1:] + 1, past_key_values=cache)
+    assert seen == []
