@@ -240,7 +240,8 @@ def _check_forward(module, args, kwargs):
     _refuse_other_rows(cache, kwargs, args)
     if getattr(cache, "length", None) is None:
         return
-    tokens, mask = _tokens_of(kwargs, args), _mask_2d(cache, kwargs, _tokens_of(kwargs, args))
+    tokens = _tokens_of(kwargs, args)
+    mask = _mask_2d(cache, kwargs, tokens)
     incoming = None if mask is None or not tokens else mask[:, -tokens:].bool()
     held = None if mask is None else mask[:, cache.length:mask.shape[1] - tokens].bool()
     if tokens >= 2:
