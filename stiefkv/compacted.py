@@ -268,6 +268,8 @@ def _mask_2d(cache, kwargs: dict, tokens: int) -> torch.Tensor | None:
         raise ValueError(f"a compacted cache takes a 2-D attention_mask (1 for a token, 0 for padding) or "
                          f"none, its own mask with its β replacing the model's; got {shape}")
     want = cache.get_seq_length() + tokens
+    if mask.shape[1] == tokens > cache.get_seq_length():  # the whole sequence again, as assisted generate
+        raise ValueError(REREAD.format(first=0, held=cache.get_seq_length()))
     if mask.shape[1] != want:
         raise ValueError(f"the attention_mask is {mask.shape[1]} columns wide; this compacted cache reports "
                          f"{cache.get_seq_length()} tokens (its prompt of {cache.length} and the tokens "
@@ -278,12 +280,34 @@ def _mask_2d(cache, kwargs: dict, tokens: int) -> torch.Tensor | None:
 
 def _take_padding(cache, incoming: torch.Tensor | None, held: torch.Tensor | None, tokens: int) -> None:
     """Set on the cache which new tokens are padding (``incoming``, read by the layers as their β is made)
-    and, on a turn's first forward (several tokens), which of the tokens it holds behind the prompt are: a
-    row that ended early in the last turn holds the padding ``generate`` fed it as tokens, which the next
-    turn's mask hides (:func:`~stiefkv.cache.mask_appended`). Device tensors only: nothing is read back."""
+    and, on a turn's first forward (several tokens; ``generate``'s first step of any length is taken by
+    :func:`_checked_inputs`), which of the tokens it holds behind the prompt are (:func:`_take_held`).
+    Device tensors only: nothing is read back."""
     cache.incoming = incoming
-    if held is not None and tokens >= 2 and held.shape[1]:
+    if tokens >= 2:
+        _take_held(cache, held)
+
+
+def _take_held(cache, held: torch.Tensor | None) -> None:
+    """Which of the tokens ``cache`` holds behind its prompt are padding, as a turn's mask says (``held``:
+    its columns of them; None, no mask: none): a row that ended early in the last turn holds the padding
+    ``generate`` fed it as tokens, which the next turn's mask hides; as with any cache, the mask of the turn
+    decides (:func:`~stiefkv.cache.mask_appended`)."""
+    appended = cache.get_seq_length() - cache.length
+    if not appended or not cache.beta:
+        return
+    if held is None:
+        held = torch.ones(cache.beta[0].shape[0], appended, dtype=torch.bool, device=cache.beta[0].device)
+    if held.shape[1] == appended:
         mask_appended(cache, held)
+
+
+def _held_columns(cache, mask) -> torch.Tensor | None:
+    """A 2-D mask's columns of the tokens ``cache`` holds behind its compacted prompt (True for a token), or
+    None: no mask, or one too narrow to hold them."""
+    if not isinstance(mask, torch.Tensor) or mask.dim() != 2 or mask.shape[1] < cache.get_seq_length():
+        return None
+    return mask[:, cache.length:cache.get_seq_length()].bool()
 
 
 def _tokens_of(kwargs: dict, args: tuple) -> int:
@@ -356,10 +380,13 @@ def _refuse_positions_held(cache, kwargs: dict, incoming: torch.Tensor | None,
         if not len(below):
             return
         first, limit = int(starts[below[0]]), int(limits[below[0]])
-    raise ValueError(f"this forward starts at position {first} and the compacted cache already holds "
-                     f"{limit} (its compacted prompt and the tokens since, not their padding): feed only the "
-                     "new tokens. Assisted and prompt-lookup generate re-read the prompt, which a compacted "
-                     "cache no longer has: generate without them")
+    raise ValueError(REREAD.format(first=first, held=limit))
+
+
+REREAD = ("this forward starts at position {first} and the compacted cache already holds {held} (its "
+          "compacted prompt and the tokens since, not their padding): feed only the new tokens. Assisted and "
+          "prompt-lookup generate re-read the prompt, which a compacted cache no longer has: generate "
+          "without them")
 
 
 def _checked_inputs(self, input_ids, *args, **kwargs):
@@ -375,11 +402,13 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
             own, mask = input_ids[::k], kwargs.get("attention_mask")
             refuse_another_prompt(cache, own)
             if getattr(cache, "row_lengths", None) is not None and cache.length is not None:
-                mask = mask[::k] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else mask
-                padded.refuse_wrong_padding(cache, mask, required=True)
+                rows = mask[::k] if isinstance(mask, torch.Tensor) and mask.dim() == 2 else mask
+                padded.refuse_wrong_padding(cache, rows, required=True)
             refuse_another_question(cache, own)
             if k > 1:
                 cache.batch_repeat_interleave(k)
+            if getattr(cache, "length", None) is not None:  # a turn's first step, however many tokens
+                _take_held(cache, _held_columns(cache, mask))
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
 
 

@@ -1200,12 +1200,14 @@ def test_another_model_continuing_a_compacted_cache_is_refused(monkeypatch):
         twin(ids[:, 25:26], **{key: again})
 
 
+@pytest.mark.parametrize("question", [4, 1])
 @pytest.mark.parametrize("served", [False, True])
-def test_padding_a_row_was_fed_in_the_last_turn_is_hidden_by_the_next_turns_mask(served):
+def test_padding_a_row_was_fed_in_the_last_turn_is_hidden_by_the_next_turns_mask(served, question):
     """A row that ended early in turn 1 holds the padding generate fed it as tokens (mask 1). Turn 2's mask
     hides them: the cache takes the mask over the tokens it holds behind the prompt on a turn's first
-    forward, so the row goes on as it does without them, in generate and in a forward (before: generate
-    was refused as re-reading the prompt, and a forward attended the padding, 0.04-0.20 on the logits)."""
+    forward, and on generate's first step however many tokens it brings (a question of one token), so the
+    row goes on as it does without them (before: generate was refused as re-reading the prompt, and a
+    forward attended the padding, 0.04-0.20 on the logits; a one-token question attended it, 0.29)."""
     import copy
 
     import stiefkv
@@ -1216,6 +1218,7 @@ def test_padding_a_row_was_fed_in_the_last_turn_is_hidden_by_the_next_turns_mask
         stiefkv.load(model, random_projections(model, 13, 11))
     g = torch.Generator().manual_seed(3)
     ids, q2 = torch.randint(3, 97, (2, 36), generator=g), torch.randint(3, 97, (2, 4), generator=g)
+    q2 = q2[:, :question]
     C, pad = 30, 0
     G = dict(max_new_tokens=3, min_new_tokens=3, do_sample=False, pad_token_id=pad, eos_token_id=None)
     base = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], window=8), keep=0.4)
@@ -1224,13 +1227,13 @@ def test_padding_a_row_was_fed_in_the_last_turn_is_hidden_by_the_next_turns_mask
     held = torch.cat([ids, answers], 1)
     cache = copy.deepcopy(base)
     model(held[:, C:], past_key_values=cache)  # turn 1 as generate leaves it: the padding held as tokens
-    mask = torch.ones(2, 45, dtype=torch.long)
+    mask = torch.ones(2, 41 + question, dtype=torch.long)
     mask[0, 38:41] = 0
     out = model.generate(torch.cat([held, q2], 1), attention_mask=mask, past_key_values=cache, **G)
     solo = stiefkv.compact(model, stiefkv.prefill(model, ids[:1, :C], window=8), keep=0.4)
     model(held[:1, C:38], past_key_values=solo)  # row 0 alone: its question and two answer tokens
     want = model.generate(torch.cat([held[:1, :38], q2[:1]], 1), past_key_values=solo, **G)
-    assert torch.equal(out[0, 45:], want[0, 42:])
+    assert torch.equal(out[0, 41 + question:], want[0, 38 + question:])
 
 
 def test_a_mask_of_another_width_over_a_compacted_cache_is_refused_by_its_width():
@@ -1249,6 +1252,13 @@ def test_a_mask_of_another_width_over_a_compacted_cache_is_refused_by_its_width(
             model(ids[:, C:], attention_mask=torch.ones(2, width, dtype=torch.long), past_key_values=cache)
     with pytest.raises(ValueError, match=r"2-D attention_mask .*got \[2, 1, 6, 36\]"):
         model(ids[:, C:], attention_mask=torch.zeros(2, 1, 6, 36), past_key_values=cache)
+    # the whole sequence fed again (assisted and prompt-lookup generate): named so, not by the mask's width
+    mask = torch.ones(1, 36, dtype=torch.long)
+    mask[0, 33] = 0
+    one = stiefkv.compact(model, stiefkv.prefill(model, ids[:1, :C], window=8), keep=0.4)
+    with pytest.raises(ValueError, match="Assisted and prompt-lookup generate re-read the prompt"):
+        model.generate(ids[:1], attention_mask=mask, past_key_values=one, prompt_lookup_num_tokens=3,
+                       max_new_tokens=2, do_sample=False)
 
 
 @pytest.mark.parametrize("served", [False, True])
