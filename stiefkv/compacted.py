@@ -243,7 +243,8 @@ def _check_forward(module, args, kwargs):
     tokens = _tokens_of(kwargs, args)
     mask = _mask_2d(cache, kwargs, tokens)
     incoming = None if mask is None or not tokens else mask[:, -tokens:].bool()
-    held = None if mask is None else mask[:, cache.length:mask.shape[1] - tokens].bool()
+    # the held tokens' columns are read on a turn's first forward only (a decode step's are as recorded)
+    held = None if mask is None or tokens < 2 else mask[:, cache.length:mask.shape[1] - tokens].bool()
     if tokens >= 2:
         if getattr(cache, "row_lengths", None) is not None:
             padded.refuse_wrong_padding(cache, mask)

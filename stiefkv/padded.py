@@ -13,7 +13,8 @@ own. :func:`prefill_rows` joins the rows into a :class:`PaddedPromptCache`, the 
 of the batch (zeros in the padding) that keeps each row's fitting data beside it. :func:`compact_rows`
 compacts each row alone, as :func:`stiefkv.compact` compacts one prompt, and joins the rows into one
 :class:`~stiefkv.compacted.CompactedCache`: a layer's rows kept to different counts are padded to the largest
-with entries attention never reads (β = :data:`~stiefkv.compaction.PAD_BETA`). The joined cache reports the
+with entries attention never reads (β = :data:`~stiefkv.compaction.PAD_BETA`), as
+:func:`~stiefkv.compaction.compact_layer` joins rows. The joined cache reports the
 padded length for every row, where the next cache slot is; the next *position* of each row is its own
 length, which ``generate`` takes from the attention mask and a plain forward from ``position_ids``. Its
 checks (:func:`refuse_wrong_padding`, :func:`refuse_wrong_positions`) refuse a continuation that reads the
@@ -31,7 +32,7 @@ import torch
 from transformers import DynamicCache
 
 from stiefkv.cache import LatentCache, first_token_positions, real_appended
-from stiefkv.compaction import PAD_BETA
+from stiefkv.compaction import PAD_BETA, _rows_padded
 from stiefkv.models import decoder_layers
 from stiefkv.quant import quantized_length
 
@@ -155,11 +156,11 @@ def check_padded_cache(cache: PaddedPromptCache) -> None:
     have been reordered, repeated or selected since: their lengths follow)."""
     lengths, C = cache.row_lengths.tolist(), cache.columns
     if cache.rows is not None:
-        held = [r.get_seq_length() for r in cache.rows]
+        whole = [r.get_seq_length() for r in cache.rows] == lengths
     else:
-        B = cache.layers[0].keys.shape[0] if cache.layers else 0
-        held = [cache.get_seq_length()] * B if all(la.keys.shape[2] == C for la in cache.layers) else None
-    if held is None or len(held) != len(lengths) or (cache.rows is not None and held != lengths):
+        whole = bool(cache.layers) and cache.layers[0].keys.shape[0] == len(lengths) and \
+            all(layer.keys.shape[2] == C for layer in cache.layers)
+    if not whole:
         raise ValueError(f"this padded prompts' cache no longer holds its {len(lengths)} prompts of "
                          f"{_listed(cache.row_lengths)} tokens (left-padded to {C}) alone: something "
                          "extended or cut it since stiefkv.prefill. Compact it as prefill returned it")
@@ -217,9 +218,11 @@ def compact_rows(model, cache: PaddedPromptCache, compact_one, queries: list[tor
     else:
         joined = CompactedCache(cache.columns, cache.model_probe)
         for i in range(len(rows[0].prefix)):
-            n = max(r.prefix[i] for r in rows)
-            keys, values, beta = zip(*(_entries_padded(r, i, n) for r in rows))
-            joined.add_layer(torch.cat(keys), torch.cat(values), torch.cat(beta))
+            # each row's entries as compact_layer returns a row's, joined as it joins rows of other counts
+            keys, beta, values, _ = _rows_padded([(r.layers[i].keys, r.beta[i], r.layers[i].values,
+                                                   torch.zeros_like(r.beta[i], dtype=torch.long))
+                                                  for r in rows])
+            joined.add_layer(keys, values, beta)
     joined.row_lengths = cache.row_lengths.clone()
     joined.prompt_ids = cache.prefilled_ids
     return joined
@@ -293,18 +296,6 @@ def _slots(b: int, counts: list[int], coded: list[int] | None, device) -> tuple[
     entry = torch.where(front, slot - (codes - h), slot - (n - exact) + h)
     pad = torch.where(front, slot < codes - h, slot < n - exact)
     return torch.where(pad, 0, entry), pad
-
-
-def _entries_padded(row, i: int, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Layer ``i`` of a one-row compacted cache (its prefix: the tokens appended since are none) padded to
-    ``n`` entries that attention never reads: zero keys and values, β = :data:`PAD_BETA`."""
-    keys, values, beta = row.layers[i].keys, row.layers[i].values, row.beta[i]
-    extra = n - keys.shape[2]
-    if extra == 0:
-        return keys, values, beta
-    pad = (0, 0, 0, extra)
-    return (torch.nn.functional.pad(keys, pad), torch.nn.functional.pad(values, pad),
-            torch.nn.functional.pad(beta, (0, extra), value=PAD_BETA))
 
 
 # ------------------------------------------------------------------------------------ continuing the batch

@@ -32,6 +32,12 @@ def batch(seed: int, lengths=LENGTHS, q: int = Q):
     return ids, mask, rows
 
 
+def compacted(model, ids: torch.Tensor, mask: torch.Tensor, *, window: int, **options):
+    """The padded prompts ``ids`` (the prompts' columns of ``mask``) prefilled and compacted."""
+    cache = stiefkv.prefill(model, ids[:, :mask.shape[1]], attention_mask=mask, window=window)
+    return stiefkv.compact(model, cache, **options)
+
+
 def question_mask(mask: torch.Tensor, q: int) -> torch.Tensor:
     return torch.cat([mask, torch.ones(mask.shape[0], q, dtype=mask.dtype, device=mask.device)], 1)
 
@@ -47,8 +53,7 @@ def test_each_padded_row_continues_as_it_does_compacted_alone(method, options):
     ids, mask, rows = batch(3)
     C = mask.shape[1]
     with torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16),
-                                keep=0.3, method=method, **options)
+        cache = compacted(model, ids, mask, window=16, keep=0.3, method=method, **options)
         assert isinstance(cache, stiefkv.CompactedCache) and cache.get_seq_length() == C
         lengths = torch.tensor(LENGTHS)
         positions = lengths[:, None] + torch.arange(Q)
@@ -72,8 +77,7 @@ def test_generate_over_a_padded_compacted_batch_gives_each_rows_own_tokens():
     ids, mask, rows = batch(5)
     C, new = mask.shape[1], 6
     with torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16),
-                                keep=0.25)
+        cache = compacted(model, ids, mask, window=16, keep=0.25)
         beams = copy.deepcopy(cache)
         # min_new_tokens on both sides: a row that ends at once is padded in the batch and not alone
         got = model.generate(ids, attention_mask=question_mask(mask, Q), max_new_tokens=new, do_sample=False,
@@ -114,8 +118,7 @@ def test_a_padded_compacted_batch_read_at_other_positions_or_padding_is_refused(
     ids, mask, _ = batch(9)
     C = mask.shape[1]
     with torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
-                                keep=0.3)
+        cache = compacted(model, ids, mask, window=8, keep=0.3)
         full = question_mask(mask, Q)
         with pytest.raises(ValueError, match="of 41, 29, 53 tokens left-padded to 53: pass position_ids"):
             model(ids[:, C:], **{key: cache})
@@ -245,8 +248,7 @@ def test_prompts_padded_alike_are_read_at_their_own_positions():
     mask = torch.cat([torch.zeros(2, pad, dtype=mask.dtype), mask], 1)
     C, L = mask.shape[1], 30
     with torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
-                                keep=0.3)
+        cache = compacted(model, ids, mask, window=8, keep=0.3)
         full = question_mask(mask, Q)
         with pytest.raises(ValueError, match="left-padded to 33: pass position_ids"):
             model(ids[:, C:], attention_mask=full, **{key: copy.deepcopy(cache)})
@@ -289,10 +291,8 @@ def test_another_model_continuing_a_padded_compacted_cache_is_refused():
             layer.self_attn.k_proj.weight.add_(0.1)
     install_hooks(other)
     ids, mask, _ = batch(23)
-    C = mask.shape[1]
     with torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
-                                keep=0.3)
+        cache = compacted(model, ids, mask, window=8, keep=0.3)
         with pytest.raises(ValueError, match="compacted on a model with other key weights"):
             other.generate(ids, attention_mask=question_mask(mask, Q), max_new_tokens=1, do_sample=False,
                            **{cache_keyword(model): cache})
@@ -308,8 +308,7 @@ def test_a_refused_generate_with_beams_leaves_the_cache_for_the_corrected_call()
     C = mask.shape[1]
     beams = dict(max_new_tokens=2, num_beams=2, do_sample=False)
     with torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
-                                keep=0.3)
+        cache = compacted(model, ids, mask, window=8, keep=0.3)
         with pytest.raises(ValueError, match="prompts of 41, 29, 53 tokens left-padded"):
             model.generate(ids, **beams, **{key: cache})
         other = ids.clone()
@@ -369,8 +368,7 @@ def test_a_served_padded_compacted_batch_is_read_by_the_kernels_as_by_the_refere
     out = {}
     for backend in ("reference", "triton"):
         with compressed(model, proj, backend=backend), torch.no_grad():
-            cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=12),
-                                    keep=0.3)
+            cache = compacted(model, ids, mask, window=12, keep=0.3)
             out[backend] = model(ids[:, C:], position_ids=positions, attention_mask=question_mask(mask, Q),
                                  **{cache_keyword(model): cache}).logits
     assert torch.isfinite(out["triton"]).all()
@@ -398,8 +396,7 @@ def test_a_short_row_joined_with_a_long_one_keeps_its_channel_groups_and_exact_t
     proj = random_projections(model, 9, 7)
     proj.quant = [tuple(QuantSpec.parse(s) for s in specs)] * dims_of(model.config).L
     with compressed(model, proj), torch.no_grad():
-        cache = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=16),
-                                keep=0.5)
+        cache = compacted(model, ids, mask, window=16, keep=0.5)
         positions = torch.tensor(lengths)[:, None] + torch.arange(Q)
         got = model(ids[:, C:], position_ids=positions, attention_mask=question_mask(mask, Q),
                     **{key: cache}).logits
@@ -441,8 +438,7 @@ def test_padding_behind_padded_prompts_is_never_attended(served):
     full[1, C:C + 2] = 0  # row 1: its first two tokens behind the prompt are padding
     positions = (full.cumsum(1) - 1)[:, C:]
     with torch.no_grad():
-        base = stiefkv.compact(model, stiefkv.prefill(model, ids[:, :C], attention_mask=mask, window=8),
-                               keep=0.3)
+        base = compacted(model, ids, mask, window=8, keep=0.3)
         got = model(ids[:, C:], attention_mask=full, position_ids=positions,
                     **{key: copy.deepcopy(base)}).logits
         out = model.generate(ids, attention_mask=full, max_new_tokens=4, min_new_tokens=4, do_sample=False,
