@@ -719,16 +719,20 @@ def record_appended_mask(cache, n: int) -> None:
     """Remember which of the ``n`` tokens a forward appended behind a compacted prefix were padding
     (``cache.incoming``, None for none): the rows' own positions count their tokens only
     (:func:`real_appended`), and a ``CompactedCache`` reads them again at every forward. On the device of
-    the cache's β, where the layers read them."""
+    the cache's β, where the layers read them; None while no token appended was padding (the common case:
+    nothing to build or grow at each decode step)."""
     if getattr(cache, "length", None) is None or not n or not cache.beta:
         return
     beta, old = cache.beta[0], getattr(cache, "appended_mask", None)
-    incoming = getattr(cache, "incoming", None)
-    if incoming is None:
-        incoming = torch.ones(beta.shape[0], n, dtype=torch.bool, device=beta.device)
-    incoming = incoming[:, -n:].to(beta.device)
-    cache.appended_mask = incoming if old is None else torch.cat([old, incoming], 1)
-    cache.incoming = None
+    incoming, cache.incoming = getattr(cache, "incoming", None), None
+    if incoming is None and old is None:
+        return
+    ones = torch.ones(beta.shape[0], n, dtype=torch.bool, device=beta.device)
+    incoming = ones if incoming is None else incoming[:, -n:].to(beta.device)
+    if old is None:  # the tokens appended before this forward were all tokens
+        before = cache.get_seq_length() - cache.length - n
+        old = torch.ones(beta.shape[0], before, dtype=torch.bool, device=beta.device)
+    cache.appended_mask = torch.cat([old, incoming], 1)
 
 
 def mask_appended(cache, held: torch.Tensor) -> None:

@@ -297,9 +297,12 @@ def _take_held(cache, held: torch.Tensor | None) -> None:
     appended = cache.get_seq_length() - cache.length
     if not appended or not cache.beta:
         return
-    if held is None:
-        held = torch.ones(cache.beta[0].shape[0], appended, dtype=torch.bool, device=cache.beta[0].device)
-    if held.shape[1] == appended:
+    if held is None:  # every held token shown again, where an earlier turn hid some
+        if getattr(cache, "appended_mask", None) is not None:
+            mask_appended(cache, torch.ones(cache.beta[0].shape[0], appended, dtype=torch.bool,
+                                            device=cache.beta[0].device))
+            cache.appended_mask = None  # none is padding: nothing to grow a step
+    elif held.shape[1] == appended:
         mask_appended(cache, held)
 
 
