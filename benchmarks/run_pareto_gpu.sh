@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The Pareto rows of issue 13 on one H200 (device tool), after ../shared/tools/gpu-model-parts.sh brought the
 # GGUF over: three processes share the GPU (the model is small), each appending to its own RESULTS_DIR/NAME/.
-#   usage: run_pareto_gpu.sh MODEL RESULTS_DIR [SECONDS] -- NAME "bench_pareto.py ARGS" [NAME "ARGS" ...]
+#   usage: run_pareto_gpu.sh MODEL RESULTS_DIR [SECONDS] [--] NAME "bench_pareto.py ARGS" [NAME "ARGS" ...]
 # Rows already in RESULTS_DIR/NAME/pareto.jsonl are skipped (bench_pareto.py resumes), so the same command on
 # a still-warm machine continues. After SECONDS (default 560) everything still running is stopped; each
 # process's log is RESULTS_DIR/NAME.log. At the end the first passes (safetensors) move out of RESULTS_DIR to
@@ -11,7 +11,9 @@ set -u
 # SECONDS is optional: without it "--" (or the first NAME) was read as the limit, and the watchdog's
 # `sleep` of it ended at once, stopping every process as it started
 M=$1; R=$2; shift 2; LIMIT=560
-if [[ ${1:-} =~ ^[0-9]+$ ]]; then LIMIT=$1; shift; fi
+# A number first is the limit only where a "--" or an odd count of words follows it (NAME "ARGS" come in
+# pairs): a run named "2026" is a NAME, not 2026 seconds.
+if [[ ${1:-} =~ ^[0-9]+$ ]] && { [ "${2:-}" = "--" ] || [ $(($# % 2)) -eq 1 ]; }; then LIMIT=$1; shift; fi
 [ "${1:-}" = "--" ] && shift
 mkdir -p "$R"
 export PYTHONUNBUFFERED=1
