@@ -416,6 +416,49 @@ def _checked_inputs(self, input_ids, *args, **kwargs):
     return type(self).prepare_inputs_for_generation(self, input_ids, *args, **kwargs)
 
 
+def check_continuation(model, cache, input_ids: torch.Tensor,
+                       mask: torch.Tensor | None) -> torch.Tensor | None:
+    """:func:`stiefkv.generate`'s checks of ``input_ids`` ``[B, N]`` (and their 2-D ``mask``) continuing a
+    served model's compacted :class:`~stiefkv.cache.LatentCache`, as ``generate``'s first step makes them,
+    without changing the cache: its rows, new tokens after what it holds, the prompt it was compacted from
+    and its padding, the tokens appended since, and a real last token in every row (its logits start the
+    answer). Returns the mask's columns of the tokens held behind the prompt (True for a token; None: no
+    mask, every one a token)."""
+    if isinstance(cache, CompactedCache):
+        raise ValueError("stiefkv.generate continues a served model's compacted LatentCache; this "
+                         "CompactedCache is an uncompressed model's: continue it with model.generate(ids, "
+                         "past_key_values=cache)")
+    if not isinstance(cache, LatentCache) or not cache.compacted:
+        kind = type(cache).__name__ if not isinstance(cache, LatentCache) else "an uncompacted LatentCache"
+        raise ValueError(f"stiefkv.generate's past_key_values takes the cache stiefkv.compact returned for a "
+                         f"served model, got {kind}: generate a whole prompt without past_key_values, or "
+                         "compact the cache first")
+    for i, layer in enumerate(decoder_layers(model)):
+        if i >= len(cache.prefix) or not hasattr(layer.self_attn, "basis_tag"):
+            raise ValueError("this compacted cache was not made by this served model (another model or "
+                             "layer count, or the model is not served by stiefkv.load)")
+        if cache.basis_tags.get(i, layer.self_attn.basis_tag) != layer.self_attn.basis_tag:
+            raise ValueError(f"layer {i} of this compacted cache holds latents of other bases than the model "
+                             "is served with now: compact the prompt again with this model")
+    rows = _compacted_rows(cache)
+    if input_ids.shape[0] != rows:
+        raise ValueError(f"this compacted cache holds {rows} row(s) and input_ids bring "
+                         f"{input_ids.shape[0]}: continue it with the rows it was compacted from")
+    refuse_no_tokens(input_ids[:, cache.get_seq_length():], cache)
+    refuse_another_prompt(cache, input_ids)
+    if cache.row_lengths is not None:
+        padded.refuse_wrong_padding(cache, mask, required=True)
+    else:
+        _refuse_padded_prompt(cache, mask)
+    refuse_another_question(cache, input_ids)
+    if mask is not None and not bool(mask[:, -1].bool().all()):
+        rows = (~mask[:, -1].bool()).nonzero().flatten().tolist()
+        raise ValueError(f"the attention_mask ends row(s) {', '.join(map(str, rows[:8]))} in padding: the "
+                         "last token of every row must be real (its logits start the answer); pad questions "
+                         "on the left")
+    return _held_columns(cache, mask)
+
+
 def repeats_of(cache, input_ids: torch.Tensor) -> int:
     """How many times ``generate`` repeats each row of a compacted cache of ``B`` rows: it runs ``k·B`` rows
     with beams or several sequences a prompt, repeating each row of the ids ``k`` times, and not the cache

@@ -19,6 +19,7 @@ import logging
 import numbers
 import warnings
 from contextlib import contextmanager
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -38,7 +39,7 @@ PREFILL_TOKENS = 4096
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
-             attention_mask: torch.Tensor | None = None, max_length: int | None = None,
+             attention_mask: torch.Tensor | None = None, past_key_values=None, max_length: int | None = None,
              prefill_chunk: int = PREFILL_TOKENS, capture: bool | str = "auto", eos_token_id="model",
              pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy generation of ``max_new_tokens`` tokens per row; returns ``[B, N + max_new_tokens]`` ids.
@@ -49,8 +50,16 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         :func:`stiefkv.load` (latent cache) or not (transformers' static cache).
     input_ids : ``[B, N]`` prompt, left-padded where ``attention_mask`` says so.
     max_new_tokens : tokens to generate per row (≥ 1).
-    attention_mask : ``[B, N]`` 0/1, left padding only; None for none.
-    max_length : slots the cache is allocated for; ``N + max_new_tokens`` by default.
+    attention_mask : ``[B, N]`` 0/1, left padding only; None for none. Over a compacted cache, the mask of
+        the whole sequence, as ``generate`` takes it: the prompt's columns as it was prefilled, then any
+        padding among the tokens after it (every row's last token real).
+    past_key_values : the cache :func:`stiefkv.compact` returned for this served model (or None). The first
+        ``past_key_values.get_seq_length()`` columns of ``input_ids`` are the tokens it stands for (its
+        prompt and any tokens appended since); the rest are read into a static cache after its entries
+        (positions and β per KV head). The cache is copied, not extended: each call can ask another
+        question of it. Float latents and per-token codes with no exact window only.
+    max_length : slots the cache is allocated for; ``N + max_new_tokens`` by default (over a compacted
+        cache: its entries, the new tokens and ``max_new_tokens``).
     prefill_chunk : prompt tokens a prefill forward takes, summed over the rows: each row's share is
         ``prefill_chunk // batch`` tokens (at least 1), so the forward's activations stay the same at any
         batch.
@@ -61,7 +70,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         model's generation config (its end tokens, and its pad token or else the first end token), as
         ``generate`` does; None keeps every token.
     """
-    B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture)
+    B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture,
+                       compacted=past_key_values is not None)
+    turn = _compacted_turn(model, past_key_values, input_ids, attention_mask)
     max_new_tokens, prefill_chunk = int(max_new_tokens), int(prefill_chunk)
     if not (isinstance(eos_token_id, str) and eos_token_id == "model"):
         eos_token_id = _end_ids(eos_token_id)  # a bad end token is refused before any work
@@ -69,25 +80,32 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     device = input_ids.device
     if max_length is not None and not _whole(max_length):
         raise ValueError(f"max_length must be a whole number of tokens a row, got {max_length!r}")
-    max_length = N + max_new_tokens if max_length is None else int(max_length)
+    needed = N + max_new_tokens if turn is None else turn.slots + N - turn.held + max_new_tokens
+    max_length = needed if max_length is None else int(max_length)
     positions_max = getattr(model.config, "max_position_embeddings", None)
     if isinstance(positions_max, int) and N + max_new_tokens > positions_max:
         warnings.warn(f"the prompt ({N}) and {max_new_tokens} new tokens run past the model's "
                       f"{positions_max} positions (max_position_embeddings); what it generates there is "
                       "outside what it was trained on", stacklevel=2)
-    if max_length < N + max_new_tokens:
-        raise ValueError(f"max_length={max_length} cannot hold the prompt ({N}) and {max_new_tokens} new "
-                         f"tokens; raise it to at least {N + max_new_tokens}")
+    if max_length < needed:
+        what = f"the prompt ({N})" if turn is None else (f"the compacted cache's {turn.slots} entries and "
+                                                         f"{N - turn.held} new tokens")
+        raise ValueError(f"max_length={max_length} cannot hold {what} and {max_new_tokens} new "
+                         f"tokens; raise it to at least {needed}")
     positions = _positions(attention_mask, B, N, device)
     with torch.inference_mode(), _out_of_memory_named(B, max_length):
         # transformers' StaticCache allocates its buffers at the prefill's first write
-        runner = Runner(model, make_cache(model, B, max_length), attention_mask)
-        logits = runner.prefill(input_ids, positions, prefill_chunk)
+        if turn is None:
+            runner = Runner(model, make_cache(model, B, max_length), attention_mask)
+            logits = runner.prefill(input_ids, positions, prefill_chunk)
+        else:
+            runner, logits = _prefill_after(model, turn, input_ids, positions, max_length, prefill_chunk)
+        first_slot = N if turn is None else turn.slots + N - turn.held
     with torch.inference_mode():
         tokens = torch.empty(B, max_new_tokens, dtype=torch.long, device=device)
         tokens[:, 0] = logits.argmax(-1)
         if max_new_tokens > 1:
-            state = DecodeState(tokens, positions[:, -1:] + 1, N)
+            state = DecodeState(tokens, positions[:, -1:] + 1, first_slot)
             graph = capture is True or (capture == "auto" and device.type == "cuda" and _one_device(model))
             if graph:
                 runner.decode_captured(state, max_new_tokens - 1, demanded=capture is True)
@@ -101,7 +119,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     return torch.cat([input_ids, tokens], 1)
 
 
-def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture) -> tuple[int, int]:
+def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture,
+                compacted: bool = False) -> tuple[int, int]:
     # The Runner re-runs a Llama-style decoder stack (embedding, rotary tables, layers, norm, head) with a
     # full-attention mask, served or not: other architectures and binding windows fail deep inside or differ.
     arch_of(model.config)
@@ -120,12 +139,54 @@ def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk,
     if attention_mask is not None and tuple(attention_mask.shape) != tuple(input_ids.shape):
         raise ValueError(f"attention_mask {tuple(attention_mask.shape)} must match input_ids "
                          f"{tuple(input_ids.shape)}")
-    if attention_mask is not None:
+    if attention_mask is not None and not compacted:  # over a compacted cache: check_continuation
         left_pads(attention_mask)  # the uncompressed model's static cache is read the same way
     if capture is True and not _one_device(model):
         devices = sorted({str(p.device) for p in model.parameters()})
         raise ValueError(f"capture=True needs the whole model on one device; it spans {devices}")
     return input_ids.shape
+
+
+class CompactedTurn(NamedTuple):
+    """A compacted cache continued by :func:`generate`: the cache, the tokens it stands for (``held``: the
+    first columns of ``input_ids``), the slots its entries take in a static cache (``slots``: the most any
+    layer holds), and the mask's columns (True for a token; None: no mask) of the tokens it holds behind
+    its prompt and of the new ones."""
+
+    cache: object
+    held: int
+    slots: int
+    held_mask: torch.Tensor | None
+    new_mask: torch.Tensor | None
+
+
+def _compacted_turn(model, cache, input_ids: torch.Tensor, mask: torch.Tensor | None) -> CompactedTurn | None:
+    """The compacted cache :func:`generate` continues, checked against the ids (None without one)."""
+    if cache is None:
+        return None
+    from stiefkv.compacted import check_continuation
+
+    held_mask = check_continuation(model, cache, input_ids, mask)
+    held = cache.get_seq_length()
+    new_mask = None if mask is None else mask[:, held:].bool()
+    slots = max(p.shape[2] for p in cache.head_positions)
+    return CompactedTurn(cache, held, slots, held_mask, new_mask)
+
+
+def _prefill_after(model, turn: CompactedTurn, input_ids: torch.Tensor, positions: torch.Tensor,
+                   max_length: int, prefill_chunk: int):
+    """A static cache holding ``turn``'s compacted entries, then the new tokens read behind them (padding
+    among them at β = ``PAD_BETA``, as the held tokens the mask hides): the runner and the last logits."""
+    from stiefkv.compaction import PAD_BETA
+
+    def beta(mask):
+        return None if mask is None else torch.where(mask, 0.0, PAD_BETA)
+
+    cache = StaticLatentCache(model, input_ids.shape[0], max_length)
+    start = cache.hold_compacted(turn.cache, beta(turn.held_mask), beta(turn.new_mask))
+    runner = Runner(model, cache, None)
+    new = slice(turn.held, input_ids.shape[1])
+    return runner, runner.prefill(input_ids[:, new], positions[:, new], prefill_chunk, start=start)
 
 
 def _one_device(model: nn.Module) -> bool:

@@ -592,6 +592,10 @@ class StaticLatentCache(LatentCache):
         self._cut = False  # this forward reads the layers cut to `seen`
         self._split_steps: dict = {}  # this forward's split-decode bookkeeping by pair of stores
         self._tails: dict[int, tuple] = {}
+        # a compacted prompt held (hold_compacted): each layer's positions and logit bias [B, G, slots], its
+        # entries' own, then every later token's position and β 0 (or PAD_BETA: padding); [] otherwise
+        self.head_positions: list[torch.Tensor] = []
+        self.beta: list[torch.Tensor] = []
 
     # ------------------------------------------------------------------ what attention reads
     def valid_count(self, device: torch.device) -> torch.Tensor | None:
@@ -609,7 +613,8 @@ class StaticLatentCache(LatentCache):
     @property
     def nbytes(self) -> int:
         """Bytes allocated: every layer's buffers (at their full length), positions and counters."""
-        held = [*self.keys_buf, *self.values_buf, self.positions, self.filled, self.starts, self.lengths]
+        held = [*self.keys_buf, *self.values_buf, self.positions, self.filled, self.starts, self.lengths,
+                *self.head_positions, *self.beta]
         return int(sum(t.nbytes for t in held if t is not None))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
@@ -640,6 +645,46 @@ class StaticLatentCache(LatentCache):
         if isinstance(buf, WindowedCodes):
             return buf.read(self.filled.to(buf.ring.device), dtype)
         return _as_float(buf, dtype)
+
+    def bias(self, layer_idx: int) -> torch.Tensor | None:
+        """The logit bias ``[B, G, slots]`` of layer ``layer_idx`` where a compacted prompt is held (its β,
+        then 0 for every token written since, ``PAD_BETA`` for padding); None otherwise."""
+        return self.beta[layer_idx] if self.beta else None
+
+    # ------------------------------------------------------------------ a compacted prompt
+    def hold_compacted(self, cache: LatentCache, held_beta: torch.Tensor | None,
+                       new_beta: torch.Tensor | None = None) -> int:
+        """Write what a compacted :class:`~stiefkv.cache.LatentCache` holds (each layer's compacted prompt
+        and the tokens appended since) into the first slots, each layer's positions and β per KV head
+        beside them; returns the slots taken, ``S``, where the next token goes. Layers holding fewer entries
+        than ``S`` are padded with zero latents at β = ``PAD_BETA`` (never attended).
+
+        ``held_beta``: ``[B, appended]`` β of the tokens appended since the prompt (a turn's mask decides
+        which are padding, as it does for ``generate``); None keeps the cache's. ``new_beta``: ``[B, n]`` β
+        of the next ``n`` tokens to be written (padding among them); None for 0. Float latents and per-token
+        codes with no exact window are written as held; windowed and channel-layout stores are refused."""
+        if self.seen:
+            raise ValueError("hold_compacted fills an empty static cache; this one holds tokens already")
+        layers = decoder_layers_of(cache)
+        if len(layers) != len(self.keys_buf):
+            raise ValueError(f"the compacted cache holds {len(layers)} layers and the model has "
+                             f"{len(self.keys_buf)}: it belongs to another model")
+        held = [cache.head_positions[i].shape[2] for i in range(len(layers))]
+        S = max(held)
+        extra = 0 if new_beta is None else new_beta.shape[1]
+        self.check_room(S + extra)
+        for i, (k_buf, v_buf) in enumerate(zip(self.keys_buf, self.values_buf)):
+            for buf, store, name in zip((k_buf, v_buf), _stores_of(cache, i), ("keys", "values")):
+                _hold_latents(buf, store, i, name)
+            self.head_positions.append(_held_positions(cache.head_positions[i], k_buf))
+            dtype = _dtype_of(k_buf, v_buf)
+            self.beta.append(_held_beta(cache, i, held_beta, self.head_positions[i], S, dtype))
+        if new_beta is not None:
+            for beta in self.beta:
+                beta[:, :, S:S + extra] = new_beta.to(beta.device, beta.dtype)[:, None]
+        self.seen = S
+        self.filled.fill_(S)
+        return S
 
     # ------------------------------------------------------------------ writing
     def set_padding(self, attention_mask: torch.Tensor | None) -> None:
@@ -717,6 +762,11 @@ class StaticLatentCache(LatentCache):
         if lengths is not None and lengths.device != z_k.device:
             lengths = lengths.to(z_k.device)
         positions = self.positions.to(z_k.device)
+        if self.head_positions:  # a compacted prompt: its positions per KV head, then the tokens'
+            held = self.head_positions[layer_idx]
+            new = self.positions.index_select(1, self._slots).to(held.device)
+            held.index_copy_(2, slots, new[:, None].expand(-1, held.shape[1], -1).contiguous())
+            positions = held
         if self._cut:  # every layer cut to the tokens held, as a dynamic cache hands them over
             self._tails[layer_idx] = tuple(tails)
             if banded:  # where exact_band will start the band: the first exact token of either store
@@ -796,6 +846,8 @@ class StaticLatentCache(LatentCache):
             else:
                 buf.copy_(buf.index_select(0, beam_idx.to(buf.device)))
         self.positions.copy_(self.positions.index_select(0, beam_idx.to(self.positions.device)))
+        for t in (*self.head_positions, *self.beta):
+            t.copy_(t.index_select(0, beam_idx.to(t.device)))
         if self.starts is not None:
             self.starts = self.starts.index_select(0, beam_idx.to(self.starts.device))
 
@@ -818,3 +870,93 @@ class StaticLatentCache(LatentCache):
         self.basis_tags = {}
         self.seen = 0
         self.starts = self.lengths = None
+        self.head_positions, self.beta = [], []
+
+
+def decoder_layers_of(cache: LatentCache) -> list:
+    """A compacted cache's layers, refused clearly where it is not one."""
+    if not isinstance(cache, LatentCache) or not cache.compacted:
+        raise ValueError("hold_compacted takes the LatentCache stiefkv.compact returned for a served model")
+    return list(cache.layers)
+
+
+def _stores_of(cache: LatentCache, i: int) -> tuple:
+    """Layer ``i``'s key and value latents as held: a :class:`~stiefkv.cache.LatentStore` each where the
+    layer is quantized, else the float tensors."""
+    from stiefkv.cache import QuantizedLatentLayer
+
+    layer = cache.layers[i]
+    if isinstance(layer, QuantizedLatentLayer):
+        return layer.stores
+    return layer.keys, layer.values
+
+
+def _hold_latents(buf, store, i: int, name: str) -> None:
+    """A layer's held latents (float, or a store's per-token codes) written into the first slots of ``buf``:
+    codes as they are (no second rounding), float latents in the buffer's dtype."""
+    from stiefkv.cache import LatentStore
+
+    if isinstance(buf, WindowedCodes) or (isinstance(store, LatentStore) and store.spec.layout != "token"):
+        spec = getattr(buf, "spec", getattr(store, "spec", None))
+        raise ValueError(f"layer {i}'s {name} are stored with an exact window or per channel ({spec}); "
+                         "stiefkv.generate continues a compacted cache of float latents or per-token codes "
+                         "only: continue this one with model.generate(ids, past_key_values=cache)")
+    if isinstance(buf, CodeBuffer):
+        if not isinstance(store, LatentStore) or store.spec != buf.spec:
+            raise ValueError(f"layer {i}'s {name} in the compacted cache are not stored as this model stores "
+                             f"them ({buf.spec}): it was compacted by another model or checkpoint")
+        n = store.length
+        if store.window is not None or store.codes is None:  # not expected of per-token codes: kept exact
+            buf.write(torch.arange(n, device=buf.codes.device), store.read(store.dtype))
+            return
+        q = store.codes
+        buf.codes[:, :, :n].copy_(q.codes)
+        buf.scale[:, :, :n].copy_(q.scale)
+        if buf.low is not None:
+            buf.low[:, :, :n].copy_(q.low)
+        return
+    if isinstance(store, LatentStore):
+        raise ValueError(f"layer {i}'s {name} in the compacted cache are quantized ({store.spec}) and this "
+                         "model stores them as float latents: it was compacted by another model or "
+                         "checkpoint")
+    z = store
+    if z.shape[0] != buf.shape[0] or z.shape[1] != buf.shape[1] or z.shape[3] != buf.shape[3]:
+        raise ValueError(f"layer {i}'s {name} in the compacted cache are {list(z.shape)}; this model's "
+                         f"static cache holds [{buf.shape[0]}, {buf.shape[1]}, N, {buf.shape[3]}]: another "
+                         "batch, model or checkpoint")
+    buf[:, :, : z.shape[2]].copy_(z.to(buf.dtype))
+
+
+def _dtype_of(k_buf, v_buf) -> torch.dtype:
+    """The dtype of a layer's β: its float latents', else float32 (codes dequantize to the queries')."""
+    for buf in (k_buf, v_buf):
+        if isinstance(buf, torch.Tensor):
+            return buf.dtype
+    return torch.float32
+
+
+def _held_positions(held: torch.Tensor, k_buf) -> torch.Tensor:
+    """``[B, G, slots]`` int32: a layer's held entries' positions per KV head, 0 beyond."""
+    B, G, n = held.shape
+    slots = k_buf.shape[2] if isinstance(k_buf, torch.Tensor) else k_buf.codes.shape[2]
+    device = k_buf.device if isinstance(k_buf, torch.Tensor) else k_buf.codes.device
+    out = torch.zeros(B, G, slots, dtype=torch.int32, device=device)
+    out[:, :, :n] = held.to(device, torch.int32)
+    return out
+
+
+def _held_beta(cache: LatentCache, i: int, held_beta: torch.Tensor | None, positions: torch.Tensor, S: int,
+               dtype: torch.dtype) -> torch.Tensor:
+    """``[B, G, slots]`` (``positions``' shape and device): layer ``i``'s β of its compacted entries, then of
+    the tokens appended since (``held_beta`` where given), ``PAD_BETA`` up to ``S`` (slots other layers
+    fill), 0 beyond."""
+    from stiefkv.compaction import PAD_BETA
+
+    beta = cache.beta[i]
+    n = beta.shape[2]
+    out = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
+    out[:, :, :n] = beta.to(out.device, dtype)
+    if held_beta is not None and n > cache.prefix[i]:
+        out[:, :, cache.prefix[i]:n] = held_beta.to(out.device, dtype)[:, None]
+    out[:, :, n:S] = PAD_BETA
+    return out
