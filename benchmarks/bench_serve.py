@@ -51,6 +51,7 @@ from bench_generate import LLAMA_1B, TINY, random_projections
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import stiefkv
+from stiefkv.cache import LatentCache
 from stiefkv.models import decoder_layers, dims_of, fingerprint
 from stiefkv.quant import QuantSpec
 from stiefkv.serve import PREFILL_TOKENS, DecodeState, Runner, chunk_per_row, make_cache
@@ -91,9 +92,13 @@ def sync(device) -> None:
 class Served:
     """One model's cache, prefilled and with its decode step captured, ready to replay."""
 
-    def __init__(self, model, ids, max_length: int, chunk: int, capture: bool, fill: int = 0):
+    def __init__(self, model, ids, max_length: int, chunk: int, capture: bool, fill: int = 0, prefix=None,
+                 at: int = 0):
         """``fill``: the first ``fill`` tokens of every row are written directly (:func:`fill_synthetic`,
-        random latents) and only the rest is prefilled (its forwards attend over the filled tokens)."""
+        random latents) and only the rest is prefilled (its forwards attend over the filled tokens).
+        ``prefix``: a compacted ``LatentCache`` the static cache holds first (``hold_compacted``), ``ids``
+        then read behind it at positions ``at`` onward (``stiefkv.generate``'s path over a compacted
+        prompt)."""
         device = ids.device
         B, N = ids.shape
         sync(device)
@@ -105,19 +110,23 @@ class Served:
         # (folded weights, bases) by address, and run_case unloads the model right after capturing, which
         # would free them under the graph (its replays then read whatever took the memory)
         self.modules = [layer.self_attn for layer in decoder_layers(model)]
-        positions = torch.arange(N, device=device)[None].expand(B, N)
+        positions = torch.arange(at, at + N, device=device)[None].expand(B, N)
         start = time.perf_counter()
         with torch.inference_mode():
+            first = fill
             if fill:
                 fill_synthetic(self.runner.cache, fill)
-            logits = self.runner.prefill(ids[:, fill:], positions[:, fill:], chunk, start=fill)
+            if prefix is not None:
+                first = self.runner.cache.hold_compacted(prefix, None)
+            logits = self.runner.prefill(ids[:, fill:], positions[:, fill:], chunk, start=first)
             sync(device)
             self.prefill_s = time.perf_counter() - start
             self.cache_bytes = _cache_bytes(self.runner.cache)  # transformers allocates on the first write
-            self.tokens = torch.empty(B, max_length - N, dtype=torch.long, device=device)
+            end = first + N - fill  # the slots written
+            self.tokens = torch.empty(B, max_length - end, dtype=torch.long, device=device)
             self.tokens[:, 0] = logits.argmax(-1)
             self.logits = logits.float()
-            self.state = DecodeState(self.tokens, positions[:, -1:] + 1, N)
+            self.state = DecodeState(self.tokens, positions[:, -1:] + 1, end)
             self.capture = capture
             if capture:
                 self.runner.capture(self.state)
@@ -334,7 +343,28 @@ def override_decode(options: dict) -> None:
 
 SERVED_NAMES = {"full": "uncompressed model on transformers' static cache",
                 "full_kernel": "uncompressed cache on StiefKV's kernels", "stiefkv": "StiefKV cache",
-                "baseline": "quantization-only cache"}
+                "baseline": "quantization-only cache", "compacted": "StiefKV cache of a compacted prompt"}
+QUESTION = 16  # tokens read behind a compacted prompt before decoding (--compact)
+
+
+def synthetic_compacted(model, B: int, N: int, keep: float, device) -> LatentCache:
+    """A served model's compacted ``LatentCache`` of ``N``-token prompts kept to ``round(keep·N)`` entries a
+    layer and KV head, as ``stiefkv.compact`` leaves it: random latents (stored as the model stores them),
+    distinct sorted positions per (row, KV head) and random β. Decode's speed depends on the entries' count,
+    not their values; compacting real prompts of Llama-3-8B shapes is timed by bench_compaction.py."""
+    t = max(1, round(keep * N))
+    g = torch.Generator(device).manual_seed(0)
+    cache = LatentCache()
+    cache.length = N
+    for layer in decoder_layers(model):
+        attn = layer.self_attn
+        G, dtype = attn.P_k.shape[0], attn.q_proj.weight.dtype
+        z_k, z_v = (torch.randn(B, G, t, P.shape[2], device=device, generator=g).to(dtype)
+                    for P in (attn.P_k, attn.P_v))
+        positions = torch.rand(B, G, N, device=device, generator=g).argsort(-1)[..., :t].sort(-1).values
+        beta = 0.5 * torch.randn(B, G, t, device=device, generator=g)
+        cache.add_compacted_layer(z_k, z_v, positions, beta, quant=attn.quant)
+    return cache
 
 
 def eager_only() -> bool:
@@ -364,6 +394,16 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         served[name] = Served(model, ids, N + steps, args.chunk, capture)
         stiefkv.unload(model)
         _ready(name, served[name], B, N)
+    if args.compact:  # the same bases over the prompt compacted, a question behind it
+        stiefkv.load(model, proj, backend=backend)
+        prefix = synthetic_compacted(model, B, N, args.compact, device)
+        held = max(p.shape[2] for p in prefix.head_positions)
+        question = torch.randint(0, model.config.vocab_size, (B, QUESTION), device=device)
+        served["compacted"] = Served(model, question, held + QUESTION + steps, args.chunk, capture,
+                                     prefix=prefix, at=N)
+        del prefix
+        stiefkv.unload(model)
+        _ready("compacted", served["compacted"], B, N)
     for name, s in served.items():
         try:
             s.decode_tps(args.new_tokens)  # one more warm-up round each
@@ -400,6 +440,16 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         # the identity bases are exact: their prefill logits must be the uncompressed model's, up to rounding
         "full_kernel_logits_rel_diff": float((full.logits - kernel.logits).norm() / full.logits.norm()),
     }
+    if args.compact:
+        comp = served["compacted"]
+        over = {name: statistics.median(c / o for o, c in zip(others, tps["compacted"], strict=True))
+                for name, others in (("best", best), ("stiefkv", tps["stiefkv"]))}
+        row.update(case=f"{row['case']} keep{args.compact:g}", compact_keep=args.compact,
+                   question_tokens=QUESTION, compacted_tps=tps["compacted"],
+                   compacted_tps_median=statistics.median(tps["compacted"]),
+                   compacted_cache_gib=comp.cache_bytes / GIB, compacted_peak_above_weights_gib=comp.peak_gib,
+                   compacted_ratio=over["best"], compacted_vs_stiefkv=over["stiefkv"])
+        del comp
     if args.baseline_cache:
         base = served["baseline"]
         row.update(baseline=args.baseline_cache, baseline_tps=tps["baseline"],
@@ -672,6 +722,10 @@ def main() -> None:
                              "(on: both key modes, off: neither; default: kernels.lowrank.PREFILL_REBUILT, "
                              "pre_rope only)")
     parser.add_argument("--plain", action="store_true", help="also time plain generate (uncompressed)")
+    parser.add_argument("--compact", type=float, default=None, metavar="KEEP",
+                        help="also serve the StiefKV cache of the prompt compacted to KEEP of its tokens (a "
+                             f"synthetic compacted cache, then a {QUESTION}-token question): decode over "
+                             "the entries stiefkv.generate holds after stiefkv.compact")
     parser.add_argument("--decode-option", type=decode_option, action="append", metavar="KEY=VALUE",
                         help="a decode-kernel option over its default for decode over codes (pairs=false, "
                              "block_n=64; repeatable), for a same-run A/B end to end; in the case's name")
@@ -719,6 +773,11 @@ def main() -> None:
                      "--bits, --storage-from or --baseline-cache, or drop it")
     if args.budget is not None and not 0 < args.budget <= 1:
         parser.error(f"--budget must be in (0, 1] (ranks as a fraction of the head dim), got {args.budget:g}")
+    if args.compact is not None and not 0 < args.compact <= 1:
+        parser.error(f"--compact must be in (0, 1] (the share of the prompt's tokens kept), got "
+                     f"{args.compact:g}")
+    if args.compact is not None and (args.capacity or args.context_capacity):
+        parser.error("--compact serves the --cases; the capacity searches do not take it")
     if args.cap_gib <= 0:
         parser.error(f"--cap-gib must be above 0, got {args.cap_gib:g}")
     if args.baseline_cache is not None and unknown_baseline(args.baseline_cache):  # before any prefill
@@ -806,6 +865,10 @@ def summary(row: dict, plain: bool) -> str:
             + (f"; plain generate {row['plain_generate_tps']:.0f} tok/s" if plain else "")
             + (f"; compiled static generate {row['compiled_generate_tps']:.0f} tok/s"
                if "compiled_generate_tps" in row else "")
+            + (f"; compacted to {row['compact_keep']:g}: {row['compacted_tps_median']:.0f} tok/s, "
+               f"{row['compacted_ratio']:.2f}x the faster uncompressed, cache "
+               f"{row['compacted_cache_gib']:.2f} GiB"
+               if "compact_keep" in row else "")
             + (f"; quantization only ({row['baseline']}) {row['baseline_tps_median']:.0f} tok/s, StiefKV "
                f"{row['ratio_vs_baseline']:.2f}x it, its cache {row['baseline_cache_gib']:.2f} GiB"
                if "baseline" in row else ""))

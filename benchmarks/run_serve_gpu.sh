@@ -7,6 +7,8 @@
 #     dequant    the CUDA tests of the one-pass dequantization and of the prefill over codes (~1 minute)
 #     quant      bench_attention.py --tables quant (decode over int8/int4 codes against SDPA, 4 shapes)
 #     serve      bench_serve.py, Llama-3-8B shapes, 8x16k, 50 % ranks: bf16 both key modes, int8 and int4
+#     compacted  bench_serve.py 8x16k, 50 % bf16 in both key modes, beside the same cache of the prompt
+#                compacted to 0.1 of its tokens (stiefkv.generate's static cache holding stiefkv.compact's entries)
 #     serve_all  bench_serve.py, 8b and 1b, the three batch x context cases, pre_rope bf16
 #     capacity   bench_serve.py --capacity at 32k under 40 GiB: 50 % bf16 beside int8 (quantization only,
 #                53.5 %), and 12.5 % (r 56 x int4) beside KIVI-2 (17.3 %)
@@ -115,6 +117,9 @@ for s in "$@"; do
       serve --shape 8b --cases 8x16384 --key-mode post_rope
       serve --shape 8b --cases 8x16384 --key-mode post_rope --bits 8
       serve --shape 8b --cases 8x16384 --key-mode post_rope --bits 4 ;;
+    compacted)  # decode over a compacted prompt (stiefkv.generate after stiefkv.compact), 10x fewer tokens
+      serve --shape 8b --cases 8x16384 --key-mode pre_rope --compact 0.1
+      serve --shape 8b --cases 8x16384 --key-mode post_rope --compact 0.1 ;;
     serve_all)
       serve --shape 8b --cases 8x16384 1x32768 32x8192
       serve --shape 1b --cases 8x16384 1x32768 32x8192 ;;
