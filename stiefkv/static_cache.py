@@ -649,39 +649,48 @@ class StaticLatentCache(LatentCache):
     def bias(self, layer_idx: int) -> torch.Tensor | None:
         """The logit bias ``[B, G, slots]`` of layer ``layer_idx`` where a compacted prompt is held (its β,
         then 0 for every token written since, ``PAD_BETA`` for padding); None otherwise."""
-        return self.beta[layer_idx] if self.beta else None
+        if not self.beta:
+            return None
+        return self.beta[layer_idx][..., : self.seen] if self._cut else self.beta[layer_idx]
 
     # ------------------------------------------------------------------ a compacted prompt
     def hold_compacted(self, cache: LatentCache, held_beta: torch.Tensor | None,
                        new_beta: torch.Tensor | None = None) -> int:
         """Write what a compacted :class:`~stiefkv.cache.LatentCache` holds (each layer's compacted prompt
         and the tokens appended since) into the first slots, each layer's positions and β per KV head
-        beside them; returns the slots taken, ``S``, where the next token goes. Layers holding fewer entries
-        than ``S`` are padded with zero latents at β = ``PAD_BETA`` (never attended).
+        beside them; returns the slots taken, ``S``, where the next token goes. A layer holding fewer entries
+        than ``S`` takes the last of them, behind zero latents at β = ``PAD_BETA`` (never attended), so that
+        its newest entries are the newest slots, as an exact window holds them.
 
         ``held_beta``: ``[B, appended]`` β of the tokens appended since the prompt (a turn's mask decides
         which are padding, as it does for ``generate``); None keeps the cache's. ``new_beta``: ``[B, n]`` β
-        of the next ``n`` tokens to be written (padding among them); None for 0. Float latents and per-token
-        codes with no exact window are written as held; windowed and channel-layout stores are refused."""
+        of the next ``n`` tokens to be written (padding among them); None for 0.
+
+        Float latents and per-token codes with no exact window are written as held. Per-token codes behind
+        an exact window are written through the store's own write (its codes from the latents as held, the
+        newest ``recent`` exact in its ring), and such a layer's decode reads the store dequantized (correct,
+        not fast: the split decode's ring takes one position per slot). Channel-layout codes are refused."""
         if self.seen:
             raise ValueError("hold_compacted fills an empty static cache; this one holds tokens already")
         layers = decoder_layers_of(cache)
         if len(layers) != len(self.keys_buf):
             raise ValueError(f"the compacted cache holds {len(layers)} layers and the model has "
                              f"{len(self.keys_buf)}: it belongs to another model")
-        held = [cache.head_positions[i].shape[2] for i in range(len(layers))]
-        S = max(held)
+        S = max(cache.head_positions[i].shape[2] for i in range(len(layers)))
         extra = 0 if new_beta is None else new_beta.shape[1]
         self.check_room(S + extra)
         for i, (k_buf, v_buf) in enumerate(zip(self.keys_buf, self.values_buf)):
+            first = S - cache.head_positions[i].shape[2]  # the layer's entries fill slots first … S − 1
             for buf, store, name in zip((k_buf, v_buf), _stores_of(cache, i), ("keys", "values")):
-                _hold_latents(buf, store, i, name)
-            self.head_positions.append(_held_positions(cache.head_positions[i], k_buf))
+                _hold_latents(buf, store, i, name, first)
+            device, slots = getattr(k_buf, "codes", k_buf).device, self.positions.shape[1]
+            self.head_positions.append(_held_positions(cache.head_positions[i], first, slots, device))
             dtype = _dtype_of(k_buf, v_buf)
-            self.beta.append(_held_beta(cache, i, held_beta, self.head_positions[i], S, dtype))
+            self.beta.append(_held_beta(cache, i, held_beta, self.head_positions[i], first, dtype))
         if new_beta is not None:
             for beta in self.beta:
                 beta[:, :, S:S + extra] = new_beta.to(beta.device, beta.dtype)[:, None]
+        self.split_layers = set()  # the ring's split decode reads one position per slot, not per KV head
         self.seen = S
         self.filled.fill_(S)
         return S
@@ -775,7 +784,7 @@ class StaticLatentCache(LatentCache):
                         for s in stores]
             else:
                 read = [_cut(z, self.seen, z_k.dtype) for z in read]
-            positions = positions[:, : self.seen]
+            positions = positions[..., : self.seen]
         return read[0], read[1], positions, lengths
 
     def _ring_split(self, layer_idx: int, slots: torch.Tensor, z_k: torch.Tensor,
@@ -871,6 +880,7 @@ class StaticLatentCache(LatentCache):
         self.seen = 0
         self.starts = self.lengths = None
         self.head_positions, self.beta = [], []
+        self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf)) if splittable(k, v)}
 
 
 def decoder_layers_of(cache: LatentCache) -> list:
@@ -891,40 +901,47 @@ def _stores_of(cache: LatentCache, i: int) -> tuple:
     return layer.keys, layer.values
 
 
-def _hold_latents(buf, store, i: int, name: str) -> None:
-    """A layer's held latents (float, or a store's per-token codes) written into the first slots of ``buf``:
-    codes as they are (no second rounding), float latents in the buffer's dtype."""
+def _hold_latents(buf, store, i: int, name: str, first: int) -> None:
+    """A layer's held latents (float, or a store's per-token codes) written into slots ``first …`` of ``buf``:
+    codes as they are (no second rounding), float latents in the buffer's dtype; behind an exact window,
+    through the store's own write from the latents as held (the slots before ``first`` zero)."""
     from stiefkv.cache import LatentStore
 
-    if isinstance(buf, WindowedCodes) or (isinstance(store, LatentStore) and store.spec.layout != "token"):
-        spec = getattr(buf, "spec", getattr(store, "spec", None))
-        raise ValueError(f"layer {i}'s {name} are stored with an exact window or per channel ({spec}); "
-                         "stiefkv.generate continues a compacted cache of float latents or per-token codes "
-                         "only: continue this one with model.generate(ids, past_key_values=cache)")
-    if isinstance(buf, CodeBuffer):
-        if not isinstance(store, LatentStore) or store.spec != buf.spec:
-            raise ValueError(f"layer {i}'s {name} in the compacted cache are not stored as this model stores "
-                             f"them ({buf.spec}): it was compacted by another model or checkpoint")
-        n = store.length
-        if store.window is not None or store.codes is None:  # not expected of per-token codes: kept exact
-            buf.write(torch.arange(n, device=buf.codes.device), store.read(store.dtype))
-            return
-        q = store.codes
-        buf.codes[:, :, :n].copy_(q.codes)
-        buf.scale[:, :, :n].copy_(q.scale)
-        if buf.low is not None:
-            buf.low[:, :, :n].copy_(q.low)
+    if isinstance(store, LatentStore) and not store.spec.quantized:  # a float latent beside codes
+        store = store.read(store.dtype)
+    spec = store.spec if isinstance(store, LatentStore) else None
+    want = getattr(buf, "spec", None)
+    if spec != want:
+        raise ValueError(f"layer {i}'s {name} in the compacted cache are stored as {spec or 'float latents'} "
+                         f"and this model stores them as {want or 'float latents'}: it was compacted by "
+                         "another model or checkpoint")
+    if spec is not None and spec.layout != "token":
+        raise ValueError(f"layer {i}'s {name} are codes in the channel layout ({spec}); stiefkv.generate "
+                         "continues a compacted cache of float latents or per-token codes: continue this one "
+                         "with model.generate(ids, past_key_values=cache)")
+    if isinstance(buf, WindowedCodes):
+        z = store.read(store.dtype)
+        zeros = z.new_zeros(*z.shape[:2], first, z.shape[3])
+        buf.write_many(0, torch.cat([zeros, z], 2))
+        buf.tail = None
         return
-    if isinstance(store, LatentStore):
-        raise ValueError(f"layer {i}'s {name} in the compacted cache are quantized ({store.spec}) and this "
-                         "model stores them as float latents: it was compacted by another model or "
-                         "checkpoint")
+    if isinstance(buf, CodeBuffer):
+        if store.window is not None or store.codes is None:  # not expected of codes with no window
+            n = store.length
+            buf.write(torch.arange(first, first + n, device=buf.codes.device), store.read(store.dtype))
+            return
+        q, n = store.codes, store.length
+        buf.codes[:, :, first:first + n].copy_(q.codes)
+        buf.scale[:, :, first:first + n].copy_(q.scale)
+        if buf.low is not None:
+            buf.low[:, :, first:first + n].copy_(q.low)
+        return
     z = store
     if z.shape[0] != buf.shape[0] or z.shape[1] != buf.shape[1] or z.shape[3] != buf.shape[3]:
         raise ValueError(f"layer {i}'s {name} in the compacted cache are {list(z.shape)}; this model's "
                          f"static cache holds [{buf.shape[0]}, {buf.shape[1]}, N, {buf.shape[3]}]: another "
                          "batch, model or checkpoint")
-    buf[:, :, : z.shape[2]].copy_(z.to(buf.dtype))
+    buf[:, :, first:first + z.shape[2]].copy_(z.to(buf.dtype))
 
 
 def _dtype_of(k_buf, v_buf) -> torch.dtype:
@@ -935,28 +952,27 @@ def _dtype_of(k_buf, v_buf) -> torch.dtype:
     return torch.float32
 
 
-def _held_positions(held: torch.Tensor, k_buf) -> torch.Tensor:
-    """``[B, G, slots]`` int32: a layer's held entries' positions per KV head, 0 beyond."""
+def _held_positions(held: torch.Tensor, first: int, slots: int, device: torch.device) -> torch.Tensor:
+    """``[B, G, slots]`` int32 on ``device``: a layer's held entries' positions per KV head at slots
+    ``first …``, 0 elsewhere."""
     B, G, n = held.shape
-    slots = k_buf.shape[2] if isinstance(k_buf, torch.Tensor) else k_buf.codes.shape[2]
-    device = k_buf.device if isinstance(k_buf, torch.Tensor) else k_buf.codes.device
     out = torch.zeros(B, G, slots, dtype=torch.int32, device=device)
-    out[:, :, :n] = held.to(device, torch.int32)
+    out[:, :, first:first + n] = held.to(out.device, torch.int32)
     return out
 
 
-def _held_beta(cache: LatentCache, i: int, held_beta: torch.Tensor | None, positions: torch.Tensor, S: int,
-               dtype: torch.dtype) -> torch.Tensor:
-    """``[B, G, slots]`` (``positions``' shape and device): layer ``i``'s β of its compacted entries, then of
-    the tokens appended since (``held_beta`` where given), ``PAD_BETA`` up to ``S`` (slots other layers
-    fill), 0 beyond."""
+def _held_beta(cache: LatentCache, i: int, held_beta: torch.Tensor | None, positions: torch.Tensor,
+               first: int, dtype: torch.dtype) -> torch.Tensor:
+    """``[B, G, slots]`` (``positions``' shape and device): ``PAD_BETA`` before slot ``first``, then layer
+    ``i``'s β of its compacted entries and of the tokens appended since (``held_beta`` where given), 0
+    beyond."""
     from stiefkv.compaction import PAD_BETA
 
     beta = cache.beta[i]
-    n = beta.shape[2]
+    n, t = beta.shape[2], cache.prefix[i]
     out = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
-    out[:, :, :n] = beta.to(out.device, dtype)
-    if held_beta is not None and n > cache.prefix[i]:
-        out[:, :, cache.prefix[i]:n] = held_beta.to(out.device, dtype)[:, None]
-    out[:, :, n:S] = PAD_BETA
+    out[:, :, :first] = PAD_BETA
+    out[:, :, first:first + n] = beta.to(out.device, dtype)
+    if held_beta is not None and n > t:
+        out[:, :, first + t:first + n] = held_beta.to(out.device, dtype)[:, None]
     return out

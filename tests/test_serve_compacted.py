@@ -45,6 +45,9 @@ def shared_served(key_mode="pre_rope"):
 
 MODELS = {
     "float-pre_rope": lambda: served("pre_rope"),
+    # what --bits auto keeps at 50 %: codes behind an exact window (int8 held exact, log8 scales)
+    "window-pre_rope": lambda: windowed_served("int8-token-r16", "int4-token-log8-r16-w8", "pre_rope"),
+    "window-post_rope": lambda: windowed_served("int4-token-r16", "bf16", "post_rope"),
     "float-post_rope": lambda: served("post_rope"),
     "int8-int4-pre_rope": lambda: quantized_served((8, 4), "pre_rope"),
     "int4-int2-post_rope": lambda: quantized_served((4, 2), "post_rope"),
@@ -176,9 +179,9 @@ def test_bad_input():
     other_model = served("post_rope")
     with pytest.raises(ValueError, match="other bases"):
         stiefkv.generate(other_model, ids, past_key_values=cache, max_new_tokens=2)
-    windowed = windowed_served("int8-token-r16", "int4-token-r16")
-    with pytest.raises(ValueError, match="exact window"):
-        stiefkv.generate(windowed, ids, past_key_values=compacted(windowed, prompt), max_new_tokens=2)
+    channel = windowed_served("int4-channel-r16", "int4-token-r16")
+    with pytest.raises(ValueError, match="channel layout"):
+        stiefkv.generate(channel, ids, past_key_values=compacted(channel, prompt), max_new_tokens=2)
     assert cache.get_seq_length() == 21 and cache.appended_ids is None  # nothing refused changed it
 
 
@@ -191,9 +194,11 @@ def test_static_cache_holds_the_compacted_entries_and_their_bytes():
     assert S == max(cache.prefix) and static.get_seq_length() == S and int(static.filled) == S
     # positions (int32) and β (float32 beside codes) per layer, row, KV head and slot
     assert static.nbytes - before == 2 * 2 * 2 * 64 * (4 + 4)
-    for i, t in enumerate(cache.prefix):
-        assert torch.equal(static.head_positions[i][..., :t], cache.head_positions[i])
-        assert torch.equal(static.beta[i][..., :t], cache.beta[i].float())
-        assert bool((static.beta[i][..., t:S] == -1e4).all()) and bool((static.beta[i][..., S:] == 0).all())
+    for i, t in enumerate(cache.prefix):  # each layer's entries end at slot S, padding before them
+        assert torch.equal(static.head_positions[i][..., S - t:S], cache.head_positions[i])
+        assert torch.equal(static.beta[i][..., S - t:S], cache.beta[i].float())
+        assert bool((static.beta[i][..., :S - t] == -1e4).all())
+        assert bool((static.beta[i][..., S:] == 0).all())
+        assert bool((static.keys_buf[i].codes[:, :, :S - t] == 0).all())
     with pytest.raises(ValueError, match="empty static cache"):
         static.hold_compacted(cache, None)
