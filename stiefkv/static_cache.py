@@ -880,7 +880,8 @@ class StaticLatentCache(LatentCache):
         self.seen = 0
         self.starts = self.lengths = None
         self.head_positions, self.beta = [], []
-        self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf)) if splittable(k, v)}
+        self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
+                             if splittable(k, v)}
 
 
 def decoder_layers_of(cache: LatentCache) -> list:
