@@ -57,7 +57,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         ``past_key_values.get_seq_length()`` columns of ``input_ids`` are the tokens it stands for (its
         prompt and any tokens appended since); the rest are read into a static cache after its entries
         (positions and β per KV head). The cache is copied, not extended: each call can ask another
-        question of it. Float latents and per-token codes with no exact window only.
+        question of it. Float latents and per-token codes (behind an exact window too); not channel-layout
+        codes.
     max_length : slots the cache is allocated for; ``N + max_new_tokens`` by default (over a compacted
         cache: its entries, the new tokens and ``max_new_tokens``).
     prefill_chunk : prompt tokens a prefill forward takes, summed over the rows: each row's share is
