@@ -39,7 +39,8 @@ PREFILL_TOKENS = 4096
 
 
 def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
-             attention_mask: torch.Tensor | None = None, past_key_values=None, max_length: int | None = None,
+             attention_mask: torch.Tensor | None = None, past_key_values=None, cache=None,
+             max_length: int | None = None,
              prefill_chunk: int = PREFILL_TOKENS, capture: bool | str = "auto", eos_token_id="model",
              pad_token_id: int | None = None) -> torch.Tensor:
     """Greedy generation of ``max_new_tokens`` tokens per row; returns ``[B, N + max_new_tokens]`` ids.
@@ -58,7 +59,7 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         prompt and any tokens appended since); the rest are read into a static cache after its entries
         (positions and β per KV head). The cache is copied, not extended: each call can ask another
         question of it. Float latents and per-token codes (behind an exact window too); not channel-layout
-        codes.
+        codes. ``cache=`` is the same (transformers ≥ 5.24's name); give one of the two.
     max_length : slots the cache is allocated for; ``N + max_new_tokens`` by default (over a compacted
         cache: its entries, the new tokens and ``max_new_tokens``).
     prefill_chunk : prompt tokens a prefill forward takes, summed over the rows: each row's share is
@@ -71,6 +72,9 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
         model's generation config (its end tokens, and its pad token or else the first end token), as
         ``generate`` does; None keeps every token.
     """
+    if cache is not None and past_key_values is not None:
+        raise ValueError("give the compacted cache as cache= or as past_key_values=, not both")
+    past_key_values = cache if cache is not None else past_key_values
     B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture,
                        compacted=past_key_values is not None)
     turn = _compacted_turn(model, past_key_values, input_ids, attention_mask)

@@ -73,6 +73,8 @@ def test_generate_over_a_compacted_prompt_gives_transformers_tokens(name, alloca
     other = torch.cat([prompt, ids_of(2, 3, 3)], 1)
     got, want = both(model, cache, other)
     assert torch.equal(got, want)
+    named = stiefkv.generate(model, other, cache=cache, max_new_tokens=7, eos_token_id=None)
+    assert torch.equal(named, got)  # cache= is past_key_values=
 
 
 def test_padded_prompts_and_a_padded_question():
@@ -170,6 +172,7 @@ def test_bad_input():
     inside[1, 3] = 0
     refused("inside the prompt", attention_mask=inside)
     refused("cannot hold", max_length=5)
+    refused("not both", cache=cache)
     refused("uncompacted LatentCache", past_key_values=stiefkv.prefill(model, prompt))
     refused("got DynamicCache", past_key_values=__import__("transformers").DynamicCache())
     plain = tiny_model("llama", heads=6, kv_heads=2, head_dim=24)
