@@ -667,9 +667,9 @@ class StaticLatentCache(LatentCache):
         of the next ``n`` tokens to be written (padding among them); None for 0.
 
         Float latents and per-token codes with no exact window are written as held. Per-token codes behind
-        an exact window are written through the store's own write (its codes from the latents as held, the
-        newest ``recent`` exact in its ring), and such a layer's decode reads the store dequantized (correct,
-        not fast: the split decode's ring takes one position per slot). Channel-layout codes are refused."""
+        an exact window are too (the store's codes as they are, its exact window into the ring, the store's
+        own write setting the rest up), and such a layer's decode reads the store dequantized (correct, not
+        fast: the split decode's ring takes one position per slot). Channel-layout codes are refused."""
         if self.seen:
             raise ValueError("hold_compacted fills an empty static cache; this one holds tokens already")
         layers = decoder_layers_of(cache)
@@ -905,7 +905,8 @@ def _stores_of(cache: LatentCache, i: int) -> tuple:
 def _hold_latents(buf, store, i: int, name: str, first: int) -> None:
     """A layer's held latents (float, or a store's per-token codes) written into slots ``first …`` of ``buf``:
     codes as they are (no second rounding), float latents in the buffer's dtype; behind an exact window,
-    through the store's own write from the latents as held (the slots before ``first`` zero)."""
+    through the store's own write from the latents as held (the slots before ``first`` zero), then its codes
+    and exact window laid over what that write made of them."""
     from stiefkv.cache import LatentStore
 
     if isinstance(store, LatentStore) and not store.spec.quantized:  # a float latent beside codes
@@ -925,6 +926,18 @@ def _hold_latents(buf, store, i: int, name: str, first: int) -> None:
         zeros = z.new_zeros(*z.shape[:2], first, z.shape[3])
         buf.write_many(0, torch.cat([zeros, z], 2))
         buf.tail = None
+        # the codes and exact window as held: quantizing their dequantized latents again is not the identity
+        # (log8 scales, and window8's int8 round trip before the codes, round them to other codes)
+        if store.codes is not None:
+            q, held = store.codes, store.held
+            buf.codes[:, :, first:first + held].copy_(q.codes)
+            buf.scale[:, :, first:first + held].copy_(q.scale)
+            if buf.low is not None:
+                buf.low[:, :, first:first + held].copy_(q.low)
+        window = store._window_latents()
+        if window is not None:
+            slots = torch.arange(first + store.held, first + store.length, device=buf.ring.device)
+            buf.ring.index_copy_(2, slots % buf.window, window.to(buf.ring.device, buf.ring.dtype))
         return
     if isinstance(buf, CodeBuffer):
         if store.window is not None or store.codes is None:  # not expected of codes with no window
