@@ -93,8 +93,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
                       f"{positions_max} positions (max_position_embeddings); what it generates there is "
                       "outside what it was trained on", stacklevel=2)
     if max_length < needed:
-        what = f"the prompt ({N})" if turn is None else (f"the compacted cache's {turn.slots} entries and "
-                                                         f"{N - turn.held} new tokens")
+        what = f"the prompt ({N})" if turn is None else (f"the compacted cache's {turn.slots} entries, the "
+                                                         f"{N - turn.held} input ids after them")
         raise ValueError(f"max_length={max_length} cannot hold {what} and {max_new_tokens} new "
                          f"tokens; raise it to at least {needed}")
     positions = _positions(attention_mask, B, N, device)
@@ -146,6 +146,9 @@ def _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk,
                          f"{tuple(input_ids.shape)}")
     if attention_mask is not None and not compacted:  # over a compacted cache: check_continuation
         left_pads(attention_mask)  # the uncompressed model's static cache is read the same way
+    elif attention_mask is not None and not bool(((attention_mask == 0) | (attention_mask == 1)).all()):
+        # positions are the mask's running sum: a 2 or a -1 would read the new tokens at other positions
+        raise ValueError("attention_mask must hold 0 (padding) and 1 (a token) only, as a tokenizer gives it")
     if capture is True and not _one_device(model):
         devices = sorted({str(p.device) for p in model.parameters()})
         raise ValueError(f"capture=True needs the whole model on one device; it spans {devices}")

@@ -227,3 +227,18 @@ def test_codes_behind_a_window_are_held_as_the_compacted_cache_holds_them(value_
     got, want = both(model, cache, ids, new=20)
     assert torch.equal(got, want)
 
+
+def test_a_mask_of_other_values_than_0_and_1_is_refused():
+    """Positions are the mask's running sum: a 2 read the new tokens at other positions, silently (the
+    uncompacted path refuses it)."""
+    model = served("pre_rope")
+    prompt = ids_of(2, 21, 13)
+    cache = compacted(model, prompt)
+    ids = torch.cat([prompt, ids_of(2, 3, 14)], 1)
+    for value in (2, -1):
+        mask = torch.ones_like(ids)
+        mask[:, 21:] = value
+        with pytest.raises(ValueError, match=r"0 \(padding\) and 1 \(a token\) only"):
+            stiefkv.generate(model, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
+    with pytest.raises(ValueError, match=rf"{max(cache.prefix)} entries, the 3 input ids after them and 2 "):
+        stiefkv.generate(model, ids, past_key_values=cache, max_new_tokens=2, max_length=5)
