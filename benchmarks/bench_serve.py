@@ -394,7 +394,7 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         served[name] = Served(model, ids, N + steps, args.chunk, capture)
         stiefkv.unload(model)
         _ready(name, served[name], B, N)
-    if args.compact:  # the same bases over the prompt compacted, a question behind it
+    if getattr(args, "compact", None):  # the same bases over the prompt compacted, a question behind it
         stiefkv.load(model, proj, backend=backend)
         prefix = synthetic_compacted(model, B, N, args.compact, device)
         held = max(p.shape[2] for p in prefix.head_positions)
@@ -440,7 +440,7 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
         # the identity bases are exact: their prefill logits must be the uncompressed model's, up to rounding
         "full_kernel_logits_rel_diff": float((full.logits - kernel.logits).norm() / full.logits.norm()),
     }
-    if args.compact:
+    if getattr(args, "compact", None):
         comp = served["compacted"]
         over = {name: statistics.median(c / o for o, c in zip(others, tps["compacted"], strict=True))
                 for name, others in (("best", best), ("stiefkv", tps["stiefkv"]))}
