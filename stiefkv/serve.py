@@ -77,6 +77,8 @@ def generate(model: nn.Module, input_ids: torch.Tensor, *, max_new_tokens: int,
     past_key_values = cache if cache is not None else past_key_values
     B, N = _check_call(model, input_ids, max_new_tokens, attention_mask, prefill_chunk, capture,
                        compacted=past_key_values is not None)
+    # int16 or uint8 ids pass as integer ids, and the embedding takes only int32 and int64
+    input_ids = input_ids.long()
     turn = _compacted_turn(model, past_key_values, input_ids, attention_mask)
     max_new_tokens, prefill_chunk = int(max_new_tokens), int(prefill_chunk)
     if not (isinstance(eos_token_id, str) and eos_token_id == "model"):

@@ -242,3 +242,17 @@ def test_a_mask_of_other_values_than_0_and_1_is_refused():
             stiefkv.generate(model, ids, attention_mask=mask, past_key_values=cache, max_new_tokens=2)
     with pytest.raises(ValueError, match=rf"{max(cache.prefix)} entries, the 3 input ids after them and 2 "):
         stiefkv.generate(model, ids, past_key_values=cache, max_new_tokens=2, max_length=5)
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_integer_ids_of_any_width_are_taken(dtype):
+    """Ids of a narrower integer dtype than int64 pass the checks as integer ids: int16 and uint8 failed
+    inside the embedding (torch's 'Expected tensor for argument #1 indices …'), with or without a cache."""
+    model = served("pre_rope")
+    prompt = ids_of(2, 21, 13)
+    cache = compacted(model, prompt)
+    ids = torch.cat([prompt, ids_of(2, 3, 14)], 1)
+    want = stiefkv.generate(model, ids, past_key_values=cache, max_new_tokens=3)
+    assert torch.equal(stiefkv.generate(model, ids.to(dtype), past_key_values=cache, max_new_tokens=3), want)
+    plain = stiefkv.generate(model, ids, max_new_tokens=3)
+    assert torch.equal(stiefkv.generate(model, ids.to(dtype), max_new_tokens=3), plain)
