@@ -596,6 +596,7 @@ class StaticLatentCache(LatentCache):
         # entries' own, then every later token's position and β 0 (or PAD_BETA: padding); [] otherwise
         self.head_positions: list[torch.Tensor] = []
         self.beta: list[torch.Tensor] = []
+        self.held_slots = 0  # the slots the compacted prompt takes
 
     # ------------------------------------------------------------------ what attention reads
     def valid_count(self, device: torch.device) -> torch.Tensor | None:
@@ -691,7 +692,7 @@ class StaticLatentCache(LatentCache):
             for beta in self.beta:
                 beta[:, :, S:S + extra] = new_beta.to(beta.device, beta.dtype)[:, None]
         self.split_layers = set()  # the ring's split decode reads one position per slot, not per KV head
-        self.seen = S
+        self.seen = self.held_slots = S
         self.filled.fill_(S)
         return S
 
@@ -865,6 +866,12 @@ class StaticLatentCache(LatentCache):
             raise ValueError("a static cache with an exact window or channel-layout codes cannot be cropped "
                              "(the tokens cut would have to come back exact); use the dynamic LatentCache")
         keep = max(0, self.seen + max_length) if max_length <= 0 else min(max_length, self.seen)
+        if self.beta and keep < self.held_slots:
+            raise ValueError(f"this static cache holds a compacted prompt in its first {self.held_slots} "
+                             "slots (its layers' entries padded to the longest): it cannot be cropped to "
+                             f"{keep}")
+        for beta in self.beta:  # a token written again in a cut slot is a token, whatever the cut one was
+            beta[..., keep:] = 0
         self.seen = keep
         self.filled.fill_(keep)
 
@@ -879,7 +886,7 @@ class StaticLatentCache(LatentCache):
         self.basis_tags = {}
         self.seen = 0
         self.starts = self.lengths = None
-        self.head_positions, self.beta = [], []
+        self.head_positions, self.beta, self.held_slots = [], [], 0
         self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
                              if splittable(k, v)}
 

@@ -256,3 +256,27 @@ def test_integer_ids_of_any_width_are_taken(dtype):
     assert torch.equal(stiefkv.generate(model, ids.to(dtype), past_key_values=cache, max_new_tokens=3), want)
     plain = stiefkv.generate(model, ids, max_new_tokens=3)
     assert torch.equal(stiefkv.generate(model, ids.to(dtype), max_new_tokens=3), plain)
+
+
+def test_cropping_a_static_cache_behind_a_compacted_prompt():
+    """crop (transformers' assisted decoding) cuts tokens behind the held entries: a token written again in
+    a cut slot is a token (β 0), not the padding the cut one was; cutting into the held entries (layers of
+    different counts padded to slot S) is refused, not left to read the next tokens at the entries' β."""
+    from stiefkv.compaction import PAD_BETA
+    from stiefkv.serve import Runner
+
+    model = served("pre_rope")
+    prompt = ids_of(2, 30, 15)
+    cache = compacted(model, prompt, allocation="global")
+    static = StaticLatentCache(model, 2, 64)
+    question = torch.full((2, 3), PAD_BETA)
+    question[:, -1] = 0  # the question's first two tokens padding
+    S = static.hold_compacted(cache, None, question)
+    Runner(model, static, None).prefill(ids_of(2, 3, 16), torch.arange(30, 33)[None].expand(2, 3), 8, start=S)
+    static.crop(S)
+    assert static.get_seq_length() == S
+    for beta in static.beta:
+        assert bool((beta[..., S:] == 0).all())
+    with pytest.raises(ValueError, match="compacted prompt"):
+        static.crop(S - 1)
+    assert static.get_seq_length() == S
