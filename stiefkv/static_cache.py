@@ -673,7 +673,7 @@ class StaticLatentCache(LatentCache):
         fast: the split decode's ring takes one position per slot). Channel-layout codes are refused."""
         if self.seen:
             raise ValueError("hold_compacted fills an empty static cache; this one holds tokens already")
-        layers = decoder_layers_of(cache)
+        layers = _compacted_layers(cache)
         if len(layers) != len(self.keys_buf):
             raise ValueError(f"the compacted cache holds {len(layers)} layers and the model has "
                              f"{len(self.keys_buf)}: it belongs to another model")
@@ -891,7 +891,7 @@ class StaticLatentCache(LatentCache):
                              if splittable(k, v)}
 
 
-def decoder_layers_of(cache: LatentCache) -> list:
+def _compacted_layers(cache: LatentCache) -> list:
     """A compacted cache's layers, refused clearly where it is not one."""
     if not isinstance(cache, LatentCache) or not cache.compacted:
         raise ValueError("hold_compacted takes the LatentCache stiefkv.compact returned for a served model")
