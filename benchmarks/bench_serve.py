@@ -475,16 +475,27 @@ def run_case(model, proj, B: int, N: int, args, device) -> dict:
     return row
 
 
-def trial(model, proj, B: int, N: int, args, device) -> dict | None:
+def trial(model, proj, B: int, N: int, args, device, keep: float | None = None) -> dict | None:
     """Serve ``B`` rows of ``N`` tokens (prefill, capture, ``--new-tokens`` decode steps) with ``proj``
-    (None: the uncompressed model on transformers' static cache); None when it runs out of memory."""
-    ids = torch.randint(0, model.config.vocab_size, (B, N), device=device)
-    served = None
+    (None: the uncompressed model on transformers' static cache); None when it runs out of memory. ``keep``:
+    the rows' prompts compacted to that share of their tokens (:func:`synthetic_compacted`), a question
+    read behind them: what serving holds after ``stiefkv.compact`` (not the prefill and compaction, which
+    hold a row's whole cache for a while: bench_compaction.py times them)."""
+    ids = torch.randint(0, model.config.vocab_size, (B, N if keep is None else QUESTION), device=device)
+    served = prefix = None
     start = time.perf_counter()
     try:
         if proj is not None:
             stiefkv.load(model, proj)
-        served = Served(model, ids, N + 2 + 2 * args.new_tokens, args.chunk, True, filled_first(B, N, args))
+        if keep is None:
+            served = Served(model, ids, N + 2 + 2 * args.new_tokens, args.chunk, True,
+                            filled_first(B, N, args))
+        else:
+            prefix = synthetic_compacted(model, B, N, keep, device)
+            held = max(p.shape[2] for p in prefix.head_positions)
+            served = Served(model, ids, held + QUESTION + 2 + 2 * args.new_tokens, args.chunk, True,
+                            prefix=prefix, at=N)
+            prefix = None
         served.decode_tps(args.new_tokens)
         out = {"batch": B, "tps": served.decode_tps(args.new_tokens), "peak_gib": served.peak_gib,
                "cache_gib": served.cache_bytes / GIB, "seconds": time.perf_counter() - start}
@@ -498,7 +509,7 @@ def trial(model, proj, B: int, N: int, args, device) -> dict | None:
     finally:
         if proj is not None:
             stiefkv.unload(model)
-        del served, ids
+        del served, ids, prefix
         gc.collect()
         torch.cuda.empty_cache()
 
@@ -645,9 +656,11 @@ def boundary(run, runs: dict, B: int) -> int:
             B = (lo + hi) // 2
 
 
-def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[dict]:
+def capacity(model, caches: dict, args, device, emit=lambda row: None,
+             keeps: dict | None = None) -> list[dict]:
     """The largest batch at ``--context`` tokens that serves under ``--cap-gib`` (weights included), for
-    each cache, and the decode tokens/s there. The search (:func:`boundary`) starts from the batch that the
+    each cache, and the decode tokens/s there; ``keeps``: the caches whose prompts are compacted, and to
+    what share of their tokens (:func:`trial`). The search (:func:`boundary`) starts from the batch that the
     peaks of one and two rows predict, or from ``--start-batch`` / ``--baseline-start-batch``: the answer is
     a batch that ran and the next one that did not."""
     cap = args.cap_gib * GIB
@@ -657,21 +670,26 @@ def capacity(model, caches: dict, args, device, emit=lambda row: None) -> list[d
     weights = torch.cuda.memory_allocated() / GIB
     rows = []
     for name, proj in caches.items():
+        keep = (keeps or {}).get(name)
+
+        def run(b: int, proj=proj, keep=keep) -> dict | None:
+            return trial(model, proj, b, args.context, args, device, keep)
+
         if start_of(name, args):
             runs, B = {}, start_of(name, args)
         else:
-            runs = {1: trial(model, proj, 1, args.context, args, device)}
+            runs = {1: run(1)}
             if runs[1] is None:
                 rows.append({"cache": name, "batch": 0})
                 emit(rows[-1])
                 continue
-            runs[2] = trial(model, proj, 2, args.context, args, device)
+            runs[2] = run(2)
             # the peak is a fixed part (a prefill chunk's activations) plus a part per row: two points give
             # both
             per_row = runs[1]["peak_gib"] if runs[2] is None else runs[2]["peak_gib"] - runs[1]["peak_gib"]
             fixed = runs[1]["peak_gib"] - per_row
             B = max(1, int((args.cap_gib - weights - fixed) / per_row))
-        B = boundary(lambda b: trial(model, proj, b, args.context, args, device), runs, B)
+        B = boundary(run, runs, B)
         best = runs.get(B)
         if best is None:  # a --start-batch search that walked down to one row, and one row did not fit
             rows.append({"cache": name, "batch": 0, "trials": sorted(runs)})
@@ -725,7 +743,8 @@ def main() -> None:
     parser.add_argument("--compact", type=float, default=None, metavar="KEEP",
                         help="also serve the StiefKV cache of the prompt compacted to KEEP of its tokens (a "
                              f"synthetic compacted cache, then a {QUESTION}-token question): decode over "
-                             "the entries stiefkv.generate holds after stiefkv.compact")
+                             "the entries stiefkv.generate holds after stiefkv.compact; with --capacity, "
+                             "its largest batch too")
     parser.add_argument("--decode-option", type=decode_option, action="append", metavar="KEY=VALUE",
                         help="a decode-kernel option over its default for decode over codes (pairs=false, "
                              "block_n=64; repeatable), for a same-run A/B end to end; in the case's name")
@@ -776,8 +795,9 @@ def main() -> None:
     if args.compact is not None and not 0 < args.compact <= 1:
         parser.error(f"--compact must be in (0, 1] (the share of the prompt's tokens kept), got "
                      f"{args.compact:g}")
-    if args.compact is not None and (args.capacity or args.context_capacity):
-        parser.error("--compact serves the --cases; the capacity searches do not take it")
+    if args.compact is not None and args.context_capacity:
+        parser.error("--compact serves the --cases and the --capacity search; --context-capacity does not "
+                     "take it")
     if args.cap_gib <= 0:
         parser.error(f"--cap-gib must be above 0, got {args.cap_gib:g}")
     if args.baseline_cache is not None and unknown_baseline(args.baseline_cache):  # before any prefill
@@ -818,6 +838,10 @@ def main() -> None:
         if args.baseline_cache:
             name = f"quantization only: {args.baseline_cache}"
             caches[name] = baseline_projections(model, args.baseline_cache)
+        keeps = {}
+        if args.compact:  # the same StiefKV cache over prompts compacted, after the others
+            keeps[f"compacted to {args.compact:g}: {label}"] = args.compact
+            caches.update(dict.fromkeys(keeps, proj))
         by_context = args.context_capacity
         kind = "capacity-context" if by_context else "capacity"
         done = []
@@ -841,7 +865,10 @@ def main() -> None:
             done.append(row)
             utils.write_rows("serve_capacity", row)
 
-        (context_capacity if by_context else capacity)(model, caches, args, device, emit)
+        if by_context:
+            context_capacity(model, caches, args, device, emit)
+        else:
+            capacity(model, caches, args, device, emit, keeps)
         return
     for case in args.cases:
         B, N = (int(x) for x in case.lower().split("x"))

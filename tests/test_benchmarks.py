@@ -410,6 +410,14 @@ def test_bench_serve_runs_on_a_tiny_model(recent):
     assert out.stdout.count("prefilled in") == (4 if recent else 3), out.stdout
     if recent:
         return
+    # --compact: the same StiefKV cache over the prompts compacted to a quarter, served beside the others
+    out = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--cases", "2x40",
+                          "--new-tokens", "3", "--rounds", "1", "--compact", "0.25"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    line = out.stdout.strip().splitlines()[-1]
+    assert line.startswith("serve tiny pre_rope 0.5 B2 ctx40 keep0.25:"), line
+    assert "compacted to 0.25:" in line, line
     # refused before the model is built or any cache prefilled (it took a default case's prefill before)
     bad = subprocess.run([sys.executable, str(BENCHMARKS / "bench_serve.py"), "--tiny", "--baseline-cache",
                           "kivi5"], capture_output=True, text=True, timeout=300)
@@ -612,7 +620,7 @@ def test_capacity_rows_are_written_as_each_cache_finishes(tmp_path, monkeypatch)
 
     import bench_serve as bs
 
-    def cut_short(model, caches, args, device, emit):
+    def cut_short(model, caches, args, device, emit, keeps=None):
         names = list(caches)
         emit({"cache": names[0], "batch": 5, "tokens": 5 * args.context, "tps": 400.0})
         emit({"cache": names[1], "batch": 11, "tokens": 11 * args.context, "tps": 880.0})
@@ -641,9 +649,11 @@ def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monke
 
     fits = {"base": 5, "ours": 43, "kivi": 30}
     tried = {name: [] for name in fits}
+    keeps = []
 
-    def trial(model, proj, B, N, args, device):
+    def trial(model, proj, B, N, args, device, keep=None):
         tried[proj].append(B)
+        keeps.append((proj, B, keep))
         if B > fits[proj]:
             return None
         return {"batch": B, "tps": 10.0 * B, "peak_gib": 4.0 * B / fits[proj], "cache_gib": 0.0}
@@ -665,6 +675,16 @@ def test_capacity_search_finds_the_boundary_and_starts_stiefkv_where_asked(monke
         assert tried["base"][:2] == [1, 2]
         assert (tried["ours"][0] == start) if start else (tried["ours"][:2] == [1, 2])
         assert (tried["kivi"][0] == base_start) if base_start else (tried["kivi"][:2] == [1, 2])
+    # a cache of compacted prompts (--compact): its trials take its keep, and its search starts from its own
+    # peaks (--start-batch is the uncompacted StiefKV cache's)
+    keeps.clear()
+    compacted = {"uncompressed (our kernels)": "base", "compacted to 0.1: stiefkv 0.5": "kivi"}
+    args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=47, baseline_start_batch=None)
+    rows = bs.capacity(None, compacted, args, "cuda", keeps={"compacted to 0.1: stiefkv 0.5": 0.1})
+    assert [r["batch"] for r in rows] == [5, 30]
+    assert {k for p, _, k in keeps if p == "kivi"} == {0.1}
+    assert {k for p, _, k in keeps if p == "base"} == {None}
+    assert [b for p, b, _ in keeps if p == "kivi"][:2] == [1, 2]
     fits["ours"] = 0  # nothing fits: a row that says so, from either start
     for start in (None, 3):
         args = argparse.Namespace(cap_gib=4.0, context=32768, start_batch=start)
