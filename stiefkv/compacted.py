@@ -596,6 +596,7 @@ def prefill(model, ids: torch.Tensor, *, window: int = DEFAULT_WINDOW, self_stud
         raise TypeError(f"prefill() got unexpected arguments {', '.join(sorted(unexpected))}")
     arch_of(model.config)  # Llama-style attention over every token (no window), as compaction assumes
     check_token_ids(model, ids, "prefill's ids", least=2)
+    ids = ids.long()  # int32 ids (numpy's default on some systems) reached the loss as targets torch refuses
     if attention_mask is not None:
         lengths = padded.left_padded_lengths(attention_mask, ids)
         if lengths is not None:

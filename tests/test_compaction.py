@@ -1328,3 +1328,21 @@ def test_a_compacted_cache_without_padding_keeps_no_padding_record():
     mask[1, 39] = 0
     model(ids[:, 37:40], attention_mask=mask, position_ids=torch.arange(37, 40)[None], past_key_values=cache)
     assert cache.appended_mask.tolist() == [[True] * 10, [True] * 9 + [False]]
+
+
+@pytest.mark.parametrize("dtype", [torch.int32, torch.int16, torch.uint8])
+def test_prefill_takes_integer_ids_of_any_width(dtype):
+    """int32 ids (numpy's default on some systems) reached the prompt's loss as targets torch refuses, and
+    int16 and uint8 the embedding: prefill takes them as int64, and compaction then gives the same cache."""
+    import stiefkv
+    from tests.tiny import tiny_model
+
+    model = tiny_model(layers=2)
+    ids = torch.randint(3, 97, (2, 30), generator=torch.Generator().manual_seed(8))
+    caches = [stiefkv.compact(model, stiefkv.prefill(model, x, window=8), keep=0.5)
+              for x in (ids, ids.to(dtype))]
+    follow = torch.randint(3, 97, (2, 2), generator=torch.Generator().manual_seed(9))
+    at = torch.arange(30, 32)[None]
+    logits = [model(follow, past_key_values=c, position_ids=at).logits for c in caches]
+    assert torch.isfinite(logits[0]).all()
+    torch.testing.assert_close(logits[1], logits[0], atol=0, rtol=0)
