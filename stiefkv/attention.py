@@ -227,12 +227,21 @@ class LowRankAttention(nn.Module):
         common = dict(key_mode=self.key_mode, rope=self.rope, scale=self.scaling, backend=self.backend)
         if self.shared:  # one latent a token, its codes and its ring read by every head (views)
             G = self.kv_heads
+
+            def heads(t):  # a compacted prompt's per-head positions and β: one entry's for every head
+                return t.expand(-1, G, -1) if isinstance(t, torch.Tensor) and t.dim() == 3 else t
+
             split = split._replace(codes_k=heads_view(split.codes_k, G), codes_v=heads_view(split.codes_v, G),
                                    ring_k=heads_view(split.ring_k, G), ring_v=heads_view(split.ring_v, G),
-                                   ring_bias=split.ring_bias.expand(-1, G, -1))
+                                   ring_bias=heads(split.ring_bias),
+                                   ring_positions=heads(split.ring_positions),
+                                   codes_positions=heads(split.codes_positions),
+                                   codes_bias=heads(split.codes_bias))
+        codes_positions = positions if split.codes_positions is None else split.codes_positions
         o1, l1 = kernels.lowrank_attention(q, split.codes_k, split.codes_v, self.key_basis(q.dtype), None,
-                                           positions=positions, lengths=split.codes_lengths,
-                                           n_valid=split.n_codes, causal=True, return_lse=True, **common)
+                                           positions=codes_positions, bias=split.codes_bias,
+                                           lengths=split.codes_lengths, n_valid=split.n_codes, causal=True,
+                                           return_lse=True, **common)
         return kernels.lowrank_attention(q, split.ring_k, split.ring_v, self.key_basis(split.ring_k.dtype),
                                          None, positions=split.ring_positions, bias=split.ring_bias,
                                          causal=False, prior=(o1, l1), **common)

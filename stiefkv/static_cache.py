@@ -329,8 +329,11 @@ class RingSplit(NamedTuple):
     codes_lengths: torch.Tensor | None  # [B] real slots among them (left padding), None without padding
     ring_k: torch.Tensor  # [B, G, window, r_k]
     ring_v: torch.Tensor  # [B, G, window, r_v]
-    ring_positions: torch.Tensor  # [B, window] int32
-    ring_bias: torch.Tensor  # [B, G, window]: 0 for a slot in [n_codes, filled), −inf otherwise
+    ring_positions: torch.Tensor  # [B, window] int32, or [B, G, window] behind a compacted prompt
+    ring_bias: torch.Tensor  # [B, G, window]: 0 for a slot in [n_codes, filled), −inf otherwise (+ β)
+    # behind a compacted prompt (hold_compacted): the codes' positions and β per KV head [B, G, slots]
+    codes_positions: torch.Tensor | None = None
+    codes_bias: torch.Tensor | None = None
 
 
 def splittable(k, v) -> bool:
@@ -667,10 +670,10 @@ class StaticLatentCache(LatentCache):
         which are padding, as it does for ``generate``); None keeps the cache's. ``new_beta``: ``[B, n]`` β
         of the next ``n`` tokens to be written (padding among them); None for 0.
 
-        Float latents and per-token codes with no exact window are written as held. Per-token codes behind
-        an exact window are too (the store's codes as they are, its exact window into the ring, the store's
-        own write setting the rest up), and such a layer's decode reads the store dequantized (correct, not
-        fast: the split decode's ring takes one position per slot). Channel-layout codes are refused."""
+        Float latents and per-token codes are written as held; behind an exact window too (the store's codes
+        as they are, its exact window into the ring, the store's own write setting the rest up), and such a
+        layer decodes as ever, codes in place beside the ring (:class:`RingSplit`, with the held positions
+        and β per KV head). Channel-layout codes are refused."""
         if self.seen:
             raise ValueError("hold_compacted fills an empty static cache; this one holds tokens already")
         layers = _compacted_layers(cache)
@@ -691,7 +694,6 @@ class StaticLatentCache(LatentCache):
         if new_beta is not None:
             for beta in self.beta:
                 beta[:, :, S:S + extra] = new_beta.to(beta.device, beta.dtype)[:, None]
-        self.split_layers = set()  # the ring's split decode reads one position per slot, not per KV head
         self.seen = self.held_slots = S
         self.filled.fill_(S)
         return S
@@ -745,8 +747,10 @@ class StaticLatentCache(LatentCache):
             self.filled.add_(n)
             self.lengths = lengths
         slots = self._slots.to(z_k.device)
+        held = self._held_positions(layer_idx, slots)
         if n == 1 and layer_idx in self.split_layers:
-            return self._ring_split(layer_idx, slots, z_k, z_v), None, self.positions.to(z_k.device), None
+            positions = self.positions.to(z_k.device) if held is None else held
+            return self._ring_split(layer_idx, slots, z_k, z_v), None, positions, None
         stores = (self.keys_buf[layer_idx], self.values_buf[layer_idx])
         # a prefill forward over two code stores reads the codes below its exact band as they are
         banded = self._cut and all(isinstance(s, (CodeBuffer, WindowedCodes)) for s in stores)
@@ -771,12 +775,7 @@ class StaticLatentCache(LatentCache):
         lengths = self.lengths
         if lengths is not None and lengths.device != z_k.device:
             lengths = lengths.to(z_k.device)
-        positions = self.positions.to(z_k.device)
-        if self.head_positions:  # a compacted prompt: its positions per KV head, then the tokens'
-            held = self.head_positions[layer_idx]
-            new = self.positions.index_select(1, self._slots).to(held.device)
-            held.index_copy_(2, slots, new[:, None].expand(-1, held.shape[1], -1).contiguous())
-            positions = held
+        positions = self.positions.to(z_k.device) if held is None else held
         if self._cut:  # every layer cut to the tokens held, as a dynamic cache hands them over
             self._tails[layer_idx] = tuple(tails)
             if banded:  # where exact_band will start the band: the first exact token of either store
@@ -787,6 +786,16 @@ class StaticLatentCache(LatentCache):
                 read = [_cut(z, self.seen, z_k.dtype) for z in read]
             positions = positions[..., : self.seen]
         return read[0], read[1], positions, lengths
+
+    def _held_positions(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor | None:
+        """Behind a compacted prompt, layer ``layer_idx``'s positions per KV head ``[B, G, slots]`` with this
+        forward's tokens written at ``slots`` (their position is every head's); None otherwise."""
+        if not self.head_positions:
+            return None
+        held = self.head_positions[layer_idx]
+        new = self.positions.index_select(1, self._slots).to(held.device)
+        held.index_copy_(2, slots, new[:, None].expand(-1, held.shape[1], -1).contiguous())
+        return held
 
     def _ring_split(self, layer_idx: int, slots: torch.Tensor, z_k: torch.Tensor,
                     z_v: torch.Tensor) -> RingSplit:
@@ -809,8 +818,15 @@ class StaticLatentCache(LatentCache):
                 views.append(store.ring.to(dtype))
                 continue
             views.append(_ring_side(store, step, first_exact, dtype))
-        return RingSplit(stores[0].latents(), stores[1].latents(), step.n_codes, step.codes_lengths,
-                         views[0], views[1], step.positions, step.bias)
+        split = RingSplit(stores[0].latents(), stores[1].latents(), step.n_codes, step.codes_lengths,
+                          views[0], views[1], step.positions, step.bias)
+        if self.head_positions:  # a compacted prompt: positions and β per KV head, the ring's from its slots
+            positions, beta = self.head_positions[layer_idx], self.beta[layer_idx]
+            slot = step.slot.to(positions.device)
+            split = split._replace(ring_positions=positions.index_select(2, slot),
+                                   ring_bias=step.bias + beta.index_select(2, slot).to(step.bias.dtype),
+                                   codes_positions=positions, codes_bias=beta)
+        return split
 
     def _split_step(self, stores, G: int, device: torch.device) -> _SplitStep:
         """The counts, ring slots, positions and bias of this forward's split decode for a pair of stores,

@@ -119,27 +119,35 @@ def test_a_second_turn_over_tokens_generate_appended():
 
 def test_kernels_read_the_compacted_static_cache_as_the_reference():
     """The Triton kernels (interpreted on the CPU, compiled on CUDA) over the static cache of a compacted
-    prompt: positions and β per KV head, the key count from device memory."""
+    prompt: positions and β per KV head, the key count from device memory; codes behind an exact window
+    through the split decode (codes in place, then the ring, their positions and β per KV head)."""
     pytest.importorskip("triton")
     device = "cuda" if torch.cuda.is_available() else "cpu"
     prompt = ids_of(2, 23, 9, device)
     ids = torch.cat([prompt, ids_of(2, 4, 10, device)], 1)
+
+    def windowed(**kw):
+        return windowed_served("int8-token-r16", "int4-token-r16", **kw)
+
+    makers = {"float": served, "codes": quantized_served, "windowed": windowed}
     outs = {}
     for backend in ("triton", "reference"):
-        for maker in (served, quantized_served):
+        for name, maker in makers.items():
             model = maker(key_mode="pre_rope", backend=backend, device=device, head_dim=32)
             cache = compacted(model, prompt, allocation="global")
-            outs[backend, maker.__name__] = stiefkv.generate(model, ids, past_key_values=cache,
-                                                             max_new_tokens=3, capture=False)
-    for maker in (served, quantized_served):
-        assert torch.equal(outs["triton", maker.__name__], outs["reference", maker.__name__])
+            outs[backend, name] = stiefkv.generate(model, ids, past_key_values=cache, max_new_tokens=3,
+                                                   capture=False)
+    for name in makers:
+        assert torch.equal(outs["triton", name], outs["reference", name]), name
 
 
 @on_gpu
 @pytest.mark.parametrize("key_mode", ["pre_rope", "post_rope"])
 def test_captured_decode_over_a_compacted_prompt_gives_the_eager_tokens(key_mode):
     for model in (served(key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
-                  quantized_served((8, 4), key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32)):
+                  quantized_served((8, 4), key_mode, device="cuda", dtype=torch.bfloat16, head_dim=32),
+                  windowed_served("int8-token-r16", "int4-token-r16", key_mode, device="cuda",
+                                  dtype=torch.bfloat16, head_dim=32)):
         prompt = ids_of(2, 41, 11, "cuda")
         cache = compacted(model, prompt)
         ids = torch.cat([prompt, ids_of(2, 5, 12, "cuda")], 1)
