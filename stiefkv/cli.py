@@ -320,7 +320,8 @@ def main():
 @click.option("--weighting", type=click.Choice(WEIGHTINGS), default=DEFAULTS["weighting"], show_default=True,
               help="For dp: what a layer's compression costs: the whole model's next-token KL with only "
                    "that layer compressed (kl), or the layer's own error relative to its output (output) or "
-                   "to its update (update).")
+                   "to its update (update). kl runs the model's tail once a rank and layer: most of a CPU "
+                   "calibration's time (a quick trial: --weighting output --rank-step 16).")
 @click.option("--profile", type=click.Choice(PROFILES), default=DEFAULTS["profile"], show_default=True,
               help="For dp: profile errors with PCA bases (cheap) or refined bases at every rank (slow; "
                    "with --weighting output or update: the default kl profiles with PCA bases only).")
