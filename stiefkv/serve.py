@@ -8,7 +8,9 @@ decode step of the whole model — embedding, every decoder layer, the last norm
 the bookkeeping of the next step — is captured once as a CUDA graph and replayed for every token, with no
 host work or synchronisation between tokens: the kernels read the cache's length from device memory.
 
-On a model prepared by :func:`stiefkv.load` the cache is a :class:`~stiefkv.static_cache.StaticLatentCache`.
+On a model prepared by :func:`stiefkv.load` the cache is a :class:`~stiefkv.static_cache.StaticLatentCache`;
+a prompt compacted by :func:`stiefkv.compact` continues on it too (``past_key_values=``: its entries,
+positions and β per KV head held in the first slots, the question read behind them).
 An uncompressed model gets transformers' ``StaticCache`` under the same chunking and the same capture, so
 that the two are compared on equal terms (``benchmarks/bench_serve.py``).
 """
