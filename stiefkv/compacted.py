@@ -439,7 +439,8 @@ def check_continuation(model, cache, input_ids: torch.Tensor,
                              "layer count, or the model is not served by stiefkv.load)")
         if cache.basis_tags.get(i, layer.self_attn.basis_tag) != layer.self_attn.basis_tag:
             raise ValueError(f"layer {i} of this compacted cache holds latents of other bases than the model "
-                             "is served with now: compact the prompt again with this model")
+                             "is served with now (another model or checkpoint, or stiefkv.load given another "
+                             "since): compact the prompt again with this model")
     rows = _compacted_rows(cache)
     if input_ids.shape[0] != rows:
         raise ValueError(f"this compacted cache holds {rows} row(s) and input_ids bring "
