@@ -903,8 +903,6 @@ class StaticLatentCache(LatentCache):
         self.seen = 0
         self.starts = self.lengths = None
         self.head_positions, self.beta, self.held_slots = [], [], 0
-        self.split_layers = {i for i, (k, v) in enumerate(zip(self.keys_buf, self.values_buf))
-                             if splittable(k, v)}
 
 
 def _compacted_layers(cache: LatentCache) -> list:
