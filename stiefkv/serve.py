@@ -29,7 +29,13 @@ from torch import nn
 from stiefkv import kernels
 from stiefkv.cache import cache_keyword, left_pads
 from stiefkv.models import arch_of, check_token_ids, decoder_layers
-from stiefkv.static_cache import StaticLatentCache, check_fits, full_cache_bytes, transformers_static_length
+from stiefkv.static_cache import (
+    StaticLatentCache,
+    check_fits,
+    compacted_slots,
+    full_cache_bytes,
+    transformers_static_length,
+)
 
 log = logging.getLogger(__name__)
 
@@ -181,21 +187,15 @@ def _compacted_turn(model, cache, input_ids: torch.Tensor, mask: torch.Tensor | 
     held_mask = check_continuation(model, cache, input_ids, mask)
     held = cache.get_seq_length()
     new_mask = None if mask is None else mask[:, held:].bool()
-    slots = max(p.shape[2] for p in cache.head_positions)
-    return CompactedTurn(cache, held, slots, held_mask, new_mask)
+    return CompactedTurn(cache, held, compacted_slots(cache), held_mask, new_mask)
 
 
 def _prefill_after(model, turn: CompactedTurn, input_ids: torch.Tensor, positions: torch.Tensor,
                    max_length: int, prefill_chunk: int):
     """A static cache holding ``turn``'s compacted entries, then the new tokens read behind them (padding
     among them at β = ``PAD_BETA``, as the held tokens the mask hides): the runner and the last logits."""
-    from stiefkv.compaction import PAD_BETA
-
-    def beta(mask):
-        return None if mask is None else torch.where(mask, 0.0, PAD_BETA)
-
     cache = StaticLatentCache(model, input_ids.shape[0], max_length)
-    start = cache.hold_compacted(turn.cache, beta(turn.held_mask), beta(turn.new_mask))
+    start = cache.hold_compacted(turn.cache, turn.held_mask, turn.new_mask)
     runner = Runner(model, cache, None)
     new = slice(turn.held, input_ids.shape[1])
     return runner, runner.prefill(input_ids[:, new], positions[:, new], prefill_chunk, start=start)

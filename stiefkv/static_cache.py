@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from stiefkv import kernels
-from stiefkv.cache import LatentCache, left_pads, lengths_from_mask, query_count
+from stiefkv.cache import LatentCache, appended_bias, left_pads, lengths_from_mask, query_count
 from stiefkv.kernels import CodesAndBand, QuantizedLatents
 from stiefkv.kernels._common import KERNEL_BITS, dequantized, interpreting
 from stiefkv.models import arch_of, decoder_layers
@@ -658,17 +658,18 @@ class StaticLatentCache(LatentCache):
         return self.beta[layer_idx][..., : self.seen] if self._cut else self.beta[layer_idx]
 
     # ------------------------------------------------------------------ a compacted prompt
-    def hold_compacted(self, cache: LatentCache, held_beta: torch.Tensor | None,
-                       new_beta: torch.Tensor | None = None) -> int:
+    def hold_compacted(self, cache: LatentCache, held_mask: torch.Tensor | None,
+                       new_mask: torch.Tensor | None = None) -> int:
         """Write what a compacted :class:`~stiefkv.cache.LatentCache` holds (each layer's compacted prompt
         and the tokens appended since) into the first slots, each layer's positions and β per KV head
         beside them; returns the slots taken, ``S``, where the next token goes. A layer holding fewer entries
         than ``S`` takes the last of them, behind zero latents at β = ``PAD_BETA`` (never attended), so that
         its newest entries are the newest slots, as an exact window holds them.
 
-        ``held_beta``: ``[B, appended]`` β of the tokens appended since the prompt (a turn's mask decides
-        which are padding, as it does for ``generate``); None keeps the cache's. ``new_beta``: ``[B, n]`` β
-        of the next ``n`` tokens to be written (padding among them); None for 0.
+        ``held_mask``: ``[B, appended]`` the turn's mask over the tokens appended since the prompt (True for a
+        token; it decides which are padding, as it does for ``generate``); None keeps the cache's β.
+        ``new_mask``: ``[B, n]`` the mask of the next ``n`` tokens to be written; None: all tokens. Their β is
+        :func:`~stiefkv.cache.appended_bias`'s, as the dynamic cache gives them.
 
         Float latents and per-token codes are written as held; behind an exact window too (the store's codes
         as they are, its exact window into the ring, the store's own write setting the rest up), and such a
@@ -680,8 +681,8 @@ class StaticLatentCache(LatentCache):
         if len(layers) != len(self.keys_buf):
             raise ValueError(f"the compacted cache holds {len(layers)} layers and the model has "
                              f"{len(self.keys_buf)}: it belongs to another model")
-        S = max(cache.head_positions[i].shape[2] for i in range(len(layers)))
-        extra = 0 if new_beta is None else new_beta.shape[1]
+        S = compacted_slots(cache)
+        extra = 0 if new_mask is None else new_mask.shape[1]
         self.check_room(S + extra)
         for i, (k_buf, v_buf) in enumerate(zip(self.keys_buf, self.values_buf)):
             first = S - cache.head_positions[i].shape[2]  # the layer's entries fill slots first … S − 1
@@ -690,10 +691,10 @@ class StaticLatentCache(LatentCache):
             device, slots = getattr(k_buf, "codes", k_buf).device, self.positions.shape[1]
             self.head_positions.append(_held_positions(cache.head_positions[i], first, slots, device))
             dtype = _dtype_of(k_buf, v_buf)
-            self.beta.append(_held_beta(cache, i, held_beta, self.head_positions[i], first, dtype))
-        if new_beta is not None:
+            self.beta.append(_held_beta(cache, i, held_mask, self.head_positions[i], first, dtype))
+        if new_mask is not None:
             for beta in self.beta:
-                beta[:, :, S:S + extra] = new_beta.to(beta.device, beta.dtype)[:, None]
+                beta[:, :, S:S + extra] = appended_bias(new_mask, extra, beta)[:, None]
         self.seen = self.held_slots = S
         self.filled.fill_(S)
         return S
@@ -747,7 +748,7 @@ class StaticLatentCache(LatentCache):
             self.filled.add_(n)
             self.lengths = lengths
         slots = self._slots.to(z_k.device)
-        held = self._held_positions(layer_idx, slots)
+        held = self._held_positions(layer_idx, slots, positions)
         if n == 1 and layer_idx in self.split_layers:
             positions = self.positions.to(z_k.device) if held is None else held
             return self._ring_split(layer_idx, slots, z_k, z_v), None, positions, None
@@ -787,14 +788,15 @@ class StaticLatentCache(LatentCache):
             positions = positions[..., : self.seen]
         return read[0], read[1], positions, lengths
 
-    def _held_positions(self, layer_idx: int, slots: torch.Tensor) -> torch.Tensor | None:
+    def _held_positions(self, layer_idx: int, slots: torch.Tensor,
+                        positions: torch.Tensor) -> torch.Tensor | None:
         """Behind a compacted prompt, layer ``layer_idx``'s positions per KV head ``[B, G, slots]`` with this
-        forward's tokens written at ``slots`` (their position is every head's); None otherwise."""
+        forward's tokens (at ``positions`` ``[B, n]``, every head's) written at ``slots``; None otherwise."""
         if not self.head_positions:
             return None
         held = self.head_positions[layer_idx]
-        new = self.positions.index_select(1, self._slots).to(held.device)
-        held.index_copy_(2, slots, new[:, None].expand(-1, held.shape[1], -1).contiguous())
+        new = positions.to(held.device, torch.int32)[:, None].expand(-1, held.shape[1], -1)
+        held.index_copy_(2, slots, new.contiguous())
         return held
 
     def _ring_split(self, layer_idx: int, slots: torch.Tensor, z_k: torch.Tensor,
@@ -905,6 +907,11 @@ class StaticLatentCache(LatentCache):
         self.head_positions, self.beta, self.held_slots = [], [], 0
 
 
+def compacted_slots(cache: LatentCache) -> int:
+    """The slots a compacted cache's entries take in a static cache: the most any layer holds."""
+    return max(p.shape[2] for p in cache.head_positions)
+
+
 def _compacted_layers(cache: LatentCache) -> list:
     """A compacted cache's layers, refused clearly where it is not one."""
     if not isinstance(cache, LatentCache) or not cache.compacted:
@@ -960,12 +967,8 @@ def _hold_latents(buf, store, i: int, name: str, first: int) -> None:
             slots = torch.arange(first + store.held, first + store.length, device=buf.ring.device)
             buf.ring.index_copy_(2, slots % buf.window, window.to(buf.ring.device, buf.ring.dtype))
         return
-    if isinstance(buf, CodeBuffer):
-        if store.window is not None or store.codes is None:  # not expected of codes with no window
-            n = store.length
-            buf.write(torch.arange(first, first + n, device=buf.codes.device), store.read(store.dtype))
-            return
-        q, n = store.codes, store.length
+    if isinstance(buf, CodeBuffer):  # its spec keeps no exact window: every entry is held as codes
+        q, n = store.codes, store.held
         buf.codes[:, :, first:first + n].copy_(q.codes)
         buf.scale[:, :, first:first + n].copy_(q.scale)
         if buf.low is not None:
@@ -996,10 +999,10 @@ def _held_positions(held: torch.Tensor, first: int, slots: int, device: torch.de
     return out
 
 
-def _held_beta(cache: LatentCache, i: int, held_beta: torch.Tensor | None, positions: torch.Tensor,
+def _held_beta(cache: LatentCache, i: int, held_mask: torch.Tensor | None, positions: torch.Tensor,
                first: int, dtype: torch.dtype) -> torch.Tensor:
     """``[B, G, slots]`` (``positions``' shape and device): ``PAD_BETA`` before slot ``first``, then layer
-    ``i``'s β of its compacted entries and of the tokens appended since (``held_beta`` where given), 0
+    ``i``'s β of its compacted entries and of the tokens appended since (from ``held_mask`` where given), 0
     beyond."""
     from stiefkv.compaction import PAD_BETA
 
@@ -1008,6 +1011,6 @@ def _held_beta(cache: LatentCache, i: int, held_beta: torch.Tensor | None, posit
     out = torch.zeros(positions.shape, dtype=dtype, device=positions.device)
     out[:, :, :first] = PAD_BETA
     out[:, :, first:first + n] = beta.to(out.device, dtype)
-    if held_beta is not None and n > t:
-        out[:, :, first + t:first + n] = held_beta.to(out.device, dtype)[:, None]
+    if held_mask is not None and n > t:
+        out[:, :, first + t:first + n] = appended_bias(held_mask, n - t, out)[:, None]
     return out

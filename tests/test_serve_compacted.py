@@ -277,9 +277,9 @@ def test_cropping_a_static_cache_behind_a_compacted_prompt():
     prompt = ids_of(2, 30, 15)
     cache = compacted(model, prompt, allocation="global")
     static = StaticLatentCache(model, 2, 64)
-    question = torch.full((2, 3), PAD_BETA)
-    question[:, -1] = 0  # the question's first two tokens padding
+    question = torch.tensor([[False, False, True]] * 2)  # the question's first two tokens padding
     S = static.hold_compacted(cache, None, question)
+    assert all(bool((beta[..., S:S + 2] == PAD_BETA).all()) for beta in static.beta)
     Runner(model, static, None).prefill(ids_of(2, 3, 16), torch.arange(30, 33)[None].expand(2, 3), 8, start=S)
     static.crop(S)
     assert static.get_seq_length() == S
